@@ -1,0 +1,117 @@
+#include "isa.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+
+#include "kernels.h"
+
+namespace lionbit::bits {
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return 2;
+    case DType::kFloat64:
+      return 8;
+    case DType::kInt8:
+      return 1;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat64:
+      return "float64";
+    case DType::kInt8:
+      return "int8";
+  }
+  return "unknown";
+}
+
+bool dtype_is_floating(DType t) {
+  return t != DType::kInt8;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar:
+      return "scalar";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
+  }
+  return "unknown";
+}
+
+bool isa_supported(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar:
+      return true;
+#ifdef LIONBIT_HAVE_X86_KERNELS
+    case Isa::kAvx2:
+      return __builtin_cpu_supports("avx2") != 0;
+    case Isa::kAvx512:
+      return __builtin_cpu_supports("avx512f") != 0 &&
+          __builtin_cpu_supports("avx512bw") != 0 &&
+          __builtin_cpu_supports("avx512vl") != 0;
+#else
+    default:
+      return false;
+#endif
+  }
+  return false;
+}
+
+namespace {
+Isa pick_default() {
+  Isa best = Isa::kScalar;
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512}) {
+    if (isa_supported(isa)) {
+      best = isa;
+    }
+  }
+  const char* env = std::getenv("LIONBIT_ISA");
+  if (env != nullptr) {
+    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+      if (std::strcmp(env, isa_name(isa)) == 0 && isa_supported(isa)) {
+        return isa;
+      }
+    }
+  }
+  return best;
+}
+} // namespace
+
+Isa default_isa() {
+  static const Isa isa = pick_default();
+  return isa;
+}
+
+namespace detail {
+const Kernels& kernels_for(Isa isa) {
+#ifdef LIONBIT_HAVE_X86_KERNELS
+  if (isa >= Isa::kAvx512 && isa_supported(Isa::kAvx512)) {
+    return kernels_avx512();
+  }
+  if (isa >= Isa::kAvx2 && isa_supported(Isa::kAvx2)) {
+    return kernels_avx2();
+  }
+#endif
+  (void)isa;
+  return kernels_scalar();
+}
+} // namespace detail
+
+} // namespace lionbit::bits

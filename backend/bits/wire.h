@@ -1,0 +1,73 @@
+// The wire format of the sign all-reduce's header round, and the checks made
+// on what peers send before any of it is used. No torch here.
+//
+// Trust model: like Gloo and NCCL, the transport is not authenticated; a
+// peer is trusted not to be hostile, but nothing it sends is used before it
+// has been checked, so a corrupt or mismatched header gives an error on every
+// rank instead of memory corruption or a hang.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "types.h"
+
+namespace lionbit::bits {
+
+enum class SignOp : uint8_t {
+  kVote = 1,
+  kAvg = 2,
+  kSum = 3,
+};
+
+const char* sign_op_name(SignOp op);
+
+constexpr uint32_t kWireMagic = 0x3153424cu; // "LBS1"
+constexpr uint16_t kWireVersion = 1;
+
+enum WireFlags : uint32_t {
+  kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane
+  kHasNan = 1u << 1, // this rank's input holds a NaN
+  kRejected = 1u << 2, // this rank rejected the call locally (bad argument)
+};
+
+// 32 bytes, little-endian (x86-64 and aarch64 both are).
+struct WireHeader {
+  uint32_t magic;
+  uint16_t version;
+  uint8_t op;
+  uint8_t dtype;
+  uint32_t rank;
+  uint32_t flags;
+  uint64_t seq;
+  uint64_t numel;
+};
+static_assert(sizeof(WireHeader) == 32, "WireHeader must be 32 bytes");
+
+WireHeader make_header(
+    SignOp op,
+    DType dtype,
+    int rank,
+    uint32_t flags,
+    uint64_t seq,
+    uint64_t numel);
+
+// Largest element count the sign path accepts (keeps all size arithmetic far
+// from overflow).
+constexpr uint64_t kMaxNumel = 1ull << 48;
+
+// What the header round tells every rank, once every header has been checked.
+struct HeaderSummary {
+  std::string error; // empty: all headers agree and are well formed
+  std::vector<bool> has_zero; // per rank: it sends zero planes
+  bool any_zero = false;
+};
+
+// Checks the headers of all world_size ranks (headers[r] came from rank r)
+// against each other and against this rank's own header `mine`.
+HeaderSummary check_headers(
+    const WireHeader* headers,
+    int world_size,
+    const WireHeader& mine);
+
+} // namespace lionbit::bits

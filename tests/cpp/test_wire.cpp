@@ -1,0 +1,91 @@
+#include "backend/bits/wire.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+namespace lionbit::bits {
+namespace {
+
+std::vector<WireHeader> agreeing(int n, uint64_t numel = 1000) {
+  std::vector<WireHeader> h;
+  for (int r = 0; r < n; ++r) {
+    h.push_back(make_header(SignOp::kVote, DType::kFloat32, r, 0, 7, numel));
+  }
+  return h;
+}
+
+TEST(Wire, AgreeingHeadersPass) {
+  auto h = agreeing(4);
+  h[2].flags |= kHasZero;
+  const HeaderSummary s = check_headers(h.data(), 4, h[1]);
+  EXPECT_EQ(s.error, "");
+  EXPECT_TRUE(s.any_zero);
+  EXPECT_EQ(s.has_zero, (std::vector<bool>{false, false, true, false}));
+}
+
+TEST(Wire, BadMagicNamesTheRank) {
+  auto h = agreeing(3);
+  h[2].magic = 0x12345678;
+  const HeaderSummary s = check_headers(h.data(), 3, h[0]);
+  EXPECT_NE(s.error.find("rank 2 sent a malformed header"), std::string::npos) << s.error;
+}
+
+TEST(Wire, CorruptFieldsAreCaughtBeforeUse) {
+  for (int field = 0; field < 5; ++field) {
+    auto h = agreeing(3);
+    switch (field) {
+      case 0: h[1].rank = 9; break;
+      case 1: h[1].op = 77; break;
+      case 2: h[1].dtype = 0; break;
+      case 3: h[1].numel = ~0ull; break;
+      case 4: h[1].flags = 0x80000000u; break;
+    }
+    const HeaderSummary s = check_headers(h.data(), 3, h[0]);
+    EXPECT_NE(s.error.find("rank 1 sent a corrupt header"), std::string::npos)
+        << field << ": " << s.error;
+  }
+}
+
+TEST(Wire, MismatchesNameBothRanks) {
+  {
+    auto h = agreeing(4);
+    h[3].numel = 999;
+    const auto s = check_headers(h.data(), 4, h[0]);
+    EXPECT_NE(s.error.find("rank 0 has 1000, rank 3 has 999"), std::string::npos) << s.error;
+  }
+  {
+    auto h = agreeing(2);
+    h[1].dtype = static_cast<uint8_t>(DType::kBFloat16);
+    const auto s = check_headers(h.data(), 2, h[0]);
+    EXPECT_NE(s.error.find("rank 0 has float32, rank 1 has bfloat16"), std::string::npos) << s.error;
+  }
+  {
+    auto h = agreeing(2);
+    h[1].op = static_cast<uint8_t>(SignOp::kSum);
+    const auto s = check_headers(h.data(), 2, h[0]);
+    EXPECT_NE(s.error.find("rank 0 has vote, rank 1 has sum"), std::string::npos) << s.error;
+  }
+  {
+    auto h = agreeing(2);
+    h[1].seq = 8;
+    const auto s = check_headers(h.data(), 2, h[0]);
+    EXPECT_NE(s.error.find("order"), std::string::npos) << s.error;
+  }
+}
+
+TEST(Wire, NanAndRejectionAreReportedOnEveryRank) {
+  auto h = agreeing(5);
+  h[1].flags |= kHasNan;
+  h[4].flags |= kHasNan;
+  for (int me = 0; me < 5; ++me) {
+    const auto s = check_headers(h.data(), 5, h[static_cast<size_t>(me)]);
+    EXPECT_NE(s.error.find("NaN on rank(s) [1, 4]"), std::string::npos) << s.error;
+  }
+  h[2].flags |= kRejected;
+  const auto s = check_headers(h.data(), 5, h[0]);
+  EXPECT_NE(s.error.find("rank(s) [2] rejected"), std::string::npos) << s.error;
+}
+
+} // namespace
+} // namespace lionbit::bits
