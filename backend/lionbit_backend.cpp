@@ -1,0 +1,332 @@
+#include "backend/lionbit_backend.hpp"
+
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#include <c10/util/Exception.h>
+
+#include "backend/bits/count.h"
+#include "backend/bits/unpack.h"
+#include "backend/sign_work.hpp"
+
+namespace lionbit {
+
+LionBitBackend::LionBitBackend(
+    c10::intrusive_ptr<c10d::Backend> forward,
+    c10::intrusive_ptr<c10d::Backend> sign,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout)
+    : c10d::Backend(rank, size),
+      forward_(std::move(forward)),
+      sign_(std::move(sign)),
+      timeout_(timeout) {
+  TORCH_CHECK_VALUE(forward_, "lionbit: argument 'forward' is None");
+  TORCH_CHECK_VALUE(sign_, "lionbit: argument 'sign' is None");
+  TORCH_CHECK_VALUE(
+      forward_->getRank() == rank && forward_->getSize() == size &&
+          sign_->getRank() == rank && sign_->getSize() == size,
+      "lionbit: inner backends span rank ", forward_->getRank(), "/",
+      forward_->getSize(), " and ", sign_->getRank(), "/", sign_->getSize(),
+      ", expected rank ", rank, " of ", size);
+}
+
+LionBitBackend::~LionBitBackend() {
+  executor_.shutdown();
+}
+
+SignComm LionBitBackend::signComm() {
+  return SignComm{sign_, rank_, size_, &stats_};
+}
+
+namespace {
+
+// Why `tensor` / `op` cannot go through the sign all-reduce on a group of
+// `world` ranks; empty when they can.
+std::string reject_reason(
+    const at::Tensor& tensor,
+    const std::string& op_name,
+    int world,
+    bits::SignOp* op) {
+  if (op_name == "vote") {
+    *op = bits::SignOp::kVote;
+  } else if (op_name == "avg") {
+    *op = bits::SignOp::kAvg;
+  } else if (op_name == "sum") {
+    *op = bits::SignOp::kSum;
+  } else {
+    return "argument 'op' is '" + op_name + "'; expected 'vote', 'avg' or 'sum'";
+  }
+  if (!tensor.defined()) {
+    return "argument 'tensor' is undefined";
+  }
+  if (tensor.layout() != at::kStrided) {
+    return "argument 'tensor' has layout " + c10::str(tensor.layout()) +
+        "; only dense (strided) tensors are supported";
+  }
+  if (tensor.device().type() != at::kCPU) {
+    if (tensor.is_cuda()) {
+      return "argument 'tensor' is on " + tensor.device().str() +
+          "; this build of lionbit runs the sign all-reduce on CPU tensors "
+          "only (the CUDA path is not built yet)";
+    }
+    return "argument 'tensor' is on " + tensor.device().str() +
+        "; the sign all-reduce supports CPU tensors";
+  }
+  const auto dtype = bits_dtype(tensor.scalar_type());
+  if (!dtype) {
+    return "argument 'tensor' has dtype " +
+        std::string(c10::toString(tensor.scalar_type())) +
+        "; supported: float32, float16, bfloat16, float64, int8";
+  }
+  if (*op == bits::SignOp::kAvg && *dtype == bits::DType::kInt8) {
+    return "op 'avg' needs a floating dtype: int8 cannot hold sum/N";
+  }
+  if (*op == bits::SignOp::kSum && *dtype == bits::DType::kInt8 &&
+      world > 127) {
+    return "op 'sum' on int8 needs a world size <= 127 (it is " +
+        std::to_string(world) + ")";
+  }
+  if (*op != bits::SignOp::kVote &&
+      bits::code_planes(world, true) > bits::kMaxUnpackPlanes) {
+    return "op '" + op_name + "' supports world sizes up to 32767";
+  }
+  if (static_cast<uint64_t>(tensor.numel()) > bits::kMaxNumel) {
+    return "argument 'tensor' has " + std::to_string(tensor.numel()) +
+        " elements; at most 2^48 are supported";
+  }
+  if (at::has_internal_overlap(tensor) == at::MemOverlap::Yes) {
+    return "argument 'tensor' has elements that share memory (an expand()ed "
+           "or as_strided view); the result cannot be written in place";
+  }
+  return "";
+}
+
+} // namespace
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSign(
+    at::Tensor tensor,
+    const std::string& op_name) {
+  const uint64_t seq = next_seq_++;
+  bits::SignOp op = bits::SignOp::kVote;
+  const std::string reason = reject_reason(tensor, op_name, size_, &op);
+  const SignComm comm = signComm();
+  if (!reason.empty()) {
+    // Tell the peers in the header round so they fail now, not at timeout.
+    executor_.submit([comm, op, seq](bool cancelled) {
+      if (cancelled) {
+        return;
+      }
+      try {
+        sign_allreduce_reject(comm, op, seq);
+      } catch (...) {
+        // The caller already has its error.
+      }
+    });
+    TORCH_CHECK_VALUE(
+        false, "lionbit all_reduce_sign(op=", op_name, ") on rank ", rank_,
+        ": ", reason);
+  }
+  auto work = c10::make_intrusive<SignWork>(rank_, std::vector<at::Tensor>{tensor});
+  executor_.submit([comm, tensor, op, seq, work](bool cancelled) mutable {
+    if (cancelled) {
+      work->fail(std::make_exception_ptr(c10::DistBackendError(
+          {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+          c10::str(
+              "lionbit all_reduce_sign(op=", bits::sign_op_name(op),
+              ") on rank ", comm.rank,
+              ": the backend was shut down before the call ran"))));
+      return;
+    }
+    try {
+      at::AutoGradMode no_grad(false);
+      sign_allreduce(comm, tensor, op, seq);
+      work->complete();
+    } catch (...) {
+      work->fail(std::current_exception());
+    }
+  });
+  return work;
+}
+
+// --- forwarding ------------------------------------------------------------
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::broadcast(
+    std::vector<at::Tensor>& tensors,
+    const c10d::BroadcastOptions& opts) {
+  return forward_->broadcast(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts) {
+  return forward_->allreduce(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduce_sparse(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts) {
+  return forward_->allreduce_sparse(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceCoalescedOptions& opts) {
+  return forward_->allreduce_coalesced(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::reduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::ReduceOptions& opts) {
+  return forward_->reduce(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return forward_->allgather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::_allgather_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::AllgatherOptions& opts) {
+  return forward_->_allgather_base(output, input, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return forward_->allgather_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return forward_->allgather_into_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::gather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  return forward_->gather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  return forward_->scatter(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return forward_->reduce_scatter(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::_reduce_scatter_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::ReduceScatterOptions& opts) {
+  return forward_->_reduce_scatter_base(output, input, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return forward_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::alltoall_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    std::vector<int64_t>& output_split_sizes,
+    std::vector<int64_t>& input_split_sizes,
+    const c10d::AllToAllOptions& opts) {
+  return forward_->alltoall_base(
+      output, input, output_split_sizes, input_split_sizes, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::alltoall(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllToAllOptions& opts) {
+  return forward_->alltoall(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::send(
+    std::vector<at::Tensor>& tensors,
+    int dst_rank,
+    int tag) {
+  return forward_->send(tensors, dst_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::recv(
+    std::vector<at::Tensor>& tensors,
+    int src_rank,
+    int tag) {
+  return forward_->recv(tensors, src_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::recvAnysource(
+    std::vector<at::Tensor>& tensors,
+    int tag) {
+  return forward_->recvAnysource(tensors, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::barrier(
+    const c10d::BarrierOptions& opts) {
+  return forward_->barrier(opts);
+}
+
+void LionBitBackend::monitoredBarrier(
+    const c10d::BarrierOptions& opts,
+    bool wait_all_ranks) {
+  forward_->monitoredBarrier(opts, wait_all_ranks);
+}
+
+void LionBitBackend::setSequenceNumberForGroup() {
+  forward_->setSequenceNumberForGroup();
+}
+
+uint64_t LionBitBackend::getSequenceNumberForGroup() {
+  return forward_->getSequenceNumberForGroup();
+}
+
+bool LionBitBackend::supportsCoalescing() const {
+  return forward_->supportsCoalescing();
+}
+
+void LionBitBackend::startCoalescing() {
+  forward_->startCoalescing();
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::endCoalescing() {
+  return forward_->endCoalescing();
+}
+
+void LionBitBackend::setTimeout(std::chrono::milliseconds timeout) {
+  timeout_ = timeout;
+  forward_->setTimeout(timeout);
+  sign_->setTimeout(timeout);
+}
+
+void LionBitBackend::abort() {
+  executor_.shutdown();
+  forward_->abort();
+  sign_->abort();
+}
+
+void LionBitBackend::shutdown() {
+  executor_.shutdown();
+  forward_->shutdown();
+  sign_->shutdown();
+}
+
+} // namespace lionbit

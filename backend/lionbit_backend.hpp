@@ -1,0 +1,149 @@
+// LionBitBackend: a c10d::Backend that forwards every standard collective to
+// an inner backend of a real transport (ProcessGroupGloo for CPU tensors) and
+// adds the 1-bit sign all-reduce, run on a second inner communicator by its
+// own worker thread.
+#pragma once
+
+#include <atomic>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "backend/serial_executor.hpp"
+#include "backend/sign_allreduce.hpp"
+#include "backend/stats.hpp"
+
+namespace lionbit {
+
+class LionBitBackend : public c10d::Backend {
+ public:
+  // `forward` carries the standard collectives (the caller's thread, the
+  // caller's order); `sign` is used only by the sign path's worker. Both must
+  // span the same ranks as this backend.
+  LionBitBackend(
+      c10::intrusive_ptr<c10d::Backend> forward,
+      c10::intrusive_ptr<c10d::Backend> sign,
+      int rank,
+      int size,
+      std::chrono::milliseconds timeout);
+  ~LionBitBackend() override;
+
+  const std::string getBackendName() const override {
+    return "lionbit";
+  }
+
+  // --- the sign all-reduce ------------------------------------------------
+  // In place; `op` is "vote", "avg" or "sum". Never blocks on communication:
+  // the returned Work completes when the result is written. Bad arguments
+  // raise here (and peers are told, so they fail at once rather than wait).
+  c10::intrusive_ptr<c10d::Work> allreduceSign(
+      at::Tensor tensor,
+      const std::string& op);
+
+  Stats& stats() {
+    return stats_;
+  }
+  const c10::intrusive_ptr<c10d::Backend>& forwardBackend() const {
+    return forward_;
+  }
+
+  // --- standard collectives: forwarded ----------------------------------
+  c10::intrusive_ptr<c10d::Work> broadcast(
+      std::vector<at::Tensor>& tensors,
+      const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      std::vector<int64_t>& output_split_sizes,
+      std::vector<int64_t>& input_split_sizes,
+      const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(
+      std::vector<at::Tensor>& tensors,
+      int dst_rank,
+      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(
+      std::vector<at::Tensor>& tensors,
+      int src_rank,
+      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(
+      std::vector<at::Tensor>& tensors,
+      int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(
+      const c10d::BarrierOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks)
+      override;
+
+  void setSequenceNumberForGroup() override;
+  uint64_t getSequenceNumberForGroup() override;
+  bool supportsCoalescing() const override;
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  void abort() override;
+  void shutdown() override;
+
+ private:
+  SignComm signComm();
+
+  c10::intrusive_ptr<c10d::Backend> forward_;
+  c10::intrusive_ptr<c10d::Backend> sign_;
+  std::chrono::milliseconds timeout_;
+  std::atomic<uint64_t> next_seq_{0};
+  Stats stats_;
+  // Last: destroyed first, so no job outlives the members it uses.
+  SerialExecutor executor_;
+};
+
+} // namespace lionbit

@@ -1,0 +1,54 @@
+// lionbit._C: the backend class and a few build facts for Python.
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "backend/bits/isa.h"
+#include "backend/lionbit_backend.hpp"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "lionbit: a c10d backend with a 1-bit sign all-reduce";
+  // c10d::Backend and c10d::Work are registered by torch; make sure they are
+  // before this module derives from them.
+  py::module_::import("torch.distributed");
+
+  py::class_<
+      lionbit::LionBitBackend,
+      c10d::Backend,
+      c10::intrusive_ptr<lionbit::LionBitBackend>>(m, "LionBitBackend")
+      .def(
+          py::init([](const c10::intrusive_ptr<c10d::Backend>& forward,
+                      const c10::intrusive_ptr<c10d::Backend>& sign,
+                      int rank,
+                      int size,
+                      std::chrono::milliseconds timeout) {
+            return c10::make_intrusive<lionbit::LionBitBackend>(
+                forward, sign, rank, size, timeout);
+          }),
+          py::arg("forward"),
+          py::arg("sign"),
+          py::arg("rank"),
+          py::arg("size"),
+          py::arg("timeout"))
+      .def(
+          "all_reduce_sign",
+          &lionbit::LionBitBackend::allreduceSign,
+          py::arg("tensor"),
+          py::arg("op") = "vote",
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "stats",
+          [](lionbit::LionBitBackend& self) { return self.stats().snapshot(); })
+      .def(
+          "reset_stats",
+          [](lionbit::LionBitBackend& self) { self.stats().reset(); })
+      .def_property_readonly(
+          "forward_backend", &lionbit::LionBitBackend::forwardBackend);
+
+  m.attr("__version__") = LIONBIT_VERSION;
+  m.attr("torch_version") = LIONBIT_TORCH_VERSION;
+  m.attr("built_with_cuda") = false;
+  m.def("cpu_isa", [] { return lionbit::bits::isa_name(lionbit::bits::default_isa()); });
+}

@@ -1,0 +1,44 @@
+// The two-phase 1-bit sign all-reduce (DESIGN.md sections 2 and 3):
+//   0. header round: an all-gather of a 32-byte header per rank (order, op,
+//      dtype, size, zero/NaN flags), checked before anything else is used;
+//   1. pack signs to bit-planes; all-to-all of packed shards (a zero plane
+//      travels only from ranks whose input holds a zero);
+//   2. each rank counts and votes its own shard with bit-sliced counters;
+//   3. all-gather of the shard results (vote: 1 bit, plus a zero plane only
+//      when a shard has a tie; avg/sum: the count's bit-planes); unpack in
+//      place.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <optional>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "backend/bits/wire.h"
+#include "backend/stats.hpp"
+
+namespace lionbit {
+
+struct SignComm {
+  c10::intrusive_ptr<c10d::Backend> comm; // used by the worker thread only
+  int rank;
+  int world_size;
+  Stats* stats;
+};
+
+// The bit kernels' dtype for a torch dtype; nullopt when unsupported.
+std::optional<bits::DType> bits_dtype(at::ScalarType t);
+
+// Runs the whole collective on `tensor` (CPU, a supported dtype, no internal
+// overlap: the caller has checked) and writes the result into it. Throws
+// c10::Error naming lionbit, the op and the rank on any failure.
+void sign_allreduce(
+    const SignComm& c,
+    at::Tensor& tensor,
+    bits::SignOp op,
+    uint64_t seq);
+
+// Takes part in the header round only, announcing that this rank rejected
+// call #seq, so that peers fail at once instead of waiting for it.
+void sign_allreduce_reject(const SignComm& c, bits::SignOp op, uint64_t seq);
+
+} // namespace lionbit

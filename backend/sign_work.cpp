@@ -1,0 +1,66 @@
+#include "backend/sign_work.hpp"
+
+#include <condition_variable>
+#include <mutex>
+
+namespace lionbit {
+
+SignWork::SignWork(int rank, std::vector<at::Tensor> outputs)
+    : c10d::Work(rank, c10d::OpType::ALLREDUCE, "lionbit:all_reduce_sign"),
+      outputs_(std::move(outputs)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()))) {}
+
+void SignWork::complete() {
+  future_->markCompleted(c10::IValue(outputs_));
+}
+
+void SignWork::fail(std::exception_ptr error) {
+  future_->setError(std::move(error));
+}
+
+bool SignWork::isCompleted() {
+  return future_->completed();
+}
+
+bool SignWork::isSuccess() const {
+  return future_->completed() && !future_->hasError();
+}
+
+std::exception_ptr SignWork::exception() const {
+  return future_->completed() ? future_->exception_ptr() : nullptr;
+}
+
+std::vector<at::Tensor> SignWork::result() {
+  return outputs_;
+}
+
+bool SignWork::wait(std::chrono::milliseconds timeout) {
+  if (timeout == kNoTimeout) {
+    // The worker always completes the future: every inner collective it waits
+    // on is bounded by the process group's timeout.
+    future_->wait();
+  } else {
+    auto state = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
+    future_->addCallback([state](c10::ivalue::Future&) {
+      std::lock_guard<std::mutex> lock(state->first);
+      state->second.notify_all();
+    });
+    std::unique_lock<std::mutex> lock(state->first);
+    const bool done = state->second.wait_for(
+        lock, timeout, [this] { return future_->completed(); });
+    TORCH_CHECK(
+        done, "lionbit all_reduce_sign on rank ", rank_,
+        ": Work.wait() timed out after ", timeout.count(), " ms");
+  }
+  if (future_->hasError()) {
+    std::rethrow_exception(future_->exception_ptr());
+  }
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> SignWork::getFuture() {
+  return future_;
+}
+
+} // namespace lionbit

@@ -1,0 +1,30 @@
+// The Work a sign all-reduce returns: backed by a c10::ivalue::Future that the
+// worker completes with the output tensor list (or an error).
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace lionbit {
+
+class SignWork : public c10d::Work {
+ public:
+  SignWork(int rank, std::vector<at::Tensor> outputs);
+
+  // Called by the worker.
+  void complete();
+  void fail(std::exception_ptr error);
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  std::vector<at::Tensor> result() override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+} // namespace lionbit

@@ -1,0 +1,43 @@
+// Counters of a lionbit backend's sign path, read by lionbit.stats().
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <string>
+
+namespace lionbit {
+
+struct Stats {
+  std::atomic<uint64_t> bytes_sent{0};
+  std::atomic<uint64_t> bytes_received{0};
+  std::atomic<uint64_t> sign_allreduce_calls{0};
+  std::atomic<uint64_t> elements{0};
+  std::atomic<uint64_t> pack_ns{0};
+  std::atomic<uint64_t> comm_ns{0};
+  std::atomic<uint64_t> vote_ns{0};
+  std::atomic<uint64_t> unpack_ns{0};
+
+  void reset() {
+    for (auto* c : {&bytes_sent, &bytes_received, &sign_allreduce_calls,
+                    &elements, &pack_ns, &comm_ns, &vote_ns, &unpack_ns}) {
+      c->store(0);
+    }
+  }
+
+  // Byte counts and calls as integers, times in seconds.
+  std::map<std::string, double> snapshot() const {
+    return {
+        {"bytes_sent", static_cast<double>(bytes_sent.load())},
+        {"bytes_received", static_cast<double>(bytes_received.load())},
+        {"sign_allreduce_calls", static_cast<double>(sign_allreduce_calls.load())},
+        {"elements", static_cast<double>(elements.load())},
+        {"pack_seconds", pack_ns.load() * 1e-9},
+        {"comm_seconds", comm_ns.load() * 1e-9},
+        {"vote_seconds", vote_ns.load() * 1e-9},
+        {"unpack_seconds", unpack_ns.load() * 1e-9},
+    };
+  }
+};
+
+} // namespace lionbit
