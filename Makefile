@@ -1,0 +1,44 @@
+# lionbit task runner. `make test` and `make demo` do all their own set-up.
+#
+#   make demo          4 local CPU ranks under torchrun: sign all-reduce vs fp32
+#   make test          C++ tests (ctest) and Python tests (pytest)
+#   make build         (re)build and install the package into the venv
+#   make test-cpp / test-python
+#
+# The virtual environment lives outside the clone so fresh clones reuse it.
+LIONBIT_VENV ?= $(HOME)/.cache/lionbit/venv
+TORCH_SPEC   ?= torch==2.15.0
+PYTHON       ?= python3
+JOBS         ?= $(shell nproc)
+PY           := $(LIONBIT_VENV)/bin/python
+export LIONBIT_VENV TORCH_SPEC PYTHON
+
+.PHONY: all setup build test test-cpp test-python demo clean
+
+all: build
+
+setup:
+	@tools/setup_env.sh
+
+# pip builds incrementally in build/<wheel tag>; a no-op rebuild takes seconds.
+build: setup
+	@echo "build: lionbit into $(LIONBIT_VENV)"
+	@$(PY) -m pip install -q --no-build-isolation --no-deps --disable-pip-version-check . \
+	  || { echo "build failed; rerun with: $(PY) -m pip install -v --no-build-isolation ."; exit 1; }
+
+test: test-cpp test-python
+
+test-cpp: setup
+	@cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release -DLIONBIT_BUILD_TESTS=ON >/dev/null
+	@cmake --build build/cpp -j $(JOBS)
+	@ctest --test-dir build/cpp -j $(JOBS) --output-on-failure --timeout 300
+
+test-python: build
+	@$(PY) -m pytest tests/python -q -ra
+
+demo: build
+	@env -u LOCAL_WORLD_SIZE $(LIONBIT_VENV)/bin/torchrun --standalone --nproc-per-node 4 \
+	  examples/sign_allreduce_demo.py
+
+clean:
+	rm -rf build

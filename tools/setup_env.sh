@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Sets up everything `make test` and `make demo` need on a fresh Debian 12
+# machine, and is quick (a few checks) when that is already done:
+#   1. Debian packages (compiler, CMake, GoogleTest, Python headers, venv);
+#   2. a virtual environment OUTSIDE the clone ($LIONBIT_VENV), so a fresh
+#      clone reuses it and its multi-GB torch;
+#   3. torch ($TORCH_SPEC) and the Python tools in it.
+set -euo pipefail
+
+VENV=${LIONBIT_VENV:?LIONBIT_VENV must be set}
+TORCH_SPEC=${TORCH_SPEC:?TORCH_SPEC must be set}
+PYTHON=${PYTHON:-python3}
+here=$(cd "$(dirname "$0")" && pwd)
+
+# --- 1. Debian packages --------------------------------------------------
+need=()
+for pkg in g++ cmake ninja-build make git libgtest-dev libgmock-dev python3-dev python3-venv; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${need[*]}"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+# --- 2. the virtual environment -----------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating the virtual environment $VENV"
+  mkdir -p "$(dirname "$VENV")"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+
+# --- 3. Python packages (a stamp records what was installed) -------------
+want="$(cat "$here/requirements-dev.txt")
+$TORCH_SPEC"
+stamp="$VENV/.lionbit-setup"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "setup: installing $TORCH_SPEC and the test tools into $VENV (torch is a large download the first time)"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH_SPEC" -r "$here/requirements-dev.txt"
+  printf '%s' "$want" > "$stamp"
+fi
