@@ -1,0 +1,207 @@
+"""Every standard collective over "lionbit" gives exactly what plain Gloo gives."""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks, values
+
+
+def _data(rank, shape, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _collectives(rank, n):
+    """(name, fn(group, pg) -> list of tensors) for every collective."""
+    R = dist.ReduceOp
+
+    def broadcast(group, pg):
+        t = _data(rank, (33,), 1)
+        dist.broadcast(t, src=n - 1, group=group)
+        return [t]
+
+    def all_reduce(group, pg):
+        out = []
+        for i, op in enumerate([R.SUM, R.MAX, R.MIN, R.PRODUCT]):
+            t = _data(rank, (17, 3), 2 + i)
+            dist.all_reduce(t, op=op, group=group)
+            out.append(t)
+        t = torch.arange(10, dtype=torch.int64) * (rank + 1)
+        dist.all_reduce(t, group=group)
+        return out + [t]
+
+    def all_reduce_coalesced(group, pg):
+        ts = [_data(rank, (5,), 6), _data(rank, (2, 3), 7)]
+        pg.allreduce_coalesced(ts).wait()
+        return ts
+
+    def reduce(group, pg):
+        t = _data(rank, (40,), 8)
+        dist.reduce(t, dst=0, group=group)
+        return [t] if rank == 0 else []
+
+    def all_gather(group, pg):
+        parts = [torch.empty(9) for _ in range(n)]
+        dist.all_gather(parts, _data(rank, (9,), 9), group=group)
+        return parts
+
+    def all_gather_into_tensor(group, pg):
+        out = torch.empty(n * 6)
+        dist.all_gather_into_tensor(out, _data(rank, (6,), 10), group=group)
+        return [out]
+
+    def all_gather_coalesced(group, pg):
+        ins = [_data(rank, (3,), 11), _data(rank, (2, 2), 12)]
+        outs = [[torch.empty_like(i) for i in ins] for _ in range(n)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dist.all_gather_coalesced(outs, ins, group=group)
+        return [t for lst in outs for t in lst]
+
+    def allgather_into_tensor_coalesced(group, pg):
+        ins = [_data(rank, (4,), 13), _data(rank, (7,), 14)]
+        outs = [torch.empty(n * 4), torch.empty(n * 7)]
+        pg.allgather_into_tensor_coalesced(outs, ins).wait()
+        return outs
+
+    def gather(group, pg):
+        lst = [torch.empty(5) for _ in range(n)] if rank == 0 else None
+        dist.gather(_data(rank, (5,), 15), gather_list=lst, dst=0, group=group)
+        return lst or []
+
+    def scatter(group, pg):
+        t = torch.empty(8)
+        src = [_data(r, (8,), 16) for r in range(n)] if rank == 0 else None
+        dist.scatter(t, scatter_list=src, src=0, group=group)
+        return [t]
+
+    def reduce_scatter(group, pg):
+        out = torch.empty(6)
+        dist.reduce_scatter(out, [_data(rank, (6,), 17 + r) for r in range(n)], group=group)
+        return [out]
+
+    def reduce_scatter_tensor(group, pg):
+        out = torch.empty(5)
+        dist.reduce_scatter_tensor(out, _data(rank, (5 * n,), 30), group=group)
+        return [out]
+
+    def reduce_scatter_tensor_coalesced(group, pg):
+        outs = [torch.empty(3), torch.empty(2)]
+        ins = [_data(rank, (3 * n,), 31), _data(rank, (2 * n,), 32)]
+        pg.reduce_scatter_tensor_coalesced(outs, ins).wait()
+        return outs
+
+    def all_to_all_single(group, pg):
+        t = _data(rank, (4 * n,), 33)
+        out = torch.empty(4 * n)
+        dist.all_to_all_single(out, t, group=group)
+        # uneven splits: rank r sends r + j + 1 elements to rank j
+        ins = [rank + j + 1 for j in range(n)]
+        outs = [j + rank + 1 for j in range(n)]
+        t2 = _data(rank, (sum(ins),), 34)
+        out2 = torch.empty(sum(outs))
+        dist.all_to_all_single(out2, t2, outs, ins, group=group)
+        return [out, out2]
+
+    def all_to_all(group, pg):
+        ins = [_data(rank, (3,), 35 + j) for j in range(n)]
+        outs = [torch.empty(3) for _ in range(n)]
+        dist.all_to_all(outs, ins, group=group)
+        return outs
+
+    def send_recv(group, pg):
+        if n == 1:
+            return []
+        t = _data(rank, (11,), 40)
+        got = torch.empty(11)
+        reqs = [
+            dist.isend(t, (rank + 1) % n, group=group),
+            dist.irecv(got, (rank - 1) % n, group=group),
+        ]
+        for r in reqs:
+            r.wait()
+        return [got]
+
+    def batch_isend_irecv(group, pg):
+        if n == 1:
+            return []
+        t = _data(rank, (7,), 41)
+        got = torch.empty(7)
+        ops = [
+            dist.P2POp(dist.isend, t, (rank + 1) % n, group=group),
+            dist.P2POp(dist.irecv, got, (rank - 1) % n, group=group),
+        ]
+        for r in dist.batch_isend_irecv(ops):
+            r.wait()
+        return [got]
+
+    def recv_anysource(group, pg):
+        if n == 1:
+            return []
+        if rank == 0:
+            got = []
+            for _ in range(n - 1):
+                t = torch.empty(3)
+                dist.recv(t, src=None, group=group)
+                got.append(t)
+            return sorted(got, key=lambda x: x[0].item())
+        dist.send(torch.full((3,), float(rank)), dst=0, group=group)
+        return []
+
+    def barrier(group, pg):
+        dist.barrier(group=group)
+        dist.monitored_barrier(group=group, wait_all_ranks=True)
+        return [torch.ones(1)]
+
+    def objects(group, pg):
+        gathered = [None] * n
+        dist.all_gather_object(gathered, {"rank": rank, "x": [rank] * 3}, group=group)
+        lst = [f"from {rank}", rank * 2]
+        dist.broadcast_object_list(lst, src=0, group=group)
+        return [torch.tensor([g["rank"] for g in gathered]), torch.tensor([lst[1]])]
+
+    return [(f.__name__, f) for f in [
+        broadcast, all_reduce, all_reduce_coalesced, reduce, all_gather, all_gather_into_tensor,
+        all_gather_coalesced, allgather_into_tensor_coalesced, gather, scatter, reduce_scatter,
+        reduce_scatter_tensor, reduce_scatter_tensor_coalesced, all_to_all_single, all_to_all,
+        send_recv, batch_isend_irecv, recv_anysource, barrier, objects,
+    ]]
+
+
+def _outcome(fn, group):
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        return ("ok", fn(group, pg))
+    except Exception as err:  # noqa: BLE001 - compared with gloo's outcome
+        return ("error", f"{type(err).__name__}: {str(err)[:300]}")
+
+
+def check_forwarded(rank, n):
+    assert dist.get_backend() == "lionbit"
+    gloo = dist.new_group(backend="gloo")
+    report = {}
+    for name, fn in _collectives(rank, n):
+        mine = _outcome(fn, None)  # default group: lionbit
+        ref = _outcome(fn, gloo)
+        assert mine[0] == ref[0], f"{name}: lionbit {mine}, gloo {ref}"
+        if mine[0] == "ok":
+            assert len(mine[1]) == len(ref[1]), name
+            for a, b in zip(mine[1], ref[1]):
+                assert torch.equal(a, b), f"{name}: lionbit {a} != gloo {b}"
+        else:
+            assert mine[1] == ref[1], f"{name}: lionbit raised {mine[1]}, gloo {ref[1]}"
+        report[name] = mine[0] if mine[0] == "ok" else mine[1]
+    dist.destroy_process_group()
+    return report
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+def test_every_collective_equals_gloo(world_size):
+    reports = values(run_ranks("test_forwarded:check_forwarded", world_size))
+    # Every collective ran (none was skipped by an error on both sides).
+    failed = {k: v for k, v in reports[0].items() if v != "ok"}
+    assert not failed, failed
+    assert len(reports[0]) == 20
