@@ -36,15 +36,19 @@ def _backend_for(group: Optional[dist.ProcessGroup], device: torch.device, what:
             f"torch.distributed.init_process_group('lionbit') first"
         )
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    where = f"lionbit.{what} on rank {pg.rank()}"
     try:
         backend = pg._get_backend(device)
-    except RuntimeError as err:
-        raise RuntimeError(
-            f"lionbit.{what}: the group has no backend for device type '{device.type}' ({err})"
-        ) from None
+    except RuntimeError:
+        # A device the group has no backend for (meta, xpu, ...): the CPU
+        # backend rejects the tensor with a clear error and tells the peers.
+        try:
+            backend = pg._get_backend(torch.device("cpu"))
+        except RuntimeError as err:
+            raise RuntimeError(f"{where}: the group has no backend for device type '{device.type}' ({err})") from None
     if not isinstance(backend, _C.LionBitBackend):
         raise RuntimeError(
-            f"lionbit.{what}: the group's backend for device type '{device.type}' is "
+            f"{where}: the group's backend for device type '{device.type}' is "
             f"'{pg._get_backend_name()}', not lionbit; create the group with "
             f"init_process_group('lionbit') or new_group(backend='lionbit')"
         )
