@@ -1,5 +1,9 @@
 """Entry point for torch's backend autoloading (group "torch.backends").
 
+This is a separate top-level package on purpose: torch imports the entry
+point's module outside any error handling, and importing a module inside
+``lionbit`` would run ``lionbit/__init__`` (and load the C++ extension) there.
+
 torch >= 2.5 calls :func:`autoload` at the end of ``import torch``. It
 registers the "lionbit" c10d backend. A failure here must never break
 ``import torch``: it becomes a warning, and ``import lionbit`` raises the real

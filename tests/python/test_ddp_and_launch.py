@@ -1,0 +1,89 @@
+"""DDP over "lionbit" trains exactly like DDP over "gloo"; the backend starts
+under torchrun, with and without `import lionbit`, and as "cpu:lionbit"."""
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from harness import HERE, run_ranks, values
+
+
+def _train(rank, steps=8):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)
+    )
+    # Small buckets: several all-reduces per step, overlapping backward.
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randn(16, 20, generator=g)
+        y = torch.randint(0, 4, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train_ddp(rank, n):
+    return {"backend": dist.get_backend(), "hash": _train(rank)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ddp_without_hook_matches_gloo_bit_for_bit(world_size):
+    mine = values(run_ranks("test_ddp_and_launch:train_ddp", world_size, backend="lionbit"))
+    ref = values(run_ranks("test_ddp_and_launch:train_ddp", world_size, backend="gloo"))
+    assert {m["backend"] for m in mine} == {"lionbit"}
+    assert len({m["hash"] for m in mine}) == 1, "replicas diverged"
+    assert mine[0]["hash"] == ref[0]["hash"], "DDP over lionbit differs from DDP over gloo"
+
+
+TORCHRUN_WORKER = os.path.join(HERE, "torchrun_worker.py")
+
+
+def _torchrun(nproc, *args, env=None):
+    penv = dict(os.environ)
+    penv.pop("LOCAL_WORLD_SIZE", None)
+    penv.update(env or {})
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--standalone", f"--nproc-per-node={nproc}", TORCHRUN_WORKER, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=penv)
+
+
+@pytest.mark.parametrize(
+    "spec,import_first",
+    [("lionbit", False), ("lionbit", True), ("cpu:lionbit", True)],
+    ids=["autoload", "import", "cpu-device-spec"],
+)
+def test_init_process_group_under_torchrun(spec, import_first):
+    r = _torchrun(2, spec, "import" if import_first else "noimport")
+    assert r.returncode == 0, r.stdout + r.stderr
+    # Both ranks print to one pipe; their lines may interleave.
+    assert sorted(re.findall(r"OK rank (\d) backend lionbit", r.stdout)) == ["0", "1"], r.stdout + r.stderr
+
+
+def test_a_broken_lionbit_never_breaks_import_torch():
+    # Make `import lionbit` fail inside torch's autoload: torch still imports
+    # and only warns.
+    code = (
+        "import sys; sys.modules['lionbit._C'] = None\n"
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import torch\n"
+        "print('torch', torch.__version__, any('lionbit' in str(x.message) for x in w))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("True"), r.stdout + r.stderr
