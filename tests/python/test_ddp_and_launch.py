@@ -70,7 +70,7 @@ def test_init_process_group_under_torchrun(spec, import_first):
     r = _torchrun(2, spec, "import" if import_first else "noimport")
     assert r.returncode == 0, r.stdout + r.stderr
     # Both ranks print to one pipe; their lines may interleave.
-    assert sorted(re.findall(r"OK rank (\d) backend lionbit", r.stdout)) == ["0", "1"], r.stdout + r.stderr
+    assert sorted(re.findall(r"OK rank (\d) backend (?:cpu:)?lionbit", r.stdout)) == ["0", "1"], r.stdout + r.stderr
 
 
 def test_a_broken_lionbit_never_breaks_import_torch():
