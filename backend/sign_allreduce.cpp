@@ -11,6 +11,7 @@
 #include "backend/bits/count.h"
 #include "backend/bits/pack.h"
 #include "backend/bits/unpack.h"
+#include "backend/bits/zeros.h"
 
 namespace lionbit {
 namespace {
@@ -159,14 +160,21 @@ void sign_allreduce(
     std::memset(words_of(sign_plane) + used, 0, (total_words - used) * 8);
     std::memset(words_of(zero_plane) + used, 0, (total_words - used) * 8);
   }
-  const bool my_zero = counts.zeros > 0;
+  // The most zeros in any of this rank's shards: how its zero planes travel.
+  uint64_t my_cap = 0;
+  if (counts.zeros > 0) {
+    ScopedTimer t(c.stats->pack_ns);
+    for (int k = 0; k < N; ++k) {
+      my_cap = std::max(my_cap, bits::count_bits(words_of(zero_plane) + k * sw, sw));
+    }
+  }
   uint32_t flags = 0;
-  flags |= my_zero ? bits::kHasZero : 0u;
+  flags |= my_cap > 0 ? bits::kHasZero : 0u;
   flags |= counts.nans > 0 ? bits::kHasNan : 0u;
 
   // Header round: every rank learns every rank's size, dtype, op, order and
   // zero/NaN flags, and all raise together if they disagree.
-  const auto mine = bits::make_header(op, dtype, c.rank, flags, seq, n);
+  const auto mine = bits::make_header(op, dtype, c.rank, flags, seq, n, my_cap);
   const bits::HeaderSummary hs = header_round(c, op, mine);
   TORCH_CHECK_VALUE(hs.error.empty(), where(c, op), hs.error);
   c.stats->sign_allreduce_calls += 1;
@@ -175,23 +183,26 @@ void sign_allreduce(
     return;
   }
 
-  // Phase 1: all-to-all of packed shards. A rank with zeros sends
-  // [sign_k | zero_k] to rank k; others send sign_k alone.
+  // Phase 1: all-to-all of packed shards. Rank k gets [sign_k | zeros_k]
+  // from every rank, zeros_k encoded as a list or a plane (zeros.h), absent
+  // from ranks without zeros.
+  const size_t my_zbytes = bits::zero_encoding_bytes(my_cap, sw);
   at::Tensor send = sign_plane;
-  if (my_zero) {
+  if (my_cap > 0) {
     ScopedTimer t(c.stats->pack_ns);
-    send = byte_buffer(2 * total_words * 8);
+    send = byte_buffer(N * (sb + my_zbytes));
     uint8_t* s = send.data_ptr<uint8_t>();
     for (int k = 0; k < N; ++k) {
-      std::memcpy(s + 2 * k * sb, sign_plane.data_ptr<uint8_t>() + k * sb, sb);
-      std::memcpy(s + (2 * k + 1) * sb, zero_plane.data_ptr<uint8_t>() + k * sb, sb);
+      std::memcpy(s, sign_plane.data_ptr<uint8_t>() + k * sb, sb);
+      bits::encode_zeros(words_of(zero_plane) + k * sw, sw, my_cap, s + sb);
+      s += sb + my_zbytes;
     }
   }
-  std::vector<int64_t> in_splits(N, static_cast<int64_t>(sb * (my_zero ? 2 : 1)));
+  std::vector<int64_t> in_splits(N, static_cast<int64_t>(sb + my_zbytes));
   std::vector<int64_t> out_splits(N);
   int64_t recv_total = 0;
   for (int j = 0; j < N; ++j) {
-    out_splits[j] = static_cast<int64_t>(sb * (hs.has_zero[j] ? 2 : 1));
+    out_splits[j] = static_cast<int64_t>(sb + bits::zero_encoding_bytes(hs.zero_capacity[j], sw));
     recv_total += out_splits[j];
   }
   at::Tensor recv = byte_buffer(static_cast<size_t>(recv_total));
@@ -210,11 +221,24 @@ void sign_allreduce(
     }
   }
   std::vector<bits::Contribution> in(N);
+  at::Tensor decoded; // zero planes of ranks that sent lists
   {
+    ScopedTimer t(c.stats->vote_ns);
     const uint8_t* p = recv.data_ptr<uint8_t>();
     for (int j = 0; j < N; ++j) {
+      const uint64_t cap = hs.zero_capacity[j];
       in[j].sign = reinterpret_cast<const uint64_t*>(p);
-      in[j].zero = hs.has_zero[j] ? reinterpret_cast<const uint64_t*>(p + sb) : nullptr;
+      in[j].zero = cap > 0 ? reinterpret_cast<const uint64_t*>(p + sb) : nullptr;
+      if (bits::zeros_as_list(cap, sw)) {
+        if (!decoded.defined()) {
+          decoded = byte_buffer(N * sb);
+        }
+        uint64_t* plane = words_of(decoded) + j * sw;
+        TORCH_CHECK_VALUE(
+            bits::decode_zeros(p + sb, sw, cap, plane), where(c, op), "rank ", j,
+            " sent a corrupt list of zero positions in phase 1");
+        in[j].zero = plane;
+      }
       p += out_splits[j];
     }
   }
@@ -223,17 +247,17 @@ void sign_allreduce(
   // unpack every shard into the buffer.
   std::vector<std::vector<const uint64_t*>> planes(N); // per shard
   std::vector<double> values;
-  at::Tensor gathered, gathered_zero;
+  // Buffers the unpack reads from: they live until the end of the call.
+  at::Tensor gathered, gathered_zero, tie_planes;
   if (op == bits::SignOp::kVote) {
-    // Message: [tie flag word][sign plane of the shard].
+    // Message: [number of ties in the shard][sign plane of the shard].
     const size_t msg = 8 + sb;
     at::Tensor mine_msg = byte_buffer(msg);
     at::Tensor mine_zero = byte_buffer(sb);
     {
       ScopedTimer t(c.stats->vote_ns);
-      const bool ties = bits::vote(
-          in.data(), N, sw, words_of(mine_msg) + 1, words_of(mine_zero));
-      words_of(mine_msg)[0] = ties ? 1 : 0;
+      bits::vote(in.data(), N, sw, words_of(mine_msg) + 1, words_of(mine_zero));
+      words_of(mine_msg)[0] = bits::count_bits(words_of(mine_zero), sw);
     }
     gathered = byte_buffer(msg * N);
     {
@@ -243,32 +267,51 @@ void sign_allreduce(
           c.comm->_allgather_base(gathered, mine_msg));
     }
     count_allgather(c, msg);
-    bool any_ties = false;
+    uint64_t tie_cap = 0;
     for (int k = 0; k < N; ++k) {
-      const uint64_t f = words_of(gathered)[k * msg / 8];
+      const uint64_t ties = words_of(gathered)[k * msg / 8];
       TORCH_CHECK_VALUE(
-          f <= 1, where(c, op), "rank ", k,
-          " sent a corrupt vote message (tie flag ", f, ")");
-      any_ties = any_ties || f == 1;
+          ties <= sw * bits::kWordBits, where(c, op), "rank ", k,
+          " sent a corrupt vote message (", ties, " ties in a shard of ",
+          sw * bits::kWordBits, " elements)");
+      tie_cap = std::max(tie_cap, ties);
     }
-    if (any_ties) {
-      // Some shard has a tie (or an all-zero element): its zero plane is
-      // needed everywhere. Only then is this second round paid.
-      gathered_zero = byte_buffer(sb * N);
-      ScopedTimer t(c.stats->comm_ns);
-      wait_inner(
-          c, op, "all-gather of tie planes (phase 2)",
-          c.comm->_allgather_base(gathered_zero, mine_zero));
-      count_allgather(c, sb);
+    if (tie_cap > 0) {
+      // Some shard has a tie (or an all-zero element): its tie positions are
+      // needed everywhere, as a list or a plane. Only then is this round paid.
+      const size_t zb = bits::zero_encoding_bytes(tie_cap, sw);
+      at::Tensor mine_enc = byte_buffer(zb);
+      bits::encode_zeros(words_of(mine_zero), sw, tie_cap, mine_enc.data_ptr<uint8_t>());
+      gathered_zero = byte_buffer(zb * N);
+      {
+        ScopedTimer t(c.stats->comm_ns);
+        wait_inner(
+            c, op, "all-gather of tie positions (phase 2)",
+            c.comm->_allgather_base(gathered_zero, mine_enc));
+      }
+      count_allgather(c, zb);
+      if (bits::zeros_as_list(tie_cap, sw)) {
+        ScopedTimer t(c.stats->unpack_ns);
+        tie_planes = byte_buffer(sb * N);
+        for (int k = 0; k < N; ++k) {
+          TORCH_CHECK_VALUE(
+              bits::decode_zeros(
+                  gathered_zero.data_ptr<uint8_t>() + k * zb, sw, tie_cap,
+                  words_of(tie_planes) + k * sw),
+              where(c, op), "rank ", k, " sent a corrupt list of tie positions");
+        }
+      } else {
+        tie_planes = gathered_zero;
+      }
     }
     for (int k = 0; k < N; ++k) {
       planes[k].push_back(words_of(gathered) + k * msg / 8 + 1);
-      if (any_ties) {
-        planes[k].push_back(words_of(gathered_zero) + k * sw);
+      if (tie_cap > 0) {
+        planes[k].push_back(words_of(tie_planes) + k * sw);
       }
     }
-    // code = sign bit + 2 * zero bit
-    values = any_ties ? std::vector<double>{-1, 1, 0, 0} : std::vector<double>{-1, 1};
+    // code = sign bit + 2 * tie bit
+    values = tie_cap > 0 ? std::vector<double>{-1, 1, 0, 0} : std::vector<double>{-1, 1};
   } else {
     const bool with_zeros = hs.any_zero;
     const int P = bits::code_planes(N, with_zeros);

@@ -1,12 +1,14 @@
 // The two-phase 1-bit sign all-reduce (DESIGN.md sections 2 and 3):
-//   0. header round: an all-gather of a 32-byte header per rank (order, op,
-//      dtype, size, zero/NaN flags), checked before anything else is used;
-//   1. pack signs to bit-planes; all-to-all of packed shards (a zero plane
-//      travels only from ranks whose input holds a zero);
+//   0. header round: an all-gather of a 40-byte header per rank (order, op,
+//      dtype, size, NaN flag, zero capacity), checked before anything else
+//      is used;
+//   1. pack signs to bit-planes; all-to-all of packed shards (zero positions
+//      travel only from ranks whose input holds a zero: a list of offsets
+//      when sparse, a plane when dense, see bits/zeros.h);
 //   2. each rank counts and votes its own shard with bit-sliced counters;
-//   3. all-gather of the shard results (vote: 1 bit, plus a zero plane only
-//      when a shard has a tie; avg/sum: the count's bit-planes); unpack in
-//      place.
+//   3. all-gather of the shard results (vote: 1 bit, plus the tie positions
+//      only when a shard has a tie, encoded like zeros; avg/sum: the count's
+//      bit-planes); unpack in place.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -22,7 +22,8 @@ WireHeader make_header(
     int rank,
     uint32_t flags,
     uint64_t seq,
-    uint64_t numel) {
+    uint64_t numel,
+    uint64_t zero_capacity) {
   WireHeader h{};
   h.magic = kWireMagic;
   h.version = kWireVersion;
@@ -32,6 +33,7 @@ WireHeader make_header(
   h.flags = flags;
   h.seq = seq;
   h.numel = numel;
+  h.zero_capacity = zero_capacity;
   return h;
 }
 
@@ -151,10 +153,21 @@ HeaderSummary check_headers(
     s.error = err.str();
     return s;
   }
-  s.has_zero.resize(static_cast<size_t>(world_size));
+  // 5. Zero capacities: consistent with the flag, at most a shard's size.
+  const uint64_t shard_elems = shard_words(mine.numel, world_size) * kWordBits;
+  s.zero_capacity.resize(static_cast<size_t>(world_size));
   for (int r = 0; r < world_size; ++r) {
-    s.has_zero[static_cast<size_t>(r)] = (headers[r].flags & kHasZero) != 0;
-    s.any_zero = s.any_zero || s.has_zero[static_cast<size_t>(r)];
+    const WireHeader& h = headers[r];
+    const bool flag = (h.flags & kHasZero) != 0;
+    if (flag != (h.zero_capacity > 0) || h.zero_capacity > shard_elems) {
+      err << "rank " << r << " sent a corrupt header (zero capacity "
+          << h.zero_capacity << ", shard of " << shard_elems << " elements)";
+      s.error = err.str();
+      s.zero_capacity.clear();
+      return s;
+    }
+    s.zero_capacity[static_cast<size_t>(r)] = h.zero_capacity;
+    s.any_zero = s.any_zero || flag;
   }
   return s;
 }

@@ -23,7 +23,7 @@ enum class SignOp : uint8_t {
 const char* sign_op_name(SignOp op);
 
 constexpr uint32_t kWireMagic = 0x3153424cu; // "LBS1"
-constexpr uint16_t kWireVersion = 1;
+constexpr uint16_t kWireVersion = 2;
 
 enum WireFlags : uint32_t {
   kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane
@@ -31,7 +31,7 @@ enum WireFlags : uint32_t {
   kRejected = 1u << 2, // this rank rejected the call locally (bad argument)
 };
 
-// 32 bytes, little-endian (x86-64 and aarch64 both are).
+// 40 bytes, little-endian (x86-64 and aarch64 both are).
 struct WireHeader {
   uint32_t magic;
   uint16_t version;
@@ -41,8 +41,11 @@ struct WireHeader {
   uint32_t flags;
   uint64_t seq;
   uint64_t numel;
+  // The most zeros in any one shard of this rank's input: the capacity of the
+  // zero encoding in its phase-1 messages (zeros.h). 0 iff kHasZero is clear.
+  uint64_t zero_capacity;
 };
-static_assert(sizeof(WireHeader) == 32, "WireHeader must be 32 bytes");
+static_assert(sizeof(WireHeader) == 40, "WireHeader must be 40 bytes");
 
 WireHeader make_header(
     SignOp op,
@@ -50,7 +53,8 @@ WireHeader make_header(
     int rank,
     uint32_t flags,
     uint64_t seq,
-    uint64_t numel);
+    uint64_t numel,
+    uint64_t zero_capacity = 0);
 
 // Largest element count the sign path accepts (keeps all size arithmetic far
 // from overflow).
@@ -59,11 +63,12 @@ constexpr uint64_t kMaxNumel = 1ull << 48;
 // What the header round tells every rank, once every header has been checked.
 struct HeaderSummary {
   std::string error; // empty: all headers agree and are well formed
-  std::vector<bool> has_zero; // per rank: it sends zero planes
+  std::vector<uint64_t> zero_capacity; // per rank (0: it sends no zeros)
   bool any_zero = false;
 };
 
-// Checks the headers of all world_size ranks (headers[r] came from rank r)
+// Checks the headers of all world_size ranks (zero capacities against the
+// shard size of numel elements over world_size ranks) (headers[r] came from rank r)
 // against each other and against this rank's own header `mine`.
 HeaderSummary check_headers(
     const WireHeader* headers,

@@ -18,10 +18,27 @@ std::vector<WireHeader> agreeing(int n, uint64_t numel = 1000) {
 TEST(Wire, AgreeingHeadersPass) {
   auto h = agreeing(4);
   h[2].flags |= kHasZero;
+  h[2].zero_capacity = 3;
   const HeaderSummary s = check_headers(h.data(), 4, h[1]);
   EXPECT_EQ(s.error, "");
   EXPECT_TRUE(s.any_zero);
-  EXPECT_EQ(s.has_zero, (std::vector<bool>{false, false, true, false}));
+  EXPECT_EQ(s.zero_capacity, (std::vector<uint64_t>{0, 0, 3, 0}));
+}
+
+TEST(Wire, ZeroCapacityIsCheckedAgainstTheShard) {
+  // 1000 elements over 4 ranks: shards of 256 elements.
+  for (auto [flag, cap] : {std::pair{true, 0ull}, std::pair{false, 5ull}, std::pair{true, 257ull}}) {
+    auto h = agreeing(4);
+    if (flag) h[3].flags |= kHasZero;
+    h[3].zero_capacity = cap;
+    const HeaderSummary s = check_headers(h.data(), 4, h[0]);
+    EXPECT_NE(s.error.find("rank 3 sent a corrupt header (zero capacity"), std::string::npos)
+        << flag << " " << cap << ": " << s.error;
+  }
+  auto h = agreeing(4);
+  h[3].flags |= kHasZero;
+  h[3].zero_capacity = 256; // a whole shard of zeros is fine
+  EXPECT_EQ(check_headers(h.data(), 4, h[0]).error, "");
 }
 
 TEST(Wire, BadMagicNamesTheRank) {

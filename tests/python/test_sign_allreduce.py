@@ -25,6 +25,11 @@ def _make(rank, n, shape, dtype, kind, seed):
     elif kind == "zeros":
         x = torch.zeros(shape, dtype=torch.float64)
         x[torch.rand(shape, generator=g) < 0.5] = -0.0
+    elif kind == "stray":  # a handful of zeros: sent as lists of offsets
+        x = torch.randn(shape, generator=g, dtype=torch.float64)
+        flat = x.view(-1)
+        if flat.numel():
+            flat[torch.randint(0, flat.numel(), (3,), generator=g)] = 0.0
     elif kind == "tie":  # even ranks +, odd ranks -: every element ties at even N
         x = torch.full(shape, 1.0 if rank % 2 == 0 else -1.0, dtype=torch.float64)
         x *= torch.rand(shape, generator=g, dtype=torch.float64) + 0.5
@@ -70,7 +75,9 @@ def check_against_reference(rank, n):
             if op == "avg" and dtype == torch.int8:
                 continue
             for shape in _shapes(n):
-                kinds = ["random", "zeros", "tie", "shared"] if shape == (64 * n + 3,) else ["random"]
+                kinds = ["random", "zeros", "tie", "shared", "stray"] if shape == (64 * n + 3,) else ["random"]
+                if shape == (257, 3):
+                    kinds.append("stray")
                 for kind in kinds:
                     for layout in ("contiguous", "strided") if shape in [(257, 3), (7,)] else ("contiguous",):
                         seed += 1
@@ -136,12 +143,17 @@ def measure_bytes(rank, n, numel, pattern):
     g = torch.Generator().manual_seed(1234)
     shared = torch.randn(numel, generator=g)
     mine = torch.randn(numel, generator=torch.Generator().manual_seed(99 + rank))
-    if pattern == "majority":  # all ranks but the last agree: zero-free, no ties
+    if pattern in ("majority", "stray_zero", "few_ties"):  # all but the last agree
         x = shared.clone() if rank < n - 1 else mine
     else:  # "independent": independent random signs (ties at even N)
         x = mine
     x[x == 0] = 1.0  # randn can return an exact 0; keep the input zero-free
+    if pattern == "few_ties" and rank in (0, n - 1):
+        # Ranks 0 and N-1 against the rest on 50 elements: 2 against 2 at N = 4.
+        x[:50] = torch.where(x[:50] > 0, -1.0, 1.0) if rank == 0 else torch.where(shared[:50] > 0, -1.0, 1.0)
     assert bool((x != 0).all())
+    if pattern == "stray_zero":  # one exact zero per rank
+        x[rank * 1000 + 7] = 0.0
     lionbit.reset_stats()
     lionbit.all_reduce_sign(x, "vote")
     return lionbit.stats()
@@ -151,7 +163,10 @@ def _one_bit_bytes(n, d):
     return 2 * (n - 1) / n * d / 8
 
 
-@pytest.mark.parametrize("world_size,pattern", [(4, "majority"), (3, "independent"), (5, "independent")])
+@pytest.mark.parametrize(
+    "world_size,pattern",
+    [(4, "majority"), (3, "independent"), (5, "independent"), (4, "stray_zero"), (4, "few_ties")],
+)
 def test_vote_bytes_within_5_percent_of_one_bit(world_size, pattern):
     d = 1 << 20
     stats = values(run_ranks("test_sign_allreduce:measure_bytes", world_size, kwargs={"numel": d, "pattern": pattern}))
