@@ -3,7 +3,9 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -17,6 +19,11 @@ namespace lionbit {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Default elements per pipelined chunk (rounded to a multiple of 64 * N).
+// LIONBIT_CHUNK_ELEMS overrides it; every rank must use the same value (the
+// header round checks).
+constexpr uint64_t kDefaultChunkElems = uint64_t{1} << 22;
 
 // Adds the time spent in its scope to a counter.
 class ScopedTimer {
@@ -48,6 +55,22 @@ uint64_t* words_of(const at::Tensor& t) {
   return reinterpret_cast<uint64_t*>(t.data_ptr<uint8_t>());
 }
 
+uint8_t* bytes_of(const at::Tensor& t) {
+  return t.data_ptr<uint8_t>();
+}
+
+uint64_t requested_chunk_elems() {
+  const char* env = std::getenv("LIONBIT_CHUNK_ELEMS");
+  if (env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const unsigned long long v = std::strtoull(env, &end, 10);
+    if (end != nullptr && *end == '\0' && v > 0) {
+      return v;
+    }
+  }
+  return kDefaultChunkElems;
+}
+
 // Waits for an inner collective; a failure (a dead peer, a timeout) becomes
 // an error naming lionbit, the op, the rank and the step.
 void wait_inner(
@@ -55,6 +78,7 @@ void wait_inner(
     bits::SignOp op,
     const char* step,
     const c10::intrusive_ptr<c10d::Work>& work) {
+  ScopedTimer t(c.stats->comm_ns);
   try {
     work->wait();
   } catch (const c10::Error& e) {
@@ -80,30 +104,313 @@ bits::HeaderSummary header_round(
     bits::SignOp op,
     const bits::WireHeader& mine) {
   at::Tensor in = byte_buffer(sizeof(bits::WireHeader));
-  std::memcpy(in.data_ptr<uint8_t>(), &mine, sizeof mine);
+  std::memcpy(bytes_of(in), &mine, sizeof mine);
   at::Tensor out = byte_buffer(sizeof(bits::WireHeader) * c.world_size);
-  {
-    ScopedTimer t(c.stats->comm_ns);
-    wait_inner(c, op, "header round", c.comm->_allgather_base(out, in));
-  }
+  wait_inner(c, op, "header round", c.comm->_allgather_base(out, in));
   count_allgather(c, sizeof(bits::WireHeader));
   return bits::check_headers(
-      reinterpret_cast<const bits::WireHeader*>(out.data_ptr<uint8_t>()),
-      c.world_size, mine);
+      reinterpret_cast<const bits::WireHeader*>(bytes_of(out)), c.world_size, mine);
 }
 
-bits::DType bits_dtype_or_throw(at::ScalarType t) {
-  auto d = bits_dtype(t);
-  TORCH_CHECK(d.has_value(), "unsupported dtype ", t);
-  return *d;
-}
+// One pipelined chunk: elements [begin, begin + len) of the tensor.
+struct Chunk {
+  size_t begin = 0;
+  size_t len = 0;
+  size_t sw = 0; // words per shard
+  size_t sb = 0; // bytes per shard plane
+  at::Tensor sign_plane, zero_plane; // N * sw words each
+  uint64_t zeros = 0;
+  // phase 1
+  std::vector<int64_t> out_splits;
+  at::Tensor recv, decoded;
+  c10::intrusive_ptr<c10d::Work> a2a;
+  // phase 2
+  size_t msg = 0; // bytes each rank contributes to the all-gather
+  at::Tensor mine_msg, mine_zero, gathered, tie_planes;
+  c10::intrusive_ptr<c10d::Work> ag;
+};
 
-// A table of 2^nplanes values of `dtype` for unpack().
-std::vector<uint8_t> make_table(bits::DType dtype, const std::vector<double>& values) {
-  std::vector<uint8_t> lut(values.size() * bits::dtype_size(dtype));
-  bits::make_lut(dtype, values.data(), values.size(), lut.data());
-  return lut;
-}
+// The whole collective on one tensor. The methods run in this order on every
+// rank, so inner collectives are issued in the same order everywhere.
+class Run {
+ public:
+  Run(const SignComm& c, at::Tensor& tensor, bits::SignOp op, uint64_t seq)
+      : c_(c), N_(c.world_size), op_(op), seq_(seq), tensor_(tensor) {
+    const auto d = bits_dtype(tensor.scalar_type());
+    TORCH_CHECK(d.has_value(), where(c, op), "unsupported dtype ", tensor.scalar_type());
+    dtype_ = *d;
+    // Work on a contiguous buffer; for a non-contiguous input it is a copy
+    // and the result is copied back at the end.
+    buf_ = tensor.contiguous();
+    n_ = static_cast<size_t>(buf_.numel());
+    chunk_elems_ = bits::chunk_elems_for(requested_chunk_elems(), N_);
+  }
+
+  void run() {
+    pack_all();
+    header();
+    if (n_ == 0) {
+      return;
+    }
+    issue_phase1(0);
+    for (size_t k = 0; k < chunks_.size(); ++k) {
+      wait_inner(c_, op_, "all-to-all of packed signs (phase 1)", chunks_[k].a2a);
+      if (k + 1 < chunks_.size()) {
+        issue_phase1(k + 1); // moves while this chunk is counted
+      }
+      count_and_issue_phase2(k);
+      if (k > 0) {
+        finish(k - 1); // unpacks while chunk k moves
+      }
+    }
+    finish(chunks_.size() - 1);
+    if (!buf_.is_same(tensor_)) {
+      ScopedTimer t(c_.stats->unpack_ns);
+      tensor_.copy_(buf_);
+    }
+  }
+
+ private:
+  void pack_all() {
+    ScopedTimer t(c_.stats->pack_ns);
+    const size_t esize = bits::dtype_size(dtype_);
+    const uint8_t* src = static_cast<const uint8_t*>(buf_.data_ptr());
+    for (size_t begin = 0; begin < n_; begin += chunk_elems_) {
+      Chunk ch;
+      ch.begin = begin;
+      ch.len = std::min<size_t>(chunk_elems_, n_ - begin);
+      ch.sw = bits::shard_words(ch.len, N_);
+      ch.sb = ch.sw * 8;
+      const size_t total_words = ch.sw * N_;
+      ch.sign_plane = byte_buffer(total_words * 8);
+      ch.zero_plane = byte_buffer(total_words * 8);
+      const bits::PackCounts pc = bits::pack_signs(
+          dtype_, src + begin * esize, ch.len, words_of(ch.sign_plane),
+          words_of(ch.zero_plane));
+      // Padding elements: sign 0, zero 0 (they vote -1 on every rank; their
+      // results are never unpacked).
+      const size_t used = bits::words_for(ch.len);
+      std::memset(words_of(ch.sign_plane) + used, 0, (total_words - used) * 8);
+      std::memset(words_of(ch.zero_plane) + used, 0, (total_words - used) * 8);
+      nans_ += pc.nans;
+      ch.zeros = pc.zeros;
+      if (pc.zeros > 0) {
+        for (int k = 0; k < N_; ++k) {
+          zero_cap_ = std::max(
+              zero_cap_, bits::count_bits(words_of(ch.zero_plane) + k * ch.sw, ch.sw));
+        }
+      }
+      chunks_.push_back(std::move(ch));
+    }
+  }
+
+  // Every rank learns every rank's size, dtype, op, order, chunking and
+  // zero/NaN flags, and all raise together if they disagree.
+  void header() {
+    uint32_t flags = 0;
+    flags |= zero_cap_ > 0 ? bits::kHasZero : 0u;
+    flags |= nans_ > 0 ? bits::kHasNan : 0u;
+    const auto mine = bits::make_header(
+        op_, dtype_, c_.rank, flags, seq_, n_, zero_cap_, chunk_elems_);
+    hs_ = header_round(c_, op_, mine);
+    TORCH_CHECK_VALUE(hs_.error.empty(), where(c_, op_), hs_.error);
+    c_.stats->sign_allreduce_calls += 1;
+    c_.stats->elements += n_;
+  }
+
+  // Phase 1: all-to-all of packed shards. Rank k gets [sign_k | zeros_k]
+  // from every rank, zeros_k encoded as a list or a plane (zeros.h), absent
+  // from ranks without zeros.
+  void issue_phase1(size_t idx) {
+    Chunk& ch = chunks_[idx];
+    const size_t my_zbytes = bits::zero_encoding_bytes(zero_cap_, ch.sw);
+    at::Tensor send = ch.sign_plane;
+    if (zero_cap_ > 0) {
+      ScopedTimer t(c_.stats->pack_ns);
+      send = byte_buffer(N_ * (ch.sb + my_zbytes));
+      uint8_t* s = bytes_of(send);
+      for (int k = 0; k < N_; ++k) {
+        std::memcpy(s, bytes_of(ch.sign_plane) + k * ch.sb, ch.sb);
+        bits::encode_zeros(words_of(ch.zero_plane) + k * ch.sw, ch.sw, zero_cap_, s + ch.sb);
+        s += ch.sb + my_zbytes;
+      }
+    }
+    std::vector<int64_t> in_splits(N_, static_cast<int64_t>(ch.sb + my_zbytes));
+    ch.out_splits.resize(N_);
+    int64_t recv_total = 0;
+    for (int j = 0; j < N_; ++j) {
+      ch.out_splits[j] = static_cast<int64_t>(
+          ch.sb + bits::zero_encoding_bytes(hs_.zero_capacity[j], ch.sw));
+      recv_total += ch.out_splits[j];
+      if (j != c_.rank) {
+        c_.stats->bytes_sent += static_cast<uint64_t>(in_splits[j]);
+        c_.stats->bytes_received += static_cast<uint64_t>(ch.out_splits[j]);
+      }
+    }
+    ch.recv = byte_buffer(static_cast<size_t>(recv_total));
+    // The inner backend may move from the split vectors: hand it copies.
+    std::vector<int64_t> out_arg = ch.out_splits;
+    ScopedTimer t(c_.stats->comm_ns);
+    ch.a2a = c_.comm->alltoall_base(ch.recv, send, out_arg, in_splits);
+  }
+
+  // Phase 2: count and vote the own shard; start the all-gather of results.
+  void count_and_issue_phase2(size_t idx) {
+    Chunk& ch = chunks_[idx];
+    std::vector<bits::Contribution> in(N_);
+    {
+      ScopedTimer t(c_.stats->vote_ns);
+      const uint8_t* p = bytes_of(ch.recv);
+      for (int j = 0; j < N_; ++j) {
+        const uint64_t cap = hs_.zero_capacity[j];
+        in[j].sign = reinterpret_cast<const uint64_t*>(p);
+        in[j].zero = cap > 0 ? reinterpret_cast<const uint64_t*>(p + ch.sb) : nullptr;
+        if (bits::zeros_as_list(cap, ch.sw)) {
+          if (!ch.decoded.defined()) {
+            ch.decoded = byte_buffer(N_ * ch.sb);
+          }
+          uint64_t* plane = words_of(ch.decoded) + j * ch.sw;
+          TORCH_CHECK_VALUE(
+              bits::decode_zeros(p + ch.sb, ch.sw, cap, plane), where(c_, op_),
+              "rank ", j, " sent a corrupt list of zero positions in phase 1");
+          in[j].zero = plane;
+        }
+        p += ch.out_splits[j];
+      }
+      if (op_ == bits::SignOp::kVote) {
+        // Message: [number of ties in the shard][sign plane of the shard].
+        ch.msg = 8 + ch.sb;
+        ch.mine_msg = byte_buffer(ch.msg);
+        ch.mine_zero = byte_buffer(ch.sb);
+        bits::vote(in.data(), N_, ch.sw, words_of(ch.mine_msg) + 1, words_of(ch.mine_zero));
+        words_of(ch.mine_msg)[0] = bits::count_bits(words_of(ch.mine_zero), ch.sw);
+      } else {
+        // Message: the bit-planes of the count code of the shard.
+        ch.msg = bits::code_planes(N_, hs_.any_zero) * ch.sb;
+        ch.mine_msg = byte_buffer(ch.msg);
+        bits::count_code(in.data(), N_, ch.sw, words_of(ch.mine_msg));
+      }
+    }
+    ch.recv = at::Tensor(); // phase-1 buffers are no longer needed
+    ch.decoded = at::Tensor();
+    ch.gathered = byte_buffer(ch.msg * N_);
+    count_allgather(c_, ch.msg);
+    ScopedTimer t(c_.stats->comm_ns);
+    ch.ag = c_.comm->_allgather_base(ch.gathered, ch.mine_msg);
+  }
+
+  // Waits for the chunk's all-gather (and, for a vote with ties, fetches the
+  // tie positions), then unpacks every shard into the buffer.
+  void finish(size_t idx) {
+    Chunk& ch = chunks_[idx];
+    wait_inner(c_, op_, "all-gather of shard results (phase 2)", ch.ag);
+    std::vector<std::vector<const uint64_t*>> planes(N_);
+    std::vector<double> values;
+    if (op_ == bits::SignOp::kVote) {
+      uint64_t tie_cap = 0;
+      for (int k = 0; k < N_; ++k) {
+        const uint64_t ties = words_of(ch.gathered)[k * ch.msg / 8];
+        TORCH_CHECK_VALUE(
+            ties <= ch.sw * bits::kWordBits, where(c_, op_), "rank ", k,
+            " sent a corrupt vote message (", ties, " ties in a shard of ",
+            ch.sw * bits::kWordBits, " elements)");
+        tie_cap = std::max(tie_cap, ties);
+      }
+      if (tie_cap > 0) {
+        fetch_ties(ch, tie_cap);
+      }
+      for (int k = 0; k < N_; ++k) {
+        planes[k].push_back(words_of(ch.gathered) + k * ch.msg / 8 + 1);
+        if (tie_cap > 0) {
+          planes[k].push_back(words_of(ch.tie_planes) + k * ch.sw);
+        }
+      }
+      // code = sign bit + 2 * tie bit
+      values = tie_cap > 0 ? std::vector<double>{-1, 1, 0, 0} : std::vector<double>{-1, 1};
+    } else {
+      const bool with_zeros = hs_.any_zero;
+      const int P = bits::code_planes(N_, with_zeros);
+      for (int k = 0; k < N_; ++k) {
+        for (int b = 0; b < P; ++b) {
+          planes[k].push_back(words_of(ch.gathered) + (static_cast<size_t>(k) * P + b) * ch.sw);
+        }
+      }
+      // code -> Sum; codes that cannot occur map to 0.
+      values.resize(size_t{1} << P);
+      for (size_t code = 0; code < values.size(); ++code) {
+        const int64_t c64 = static_cast<int64_t>(code);
+        const int64_t sum = with_zeros ? c64 - N_ : 2 * c64 - N_;
+        if (sum < -N_ || sum > N_) {
+          values[code] = 0;
+        } else {
+          values[code] = op_ == bits::SignOp::kSum
+              ? static_cast<double>(sum)
+              : static_cast<double>(sum) / static_cast<double>(N_);
+        }
+      }
+    }
+    TORCH_CHECK(
+        static_cast<int>(planes[0].size()) <= bits::kMaxUnpackPlanes, where(c_, op_),
+        "world size ", N_, " is too large for op ", bits::sign_op_name(op_));
+    ScopedTimer t(c_.stats->unpack_ns);
+    std::vector<uint8_t> lut(values.size() * bits::dtype_size(dtype_));
+    bits::make_lut(dtype_, values.data(), values.size(), lut.data());
+    const size_t per_shard = ch.sw * bits::kWordBits;
+    const size_t esize = bits::dtype_size(dtype_);
+    uint8_t* dst = static_cast<uint8_t*>(buf_.data_ptr()) + ch.begin * esize;
+    for (int k = 0; k < N_; ++k) {
+      const size_t begin = static_cast<size_t>(k) * per_shard;
+      if (begin >= ch.len) {
+        break;
+      }
+      bits::unpack(
+          dtype_, planes[k].data(), static_cast<int>(planes[k].size()),
+          std::min(per_shard, ch.len - begin), lut.data(), dst + begin * esize);
+    }
+    ch = Chunk(); // release the chunk's buffers
+  }
+
+  // Some shard of the chunk has a tie (or an all-zero element): its tie
+  // positions are needed everywhere, as a list or a plane. Only then is this
+  // round paid.
+  void fetch_ties(Chunk& ch, uint64_t tie_cap) {
+    const size_t zb = bits::zero_encoding_bytes(tie_cap, ch.sw);
+    at::Tensor mine_enc = byte_buffer(zb);
+    bits::encode_zeros(words_of(ch.mine_zero), ch.sw, tie_cap, bytes_of(mine_enc));
+    at::Tensor gathered_zero = byte_buffer(zb * N_);
+    wait_inner(
+        c_, op_, "all-gather of tie positions (phase 2)",
+        c_.comm->_allgather_base(gathered_zero, mine_enc));
+    count_allgather(c_, zb);
+    if (!bits::zeros_as_list(tie_cap, ch.sw)) {
+      ch.tie_planes = gathered_zero;
+      return;
+    }
+    ScopedTimer t(c_.stats->unpack_ns);
+    ch.tie_planes = byte_buffer(ch.sb * N_);
+    for (int k = 0; k < N_; ++k) {
+      TORCH_CHECK_VALUE(
+          bits::decode_zeros(
+              bytes_of(gathered_zero) + k * zb, ch.sw, tie_cap,
+              words_of(ch.tie_planes) + k * ch.sw),
+          where(c_, op_), "rank ", k, " sent a corrupt list of tie positions");
+    }
+  }
+
+  const SignComm& c_;
+  const int N_;
+  const bits::SignOp op_;
+  const uint64_t seq_;
+  at::Tensor& tensor_;
+  bits::DType dtype_;
+  at::Tensor buf_;
+  size_t n_ = 0;
+  uint64_t chunk_elems_ = 0;
+  uint64_t nans_ = 0;
+  uint64_t zero_cap_ = 0;
+  std::vector<Chunk> chunks_;
+  bits::HeaderSummary hs_;
+};
 
 } // namespace
 
@@ -126,7 +433,8 @@ std::optional<bits::DType> bits_dtype(at::ScalarType t) {
 
 void sign_allreduce_reject(const SignComm& c, bits::SignOp op, uint64_t seq) {
   const auto mine = bits::make_header(
-      op, bits::DType::kFloat32, c.rank, bits::kRejected, seq, 0);
+      op, bits::DType::kFloat32, c.rank, bits::kRejected, seq, 0, 0,
+      bits::chunk_elems_for(requested_chunk_elems(), c.world_size));
   header_round(c, op, mine); // its error is the caller's own: ignore it
 }
 
@@ -135,241 +443,7 @@ void sign_allreduce(
     at::Tensor& tensor,
     bits::SignOp op,
     uint64_t seq) {
-  const int N = c.world_size;
-  const bits::DType dtype = bits_dtype_or_throw(tensor.scalar_type());
-  const size_t esize = bits::dtype_size(dtype);
-  // Work on a contiguous buffer; for a non-contiguous input it is a copy and
-  // the result is copied back at the end.
-  at::Tensor buf = tensor.contiguous();
-  const size_t n = static_cast<size_t>(buf.numel());
-  const size_t sw = bits::shard_words(n, N); // words per shard
-  const size_t sb = sw * sizeof(uint64_t); // bytes per shard plane
-  const size_t total_words = sw * static_cast<size_t>(N);
-
-  // Pack.
-  at::Tensor sign_plane = byte_buffer(total_words * 8);
-  at::Tensor zero_plane = byte_buffer(total_words * 8);
-  bits::PackCounts counts;
-  {
-    ScopedTimer t(c.stats->pack_ns);
-    counts = bits::pack_signs(
-        dtype, buf.data_ptr(), n, words_of(sign_plane), words_of(zero_plane));
-    // Padding elements: sign 0, zero 0 (they vote -1 on every rank; their
-    // results are never unpacked).
-    const size_t used = bits::words_for(n);
-    std::memset(words_of(sign_plane) + used, 0, (total_words - used) * 8);
-    std::memset(words_of(zero_plane) + used, 0, (total_words - used) * 8);
-  }
-  // The most zeros in any of this rank's shards: how its zero planes travel.
-  uint64_t my_cap = 0;
-  if (counts.zeros > 0) {
-    ScopedTimer t(c.stats->pack_ns);
-    for (int k = 0; k < N; ++k) {
-      my_cap = std::max(my_cap, bits::count_bits(words_of(zero_plane) + k * sw, sw));
-    }
-  }
-  uint32_t flags = 0;
-  flags |= my_cap > 0 ? bits::kHasZero : 0u;
-  flags |= counts.nans > 0 ? bits::kHasNan : 0u;
-
-  // Header round: every rank learns every rank's size, dtype, op, order and
-  // zero/NaN flags, and all raise together if they disagree.
-  const auto mine = bits::make_header(op, dtype, c.rank, flags, seq, n, my_cap);
-  const bits::HeaderSummary hs = header_round(c, op, mine);
-  TORCH_CHECK_VALUE(hs.error.empty(), where(c, op), hs.error);
-  c.stats->sign_allreduce_calls += 1;
-  c.stats->elements += n;
-  if (n == 0) {
-    return;
-  }
-
-  // Phase 1: all-to-all of packed shards. Rank k gets [sign_k | zeros_k]
-  // from every rank, zeros_k encoded as a list or a plane (zeros.h), absent
-  // from ranks without zeros.
-  const size_t my_zbytes = bits::zero_encoding_bytes(my_cap, sw);
-  at::Tensor send = sign_plane;
-  if (my_cap > 0) {
-    ScopedTimer t(c.stats->pack_ns);
-    send = byte_buffer(N * (sb + my_zbytes));
-    uint8_t* s = send.data_ptr<uint8_t>();
-    for (int k = 0; k < N; ++k) {
-      std::memcpy(s, sign_plane.data_ptr<uint8_t>() + k * sb, sb);
-      bits::encode_zeros(words_of(zero_plane) + k * sw, sw, my_cap, s + sb);
-      s += sb + my_zbytes;
-    }
-  }
-  std::vector<int64_t> in_splits(N, static_cast<int64_t>(sb + my_zbytes));
-  std::vector<int64_t> out_splits(N);
-  int64_t recv_total = 0;
-  for (int j = 0; j < N; ++j) {
-    out_splits[j] = static_cast<int64_t>(sb + bits::zero_encoding_bytes(hs.zero_capacity[j], sw));
-    recv_total += out_splits[j];
-  }
-  at::Tensor recv = byte_buffer(static_cast<size_t>(recv_total));
-  {
-    ScopedTimer t(c.stats->comm_ns);
-    // The inner backend may move from the split vectors: hand it copies.
-    std::vector<int64_t> out_arg = out_splits, in_arg = in_splits;
-    wait_inner(
-        c, op, "all-to-all of packed signs (phase 1)",
-        c.comm->alltoall_base(recv, send, out_arg, in_arg));
-  }
-  for (int j = 0; j < N; ++j) {
-    if (j != c.rank) {
-      c.stats->bytes_sent += static_cast<uint64_t>(in_splits[j]);
-      c.stats->bytes_received += static_cast<uint64_t>(out_splits[j]);
-    }
-  }
-  std::vector<bits::Contribution> in(N);
-  at::Tensor decoded; // zero planes of ranks that sent lists
-  {
-    ScopedTimer t(c.stats->vote_ns);
-    const uint8_t* p = recv.data_ptr<uint8_t>();
-    for (int j = 0; j < N; ++j) {
-      const uint64_t cap = hs.zero_capacity[j];
-      in[j].sign = reinterpret_cast<const uint64_t*>(p);
-      in[j].zero = cap > 0 ? reinterpret_cast<const uint64_t*>(p + sb) : nullptr;
-      if (bits::zeros_as_list(cap, sw)) {
-        if (!decoded.defined()) {
-          decoded = byte_buffer(N * sb);
-        }
-        uint64_t* plane = words_of(decoded) + j * sw;
-        TORCH_CHECK_VALUE(
-            bits::decode_zeros(p + sb, sw, cap, plane), where(c, op), "rank ", j,
-            " sent a corrupt list of zero positions in phase 1");
-        in[j].zero = plane;
-      }
-      p += out_splits[j];
-    }
-  }
-
-  // Phases 2 and 3: count and vote the own shard, all-gather the results,
-  // unpack every shard into the buffer.
-  std::vector<std::vector<const uint64_t*>> planes(N); // per shard
-  std::vector<double> values;
-  // Buffers the unpack reads from: they live until the end of the call.
-  at::Tensor gathered, gathered_zero, tie_planes;
-  if (op == bits::SignOp::kVote) {
-    // Message: [number of ties in the shard][sign plane of the shard].
-    const size_t msg = 8 + sb;
-    at::Tensor mine_msg = byte_buffer(msg);
-    at::Tensor mine_zero = byte_buffer(sb);
-    {
-      ScopedTimer t(c.stats->vote_ns);
-      bits::vote(in.data(), N, sw, words_of(mine_msg) + 1, words_of(mine_zero));
-      words_of(mine_msg)[0] = bits::count_bits(words_of(mine_zero), sw);
-    }
-    gathered = byte_buffer(msg * N);
-    {
-      ScopedTimer t(c.stats->comm_ns);
-      wait_inner(
-          c, op, "all-gather of voted shards (phase 2)",
-          c.comm->_allgather_base(gathered, mine_msg));
-    }
-    count_allgather(c, msg);
-    uint64_t tie_cap = 0;
-    for (int k = 0; k < N; ++k) {
-      const uint64_t ties = words_of(gathered)[k * msg / 8];
-      TORCH_CHECK_VALUE(
-          ties <= sw * bits::kWordBits, where(c, op), "rank ", k,
-          " sent a corrupt vote message (", ties, " ties in a shard of ",
-          sw * bits::kWordBits, " elements)");
-      tie_cap = std::max(tie_cap, ties);
-    }
-    if (tie_cap > 0) {
-      // Some shard has a tie (or an all-zero element): its tie positions are
-      // needed everywhere, as a list or a plane. Only then is this round paid.
-      const size_t zb = bits::zero_encoding_bytes(tie_cap, sw);
-      at::Tensor mine_enc = byte_buffer(zb);
-      bits::encode_zeros(words_of(mine_zero), sw, tie_cap, mine_enc.data_ptr<uint8_t>());
-      gathered_zero = byte_buffer(zb * N);
-      {
-        ScopedTimer t(c.stats->comm_ns);
-        wait_inner(
-            c, op, "all-gather of tie positions (phase 2)",
-            c.comm->_allgather_base(gathered_zero, mine_enc));
-      }
-      count_allgather(c, zb);
-      if (bits::zeros_as_list(tie_cap, sw)) {
-        ScopedTimer t(c.stats->unpack_ns);
-        tie_planes = byte_buffer(sb * N);
-        for (int k = 0; k < N; ++k) {
-          TORCH_CHECK_VALUE(
-              bits::decode_zeros(
-                  gathered_zero.data_ptr<uint8_t>() + k * zb, sw, tie_cap,
-                  words_of(tie_planes) + k * sw),
-              where(c, op), "rank ", k, " sent a corrupt list of tie positions");
-        }
-      } else {
-        tie_planes = gathered_zero;
-      }
-    }
-    for (int k = 0; k < N; ++k) {
-      planes[k].push_back(words_of(gathered) + k * msg / 8 + 1);
-      if (tie_cap > 0) {
-        planes[k].push_back(words_of(tie_planes) + k * sw);
-      }
-    }
-    // code = sign bit + 2 * tie bit
-    values = tie_cap > 0 ? std::vector<double>{-1, 1, 0, 0} : std::vector<double>{-1, 1};
-  } else {
-    const bool with_zeros = hs.any_zero;
-    const int P = bits::code_planes(N, with_zeros);
-    at::Tensor mine_code = byte_buffer(P * sb);
-    {
-      ScopedTimer t(c.stats->vote_ns);
-      bits::count_code(in.data(), N, sw, words_of(mine_code));
-    }
-    gathered = byte_buffer(P * sb * N);
-    {
-      ScopedTimer t(c.stats->comm_ns);
-      wait_inner(
-          c, op, "all-gather of shard counts (phase 2)",
-          c.comm->_allgather_base(gathered, mine_code));
-    }
-    count_allgather(c, P * sb);
-    for (int k = 0; k < N; ++k) {
-      for (int b = 0; b < P; ++b) {
-        planes[k].push_back(words_of(gathered) + (static_cast<size_t>(k) * P + b) * sw);
-      }
-    }
-    // code -> Sum; codes that cannot occur map to 0.
-    values.resize(size_t{1} << P);
-    for (size_t code = 0; code < values.size(); ++code) {
-      const int64_t c64 = static_cast<int64_t>(code);
-      const int64_t sum = with_zeros ? c64 - N : 2 * c64 - N;
-      if (sum < -N || sum > N) {
-        values[code] = 0;
-      } else {
-        values[code] = op == bits::SignOp::kSum
-            ? static_cast<double>(sum)
-            : static_cast<double>(sum) / static_cast<double>(N);
-      }
-    }
-  }
-  TORCH_CHECK(
-      static_cast<int>(planes[0].size()) <= bits::kMaxUnpackPlanes,
-      where(c, op), "world size ", N, " is too large for op ",
-      bits::sign_op_name(op));
-  {
-    ScopedTimer t(c.stats->unpack_ns);
-    const std::vector<uint8_t> lut = make_table(dtype, values);
-    const size_t per_shard = sw * bits::kWordBits;
-    uint8_t* dst = static_cast<uint8_t*>(buf.data_ptr());
-    for (int k = 0; k < N; ++k) {
-      const size_t begin = static_cast<size_t>(k) * per_shard;
-      if (begin >= n) {
-        break;
-      }
-      const size_t count = std::min(per_shard, n - begin);
-      bits::unpack(
-          dtype, planes[k].data(), static_cast<int>(planes[k].size()), count,
-          lut.data(), dst + begin * esize);
-    }
-    if (!buf.is_same(tensor)) {
-      tensor.copy_(buf);
-    }
-  }
+  Run(c, tensor, op, seq).run();
 }
 
 } // namespace lionbit

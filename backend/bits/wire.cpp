@@ -1,5 +1,6 @@
 #include "wire.h"
 
+#include <algorithm>
 #include <sstream>
 
 namespace lionbit::bits {
@@ -23,7 +24,8 @@ WireHeader make_header(
     uint32_t flags,
     uint64_t seq,
     uint64_t numel,
-    uint64_t zero_capacity) {
+    uint64_t zero_capacity,
+    uint64_t chunk_elems) {
   WireHeader h{};
   h.magic = kWireMagic;
   h.version = kWireVersion;
@@ -34,7 +36,14 @@ WireHeader make_header(
   h.seq = seq;
   h.numel = numel;
   h.zero_capacity = zero_capacity;
+  h.chunk_elems = chunk_elems;
   return h;
+}
+
+uint64_t chunk_elems_for(uint64_t requested, int world_size) {
+  const uint64_t unit = kWordBits * static_cast<uint64_t>(world_size);
+  const uint64_t r = requested < unit ? unit : requested;
+  return (r + unit - 1) / unit * unit;
 }
 
 namespace {
@@ -139,6 +148,13 @@ HeaderSummary check_headers(
       s.error = err.str();
       return s;
     }
+    if (h.chunk_elems != mine.chunk_elems) {
+      err << "pipeline chunk size differs across ranks (LIONBIT_CHUNK_ELEMS?): rank "
+          << mine.rank << " uses " << mine.chunk_elems << ", rank " << r
+          << " uses " << h.chunk_elems;
+      s.error = err.str();
+      return s;
+    }
   }
   // 4. NaN anywhere poisons the result on every rank.
   std::vector<int> nan_ranks;
@@ -154,7 +170,9 @@ HeaderSummary check_headers(
     return s;
   }
   // 5. Zero capacities: consistent with the flag, at most a shard's size.
-  const uint64_t shard_elems = shard_words(mine.numel, world_size) * kWordBits;
+  const uint64_t largest_chunk =
+      mine.chunk_elems == 0 ? mine.numel : std::min(mine.numel, mine.chunk_elems);
+  const uint64_t shard_elems = shard_words(largest_chunk, world_size) * kWordBits;
   s.zero_capacity.resize(static_cast<size_t>(world_size));
   for (int r = 0; r < world_size; ++r) {
     const WireHeader& h = headers[r];

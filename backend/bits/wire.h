@@ -23,7 +23,7 @@ enum class SignOp : uint8_t {
 const char* sign_op_name(SignOp op);
 
 constexpr uint32_t kWireMagic = 0x3153424cu; // "LBS1"
-constexpr uint16_t kWireVersion = 2;
+constexpr uint16_t kWireVersion = 3;
 
 enum WireFlags : uint32_t {
   kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane
@@ -31,7 +31,7 @@ enum WireFlags : uint32_t {
   kRejected = 1u << 2, // this rank rejected the call locally (bad argument)
 };
 
-// 40 bytes, little-endian (x86-64 and aarch64 both are).
+// 48 bytes, little-endian (x86-64 and aarch64 both are).
 struct WireHeader {
   uint32_t magic;
   uint16_t version;
@@ -41,11 +41,15 @@ struct WireHeader {
   uint32_t flags;
   uint64_t seq;
   uint64_t numel;
-  // The most zeros in any one shard of this rank's input: the capacity of the
-  // zero encoding in its phase-1 messages (zeros.h). 0 iff kHasZero is clear.
+  // The most zeros in any one shard of any chunk of this rank's input: the
+  // capacity of the zero encoding in its phase-1 messages (zeros.h). 0 iff
+  // kHasZero is clear.
   uint64_t zero_capacity;
+  // Elements per pipelined chunk (a multiple of 64 * world size); every rank
+  // must use the same.
+  uint64_t chunk_elems;
 };
-static_assert(sizeof(WireHeader) == 40, "WireHeader must be 40 bytes");
+static_assert(sizeof(WireHeader) == 48, "WireHeader must be 48 bytes");
 
 WireHeader make_header(
     SignOp op,
@@ -54,7 +58,8 @@ WireHeader make_header(
     uint32_t flags,
     uint64_t seq,
     uint64_t numel,
-    uint64_t zero_capacity = 0);
+    uint64_t zero_capacity = 0,
+    uint64_t chunk_elems = 0);
 
 // Largest element count the sign path accepts (keeps all size arithmetic far
 // from overflow).
@@ -67,8 +72,12 @@ struct HeaderSummary {
   bool any_zero = false;
 };
 
+// Elements per chunk for a tensor of numel elements: `requested` rounded up
+// to a multiple of 64 * world_size (at least one such unit).
+uint64_t chunk_elems_for(uint64_t requested, int world_size);
+
 // Checks the headers of all world_size ranks (zero capacities against the
-// shard size of numel elements over world_size ranks) (headers[r] came from rank r)
+// shard size of the largest chunk) (headers[r] came from rank r)
 // against each other and against this rank's own header `mine`.
 HeaderSummary check_headers(
     const WireHeader* headers,

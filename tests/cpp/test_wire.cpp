@@ -91,6 +91,22 @@ TEST(Wire, MismatchesNameBothRanks) {
   }
 }
 
+TEST(Wire, ChunkSizeMustAgreeAndBoundsTheZeroCapacity) {
+  auto h = agreeing(2, 10000);
+  for (auto& x : h) x.chunk_elems = 1024; // shards of 512 elements
+  h[1].chunk_elems = 2048;
+  EXPECT_NE(check_headers(h.data(), 2, h[0]).error.find("chunk size differs"), std::string::npos);
+  h[1].chunk_elems = 1024;
+  h[1].flags |= kHasZero;
+  h[1].zero_capacity = 513;
+  EXPECT_NE(check_headers(h.data(), 2, h[0]).error.find("zero capacity 513"), std::string::npos);
+  h[1].zero_capacity = 512;
+  EXPECT_EQ(check_headers(h.data(), 2, h[0]).error, "");
+  EXPECT_EQ(chunk_elems_for(0, 4), 256u);
+  EXPECT_EQ(chunk_elems_for(1000, 4), 1024u);
+  EXPECT_EQ(chunk_elems_for(1 << 22, 3), 4194432u);
+}
+
 TEST(Wire, NanAndRejectionAreReportedOnEveryRank) {
   auto h = agreeing(5);
   h[1].flags |= kHasNan;

@@ -106,6 +106,18 @@ def test_matches_float64_reference_and_is_identical_on_every_rank(world_size):
     assert len(set(counts)) == 1 and counts[0] > 100
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_pipelined_chunks_match_the_reference(world_size):
+    # Tiny chunks (one 64N block each): every shape above spans several
+    # chunks, so the pipeline's overlap and ordering are exercised throughout.
+    counts = values(
+        run_ranks(
+            "test_sign_allreduce:check_against_reference", world_size, env={"LIONBIT_CHUNK_ELEMS": "1"}
+        )
+    )
+    assert len(set(counts)) == 1 and counts[0] > 100
+
+
 def check_async(rank, n):
     import lionbit
 
@@ -176,6 +188,18 @@ def test_vote_bytes_within_5_percent_of_one_bit(world_size, pattern):
         assert s["bytes_sent"] <= bound, (s["bytes_sent"], bound)
         assert s["bytes_received"] <= bound, (s["bytes_received"], bound)
         assert s["bytes_sent"] >= _one_bit_bytes(world_size, d)  # the counter is not fooling itself
+
+
+def test_vote_bytes_over_many_chunks_stay_within_5_percent():
+    n, d = 4, 1 << 20
+    stats = values(
+        run_ranks(
+            "test_sign_allreduce:measure_bytes", n, kwargs={"numel": d, "pattern": "stray_zero"},
+            env={"LIONBIT_CHUNK_ELEMS": str(1 << 17)},  # 8 chunks
+        )
+    )
+    for s in stats:
+        assert s["bytes_sent"] <= 1.05 * _one_bit_bytes(n, d), s
 
 
 def test_vote_bytes_with_ties_pay_one_extra_plane_only():

@@ -1,0 +1,56 @@
+// Internal: one table of Lion kernels per instruction set. lion_impl.h is
+// compiled once per ISA (lion_scalar.cpp, lion_avx2.cpp, lion_avx512.cpp) with
+// that ISA's compiler flags; lion.cpp picks a table at run time.
+#pragma once
+
+#include "optimizer/lion.h"
+
+namespace lionbit::optim::detail {
+
+struct LionCoefs {
+  float b1, omb1, b2, omb2;
+};
+
+struct LionKernels {
+  bits::Isa isa; // the instruction set this table was compiled for
+  bits::PackCounts (*direction)(
+      bits::DType grad_dtype,
+      const void* g,
+      bits::DType momentum_dtype,
+      void* m,
+      size_t n,
+      const LionCoefs& k,
+      uint64_t* sign,
+      uint64_t* zero);
+  void (*apply_dense)(
+      bits::DType param_dtype,
+      void* x,
+      bits::DType delta_dtype,
+      const void* delta,
+      size_t n,
+      float lr,
+      float decay);
+  // step[c] = fl(lr * lut[c]) for every code c; the table holds at least
+  // max(2^nplanes, kMinStepTable) floats (the entries past 2^nplanes are 0).
+  void (*apply_planes)(
+      bits::DType param_dtype,
+      void* x,
+      size_t n,
+      const uint64_t* const* planes,
+      int nplanes,
+      const float* step,
+      float decay);
+};
+
+constexpr int kMinStepTable = 32;
+
+const LionKernels& lion_kernels_scalar();
+#ifdef LIONBIT_HAVE_X86_KERNELS
+const LionKernels& lion_kernels_avx2();
+const LionKernels& lion_kernels_avx512();
+#endif
+
+// The table for `isa`, falling back to the best supported one below it.
+const LionKernels& lion_kernels_for(bits::Isa isa);
+
+} // namespace lionbit::optim::detail
