@@ -103,31 +103,35 @@ std::string reject_reason(
 
 } // namespace
 
-c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSign(
-    at::Tensor tensor,
-    const std::string& op_name) {
-  const uint64_t seq = next_seq_++;
-  bits::SignOp op = bits::SignOp::kVote;
-  const std::string reason = reject_reason(tensor, op_name, size_, &op);
+void LionBitBackend::reject(
+    uint64_t seq,
+    bits::SignOp op,
+    const std::string& op_name,
+    const std::string& reason) {
+  // Tell the peers in the header round so they fail now, not at timeout.
   const SignComm comm = signComm();
-  if (!reason.empty()) {
-    // Tell the peers in the header round so they fail now, not at timeout.
-    executor_.submit([comm, op, seq](bool cancelled) {
-      if (cancelled) {
-        return;
-      }
-      try {
-        sign_allreduce_reject(comm, op, seq);
-      } catch (...) {
-        // The caller already has its error.
-      }
-    });
-    TORCH_CHECK_VALUE(
-        false, "lionbit all_reduce_sign(op=", op_name, ") on rank ", rank_,
-        ": ", reason);
-  }
-  auto work = c10::make_intrusive<SignWork>(rank_, std::vector<at::Tensor>{tensor});
-  executor_.submit([comm, tensor, op, seq, work](bool cancelled) mutable {
+  executor_.submit([comm, op, seq](bool cancelled) {
+    if (cancelled) {
+      return;
+    }
+    try {
+      sign_allreduce_reject(comm, op, seq);
+    } catch (...) {
+      // The caller already has its error.
+    }
+  });
+  TORCH_CHECK_VALUE(
+      false, "lionbit all_reduce_sign(op=", op_name, ") on rank ", rank_, ": ",
+      reason);
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
+    bits::SignOp op,
+    at::Tensor out,
+    std::function<void(const SignComm&)> body) {
+  auto work = c10::make_intrusive<SignWork>(rank_, std::vector<at::Tensor>{out});
+  const SignComm comm = signComm();
+  executor_.submit([comm, op, work, body = std::move(body)](bool cancelled) {
     if (cancelled) {
       work->fail(std::make_exception_ptr(c10::DistBackendError(
           {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
@@ -139,13 +143,70 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSign(
     }
     try {
       at::AutoGradMode no_grad(false);
-      sign_allreduce(comm, tensor, op, seq);
+      body(comm);
       work->complete();
     } catch (...) {
       work->fail(std::current_exception());
     }
   });
   return work;
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSign(
+    at::Tensor tensor,
+    const std::string& op_name) {
+  const uint64_t seq = next_seq_++;
+  bits::SignOp op = bits::SignOp::kVote;
+  const std::string reason = reject_reason(tensor, op_name, size_, &op);
+  if (!reason.empty()) {
+    reject(seq, op, op_name, reason);
+  }
+  return enqueue(op, tensor, [tensor, op, seq](const SignComm& comm) mutable {
+    sign_allreduce(comm, tensor, op, seq);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPacked(
+    at::Tensor sign,
+    at::Tensor zero,
+    int64_t numel,
+    int64_t nans,
+    at::Tensor out,
+    const std::string& op_name) {
+  const uint64_t seq = next_seq_++;
+  bits::SignOp op = bits::SignOp::kVote;
+  std::string reason = reject_reason(out, op_name, size_, &op);
+  const int64_t need = static_cast<int64_t>(bits::words_for(static_cast<size_t>(std::max<int64_t>(numel, 0))) * 8);
+  auto plane_problem = [&](const at::Tensor& t, const char* name) -> std::string {
+    if (!t.defined() || t.device().type() != at::kCPU || t.scalar_type() != at::kByte ||
+        !t.is_contiguous() || t.numel() < need) {
+      return std::string("argument '") + name + "' must be a contiguous CPU uint8 tensor of at least " +
+          std::to_string(need) + " bytes";
+    }
+    return "";
+  };
+  if (reason.empty() && (numel < 0 || nans < 0)) {
+    reason = "arguments 'numel' and 'nans' must be >= 0";
+  }
+  if (reason.empty() && (out.numel() != numel || !out.is_contiguous())) {
+    reason = "argument 'out' must be contiguous with numel elements (" + std::to_string(numel) + ")";
+  }
+  if (reason.empty()) {
+    reason = plane_problem(sign, "sign");
+  }
+  if (reason.empty()) {
+    reason = plane_problem(zero, "zero");
+  }
+  if (!reason.empty()) {
+    reject(seq, op, op_name, reason);
+  }
+  return enqueue(op, out, [sign, zero, numel, nans, out, op, seq](const SignComm& comm) mutable {
+    const PackedSigns in{
+        reinterpret_cast<const uint64_t*>(sign.data_ptr<uint8_t>()),
+        reinterpret_cast<const uint64_t*>(zero.data_ptr<uint8_t>()),
+        static_cast<uint64_t>(numel), static_cast<uint64_t>(nans)};
+    sign_allreduce_packed(comm, in, out, op, seq);
+  });
 }
 
 // --- forwarding ------------------------------------------------------------

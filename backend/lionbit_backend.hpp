@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <string>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -38,6 +39,19 @@ class LionBitBackend : public c10d::Backend {
   // raise here (and peers are told, so they fail at once rather than wait).
   c10::intrusive_ptr<c10d::Work> allreduceSign(
       at::Tensor tensor,
+      const std::string& op);
+
+  // The same collective on direction bits packed by the caller (uint8
+  // tensors `sign` and `zero` of at least ceil(numel / 64) * 8 bytes, laid
+  // out like bits::pack_signs), `nans` NaNs seen while packing; the result
+  // is written into `out` (contiguous, numel elements). The planes must stay
+  // unchanged until the Work completes.
+  c10::intrusive_ptr<c10d::Work> allreduceSignPacked(
+      at::Tensor sign,
+      at::Tensor zero,
+      int64_t numel,
+      int64_t nans,
+      at::Tensor out,
       const std::string& op);
 
   Stats& stats() {
@@ -136,6 +150,17 @@ class LionBitBackend : public c10d::Backend {
 
  private:
   SignComm signComm();
+  // Queues a header round that tells the peers this rank rejected call #seq,
+  // then raises `reason` here.
+  [[noreturn]] void reject(
+      uint64_t seq,
+      bits::SignOp op,
+      const std::string& op_name,
+      const std::string& reason);
+  c10::intrusive_ptr<c10d::Work> enqueue(
+      bits::SignOp op,
+      at::Tensor out,
+      std::function<void(const SignComm&)> body);
 
   c10::intrusive_ptr<c10d::Backend> forward_;
   c10::intrusive_ptr<c10d::Backend> sign_;

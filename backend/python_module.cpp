@@ -39,6 +39,16 @@ PYBIND11_MODULE(_C, m) {
           py::arg("op") = "vote",
           py::call_guard<py::gil_scoped_release>())
       .def(
+          "all_reduce_sign_packed",
+          &lionbit::LionBitBackend::allreduceSignPacked,
+          py::arg("sign"),
+          py::arg("zero"),
+          py::arg("numel"),
+          py::arg("nans"),
+          py::arg("out"),
+          py::arg("op") = "vote",
+          py::call_guard<py::gil_scoped_release>())
+      .def(
           "stats",
           [](lionbit::LionBitBackend& self) { return self.stats().snapshot(); })
       .def(

@@ -134,8 +134,14 @@ struct Chunk {
 // rank, so inner collectives are issued in the same order everywhere.
 class Run {
  public:
-  Run(const SignComm& c, at::Tensor& tensor, bits::SignOp op, uint64_t seq)
-      : c_(c), N_(c.world_size), op_(op), seq_(seq), tensor_(tensor) {
+  // `tensor` is packed here, or, with `packed`, its planes come from the
+  // caller and `tensor` only receives the result.
+  Run(const SignComm& c,
+      at::Tensor& tensor,
+      bits::SignOp op,
+      uint64_t seq,
+      const PackedSigns* packed = nullptr)
+      : c_(c), N_(c.world_size), op_(op), seq_(seq), tensor_(tensor), packed_(packed) {
     const auto d = bits_dtype(tensor.scalar_type());
     TORCH_CHECK(d.has_value(), where(c, op), "unsupported dtype ", tensor.scalar_type());
     dtype_ = *d;
@@ -143,6 +149,7 @@ class Run {
     // and the result is copied back at the end.
     buf_ = tensor.contiguous();
     n_ = static_cast<size_t>(buf_.numel());
+    TORCH_CHECK(packed == nullptr || packed->numel == n_, where(c, op), "packed size mismatch");
     chunk_elems_ = bits::chunk_elems_for(requested_chunk_elems(), N_);
   }
 
@@ -184,12 +191,30 @@ class Run {
       const size_t total_words = ch.sw * N_;
       ch.sign_plane = byte_buffer(total_words * 8);
       ch.zero_plane = byte_buffer(total_words * 8);
-      const bits::PackCounts pc = bits::pack_signs(
-          dtype_, src + begin * esize, ch.len, words_of(ch.sign_plane),
-          words_of(ch.zero_plane));
+      const size_t used = bits::words_for(ch.len);
+      bits::PackCounts pc;
+      if (packed_ == nullptr) {
+        pc = bits::pack_signs(
+            dtype_, src + begin * esize, ch.len, words_of(ch.sign_plane),
+            words_of(ch.zero_plane));
+      } else {
+        // Chunks start on word boundaries (a multiple of 64 * N elements).
+        std::memcpy(words_of(ch.sign_plane), packed_->sign + begin / 64, used * 8);
+        std::memcpy(words_of(ch.zero_plane), packed_->zero + begin / 64, used * 8);
+        const unsigned tail = static_cast<unsigned>(ch.len % 64);
+        if (tail != 0) { // bits past the end are not the caller's promise
+          words_of(ch.sign_plane)[used - 1] &= (uint64_t{1} << tail) - 1;
+          words_of(ch.zero_plane)[used - 1] &= (uint64_t{1} << tail) - 1;
+        }
+        // A zero bit wins over a sign bit (an element is 0, +1 or -1).
+        for (size_t w = 0; w < used; ++w) {
+          words_of(ch.sign_plane)[w] &= ~words_of(ch.zero_plane)[w];
+        }
+        pc.zeros = bits::count_bits(words_of(ch.zero_plane), used);
+        pc.nans = begin == 0 ? packed_->nans : 0;
+      }
       // Padding elements: sign 0, zero 0 (they vote -1 on every rank; their
       // results are never unpacked).
-      const size_t used = bits::words_for(ch.len);
       std::memset(words_of(ch.sign_plane) + used, 0, (total_words - used) * 8);
       std::memset(words_of(ch.zero_plane) + used, 0, (total_words - used) * 8);
       nans_ += pc.nans;
@@ -402,6 +427,7 @@ class Run {
   const bits::SignOp op_;
   const uint64_t seq_;
   at::Tensor& tensor_;
+  const PackedSigns* packed_;
   bits::DType dtype_;
   at::Tensor buf_;
   size_t n_ = 0;
@@ -444,6 +470,15 @@ void sign_allreduce(
     bits::SignOp op,
     uint64_t seq) {
   Run(c, tensor, op, seq).run();
+}
+
+void sign_allreduce_packed(
+    const SignComm& c,
+    const PackedSigns& in,
+    at::Tensor& out,
+    bits::SignOp op,
+    uint64_t seq) {
+  Run(c, out, op, seq, &in).run();
 }
 
 } // namespace lionbit

@@ -39,6 +39,24 @@ void sign_allreduce(
     bits::SignOp op,
     uint64_t seq);
 
+// Direction bits packed by the caller (the fused Lion kernel): planes of at
+// least words_for(numel) words laid out like bits::pack_signs; bits past
+// numel are ignored. The result is unpacked into `out` (contiguous, numel
+// elements, a supported dtype).
+struct PackedSigns {
+  const uint64_t* sign;
+  const uint64_t* zero;
+  uint64_t numel;
+  uint64_t nans; // NaNs the packer saw (an error on every rank if > 0)
+};
+
+void sign_allreduce_packed(
+    const SignComm& c,
+    const PackedSigns& in,
+    at::Tensor& out,
+    bits::SignOp op,
+    uint64_t seq);
+
 // Takes part in the header round only, announcing that this rank rejected
 // call #seq, so that peers fail at once instead of waiting for it.
 void sign_allreduce_reject(const SignComm& c, bits::SignOp op, uint64_t seq);

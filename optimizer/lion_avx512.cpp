@@ -1,0 +1,15 @@
+// The Lion kernels built for the avx512 instruction set (see lion_impl.h).
+// Compiled with -mavx512f -mavx512bw -mavx512vl -mpopcnt
+// (optimizer/sources.cmake): what bits::isa_supported(Isa::kAvx512) checks.
+#if !defined(__AVX512F__)
+#error "lion_avx512.cpp needs -mavx512f (see optimizer/sources.cmake)"
+#endif
+#define LIONBIT_OPTIM_NS avx512
+#define LIONBIT_OPTIM_ISA kAvx512
+#include "optimizer/lion_impl.h"
+
+namespace lionbit::optim::detail {
+const LionKernels& lion_kernels_avx512() {
+  return avx512::table();
+}
+} // namespace lionbit::optim::detail
