@@ -4,6 +4,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "backend/bits/isa.h"
+#include "backend/kernel_bindings.hpp"
 #include "backend/lionbit_backend.hpp"
 
 namespace py = pybind11;
@@ -60,5 +61,12 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = LIONBIT_VERSION;
   m.attr("torch_version") = LIONBIT_TORCH_VERSION;
   m.attr("built_with_cuda") = false;
+  m.def(
+      "pack_signs_into",
+      &lionbit::pack_signs_into,
+      py::arg("t"),
+      py::arg("sign"),
+      py::arg("zero"),
+      py::arg("bit_offset"));
   m.def("cpu_isa", [] { return lionbit::bits::isa_name(lionbit::bits::default_isa()); });
 }

@@ -30,6 +30,7 @@ if _major_minor(torch.__version__) != _major_minor(torch_version_built_against):
 
 from ._backend import BACKEND_NAME, all_reduce_sign, reset_stats, stats  # noqa: E402
 from ._backend import register as _register  # noqa: E402
+from .optim import DistributedLion  # noqa: E402
 
 _register()
 
@@ -38,6 +39,7 @@ __all__ = [
     "all_reduce_sign",
     "stats",
     "reset_stats",
+    "DistributedLion",
     "built_with_cuda",
     "torch_version_built_against",
     "__version__",

@@ -1,0 +1,253 @@
+"""DistributedLion: Lion whose updates are voted across ranks with 1 bit each.
+
+Per step on rank i (Distributed Lion, Liu et al. 2024; Lion Cub, Ishikawa et
+al. 2024)::
+
+    delta_i = sign(b1 * m_i + (1 - b1) * g_i)       # local direction, 1 bit
+    m_i     = b2 * m_i + (1 - b2) * g_i             # momentum stays local
+    Delta   = vote(delta_1 .. delta_N)  (or avg)    # lionbit's sign all-reduce
+    x       = x * (1 - lr * wd) - lr * Delta        # same on every rank
+
+No gradient is ever all-reduced. The arithmetic contract, shared by the fused
+C++ kernels and the plain torch path (and checked bit for bit by the tests),
+is float32 with every operation rounded on its own and no fused
+multiply-add, with b1, 1 - b1, b2, 1 - b2, lr and 1 - lr * wd each computed
+in float64 and rounded once to float32:
+
+    c     = fl(fl(b1 * m) + fl((1 - b1) * g))       # delta = sign(c)
+    m_new = fl(fl(b2 * m) + fl((1 - b2) * g))
+    x_new = fl(fl(x * (1 - lr * wd)) - fl(lr * Delta))
+
+(bfloat16 / float16 values are widened exactly and rounded to nearest even
+when stored).
+"""
+
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from ._backend import _backend_for
+
+_AGGREGATIONS = ("vote", "avg")
+
+
+def _f32(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)
+
+
+class _Coefs:
+    """A group's hyperparameters as the float32 constants of the contract."""
+
+    def __init__(self, group: dict):
+        b1, b2 = group["betas"]
+        lr, wd = group["lr"], group["weight_decay"]
+        self.b1, self.omb1 = _f32(b1), _f32(1.0 - b1)
+        self.b2, self.omb2 = _f32(b2), _f32(1.0 - b2)
+        self.lr, self.decay = _f32(lr), _f32(1.0 - lr * wd)
+
+
+def direction_into(g, m, coefs: _Coefs, sign, zero, bit_offset: int) -> int:
+    """Updates momentum m in place and packs sign(b1 m + (1 - b1) g) into the
+    uint8 bit-planes sign / zero at bit_offset. Returns the number of NaNs."""
+    gf, mf = g.float(), m.float()
+    c = torch.add(torch.mul(mf, coefs.b1), torch.mul(gf, coefs.omb1))
+    m.copy_(torch.add(torch.mul(mf, coefs.b2), torch.mul(gf, coefs.omb2)))
+    _, nans = _C.pack_signs_into(c.reshape(-1), sign, zero, bit_offset)
+    return nans
+
+
+def apply_update(p, delta, coefs: _Coefs) -> None:
+    """x = fl(fl(x * decay) - fl(lr * Delta)), in place."""
+    xf = p.float()
+    p.copy_(torch.sub(torch.mul(xf, coefs.decay), torch.mul(delta.float(), coefs.lr)))
+
+
+def _planes(numel: int):
+    nbytes = (numel + 63) // 64 * 8
+    return torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+
+
+def _local_vote(sign, zero, numel: int) -> torch.Tensor:
+    """Delta of a single rank (no process group): its own direction."""
+    shifts = torch.arange(64, dtype=torch.int64)
+
+    def bits(plane):
+        return ((plane.view(torch.int64).unsqueeze(1) >> shifts) & 1).reshape(-1)[:numel]
+
+    s, z = bits(sign), bits(zero)
+    return (s - (1 - s) * (1 - z)).to(torch.int8)
+
+
+class DistributedLion(torch.optim.Optimizer):
+    """Lion with 1-bit majority-vote (or average) updates across ranks.
+
+    Args:
+        params: parameters or parameter groups (each group may set its own
+            ``lr``, ``betas`` and ``weight_decay``).
+        lr: learning rate (Lion wants 3-10x smaller than AdamW).
+        betas: (b1, b2): b1 mixes the gradient into the update direction, b2
+            is the momentum's decay.
+        weight_decay: decoupled weight decay (x *= 1 - lr * wd each step).
+        aggregation: "vote" (sign of the sum of directions, 0 on a tie) or
+            "avg" (their mean).
+        group: the process group (a lionbit one); default: the default group,
+            or the DDP model's group after :meth:`attach`.
+        momentum_dtype: torch.float32 (default) or torch.bfloat16 (halves the
+            momentum's memory; every step rounds it to bfloat16).
+
+    Without a process group (``torch.distributed`` not initialized) it is
+    single-process Lion. With a plain module, ``step()`` runs the vote itself,
+    one collective per step for all parameters. With DDP, call
+    ``attach(ddp_model)``: the vote then runs in DDP's communication hook,
+    overlapping backward, and ``step()`` only applies it.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-4,
+        betas=(0.9, 0.99),
+        weight_decay: float = 0.0,
+        aggregation: str = "vote",
+        group: Optional[dist.ProcessGroup] = None,
+        momentum_dtype: Optional[torch.dtype] = None,
+    ):
+        if not lr >= 0.0:
+            raise ValueError(f"DistributedLion: argument 'lr' must be >= 0, got {lr}")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"DistributedLion: argument 'betas' must be two values in [0, 1), got {betas}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"DistributedLion: argument 'weight_decay' must be >= 0, got {weight_decay}")
+        if aggregation not in _AGGREGATIONS:
+            raise ValueError(f"DistributedLion: argument 'aggregation' must be 'vote' or 'avg', got {aggregation!r}")
+        if momentum_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"DistributedLion: argument 'momentum_dtype' must be torch.float32 or torch.bfloat16, got {momentum_dtype}"
+            )
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+        self.aggregation = aggregation
+        self.group = group
+        self.momentum_dtype = momentum_dtype or torch.float32
+        self._ddp = None  # the DDP model after attach()
+
+    # -- state -------------------------------------------------------------
+    def _momentum(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.momentum_dtype, memory_format=torch.contiguous_format)
+        return state["exp_avg"]
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        # torch casts loaded state to each parameter's dtype; the momentum
+        # keeps its own.
+        for state in self.state.values():
+            if "exp_avg" in state and state["exp_avg"].dtype != self.momentum_dtype:
+                state["exp_avg"] = state["exp_avg"].to(self.momentum_dtype)
+
+    def _group_of(self) -> Dict[torch.Tensor, dict]:
+        return {p: g for g in self.param_groups for p in g["params"]}
+
+    def _check_param(self, p: torch.Tensor, where: str) -> None:
+        if p.grad is not None and p.grad.is_sparse:
+            raise RuntimeError(f"DistributedLion.{where}: sparse gradients are not supported")
+        if p.device.type != "cpu":
+            raise RuntimeError(
+                f"DistributedLion.{where}: parameters on {p.device} are not supported yet (CPU only in this build)"
+            )
+
+    # -- the collective ------------------------------------------------------
+    def _vote(self, sign, zero, numel: int, nans: int, out: torch.Tensor, group, where: str):
+        if group is None and not dist.is_initialized():
+            if nans:
+                raise RuntimeError(f"DistributedLion.{where}: the update direction contains NaN")
+            out.copy_(_local_vote(sign, zero, numel))
+            fut = torch.futures.Future()
+            fut.set_result([out])
+            return fut
+        backend = _backend_for(group, torch.device("cpu"), where)
+        work = backend.all_reduce_sign_packed(sign, zero, numel, nans, out, self.aggregation)
+        return work.get_future()
+
+    # -- plain module ------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        items = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not items:
+            return loss
+        for p, _ in items:
+            self._check_param(p, "step")
+        if self._ddp is not None:
+            # The hook already voted: p.grad holds Delta.
+            for p, g in items:
+                apply_update(p, p.grad, _Coefs(g))
+            return loss
+        total = sum(p.numel() for p, _ in items)
+        sign, zero = _planes(total)
+        nans, off = 0, 0
+        for p, g in items:
+            nans += direction_into(p.grad.contiguous(), self._momentum(p), _Coefs(g), sign, zero, off)
+            off += p.numel()
+        out = torch.empty(total, dtype=torch.int8 if self.aggregation == "vote" else torch.float32)
+        self._vote(sign, zero, total, nans, out, self.group, "step").wait()
+        off = 0
+        for p, g in items:
+            apply_update(p, out[off : off + p.numel()].view_as(p), _Coefs(g))
+            off += p.numel()
+        return loss
+
+    # -- DDP ----------------------------------------------------------------
+    def attach(self, model):
+        """Route this optimizer's updates through the model's communication.
+
+        ``DistributedDataParallel``: registers a comm hook that turns each
+        bucket's gradients into direction bits, votes them with the 1-bit
+        sign all-reduce (no gradient all-reduce at all) and hands DDP the
+        voted update as the bucket's value; ``step()`` then applies it. A
+        plain module needs no attach. Returns self.
+        """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if isinstance(model, DDP):
+            known = self._group_of()
+            missing = [n for n, p in model.module.named_parameters() if p.requires_grad and p not in known]
+            if missing:
+                raise ValueError(
+                    f"DistributedLion.attach: the DDP model's parameters {missing[:5]} are not in this optimizer; "
+                    f"DDP would vote them with no momentum or hyperparameters"
+                )
+            if self.group is None:
+                self.group = model.process_group
+            _backend_for(self.group, torch.device("cpu"), "attach")  # a lionbit group, or a clear error
+            model.register_comm_hook(self, _ddp_hook)
+            self._ddp = model
+            return self
+        if type(model).__name__ in ("FullyShardedDataParallel", "FSDPModule") or hasattr(model, "set_reduce_scatter_divide_factor"):
+            raise NotImplementedError("DistributedLion.attach: FSDP is not supported yet (DDP and plain modules are)")
+        return self
+
+
+def _ddp_hook(opt: DistributedLion, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: local gradients -> direction bits -> vote -> Delta."""
+    with torch.no_grad():
+        buffer = bucket.buffer()
+        params, grads = bucket.parameters(), bucket.gradients()
+        total = buffer.numel()
+        groups = opt._group_of()
+        sign, zero = _planes(total)
+        nans, off = 0, 0
+        for p, g in zip(params, grads):
+            opt._check_param(p, "attach (DDP hook)")
+            nans += direction_into(g, opt._momentum(p), _Coefs(groups[p]), sign, zero, off)
+            off += g.numel()
+        if off != total:
+            raise RuntimeError(f"DistributedLion: DDP bucket holds {total} elements, its gradients {off}")
+        out = torch.empty_like(buffer)
+        fut = opt._vote(sign, zero, total, nans, out, opt.group, "attach (DDP hook)")
+        return fut.then(lambda f: f.value()[0])

@@ -1,0 +1,371 @@
+"""DistributedLion against a pure numpy reference of the update, on real
+processes: plain modules, DDP with every option that matters, checkpoints,
+bytes per step."""
+
+import hashlib
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from harness import run_ranks, values
+
+F32 = np.float32
+
+
+class ReferenceLion:
+    """All N ranks of Distributed Lion in numpy float32, one op at a time (no
+    fused multiply-add): the contract every lionbit path must equal bitwise."""
+
+    def __init__(self, params, n, lr, betas, wd, aggregation):
+        self.x = [p.detach().numpy().astype(F32).copy() for p in params]
+        self.m = [[np.zeros_like(x) for x in self.x] for _ in range(n)]
+        self.n, self.agg = n, aggregation
+        self.b1, self.omb1 = F32(betas[0]), F32(1.0 - betas[0])
+        self.b2, self.omb2 = F32(betas[1]), F32(1.0 - betas[1])
+        self.lr, self.decay = F32(lr), F32(1.0 - lr * wd)
+
+    def step(self, grads):  # grads[rank][param] as numpy float32
+        for i, x in enumerate(self.x):
+            total = np.zeros(x.shape, dtype=np.float64)
+            for r in range(self.n):
+                g, m = grads[r][i], self.m[r][i]
+                c = (self.b1 * m) + (self.omb1 * g)
+                total += np.sign(c)
+                self.m[r][i] = (self.b2 * m) + (self.omb2 * g)
+            delta = np.sign(total) if self.agg == "vote" else total / self.n
+            delta = delta.astype(F32)
+            self.x[i] = (x * self.decay) - (self.lr * delta)
+
+
+def _model(seed=0, unused=False):
+    torch.manual_seed(seed)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(12, 32)
+            self.b = torch.nn.Linear(32, 32)
+            self.head = torch.nn.Linear(32, 3)
+            self.frozen = torch.nn.Linear(3, 3)  # does not require grad
+            self.frozen.requires_grad_(False)
+            self.spare = torch.nn.Linear(32, 3)  # used only on even steps when unused=True
+
+        def forward(self, x, it=0):
+            h = torch.tanh(self.b(torch.tanh(self.a(x))))
+            out = self.frozen(self.head(h))
+            if not unused or it % 2 == 0:
+                out = out + self.spare(h)
+            return out
+
+    return Net()
+
+
+def _batch(rank, step, micro=0):
+    g = torch.Generator().manual_seed(10_000 * step + 100 * rank + micro)
+    return torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def _loss(model, rank, step, micro=0, **kw):
+    x, y = _batch(rank, step, micro)
+    return torch.nn.functional.cross_entropy(model(x, **kw), y)
+
+
+def _hash(model):
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _groups(model):
+    # Two parameter groups with their own hyperparameters.
+    return [
+        {"params": list(model.a.parameters()) + list(model.b.parameters()), "lr": 3e-3, "weight_decay": 0.1},
+        {"params": list(model.head.parameters()) + list(model.spare.parameters()), "lr": 1e-3, "betas": (0.8, 0.95)},
+    ]
+
+
+def _gathered_grads(model, n):
+    """Every rank's gradients of the trainable parameters, as numpy."""
+    out = [[] for _ in range(n)]
+    for p in [p for p in model.parameters() if p.requires_grad]:
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        parts = [torch.empty_like(g) for _ in range(n)]
+        dist.all_gather(parts, g.contiguous())
+        for r in range(n):
+            out[r].append(parts[r].numpy().astype(F32))
+    return out
+
+
+def _references(model, n, aggregation):
+    groups = _groups(model)
+    refs = []
+    for g in groups:
+        refs.append(
+            ReferenceLion(
+                g["params"], n, g["lr"], g.get("betas", (0.9, 0.99)), g.get("weight_decay", 0.0), aggregation
+            )
+        )
+    return groups, refs
+
+
+def _ref_step(model, refs, groups, grads):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    index = {id(p): i for i, p in enumerate(trainable)}
+    for ref, g in zip(refs, groups):
+        ref.step([[grads[r][index[id(p)]] for p in g["params"]] for r in range(len(grads))])
+
+
+def _assert_equals_reference(refs, groups, where):
+    for ref, g in zip(refs, groups):
+        for x, p in zip(ref.x, g["params"]):
+            assert np.array_equal(x.view(np.int32), p.detach().numpy().view(np.int32)), (
+                f"{where}: differs from the reference (max |diff| {np.abs(x - p.detach().numpy()).max()})"
+            )
+
+
+def plain_module_matches_reference(rank, n, aggregation, steps=12):
+    import lionbit
+
+    model = _model()
+    groups, refs = _references(model, n, aggregation)
+    opt = lionbit.DistributedLion(_groups(model), aggregation=aggregation)
+    opt.attach(model)  # a plain module: a no-op
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        _ref_step(model, refs, groups, _gathered_grads(model, n))
+        opt.step()
+        _assert_equals_reference(refs, groups, f"step {step}")
+    return _hash(model)
+
+
+@pytest.mark.parametrize("world_size,aggregation", [(1, "vote"), (3, "vote"), (4, "avg"), (2, "vote")])
+def test_plain_module_equals_reference_bitwise(world_size, aggregation):
+    hashes = values(
+        run_ranks(
+            "test_optim:plain_module_matches_reference", world_size, kwargs={"aggregation": aggregation}
+        )
+    )
+    assert len(set(hashes)) == 1, "replicas differ"
+
+
+def single_process(rank, n):
+    """No process group at all: DistributedLion is single-process Lion."""
+    import lionbit
+
+    assert not dist.is_initialized()
+    model = _model()
+    groups, refs = _references(model, 1, "vote")
+    opt = lionbit.DistributedLion(_groups(model))
+    for step in range(10):
+        opt.zero_grad()
+        _loss(model, 0, step).backward()
+        grads = [[p.grad.numpy().astype(F32) for p in model.parameters() if p.requires_grad]]
+        _ref_step(model, refs, groups, grads)
+        opt.step()
+    _assert_equals_reference(refs, groups, "single process")
+    return True
+
+
+def test_without_a_process_group_it_is_single_process_lion():
+    assert values(run_ranks("test_optim:single_process", 1, backend=None)) == [True]
+
+
+def _ddp_train(rank, n, steps, *, ddp_kwargs, accumulate=1, unused=False, attach=True, aggregation="vote",
+               start=0, model=None, opt=None):
+    import lionbit
+
+    if model is None:
+        model = _model(unused=unused)
+    ddp = DDP(model, bucket_cap_mb=0.01, **ddp_kwargs)  # several buckets
+    if opt is None:
+        opt = lionbit.DistributedLion(_groups(model), aggregation=aggregation)
+    if attach:
+        opt.attach(ddp)
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            if micro < accumulate - 1:
+                with ddp.no_sync():
+                    _loss(ddp, rank, step, micro, it=step).backward()
+            else:
+                _loss(ddp, rank, step, micro, it=step).backward()
+        opt.step()
+    return model, opt
+
+
+def _plain_train(rank, n, steps, accumulate=1, unused=False, aggregation="vote"):
+    import lionbit
+
+    model = _model(unused=unused)
+    opt = lionbit.DistributedLion(_groups(model), aggregation=aggregation)
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            _loss(model, rank, step, micro, it=step).backward()
+        if unused:
+            # What DDP hands a rank for a parameter no rank used: nothing.
+            for p in model.spare.parameters():
+                if step % 2 == 1:
+                    p.grad = None
+        opt.step()
+    return model
+
+
+DDP_CASES = {
+    "default": dict(ddp_kwargs={}),
+    "bucket_view": dict(ddp_kwargs={"gradient_as_bucket_view": True}),
+    "static_graph": dict(ddp_kwargs={"static_graph": True}),
+    "no_sync": dict(ddp_kwargs={}, accumulate=3),
+    "avg": dict(ddp_kwargs={}, aggregation="avg"),
+}
+
+
+def ddp_equals_plain_module(rank, n, case):
+    kw = DDP_CASES[case]
+    model, _ = _ddp_train(rank, n, 10, **kw)
+    plain = _plain_train(rank, n, 10, accumulate=kw.get("accumulate", 1), aggregation=kw.get("aggregation", "vote"))
+    assert _hash(model) == _hash(plain), f"{case}: DDP + attach differs from the plain-module step"
+    return _hash(model)
+
+
+@pytest.mark.parametrize("case", list(DDP_CASES))
+def test_ddp_attach_equals_plain_module_and_replicas_match(case):
+    hashes = values(run_ranks("test_optim:ddp_equals_plain_module", 3, kwargs={"case": case}))
+    assert len(set(hashes)) == 1, "replicas differ"
+
+
+def ddp_unused_parameters(rank, n):
+    # A parameter used on every other step only: find_unused_parameters.
+    model, _ = _ddp_train(rank, n, 8, ddp_kwargs={"find_unused_parameters": True}, unused=True)
+    return _hash(model)
+
+
+def test_ddp_find_unused_parameters_keeps_replicas_identical():
+    hashes = values(run_ranks("test_optim:ddp_unused_parameters", 2))
+    assert len(set(hashes)) == 1
+
+
+def ddp_bytes_per_step(rank, n):
+    import lionbit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512), torch.nn.Tanh(), torch.nn.Linear(512, 10)
+    )
+    d = sum(p.numel() for p in model.parameters())
+    ddp = DDP(model)  # default buckets (25 MB, 1 MB first)
+    opt = lionbit.DistributedLion(model.parameters(), lr=1e-4).attach(ddp)
+
+    def one_step(step):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        x, y = torch.randn(16, 256, generator=g), torch.randint(0, 10, (16,), generator=g)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+    one_step(0)  # DDP builds its buckets in the first step
+    lionbit.reset_stats()
+    steps = 5
+    for step in range(1, 1 + steps):
+        one_step(step)
+    s = lionbit.stats()
+    return {"d": d, "bytes_per_step": s["bytes_sent"] / steps, "calls": s["sign_allreduce_calls"]}
+
+
+def test_ddp_bytes_per_step_are_the_one_bit_figure():
+    n = 3  # odd N: a vote of zero-free directions never ties
+    res = values(run_ranks("test_optim:ddp_bytes_per_step", n))
+    for r in res:
+        one_bit = 2 * (n - 1) / n * r["d"] / 8
+        fp32 = 2 * (n - 1) / n * 4 * r["d"]
+        assert r["bytes_per_step"] <= one_bit * 1.05, r
+        assert fp32 / r["bytes_per_step"] > 30, r
+
+
+def checkpoint_resume(rank, n, ckpt_dir):
+    import lionbit
+
+    path = os.path.join(ckpt_dir, f"rank{rank}.pt")
+    # Uninterrupted: 12 steps.
+    full, _ = _ddp_train(rank, n, 12, ddp_kwargs={})
+    # Interrupted: 6 steps, save (each rank its own momentum), then a new
+    # model and optimizer load it and run 6 more.
+    model, opt = _ddp_train(rank, n, 6, ddp_kwargs={})
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    dist.barrier()
+    fresh = _model(seed=123)  # different initial values: all must come from the file
+    fresh_opt = lionbit.DistributedLion(_groups(fresh))
+    ckpt = torch.load(path)
+    fresh.load_state_dict(ckpt["model"])
+    fresh_opt.load_state_dict(ckpt["optimizer"])
+    resumed, _ = _ddp_train(rank, n, 6, ddp_kwargs={}, start=6, model=fresh, opt=fresh_opt)
+    assert _hash(resumed) == _hash(full), "resumed run differs from the uninterrupted one"
+    return _hash(full)
+
+
+def test_checkpoint_stop_restart_continue_is_bitwise_identical():
+    with tempfile.TemporaryDirectory() as d:
+        hashes = values(run_ranks("test_optim:checkpoint_resume", 2, kwargs={"ckpt_dir": d}))
+    assert len(set(hashes)) == 1
+
+
+def bad_arguments(rank, n):
+    import lionbit
+
+    model = _model()
+    for kwargs, match in [
+        ({"lr": -1.0}, "'lr'"),
+        ({"betas": (1.0, 0.9)}, "'betas'"),
+        ({"weight_decay": -0.1}, "'weight_decay'"),
+        ({"aggregation": "median"}, "'aggregation'"),
+        ({"momentum_dtype": torch.float16}, "'momentum_dtype'"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            lionbit.DistributedLion(model.parameters(), **kwargs)
+    # A DDP model whose parameters the optimizer does not hold.
+    ddp = DDP(model)
+    opt = lionbit.DistributedLion(model.head.parameters())
+    with pytest.raises(ValueError, match="not in this optimizer"):
+        opt.attach(ddp)
+    # NaN gradients: an error on every rank, naming the rank.
+    opt = lionbit.DistributedLion(model.parameters())
+    _loss(model, rank, 0).backward()
+    if rank == 1:
+        model.a.weight.grad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN on rank\(s\) \[1\]"):
+        opt.step()
+    return True
+
+
+def test_bad_arguments_and_nan_gradients():
+    assert all(values(run_ranks("test_optim:bad_arguments", 2)))
+
+
+def bf16_momentum(rank, n):
+    import lionbit
+
+    model = _model()
+    opt = lionbit.DistributedLion(model.parameters(), lr=1e-3, momentum_dtype=torch.bfloat16)
+    for step in range(3):
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        opt.step()
+    m = opt.state[model.a.weight]["exp_avg"]
+    assert m.dtype == torch.bfloat16
+    sd = opt.state_dict()
+    opt2 = lionbit.DistributedLion(model.parameters(), lr=1e-3, momentum_dtype=torch.bfloat16)
+    opt2.load_state_dict(sd)
+    assert opt2.state[model.a.weight]["exp_avg"].dtype == torch.bfloat16
+    return _hash(model)
+
+
+def test_bfloat16_momentum():
+    hashes = values(run_ranks("test_optim:bf16_momentum", 2))
+    assert len(set(hashes)) == 1
