@@ -1,6 +1,8 @@
 # lionbit task runner. `make test` and `make demo` do all their own set-up.
 #
-#   make demo          4 local CPU ranks under torchrun: sign all-reduce vs fp32
+#   make demo          4 local CPU ranks under torchrun: DDP + DistributedLion training
+#   make demo-sign     4 ranks: the sign all-reduce vs an fp32 all-reduce, 16M elements
+#   make convergence   DistributedLion vs Lion vs AdamW on the bundled digits
 #   make test          C++ tests (ctest) and Python tests (pytest)
 #   make build         (re)build and install the package into the venv
 #   make test-cpp / test-python
@@ -13,7 +15,7 @@ JOBS         ?= $(shell nproc)
 PY           := $(LIONBIT_VENV)/bin/python
 export LIONBIT_VENV TORCH_SPEC PYTHON
 
-.PHONY: all setup build test test-cpp test-python demo clean
+.PHONY: all setup build test test-cpp test-python demo demo-sign convergence clean
 
 all: build
 
@@ -36,9 +38,16 @@ test-cpp: setup
 test-python: build
 	@$(PY) -m pytest tests/python -q -ra
 
+TORCHRUN := env -u LOCAL_WORLD_SIZE $(LIONBIT_VENV)/bin/torchrun --standalone --nproc-per-node 4
+
 demo: build
-	@env -u LOCAL_WORLD_SIZE $(LIONBIT_VENV)/bin/torchrun --standalone --nproc-per-node 4 \
-	  examples/sign_allreduce_demo.py
+	@$(TORCHRUN) examples/ddp_train.py
+
+demo-sign: build
+	@$(TORCHRUN) examples/sign_allreduce_demo.py
+
+convergence: build
+	@$(TORCHRUN) examples/convergence_digits.py
 
 clean:
 	rm -rf build
