@@ -171,14 +171,17 @@ struct Sc {
   static uint64_t eq0(F c) { return c == 0.0f ? 1u : 0u; }
   static uint64_t nan(F c) { return c != c ? 1u : 0u; }
 
-  // step[code] for the element at bit j of word w.
+  // step[code] for the element at bit j of word w. NP: the number of planes
+  // when fixed at compile time (the common small counts), -1 otherwise.
+  template <int NP>
   struct Lookup {
     const float* step;
     int nplanes;
-    Lookup(const float* s, int np) : step(s), nplanes(np) {}
+    Lookup(const float* s, int np) : step(s), nplanes(NP >= 0 ? NP : np) {}
     F operator()(const uint64_t* const* planes, size_t w, unsigned j) const {
+      const int np = NP >= 0 ? NP : nplanes;
       uint32_t code = 0;
-      for (int b = 0; b < nplanes; ++b) {
+      for (int b = 0; b < np; ++b) {
         code |= static_cast<uint32_t>((planes[b][w] >> j) & 1u) << b;
       }
       return step[code];
@@ -187,7 +190,6 @@ struct Sc {
 };
 
 #if defined(__AVX512F__)
-#define LIONBIT_OPTIM_HAVE_VEC 1
 // 16 floats in a zmm; comparisons straight into mask registers.
 struct Vec {
   static constexpr unsigned kW = 16;
@@ -244,25 +246,27 @@ struct Vec {
 
   // Codes from mask registers; up to 5 planes a permute from registers,
   // more a gather from the table.
+  template <int NP>
   struct Lookup {
     const float* step;
     int nplanes;
     __m512 t0, t1;
     Lookup(const float* s, int np)
         : step(s),
-          nplanes(np),
+          nplanes(NP >= 0 ? NP : np),
           t0(_mm512_loadu_ps(s)),
           t1(_mm512_loadu_ps(s + 16)) {}
     F operator()(const uint64_t* const* planes, size_t w, unsigned j) const {
+      const int np = NP >= 0 ? NP : nplanes;
       __m512i code = _mm512_setzero_si512();
-      for (int b = 0; b < nplanes; ++b) {
+      for (int b = 0; b < np; ++b) {
         const auto m = static_cast<__mmask16>(planes[b][w] >> j);
         code = _mm512_mask_or_epi32(code, m, code, _mm512_set1_epi32(1 << b));
       }
-      if (nplanes <= 4) {
+      if (np <= 4) {
         return _mm512_permutexvar_ps(code, t0);
       }
-      if (nplanes == 5) {
+      if (np == 5) {
         return _mm512_permutex2var_ps(t0, code, t1);
       }
       return _mm512_i32gather_ps(code, step, 4);
@@ -270,7 +274,6 @@ struct Vec {
   };
 };
 #elif defined(__AVX2__)
-#define LIONBIT_OPTIM_HAVE_VEC 1
 // 8 floats in a ymm; comparisons, then movemask.
 struct Vec {
   static constexpr unsigned kW = 8;
@@ -336,29 +339,31 @@ struct Vec {
 
   // Codes from lane masks (broadcast 8 bits, isolate one per lane, compare);
   // up to 4 planes a permute from registers, more a gather from the table.
+  template <int NP>
   struct Lookup {
     const float* step;
     int nplanes;
     __m256 t0, t1;
     Lookup(const float* s, int np)
         : step(s),
-          nplanes(np),
+          nplanes(NP >= 0 ? NP : np),
           t0(_mm256_loadu_ps(s)),
           t1(_mm256_loadu_ps(s + 8)) {}
     F operator()(const uint64_t* const* planes, size_t w, unsigned j) const {
       const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+      const int np = NP >= 0 ? NP : nplanes;
       __m256i code = _mm256_setzero_si256();
-      for (int b = 0; b < nplanes; ++b) {
+      for (int b = 0; b < np; ++b) {
         const __m256i v =
             _mm256_set1_epi32(static_cast<int>((planes[b][w] >> j) & 0xffu));
         const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(v, sel), sel);
         code = _mm256_or_si256(
             code, _mm256_and_si256(on, _mm256_set1_epi32(1 << b)));
       }
-      if (nplanes <= 3) {
+      if (np <= 3) {
         return _mm256_permutevar8x32_ps(t0, code);
       }
-      if (nplanes == 4) {
+      if (np == 4) {
         // permutevar uses the low 3 bits; bit 3 (moved to the sign bit)
         // picks the upper half of the table.
         const __m256 lo = _mm256_permutevar8x32_ps(t0, code);
@@ -569,13 +574,13 @@ void apply_dense(
 
 // cnt (<= 64, a multiple of V::kW) elements from word w: x = x * decay -
 // step[code].
-template <class V, DType X>
+template <class V, DType X, class L>
 inline void apply_planes_run(
     void* x,
     const uint64_t* const* planes,
     size_t w,
     unsigned cnt,
-    const typename V::Lookup& lookup,
+    const L& lookup,
     typename V::F decay) {
   for (unsigned j = 0; j < cnt; j += V::kW) {
     const size_t i = w * kWordBits + j;
@@ -585,7 +590,7 @@ inline void apply_planes_run(
   }
 }
 
-template <DType X>
+template <DType X, int NP>
 void apply_planes_typed(
     void* x,
     size_t n,
@@ -595,7 +600,7 @@ void apply_planes_typed(
     float decay) {
   const size_t full = n / kWordBits;
   {
-    const Vec::Lookup lookup(step, nplanes);
+    const Vec::Lookup<NP> lookup(step, nplanes);
     const Vec::F dv = Vec::set1(decay);
     for (size_t w = 0; w < full; ++w) {
       apply_planes_run<Vec, X>(x, planes, w, kWordBits, lookup, dv);
@@ -603,8 +608,30 @@ void apply_planes_typed(
   }
   const unsigned rest = static_cast<unsigned>(n - full * kWordBits);
   if (rest != 0) {
-    const Sc::Lookup lookup(step, nplanes);
+    const Sc::Lookup<NP> lookup(step, nplanes);
     apply_planes_run<Sc, X>(x, planes, full, rest, lookup, decay);
+  }
+}
+
+template <DType X>
+void apply_planes_param(
+    void* x,
+    size_t n,
+    const uint64_t* const* planes,
+    int nplanes,
+    const float* step,
+    float decay) {
+  switch (nplanes) {
+    case 1:
+      return apply_planes_typed<X, 1>(x, n, planes, nplanes, step, decay);
+    case 2: // a vote: sign and tie planes
+      return apply_planes_typed<X, 2>(x, n, planes, nplanes, step, decay);
+    case 3:
+      return apply_planes_typed<X, 3>(x, n, planes, nplanes, step, decay);
+    case 4:
+      return apply_planes_typed<X, 4>(x, n, planes, nplanes, step, decay);
+    default:
+      return apply_planes_typed<X, -1>(x, n, planes, nplanes, step, decay);
   }
 }
 
@@ -618,13 +645,13 @@ void apply_planes(
     float decay) {
   switch (xd) {
     case DType::kFloat32:
-      return apply_planes_typed<DType::kFloat32>(
+      return apply_planes_param<DType::kFloat32>(
           x, n, planes, nplanes, step, decay);
     case DType::kBFloat16:
-      return apply_planes_typed<DType::kBFloat16>(
+      return apply_planes_param<DType::kBFloat16>(
           x, n, planes, nplanes, step, decay);
     case DType::kFloat16:
-      return apply_planes_typed<DType::kFloat16>(
+      return apply_planes_param<DType::kFloat16>(
           x, n, planes, nplanes, step, decay);
     default:
       return;

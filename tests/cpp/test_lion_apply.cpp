@@ -1,0 +1,782 @@
+// lion_apply_dense / lion_apply_planes (optimizer/lion.h):
+// x <- x*decay - lr*Delta, against a naive scalar reference written straight
+// from the contract in lion.h, on every ISA this CPU runs, bit for bit.
+// (The reference helpers repeat those of test_lion_direction.cpp so that each
+// test file stands alone.)
+#include "optimizer/lion.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <iterator>
+#include <memory>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "test_util.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define LION_TEST_POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
+#define LION_TEST_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
+#else
+#define LION_TEST_POISON(p, n) ((void)(p), (void)(n))
+#define LION_TEST_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
+namespace lionbit::bits {
+// Readable GetParam() in test names and messages.
+void PrintTo(Isa isa, std::ostream* os) {
+  *os << isa_name(isa);
+}
+} // namespace lionbit::bits
+
+namespace lionbit::optim {
+namespace {
+
+using bits::DType;
+using bits::Isa;
+
+// ------------------------------------------------ reference arithmetic ----
+// One float32 operation per statement, each result forced through memory, so
+// nothing can be fused or kept in wider precision.
+
+float ref_mul(float a, float b) {
+  volatile float r = a * b;
+  return r;
+}
+
+float ref_sub(float a, float b) {
+  volatile float r = a - b;
+  return r;
+}
+
+float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// memcpy / memcmp that accept the null data() of an empty vector.
+void copy_bytes(void* dst, const void* src, size_t len) {
+  if (len != 0) {
+    std::memcpy(dst, src, len);
+  }
+}
+
+bool equal_bytes(const void* a, const void* b, size_t len) {
+  return len == 0 || std::memcmp(a, b, len) == 0;
+}
+
+size_t esize(DType d) {
+  return bits::dtype_size(d);
+}
+
+// Element i of a raw buffer, widened exactly to float (float16 via ldexp in
+// test_util.h: independent of the kernels' bit manipulation).
+float widen(DType d, const uint8_t* p, size_t i) {
+  if (d == DType::kFloat32) {
+    float f;
+    std::memcpy(&f, p + 4 * i, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, p + 2 * i, 2);
+  return d == DType::kBFloat16 ? bits::test::bf16_to_float(h)
+                               : bits::test::f16_to_float(h);
+}
+
+// float -> bfloat16 / float16 bits, round to nearest even, worked out in
+// double from the definition (not the kernels' bit tricks). NaN -> a NaN.
+uint16_t ref_narrow(DType d, float f) {
+  const bool half = d == DType::kFloat16;
+  const int p = half ? 11 : 8; // significand bits with the implicit one
+  const int emin = half ? -14 : -126; // exponent of the smallest normal
+  const int emax = half ? 15 : 127;
+  const int bias = half ? 15 : 127;
+  const uint16_t inf = half ? 0x7c00 : 0x7f80;
+  const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+  if (std::isnan(f)) {
+    return static_cast<uint16_t>(inf | (half ? 0x200 : 0x40));
+  }
+  const double a = std::fabs(static_cast<double>(f));
+  if (std::isinf(a)) {
+    return static_cast<uint16_t>(sign | inf);
+  }
+  if (a == 0) {
+    return sign;
+  }
+  int e;
+  std::frexp(a, &e); // a in [2^(e-1), 2^e)
+  const int exp = std::max(e - 1, emin);
+  const double ulp = std::ldexp(1.0, exp - (p - 1));
+  const double r = std::nearbyint(a / ulp) * ulp; // ties to even
+  if (r >= std::ldexp(1.0, emax + 1)) {
+    return static_cast<uint16_t>(sign | inf);
+  }
+  if (r < std::ldexp(1.0, emin)) { // subnormal (or 0): a count of ulps
+    return static_cast<uint16_t>(sign | static_cast<uint16_t>(r / ulp));
+  }
+  int er;
+  std::frexp(r, &er);
+  const auto mant = static_cast<uint32_t>(
+      (r / std::ldexp(1.0, er - 1) - 1.0) * (1 << (p - 1)));
+  return static_cast<uint16_t>(
+      sign | (static_cast<uint32_t>(er - 1 + bias) << (p - 1)) | mant);
+}
+
+// Stores v into element i of a raw buffer of dtype d (reference rounding).
+void ref_store(DType d, uint8_t* p, size_t i, float v) {
+  if (d == DType::kFloat32) {
+    std::memcpy(p + 4 * i, &v, 4);
+  } else {
+    const uint16_t h = ref_narrow(d, v);
+    std::memcpy(p + 2 * i, &h, 2);
+  }
+}
+
+bool is_nan_at(DType d, const uint8_t* p, size_t i) {
+  return std::isnan(widen(d, p, i));
+}
+
+// Equal bit patterns, or both NaN (NaN payloads are not in the contract).
+bool same_at(DType d, const uint8_t* a, const uint8_t* b, size_t i) {
+  if (is_nan_at(d, a, i) || is_nan_at(d, b, i)) {
+    return is_nan_at(d, a, i) && is_nan_at(d, b, i);
+  }
+  return std::memcmp(a + esize(d) * i, b + esize(d) * i, esize(d)) == 0;
+}
+
+std::string hex_at(DType d, const uint8_t* p, size_t i) {
+  uint32_t u = 0;
+  std::memcpy(&u, p + esize(d) * i, esize(d));
+  char s[16];
+  std::snprintf(s, sizeof s, "0x%0*x", static_cast<int>(2 * esize(d)), u);
+  return s;
+}
+
+// ---------------------------------------------------------- test data ----
+
+// Special bit patterns per dtype: zeros, infinities, NaNs (quiet, signaling,
+// negative), denormals, smallest normal, largest finite.
+std::vector<uint32_t> specials(DType d) {
+  if (d == DType::kFloat32) {
+    return {0x00000000, 0x80000000, 0x7f800000, 0xff800000, 0x7fc00000,
+            0x7f800001, 0xffc00001, 0x00000001, 0x807fffff, 0x00800000,
+            0x7f7fffff, 0x00000003, 0x80000001};
+  }
+  if (d == DType::kBFloat16) {
+    return {0x0000, 0x8000, 0x7f80, 0xff80, 0x7fc0, 0x7f81, 0xffff,
+            0x0001, 0x807f, 0x0080, 0x7f7f, 0x0003, 0x8001};
+  }
+  return {0x0000, 0x8000, 0x7c00, 0xfc00, 0x7e00, 0x7c01, 0xffff,
+          0x0001, 0x83ff, 0x0400, 0x7bff, 0x0003, 0x8001};
+}
+
+// n values of dtype d as raw bytes: random sign, binade in [elo, ehi], random
+// significand (rounded to d), and ~6% specials.
+std::vector<uint8_t> make_values(
+    DType d,
+    size_t n,
+    std::mt19937_64& rng,
+    int elo,
+    int ehi) {
+  std::vector<uint8_t> buf(n * esize(d));
+  const auto sp = specials(d);
+  std::uniform_int_distribution<int> ex(elo, ehi);
+  std::uniform_real_distribution<double> u01(0.0, 1.0);
+  for (size_t i = 0; i < n; ++i) {
+    if (u01(rng) < 0.06) {
+      const uint32_t s = sp[rng() % sp.size()];
+      std::memcpy(buf.data() + esize(d) * i, &s, esize(d));
+      continue;
+    }
+    double v = std::ldexp(1.0 + u01(rng), ex(rng));
+    if ((rng() & 1) != 0) {
+      v = -v;
+    }
+    ref_store(d, buf.data(), i, static_cast<float>(v));
+  }
+  return buf;
+}
+
+// ---------------------------------------------------- guarded buffers ----
+
+// `bytes` of data followed by a guard that must stay untouched. In ASan
+// builds the guard is also poisoned, so any read or write of it aborts; the
+// data itself is a separate heap block sized exactly, so reads past it are
+// caught as well.
+class Guarded {
+ public:
+  static constexpr size_t kGuard = 64;
+  static constexpr uint8_t kPattern = 0xa5;
+
+  explicit Guarded(size_t bytes)
+      : bytes_(bytes), store_((bytes + kGuard + 7) / 8 + 1) {
+    std::memset(guard(), kPattern, kGuard);
+    LION_TEST_POISON(guard(), kGuard);
+  }
+  Guarded(const Guarded&) = delete;
+  Guarded& operator=(const Guarded&) = delete;
+  ~Guarded() { LION_TEST_UNPOISON(guard(), kGuard); }
+
+  uint8_t* bytes() { return reinterpret_cast<uint8_t*>(store_.data()); }
+  uint64_t* words() { return store_.data(); }
+  void fill(const std::vector<uint8_t>& v) {
+    copy_bytes(bytes(), v.data(), std::min(v.size(), bytes_));
+  }
+  bool guard_intact() {
+    LION_TEST_UNPOISON(guard(), kGuard);
+    bool ok = true;
+    for (size_t i = 0; i < kGuard; ++i) {
+      ok = ok && guard()[i] == kPattern;
+    }
+    LION_TEST_POISON(guard(), kGuard);
+    return ok;
+  }
+
+ private:
+  uint8_t* guard() { return bytes() + bytes_; }
+  size_t bytes_;
+  std::vector<uint64_t> store_;
+};
+
+
+// ----------------------------------------------------------- reference ----
+
+struct Step {
+  float lr, decay;
+};
+
+// As the caller computes them: in double, rounded once.
+Step step_from(double lr, double wd) {
+  return {static_cast<float>(lr), static_cast<float>(1.0 - lr * wd)};
+}
+
+// Typical; large (decay far from 1); lr = 2^-12 with decay 1, which puts
+// x -+ lr exactly halfway between two float16 / bfloat16 / float32 values in
+// some binades (ties to even); an odd lr without decay.
+const Step kSteps[] = {step_from(1e-4, 0.1), step_from(0.3, 1.5),
+                       step_from(1.0 / 4096, 0.0), step_from(0.01, 0.0)};
+
+float ref_update(float x, const Step& s, float delta) {
+  return ref_sub(ref_mul(x, s.decay), ref_mul(s.lr, delta));
+}
+
+// Dense Delta values: vote results {-1, 0, +1} (and -0), averages k/N for
+// N = 1..8, ordinary values over many binades, specials.
+std::vector<uint8_t> make_deltas(DType d, size_t n, std::mt19937_64& rng) {
+  std::vector<uint8_t> buf(n * esize(d));
+  const auto sp = specials(d);
+  std::uniform_real_distribution<double> u01(0.0, 1.0);
+  std::uniform_int_distribution<int> ex(-30, 6);
+  for (size_t i = 0; i < n; ++i) {
+    const double p = u01(rng);
+    if (p < 0.05) {
+      const uint32_t s = sp[rng() % sp.size()];
+      std::memcpy(buf.data() + esize(d) * i, &s, esize(d));
+      continue;
+    }
+    float v;
+    if (p < 0.45) {
+      const float votes[] = {-1.0f, 0.0f, 1.0f, -0.0f};
+      v = votes[rng() % 4];
+    } else if (p < 0.75) {
+      const int nr = static_cast<int>(rng() % 8) + 1;
+      const int k = static_cast<int>(rng() % static_cast<uint64_t>(2 * nr + 1)) - nr;
+      v = static_cast<float>(static_cast<double>(k) / nr);
+    } else {
+      v = static_cast<float>(std::ldexp(1.0 + u01(rng), ex(rng)) *
+                             ((rng() & 1) != 0 ? -1 : 1));
+    }
+    ref_store(d, buf.data(), i, v);
+  }
+  return buf;
+}
+
+std::vector<uint8_t> reference_dense(
+    DType xd,
+    const std::vector<uint8_t>& x,
+    DType dd,
+    const std::vector<uint8_t>& delta,
+    size_t n,
+    const Step& s) {
+  std::vector<uint8_t> out(n * esize(xd));
+  for (size_t i = 0; i < n; ++i) {
+    ref_store(xd, out.data(), i,
+              ref_update(widen(xd, x.data(), i), s, widen(dd, delta.data(), i)));
+  }
+  return out;
+}
+
+std::vector<uint8_t> run_dense(
+    DType xd,
+    const std::vector<uint8_t>& x,
+    DType dd,
+    const std::vector<uint8_t>& delta,
+    size_t n,
+    const Step& s,
+    Isa isa) {
+  Guarded xb(n * esize(xd)), db(n * esize(dd));
+  xb.fill(x);
+  db.fill(delta);
+  lion_apply_dense(xd, xb.bytes(), dd, db.bytes(), n, s.lr, s.decay, isa);
+  EXPECT_TRUE(xb.guard_intact()) << "wrote past the end of x";
+  EXPECT_TRUE(db.guard_intact()) << "wrote past the end of delta";
+  EXPECT_TRUE(equal_bytes(db.bytes(), delta.data(), delta.size()))
+      << "delta modified";
+  return std::vector<uint8_t>(xb.bytes(), xb.bytes() + n * esize(xd));
+}
+
+void expect_same(
+    DType xd,
+    const std::vector<uint8_t>& got,
+    const std::vector<uint8_t>& want,
+    size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(same_at(xd, got.data(), want.data(), i))
+        << "element " << i << ": got " << hex_at(xd, got.data(), i)
+        << ", want " << hex_at(xd, want.data(), i);
+  }
+}
+
+// Bit-planes as guarded copies (reads past words_for(n) words abort under
+// ASan) and the code of element i.
+struct Planes {
+  std::vector<std::vector<uint64_t>> words;
+  uint32_t code(size_t i) const {
+    uint32_t c = 0;
+    for (size_t b = 0; b < words.size(); ++b) {
+      c |= static_cast<uint32_t>((words[b][i / 64] >> (i % 64)) & 1u) << b;
+    }
+    return c;
+  }
+};
+
+// Random planes, bits past n included (they must be ignored).
+Planes make_planes(int nplanes, size_t n, std::mt19937_64& rng) {
+  Planes p;
+  for (int b = 0; b < nplanes; ++b) {
+    std::vector<uint64_t> w(bits::words_for(n));
+    for (auto& x : w) {
+      x = rng();
+    }
+    p.words.push_back(std::move(w));
+  }
+  return p;
+}
+
+std::vector<uint8_t> reference_planes(
+    DType xd,
+    const std::vector<uint8_t>& x,
+    const Planes& planes,
+    const std::vector<float>& lut,
+    size_t n,
+    const Step& s) {
+  std::vector<uint8_t> out(n * esize(xd));
+  for (size_t i = 0; i < n; ++i) {
+    ref_store(xd, out.data(), i,
+              ref_update(widen(xd, x.data(), i), s, lut[planes.code(i)]));
+  }
+  return out;
+}
+
+std::vector<uint8_t> run_planes(
+    DType xd,
+    const std::vector<uint8_t>& x,
+    const Planes& planes,
+    const std::vector<float>& lut,
+    size_t n,
+    const Step& s,
+    Isa isa) {
+  const size_t words = bits::words_for(n);
+  Guarded xb(n * esize(xd));
+  xb.fill(x);
+  std::vector<std::unique_ptr<Guarded>> pb;
+  std::vector<const uint64_t*> ptrs;
+  for (const auto& w : planes.words) {
+    pb.push_back(std::make_unique<Guarded>(words * 8));
+    copy_bytes(pb.back()->words(), w.data(), words * 8);
+    ptrs.push_back(pb.back()->words());
+  }
+  Guarded lb(lut.size() * 4);
+  copy_bytes(lb.bytes(), lut.data(), lut.size() * 4);
+  lion_apply_planes(
+      xd, xb.bytes(), n, ptrs.data(), static_cast<int>(ptrs.size()),
+      reinterpret_cast<const float*>(lb.bytes()), s.lr, s.decay, isa);
+  EXPECT_TRUE(xb.guard_intact()) << "wrote past the end of x";
+  for (size_t b = 0; b < pb.size(); ++b) {
+    EXPECT_TRUE(pb[b]->guard_intact()) << "plane " << b;
+    EXPECT_TRUE(equal_bytes(pb[b]->words(), planes.words[b].data(), words * 8))
+        << "plane " << b << " modified";
+  }
+  EXPECT_TRUE(lb.guard_intact());
+  return std::vector<uint8_t>(xb.bytes(), xb.bytes() + n * esize(xd));
+}
+
+// A table of 2^nplanes Delta values: the vote table for 2 planes, otherwise
+// averages k/N, ordinary values, -0, +-Inf and one NaN.
+std::vector<float> make_lut(int nplanes, std::mt19937_64& rng) {
+  const size_t entries = size_t{1} << nplanes;
+  if (nplanes == 2) {
+    return {-1.0f, 1.0f, 0.0f, 0.0f};
+  }
+  std::vector<float> lut(entries);
+  std::uniform_real_distribution<double> u01(0.0, 1.0);
+  for (size_t c = 0; c < entries; ++c) {
+    if (c % 3 == 0) {
+      lut[c] = static_cast<float>((static_cast<double>(c) - entries / 2.0) /
+                                  static_cast<double>(entries));
+    } else {
+      lut[c] = static_cast<float>(std::ldexp(1.0 + u01(rng), static_cast<int>(rng() % 30) - 20) *
+                                  ((rng() & 1) != 0 ? -1 : 1));
+    }
+  }
+  if (entries >= 8) {
+    lut[1] = -0.0f;
+    lut[2] = INFINITY;
+    lut[entries - 1] = -INFINITY;
+    lut[entries - 2] = NAN;
+  }
+  return lut;
+}
+
+// ---------------------------------------------- parameterized: random ----
+
+const DType kParams[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+const size_t kSizes[] = {0, 1, 63, 64, 65, 1000, 4097, 100003, 1000000};
+const Isa kIsas[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512};
+
+std::string isa_check(Isa isa) {
+  if (!bits::isa_supported(isa)) {
+    return std::string(bits::isa_name(isa)) + " not supported on this CPU";
+  }
+  return "";
+}
+
+class LionApplyDense
+    : public ::testing::TestWithParam<std::tuple<int, int, size_t, Isa>> {};
+
+TEST_P(LionApplyDense, MatchesNaiveReferenceBitForBit) {
+  const auto [xi, di, n, isa] = GetParam();
+  if (!bits::isa_supported(isa)) {
+    GTEST_SKIP() << isa_check(isa);
+  }
+  ASSERT_EQ(lion_kernel_isa(isa), isa);
+  const DType xd = kParams[xi], dd = kParams[di];
+  ASSERT_TRUE(lion_apply_dtypes_supported(xd, dd));
+  std::mt19937_64 rng(1000003 * n + 31 * static_cast<uint64_t>(xi) + static_cast<uint64_t>(di));
+  const auto x = make_values(xd, n, rng, -20, 12);
+  const auto delta = make_deltas(dd, n, rng);
+  for (const Step& s : kSteps) {
+    SCOPED_TRACE(::testing::Message() << "lr " << s.lr << " decay " << s.decay);
+    const auto want = reference_dense(xd, x, dd, delta, n, s);
+    const auto got = run_dense(xd, x, dd, delta, n, s, isa);
+    expect_same(xd, got, want, n);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllCombosSizesIsas,
+    LionApplyDense,
+    ::testing::Combine(
+        ::testing::Range(0, 3),
+        ::testing::Range(0, 3),
+        ::testing::ValuesIn(kSizes),
+        ::testing::ValuesIn(kIsas)),
+    [](const auto& info) {
+      return std::string("x_") + bits::dtype_name(kParams[std::get<0>(info.param)]) +
+          "_delta_" + bits::dtype_name(kParams[std::get<1>(info.param)]) + "_n" +
+          std::to_string(std::get<2>(info.param)) + "_" +
+          bits::isa_name(std::get<3>(info.param));
+    });
+
+class LionApplyPlanes
+    : public ::testing::TestWithParam<std::tuple<int, size_t, Isa>> {};
+
+TEST_P(LionApplyPlanes, MatchesNaiveReferenceBitForBit) {
+  const auto [xi, n, isa] = GetParam();
+  if (!bits::isa_supported(isa)) {
+    GTEST_SKIP() << isa_check(isa);
+  }
+  ASSERT_EQ(lion_kernel_isa(isa), isa);
+  const DType xd = kParams[xi];
+  std::mt19937_64 rng(1000003 * n + 7 * static_cast<uint64_t>(xi));
+  const auto x = make_values(xd, n, rng, -20, 12);
+  // Every table path: permutes from registers (<= 4 / 5 planes) and gathers.
+  for (int nplanes : {0, 1, 2, 3, 4, 5, 6, 8, 16}) {
+    const Planes planes = make_planes(nplanes, n, rng);
+    const auto lut = make_lut(nplanes, rng);
+    for (const Step& s : kSteps) {
+      SCOPED_TRACE(::testing::Message() << nplanes << " planes, lr " << s.lr
+                                        << " decay " << s.decay);
+      const auto want = reference_planes(xd, x, planes, lut, n, s);
+      const auto got = run_planes(xd, x, planes, lut, n, s, isa);
+      expect_same(xd, got, want, n);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllDtypesSizesIsas,
+    LionApplyPlanes,
+    ::testing::Combine(
+        ::testing::Range(0, 3),
+        ::testing::ValuesIn(kSizes),
+        ::testing::ValuesIn(kIsas)),
+    [](const auto& info) {
+      return std::string("x_") + bits::dtype_name(kParams[std::get<0>(info.param)]) +
+          "_n" + std::to_string(std::get<1>(info.param)) + "_" +
+          bits::isa_name(std::get<2>(info.param));
+    });
+
+std::vector<Isa> supported() {
+  return bits::test::supported_isas();
+}
+
+// ------------------------------------------------------ rounding edges ----
+
+// x = -0, decay = 1, lr = 1, Delta = -v: x_new = -0 - (-v) = v exactly, so
+// the store of v itself is tested: round to nearest even at halfway values,
+// overflow to Inf, float16 subnormals, signed zeros.
+struct Edge {
+  uint32_t v;
+  uint16_t want;
+};
+
+const Edge kF16Edges[] = {
+    {0x3f801000, 0x3c00}, // 1 + 2^-11: halfway, even below
+    {0x3f803000, 0x3c02}, // halfway, odd below: up
+    {0x3f801001, 0x3c01},
+    {0x477fe000, 0x7bff}, // 65504, the largest float16
+    {0x477fefff, 0x7bff}, // just below 65520
+    {0x477ff000, 0x7c00}, // 65520: halfway to 65536, ties to Inf
+    {0xc77ff000, 0xfc00},
+    {0x501502f9, 0x7c00}, // 1e10
+    {0x38800000, 0x0400}, // 2^-14, the smallest normal
+    {0x387fe000, 0x0400}, // 1023.5 * 2^-24: tie, up to the smallest normal
+    {0x387fa000, 0x03fe}, // 1022.5 * 2^-24: tie, even below
+    {0x33800000, 0x0001}, // 2^-24, the smallest subnormal
+    {0x33000000, 0x0000}, // 2^-25: tie between 0 and 2^-24, even = 0
+    {0x33000001, 0x0001}, // just above: up
+    {0x33c00000, 0x0002}, // 1.5 * 2^-24: tie, even = 2
+    {0xb3400000, 0x8001}, // -0.75 * 2^-24
+    {0xb2800000, 0x8000}, // -2^-26
+    {0x00000001, 0x0000}, // float32 denormal
+    {0x80000001, 0x8000},
+    {0x7f800000, 0x7c00},
+    {0xff800000, 0xfc00},
+    {0x00000000, 0x0000},
+    {0x80000000, 0x8000},
+    {0x3dcccccd, 0x2e66}, // 0.1f
+};
+
+const Edge kBF16Edges[] = {
+    {0x3f808000, 0x3f80}, // 1 + 2^-8: halfway, even below
+    {0x3f818000, 0x3f82}, // halfway, odd below: up
+    {0x3f808001, 0x3f81},
+    {0x3f807fff, 0x3f80},
+    {0xbf818000, 0xbf82},
+    {0x7f7fffff, 0x7f80}, // the largest float32 rounds to Inf
+    {0x7f7f7fff, 0x7f7f},
+    {0x7f7f8000, 0x7f80}, // halfway to Inf, odd below: Inf
+    {0x00008000, 0x0000}, // denormal halfway: even 0
+    {0x00018000, 0x0002},
+    {0x80008001, 0x8001},
+    {0x00000001, 0x0000},
+    {0x80000001, 0x8000},
+    {0x7f800000, 0x7f80},
+    {0xff800000, 0xff80},
+    {0x00000000, 0x0000},
+    {0x80000000, 0x8000},
+    {0x3dcccccd, 0x3dcd}, // 0.1f
+};
+
+void check_edges(DType xd, const Edge* edges, size_t count) {
+  const Step one{1.0f, 1.0f};
+  const uint16_t minus_zero = 0x8000;
+  for (Isa isa : supported()) {
+    // At the start (vector path), across a vector boundary and in the tail.
+    for (size_t base : {size_t{0}, size_t{64} + 3, size_t{128}}) {
+      SCOPED_TRACE(::testing::Message() << bits::isa_name(isa) << " at " << base);
+      const size_t n = std::max(base + count, size_t{128});
+      std::vector<uint8_t> x(n * 2), delta(n * 4);
+      std::vector<float> lut(32, -1.0f);
+      Planes planes;
+      planes.words.assign(5, std::vector<uint64_t>(bits::words_for(n), 0));
+      for (size_t i = 0; i < n; ++i) {
+        std::memcpy(x.data() + 2 * i, &minus_zero, 2);
+        const float v =
+            i >= base && i < base + count ? from_bits(edges[i - base].v) : 1.0f;
+        const float minus_v = -v;
+        std::memcpy(delta.data() + 4 * i, &minus_v, 4);
+        // Planes: element i has code i % 32; the table holds -v for it.
+        const uint32_t code = static_cast<uint32_t>(i % 32);
+        for (int b = 0; b < 5; ++b) {
+          planes.words[b][i / 64] |= static_cast<uint64_t>((code >> b) & 1u) << (i % 64);
+        }
+        if (i >= base && i < base + count) {
+          lut[code] = minus_v;
+        }
+      }
+      const auto ref = reference_dense(xd, x, DType::kFloat32, delta, n, one);
+      const auto dense = run_dense(xd, x, DType::kFloat32, delta, n, one, isa);
+      expect_same(xd, dense, ref, n);
+      for (size_t j = 0; j < count; ++j) {
+        uint16_t got, want_ref;
+        std::memcpy(&got, dense.data() + 2 * (base + j), 2);
+        std::memcpy(&want_ref, ref.data() + 2 * (base + j), 2);
+        EXPECT_EQ(got, edges[j].want) << "dense, edge " << j;
+        EXPECT_EQ(want_ref, edges[j].want) << "reference, edge " << j;
+      }
+      // The same values through the planes path, where each code's value is
+      // unique in a window of 32 elements.
+      if (count <= 32 && base % 32 == 0) {
+        const auto pl = run_planes(xd, x, planes, lut, n, one, isa);
+        for (size_t j = 0; j < count; ++j) {
+          uint16_t got;
+          std::memcpy(&got, pl.data() + 2 * (base + j), 2);
+          EXPECT_EQ(got, edges[j].want) << "planes, edge " << j;
+        }
+      }
+    }
+  }
+}
+
+TEST(LionApplyRounding, Float16Store) {
+  check_edges(DType::kFloat16, kF16Edges, std::size(kF16Edges));
+}
+
+TEST(LionApplyRounding, BFloat16Store) {
+  check_edges(DType::kBFloat16, kBF16Edges, std::size(kBF16Edges));
+}
+
+// NaN x or NaN Delta gives NaN; Inf Delta gives -+Inf.
+TEST(LionApplyRounding, NanAndInf) {
+  for (DType xd : kParams) {
+    for (Isa isa : supported()) {
+      const size_t n = 64 + 5;
+      std::vector<uint8_t> x(n * esize(xd)), delta(n * 4);
+      for (size_t i = 0; i < n; ++i) {
+        ref_store(xd, x.data(), i, i % 5 == 0 ? NAN : 1.0f);
+        const float d = i % 5 == 1 ? NAN : (i % 5 == 2 ? INFINITY : 1.0f);
+        std::memcpy(delta.data() + 4 * i, &d, 4);
+      }
+      const auto got = run_dense(xd, x, DType::kFloat32, delta, n,
+                                 step_from(1e-3, 0.1), isa);
+      for (size_t i = 0; i < n; ++i) {
+        const float v = widen(xd, got.data(), i);
+        if (i % 5 <= 1) {
+          EXPECT_TRUE(std::isnan(v)) << i;
+        } else if (i % 5 == 2) {
+          EXPECT_EQ(v, -INFINITY) << i;
+        } else {
+          EXPECT_TRUE(std::isfinite(v)) << i;
+        }
+      }
+    }
+  }
+}
+
+// A vote by hand: planes {sign, zero}, lut {-1, +1, 0, 0}; x = 1,
+// decay = 0.75, lr = 0.5: +1 -> 0.25, -1 -> 1.25, tie -> 0.75.
+TEST(LionApplyPlanesVote, ByHand) {
+  const size_t n = 64 * 2 + 10;
+  for (Isa isa : supported()) {
+    std::vector<float> x(n, 1.0f);
+    std::vector<uint64_t> s(3, 0), z(3, 0);
+    std::vector<float> want(n);
+    for (size_t i = 0; i < n; ++i) {
+      const int vote = static_cast<int>(i % 3) - 1; // -1, 0, +1
+      if (vote > 0) {
+        s[i / 64] |= 1ull << (i % 64);
+        want[i] = 0.25f;
+      } else if (vote == 0) {
+        z[i / 64] |= 1ull << (i % 64);
+        want[i] = 0.75f;
+      } else {
+        want[i] = 1.25f;
+      }
+    }
+    const uint64_t* planes[] = {s.data(), z.data()};
+    const float lut[] = {-1.0f, 1.0f, 0.0f, 0.0f};
+    lion_apply_planes(DType::kFloat32, x.data(), n, planes, 2, lut, 0.5f, 0.75f, isa);
+    EXPECT_EQ(x, want) << bits::isa_name(isa);
+  }
+}
+
+// ---------------------------------------------------------- contract ----
+
+TEST(LionApplyContract, DtypeSupport) {
+  for (DType x : bits::test::all_dtypes()) {
+    const bool px =
+        x == DType::kFloat32 || x == DType::kBFloat16 || x == DType::kFloat16;
+    EXPECT_EQ(lion_param_dtype_supported(x), px) << bits::dtype_name(x);
+    for (DType d : bits::test::all_dtypes()) {
+      const bool pd =
+          d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat16;
+      EXPECT_EQ(lion_apply_dtypes_supported(x, d), px && pd)
+          << bits::dtype_name(x) << " " << bits::dtype_name(d);
+    }
+  }
+}
+
+TEST(LionApplyContract, UnsupportedInputsTouchNothing) {
+  const size_t n = 200;
+  std::vector<uint64_t> plane(4, ~0ull);
+  const uint64_t* planes[17];
+  for (auto& p : planes) {
+    p = plane.data();
+  }
+  std::vector<float> lut(1 << 17, 1.0f);
+  for (Isa isa : supported()) {
+    std::vector<uint8_t> x(n * 8, 0x41), d(n * 8, 0x3f);
+    const auto untouched = [&] {
+      return std::all_of(x.begin(), x.end(), [](uint8_t b) { return b == 0x41; });
+    };
+    lion_apply_dense(DType::kFloat64, x.data(), DType::kFloat32, d.data(), n, 0.1f, 0.9f, isa);
+    lion_apply_dense(DType::kFloat32, x.data(), DType::kFloat64, d.data(), n, 0.1f, 0.9f, isa);
+    lion_apply_dense(DType::kInt8, x.data(), DType::kFloat32, d.data(), n, 0.1f, 0.9f, isa);
+    lion_apply_planes(DType::kFloat64, x.data(), n, planes, 2, lut.data(), 0.1f, 0.9f, isa);
+    lion_apply_planes(DType::kFloat32, x.data(), n, planes, 17, lut.data(), 0.1f, 0.9f, isa);
+    lion_apply_planes(DType::kFloat32, x.data(), n, planes, -1, lut.data(), 0.1f, 0.9f, isa);
+    EXPECT_TRUE(untouched()) << bits::isa_name(isa);
+    lion_apply_dense(DType::kFloat32, nullptr, DType::kFloat32, nullptr, 0, 0.1f, 0.9f, isa);
+    lion_apply_planes(DType::kFloat32, nullptr, 0, nullptr, 2, nullptr, 0.1f, 0.9f, isa);
+  }
+}
+
+// Splitting at multiples of 64 elements (planes offset by i0 / 64) gives the
+// same result as one call, whatever ISA each part runs on.
+TEST(LionApplyContract, SplitAtWordsEqualsOneCall) {
+  const size_t n = 64 * 41 + 27;
+  std::mt19937_64 rng(5);
+  const DType xd = DType::kBFloat16;
+  const auto x = make_values(xd, n, rng, -10, 4);
+  const Planes planes = make_planes(3, n, rng);
+  const auto lut = make_lut(3, rng);
+  const Step s = step_from(0.05, 0.2);
+  const auto whole = run_planes(xd, x, planes, lut, n, s, Isa::kScalar);
+  const auto isas = supported();
+  std::vector<uint8_t> xx = x;
+  size_t i0 = 0;
+  for (size_t part = 0; i0 < n; ++part) {
+    const size_t len = std::min(n - i0, size_t{64} * (part % 4 + 1));
+    const uint64_t* ptrs[3];
+    for (int b = 0; b < 3; ++b) {
+      ptrs[b] = planes.words[b].data() + i0 / 64;
+    }
+    lion_apply_planes(xd, xx.data() + 2 * i0, len, ptrs, 3, lut.data(), s.lr,
+                      s.decay, isas[part % isas.size()]);
+    i0 += len;
+  }
+  expect_same(xd, xx, whole, n);
+}
+
+} // namespace
+} // namespace lionbit::optim
