@@ -6,6 +6,7 @@
 #include "backend/bits/copy_bits.h"
 #include "backend/bits/pack.h"
 #include "backend/sign_allreduce.hpp"
+#include "optimizer/lion.h"
 
 namespace lionbit {
 namespace {
@@ -51,6 +52,90 @@ std::tuple<int64_t, int64_t> pack_signs_into(
   bits::copy_bits(words(sign), static_cast<size_t>(bit_offset), ts, 0, static_cast<size_t>(n));
   bits::copy_bits(words(zero), static_cast<size_t>(bit_offset), ts + w, 0, static_cast<size_t>(n));
   return {static_cast<int64_t>(c.zeros), static_cast<int64_t>(c.nans)};
+}
+
+namespace {
+
+std::optional<bits::DType> float_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return bits::DType::kFloat32;
+    case at::kHalf:
+      return bits::DType::kFloat16;
+    case at::kBFloat16:
+      return bits::DType::kBFloat16;
+    default:
+      return std::nullopt;
+  }
+}
+
+void check_dense(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(
+      t.defined() && t.device().is_cpu() && t.is_contiguous() && float_dtype(t.scalar_type()),
+      "lionbit.", op, ": argument '", name,
+      "' must be a contiguous CPU float32, bfloat16 or float16 tensor, got ",
+      t.defined() ? c10::str(t.scalar_type(), " on ", t.device(), t.is_contiguous() ? "" : " (not contiguous)")
+                  : std::string("undefined"));
+}
+
+} // namespace
+
+bool lion_fused_supported(
+    at::ScalarType param,
+    at::ScalarType grad,
+    at::ScalarType momentum) {
+  const auto p = float_dtype(param), g = float_dtype(grad), m = float_dtype(momentum);
+  return p && g && m && optim::lion_direction_dtypes_supported(*g, *m) &&
+      optim::lion_param_dtype_supported(*p);
+}
+
+int64_t lion_direction_into(
+    const at::Tensor& g,
+    at::Tensor& m,
+    double b1,
+    double omb1,
+    double b2,
+    double omb2,
+    at::Tensor& sign,
+    at::Tensor& zero,
+    int64_t bit_offset) {
+  check_dense(g, "lion_direction_into", "g");
+  check_dense(m, "lion_direction_into", "m");
+  TORCH_CHECK_VALUE(
+      optim::lion_direction_dtypes_supported(*float_dtype(g.scalar_type()), *float_dtype(m.scalar_type())),
+      "lionbit.lion_direction_into: momentum must be float32 or bfloat16, got ", m.scalar_type());
+  TORCH_CHECK_VALUE(
+      g.numel() == m.numel(), "lionbit.lion_direction_into: g has ", g.numel(),
+      " elements, m ", m.numel());
+  TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.lion_direction_into: negative bit_offset");
+  const int64_t n = g.numel();
+  check_plane(sign, "sign", bit_offset + n);
+  check_plane(zero, "zero", bit_offset + n);
+  if (n == 0) {
+    return 0;
+  }
+  const size_t w = bits::words_for(static_cast<size_t>(n));
+  at::Tensor tmp = at::empty({static_cast<int64_t>(2 * w * 8)}, at::kByte);
+  uint64_t* ts = words(tmp);
+  const bits::PackCounts c = optim::lion_direction(
+      *float_dtype(g.scalar_type()), g.data_ptr(), *float_dtype(m.scalar_type()), m.data_ptr(),
+      static_cast<size_t>(n), static_cast<float>(b1), static_cast<float>(omb1),
+      static_cast<float>(b2), static_cast<float>(omb2), ts, ts + w);
+  bits::copy_bits(words(sign), static_cast<size_t>(bit_offset), ts, 0, static_cast<size_t>(n));
+  bits::copy_bits(words(zero), static_cast<size_t>(bit_offset), ts + w, 0, static_cast<size_t>(n));
+  return static_cast<int64_t>(c.nans);
+}
+
+void lion_apply(at::Tensor& x, const at::Tensor& delta, double lr, double decay) {
+  check_dense(x, "lion_apply", "x");
+  check_dense(delta, "lion_apply", "delta");
+  TORCH_CHECK_VALUE(
+      x.numel() == delta.numel(), "lionbit.lion_apply: x has ", x.numel(),
+      " elements, delta ", delta.numel());
+  optim::lion_apply_dense(
+      *float_dtype(x.scalar_type()), x.data_ptr(), *float_dtype(delta.scalar_type()),
+      delta.data_ptr(), static_cast<size_t>(x.numel()), static_cast<float>(lr),
+      static_cast<float>(decay));
 }
 
 } // namespace lionbit

@@ -18,4 +18,27 @@ std::tuple<int64_t, int64_t> pack_signs_into(
     at::Tensor& zero,
     int64_t bit_offset);
 
+// Fused Lion direction (optimizer/lion.h): reads g and m once, writes the new
+// m in place and the direction's bits into the planes at `bit_offset`.
+// Returns the number of NaN directions. Coefficients as in lion.h.
+int64_t lion_direction_into(
+    const at::Tensor& g,
+    at::Tensor& m,
+    double b1,
+    double omb1,
+    double b2,
+    double omb2,
+    at::Tensor& sign,
+    at::Tensor& zero,
+    int64_t bit_offset);
+
+// x = x * decay - lr * delta, in place (optimizer/lion.h).
+void lion_apply(at::Tensor& x, const at::Tensor& delta, double lr, double decay);
+
+// Whether the fused kernels take these dtypes.
+bool lion_fused_supported(
+    at::ScalarType param,
+    at::ScalarType grad,
+    at::ScalarType momentum);
+
 } // namespace lionbit

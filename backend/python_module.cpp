@@ -68,5 +68,27 @@ PYBIND11_MODULE(_C, m) {
       py::arg("sign"),
       py::arg("zero"),
       py::arg("bit_offset"));
+  m.def(
+      "lion_direction_into",
+      &lionbit::lion_direction_into,
+      py::arg("g"),
+      py::arg("m"),
+      py::arg("b1"),
+      py::arg("omb1"),
+      py::arg("b2"),
+      py::arg("omb2"),
+      py::arg("sign"),
+      py::arg("zero"),
+      py::arg("bit_offset"),
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "lion_apply",
+      &lionbit::lion_apply,
+      py::arg("x"),
+      py::arg("delta"),
+      py::arg("lr"),
+      py::arg("decay"),
+      py::call_guard<py::gil_scoped_release>());
+  m.def("lion_fused_supported", &lionbit::lion_fused_supported);
   m.def("cpu_isa", [] { return lionbit::bits::isa_name(lionbit::bits::default_isa()); });
 }

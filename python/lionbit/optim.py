@@ -38,19 +38,23 @@ def _f32(x: float) -> torch.Tensor:
 
 
 class _Coefs:
-    """A group's hyperparameters as the float32 constants of the contract."""
+    """A group's hyperparameters: the float64 values of the contract (the
+    fused kernels round them to float32) and their float32 tensors (for the
+    torch path)."""
 
     def __init__(self, group: dict):
         b1, b2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
-        self.b1, self.omb1 = _f32(b1), _f32(1.0 - b1)
-        self.b2, self.omb2 = _f32(b2), _f32(1.0 - b2)
-        self.lr, self.decay = _f32(lr), _f32(1.0 - lr * wd)
+        self.values = (b1, 1.0 - b1, b2, 1.0 - b2, lr, 1.0 - lr * wd)
+        self.b1, self.omb1, self.b2, self.omb2, self.lr, self.decay = (_f32(v) for v in self.values)
 
 
-def direction_into(g, m, coefs: _Coefs, sign, zero, bit_offset: int) -> int:
+def direction_into(g, m, coefs: _Coefs, sign, zero, bit_offset: int, fused: bool) -> int:
     """Updates momentum m in place and packs sign(b1 m + (1 - b1) g) into the
     uint8 bit-planes sign / zero at bit_offset. Returns the number of NaNs."""
+    if fused:
+        b1, omb1, b2, omb2, _, _ = coefs.values
+        return _C.lion_direction_into(g.reshape(-1), m.view(-1), b1, omb1, b2, omb2, sign, zero, bit_offset)
     gf, mf = g.float(), m.float()
     c = torch.add(torch.mul(mf, coefs.b1), torch.mul(gf, coefs.omb1))
     m.copy_(torch.add(torch.mul(mf, coefs.b2), torch.mul(gf, coefs.omb2)))
@@ -58,10 +62,14 @@ def direction_into(g, m, coefs: _Coefs, sign, zero, bit_offset: int) -> int:
     return nans
 
 
-def apply_update(p, delta, coefs: _Coefs) -> None:
+def apply_update(p, delta, coefs: _Coefs, fused: bool) -> None:
     """x = fl(fl(x * decay) - fl(lr * Delta)), in place."""
+    if fused:
+        _, _, _, _, lr, decay = coefs.values
+        _C.lion_apply(p.view(-1), delta.reshape(-1), lr, decay)
+        return
     xf = p.float()
-    p.copy_(torch.sub(torch.mul(xf, coefs.decay), torch.mul(delta.float(), coefs.lr)))
+    p.copy_(torch.sub(torch.mul(xf, coefs.decay), torch.mul(delta.reshape(p.shape).float(), coefs.lr)))
 
 
 def _planes(numel: int):
@@ -77,7 +85,7 @@ def _local_vote(sign, zero, numel: int) -> torch.Tensor:
         return ((plane.view(torch.int64).unsqueeze(1) >> shifts) & 1).reshape(-1)[:numel]
 
     s, z = bits(sign), bits(zero)
-    return (s - (1 - s) * (1 - z)).to(torch.int8)
+    return (s - (1 - s) * (1 - z)).to(torch.bfloat16)
 
 
 class DistributedLion(torch.optim.Optimizer):
@@ -96,6 +104,10 @@ class DistributedLion(torch.optim.Optimizer):
             or the DDP model's group after :meth:`attach`.
         momentum_dtype: torch.float32 (default) or torch.bfloat16 (halves the
             momentum's memory; every step rounds it to bfloat16).
+        fused: use the fused C++ kernels (one pass over g and m writing the
+            new m and the packed direction; one pass applying the update).
+            None (default): wherever the dtypes allow; False: plain torch
+            ops. Both give bitwise the same result.
 
     Without a process group (``torch.distributed`` not initialized) it is
     single-process Lion. With a plain module, ``step()`` runs the vote itself,
@@ -113,6 +125,7 @@ class DistributedLion(torch.optim.Optimizer):
         aggregation: str = "vote",
         group: Optional[dist.ProcessGroup] = None,
         momentum_dtype: Optional[torch.dtype] = None,
+        fused: Optional[bool] = None,
     ):
         if not lr >= 0.0:
             raise ValueError(f"DistributedLion: argument 'lr' must be >= 0, got {lr}")
@@ -130,6 +143,7 @@ class DistributedLion(torch.optim.Optimizer):
         self.aggregation = aggregation
         self.group = group
         self.momentum_dtype = momentum_dtype or torch.float32
+        self.fused = fused
         self._ddp = None  # the DDP model after attach()
 
     # -- state -------------------------------------------------------------
@@ -146,6 +160,20 @@ class DistributedLion(torch.optim.Optimizer):
         for state in self.state.values():
             if "exp_avg" in state and state["exp_avg"].dtype != self.momentum_dtype:
                 state["exp_avg"] = state["exp_avg"].to(self.momentum_dtype)
+
+    def _fused_for(self, p: torch.Tensor, g: torch.Tensor) -> bool:
+        ok = (
+            p.is_contiguous()
+            and g.is_contiguous()
+            and _C.lion_fused_supported(p.dtype, g.dtype, self.momentum_dtype)
+        )
+        if self.fused and not ok:
+            raise ValueError(
+                f"DistributedLion(fused=True): no fused kernel for parameter {p.dtype}, gradient {g.dtype}, "
+                f"momentum {self.momentum_dtype} (contiguous float32/bfloat16/float16 parameters and gradients, "
+                f"float32/bfloat16 momentum)"
+            )
+        return ok if self.fused is None else bool(self.fused)
 
     def _group_of(self) -> Dict[torch.Tensor, dict]:
         return {p: g for g in self.param_groups for p in g["params"]}
@@ -186,19 +214,23 @@ class DistributedLion(torch.optim.Optimizer):
         if self._ddp is not None:
             # The hook already voted: p.grad holds Delta.
             for p, g in items:
-                apply_update(p, p.grad, _Coefs(g))
+                apply_update(p, p.grad, _Coefs(g), self._fused_for(p, p.grad))
             return loss
         total = sum(p.numel() for p, _ in items)
         sign, zero = _planes(total)
         nans, off = 0, 0
         for p, g in items:
-            nans += direction_into(p.grad.contiguous(), self._momentum(p), _Coefs(g), sign, zero, off)
+            grad = p.grad.contiguous()
+            nans += direction_into(grad, self._momentum(p), _Coefs(g), sign, zero, off, self._fused_for(p, grad))
             off += p.numel()
-        out = torch.empty(total, dtype=torch.int8 if self.aggregation == "vote" else torch.float32)
+        # Delta: -1/0/+1 is exact in bfloat16 (half float32's memory); an
+        # average k/N is rounded to float32, the update's arithmetic type.
+        out = torch.empty(total, dtype=torch.bfloat16 if self.aggregation == "vote" else torch.float32)
         self._vote(sign, zero, total, nans, out, self.group, "step").wait()
         off = 0
         for p, g in items:
-            apply_update(p, out[off : off + p.numel()].view_as(p), _Coefs(g))
+            delta = out[off : off + p.numel()]
+            apply_update(p, delta, _Coefs(g), self._fused_for(p, delta))
             off += p.numel()
         return loss
 
@@ -244,7 +276,7 @@ def _ddp_hook(opt: DistributedLion, bucket: dist.GradBucket) -> torch.futures.Fu
         nans, off = 0, 0
         for p, g in zip(params, grads):
             opt._check_param(p, "attach (DDP hook)")
-            nans += direction_into(g, opt._momentum(p), _Coefs(groups[p]), sign, zero, off)
+            nans += direction_into(g, opt._momentum(p), _Coefs(groups[p]), sign, zero, off, opt._fused_for(p, g))
             off += g.numel()
         if off != total:
             raise RuntimeError(f"DistributedLion: DDP bucket holds {total} elements, its gradients {off}")
