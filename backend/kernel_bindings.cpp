@@ -56,17 +56,13 @@ std::tuple<int64_t, int64_t> pack_signs_into(
 
 namespace {
 
+// The dtypes the fused kernels take: float32, bfloat16, float16.
 std::optional<bits::DType> float_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return bits::DType::kFloat32;
-    case at::kHalf:
-      return bits::DType::kFloat16;
-    case at::kBFloat16:
-      return bits::DType::kBFloat16;
-    default:
-      return std::nullopt;
+  const auto d = bits_dtype(t);
+  if (d && bits::dtype_is_floating(*d) && *d != bits::DType::kFloat64) {
+    return d;
   }
+  return std::nullopt;
 }
 
 void check_dense(const at::Tensor& t, const char* op, const char* name) {

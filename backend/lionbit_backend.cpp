@@ -1,7 +1,12 @@
+#include <Python.h>
+
 #include "backend/lionbit_backend.hpp"
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
+
+#include <mutex>
+#include <unordered_set>
 #include <c10/util/Exception.h>
 
 #include "backend/bits/count.h"
@@ -9,6 +14,20 @@
 #include "backend/sign_work.hpp"
 
 namespace lionbit {
+
+namespace {
+// Every live backend, so that shutdown_all_workers() can stop their threads
+// before the interpreter finalizes.
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::unordered_set<LionBitBackend*>& registry() {
+  static std::unordered_set<LionBitBackend*> r;
+  return r;
+}
+} // namespace
+
 
 LionBitBackend::LionBitBackend(
     c10::intrusive_ptr<c10d::Backend> forward,
@@ -20,6 +39,10 @@ LionBitBackend::LionBitBackend(
       forward_(std::move(forward)),
       sign_(std::move(sign)),
       timeout_(timeout) {
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    registry().insert(this);
+  }
   TORCH_CHECK_VALUE(forward_, "lionbit: argument 'forward' is None");
   TORCH_CHECK_VALUE(sign_, "lionbit: argument 'sign' is None");
   TORCH_CHECK_VALUE(
@@ -31,7 +54,11 @@ LionBitBackend::LionBitBackend(
 }
 
 LionBitBackend::~LionBitBackend() {
-  executor_.shutdown();
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    registry().erase(this);
+  }
+  stopWorker();
 }
 
 SignComm LionBitBackend::signComm() {
@@ -103,6 +130,28 @@ std::string reject_reason(
 
 } // namespace
 
+// Stops a worker without deadlocking on the GIL: a job finishing on the
+// worker may need the GIL to release tensors that Python also owns, while the
+// thread stopping it (a Python call such as destroy_process_group, or the
+// interpreter's own teardown) may hold it.
+void LionBitBackend::stopWorker() {
+  PyThreadState* saved = nullptr;
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    saved = PyEval_SaveThread();
+  }
+  executor_.shutdown();
+  if (saved != nullptr) {
+    PyEval_RestoreThread(saved);
+  }
+}
+
+void LionBitBackend::shutdownAllWorkers() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  for (LionBitBackend* b : registry()) {
+    b->stopWorker();
+  }
+}
+
 void LionBitBackend::reject(
     uint64_t seq,
     bits::SignOp op,
@@ -130,23 +179,37 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
     at::Tensor out,
     std::function<void(const SignComm&)> body) {
   auto work = c10::make_intrusive<SignWork>(rank_, std::vector<at::Tensor>{out});
-  const SignComm comm = signComm();
-  executor_.submit([comm, op, work, body = std::move(body)](bool cancelled) {
+  out = at::Tensor();
+  // What the job holds that Python may own too (tensors, the inner Gloo
+  // backend): released before the Work completes, while the caller still
+  // waits, never afterwards on this thread (see SignWork::complete).
+  struct Held {
+    SignComm comm;
+    std::function<void(const SignComm&)> body;
+  };
+  auto held = std::make_shared<Held>(Held{signComm(), std::move(body)});
+  const int rank = rank_;
+  executor_.submit([held = std::move(held), op, rank, work](bool cancelled) mutable {
+    std::exception_ptr error;
     if (cancelled) {
-      work->fail(std::make_exception_ptr(c10::DistBackendError(
+      error = std::make_exception_ptr(c10::DistBackendError(
           {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
           c10::str(
-              "lionbit all_reduce_sign(op=", bits::sign_op_name(op),
-              ") on rank ", comm.rank,
-              ": the backend was shut down before the call ran"))));
-      return;
+              "lionbit all_reduce_sign(op=", bits::sign_op_name(op), ") on rank ",
+              rank, ": the backend was shut down before the call ran")));
+    } else {
+      try {
+        at::AutoGradMode no_grad(false);
+        held->body(held->comm);
+      } catch (...) {
+        error = std::current_exception();
+      }
     }
-    try {
-      at::AutoGradMode no_grad(false);
-      body(comm);
+    held.reset();
+    if (error) {
+      work->fail(error);
+    } else {
       work->complete();
-    } catch (...) {
-      work->fail(std::current_exception());
     }
   });
   return work;
@@ -379,13 +442,13 @@ void LionBitBackend::setTimeout(std::chrono::milliseconds timeout) {
 }
 
 void LionBitBackend::abort() {
-  executor_.shutdown();
+  stopWorker();
   forward_->abort();
   sign_->abort();
 }
 
 void LionBitBackend::shutdown() {
-  executor_.shutdown();
+  stopWorker();
   forward_->shutdown();
   sign_->shutdown();
 }

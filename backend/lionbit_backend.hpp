@@ -54,6 +54,11 @@ class LionBitBackend : public c10d::Backend {
       at::Tensor out,
       const std::string& op);
 
+  // Stops the sign-path worker of every live backend (queued calls fail,
+  // running ones finish). lionbit registers it with atexit: no worker may run
+  // while the interpreter finalizes.
+  static void shutdownAllWorkers();
+
   Stats& stats() {
     return stats_;
   }
@@ -150,6 +155,7 @@ class LionBitBackend : public c10d::Backend {
 
  private:
   SignComm signComm();
+  void stopWorker();
   // Queues a header round that tells the peers this rank rejected call #seq,
   // then raises `reason` here.
   [[noreturn]] void reject(

@@ -90,5 +90,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("decay"),
       py::call_guard<py::gil_scoped_release>());
   m.def("lion_fused_supported", &lionbit::lion_fused_supported);
+  m.def(
+      "_shutdown_workers",
+      &lionbit::LionBitBackend::shutdownAllWorkers,
+      py::call_guard<py::gil_scoped_release>());
   m.def("cpu_isa", [] { return lionbit::bits::isa_name(lionbit::bits::default_isa()); });
 }

@@ -25,13 +25,16 @@ void SerialExecutor::submit(Job job) {
 void SerialExecutor::shutdown() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ && !thread_.joinable()) {
-      return;
-    }
     stopping_ = true;
     cv_.notify_all();
   }
-  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) {
+  std::lock_guard<std::mutex> join_lock(join_mu_);
+  if (!thread_.joinable()) {
+    return;
+  }
+  if (thread_.get_id() == std::this_thread::get_id()) {
+    thread_.detach();
+  } else {
     thread_.join();
   }
 }

@@ -24,7 +24,10 @@ class SerialExecutor {
   // Queues a job. After shutdown() the job runs at once, cancelled.
   void submit(Job job);
 
-  // Stops taking work: queued jobs run cancelled; the running one finishes.
+  // Stops taking work: queued jobs run cancelled; the running one finishes;
+  // then the worker is joined. Safe to call from several threads and more
+  // than once. Called from the worker itself (a job dropping the last
+  // reference to its owner), the worker is detached instead.
   void shutdown();
 
  private:
@@ -34,6 +37,7 @@ class SerialExecutor {
   std::condition_variable cv_;
   std::deque<Job> queue_;
   bool stopping_ = false;
+  std::mutex join_mu_;
   std::thread thread_;
 };
 

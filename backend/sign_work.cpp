@@ -12,10 +12,15 @@ SignWork::SignWork(int rank, std::vector<at::Tensor> outputs)
           c10::ListType::create(c10::TensorType::get()))) {}
 
 void SignWork::complete() {
-  future_->markCompleted(c10::IValue(outputs_));
+  // The future keeps the outputs from here on: this Work holds no tensor
+  // after completion, so releasing it (on the worker thread, perhaps while
+  // the interpreter finalizes) never touches a Python object.
+  future_->markCompleted(c10::IValue(std::move(outputs_)));
+  outputs_.clear();
 }
 
 void SignWork::fail(std::exception_ptr error) {
+  outputs_.clear();
   future_->setError(std::move(error));
 }
 
@@ -32,6 +37,9 @@ std::exception_ptr SignWork::exception() const {
 }
 
 std::vector<at::Tensor> SignWork::result() {
+  if (future_->completed() && !future_->hasError()) {
+    return future_->value().toTensorVector();
+  }
   return outputs_;
 }
 

@@ -34,6 +34,12 @@ from .optim import DistributedLion  # noqa: E402
 
 _register()
 
+import atexit as _atexit  # noqa: E402
+
+# Stop lionbit's worker threads while the interpreter is still whole: a
+# worker that ran on during finalization could be killed mid-destructor.
+_atexit.register(_C._shutdown_workers)
+
 __all__ = [
     "BACKEND_NAME",
     "all_reduce_sign",

@@ -4,6 +4,7 @@ under torchrun, with and without `import lionbit`, and as "cpu:lionbit"."""
 import hashlib
 import os
 import re
+import tempfile
 import subprocess
 import sys
 
@@ -87,3 +88,39 @@ def test_a_broken_lionbit_never_breaks_import_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("True"), r.stdout + r.stderr
+
+
+EXIT_WORKER = """
+import sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import lionbit
+dist.init_process_group("lionbit")
+model = DDP(torch.nn.Linear(8, 2))
+opt = lionbit.DistributedLion(model.parameters(), lr=1e-3).attach(model)
+for step in range(3):
+    opt.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+pending = [lionbit.all_reduce_sign(torch.randn(1 << 16), async_op=True) for _ in range(3)]
+sys.stdout.write(f"EXITING {dist.get_rank()}\\n")
+sys.stdout.flush()
+# no destroy_process_group, calls possibly still in flight: the interpreter
+# finalizes while lionbit's worker thread exists
+"""
+
+
+def test_exit_without_destroy_process_group_is_clean():
+    # Regression: a worker releasing Python-owned tensors while the
+    # interpreter finalized was killed mid-destructor (std::terminate) or
+    # deadlocked on the GIL, about 1 run in 10.
+    with tempfile.TemporaryDirectory() as d:
+        script = os.path.join(d, "exit_worker.py")
+        with open(script, "w") as f:
+            f.write(EXIT_WORKER)
+        penv = dict(os.environ)
+        penv.pop("LOCAL_WORLD_SIZE", None)
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        for attempt in range(6):
+            r = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", script],
+                               capture_output=True, text=True, timeout=120, env=penv)
+            assert r.returncode == 0 and "terminate called" not in r.stderr, (attempt, r.stdout + r.stderr)

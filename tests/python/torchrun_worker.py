@@ -27,5 +27,6 @@ dist.all_reduce(t)
 assert torch.equal(x, expect), x[:30]
 assert t.tolist() == [float(n)] * 3
 assert dist.get_backend() == spec.split(":")[-1] or spec.startswith("cpu:")
-print(f"OK rank {rank} backend {dist.get_backend()}")
+sys.stdout.write(f"OK rank {rank} backend {dist.get_backend()}\n")  # one write: atomic on a pipe
+sys.stdout.flush()
 dist.destroy_process_group()
