@@ -249,7 +249,7 @@ def test_ddp_attach_equals_plain_module_and_replicas_match(case):
 
 def ddp_unused_parameters(rank, n):
     # A parameter used on every other step only: find_unused_parameters.
-    model, _ = _ddp_train(rank, n, 8, ddp_kwargs={"find_unused_parameters": True}, unused=True)
+    model, _ = _ddp_train(rank, n, 60, ddp_kwargs={"find_unused_parameters": True}, unused=True)
     return _hash(model)
 
 
