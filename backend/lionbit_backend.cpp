@@ -16,6 +16,31 @@
 namespace lionbit {
 
 namespace {
+// Releases the GIL, if this thread holds it, for the scope. Tearing down
+// waits for other threads - lionbit's worker, the inner Gloo backends' worker
+// threads - that may need the GIL to release tensors Python also owns, while
+// the thread tearing down (a Python call such as destroy_process_group, the
+// ProcessGroup's deallocation, the interpreter's teardown) may hold it:
+// waiting with the GIL held deadlocks. (torch binds its own backends with a
+// holder that does the same.)
+class WithoutGil {
+ public:
+  WithoutGil()
+      : saved_(Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  ~WithoutGil() {
+    if (saved_ != nullptr) {
+      PyEval_RestoreThread(saved_);
+    }
+  }
+  WithoutGil(const WithoutGil&) = delete;
+  WithoutGil& operator=(const WithoutGil&) = delete;
+
+ private:
+  PyThreadState* saved_;
+};
+} // namespace
+
+namespace {
 // Every live backend, so that shutdown_all_workers() can stop their threads
 // before the interpreter finalizes.
 std::mutex& registry_mutex() {
@@ -58,7 +83,12 @@ LionBitBackend::~LionBitBackend() {
     std::lock_guard<std::mutex> lock(registry_mutex());
     registry().erase(this);
   }
-  stopWorker();
+  WithoutGil no_gil;
+  executor_.shutdown();
+  // The inner Gloo backends join their worker threads when destroyed: drop
+  // them here, without the GIL, not in the implicit member destructors.
+  forward_.reset();
+  sign_.reset();
 }
 
 SignComm LionBitBackend::signComm() {
@@ -130,19 +160,9 @@ std::string reject_reason(
 
 } // namespace
 
-// Stops a worker without deadlocking on the GIL: a job finishing on the
-// worker may need the GIL to release tensors that Python also owns, while the
-// thread stopping it (a Python call such as destroy_process_group, or the
-// interpreter's own teardown) may hold it.
 void LionBitBackend::stopWorker() {
-  PyThreadState* saved = nullptr;
-  if (Py_IsInitialized() && PyGILState_Check()) {
-    saved = PyEval_SaveThread();
-  }
+  WithoutGil no_gil;
   executor_.shutdown();
-  if (saved != nullptr) {
-    PyEval_RestoreThread(saved);
-  }
 }
 
 void LionBitBackend::shutdownAllWorkers() {
@@ -442,13 +462,15 @@ void LionBitBackend::setTimeout(std::chrono::milliseconds timeout) {
 }
 
 void LionBitBackend::abort() {
-  stopWorker();
+  WithoutGil no_gil;
+  executor_.shutdown();
   forward_->abort();
   sign_->abort();
 }
 
 void LionBitBackend::shutdown() {
-  stopWorker();
+  WithoutGil no_gil;
+  executor_.shutdown();
   forward_->shutdown();
   sign_->shutdown();
 }
