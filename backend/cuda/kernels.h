@@ -1,0 +1,96 @@
+// The bit kernels of backend/bits on the GPU: pack, count / vote and unpack.
+// Same bit layouts and bitwise the same results as the CPU kernels. No torch
+// here; compiled by nvcc into the static library lionbit_cuda.
+//
+// Every function only enqueues work on `stream` and returns: no host
+// synchronisation, no allocation. Pointers are device pointers (the caller
+// keeps them alive until the stream has passed the work). n == 0 (or
+// words == 0) enqueues nothing. A launch failure throws std::runtime_error
+// naming the kernel and the CUDA error.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "backend/bits/types.h"
+
+namespace lionbit::cuda {
+
+// Tallies that pack kernels ADD to (the caller zeroes them first): elements
+// equal to zero (-0.0 included) and NaN elements (whose sign and zero bits are
+// both 0), exactly as bits::PackCounts.
+struct Counts {
+  unsigned long long zeros;
+  unsigned long long nans;
+};
+
+// Code bit-planes of gathered shards. The words of shard r are words
+// [r * shard_words, (r + 1) * shard_words) of every plane; plane b of shard r
+// starts at base + (r * nplanes + b) * shard_words. With shard_words equal to
+// the total number of words this is plain plane-major storage (plane b at
+// base + b * shard_words). This is what an all-gather of per-shard results
+// (each rank's message: its nplanes planes of its shard) produces.
+struct ShardedPlanes {
+  const uint64_t* base;
+  int nplanes; // 0 .. bits::kMaxUnpackPlanes (16)
+  size_t shard_words;
+};
+
+// Writes the signs of src[0..n) (contiguous, `dtype`) into bits
+// [bit_offset, bit_offset + n) of `sign` (bit set: x > 0) and `zero` (bit
+// set: x == 0), bit i of the planes being bit i % 64 of word i / 64. All other
+// bits of both planes are left as they are (so several tensors can be packed
+// end to end into one buffer by successive calls on one stream). The test is
+// on the bit pattern as in bits::pack_signs: denormals are nonzero, -0.0 is
+// zero, +-Inf is +-1, NaN sets neither bit and is counted.
+void pack_signs(
+    bits::DType dtype,
+    const void* src,
+    size_t n,
+    uint64_t* sign,
+    uint64_t* zero,
+    size_t bit_offset,
+    Counts* counts,
+    cudaStream_t stream);
+
+// Contributions of n ranks to one shard of `words` words: rank i's sign plane
+// at sign + i * stride, its zero plane at zero + i * stride (zero == nullptr:
+// no rank has a zero; a rank without zeros may also send an all-zero plane).
+// count_code writes bits::code_planes(n, zero != nullptr) planes of `words`
+// words, plane b at out + b * words, with exactly the code of
+// bits::count_code. n is 1 .. 1024.
+void count_code(
+    const uint64_t* sign,
+    const uint64_t* zero,
+    size_t stride,
+    int n,
+    size_t words,
+    uint64_t* out,
+    cudaStream_t stream);
+
+// Majority vote as bits::vote: out_sign bit set where Sum > 0, out_zero bit
+// set where Sum == 0. Inputs as count_code.
+void vote(
+    const uint64_t* sign,
+    const uint64_t* zero,
+    size_t stride,
+    int n,
+    size_t words,
+    uint64_t* out_sign,
+    uint64_t* out_zero,
+    cudaStream_t stream);
+
+// dst[i] = lut[code_i] for i < n (contiguous, `dtype`), where bit b of
+// code_i is bit i of plane b (planes as ShardedPlanes). lut: device memory,
+// 2^nplanes entries of `dtype` (bits::make_lut builds it on the host).
+void unpack(
+    bits::DType dtype,
+    ShardedPlanes planes,
+    size_t n,
+    const void* lut,
+    void* dst,
+    cudaStream_t stream);
+
+} // namespace lionbit::cuda

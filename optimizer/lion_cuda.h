@@ -1,0 +1,65 @@
+// The fused Lion kernels of optimizer/lion.h on the GPU, under exactly the
+// same float contract (see lion.h: float32 arithmetic, every operation
+// rounded on its own, never a fused multiply-add, round-to-nearest-even
+// stores) and therefore bitwise equal to the CPU kernels. No torch here;
+// compiled by nvcc into lionbit_cuda.
+//
+// As in backend/cuda/kernels.h: device pointers, enqueue on `stream` only,
+// no host synchronisation, std::runtime_error on a launch failure.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "backend/bits/types.h"
+#include "backend/cuda/kernels.h"
+
+namespace lionbit::optim::cuda {
+
+// Step 1 in one pass over g and m (dtypes as lion_direction): writes the new
+// momentum into m and the signs of c = b1*m + omb1*g into bits
+// [bit_offset, bit_offset + n) of `sign` and `zero` (all other bits left as
+// they are, as lionbit::cuda::pack_signs); adds the c == 0 and NaN counts to
+// `counts`.
+void lion_direction(
+    bits::DType grad_dtype,
+    const void* g,
+    bits::DType momentum_dtype,
+    void* m,
+    size_t n,
+    float b1,
+    float omb1,
+    float b2,
+    float omb2,
+    uint64_t* sign,
+    uint64_t* zero,
+    size_t bit_offset,
+    lionbit::cuda::Counts* counts,
+    cudaStream_t stream);
+
+// x[i] = fl(fl(x[i] * decay) - fl(lr * delta[i])), as lion_apply_dense.
+void lion_apply_dense(
+    bits::DType param_dtype,
+    void* x,
+    bits::DType delta_dtype,
+    const void* delta,
+    size_t n,
+    float lr,
+    float decay,
+    cudaStream_t stream);
+
+// As lion_apply_planes: Delta_i = lut[code_i] (lut: device memory, 2^nplanes
+// floats; planes as lionbit::cuda::ShardedPlanes).
+void lion_apply_planes(
+    bits::DType param_dtype,
+    void* x,
+    size_t n,
+    lionbit::cuda::ShardedPlanes planes,
+    const float* lut,
+    float lr,
+    float decay,
+    cudaStream_t stream);
+
+} // namespace lionbit::optim::cuda
