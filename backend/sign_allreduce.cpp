@@ -14,103 +14,10 @@
 #include "backend/bits/pack.h"
 #include "backend/bits/unpack.h"
 #include "backend/bits/zeros.h"
+#include "backend/sign_common.hpp"
 
 namespace lionbit {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-// Default elements per pipelined chunk (rounded to a multiple of 64 * N).
-// LIONBIT_CHUNK_ELEMS overrides it; every rank must use the same value (the
-// header round checks).
-constexpr uint64_t kDefaultChunkElems = uint64_t{1} << 22;
-
-// Adds the time spent in its scope to a counter.
-class ScopedTimer {
- public:
-  explicit ScopedTimer(std::atomic<uint64_t>& into)
-      : into_(into), start_(Clock::now()) {}
-  ~ScopedTimer() {
-    into_ += static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(
-            Clock::now() - start_)
-            .count());
-  }
-
- private:
-  std::atomic<uint64_t>& into_;
-  Clock::time_point start_;
-};
-
-std::string where(const SignComm& c, bits::SignOp op) {
-  return std::string("lionbit all_reduce_sign(op=") + bits::sign_op_name(op) +
-      ") on rank " + std::to_string(c.rank) + ": ";
-}
-
-at::Tensor byte_buffer(size_t n) {
-  return at::empty({static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte));
-}
-
-uint64_t* words_of(const at::Tensor& t) {
-  return reinterpret_cast<uint64_t*>(t.data_ptr<uint8_t>());
-}
-
-uint8_t* bytes_of(const at::Tensor& t) {
-  return t.data_ptr<uint8_t>();
-}
-
-uint64_t requested_chunk_elems() {
-  const char* env = std::getenv("LIONBIT_CHUNK_ELEMS");
-  if (env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    const unsigned long long v = std::strtoull(env, &end, 10);
-    if (end != nullptr && *end == '\0' && v > 0) {
-      return v;
-    }
-  }
-  return kDefaultChunkElems;
-}
-
-// Waits for an inner collective; a failure (a dead peer, a timeout) becomes
-// an error naming lionbit, the op, the rank and the step.
-void wait_inner(
-    const SignComm& c,
-    bits::SignOp op,
-    const char* step,
-    const c10::intrusive_ptr<c10d::Work>& work) {
-  ScopedTimer t(c.stats->comm_ns);
-  try {
-    work->wait();
-  } catch (const c10::Error& e) {
-    TORCH_CHECK_WITH(
-        DistBackendError, false, where(c, op), "the ", step,
-        " over the inner Gloo communicator failed: ", e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    TORCH_CHECK_WITH(
-        DistBackendError, false, where(c, op), "the ", step,
-        " over the inner Gloo communicator failed: ", e.what());
-  }
-}
-
-// Ring all-gather: each rank sends and receives (N - 1) chunks.
-void count_allgather(const SignComm& c, size_t chunk) {
-  const uint64_t b = static_cast<uint64_t>(chunk) * (c.world_size - 1);
-  c.stats->bytes_sent += b;
-  c.stats->bytes_received += b;
-}
-
-bits::HeaderSummary header_round(
-    const SignComm& c,
-    bits::SignOp op,
-    const bits::WireHeader& mine) {
-  at::Tensor in = byte_buffer(sizeof(bits::WireHeader));
-  std::memcpy(bytes_of(in), &mine, sizeof mine);
-  at::Tensor out = byte_buffer(sizeof(bits::WireHeader) * c.world_size);
-  wait_inner(c, op, "header round", c.comm->_allgather_base(out, in));
-  count_allgather(c, sizeof(bits::WireHeader));
-  return bits::check_headers(
-      reinterpret_cast<const bits::WireHeader*>(bytes_of(out)), c.world_size, mine);
-}
 
 // One pipelined chunk: elements [begin, begin + len) of the tensor.
 struct Chunk {
