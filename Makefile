@@ -6,6 +6,8 @@
 #   make test          C++ tests (ctest) and Python tests (pytest)
 #   make build         (re)build and install the package into the venv
 #   make test-cpp / test-python
+#   make test-gpu      the GPU tests (ctest -L gpu, pytest -m gpu); they skip, saying
+#                      why, where there is no GPU
 #
 # The virtual environment lives outside the clone so fresh clones reuse it.
 LIONBIT_VENV ?= $(HOME)/.cache/lionbit/venv
@@ -14,8 +16,15 @@ PYTHON       ?= python3
 JOBS         ?= $(shell nproc)
 PY           := $(LIONBIT_VENV)/bin/python
 export LIONBIT_VENV TORCH_SPEC PYTHON
+# The CUDA path is built wherever nvcc is (CMake's LIONBIT_CUDA=AUTO): let
+# CMake find the toolkit's usual home even when it is not on PATH.
+ifeq ($(origin CUDACXX),undefined)
+ifneq ($(wildcard /usr/local/cuda/bin/nvcc),)
+export CUDACXX := /usr/local/cuda/bin/nvcc
+endif
+endif
 
-.PHONY: all setup build test test-cpp test-python demo demo-sign convergence clean
+.PHONY: all setup build test test-cpp test-python test-gpu demo demo-sign convergence clean
 
 all: build
 
@@ -37,6 +46,12 @@ test-cpp: setup
 
 test-python: build
 	@$(PY) -m pytest tests/python -q -ra
+
+test-gpu: build
+	@cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release -DLIONBIT_BUILD_TESTS=ON >/dev/null
+	@cmake --build build/cpp -j $(JOBS)
+	@ctest --test-dir build/cpp -L gpu --output-on-failure --timeout 600
+	@$(PY) -m pytest tests/python -m gpu -v -ra
 
 TORCHRUN := env -u LOCAL_WORLD_SIZE $(LIONBIT_VENV)/bin/torchrun --standalone --nproc-per-node 4
 

@@ -12,6 +12,9 @@
 #include "backend/bits/count.h"
 #include "backend/bits/unpack.h"
 #include "backend/sign_work.hpp"
+#ifdef LIONBIT_WITH_CUDA
+#include "backend/sign_allreduce_cuda.hpp"
+#endif
 
 namespace lionbit {
 
@@ -59,10 +62,14 @@ LionBitBackend::LionBitBackend(
     c10::intrusive_ptr<c10d::Backend> sign,
     int rank,
     int size,
-    std::chrono::milliseconds timeout)
+    std::chrono::milliseconds timeout,
+    c10::intrusive_ptr<c10d::Backend> forward_cuda,
+    c10::intrusive_ptr<c10d::Backend> sign_cuda)
     : c10d::Backend(rank, size),
       forward_(std::move(forward)),
       sign_(std::move(sign)),
+      forward_cuda_(std::move(forward_cuda)),
+      sign_cuda_(std::move(sign_cuda)),
       timeout_(timeout) {
   {
     std::lock_guard<std::mutex> lock(registry_mutex());
@@ -76,6 +83,11 @@ LionBitBackend::LionBitBackend(
       "lionbit: inner backends span rank ", forward_->getRank(), "/",
       forward_->getSize(), " and ", sign_->getRank(), "/", sign_->getSize(),
       ", expected rank ", rank, " of ", size);
+  for (const auto* b : {&forward_cuda_, &sign_cuda_}) {
+    TORCH_CHECK_VALUE(
+        !*b || ((*b)->getRank() == rank && (*b)->getSize() == size),
+        "lionbit: the inner CUDA backends must span rank ", rank, " of ", size);
+  }
 }
 
 LionBitBackend::~LionBitBackend() {
@@ -89,10 +101,33 @@ LionBitBackend::~LionBitBackend() {
   // them here, without the GIL, not in the implicit member destructors.
   forward_.reset();
   sign_.reset();
+  forward_cuda_.reset();
+  sign_cuda_.reset();
 }
 
 SignComm LionBitBackend::signComm() {
-  return SignComm{sign_, rank_, size_, &stats_};
+  return SignComm{sign_, rank_, size_, &stats_, sign_cuda_};
+}
+
+c10d::Backend& LionBitBackend::inner(const at::Tensor& t) {
+  if (forward_cuda_ && t.defined() && t.is_cuda()) {
+    return *forward_cuda_;
+  }
+  return *forward_;
+}
+
+c10d::Backend& LionBitBackend::inner(const std::vector<at::Tensor>& ts) {
+  return ts.empty() ? *forward_ : inner(ts.front());
+}
+
+std::vector<c10d::Backend*> LionBitBackend::inners() {
+  std::vector<c10d::Backend*> all;
+  for (auto* b : {&forward_, &sign_, &forward_cuda_, &sign_cuda_}) {
+    if (*b) {
+      all.push_back(b->get());
+    }
+  }
+  return all;
 }
 
 namespace {
@@ -104,6 +139,11 @@ std::string reject_reason(
     const std::string& op_name,
     int world,
     bits::SignOp* op) {
+#ifdef LIONBIT_WITH_CUDA
+  constexpr bool cuda_built = true;
+#else
+  constexpr bool cuda_built = false;
+#endif
   if (op_name == "vote") {
     *op = bits::SignOp::kVote;
   } else if (op_name == "avg") {
@@ -121,13 +161,17 @@ std::string reject_reason(
         "; only dense (strided) tensors are supported";
   }
   if (tensor.device().type() != at::kCPU) {
-    if (tensor.is_cuda()) {
+    if (tensor.is_cuda() && cuda_built) {
+      // the CUDA path
+    } else if (tensor.is_cuda()) {
       return "argument 'tensor' is on " + tensor.device().str() +
           "; this build of lionbit runs the sign all-reduce on CPU tensors "
-          "only (the CUDA path is not built yet)";
+          "only (it was built without the CUDA path: no nvcc or a CPU-only "
+          "torch at build time)";
+    } else {
+      return "argument 'tensor' is on " + tensor.device().str() +
+          "; the sign all-reduce supports CPU and CUDA tensors";
     }
-    return "argument 'tensor' is on " + tensor.device().str() +
-        "; the sign all-reduce supports CPU tensors";
   }
   const auto dtype = bits_dtype(tensor.scalar_type());
   if (!dtype) {
@@ -244,6 +288,14 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSign(
   if (!reason.empty()) {
     reject(seq, op, op_name, reason);
   }
+#ifdef LIONBIT_WITH_CUDA
+  if (tensor.is_cuda()) {
+    auto ready = cuda_mark_ready(tensor);
+    return enqueue(op, tensor, [tensor, op, seq, ready](const SignComm& comm) mutable {
+      sign_allreduce_cuda(comm, tensor, op, seq, ready);
+    });
+  }
+#endif
   return enqueue(op, tensor, [tensor, op, seq](const SignComm& comm) mutable {
     sign_allreduce(comm, tensor, op, seq);
   });
@@ -292,99 +344,146 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPacked(
   });
 }
 
+c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPackedDevice(
+    at::Tensor sign,
+    at::Tensor zero,
+    at::Tensor counts,
+    int64_t numel,
+    at::Tensor out,
+    const std::string& op_name) {
+  const uint64_t seq = next_seq_++;
+  bits::SignOp op = bits::SignOp::kVote;
+  std::string reason = reject_reason(out, op_name, size_, &op);
+  if (reason.empty() && !out.is_cuda()) {
+    reason = "argument 'out' must be a CUDA tensor (planes packed on the GPU)";
+  }
+  if (reason.empty() && (numel < 0 || out.numel() != numel || !out.is_contiguous())) {
+    reason = "argument 'out' must be contiguous with numel elements (" + std::to_string(numel) + ")";
+  }
+  const int64_t need = static_cast<int64_t>(bits::words_for(static_cast<size_t>(std::max<int64_t>(numel, 0))) * 8);
+  auto problem = [&](const at::Tensor& t, const char* name, at::ScalarType dt, int64_t at_least) -> std::string {
+    if (!t.defined() || t.device() != out.device() || t.scalar_type() != dt || !t.is_contiguous() ||
+        t.numel() < at_least) {
+      return std::string("argument '") + name + "' must be a contiguous " + c10::toString(dt) +
+          " tensor on " + out.device().str() + " of at least " + std::to_string(at_least) + " elements";
+    }
+    return "";
+  };
+  if (reason.empty()) {
+    reason = problem(sign, "sign", at::kByte, need);
+  }
+  if (reason.empty()) {
+    reason = problem(zero, "zero", at::kByte, need);
+  }
+  if (reason.empty()) {
+    reason = problem(counts, "counts", at::kLong, 2);
+  }
+  if (!reason.empty()) {
+    reject(seq, op, op_name, reason);
+  }
+#ifdef LIONBIT_WITH_CUDA
+  auto ready = cuda_mark_ready(out);
+  return enqueue(op, out, [sign, zero, counts, numel, out, op, seq, ready](const SignComm& comm) mutable {
+    sign_allreduce_cuda_packed(comm, sign, zero, counts, numel, out, op, seq, ready);
+  });
+#else
+  reject(seq, op, op_name, "this build of lionbit has no CUDA path");
+#endif
+}
+
 // --- forwarding ------------------------------------------------------------
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
-  return forward_->broadcast(tensors, opts);
+  return inner(tensors).broadcast(tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
-  return forward_->allreduce(tensors, opts);
+  return inner(tensors).allreduce(tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduce_sparse(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
-  return forward_->allreduce_sparse(tensors, opts);
+  return inner(tensors).allreduce_sparse(tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
-  return forward_->allreduce_coalesced(tensors, opts);
+  return inner(tensors).allreduce_coalesced(tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::reduce(
     std::vector<at::Tensor>& tensors,
     const c10d::ReduceOptions& opts) {
-  return forward_->reduce(tensors, opts);
+  return inner(tensors).reduce(tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return forward_->allgather(outputs, inputs, opts);
+  return inner(inputs).allgather(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
-  return forward_->_allgather_base(output, input, opts);
+  return inner(input)._allgather_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return forward_->allgather_coalesced(outputs, inputs, opts);
+  return inner(inputs).allgather_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return forward_->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  return inner(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  return forward_->gather(outputs, inputs, opts);
+  return inner(inputs).gather(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  return forward_->scatter(outputs, inputs, opts);
+  return inner(outputs).scatter(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return forward_->reduce_scatter(outputs, inputs, opts);
+  return inner(outputs).reduce_scatter(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
-  return forward_->_reduce_scatter_base(output, input, opts);
+  return inner(input)._reduce_scatter_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return forward_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  return inner(inputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::alltoall_base(
@@ -393,7 +492,7 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::alltoall_base(
     std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes,
     const c10d::AllToAllOptions& opts) {
-  return forward_->alltoall_base(
+  return inner(input).alltoall_base(
       output, input, output_split_sizes, input_split_sizes, opts);
 }
 
@@ -401,27 +500,27 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::alltoall(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
-  return forward_->alltoall(outputs, inputs, opts);
+  return inner(inputs).alltoall(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::send(
     std::vector<at::Tensor>& tensors,
     int dst_rank,
     int tag) {
-  return forward_->send(tensors, dst_rank, tag);
+  return inner(tensors).send(tensors, dst_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::recv(
     std::vector<at::Tensor>& tensors,
     int src_rank,
     int tag) {
-  return forward_->recv(tensors, src_rank, tag);
+  return inner(tensors).recv(tensors, src_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::recvAnysource(
     std::vector<at::Tensor>& tensors,
     int tag) {
-  return forward_->recvAnysource(tensors, tag);
+  return inner(tensors).recvAnysource(tensors, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::barrier(
@@ -444,35 +543,38 @@ uint64_t LionBitBackend::getSequenceNumberForGroup() {
 }
 
 bool LionBitBackend::supportsCoalescing() const {
-  return forward_->supportsCoalescing();
+  return forwardCudaBackend()->supportsCoalescing();
 }
 
 void LionBitBackend::startCoalescing() {
-  forward_->startCoalescing();
+  forwardCudaBackend()->startCoalescing();
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::endCoalescing() {
-  return forward_->endCoalescing();
+  return forwardCudaBackend()->endCoalescing();
 }
 
 void LionBitBackend::setTimeout(std::chrono::milliseconds timeout) {
   timeout_ = timeout;
-  forward_->setTimeout(timeout);
-  sign_->setTimeout(timeout);
+  for (c10d::Backend* b : inners()) {
+    b->setTimeout(timeout);
+  }
 }
 
 void LionBitBackend::abort() {
   WithoutGil no_gil;
   executor_.shutdown();
-  forward_->abort();
-  sign_->abort();
+  for (c10d::Backend* b : inners()) {
+    b->abort();
+  }
 }
 
 void LionBitBackend::shutdown() {
   WithoutGil no_gil;
   executor_.shutdown();
-  forward_->shutdown();
-  sign_->shutdown();
+  for (c10d::Backend* b : inners()) {
+    b->shutdown();
+  }
 }
 
 } // namespace lionbit

@@ -21,12 +21,20 @@ class LionBitBackend : public c10d::Backend {
   // `forward` carries the standard collectives (the caller's thread, the
   // caller's order); `sign` is used only by the sign path's worker. Both must
   // span the same ranks as this backend.
+  //
+  // CUDA tensors: `forward_cuda` carries their standard collectives and
+  // `sign_cuda` the sign path's data (both ProcessGroupNCCL, each its own
+  // communicator). Either may be null: standard collectives on CUDA tensors
+  // then go to `forward` (Gloo handles CUDA tensors), and the sign path
+  // stages its packed bits through host memory over `sign`.
   LionBitBackend(
       c10::intrusive_ptr<c10d::Backend> forward,
       c10::intrusive_ptr<c10d::Backend> sign,
       int rank,
       int size,
-      std::chrono::milliseconds timeout);
+      std::chrono::milliseconds timeout,
+      c10::intrusive_ptr<c10d::Backend> forward_cuda = {},
+      c10::intrusive_ptr<c10d::Backend> sign_cuda = {});
   ~LionBitBackend() override;
 
   const std::string getBackendName() const override {
@@ -39,6 +47,17 @@ class LionBitBackend : public c10d::Backend {
   // raise here (and peers are told, so they fail at once rather than wait).
   c10::intrusive_ptr<c10d::Work> allreduceSign(
       at::Tensor tensor,
+      const std::string& op);
+
+  // allreduceSignPacked for planes packed on a GPU: `counts` is an int64
+  // tensor {zeros, NaNs} on the same device as the planes and `out` (the
+  // fused Lion kernel tallies them there; no host synchronisation).
+  c10::intrusive_ptr<c10d::Work> allreduceSignPackedDevice(
+      at::Tensor sign,
+      at::Tensor zero,
+      at::Tensor counts,
+      int64_t numel,
+      at::Tensor out,
       const std::string& op);
 
   // The same collective on direction bits packed by the caller (uint8
@@ -64,6 +83,14 @@ class LionBitBackend : public c10d::Backend {
   }
   const c10::intrusive_ptr<c10d::Backend>& forwardBackend() const {
     return forward_;
+  }
+  // The backend that carries standard collectives on CUDA tensors.
+  const c10::intrusive_ptr<c10d::Backend>& forwardCudaBackend() const {
+    return forward_cuda_ ? forward_cuda_ : forward_;
+  }
+  // "nccl" or "gloo": what moves the sign path's data for CUDA tensors.
+  std::string cudaTransport() const {
+    return sign_cuda_ ? sign_cuda_->getBackendName() : "gloo";
   }
 
   // --- standard collectives: forwarded ----------------------------------
@@ -155,6 +182,10 @@ class LionBitBackend : public c10d::Backend {
 
  private:
   SignComm signComm();
+  // The inner backend for a collective on `t` (by device type).
+  c10d::Backend& inner(const at::Tensor& t);
+  c10d::Backend& inner(const std::vector<at::Tensor>& ts);
+  std::vector<c10d::Backend*> inners();
   void stopWorker();
   // Queues a header round that tells the peers this rank rejected call #seq,
   // then raises `reason` here.
@@ -170,6 +201,8 @@ class LionBitBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Backend> forward_;
   c10::intrusive_ptr<c10d::Backend> sign_;
+  c10::intrusive_ptr<c10d::Backend> forward_cuda_;
+  c10::intrusive_ptr<c10d::Backend> sign_cuda_;
   std::chrono::milliseconds timeout_;
   std::atomic<uint64_t> next_seq_{0};
   Stats stats_;

@@ -6,6 +6,9 @@
 #include "backend/bits/isa.h"
 #include "backend/kernel_bindings.hpp"
 #include "backend/lionbit_backend.hpp"
+#ifdef LIONBIT_WITH_CUDA
+#include "backend/kernel_bindings_cuda.hpp"
+#endif
 
 namespace py = pybind11;
 
@@ -24,15 +27,21 @@ PYBIND11_MODULE(_C, m) {
                       const c10::intrusive_ptr<c10d::Backend>& sign,
                       int rank,
                       int size,
-                      std::chrono::milliseconds timeout) {
+                      std::chrono::milliseconds timeout,
+                      std::optional<c10::intrusive_ptr<c10d::Backend>> forward_cuda,
+                      std::optional<c10::intrusive_ptr<c10d::Backend>> sign_cuda) {
             return c10::make_intrusive<lionbit::LionBitBackend>(
-                forward, sign, rank, size, timeout);
+                forward, sign, rank, size, timeout,
+                forward_cuda.value_or(c10::intrusive_ptr<c10d::Backend>()),
+                sign_cuda.value_or(c10::intrusive_ptr<c10d::Backend>()));
           }),
           py::arg("forward"),
           py::arg("sign"),
           py::arg("rank"),
           py::arg("size"),
-          py::arg("timeout"))
+          py::arg("timeout"),
+          py::arg("forward_cuda") = py::none(),
+          py::arg("sign_cuda") = py::none())
       .def(
           "all_reduce_sign",
           &lionbit::LionBitBackend::allreduceSign,
@@ -50,6 +59,17 @@ PYBIND11_MODULE(_C, m) {
           py::arg("op") = "vote",
           py::call_guard<py::gil_scoped_release>())
       .def(
+          "all_reduce_sign_packed_device",
+          &lionbit::LionBitBackend::allreduceSignPackedDevice,
+          py::arg("sign"),
+          py::arg("zero"),
+          py::arg("counts"),
+          py::arg("numel"),
+          py::arg("out"),
+          py::arg("op") = "vote",
+          py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("cuda_transport", &lionbit::LionBitBackend::cudaTransport)
+      .def(
           "stats",
           [](lionbit::LionBitBackend& self) { return self.stats().snapshot(); })
       .def(
@@ -60,7 +80,11 @@ PYBIND11_MODULE(_C, m) {
 
   m.attr("__version__") = LIONBIT_VERSION;
   m.attr("torch_version") = LIONBIT_TORCH_VERSION;
+#ifdef LIONBIT_WITH_CUDA
+  m.attr("built_with_cuda") = true;
+#else
   m.attr("built_with_cuda") = false;
+#endif
   m.def(
       "pack_signs_into",
       &lionbit::pack_signs_into,
@@ -90,6 +114,36 @@ PYBIND11_MODULE(_C, m) {
       py::arg("decay"),
       py::call_guard<py::gil_scoped_release>());
   m.def("lion_fused_supported", &lionbit::lion_fused_supported);
+#ifdef LIONBIT_WITH_CUDA
+  m.def(
+      "pack_signs_into_device",
+      &lionbit::pack_signs_into_device,
+      py::arg("t"),
+      py::arg("sign"),
+      py::arg("zero"),
+      py::arg("counts"),
+      py::arg("bit_offset"));
+  m.def(
+      "lion_direction_into_device",
+      &lionbit::lion_direction_into_device,
+      py::arg("g"),
+      py::arg("m"),
+      py::arg("b1"),
+      py::arg("omb1"),
+      py::arg("b2"),
+      py::arg("omb2"),
+      py::arg("sign"),
+      py::arg("zero"),
+      py::arg("counts"),
+      py::arg("bit_offset"));
+  m.def(
+      "lion_apply_device",
+      &lionbit::lion_apply_device,
+      py::arg("x"),
+      py::arg("delta"),
+      py::arg("lr"),
+      py::arg("decay"));
+#endif
   m.def(
       "_shutdown_workers",
       &lionbit::LionBitBackend::shutdownAllWorkers,

@@ -25,6 +25,9 @@ struct SignComm {
   int rank;
   int world_size;
   Stats* stats;
+  // CUDA tensors' data: the device communicator (NCCL), or null to stage
+  // through host memory over `comm`. Used by the worker thread only.
+  c10::intrusive_ptr<c10d::Backend> device_comm = {};
 };
 
 // The bit kernels' dtype for a torch dtype; nullopt when unsupported.

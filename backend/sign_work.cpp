@@ -1,15 +1,33 @@
 #include "backend/sign_work.hpp"
 
+#include <algorithm>
 #include <condition_variable>
 #include <mutex>
 
 namespace lionbit {
 
+namespace {
+// A future over CUDA tensors carries their devices: it then records events
+// on the completing thread's current streams and makes whoever waits on it
+// (wait(), value(), then()) order their current streams after them.
+std::vector<c10::Device> devices_of(const std::vector<at::Tensor>& ts) {
+  std::vector<c10::Device> devices;
+  for (const auto& t : ts) {
+    if (t.defined() && t.is_cuda() &&
+        std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
+      devices.push_back(t.device());
+    }
+  }
+  return devices;
+}
+} // namespace
+
 SignWork::SignWork(int rank, std::vector<at::Tensor> outputs)
     : c10d::Work(rank, c10d::OpType::ALLREDUCE, "lionbit:all_reduce_sign"),
       outputs_(std::move(outputs)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()))) {}
+          c10::ListType::create(c10::TensorType::get()),
+          devices_of(outputs_))) {}
 
 void SignWork::complete() {
   // The future keeps the outputs from here on: this Work holds no tensor

@@ -20,3 +20,6 @@ for attr, macro in (
     if value:
         defines.append(f'{macro}="{value}"')
 print("TORCH_PYBIND_DEFINES=" + "|".join(defines))
+# The CUDA version torch was built with (empty for a CPU-only torch): the
+# extension builds its CUDA path only against a CUDA build of torch.
+print(f"TORCH_CUDA_VERSION={torch.version.cuda or ''}")

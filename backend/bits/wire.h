@@ -29,6 +29,8 @@ enum WireFlags : uint32_t {
   kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane
   kHasNan = 1u << 1, // this rank's input holds a NaN
   kRejected = 1u << 2, // this rank rejected the call locally (bad argument)
+  kDevice = 1u << 3, // this rank's tensor is on a GPU: dense planes over the
+                     // device transport (every rank must agree)
 };
 
 // 48 bytes, little-endian (x86-64 and aarch64 both are).

@@ -1,5 +1,6 @@
 """Registration of the "lionbit" backend and the Python face of its collectives."""
 
+import os
 from datetime import timedelta
 from typing import Optional
 
@@ -12,14 +13,44 @@ BACKEND_NAME = "lionbit"
 _OPS = ("vote", "avg", "sum")
 
 
+_TRANSPORT_ENV = "LIONBIT_CUDA_TRANSPORT"
+
+
+def cuda_transport() -> str:
+    """What carries CUDA tensors: "nccl" (default where NCCL is available) or
+    "gloo" (set ``LIONBIT_CUDA_TRANSPORT=gloo``; needed for several ranks on
+    one GPU, which NCCL refuses). With Gloo, standard collectives on CUDA
+    tensors use Gloo's CUDA support and the sign path stages its packed bits
+    (d/8 bytes, not the tensor) through host memory."""
+    want = os.environ.get(_TRANSPORT_ENV, "").strip().lower()
+    if want not in ("", "nccl", "gloo"):
+        raise ValueError(f"lionbit: {_TRANSPORT_ENV}={want!r}; expected 'nccl' or 'gloo'")
+    have_nccl = dist.is_nccl_available() and hasattr(dist, "ProcessGroupNCCL")
+    if want == "nccl" and not have_nccl:
+        raise RuntimeError(f"lionbit: {_TRANSPORT_ENV}=nccl but this torch has no NCCL")
+    return want or ("nccl" if have_nccl else "gloo")
+
+
+def _nccl(prefix: str, store, rank: int, size: int, timeout: timedelta):
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = False
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, opts)
+
+
 def _create_backend(store, rank: int, size: int, timeout: timedelta):
-    # Two inner Gloo communicators from the same store: one carries the
-    # standard collectives in the caller's order, the other the sign path,
-    # which runs on lionbit's worker thread. Separate key prefixes keep their
-    # rendezvous apart.
+    # Inner communicators from the same store, each under its own key prefix:
+    # "forward" carries the standard collectives in the caller's order, "sign"
+    # the sign path, which runs on lionbit's worker thread (and always its
+    # header round). With CUDA and NCCL, two more: standard collectives on
+    # CUDA tensors, and the sign path's data for CUDA tensors.
     forward = dist.ProcessGroupGloo(dist.PrefixStore("lionbit/forward/", store), rank, size, timeout)
     sign = dist.ProcessGroupGloo(dist.PrefixStore("lionbit/sign/", store), rank, size, timeout)
-    return _C.LionBitBackend(forward, sign, rank, size, timeout)
+    forward_cuda = sign_cuda = None
+    if _C.built_with_cuda and torch.cuda.is_available() and cuda_transport() == "nccl":
+        forward_cuda = _nccl("lionbit/forward_cuda/", store, rank, size, timeout)
+        sign_cuda = _nccl("lionbit/sign_cuda/", store, rank, size, timeout)
+    return _C.LionBitBackend(forward, sign, rank, size, timeout, forward_cuda, sign_cuda)
 
 
 def register() -> None:

@@ -49,9 +49,21 @@ class _Coefs:
         self.b1, self.omb1, self.b2, self.omb2, self.lr, self.decay = (_f32(v) for v in self.values)
 
 
-def direction_into(g, m, coefs: _Coefs, sign, zero, bit_offset: int, fused: bool) -> int:
+def direction_into(g, m, coefs: _Coefs, sign, zero, bit_offset: int, fused: bool, counts=None) -> int:
     """Updates momentum m in place and packs sign(b1 m + (1 - b1) g) into the
-    uint8 bit-planes sign / zero at bit_offset. Returns the number of NaNs."""
+    uint8 bit-planes sign / zero at bit_offset. Returns the number of NaNs
+    (CUDA: 0; the kernels add the zero / NaN tallies to ``counts`` on the
+    device instead, without a host synchronisation)."""
+    if g.is_cuda:
+        if fused:
+            b1, omb1, b2, omb2, _, _ = coefs.values
+            _C.lion_direction_into_device(g.reshape(-1), m.view(-1), b1, omb1, b2, omb2, sign, zero, counts, bit_offset)
+            return 0
+        gf, mf = g.float(), m.float()
+        c = torch.add(torch.mul(mf, coefs.b1), torch.mul(gf, coefs.omb1))
+        m.copy_(torch.add(torch.mul(mf, coefs.b2), torch.mul(gf, coefs.omb2)))
+        _C.pack_signs_into_device(c.reshape(-1), sign, zero, counts, bit_offset)
+        return 0
     if fused:
         b1, omb1, b2, omb2, _, _ = coefs.values
         return _C.lion_direction_into(g.reshape(-1), m.view(-1), b1, omb1, b2, omb2, sign, zero, bit_offset)
@@ -66,20 +78,29 @@ def apply_update(p, delta, coefs: _Coefs, fused: bool) -> None:
     """x = fl(fl(x * decay) - fl(lr * Delta)), in place."""
     if fused:
         _, _, _, _, lr, decay = coefs.values
-        _C.lion_apply(p.view(-1), delta.reshape(-1), lr, decay)
+        apply = _C.lion_apply_device if p.is_cuda else _C.lion_apply
+        apply(p.view(-1), delta.reshape(-1), lr, decay)
         return
     xf = p.float()
     p.copy_(torch.sub(torch.mul(xf, coefs.decay), torch.mul(delta.reshape(p.shape).float(), coefs.lr)))
 
 
-def _planes(numel: int):
+def _planes(numel: int, device=None):
     nbytes = (numel + 63) // 64 * 8
-    return torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    return (
+        torch.zeros(nbytes, dtype=torch.uint8, device=device),
+        torch.zeros(nbytes, dtype=torch.uint8, device=device),
+    )
+
+
+def _counts(device):
+    """{zeros, NaNs} tallied on a CUDA device by the packing kernels."""
+    return torch.zeros(2, dtype=torch.int64, device=device) if device.type == "cuda" else None
 
 
 def _local_vote(sign, zero, numel: int) -> torch.Tensor:
     """Delta of a single rank (no process group): its own direction."""
-    shifts = torch.arange(64, dtype=torch.int64)
+    shifts = torch.arange(64, dtype=torch.int64, device=sign.device)
 
     def bits(plane):
         return ((plane.view(torch.int64).unsqueeze(1) >> shifts) & 1).reshape(-1)[:numel]
@@ -181,22 +202,30 @@ class DistributedLion(torch.optim.Optimizer):
     def _check_param(self, p: torch.Tensor, where: str) -> None:
         if p.grad is not None and p.grad.is_sparse:
             raise RuntimeError(f"DistributedLion.{where}: sparse gradients are not supported")
-        if p.device.type != "cpu":
+        if p.device.type == "cuda" and not _C.built_with_cuda:
             raise RuntimeError(
-                f"DistributedLion.{where}: parameters on {p.device} are not supported yet (CPU only in this build)"
+                f"DistributedLion.{where}: parameters on {p.device}, but this build of lionbit has no CUDA path "
+                f"(rebuild it where nvcc and a CUDA build of torch are present)"
             )
+        if p.device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"DistributedLion.{where}: parameters on {p.device} are not supported (CPU and CUDA are)")
 
     # -- the collective ------------------------------------------------------
-    def _vote(self, sign, zero, numel: int, nans: int, out: torch.Tensor, group, where: str):
+    def _vote(self, sign, zero, numel: int, nans: int, out: torch.Tensor, group, where: str, counts=None):
         if group is None and not dist.is_initialized():
+            if counts is not None:
+                nans = int(counts[1].item())
             if nans:
                 raise RuntimeError(f"DistributedLion.{where}: the update direction contains NaN")
             out.copy_(_local_vote(sign, zero, numel))
-            fut = torch.futures.Future()
+            fut = torch.futures.Future(devices=[out.device] if out.is_cuda else None)
             fut.set_result([out])
             return fut
-        backend = _backend_for(group, torch.device("cpu"), where)
-        work = backend.all_reduce_sign_packed(sign, zero, numel, nans, out, self.aggregation)
+        backend = _backend_for(group, out.device, where)
+        if out.is_cuda:
+            work = backend.all_reduce_sign_packed_device(sign, zero, counts, numel, out, self.aggregation)
+        else:
+            work = backend.all_reduce_sign_packed(sign, zero, numel, nans, out, self.aggregation)
         return work.get_future()
 
     # -- plain module ------------------------------------------------------
@@ -211,22 +240,32 @@ class DistributedLion(torch.optim.Optimizer):
             return loss
         for p, _ in items:
             self._check_param(p, "step")
+        device = items[0][0].device
+        if self._ddp is None and any(p.device != device for p, _ in items):
+            devices = sorted({str(p.device) for p, _ in items})
+            raise RuntimeError(
+                f"DistributedLion.step: parameters on several devices ({', '.join(devices)}); one step votes "
+                f"all of them in one collective, so they must share a device (use one optimizer per device)"
+            )
         if self._ddp is not None:
             # The hook already voted: p.grad holds Delta.
             for p, g in items:
                 apply_update(p, p.grad, _Coefs(g), self._fused_for(p, p.grad))
             return loss
         total = sum(p.numel() for p, _ in items)
-        sign, zero = _planes(total)
+        sign, zero = _planes(total, device)
+        counts = _counts(device)
         nans, off = 0, 0
         for p, g in items:
             grad = p.grad.contiguous()
-            nans += direction_into(grad, self._momentum(p), _Coefs(g), sign, zero, off, self._fused_for(p, grad))
+            nans += direction_into(
+                grad, self._momentum(p), _Coefs(g), sign, zero, off, self._fused_for(p, grad), counts
+            )
             off += p.numel()
         # Delta: -1/0/+1 is exact in bfloat16 (half float32's memory); an
         # average k/N is rounded to float32, the update's arithmetic type.
-        out = torch.empty(total, dtype=torch.bfloat16 if self.aggregation == "vote" else torch.float32)
-        self._vote(sign, zero, total, nans, out, self.group, "step").wait()
+        out = torch.empty(total, dtype=torch.bfloat16 if self.aggregation == "vote" else torch.float32, device=device)
+        self._vote(sign, zero, total, nans, out, self.group, "step", counts).wait()
         off = 0
         for p, g in items:
             delta = out[off : off + p.numel()]
@@ -256,7 +295,7 @@ class DistributedLion(torch.optim.Optimizer):
                 )
             if self.group is None:
                 self.group = model.process_group
-            _backend_for(self.group, torch.device("cpu"), "attach")  # a lionbit group, or a clear error
+            _backend_for(self.group, next(model.parameters()).device, "attach")  # a lionbit group, or a clear error
             model.register_comm_hook(self, _ddp_hook)
             self._ddp = model
             return self
@@ -272,14 +311,17 @@ def _ddp_hook(opt: DistributedLion, bucket: dist.GradBucket) -> torch.futures.Fu
         params, grads = bucket.parameters(), bucket.gradients()
         total = buffer.numel()
         groups = opt._group_of()
-        sign, zero = _planes(total)
+        sign, zero = _planes(total, buffer.device)
+        counts = _counts(buffer.device)
         nans, off = 0, 0
         for p, g in zip(params, grads):
             opt._check_param(p, "attach (DDP hook)")
-            nans += direction_into(g, opt._momentum(p), _Coefs(groups[p]), sign, zero, off, opt._fused_for(p, g))
+            nans += direction_into(
+                g, opt._momentum(p), _Coefs(groups[p]), sign, zero, off, opt._fused_for(p, g), counts
+            )
             off += g.numel()
         if off != total:
             raise RuntimeError(f"DistributedLion: DDP bucket holds {total} elements, its gradients {off}")
         out = torch.empty_like(buffer)
-        fut = opt._vote(sign, zero, total, nans, out, opt.group, "attach (DDP hook)")
+        fut = opt._vote(sign, zero, total, nans, out, opt.group, "attach (DDP hook)", counts)
         return fut.then(lambda f: f.value()[0])

@@ -91,6 +91,20 @@ TEST(Wire, MismatchesNameBothRanks) {
   }
 }
 
+TEST(Wire, CudaAndCpuTensorsCannotMeet) {
+  // The CUDA path moves dense planes, the CPU path zero lists and chunks: a
+  // rank with a CUDA tensor and one with a CPU tensor must fail together,
+  // before the chunk sizes (which differ between the paths) are compared.
+  auto h = agreeing(3);
+  for (auto& x : h) x.flags |= kDevice;
+  EXPECT_EQ(check_headers(h.data(), 3, h[0]).error, "");
+  h[2].flags &= ~kDevice;
+  h[2].chunk_elems = 4096;
+  const auto s = check_headers(h.data(), 3, h[0]);
+  EXPECT_NE(s.error.find("device type differs across ranks: rank 0 has a CUDA tensor, rank 2 a CPU tensor"),
+            std::string::npos) << s.error;
+}
+
 TEST(Wire, ChunkSizeMustAgreeAndBoundsTheZeroCapacity) {
   auto h = agreeing(2, 10000);
   for (auto& x : h) x.chunk_elems = 1024; // shards of 512 elements

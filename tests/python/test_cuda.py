@@ -1,0 +1,327 @@
+"""The CUDA path: GPU kernels against the CPU kernels, the sign all-reduce on
+CUDA tensors (NCCL at world size 1, several ranks on one GPU over Gloo),
+standard collectives routed by device, and DistributedLion + DDP on CUDA
+tensors against the same run on CPU tensors.
+
+Marked ``gpu``: ``make test-gpu`` runs them; without a GPU (or without the
+CUDA build) each test is skipped with the reason. The tests that need no GPU
+(the build facts, the transport setting) run everywhere.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lionbit
+from lionbit import _C
+from harness import run_ranks, values
+
+HAVE_GPU = torch.cuda.is_available()
+if not lionbit.built_with_cuda:
+    SKIP_REASON = "lionbit was built without the CUDA path (no nvcc or a CPU-only torch at build time)"
+elif not HAVE_GPU:
+    SKIP_REASON = "no CUDA device: torch.cuda.is_available() is False on this machine"
+else:
+    SKIP_REASON = ""
+GLOO = {"LIONBIT_CUDA_TRANSPORT": "gloo"}  # several ranks on one GPU: NCCL refuses
+
+
+# --- everywhere -------------------------------------------------------------
+
+
+def test_built_with_cuda_where_nvcc_and_cuda_torch_are():
+    """`make test` here compiles the CUDA path whenever it can."""
+    can = shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc")
+    if os.environ.get("LIONBIT_EXPECT_CUDA") == "0":
+        pytest.skip("LIONBIT_EXPECT_CUDA=0")
+    if can and torch.version.cuda:
+        assert lionbit.built_with_cuda, "nvcc and a CUDA build of torch are present, but the CUDA path was not built"
+        for name in ("pack_signs_into_device", "lion_direction_into_device", "lion_apply_device"):
+            assert hasattr(_C, name)
+    else:
+        assert not lionbit.built_with_cuda or torch.version.cuda
+
+
+def test_cuda_transport_setting(monkeypatch):
+    from lionbit._backend import cuda_transport
+
+    monkeypatch.setenv("LIONBIT_CUDA_TRANSPORT", "gloo")
+    assert cuda_transport() == "gloo"
+    monkeypatch.setenv("LIONBIT_CUDA_TRANSPORT", "carrier-pigeon")
+    with pytest.raises(ValueError, match="LIONBIT_CUDA_TRANSPORT"):
+        cuda_transport()
+    monkeypatch.delenv("LIONBIT_CUDA_TRANSPORT")
+    assert cuda_transport() == ("nccl" if dist.is_nccl_available() else "gloo")
+
+
+def _cuda_tensor_without_gpu(rank, world_size):
+    # A CPU-only machine cannot make a CUDA tensor; a meta tensor stands in
+    # for "a device the sign path does not take" and must fail clearly.
+    x = torch.empty(8, device="meta")
+    try:
+        lionbit.all_reduce_sign(x)
+    except (RuntimeError, ValueError) as err:
+        return str(err)
+    return "no error"
+
+
+def test_unsupported_device_is_a_clear_error():
+    msgs = values(run_ranks("test_cuda:_cuda_tensor_without_gpu", 2))
+    for m in msgs:
+        assert "lionbit" in m and "meta" in m, m
+
+
+# --- on a GPU ---------------------------------------------------------------
+
+
+def _skip_without_gpu():
+    if SKIP_REASON:
+        pytest.skip(SKIP_REASON)
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8]
+SIZES = [0, 1, 7, 63, 64, 65, 1000, 4099, (1 << 20) + 13]
+
+
+def _special(n, dtype, gen):
+    x = torch.randn(n, generator=gen, dtype=torch.float64)
+    if n:
+        x[torch.rand(n, generator=gen) < 0.1] = 0.0
+        x[torch.rand(n, generator=gen) < 0.05] = -0.0
+        x[torch.rand(n, generator=gen) < 0.02] = float("inf")
+        x[torch.rand(n, generator=gen) < 0.02] = -float("inf")
+        x[torch.rand(n, generator=gen) < 0.02] = 1e-310  # subnormal in float64
+        x[torch.rand(n, generator=gen) < 0.01] = float("nan")
+    if dtype == torch.int8:
+        return (x.nan_to_num(0.0).clamp(-3, 3) * 40).to(torch.int8)
+    return x.to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_kernel_equals_cpu(dtype):
+    _skip_without_gpu()
+    gen = torch.Generator().manual_seed(1)
+    for n in SIZES:
+        for off in (0, 1, 37, 64, 130):
+            x = _special(n, dtype, gen)
+            nbytes = (off + n + 63) // 64 * 8 + 8
+            s_cpu = torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8)
+            z_cpu = torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8)
+            s_gpu, z_gpu = s_cpu.cuda(), z_cpu.cuda()
+            zeros, nans = _C.pack_signs_into(x, s_cpu, z_cpu, off)
+            counts = torch.zeros(2, dtype=torch.int64, device="cuda")
+            _C.pack_signs_into_device(x.cuda(), s_gpu, z_gpu, counts, off)
+            assert torch.equal(s_gpu.cpu(), s_cpu), (dtype, n, off)
+            assert torch.equal(z_gpu.cpu(), z_cpu), (dtype, n, off)
+            assert counts.tolist() == [zeros, nans], (dtype, n, off)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gdt", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mdt", [torch.float32, torch.bfloat16])
+def test_fused_lion_kernels_equal_cpu(gdt, mdt):
+    _skip_without_gpu()
+    gen = torch.Generator().manual_seed(2)
+    for n in SIZES:
+        for off in (0, 5, 64):
+            g = _special(n, torch.float32, gen).nan_to_num(0.0).to(gdt)
+            m = (torch.randn(n, generator=gen) * 1e-3).to(mdt)
+            nbytes = (off + n + 63) // 64 * 8 + 8
+            s, z = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+            sg, zg = s.cuda(), z.cuda()
+            mg = m.cuda()
+            nans = _C.lion_direction_into(g, m, 0.9, 0.1, 0.99, 0.01, s, z, off)
+            counts = torch.zeros(2, dtype=torch.int64, device="cuda")
+            _C.lion_direction_into_device(g.cuda(), mg, 0.9, 0.1, 0.99, 0.01, sg, zg, counts, off)
+            assert torch.equal(mg.cpu().view(torch.int16 if mdt != torch.float32 else torch.int32),
+                               m.view(torch.int16 if mdt != torch.float32 else torch.int32)), (n, off)
+            assert torch.equal(sg.cpu(), s) and torch.equal(zg.cpu(), z), (n, off)
+            assert int(counts[1]) == nans
+            for pdt in (torch.float32, torch.bfloat16, torch.float16):
+                x = (torch.randn(n, generator=gen)).to(pdt)
+                d = torch.randint(-1, 2, (n,), generator=gen).to(torch.bfloat16)
+                xg = x.cuda()
+                _C.lion_apply(x, d, 3e-4, 1 - 3e-4 * 0.1)
+                _C.lion_apply_device(xg, d.cuda(), 3e-4, 1 - 3e-4 * 0.1)
+                view = torch.int32 if pdt == torch.float32 else torch.int16
+                assert torch.equal(xg.cpu().view(view), x.view(view)), (n, pdt)
+
+
+# --- collectives on CUDA tensors (run on every rank) ---------------------------
+
+
+def _device(rank):
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def _sign_cuda(rank, world_size, seed):
+    from test_sign_allreduce import OPS, _bits, _make, _reference, _shapes
+
+    dev = _device(rank)
+    bad = []
+    shapes = _shapes(world_size) + [((1 << 20) + 13,)]
+    for dtype in DTYPES:
+        for op in OPS:
+            if dtype == torch.int8 and op == "avg":
+                continue
+            for shape in shapes:
+                for kind in ("random", "zeros", "stray", "tie", "shared"):
+                    x = _make(rank, world_size, shape, dtype, kind, seed)
+                    ref = _reference(x, op, world_size)
+                    y = x.to(dev)
+                    if len(shape) == 2:  # a non-contiguous view
+                        y = y.t()
+                        ref = ref.t()
+                    work = lionbit.all_reduce_sign(y, op, async_op=True)
+                    work.wait()
+                    cpu = x.clone() if len(shape) != 2 else x.clone().t()
+                    lionbit.all_reduce_sign(cpu, op)
+                    if not torch.equal(_bits(y.cpu()), _bits(ref)) or not torch.equal(_bits(cpu), _bits(ref)):
+                        bad.append(f"{dtype} {op} {shape} {kind}")
+    return bad
+
+
+@pytest.mark.gpu
+def test_sign_allreduce_cuda_world_size_1_nccl():
+    _skip_without_gpu()
+    assert values(run_ranks("test_cuda:_sign_cuda", 1, kwargs={"seed": 3}, timeout=600)) == [[]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_sign_allreduce_cuda_several_ranks_one_gpu_gloo(n):
+    _skip_without_gpu()
+    got = values(run_ranks("test_cuda:_sign_cuda", n, kwargs={"seed": n}, env=GLOO, timeout=900))
+    assert got == [[]] * n
+
+
+@pytest.mark.gpu
+def test_sign_allreduce_cuda_nccl_several_gpus():
+    _skip_without_gpu()
+    k = torch.cuda.device_count()
+    if k < 2:
+        pytest.skip(f"NCCL needs one GPU per rank; this machine has {k}")
+    n = min(k, 4)
+    assert values(run_ranks("test_cuda:_sign_cuda", n, kwargs={"seed": 5}, timeout=900)) == [[]] * n
+
+
+def _mixed_devices(rank, world_size):
+    dev = _device(rank)
+    out = {}
+    a = torch.full((5,), float(rank + 1))
+    b = torch.full((5,), float(rank + 1), device=dev)
+    dist.all_reduce(a)
+    dist.all_reduce(b)
+    want = float(sum(range(1, world_size + 1)))
+    out["cpu"] = a.tolist() == [want] * 5
+    out["cuda"] = b.cpu().tolist() == [want] * 5 and b.is_cuda
+    parts = [torch.empty(3, device=dev) for _ in range(world_size)]
+    dist.all_gather(parts, torch.full((3,), float(rank), device=dev))
+    out["all_gather"] = [p.cpu().tolist() for p in parts] == [[float(r)] * 3 for r in range(world_size)]
+    s_cpu = torch.tensor([1.0, -1.0, 0.0, 2.0])
+    s_gpu = s_cpu.to(dev)
+    lionbit.all_reduce_sign(s_cpu)
+    lionbit.all_reduce_sign(s_gpu)
+    out["sign"] = s_cpu.tolist() == s_gpu.cpu().tolist() == [1.0, -1.0, 0.0, 1.0]
+    dist.barrier()
+    be = dist.distributed_c10d._get_default_group()._get_backend(dev)
+    out["transport"] = be.cuda_transport
+    return out
+
+
+@pytest.mark.gpu
+def test_cpu_and_cuda_tensors_go_to_their_transports_gloo():
+    _skip_without_gpu()
+    for v in values(run_ranks("test_cuda:_mixed_devices", 2, env=GLOO)):
+        assert v == {"cpu": True, "cuda": True, "all_gather": True, "sign": True, "transport": "gloo"}
+
+
+@pytest.mark.gpu
+def test_cpu_and_cuda_tensors_go_to_their_transports_nccl_one_rank():
+    _skip_without_gpu()
+    (v,) = values(run_ranks("test_cuda:_mixed_devices", 1))
+    assert v == {"cpu": True, "cuda": True, "all_gather": True, "sign": True, "transport": "nccl"}
+
+
+def _split_backends(rank, world_size):
+    dev = _device(rank)
+    pg = dist.distributed_c10d._get_default_group()
+    x = torch.tensor([1.0, -1.0, 2.0], device=dev) * (1 if rank == 0 else -1)
+    lionbit.all_reduce_sign(x, "sum")
+    return {"cpu": pg._get_backend(torch.device("cpu")).name(), "sum": x.cpu().tolist()}
+
+
+@pytest.mark.gpu
+def test_cpu_gloo_cuda_lionbit():
+    _skip_without_gpu()
+    for v in values(run_ranks("test_cuda:_split_backends", 2, backend="cpu:gloo,cuda:lionbit", env=GLOO)):
+        assert v == {"cpu": "gloo", "sum": [0.0, 0.0, 0.0]}
+
+
+def _device_mismatch(rank, world_size):
+    dev = _device(rank)
+    x = torch.ones(100, device=dev if rank == 0 else "cpu")
+    try:
+        lionbit.all_reduce_sign(x)
+    except Exception as err:  # noqa: BLE001
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.gpu
+def test_cuda_on_one_rank_cpu_on_another_is_a_clear_error():
+    _skip_without_gpu()
+    for m in values(run_ranks("test_cuda:_device_mismatch", 2, env=GLOO, timeout=120)):
+        assert "device type differs across ranks" in m, m
+
+
+def _ddp_linear(rank, world_size, device, steps, aggregation, fused):
+    """A linear model with a linear loss and small-integer inputs: every
+    gradient is an exact integer whatever the summation order, so a CPU and a
+    CUDA run see the same gradients and must end bitwise equal."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dev = _device(rank) if device == "cuda" else torch.device("cpu")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(96, 7).to(dev)
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    opt = lionbit.DistributedLion(
+        [{"params": [model.weight]}, {"params": [model.bias], "lr": 3e-3, "weight_decay": 0.0}],
+        lr=2**-10,
+        weight_decay=0.5,
+        aggregation=aggregation,
+        fused=fused,
+    )
+    opt.attach(ddp)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randint(-2, 3, (16, 96), generator=gen).float().to(dev)
+        t = torch.randint(-1, 2, (16, 7), generator=gen).float().to(dev)
+        opt.zero_grad()
+        loss = (ddp(x) * t).sum()  # dloss/dW = t^T x: exact integers
+        loss.backward()
+        opt.step()
+    flat = torch.cat([p.detach().cpu().reshape(-1) for p in model.parameters()])
+    return flat.view(torch.int32).tolist()
+
+
+def _ddp_both(rank, world_size, steps, aggregation, fused):
+    cpu = _ddp_linear(rank, world_size, "cpu", steps, aggregation, fused)
+    gpu = _ddp_linear(rank, world_size, "cuda", steps, aggregation, fused)
+    return {"equal": cpu == gpu, "hash": hash(tuple(gpu))}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("aggregation", ["vote", "avg"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_distributed_lion_ddp_cuda_matches_cpu(aggregation, fused):
+    _skip_without_gpu()
+    got = values(run_ranks("test_cuda:_ddp_both", 3, kwargs={"steps": 25, "aggregation": aggregation, "fused": fused}, env=GLOO, timeout=600))
+    assert all(v["equal"] for v in got), got
+    assert len({v["hash"] for v in got}) == 1, "replicas differ across ranks"
