@@ -1,7 +1,17 @@
 """Training quality on scikit-learn's bundled digits at N = 4 (under 2 minutes):
-DistributedLion vote and avg end within 1.0 point of single-process Lion's
-test accuracy (means over 4 seeds). examples/convergence_digits.py prints the
-whole table; docs/convergence.md records it, AdamW included."""
+issue 3's acceptance item, asserted as stated. Over seeds 0-3,
+DistributedLion vote and avg each end within 1.0 point of single-process
+Lion's mean test accuracy and at least as good as AdamW's.
+
+The protocol (fixed before any run, docs/convergence_protocol.md): same MLP,
+initial weights, batch order, global batch 128, 60 epochs, warm-up + cosine
+to 0 and label smoothing for all four runs; hyperparameters per optimizer
+from examples/tune_digits.py (4-fold cross-validation on the training images,
+the same 15-config budget for Lion and AdamW). "At least as good" is compared
+in whole test images (360 per seed), so float rounding cannot decide it. The
+margins are small (see docs/convergence.md): this test can fail, e.g. if a
+change to the optimizer or the collectives costs DistributedLion a few
+images."""
 
 import json
 import os
@@ -12,11 +22,12 @@ import tempfile
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "convergence_digits.py")
 
 
-def test_distributed_lion_tracks_single_process_lion_on_digits():
+def test_distributed_lion_matches_lion_and_adamw_on_digits():
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "results.json")
         env = dict(os.environ)
         env.pop("LOCAL_WORLD_SIZE", None)
+        env["OMP_NUM_THREADS"] = "1"
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
         r = subprocess.run(
             [torchrun, "--standalone", "--nproc-per-node=4", EXAMPLE, "--seeds", "4", "--json", out],
@@ -25,11 +36,12 @@ def test_distributed_lion_tracks_single_process_lion_on_digits():
         assert r.returncode == 0, r.stdout + r.stderr
         with open(out) as f:
             res = json.load(f)
-    lion = res["Lion, single process"]["mean_test_accuracy"]
-    vote = res["DistributedLion vote (N=4)"]["mean_test_accuracy"]
-    avg = res["DistributedLion avg (N=4)"]["mean_test_accuracy"]
-    adamw = res["AdamW, single process"]["mean_test_accuracy"]
-    print(f"vote {vote:.2f}  avg {avg:.2f}  lion {lion:.2f}  adamw {adamw:.2f}")
-    assert abs(vote - lion) <= 1.0, res
-    assert abs(avg - lion) <= 1.0, res
-    assert min(vote, avg, lion) > 90.0, res  # they all learned the task
+    lion = res["Lion, single process"]
+    adamw = res["AdamW, single process"]
+    dist_runs = [res["DistributedLion vote (N=4)"], res["DistributedLion avg (N=4)"]]
+    print({k: round(v["mean_test_accuracy"], 2) for k, v in res.items()})
+    for run in dist_runs:
+        assert run["seeds"] == [0, 1, 2, 3] and run["test_images"] == adamw["test_images"] == 360, res
+        assert abs(run["mean_test_accuracy"] - lion["mean_test_accuracy"]) <= 1.0, res
+        assert run["correct_total"] >= adamw["correct_total"], res  # at least as good as AdamW
+    assert min(r["mean_test_accuracy"] for r in res.values()) > 90.0, res  # they all learned the task
