@@ -28,13 +28,14 @@ using lionbit::cuda::ShardedPlanes;
 namespace cd = lionbit::cuda::detail;
 using cd::FloatStore;
 using cd::kBlockThreads;
+using cd::kMinBlocksPerSm;
 using cd::kWarpsPerBlock;
 
 constexpr int kDirUnroll = cd::kWordsPerWarpIter;
 constexpr int kApplyUnroll = 4;
 
 template <DType G, DType M>
-__global__ void __launch_bounds__(kBlockThreads) direction_kernel(
+__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) direction_kernel(
     const typename FloatStore<G>::U* __restrict__ g,
     typename FloatStore<M>::U* __restrict__ m,
     size_t n,
@@ -85,7 +86,8 @@ void launch_direction(
   const unsigned o = static_cast<unsigned>(bit_offset % 64);
   const size_t first = bit_offset / 64;
   const size_t nwords = cd::words_out(o, n);
-  const unsigned grid = cd::grid_for(nwords, size_t{kWarpsPerBlock} * kDirUnroll);
+  static const int resident = cd::resident_blocks(direction_kernel<G, M>);
+  const unsigned grid = cd::grid_for(nwords, size_t{kWarpsPerBlock} * kDirUnroll, resident);
   direction_kernel<G, M><<<grid, kBlockThreads, 0, stream>>>(
       static_cast<const typename FloatStore<G>::U*>(g),
       static_cast<typename FloatStore<M>::U*>(m), n, k, sign + first,
@@ -143,7 +145,8 @@ void launch_apply_dense(
     float lr,
     float decay,
     cudaStream_t stream) {
-  const unsigned grid = cd::grid_for(n, size_t{kBlockThreads} * kApplyUnroll);
+  static const int resident = cd::resident_blocks(apply_dense_kernel<X, Dl>);
+  const unsigned grid = cd::grid_for(n, size_t{kBlockThreads} * kApplyUnroll, resident);
   apply_dense_kernel<X, Dl><<<grid, kBlockThreads, 0, stream>>>(
       static_cast<typename FloatStore<X>::U*>(x),
       static_cast<const typename FloatStore<Dl>::U*>(delta), n, lr, decay);
@@ -185,9 +188,9 @@ __global__ void __launch_bounds__(kBlockThreads) apply_planes_kernel(
   const unsigned lane = threadIdx.x & 31u;
   const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
-  for (size_t k0 = warp * kApplyUnroll; k0 < nwords; k0 += nwarps * kApplyUnroll) {
+  for (size_t k0 = warp * kDirUnroll; k0 < nwords; k0 += nwarps * kDirUnroll) {
 #pragma unroll
-    for (int u = 0; u < kApplyUnroll; ++u) {
+    for (int u = 0; u < kDirUnroll; ++u) {
       cd::lion_apply_planes_lane<X>(
           x, base, nplanes, shard_words, n, k0 + u, lane, lut, lr, decay);
     }
@@ -204,7 +207,8 @@ void launch_apply_planes(
     float decay,
     cudaStream_t stream) {
   const size_t nwords = (n + 63) / 64;
-  const unsigned grid = cd::grid_for(nwords, size_t{kWarpsPerBlock} * kApplyUnroll);
+  static const int resident = cd::resident_blocks(apply_planes_kernel<X>);
+  const unsigned grid = cd::grid_for(nwords, size_t{kWarpsPerBlock} * kDirUnroll, resident);
   apply_planes_kernel<X><<<grid, kBlockThreads, 0, stream>>>(
       static_cast<typename FloatStore<X>::U*>(x), planes.base, planes.nplanes,
       planes.shard_words, n, nwords, lut, lr, decay);

@@ -73,7 +73,8 @@ void launch_count(
     uint64_t* out,
     cudaStream_t stream) {
   const int planes = width_of(static_cast<uint32_t>(zero != nullptr ? 2 * n : n));
-  count_code_kernel<P><<<grid_for(words, kBlockThreads), kBlockThreads, 0, stream>>>(
+  static const int resident = resident_blocks(count_code_kernel<P>);
+  count_code_kernel<P><<<grid_for(words, kBlockThreads, resident), kBlockThreads, 0, stream>>>(
       sign, zero, stride, n, words, planes, out);
   check_launch("count_code");
 }
@@ -88,7 +89,8 @@ void launch_vote(
     uint64_t* out_sign,
     uint64_t* out_zero,
     cudaStream_t stream) {
-  vote_kernel<P><<<grid_for(words, kBlockThreads), kBlockThreads, 0, stream>>>(
+  static const int resident = resident_blocks(vote_kernel<P>);
+  vote_kernel<P><<<grid_for(words, kBlockThreads, resident), kBlockThreads, 0, stream>>>(
       sign, zero, stride, n, words, out_sign, out_zero);
   check_launch("vote");
 }

@@ -15,6 +15,10 @@ namespace lionbit::cuda::detail {
 
 constexpr int kBlockThreads = 256;
 constexpr int kWarpsPerBlock = kBlockThreads / 32;
+// Resident blocks per SM the warp-ballot kernels are compiled for: lets ptxas
+// use up to 64 registers a thread (on sm_80 it otherwise aims at 32 and
+// spills a few bytes).
+constexpr int kMinBlocksPerSm = 4;
 constexpr unsigned kFullMask = 0xffffffffu;
 
 // Throws if the launch just made failed.
@@ -30,12 +34,27 @@ inline void check_launch(const char* kernel) {
 // Streaming multiprocessors of the current device (cached per device).
 int sm_count();
 
+// Blocks of `kernel` resident on one SM at kBlockThreads threads (occupancy
+// query; 4 if the query fails, the launch then reports the real error).
+template <typename Kernel>
+int resident_blocks(Kernel kernel) {
+  int b = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, kBlockThreads, 0) !=
+          cudaSuccess ||
+      b <= 0) {
+    (void)cudaGetLastError();
+    b = 4;
+  }
+  return b;
+}
+
 // Blocks for `units` independent work units of `per_block` each: enough to
-// cover them, at most `waves` full waves of resident blocks (the kernels loop
-// over the rest).
-inline unsigned grid_for(size_t units, size_t per_block, int waves = 8) {
+// cover them, at most one full wave of resident blocks (the kernels loop over
+// the rest, so every block gets the same share and no partial second wave
+// trails behind).
+inline unsigned grid_for(size_t units, size_t per_block, int resident) {
   const size_t need = (units + per_block - 1) / per_block;
-  const size_t cap = static_cast<size_t>(sm_count()) * static_cast<size_t>(waves);
+  const size_t cap = static_cast<size_t>(sm_count()) * static_cast<size_t>(resident);
   const size_t g = need < cap ? need : cap;
   return static_cast<unsigned>(g == 0 ? 1 : g);
 }

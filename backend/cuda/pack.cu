@@ -15,7 +15,7 @@ namespace {
 constexpr int kPackUnroll = kWordsPerWarpIter;
 
 template <DType D>
-__global__ void __launch_bounds__(kBlockThreads) pack_kernel(
+__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) pack_kernel(
     const typename Elem<D>::U* __restrict__ src,
     size_t n,
     uint64_t* __restrict__ sign,
@@ -60,7 +60,8 @@ void launch_pack(
   const unsigned o = static_cast<unsigned>(bit_offset % 64);
   const size_t first = bit_offset / 64;
   const size_t nwords = words_out(o, n);
-  const unsigned grid = grid_for(nwords, size_t{kWarpsPerBlock} * kPackUnroll);
+  static const int resident = resident_blocks(pack_kernel<D>);
+  const unsigned grid = grid_for(nwords, size_t{kWarpsPerBlock} * kPackUnroll, resident);
   pack_kernel<D><<<grid, kBlockThreads, 0, stream>>>(
       static_cast<const typename Elem<D>::U*>(src), n, sign + first,
       zero + first, o, nwords, counts);

@@ -41,7 +41,8 @@ void launch_unpack(
     void* dst,
     cudaStream_t stream) {
   const size_t nwords = (n + 63) / 64;
-  const unsigned grid = grid_for(nwords, size_t{kWarpsPerBlock} * kUnpackUnroll);
+  static const int resident = resident_blocks(unpack_kernel<S>);
+  const unsigned grid = grid_for(nwords, size_t{kWarpsPerBlock} * kUnpackUnroll, resident);
   unpack_kernel<S><<<grid, kBlockThreads, 0, stream>>>(
       planes.base, planes.nplanes, planes.shard_words, n, nwords,
       static_cast<const S*>(lut), static_cast<S*>(dst));
