@@ -32,7 +32,7 @@ using cd::kMinBlocksPerSm;
 using cd::kWarpsPerBlock;
 
 constexpr int kDirUnroll = cd::kWordsPerWarpIter;
-constexpr int kApplyUnroll = 4;
+constexpr int kApplyUnroll = cd::kApplyDenseUnroll;
 
 template <DType G, DType M>
 __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) direction_kernel(
@@ -51,12 +51,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) direction_kern
   unsigned long long zeros = 0, nans = 0;
   for (size_t k0 = warp * kDirUnroll; k0 < nwords; k0 += nwarps * kDirUnroll) {
     unsigned f[kDirUnroll];
-#pragma unroll
-    for (int u = 0; u < kDirUnroll; ++u) {
-      f[u] = k0 + u < nwords
-          ? cd::lion_direction_lane<G, M>(g, m, n, o, k0 + u, lane, k)
-          : 0u;
-    }
+    cd::lion_direction_group<G, M>(g, m, n, o, k0, nwords, lane, k, f);
 #pragma unroll
     for (int u = 0; u < kDirUnroll; ++u) {
       cd::tally_flags(f[u], &zeros, &nans);
@@ -127,13 +122,7 @@ __global__ void __launch_bounds__(kBlockThreads) apply_dense_kernel(
   const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i0 = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        i0 < n; i0 += step * kApplyUnroll) {
-#pragma unroll
-    for (int u = 0; u < kApplyUnroll; ++u) {
-      const size_t i = i0 + u * step;
-      if (i < n) {
-        cd::lion_apply_dense_elem<X, Dl>(x, delta, i, lr, decay);
-      }
-    }
+    cd::lion_apply_dense_group<X, Dl>(x, delta, n, i0, step, lr, decay);
   }
 }
 
@@ -174,8 +163,8 @@ void apply_dense_param(
   }
 }
 
-template <DType X>
-__global__ void __launch_bounds__(kBlockThreads) apply_planes_kernel(
+template <DType X, int NP>
+__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) apply_planes_kernel(
     typename FloatStore<X>::U* __restrict__ x,
     const uint64_t* __restrict__ base,
     int nplanes,
@@ -189,14 +178,30 @@ __global__ void __launch_bounds__(kBlockThreads) apply_planes_kernel(
   const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
   for (size_t k0 = warp * kDirUnroll; k0 < nwords; k0 += nwarps * kDirUnroll) {
-#pragma unroll
-    for (int u = 0; u < kDirUnroll; ++u) {
-      cd::lion_apply_planes_lane<X>(
-          x, base, nplanes, shard_words, n, k0 + u, lane, lut, lr, decay);
-    }
+    cd::lion_apply_planes_group<X, NP>(
+        x, base, nplanes, shard_words, n, k0, lane, lut, lr, decay);
   }
 }
 
+template <DType X, int NP>
+void launch_apply_planes_np(
+    void* x,
+    size_t n,
+    ShardedPlanes planes,
+    const float* lut,
+    float lr,
+    float decay,
+    cudaStream_t stream) {
+  const size_t nwords = (n + 63) / 64;
+  static const int resident = cd::resident_blocks(apply_planes_kernel<X, NP>);
+  const unsigned grid = cd::grid_for(nwords, size_t{kWarpsPerBlock} * kDirUnroll, resident);
+  apply_planes_kernel<X, NP><<<grid, kBlockThreads, 0, stream>>>(
+      static_cast<typename FloatStore<X>::U*>(x), planes.base, planes.nplanes,
+      planes.shard_words, n, nwords, lut, lr, decay);
+  cd::check_launch("lion_apply_planes");
+}
+
+// Plane counts compiled in: 1 (sign only), 2 (a vote); others at run time.
 template <DType X>
 void launch_apply_planes(
     void* x,
@@ -206,13 +211,14 @@ void launch_apply_planes(
     float lr,
     float decay,
     cudaStream_t stream) {
-  const size_t nwords = (n + 63) / 64;
-  static const int resident = cd::resident_blocks(apply_planes_kernel<X>);
-  const unsigned grid = cd::grid_for(nwords, size_t{kWarpsPerBlock} * kDirUnroll, resident);
-  apply_planes_kernel<X><<<grid, kBlockThreads, 0, stream>>>(
-      static_cast<typename FloatStore<X>::U*>(x), planes.base, planes.nplanes,
-      planes.shard_words, n, nwords, lut, lr, decay);
-  cd::check_launch("lion_apply_planes");
+  switch (planes.nplanes) {
+    case 1:
+      return launch_apply_planes_np<X, 1>(x, n, planes, lut, lr, decay, stream);
+    case 2:
+      return launch_apply_planes_np<X, 2>(x, n, planes, lut, lr, decay, stream);
+    default:
+      return launch_apply_planes_np<X, -1>(x, n, planes, lut, lr, decay, stream);
+  }
 }
 
 } // namespace

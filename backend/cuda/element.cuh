@@ -393,6 +393,87 @@ LIONBIT_HD unsigned lion_direction_lane(
   return f;
 }
 
+// True when the kWordsPerWarpIter-word group from word k0 is made of whole
+// words inside the launch (every bit an element): the kernels then issue all
+// the group's loads before using any (memory-level parallelism), without
+// per-element bounds checks. Element of bit lane + 32 * i of the group:
+// k0 * 64 - o + lane + 32 * i.
+LIONBIT_HD bool group_full(size_t k0, unsigned o, size_t n) {
+  return (k0 > 0 || o == 0) &&
+      (k0 + kWordsPerWarpIter) * 64 <= static_cast<size_t>(o) + n;
+}
+
+// pack: the lane's flags for the words k0 .. k0 + kWordsPerWarpIter - 1.
+template <DType D>
+LIONBIT_HD void pack_group(
+    const typename Elem<D>::U* src,
+    size_t n,
+    unsigned o,
+    size_t k0,
+    size_t nwords,
+    unsigned lane,
+    unsigned (&f)[kWordsPerWarpIter]) {
+  constexpr int U = kWordsPerWarpIter;
+  if (group_full(k0, o, n)) {
+    const typename Elem<D>::U* p = src + (k0 * 64 - o + lane);
+    typename Elem<D>::U v[2 * U];
+    LIONBIT_UNROLL
+    for (int i = 0; i < 2 * U; ++i) {
+      v[i] = p[32 * i];
+    }
+    LIONBIT_UNROLL
+    for (int u = 0; u < U; ++u) {
+      f[u] = classify<D>(v[2 * u]) | (classify<D>(v[2 * u + 1]) << 8);
+    }
+    return;
+  }
+  LIONBIT_UNROLL
+  for (int u = 0; u < U; ++u) {
+    f[u] = k0 + u < nwords ? pack_lane<D>(src, n, o, k0 + u, lane) : 0u;
+  }
+}
+
+// lion_direction: the lane's flags for the group's words (and the new m).
+template <DType G, DType M>
+LIONBIT_HD void lion_direction_group(
+    const typename FloatStore<G>::U* g,
+    typename FloatStore<M>::U* m,
+    size_t n,
+    unsigned o,
+    size_t k0,
+    size_t nwords,
+    unsigned lane,
+    const LionCoefs& c,
+    unsigned (&f)[kWordsPerWarpIter]) {
+  constexpr int U = kWordsPerWarpIter;
+  if (group_full(k0, o, n)) {
+    const size_t e0 = k0 * 64 - o + lane;
+    typename FloatStore<G>::U gv[2 * U];
+    typename FloatStore<M>::U mv[2 * U];
+    LIONBIT_UNROLL
+    for (int i = 0; i < 2 * U; ++i) {
+      gv[i] = g[e0 + 32 * i];
+      mv[i] = m[e0 + 32 * i];
+    }
+    unsigned fl[2 * U];
+    LIONBIT_UNROLL
+    for (int i = 0; i < 2 * U; ++i) {
+      float mn;
+      fl[i] = lion_direction_math(FloatStore<G>::load(gv[i]), FloatStore<M>::load(mv[i]), c, &mn);
+      m[e0 + 32 * i] = FloatStore<M>::store(mn);
+    }
+    LIONBIT_UNROLL
+    for (int u = 0; u < U; ++u) {
+      f[u] = fl[2 * u] | (fl[2 * u + 1] << 8);
+    }
+    return;
+  }
+  LIONBIT_UNROLL
+  for (int u = 0; u < U; ++u) {
+    f[u] = k0 + u < nwords ? lion_direction_lane<G, M>(g, m, n, o, k0 + u, lane, c) : 0u;
+  }
+}
+
 // The sign and zero words of one warp's word.
 struct WordPair {
   uint64_t sign;
@@ -457,14 +538,18 @@ LIONBIT_HD uint32_t code_at(
 // Codes of bits `lane` (low 16 bits of the result) and `lane + 32` (high 16
 // bits) of word W, whose planes start at base[first] (sharded_first): each
 // plane word is read once.
+// NP: the number of planes when fixed at compile time (the loop unrolls and
+// the loads of several words can be issued together), -1: nplanes.
+template <int NP = -1>
 LIONBIT_HD uint32_t code_pair_at(
     const uint64_t* base,
     int nplanes,
     size_t shard_words,
     size_t first,
     unsigned lane) {
+  const int np = NP >= 0 ? NP : nplanes;
   uint32_t lo = 0, hi = 0;
-  for (int b = 0; b < nplanes; ++b) {
+  for (int b = 0; b < np; ++b) {
     const uint64_t word = base[first + static_cast<size_t>(b) * shard_words];
     lo |= static_cast<uint32_t>((word >> lane) & 1u) << b;
     hi |= static_cast<uint32_t>((word >> (lane + 32)) & 1u) << b;
@@ -521,6 +606,119 @@ LIONBIT_HD void lion_apply_planes_lane(
   if (e0 + 32 < n) {
     x[e0 + 32] = FloatStore<X>::store(lion_apply_math(
         FloatStore<X>::load(x[e0 + 32]), decay, mul_rn(lr, lut[codes >> 16])));
+  }
+}
+
+// unpack: the group of words from k0. Whole groups read all plane words
+// first, then write.
+template <typename S, int NP>
+LIONBIT_HD void unpack_group(
+    const uint64_t* base,
+    int nplanes,
+    size_t shard_words,
+    size_t n,
+    size_t k0,
+    unsigned lane,
+    const S* lut,
+    S* dst) {
+  constexpr int U = kWordsPerWarpIter;
+  if ((k0 + U) * 64 <= n) {
+    uint32_t codes[U];
+    LIONBIT_UNROLL
+    for (int u = 0; u < U; ++u) {
+      codes[u] = code_pair_at<NP>(base, nplanes, shard_words,
+                                  sharded_first(k0 + u, nplanes, shard_words), lane);
+    }
+    S* p = dst + (k0 * 64 + lane);
+    LIONBIT_UNROLL
+    for (int u = 0; u < U; ++u) {
+      p[64 * u] = lut[codes[u] & 0xffffu];
+      p[64 * u + 32] = lut[codes[u] >> 16];
+    }
+    return;
+  }
+  LIONBIT_UNROLL
+  for (int u = 0; u < U; ++u) {
+    unpack_lane<S>(base, nplanes, shard_words, n, k0 + u, lane, lut, dst);
+  }
+}
+
+// lion_apply_planes: the group of words from k0.
+template <DType X, int NP>
+LIONBIT_HD void lion_apply_planes_group(
+    typename FloatStore<X>::U* x,
+    const uint64_t* base,
+    int nplanes,
+    size_t shard_words,
+    size_t n,
+    size_t k0,
+    unsigned lane,
+    const float* lut,
+    float lr,
+    float decay) {
+  constexpr int U = kWordsPerWarpIter;
+  if ((k0 + U) * 64 <= n) {
+    uint32_t codes[U];
+    typename FloatStore<X>::U xv[2 * U];
+    typename FloatStore<X>::U* p = x + (k0 * 64 + lane);
+    LIONBIT_UNROLL
+    for (int u = 0; u < U; ++u) {
+      codes[u] = code_pair_at<NP>(base, nplanes, shard_words,
+                                  sharded_first(k0 + u, nplanes, shard_words), lane);
+    }
+    LIONBIT_UNROLL
+    for (int i = 0; i < 2 * U; ++i) {
+      xv[i] = p[32 * i];
+    }
+    LIONBIT_UNROLL
+    for (int i = 0; i < 2 * U; ++i) {
+      const uint32_t code = (i & 1) == 0 ? (codes[i / 2] & 0xffffu) : (codes[i / 2] >> 16);
+      p[32 * i] = FloatStore<X>::store(
+          lion_apply_math(FloatStore<X>::load(xv[i]), decay, mul_rn(lr, lut[code])));
+    }
+    return;
+  }
+  LIONBIT_UNROLL
+  for (int u = 0; u < U; ++u) {
+    lion_apply_planes_lane<X>(x, base, nplanes, shard_words, n, k0 + u, lane, lut, lr, decay);
+  }
+}
+
+// lion_apply_dense: the elements i0 + u * step, u < kApplyDenseUnroll (loads
+// first, then the math and the stores).
+constexpr int kApplyDenseUnroll = 4;
+
+template <DType X, DType Dl>
+LIONBIT_HD void lion_apply_dense_group(
+    typename FloatStore<X>::U* x,
+    const typename FloatStore<Dl>::U* delta,
+    size_t n,
+    size_t i0,
+    size_t step,
+    float lr,
+    float decay) {
+  constexpr int U = kApplyDenseUnroll;
+  if (i0 + (U - 1) * step < n) {
+    typename FloatStore<X>::U xv[U];
+    typename FloatStore<Dl>::U dv[U];
+    LIONBIT_UNROLL
+    for (int u = 0; u < U; ++u) {
+      xv[u] = x[i0 + u * step];
+      dv[u] = delta[i0 + u * step];
+    }
+    LIONBIT_UNROLL
+    for (int u = 0; u < U; ++u) {
+      x[i0 + u * step] = FloatStore<X>::store(lion_apply_math(
+          FloatStore<X>::load(xv[u]), decay, mul_rn(lr, FloatStore<Dl>::load(dv[u]))));
+    }
+    return;
+  }
+  for (int u = 0; u < U; ++u) {
+    const size_t i = i0 + u * step;
+    if (i < n) {
+      x[i] = FloatStore<X>::store(lion_apply_math(
+          FloatStore<X>::load(x[i]), decay, mul_rn(lr, FloatStore<Dl>::load(delta[i]))));
+    }
   }
 }
 

@@ -15,7 +15,7 @@ namespace lionbit::cuda::detail {
 
 constexpr int kBlockThreads = 256;
 constexpr int kWarpsPerBlock = kBlockThreads / 32;
-// Resident blocks per SM the warp-ballot kernels are compiled for: lets ptxas
+// Resident blocks per SM the word-per-warp kernels are compiled for: lets ptxas
 // use up to 64 registers a thread (on sm_80 it otherwise aims at 32 and
 // spills a few bytes).
 constexpr int kMinBlocksPerSm = 4;

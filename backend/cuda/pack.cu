@@ -29,10 +29,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) pack_kernel(
   unsigned long long zeros = 0, nans = 0;
   for (size_t k0 = warp * kPackUnroll; k0 < nwords; k0 += nwarps * kPackUnroll) {
     unsigned f[kPackUnroll];
-#pragma unroll
-    for (int u = 0; u < kPackUnroll; ++u) {
-      f[u] = k0 + u < nwords ? pack_lane<D>(src, n, o, k0 + u, lane) : 0u;
-    }
+    pack_group<D>(src, n, o, k0, nwords, lane, f);
 #pragma unroll
     for (int u = 0; u < kPackUnroll; ++u) {
       tally_flags(f[u], &zeros, &nans);

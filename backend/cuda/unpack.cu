@@ -13,8 +13,8 @@ namespace {
 
 constexpr int kUnpackUnroll = kWordsPerWarpIter;
 
-template <typename S>
-__global__ void __launch_bounds__(kBlockThreads) unpack_kernel(
+template <typename S, int NP>
+__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) unpack_kernel(
     const uint64_t* __restrict__ base,
     int nplanes,
     size_t shard_words,
@@ -26,13 +26,27 @@ __global__ void __launch_bounds__(kBlockThreads) unpack_kernel(
   const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
   for (size_t k0 = warp * kUnpackUnroll; k0 < nwords; k0 += nwarps * kUnpackUnroll) {
-#pragma unroll
-    for (int u = 0; u < kUnpackUnroll; ++u) {
-      unpack_lane<S>(base, nplanes, shard_words, n, k0 + u, lane, lut, dst);
-    }
+    unpack_group<S, NP>(base, nplanes, shard_words, n, k0, lane, lut, dst);
   }
 }
 
+template <typename S, int NP>
+void launch_unpack_np(
+    ShardedPlanes planes,
+    size_t n,
+    const void* lut,
+    void* dst,
+    cudaStream_t stream) {
+  const size_t nwords = (n + 63) / 64;
+  static const int resident = resident_blocks(unpack_kernel<S, NP>);
+  const unsigned grid = grid_for(nwords, size_t{kWarpsPerBlock} * kUnpackUnroll, resident);
+  unpack_kernel<S, NP><<<grid, kBlockThreads, 0, stream>>>(
+      planes.base, planes.nplanes, planes.shard_words, n, nwords,
+      static_cast<const S*>(lut), static_cast<S*>(dst));
+  check_launch("unpack");
+}
+
+// Plane counts compiled in: 1 (sign only), 2 (a vote); others at run time.
 template <typename S>
 void launch_unpack(
     ShardedPlanes planes,
@@ -40,13 +54,14 @@ void launch_unpack(
     const void* lut,
     void* dst,
     cudaStream_t stream) {
-  const size_t nwords = (n + 63) / 64;
-  static const int resident = resident_blocks(unpack_kernel<S>);
-  const unsigned grid = grid_for(nwords, size_t{kWarpsPerBlock} * kUnpackUnroll, resident);
-  unpack_kernel<S><<<grid, kBlockThreads, 0, stream>>>(
-      planes.base, planes.nplanes, planes.shard_words, n, nwords,
-      static_cast<const S*>(lut), static_cast<S*>(dst));
-  check_launch("unpack");
+  switch (planes.nplanes) {
+    case 1:
+      return launch_unpack_np<S, 1>(planes, n, lut, dst, stream);
+    case 2:
+      return launch_unpack_np<S, 2>(planes, n, lut, dst, stream);
+    default:
+      return launch_unpack_np<S, -1>(planes, n, lut, dst, stream);
+  }
 }
 
 } // namespace

@@ -49,11 +49,11 @@ bits::PackCounts emu_pack(
   for (size_t warp = 0; warp < nwarps; ++warp) {
     for (size_t k0 = warp * U; k0 < nwords; k0 += nwarps * U) {
       unsigned f[U][32];
-      for (int u = 0; u < U; ++u) {
-        for (unsigned lane = 0; lane < 32; ++lane) {
-          f[u][lane] = k0 + u < nwords
-              ? cd::pack_lane<D>(static_cast<const typename Elem<D>::U*>(src), n, o, k0 + u, lane)
-              : 0u;
+      for (unsigned lane = 0; lane < 32; ++lane) {
+        unsigned fl[U];
+        cd::pack_group<D>(static_cast<const typename Elem<D>::U*>(src), n, o, k0, nwords, lane, fl);
+        for (int u = 0; u < U; ++u) {
+          f[u][lane] = fl[u];
         }
       }
       for (int u = 0; u < U; ++u) {
@@ -129,7 +129,7 @@ void emu_vote(const RanksData& d, bool zeros, uint64_t* out_sign, uint64_t* out_
   }
 
 // unpack_kernel of backend/cuda/unpack.cu.
-template <typename S>
+template <typename S, int NP = -1>
 void emu_unpack(
     const uint64_t* base,
     int nplanes,
@@ -142,11 +142,9 @@ void emu_unpack(
   constexpr int U = cd::kWordsPerWarpIter;
   for (size_t warp = 0; warp < nwarps; ++warp) {
     for (size_t k0 = warp * U; k0 < nwords; k0 += nwarps * U) {
-      for (int u = 0; u < U; ++u) {
-        for (unsigned lane = 0; lane < 32; ++lane) {
-          cd::unpack_lane<S>(base, nplanes, shard_words, n, k0 + u, lane,
-                             static_cast<const S*>(lut), static_cast<S*>(dst));
-        }
+      for (unsigned lane = 0; lane < 32; ++lane) {
+        cd::unpack_group<S, NP>(base, nplanes, shard_words, n, k0, lane,
+                                static_cast<const S*>(lut), static_cast<S*>(dst));
       }
     }
   }
@@ -172,13 +170,13 @@ bits::PackCounts emu_direction(
   for (size_t warp = 0; warp < nwarps; ++warp) {
     for (size_t k0 = warp * U; k0 < nwords; k0 += nwarps * U) {
       unsigned f[U][32];
-      for (int u = 0; u < U; ++u) {
-        for (unsigned lane = 0; lane < 32; ++lane) {
-          f[u][lane] = k0 + u < nwords
-              ? cd::lion_direction_lane<G, M>(
-                    static_cast<const typename FloatStore<G>::U*>(g),
-                    static_cast<typename FloatStore<M>::U*>(m), n, o, k0 + u, lane, k)
-              : 0u;
+      for (unsigned lane = 0; lane < 32; ++lane) {
+        unsigned fl[U];
+        cd::lion_direction_group<G, M>(
+            static_cast<const typename FloatStore<G>::U*>(g),
+            static_cast<typename FloatStore<M>::U*>(m), n, o, k0, nwords, lane, k, fl);
+        for (int u = 0; u < U; ++u) {
+          f[u][lane] = fl[u];
         }
       }
       for (int u = 0; u < U; ++u) {
@@ -197,7 +195,7 @@ bits::PackCounts emu_direction(
 }
 
 // apply_planes_kernel of optimizer/lion_cuda.cu.
-template <DType X>
+template <DType X, int NP = -1>
 void emu_apply_planes(
     void* x,
     const uint64_t* base,
@@ -212,12 +210,10 @@ void emu_apply_planes(
   constexpr int U = cd::kWordsPerWarpIter;
   for (size_t warp = 0; warp < nwarps; ++warp) {
     for (size_t k0 = warp * U; k0 < nwords; k0 += nwarps * U) {
-      for (int u = 0; u < U; ++u) {
-        for (unsigned lane = 0; lane < 32; ++lane) {
-          cd::lion_apply_planes_lane<X>(
-              static_cast<typename FloatStore<X>::U*>(x), base, nplanes,
-              shard_words, n, k0 + u, lane, lut, lr, decay);
-        }
+      for (unsigned lane = 0; lane < 32; ++lane) {
+        cd::lion_apply_planes_group<X, NP>(
+            static_cast<typename FloatStore<X>::U*>(x), base, nplanes,
+            shard_words, n, k0, lane, lut, lr, decay);
       }
     }
   }
@@ -554,7 +550,13 @@ void check_unpack(DType d, std::mt19937_64& rng) {
         bits::unpack(d, ptrs.data(), nplanes, n, lut.data(), ref.data());
         for (size_t nwarps : {size_t{1}, size_t{5}}) {
           std::fill(got.begin(), got.end(), S(0x5a));
-          emu_unpack<S>(sharded.data(), nplanes, sw, n, lut.data(), got.data(), nwarps);
+          if (nplanes == 1) {
+            emu_unpack<S, 1>(sharded.data(), nplanes, sw, n, lut.data(), got.data(), nwarps);
+          } else if (nplanes == 2) {
+            emu_unpack<S, 2>(sharded.data(), nplanes, sw, n, lut.data(), got.data(), nwarps);
+          } else {
+            emu_unpack<S>(sharded.data(), nplanes, sw, n, lut.data(), got.data(), nwarps);
+          }
           ASSERT_EQ(got, ref) << dname(d) << " nplanes=" << nplanes << " shards=" << shards << " n=" << n;
         }
       }
@@ -584,10 +586,10 @@ TEST(CudaHostUnpack, VoteLutAllDtypes) {
     std::vector<uint8_t> ref(n * 8), got(n * 8);
     bits::unpack(d, ptrs.data(), 2, n, lut.data(), ref.data());
     switch (bits::dtype_size(d)) {
-      case 1: emu_unpack<uint8_t>(planes.data(), 2, 6, n, lut.data(), got.data(), 2); break;
-      case 2: emu_unpack<uint16_t>(planes.data(), 2, 6, n, lut.data(), got.data(), 2); break;
-      case 4: emu_unpack<uint32_t>(planes.data(), 2, 6, n, lut.data(), got.data(), 2); break;
-      default: emu_unpack<unsigned long long>(planes.data(), 2, 6, n, lut.data(), got.data(), 2); break;
+      case 1: emu_unpack<uint8_t, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2); break;
+      case 2: emu_unpack<uint16_t, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2); break;
+      case 4: emu_unpack<uint32_t, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2); break;
+      default: emu_unpack<unsigned long long, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2); break;
     }
     ASSERT_EQ(got, ref) << dname(d);
   }
@@ -699,10 +701,15 @@ void check_apply_dense(std::mt19937_64& rng) {
       for (float decay : {1.0f, 0.99997f, 0.5f}) {
         auto xr = x0, xg = x0;
         optim::lion_apply_dense(X, xr.data(), Dl, delta.data(), n, lr, decay);
-        for (size_t i = 0; i < n; ++i) { // any grid: elements are independent
-          cd::lion_apply_dense_elem<X, Dl>(
-              reinterpret_cast<typename FloatStore<X>::U*>(xg.data()),
-              reinterpret_cast<const typename FloatStore<Dl>::U*>(delta.data()), i, lr, decay);
+        // apply_dense_kernel's grid loop with a grid of `threads` threads
+        const size_t threads = 1 + n % 70;
+        for (size_t t = 0; t < threads; ++t) {
+          for (size_t i0 = t; i0 < n; i0 += threads * cd::kApplyDenseUnroll) {
+            cd::lion_apply_dense_group<X, Dl>(
+                reinterpret_cast<typename FloatStore<X>::U*>(xg.data()),
+                reinterpret_cast<const typename FloatStore<Dl>::U*>(delta.data()), n, i0,
+                threads, lr, decay);
+          }
         }
         for (size_t i = 0; i < n; ++i) {
           ASSERT_TRUE(same_at(X, xg.data(), xr.data(), i))
@@ -748,7 +755,13 @@ void check_apply_planes(std::mt19937_64& rng) {
           const float decay = 1.0f - lr * 0.1f;
           auto xr = x0, xg = x0;
           optim::lion_apply_planes(X, xr.data(), n, ptrs.data(), nplanes, lut.data(), lr, decay);
-          emu_apply_planes<X>(xg.data(), sharded.data(), nplanes, sw, n, lut.data(), lr, decay, 3);
+          if (nplanes == 1) {
+            emu_apply_planes<X, 1>(xg.data(), sharded.data(), nplanes, sw, n, lut.data(), lr, decay, 3);
+          } else if (nplanes == 2) {
+            emu_apply_planes<X, 2>(xg.data(), sharded.data(), nplanes, sw, n, lut.data(), lr, decay, 3);
+          } else {
+            emu_apply_planes<X>(xg.data(), sharded.data(), nplanes, sw, n, lut.data(), lr, decay, 3);
+          }
           for (size_t i = 0; i < n; ++i) {
             ASSERT_TRUE(same_at(X, xg.data(), xr.data(), i))
                 << dname(X) << " nplanes=" << nplanes << " shards=" << shards << " n=" << n << " i=" << i;
