@@ -1,0 +1,881 @@
+// The per-element and per-word logic of the GPU bit kernels, written once as
+// host+device inline functions. nvcc compiles them into the kernels
+// (backend/cuda/*.cu); g++ compiles the very same functions into
+// tests/cpp/test_cuda_host.cpp, which checks them against the CPU kernels on a
+// machine without a GPU. The kernels keep only what cannot run on a host (the
+// warp ballots, the grid loop) and the tests emulate those with plain loops
+// over "lanes" calling the same bodies.
+//
+// Nothing here includes CUDA headers when compiled by a plain C++ compiler.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "backend/bits/types.h"
+
+#if defined(__CUDACC__)
+#define LIONBIT_HD __host__ __device__ __forceinline__
+#else
+#define LIONBIT_HD inline
+#endif
+
+// Full unrolling of loops with compile-time trip counts in device code (so
+// that small arrays stay in registers); nothing on the host.
+#if defined(__CUDA_ARCH__)
+#define LIONBIT_UNROLL _Pragma("unroll")
+#else
+#define LIONBIT_UNROLL
+#endif
+
+namespace lionbit::cuda::detail {
+
+using bits::DType;
+
+// ---------------------------------------------------------- primitives ----
+
+LIONBIT_HD uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+LIONBIT_HD float bits_f32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+// Leading zeros of a nonzero 32-bit value.
+LIONBIT_HD int clz32(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+  return __clz(static_cast<int>(x));
+#else
+  return __builtin_clz(x);
+#endif
+}
+
+LIONBIT_HD int popc64(uint64_t x) {
+#if defined(__CUDA_ARCH__)
+  return __popcll(x);
+#else
+  return __builtin_popcountll(x);
+#endif
+}
+
+// float32 operations rounded one at a time (never contracted into an FMA).
+// Device: the _rn intrinsics, which nvcc never fuses whatever --fmad says.
+// Host: plain operators in translation units built with -ffp-contract=off
+// (SSE arithmetic: no excess precision on x86-64).
+LIONBIT_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+LIONBIT_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+LIONBIT_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+// Number of bits needed to hold every integer in [0, v] (bits::bit_width).
+LIONBIT_HD constexpr int width_of(uint32_t v) {
+  int b = 0;
+  while (v != 0) {
+    ++b;
+    v >>= 1;
+  }
+  return b;
+}
+
+// ------------------------------------------------------- sign of a value ----
+
+// Storage type of each dtype and its bit-pattern constants (magnitude mask,
+// the pattern of +Inf: a larger magnitude is NaN).
+template <DType D>
+struct Elem;
+template <>
+struct Elem<DType::kFloat32> {
+  using U = uint32_t;
+  static constexpr U kMag = 0x7fffffffu;
+  static constexpr U kInf = 0x7f800000u;
+  static constexpr bool kFloat = true;
+};
+template <>
+struct Elem<DType::kFloat64> {
+  using U = uint64_t;
+  static constexpr U kMag = 0x7fffffffffffffffull;
+  static constexpr U kInf = 0x7ff0000000000000ull;
+  static constexpr bool kFloat = true;
+};
+template <>
+struct Elem<DType::kFloat16> {
+  using U = uint16_t;
+  static constexpr U kMag = 0x7fff;
+  static constexpr U kInf = 0x7c00;
+  static constexpr bool kFloat = true;
+};
+template <>
+struct Elem<DType::kBFloat16> {
+  using U = uint16_t;
+  static constexpr U kMag = 0x7fff;
+  static constexpr U kInf = 0x7f80;
+  static constexpr bool kFloat = true;
+};
+template <>
+struct Elem<DType::kInt8> {
+  using U = uint8_t;
+  static constexpr bool kFloat = false;
+};
+
+// Flags of one element: bit 0 positive, bit 1 zero, bit 2 NaN (at most one
+// set; none: negative, or no element).
+enum : unsigned { kPos = 1u, kZero = 2u, kNan = 4u };
+
+// The sign of a stored value, on its bit pattern (denormals nonzero, -0 is
+// zero, +-Inf is +-1): exactly bits::pack_signs.
+template <DType D>
+LIONBIT_HD unsigned classify(typename Elem<D>::U u) {
+  using E = Elem<D>;
+  if constexpr (E::kFloat) {
+    const auto mag = static_cast<typename E::U>(u & E::kMag);
+    if (mag == 0) {
+      return kZero;
+    }
+    if (mag > E::kInf) {
+      return kNan;
+    }
+    return u == mag ? kPos : 0u;
+  } else {
+    const auto v = static_cast<int8_t>(u);
+    return v == 0 ? kZero : (v > 0 ? kPos : 0u);
+  }
+}
+
+// Sign of a float32 result by float comparisons (lion.h): c > 0 positive,
+// c == 0 (either sign) zero, c != c NaN. FTZ is off in this library, so a
+// denormal c is nonzero on both host and device.
+LIONBIT_HD unsigned classify_float(float c) {
+  return c > 0.0f ? kPos : (c == 0.0f ? kZero : (c != c ? kNan : 0u));
+}
+
+// -------------------------------------------------- float conversions ----
+
+LIONBIT_HD float bf16_to_f32(uint16_t h) {
+  return bits_f32(static_cast<uint32_t>(h) << 16);
+}
+
+// Exact widening, subnormals included; Inf stays Inf, NaN stays NaN.
+LIONBIT_HD float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1fu) {
+    return bits_f32(sign | 0x7f800000u | (mant << 13) | (mant != 0 ? 0x400000u : 0u));
+  }
+  if (exp != 0) {
+    return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+  }
+  if (mant == 0) {
+    return bits_f32(sign);
+  }
+  // mant * 2^-24 with mant < 2^10: normalise so the leading one is bit 10.
+  const uint32_t s = static_cast<uint32_t>(clz32(mant)) - 21u; // 1 .. 10
+  return bits_f32(sign | ((113u - s) << 23) | (((mant << s) & 0x3ffu) << 13));
+}
+
+// float32 -> bfloat16, round to nearest even, overflow to Inf; NaN -> a
+// quiet NaN.
+LIONBIT_HD uint16_t f32_to_bf16(float f) {
+  const uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    return static_cast<uint16_t>((u >> 16) | 0x40u);
+  }
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// float32 -> float16, round to nearest even: overflow to +-Inf, correct
+// subnormals, |f| <= 2^-25 to +-0; NaN -> a quiet NaN.
+LIONBIT_HD uint16_t f32_to_f16(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) {
+    return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+  }
+  if (a >= 0x477ff000u) { // 65520 = halfway past 65504 and up: Inf
+    return static_cast<uint16_t>(sign | 0x7c00u);
+  }
+  if (a >= 0x38800000u) { // 2^-14 and up: a normal float16
+    const uint32_t r = a - 0x38000000u; // exponent bias 127 -> 15
+    return static_cast<uint16_t>(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
+  }
+  if (a <= 0x33000000u) { // 2^-25 and below (a tie with 0 goes to 0)
+    return static_cast<uint16_t>(sign);
+  }
+  // Subnormal result in units of 2^-24 (may round up to the smallest normal,
+  // whose pattern 0x0400 follows 0x03ff).
+  const uint32_t e = a >> 23; // 102 .. 112
+  const uint32_t m = (a & 0x7fffffu) | 0x800000u;
+  const uint32_t shift = 126u - e; // 14 .. 24
+  uint32_t q = m >> shift;
+  const uint32_t rem = m & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1u);
+  q += (rem > half || (rem == half && (q & 1u) != 0)) ? 1u : 0u;
+  return static_cast<uint16_t>(sign | q);
+}
+
+// Float storage of the Lion buffers: float32, bfloat16, float16.
+template <DType D>
+struct FloatStore;
+template <>
+struct FloatStore<DType::kFloat32> {
+  using U = float;
+  static LIONBIT_HD float load(U v) { return v; }
+  static LIONBIT_HD U store(float v) { return v; }
+};
+template <>
+struct FloatStore<DType::kBFloat16> {
+  using U = uint16_t;
+  static LIONBIT_HD float load(U v) { return bf16_to_f32(v); }
+  static LIONBIT_HD U store(float v) { return f32_to_bf16(v); }
+};
+template <>
+struct FloatStore<DType::kFloat16> {
+  using U = uint16_t;
+  static LIONBIT_HD float load(U v) { return f16_to_f32(v); }
+  static LIONBIT_HD U store(float v) { return f32_to_f16(v); }
+};
+
+// ------------------------------------------------------------- Lion math ----
+
+struct LionCoefs {
+  float b1, omb1, b2, omb2;
+};
+
+// One element of step 1: returns the flags of c and writes the new momentum.
+LIONBIT_HD unsigned lion_direction_math(
+    float g,
+    float m,
+    const LionCoefs& k,
+    float* m_new) {
+  const float c = add_rn(mul_rn(k.b1, m), mul_rn(k.omb1, g));
+  *m_new = add_rn(mul_rn(k.b2, m), mul_rn(k.omb2, g));
+  return classify_float(c);
+}
+
+// x * decay - step, step = fl(lr * Delta) already rounded.
+LIONBIT_HD float lion_apply_math(float x, float decay, float step) {
+  return sub_rn(mul_rn(x, decay), step);
+}
+
+// ------------------------------------------------- bit offsets, words ----
+
+// A launch writes bits [o, o + n) of the words starting at `base` (o < 64,
+// the bit offset within the first word): words_out(o, n) words. Bit j of
+// word k holds element k * 64 + j - o.
+LIONBIT_HD size_t words_out(unsigned o, size_t n) {
+  return (static_cast<size_t>(o) + n + 63) / 64;
+}
+
+// Element of bit j of word k, or false if that bit holds no element.
+LIONBIT_HD bool element_of(size_t k, unsigned j, unsigned o, size_t n, size_t* e) {
+  const size_t pos = k * 64 + j;
+  if (pos < o) {
+    return false;
+  }
+  *e = pos - o;
+  return *e < n;
+}
+
+// Bits of word k that hold elements (all others must be left as they are).
+LIONBIT_HD uint64_t word_mask(size_t k, unsigned o, size_t n) {
+  const size_t first = k * 64;
+  const size_t end = static_cast<size_t>(o) + n; // one past the last bit
+  const unsigned lo = first < o ? o - static_cast<unsigned>(first) : 0u;
+  const size_t hi_s = end - first; // > 0 for every word of the launch
+  const unsigned hi = hi_s >= 64 ? 64u : static_cast<unsigned>(hi_s);
+  const uint64_t below_hi = hi == 64 ? ~0ull : ((1ull << hi) - 1ull);
+  const uint64_t below_lo = lo == 0 ? 0ull : ((1ull << lo) - 1ull);
+  return below_hi & ~below_lo;
+}
+
+// Writes the bits of word k: a plain store where the whole word is the
+// launch's, a read-modify-write of the masked bits at the two ends. Each word
+// is written by exactly one thread of a launch.
+LIONBIT_HD void commit_word(
+    uint64_t* words,
+    size_t k,
+    unsigned o,
+    size_t n,
+    uint64_t v) {
+  const uint64_t mask = word_mask(k, o, n);
+  if (mask == ~0ull) {
+    words[k] = v;
+  } else {
+    words[k] = (words[k] & ~mask) | (v & mask);
+  }
+}
+
+// Words each warp handles per iteration of its grid loop in the word-per-warp
+// kernels (pack, lion_direction, unpack, lion_apply_planes): enough
+// independent loads in flight per thread.
+constexpr int kWordsPerWarpIter = 4;
+
+// --------------------------------------------------- per-lane bodies ----
+// Kernels that produce bit-planes run one warp per output word: lane l owns
+// bits l and l + 32 (two coalesced loads per word), two 32-bit ballots make
+// the 64-bit word. The lane bodies below return the flags of both bits:
+// low byte bit l, second byte bit l + 32.
+
+// pack_signs: flags of the lane's two elements of word k.
+template <DType D>
+LIONBIT_HD unsigned pack_lane(
+    const typename Elem<D>::U* src,
+    size_t n,
+    unsigned o,
+    size_t k,
+    unsigned lane) {
+  unsigned f = 0;
+  size_t e;
+  if (element_of(k, lane, o, n, &e)) {
+    f |= classify<D>(src[e]);
+  }
+  if (element_of(k, lane + 32, o, n, &e)) {
+    f |= classify<D>(src[e]) << 8;
+  }
+  return f;
+}
+
+// lion_direction: the lane's two elements of word k (reads g, m; writes m).
+template <DType G, DType M>
+LIONBIT_HD unsigned lion_direction_lane(
+    const typename FloatStore<G>::U* g,
+    typename FloatStore<M>::U* m,
+    size_t n,
+    unsigned o,
+    size_t k,
+    unsigned lane,
+    const LionCoefs& c) {
+  unsigned f = 0;
+  for (unsigned h = 0; h < 2; ++h) {
+    size_t e;
+    if (element_of(k, lane + 32 * h, o, n, &e)) {
+      float mn;
+      const unsigned fl = lion_direction_math(
+          FloatStore<G>::load(g[e]), FloatStore<M>::load(m[e]), c, &mn);
+      m[e] = FloatStore<M>::store(mn);
+      f |= fl << (8 * h);
+    }
+  }
+  return f;
+}
+
+// True when the kWordsPerWarpIter-word group from word k0 is made of whole
+// words inside the launch (every bit an element): the kernels then issue all
+// the group's loads before using any (memory-level parallelism), without
+// per-element bounds checks. Element of bit lane + 32 * i of the group:
+// k0 * 64 - o + lane + 32 * i.
+LIONBIT_HD bool group_full(size_t k0, unsigned o, size_t n) {
+  return (k0 > 0 || o == 0) &&
+      (k0 + kWordsPerWarpIter) * 64 <= static_cast<size_t>(o) + n;
+}
+
+// pack: the lane's flags for the words k0 .. k0 + kWordsPerWarpIter - 1.
+template <DType D>
+LIONBIT_HD void pack_group(
+    const typename Elem<D>::U* src,
+    size_t n,
+    unsigned o,
+    size_t k0,
+    size_t nwords,
+    unsigned lane,
+    unsigned (&f)[kWordsPerWarpIter]) {
+  constexpr int U = kWordsPerWarpIter;
+  if (group_full(k0, o, n)) {
+    const typename Elem<D>::U* p = src + (k0 * 64 - o + lane);
+    typename Elem<D>::U v[2 * U];
+    LIONBIT_UNROLL
+    for (int i = 0; i < 2 * U; ++i) {
+      v[i] = p[32 * i];
+    }
+    LIONBIT_UNROLL
+    for (int u = 0; u < U; ++u) {
+      f[u] = classify<D>(v[2 * u]) | (classify<D>(v[2 * u + 1]) << 8);
+    }
+    return;
+  }
+  LIONBIT_UNROLL
+  for (int u = 0; u < U; ++u) {
+    f[u] = k0 + u < nwords ? pack_lane<D>(src, n, o, k0 + u, lane) : 0u;
+  }
+}
+
+// lion_direction: the lane's flags for the group's words (and the new m).
+template <DType G, DType M>
+LIONBIT_HD void lion_direction_group(
+    const typename FloatStore<G>::U* g,
+    typename FloatStore<M>::U* m,
+    size_t n,
+    unsigned o,
+    size_t k0,
+    size_t nwords,
+    unsigned lane,
+    const LionCoefs& c,
+    unsigned (&f)[kWordsPerWarpIter]) {
+  constexpr int U = kWordsPerWarpIter;
+  if (group_full(k0, o, n)) {
+    const size_t e0 = k0 * 64 - o + lane;
+    typename FloatStore<G>::U gv[2 * U];
+    typename FloatStore<M>::U mv[2 * U];
+    LIONBIT_UNROLL
+    for (int i = 0; i < 2 * U; ++i) {
+      gv[i] = g[e0 + 32 * i];
+      mv[i] = m[e0 + 32 * i];
+    }
+    unsigned fl[2 * U];
+    LIONBIT_UNROLL
+    for (int i = 0; i < 2 * U; ++i) {
+      float mn;
+      fl[i] = lion_direction_math(FloatStore<G>::load(gv[i]), FloatStore<M>::load(mv[i]), c, &mn);
+      m[e0 + 32 * i] = FloatStore<M>::store(mn);
+    }
+    LIONBIT_UNROLL
+    for (int u = 0; u < U; ++u) {
+      f[u] = fl[2 * u] | (fl[2 * u + 1] << 8);
+    }
+    return;
+  }
+  LIONBIT_UNROLL
+  for (int u = 0; u < U; ++u) {
+    f[u] = k0 + u < nwords ? lion_direction_lane<G, M>(g, m, n, o, k0 + u, lane, c) : 0u;
+  }
+}
+
+// The sign and zero words of one warp's word.
+struct WordPair {
+  uint64_t sign;
+  uint64_t zero;
+};
+
+// Adds the zero and NaN flags of a lane's two elements to its tallies.
+LIONBIT_HD void tally_flags(
+    unsigned f,
+    unsigned long long* zeros,
+    unsigned long long* nans) {
+  *zeros += ((f & kZero) != 0 ? 1u : 0u) + ((f & (kZero << 8)) != 0 ? 1u : 0u);
+  *nans += ((f & kNan) != 0 ? 1u : 0u) + ((f & (kNan << 8)) != 0 ? 1u : 0u);
+}
+
+// What the two pairs of ballots of a warp give (the host emulation; the device
+// does the same with __ballot_sync in warp_planes.cuh).
+inline WordPair ballot_planes_host(const unsigned (&f)[32]) {
+  WordPair r{0, 0};
+  for (unsigned l = 0; l < 32; ++l) {
+    r.sign |= static_cast<uint64_t>((f[l] & kPos) != 0) << l;
+    r.sign |= static_cast<uint64_t>((f[l] & (kPos << 8)) != 0) << (l + 32);
+    r.zero |= static_cast<uint64_t>((f[l] & kZero) != 0) << l;
+    r.zero |= static_cast<uint64_t>((f[l] & (kZero << 8)) != 0) << (l + 32);
+  }
+  return r;
+}
+
+// Word of a bit-plane from two 32-bit halves.
+LIONBIT_HD uint64_t join_halves(uint32_t lo, uint32_t hi) {
+  return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
+}
+
+// ------------------------------------------------------ sharded planes ----
+
+// Where the words of word index W lie in ShardedPlanes storage: plane b of
+// word W is at base[first + b * shard_words].
+LIONBIT_HD size_t sharded_first(size_t word, int nplanes, size_t shard_words) {
+  if (nplanes == 0 || shard_words == 0) {
+    return 0; // nothing is read
+  }
+  const size_t r = word / shard_words;
+  const size_t w = word - r * shard_words;
+  return r * static_cast<size_t>(nplanes) * shard_words + w;
+}
+
+// Code of bit j of word W: bit b of the code is bit j of plane b.
+LIONBIT_HD uint32_t code_at(
+    const uint64_t* base,
+    int nplanes,
+    size_t shard_words,
+    size_t first,
+    unsigned j) {
+  uint32_t code = 0;
+  for (int b = 0; b < nplanes; ++b) {
+    const uint64_t word = base[first + static_cast<size_t>(b) * shard_words];
+    code |= static_cast<uint32_t>((word >> j) & 1u) << b;
+  }
+  return code;
+}
+
+// Codes of bits `lane` (low 16 bits of the result) and `lane + 32` (high 16
+// bits) of word W, whose planes start at base[first] (sharded_first): each
+// plane word is read once.
+// NP: the number of planes when fixed at compile time (the loop unrolls and
+// the loads of several words can be issued together), -1: nplanes.
+template <int NP = -1>
+LIONBIT_HD uint32_t code_pair_at(
+    const uint64_t* base,
+    int nplanes,
+    size_t shard_words,
+    size_t first,
+    unsigned lane) {
+  const int np = NP >= 0 ? NP : nplanes;
+  uint32_t lo = 0, hi = 0;
+  for (int b = 0; b < np; ++b) {
+    const uint64_t word = base[first + static_cast<size_t>(b) * shard_words];
+    lo |= static_cast<uint32_t>((word >> lane) & 1u) << b;
+    hi |= static_cast<uint32_t>((word >> (lane + 32)) & 1u) << b;
+  }
+  return lo | (hi << 16);
+}
+
+// unpack: the lane's two elements of word k, dst[e] = lut[code_e]. S is the
+// element's storage (1, 2, 4 or 8 bytes).
+template <typename S>
+LIONBIT_HD void unpack_lane(
+    const uint64_t* base,
+    int nplanes,
+    size_t shard_words,
+    size_t n,
+    size_t k,
+    unsigned lane,
+    const S* lut,
+    S* dst) {
+  const size_t e0 = k * 64 + lane;
+  if (e0 >= n) {
+    return;
+  }
+  const uint32_t codes =
+      code_pair_at(base, nplanes, shard_words, sharded_first(k, nplanes, shard_words), lane);
+  dst[e0] = lut[codes & 0xffffu];
+  if (e0 + 32 < n) {
+    dst[e0 + 32] = lut[codes >> 16];
+  }
+}
+
+// lion_apply_planes: the lane's two elements of word k,
+// x = fl(fl(x * decay) - fl(lr * lut[code])).
+template <DType X>
+LIONBIT_HD void lion_apply_planes_lane(
+    typename FloatStore<X>::U* x,
+    const uint64_t* base,
+    int nplanes,
+    size_t shard_words,
+    size_t n,
+    size_t k,
+    unsigned lane,
+    const float* lut,
+    float lr,
+    float decay) {
+  const size_t e0 = k * 64 + lane;
+  if (e0 >= n) {
+    return;
+  }
+  const uint32_t codes =
+      code_pair_at(base, nplanes, shard_words, sharded_first(k, nplanes, shard_words), lane);
+  x[e0] = FloatStore<X>::store(lion_apply_math(
+      FloatStore<X>::load(x[e0]), decay, mul_rn(lr, lut[codes & 0xffffu])));
+  if (e0 + 32 < n) {
+    x[e0 + 32] = FloatStore<X>::store(lion_apply_math(
+        FloatStore<X>::load(x[e0 + 32]), decay, mul_rn(lr, lut[codes >> 16])));
+  }
+}
+
+// unpack: the group of words from k0. Whole groups read all plane words
+// first, then write.
+template <typename S, int NP>
+LIONBIT_HD void unpack_group(
+    const uint64_t* base,
+    int nplanes,
+    size_t shard_words,
+    size_t n,
+    size_t k0,
+    unsigned lane,
+    const S* lut,
+    S* dst) {
+  constexpr int U = kWordsPerWarpIter;
+  if ((k0 + U) * 64 <= n) {
+    uint32_t codes[U];
+    LIONBIT_UNROLL
+    for (int u = 0; u < U; ++u) {
+      codes[u] = code_pair_at<NP>(base, nplanes, shard_words,
+                                  sharded_first(k0 + u, nplanes, shard_words), lane);
+    }
+    S* p = dst + (k0 * 64 + lane);
+    LIONBIT_UNROLL
+    for (int u = 0; u < U; ++u) {
+      p[64 * u] = lut[codes[u] & 0xffffu];
+      p[64 * u + 32] = lut[codes[u] >> 16];
+    }
+    return;
+  }
+  LIONBIT_UNROLL
+  for (int u = 0; u < U; ++u) {
+    unpack_lane<S>(base, nplanes, shard_words, n, k0 + u, lane, lut, dst);
+  }
+}
+
+// lion_apply_planes: the group of words from k0.
+template <DType X, int NP>
+LIONBIT_HD void lion_apply_planes_group(
+    typename FloatStore<X>::U* x,
+    const uint64_t* base,
+    int nplanes,
+    size_t shard_words,
+    size_t n,
+    size_t k0,
+    unsigned lane,
+    const float* lut,
+    float lr,
+    float decay) {
+  constexpr int U = kWordsPerWarpIter;
+  if ((k0 + U) * 64 <= n) {
+    uint32_t codes[U];
+    typename FloatStore<X>::U xv[2 * U];
+    typename FloatStore<X>::U* p = x + (k0 * 64 + lane);
+    LIONBIT_UNROLL
+    for (int u = 0; u < U; ++u) {
+      codes[u] = code_pair_at<NP>(base, nplanes, shard_words,
+                                  sharded_first(k0 + u, nplanes, shard_words), lane);
+    }
+    LIONBIT_UNROLL
+    for (int i = 0; i < 2 * U; ++i) {
+      xv[i] = p[32 * i];
+    }
+    LIONBIT_UNROLL
+    for (int i = 0; i < 2 * U; ++i) {
+      const uint32_t code = (i & 1) == 0 ? (codes[i / 2] & 0xffffu) : (codes[i / 2] >> 16);
+      p[32 * i] = FloatStore<X>::store(
+          lion_apply_math(FloatStore<X>::load(xv[i]), decay, mul_rn(lr, lut[code])));
+    }
+    return;
+  }
+  LIONBIT_UNROLL
+  for (int u = 0; u < U; ++u) {
+    lion_apply_planes_lane<X>(x, base, nplanes, shard_words, n, k0 + u, lane, lut, lr, decay);
+  }
+}
+
+// lion_apply_dense: the elements i0 + u * step, u < kApplyDenseUnroll (loads
+// first, then the math and the stores).
+constexpr int kApplyDenseUnroll = 4;
+
+template <DType X, DType Dl>
+LIONBIT_HD void lion_apply_dense_group(
+    typename FloatStore<X>::U* x,
+    const typename FloatStore<Dl>::U* delta,
+    size_t n,
+    size_t i0,
+    size_t step,
+    float lr,
+    float decay) {
+  constexpr int U = kApplyDenseUnroll;
+  if (i0 + (U - 1) * step < n) {
+    typename FloatStore<X>::U xv[U];
+    typename FloatStore<Dl>::U dv[U];
+    LIONBIT_UNROLL
+    for (int u = 0; u < U; ++u) {
+      xv[u] = x[i0 + u * step];
+      dv[u] = delta[i0 + u * step];
+    }
+    LIONBIT_UNROLL
+    for (int u = 0; u < U; ++u) {
+      x[i0 + u * step] = FloatStore<X>::store(lion_apply_math(
+          FloatStore<X>::load(xv[u]), decay, mul_rn(lr, FloatStore<Dl>::load(dv[u]))));
+    }
+    return;
+  }
+  for (int u = 0; u < U; ++u) {
+    const size_t i = i0 + u * step;
+    if (i < n) {
+      x[i] = FloatStore<X>::store(lion_apply_math(
+          FloatStore<X>::load(x[i]), decay, mul_rn(lr, FloatStore<Dl>::load(delta[i]))));
+    }
+  }
+}
+
+// lion_apply_dense: element i.
+template <DType X, DType Dl>
+LIONBIT_HD void lion_apply_dense_elem(
+    typename FloatStore<X>::U* x,
+    const typename FloatStore<Dl>::U* delta,
+    size_t i,
+    float lr,
+    float decay) {
+  x[i] = FloatStore<X>::store(lion_apply_math(
+      FloatStore<X>::load(x[i]), decay, mul_rn(lr, FloatStore<Dl>::load(delta[i]))));
+}
+
+// ------------------------------------------------- bit-sliced counting ----
+// One 64-bit word position, n contributions. P counter planes (a compile-time
+// bound, P >= width_of(n), so the counters live in registers): c[b] holds bit b
+// of the per-bit count. Contributions are taken two at a time: a full adder
+// folds them into plane 0 and its carry ripples up from plane 1.
+
+template <int P>
+struct Counter {
+  uint64_t c[P];
+
+  LIONBIT_HD void clear() {
+    LIONBIT_UNROLL
+    for (int b = 0; b < P; ++b) {
+      c[b] = 0;
+    }
+  }
+  // Adds carry (weight 2^from) into planes [from, P).
+  LIONBIT_HD void ripple(uint64_t carry, int from) {
+    LIONBIT_UNROLL
+    for (int b = 0; b < P; ++b) {
+      if (b >= from) {
+        const uint64_t t = c[b] & carry;
+        c[b] ^= carry;
+        carry = t;
+      }
+    }
+  }
+  LIONBIT_HD void add1(uint64_t x) {
+    ripple(x, 0);
+  }
+  LIONBIT_HD void add2(uint64_t x, uint64_t y) {
+    const uint64_t s = c[0] ^ x ^ y;
+    const uint64_t carry = (c[0] & x) | (c[0] & y) | (x & y);
+    c[0] = s;
+    ripple(carry, 1);
+  }
+};
+
+// Counts words[i * stride + w] for i < n into cnt.
+template <int P>
+LIONBIT_HD void count_planes(
+    const uint64_t* words,
+    size_t stride,
+    int n,
+    size_t w,
+    Counter<P>& cnt) {
+  cnt.clear();
+  const uint64_t* p = words + w;
+  int i = 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll 4
+#endif
+  for (; i + 2 <= n; i += 2) {
+    const uint64_t x = p[0];
+    const uint64_t y = p[stride];
+    p += 2 * stride;
+    cnt.add2(x, y);
+  }
+  if (i < n) {
+    cnt.add1(p[0]);
+  }
+}
+
+// Code planes of one word, as bits::count_code: without zeros the count of
+// positives (P planes); with zeros 2 * #pos + #zero (P + 1 planes). Q = P + 1
+// planes are always filled (the top one 0 without zeros).
+template <int P>
+LIONBIT_HD void code_word(
+    const uint64_t* sign,
+    const uint64_t* zero,
+    size_t stride,
+    int n,
+    size_t w,
+    uint64_t (&code)[P + 1]) {
+  Counter<P> pos;
+  count_planes<P>(sign, stride, n, w, pos);
+  if (zero == nullptr) {
+    LIONBIT_UNROLL
+    for (int b = 0; b < P; ++b) {
+      code[b] = pos.c[b];
+    }
+    code[P] = 0;
+    return;
+  }
+  Counter<P> zer;
+  count_planes<P>(zero, stride, n, w, zer);
+  // 2 * pos + zer: ripple-carry adder over the planes.
+  code[0] = zer.c[0];
+  uint64_t carry = 0;
+  LIONBIT_UNROLL
+  for (int b = 1; b <= P; ++b) {
+    const uint64_t a = pos.c[b - 1];
+    const uint64_t z = b < P ? zer.c[b] : 0;
+    const uint64_t s = a ^ z;
+    code[b] = s ^ carry;
+    carry = (a & z) | (carry & s);
+  }
+}
+
+// Vote of one word: sign bit where Sum > 0, zero bit where Sum == 0.
+// Sum > 0  <=>  code > n (with zeros)  or  2 * code > n (without).
+template <int P>
+LIONBIT_HD void vote_word(
+    const uint64_t* sign,
+    const uint64_t* zero,
+    size_t stride,
+    int n,
+    size_t w,
+    uint64_t* out_sign,
+    uint64_t* out_zero) {
+  uint64_t code[P + 1];
+  code_word<P>(sign, zero, stride, n, w, code);
+  const bool shift = zero == nullptr;
+  const uint32_t un = static_cast<uint32_t>(n);
+  // Compare v = code << shift (< 2^(P+1)) with n from the top bit down.
+  // (Both candidate planes are indexed with constants, a select picks one:
+  // a run-time index would put code[] in local memory.)
+  uint64_t gt = 0;
+  uint64_t eq = ~0ull;
+  LIONBIT_UNROLL
+  for (int b = P; b >= 0; --b) {
+    const uint64_t below = b >= 1 ? code[b >= 1 ? b - 1 : 0] : 0;
+    const uint64_t vb = shift ? below : code[b];
+    if (((un >> b) & 1u) != 0) {
+      eq &= vb;
+    } else {
+      gt |= eq & vb;
+      eq &= ~vb;
+    }
+  }
+  // Bits of n above P are 0 since n < 2^P, so nothing is lost above.
+  *out_sign = gt;
+  *out_zero = eq;
+}
+
+// Counter planes the kernels are compiled for; pick_planes(n) is the smallest
+// of them that holds n (n = 1 .. 1024).
+constexpr int kCounterPlanes[] = {1, 2, 3, 4, 5, 6, 7, 8, 11};
+
+LIONBIT_HD int pick_planes(int n) {
+  const int w = width_of(static_cast<uint32_t>(n));
+  return w <= 8 ? w : 11;
+}
+
+} // namespace lionbit::cuda::detail

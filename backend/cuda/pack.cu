@@ -1,0 +1,99 @@
+// pack_signs on the GPU: one warp per 64-bit output word, lane l classifies
+// elements l and l + 32 of the word (two coalesced loads), two 32-bit ballots
+// give the word. Lane u of the warp writes word u of its group of kUnroll
+// words; only the first and last word of a launch are read-modify-written
+// (bits outside [bit_offset, bit_offset + n) keep their values).
+#include "backend/cuda/element.cuh"
+#include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
+#include "backend/cuda/warp_planes.cuh"
+
+namespace lionbit::cuda {
+namespace detail {
+namespace {
+
+constexpr int kPackUnroll = kWordsPerWarpIter;
+
+template <DType D>
+__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) pack_kernel(
+    const typename Elem<D>::U* __restrict__ src,
+    size_t n,
+    uint64_t* __restrict__ sign,
+    uint64_t* __restrict__ zero,
+    unsigned o,
+    size_t nwords,
+    Counts* counts) {
+  const unsigned lane = threadIdx.x & 31u;
+  const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
+  unsigned long long zeros = 0, nans = 0;
+  for (size_t k0 = warp * kPackUnroll; k0 < nwords; k0 += nwarps * kPackUnroll) {
+    unsigned f[kPackUnroll];
+    pack_group<D>(src, n, o, k0, nwords, lane, f);
+#pragma unroll
+    for (int u = 0; u < kPackUnroll; ++u) {
+      tally_flags(f[u], &zeros, &nans);
+      const WordPair wp = ballot_planes(f[u]);
+      if (lane == static_cast<unsigned>(u) && k0 + u < nwords) {
+        commit_word(sign, k0 + u, o, n, wp.sign);
+        commit_word(zero, k0 + u, o, n, wp.zero);
+      }
+    }
+  }
+  if (counts != nullptr) {
+    add_counts(counts, zeros, nans);
+  }
+}
+
+template <DType D>
+void launch_pack(
+    const void* src,
+    size_t n,
+    uint64_t* sign,
+    uint64_t* zero,
+    size_t bit_offset,
+    Counts* counts,
+    cudaStream_t stream) {
+  const unsigned o = static_cast<unsigned>(bit_offset % 64);
+  const size_t first = bit_offset / 64;
+  const size_t nwords = words_out(o, n);
+  static const int resident = resident_blocks(pack_kernel<D>);
+  const unsigned grid = grid_for(nwords, size_t{kWarpsPerBlock} * kPackUnroll, resident);
+  pack_kernel<D><<<grid, kBlockThreads, 0, stream>>>(
+      static_cast<const typename Elem<D>::U*>(src), n, sign + first,
+      zero + first, o, nwords, counts);
+  check_launch("pack_signs");
+}
+
+} // namespace
+} // namespace detail
+
+void pack_signs(
+    bits::DType dtype,
+    const void* src,
+    size_t n,
+    uint64_t* sign,
+    uint64_t* zero,
+    size_t bit_offset,
+    Counts* counts,
+    cudaStream_t stream) {
+  if (n == 0) {
+    return;
+  }
+  using bits::DType;
+  switch (dtype) {
+    case DType::kFloat32:
+      return detail::launch_pack<DType::kFloat32>(src, n, sign, zero, bit_offset, counts, stream);
+    case DType::kFloat16:
+      return detail::launch_pack<DType::kFloat16>(src, n, sign, zero, bit_offset, counts, stream);
+    case DType::kBFloat16:
+      return detail::launch_pack<DType::kBFloat16>(src, n, sign, zero, bit_offset, counts, stream);
+    case DType::kFloat64:
+      return detail::launch_pack<DType::kFloat64>(src, n, sign, zero, bit_offset, counts, stream);
+    case DType::kInt8:
+      return detail::launch_pack<DType::kInt8>(src, n, sign, zero, bit_offset, counts, stream);
+  }
+  throw std::runtime_error("lionbit: pack_signs: unknown dtype");
+}
+
+} // namespace lionbit::cuda

@@ -1,0 +1,305 @@
+// The fused Lion kernels on the GPU (optimizer/lion_cuda.h), bitwise equal to
+// the CPU kernels of optimizer/lion.h. The float arithmetic is in
+// backend/cuda/element.cuh (lion_direction_math, lion_apply_math): every
+// operation an __fmul_rn / __fadd_rn / __fsub_rn intrinsic, which nvcc never
+// contracts into an FMA (the library is also built with --fmad=false), and
+// float16 / bfloat16 conversions done on the bit patterns, never flushing.
+//
+//  * lion_direction: as pack_signs, one warp per 64-bit word of the sign and
+//    zero planes, lane l handling elements l and l + 32 (coalesced loads of g
+//    and m, coalesced store of m), two ballots per plane, the boundary words
+//    read-modify-written; the zero / NaN tallies summed per block, one atomic
+//    per block.
+//  * lion_apply_dense: one element per thread and iteration, 4 iterations in
+//    flight per thread.
+//  * lion_apply_planes: as unpack, one warp per word, broadcast plane loads.
+#include "optimizer/lion_cuda.h"
+
+#include "backend/cuda/element.cuh"
+#include "backend/cuda/launch.cuh"
+#include "backend/cuda/warp_planes.cuh"
+
+namespace lionbit::optim::cuda {
+namespace {
+
+using bits::DType;
+using lionbit::cuda::Counts;
+using lionbit::cuda::ShardedPlanes;
+namespace cd = lionbit::cuda::detail;
+using cd::FloatStore;
+using cd::kBlockThreads;
+using cd::kMinBlocksPerSm;
+using cd::kWarpsPerBlock;
+
+constexpr int kDirUnroll = cd::kWordsPerWarpIter;
+constexpr int kApplyUnroll = cd::kApplyDenseUnroll;
+
+template <DType G, DType M>
+__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) direction_kernel(
+    const typename FloatStore<G>::U* __restrict__ g,
+    typename FloatStore<M>::U* __restrict__ m,
+    size_t n,
+    cd::LionCoefs k,
+    uint64_t* __restrict__ sign,
+    uint64_t* __restrict__ zero,
+    unsigned o,
+    size_t nwords,
+    Counts* counts) {
+  const unsigned lane = threadIdx.x & 31u;
+  const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
+  unsigned long long zeros = 0, nans = 0;
+  for (size_t k0 = warp * kDirUnroll; k0 < nwords; k0 += nwarps * kDirUnroll) {
+    unsigned f[kDirUnroll];
+    cd::lion_direction_group<G, M>(g, m, n, o, k0, nwords, lane, k, f);
+#pragma unroll
+    for (int u = 0; u < kDirUnroll; ++u) {
+      cd::tally_flags(f[u], &zeros, &nans);
+      const cd::WordPair wp = cd::ballot_planes(f[u]);
+      if (lane == static_cast<unsigned>(u) && k0 + u < nwords) {
+        cd::commit_word(sign, k0 + u, o, n, wp.sign);
+        cd::commit_word(zero, k0 + u, o, n, wp.zero);
+      }
+    }
+  }
+  if (counts != nullptr) {
+    cd::add_counts(counts, zeros, nans);
+  }
+}
+
+template <DType G, DType M>
+void launch_direction(
+    const void* g,
+    void* m,
+    size_t n,
+    const cd::LionCoefs& k,
+    uint64_t* sign,
+    uint64_t* zero,
+    size_t bit_offset,
+    Counts* counts,
+    cudaStream_t stream) {
+  const unsigned o = static_cast<unsigned>(bit_offset % 64);
+  const size_t first = bit_offset / 64;
+  const size_t nwords = cd::words_out(o, n);
+  static const int resident = cd::resident_blocks(direction_kernel<G, M>);
+  const unsigned grid = cd::grid_for(nwords, size_t{kWarpsPerBlock} * kDirUnroll, resident);
+  direction_kernel<G, M><<<grid, kBlockThreads, 0, stream>>>(
+      static_cast<const typename FloatStore<G>::U*>(g),
+      static_cast<typename FloatStore<M>::U*>(m), n, k, sign + first,
+      zero + first, o, nwords, counts);
+  cd::check_launch("lion_direction");
+}
+
+template <DType G>
+void direction_grad(
+    DType md,
+    const void* g,
+    void* m,
+    size_t n,
+    const cd::LionCoefs& k,
+    uint64_t* sign,
+    uint64_t* zero,
+    size_t bit_offset,
+    Counts* counts,
+    cudaStream_t stream) {
+  switch (md) {
+    case DType::kFloat32:
+      return launch_direction<G, DType::kFloat32>(g, m, n, k, sign, zero, bit_offset, counts, stream);
+    case DType::kBFloat16:
+      return launch_direction<G, DType::kBFloat16>(g, m, n, k, sign, zero, bit_offset, counts, stream);
+    default:
+      return; // unsupported: nothing touched (the caller validates)
+  }
+}
+
+template <DType X, DType Dl>
+__global__ void __launch_bounds__(kBlockThreads) apply_dense_kernel(
+    typename FloatStore<X>::U* __restrict__ x,
+    const typename FloatStore<Dl>::U* __restrict__ delta,
+    size_t n,
+    float lr,
+    float decay) {
+  const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i0 = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i0 < n; i0 += step * kApplyUnroll) {
+    cd::lion_apply_dense_group<X, Dl>(x, delta, n, i0, step, lr, decay);
+  }
+}
+
+template <DType X, DType Dl>
+void launch_apply_dense(
+    void* x,
+    const void* delta,
+    size_t n,
+    float lr,
+    float decay,
+    cudaStream_t stream) {
+  static const int resident = cd::resident_blocks(apply_dense_kernel<X, Dl>);
+  const unsigned grid = cd::grid_for(n, size_t{kBlockThreads} * kApplyUnroll, resident);
+  apply_dense_kernel<X, Dl><<<grid, kBlockThreads, 0, stream>>>(
+      static_cast<typename FloatStore<X>::U*>(x),
+      static_cast<const typename FloatStore<Dl>::U*>(delta), n, lr, decay);
+  cd::check_launch("lion_apply_dense");
+}
+
+template <DType X>
+void apply_dense_param(
+    DType dd,
+    void* x,
+    const void* delta,
+    size_t n,
+    float lr,
+    float decay,
+    cudaStream_t stream) {
+  switch (dd) {
+    case DType::kFloat32:
+      return launch_apply_dense<X, DType::kFloat32>(x, delta, n, lr, decay, stream);
+    case DType::kBFloat16:
+      return launch_apply_dense<X, DType::kBFloat16>(x, delta, n, lr, decay, stream);
+    case DType::kFloat16:
+      return launch_apply_dense<X, DType::kFloat16>(x, delta, n, lr, decay, stream);
+    default:
+      return;
+  }
+}
+
+template <DType X, int NP>
+__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) apply_planes_kernel(
+    typename FloatStore<X>::U* __restrict__ x,
+    const uint64_t* __restrict__ base,
+    int nplanes,
+    size_t shard_words,
+    size_t n,
+    size_t nwords,
+    const float* __restrict__ lut,
+    float lr,
+    float decay) {
+  const unsigned lane = threadIdx.x & 31u;
+  const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
+  for (size_t k0 = warp * kDirUnroll; k0 < nwords; k0 += nwarps * kDirUnroll) {
+    cd::lion_apply_planes_group<X, NP>(
+        x, base, nplanes, shard_words, n, k0, lane, lut, lr, decay);
+  }
+}
+
+template <DType X, int NP>
+void launch_apply_planes_np(
+    void* x,
+    size_t n,
+    ShardedPlanes planes,
+    const float* lut,
+    float lr,
+    float decay,
+    cudaStream_t stream) {
+  const size_t nwords = (n + 63) / 64;
+  static const int resident = cd::resident_blocks(apply_planes_kernel<X, NP>);
+  const unsigned grid = cd::grid_for(nwords, size_t{kWarpsPerBlock} * kDirUnroll, resident);
+  apply_planes_kernel<X, NP><<<grid, kBlockThreads, 0, stream>>>(
+      static_cast<typename FloatStore<X>::U*>(x), planes.base, planes.nplanes,
+      planes.shard_words, n, nwords, lut, lr, decay);
+  cd::check_launch("lion_apply_planes");
+}
+
+// Plane counts compiled in: 1 (sign only), 2 (a vote); others at run time.
+template <DType X>
+void launch_apply_planes(
+    void* x,
+    size_t n,
+    ShardedPlanes planes,
+    const float* lut,
+    float lr,
+    float decay,
+    cudaStream_t stream) {
+  switch (planes.nplanes) {
+    case 1:
+      return launch_apply_planes_np<X, 1>(x, n, planes, lut, lr, decay, stream);
+    case 2:
+      return launch_apply_planes_np<X, 2>(x, n, planes, lut, lr, decay, stream);
+    default:
+      return launch_apply_planes_np<X, -1>(x, n, planes, lut, lr, decay, stream);
+  }
+}
+
+} // namespace
+
+void lion_direction(
+    DType grad_dtype,
+    const void* g,
+    DType momentum_dtype,
+    void* m,
+    size_t n,
+    float b1,
+    float omb1,
+    float b2,
+    float omb2,
+    uint64_t* sign,
+    uint64_t* zero,
+    size_t bit_offset,
+    Counts* counts,
+    cudaStream_t stream) {
+  if (n == 0) {
+    return;
+  }
+  const cd::LionCoefs k{b1, omb1, b2, omb2};
+  switch (grad_dtype) {
+    case DType::kFloat32:
+      return direction_grad<DType::kFloat32>(momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream);
+    case DType::kBFloat16:
+      return direction_grad<DType::kBFloat16>(momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream);
+    case DType::kFloat16:
+      return direction_grad<DType::kFloat16>(momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream);
+    default:
+      return;
+  }
+}
+
+void lion_apply_dense(
+    DType param_dtype,
+    void* x,
+    DType delta_dtype,
+    const void* delta,
+    size_t n,
+    float lr,
+    float decay,
+    cudaStream_t stream) {
+  if (n == 0) {
+    return;
+  }
+  switch (param_dtype) {
+    case DType::kFloat32:
+      return apply_dense_param<DType::kFloat32>(delta_dtype, x, delta, n, lr, decay, stream);
+    case DType::kBFloat16:
+      return apply_dense_param<DType::kBFloat16>(delta_dtype, x, delta, n, lr, decay, stream);
+    case DType::kFloat16:
+      return apply_dense_param<DType::kFloat16>(delta_dtype, x, delta, n, lr, decay, stream);
+    default:
+      return;
+  }
+}
+
+void lion_apply_planes(
+    DType param_dtype,
+    void* x,
+    size_t n,
+    ShardedPlanes planes,
+    const float* lut,
+    float lr,
+    float decay,
+    cudaStream_t stream) {
+  if (n == 0 || planes.nplanes < 0 || planes.nplanes > 16) {
+    return; // as optim::lion_apply_planes: out of contract, nothing touched
+  }
+  switch (param_dtype) {
+    case DType::kFloat32:
+      return launch_apply_planes<DType::kFloat32>(x, n, planes, lut, lr, decay, stream);
+    case DType::kBFloat16:
+      return launch_apply_planes<DType::kBFloat16>(x, n, planes, lut, lr, decay, stream);
+    case DType::kFloat16:
+      return launch_apply_planes<DType::kFloat16>(x, n, planes, lut, lr, decay, stream);
+    default:
+      return;
+  }
+}
+
+} // namespace lionbit::optim::cuda

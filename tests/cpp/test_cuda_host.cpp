@@ -1,0 +1,783 @@
+// The logic of the GPU kernels, run on the host: backend/cuda/element.cuh is
+// compiled here by g++ (-ffp-contract=off) and every per-element, per-lane and
+// per-word function the kernels call is checked against the CPU kernels. The
+// word-per-warp kernels are emulated with the same grid loop as the .cu files
+// (warps, kWordsPerWarpIter words per iteration, 32 lanes, the two ballots per
+// plane as ballot_planes_host), so the index math, the bit offsets and the
+// read-modify-write of the boundary words are verified without a GPU.
+#include "backend/cuda/element.cuh"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda_test_ref.h"
+#include "lion_test_util.h"
+
+namespace lionbit::cuda_test {
+namespace {
+
+namespace cd = lionbit::cuda::detail;
+using cd::Elem;
+using cd::FloatStore;
+
+std::string dname(DType d) {
+  return bits::dtype_name(d);
+}
+
+// ----------------------------------------------------- emulated kernels ----
+
+// pack_kernel of backend/cuda/pack.cu with `nwarps` warps in the grid.
+template <DType D>
+bits::PackCounts emu_pack(
+    const void* src,
+    size_t n,
+    uint64_t* sign,
+    uint64_t* zero,
+    size_t bit_offset,
+    size_t nwarps) {
+  const unsigned o = static_cast<unsigned>(bit_offset % 64);
+  uint64_t* s = sign + bit_offset / 64;
+  uint64_t* z = zero + bit_offset / 64;
+  const size_t nwords = cd::words_out(o, n);
+  constexpr int U = cd::kWordsPerWarpIter;
+  unsigned long long zeros = 0, nans = 0;
+  for (size_t warp = 0; warp < nwarps; ++warp) {
+    for (size_t k0 = warp * U; k0 < nwords; k0 += nwarps * U) {
+      unsigned f[U][32];
+      for (unsigned lane = 0; lane < 32; ++lane) {
+        unsigned fl[U];
+        cd::pack_group<D>(static_cast<const typename Elem<D>::U*>(src), n, o, k0, nwords, lane, fl);
+        for (int u = 0; u < U; ++u) {
+          f[u][lane] = fl[u];
+        }
+      }
+      for (int u = 0; u < U; ++u) {
+        for (unsigned lane = 0; lane < 32; ++lane) {
+          cd::tally_flags(f[u][lane], &zeros, &nans);
+        }
+        const cd::WordPair wp = cd::ballot_planes_host(f[u]);
+        if (k0 + u < nwords) { // lane u's store
+          cd::commit_word(s, k0 + u, o, n, wp.sign);
+          cd::commit_word(z, k0 + u, o, n, wp.zero);
+        }
+      }
+    }
+  }
+  return {zeros, nans};
+}
+
+bits::PackCounts emu_pack_any(
+    DType d,
+    const void* src,
+    size_t n,
+    uint64_t* sign,
+    uint64_t* zero,
+    size_t bit_offset,
+    size_t nwarps) {
+  switch (d) {
+    case DType::kFloat32: return emu_pack<DType::kFloat32>(src, n, sign, zero, bit_offset, nwarps);
+    case DType::kFloat16: return emu_pack<DType::kFloat16>(src, n, sign, zero, bit_offset, nwarps);
+    case DType::kBFloat16: return emu_pack<DType::kBFloat16>(src, n, sign, zero, bit_offset, nwarps);
+    case DType::kFloat64: return emu_pack<DType::kFloat64>(src, n, sign, zero, bit_offset, nwarps);
+    case DType::kInt8: return emu_pack<DType::kInt8>(src, n, sign, zero, bit_offset, nwarps);
+  }
+  return {};
+}
+
+// count_code_kernel / vote_kernel of backend/cuda/count.cu (one thread per
+// word; the grid order does not matter, each word is independent).
+template <int P>
+void emu_count(const RanksData& d, bool zeros, uint64_t* out) {
+  const uint64_t* zp = zeros ? d.zero.data() : nullptr;
+  const int planes = cd::width_of(static_cast<uint32_t>(zeros ? 2 * d.n : d.n));
+  for (size_t w = 0; w < d.words; ++w) {
+    uint64_t code[P + 1];
+    cd::code_word<P>(d.sign.data(), zp, d.stride, d.n, w, code);
+    for (int b = 0; b <= P; ++b) {
+      if (b < planes) {
+        out[static_cast<size_t>(b) * d.words + w] = code[b];
+      }
+    }
+  }
+}
+
+template <int P>
+void emu_vote(const RanksData& d, bool zeros, uint64_t* out_sign, uint64_t* out_zero) {
+  const uint64_t* zp = zeros ? d.zero.data() : nullptr;
+  for (size_t w = 0; w < d.words; ++w) {
+    cd::vote_word<P>(d.sign.data(), zp, d.stride, d.n, w, out_sign + w, out_zero + w);
+  }
+}
+
+#define LIONBIT_FOR_PLANES(P, FN, ...)          \
+  switch (P) {                                  \
+    case 1: FN<1>(__VA_ARGS__); break;          \
+    case 2: FN<2>(__VA_ARGS__); break;          \
+    case 3: FN<3>(__VA_ARGS__); break;          \
+    case 4: FN<4>(__VA_ARGS__); break;          \
+    case 5: FN<5>(__VA_ARGS__); break;          \
+    case 6: FN<6>(__VA_ARGS__); break;          \
+    case 7: FN<7>(__VA_ARGS__); break;          \
+    case 8: FN<8>(__VA_ARGS__); break;          \
+    case 11: FN<11>(__VA_ARGS__); break;        \
+    default: FAIL() << "no kernel for P=" << P; \
+  }
+
+// unpack_kernel of backend/cuda/unpack.cu.
+template <typename S, int NP = -1>
+void emu_unpack(
+    const uint64_t* base,
+    int nplanes,
+    size_t shard_words,
+    size_t n,
+    const void* lut,
+    void* dst,
+    size_t nwarps) {
+  const size_t nwords = (n + 63) / 64;
+  constexpr int U = cd::kWordsPerWarpIter;
+  for (size_t warp = 0; warp < nwarps; ++warp) {
+    for (size_t k0 = warp * U; k0 < nwords; k0 += nwarps * U) {
+      for (unsigned lane = 0; lane < 32; ++lane) {
+        cd::unpack_group<S, NP>(base, nplanes, shard_words, n, k0, lane,
+                                static_cast<const S*>(lut), static_cast<S*>(dst));
+      }
+    }
+  }
+}
+
+// direction_kernel of optimizer/lion_cuda.cu.
+template <DType G, DType M>
+bits::PackCounts emu_direction(
+    const void* g,
+    void* m,
+    size_t n,
+    const cd::LionCoefs& k,
+    uint64_t* sign,
+    uint64_t* zero,
+    size_t bit_offset,
+    size_t nwarps) {
+  const unsigned o = static_cast<unsigned>(bit_offset % 64);
+  uint64_t* s = sign + bit_offset / 64;
+  uint64_t* z = zero + bit_offset / 64;
+  const size_t nwords = cd::words_out(o, n);
+  constexpr int U = cd::kWordsPerWarpIter;
+  unsigned long long zeros = 0, nans = 0;
+  for (size_t warp = 0; warp < nwarps; ++warp) {
+    for (size_t k0 = warp * U; k0 < nwords; k0 += nwarps * U) {
+      unsigned f[U][32];
+      for (unsigned lane = 0; lane < 32; ++lane) {
+        unsigned fl[U];
+        cd::lion_direction_group<G, M>(
+            static_cast<const typename FloatStore<G>::U*>(g),
+            static_cast<typename FloatStore<M>::U*>(m), n, o, k0, nwords, lane, k, fl);
+        for (int u = 0; u < U; ++u) {
+          f[u][lane] = fl[u];
+        }
+      }
+      for (int u = 0; u < U; ++u) {
+        for (unsigned lane = 0; lane < 32; ++lane) {
+          cd::tally_flags(f[u][lane], &zeros, &nans);
+        }
+        const cd::WordPair wp = cd::ballot_planes_host(f[u]);
+        if (k0 + u < nwords) {
+          cd::commit_word(s, k0 + u, o, n, wp.sign);
+          cd::commit_word(z, k0 + u, o, n, wp.zero);
+        }
+      }
+    }
+  }
+  return {zeros, nans};
+}
+
+// apply_planes_kernel of optimizer/lion_cuda.cu.
+template <DType X, int NP = -1>
+void emu_apply_planes(
+    void* x,
+    const uint64_t* base,
+    int nplanes,
+    size_t shard_words,
+    size_t n,
+    const float* lut,
+    float lr,
+    float decay,
+    size_t nwarps) {
+  const size_t nwords = (n + 63) / 64;
+  constexpr int U = cd::kWordsPerWarpIter;
+  for (size_t warp = 0; warp < nwarps; ++warp) {
+    for (size_t k0 = warp * U; k0 < nwords; k0 += nwarps * U) {
+      for (unsigned lane = 0; lane < 32; ++lane) {
+        cd::lion_apply_planes_group<X, NP>(
+            static_cast<typename FloatStore<X>::U*>(x), base, nplanes,
+            shard_words, n, k0, lane, lut, lr, decay);
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------- test data ----
+
+// Random float-storage buffer (float32, bfloat16, float16) of n elements:
+// ordinary values, signed zeros, denormals, Inf, NaN, rounding edge cases.
+std::vector<uint8_t> random_floats(DType d, size_t n, std::mt19937_64& rng, bool nan = true) {
+  std::vector<uint8_t> buf(n * bits::dtype_size(d) + 16);
+  std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+  const auto specials = special_f32();
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned pick = static_cast<unsigned>(rng() % 100);
+    float f;
+    uint32_t bitsv = 0;
+    if (pick < 70) {
+      f = u(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 40) - 20);
+      std::memcpy(&bitsv, &f, 4);
+    } else if (pick < 85) {
+      bitsv = specials[rng() % specials.size()];
+    } else {
+      bitsv = static_cast<uint32_t>(rng());
+    }
+    if (!nan && (bitsv & 0x7fffffffu) > 0x7f800000u) {
+      bitsv &= 0xff7fffffu; // finite
+    }
+    if (d == DType::kFloat32) {
+      std::memcpy(buf.data() + 4 * i, &bitsv, 4);
+    } else {
+      uint16_t h = static_cast<uint16_t>(pick < 85 ? (bitsv >> 16) : bitsv);
+      if (d == DType::kFloat16 && pick < 85) {
+        float ff;
+        std::memcpy(&ff, &bitsv, 4);
+        h = lionbit::optim::lion_test::ref_narrow(DType::kFloat16, ff);
+      }
+      if (!nan) {
+        const uint16_t inf = d == DType::kFloat16 ? 0x7c00 : 0x7f80;
+        if ((h & 0x7fff) > inf) {
+          h = static_cast<uint16_t>(h & 0x83ff);
+        }
+      }
+      std::memcpy(buf.data() + 2 * i, &h, 2);
+    }
+  }
+  return buf;
+}
+
+std::vector<size_t> small_sizes() {
+  return {1, 2, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 4097};
+}
+
+// ---------------------------------------------------------- conversions ----
+
+TEST(CudaHostConvert, Float16WideningAllPatterns) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float got = cd::f16_to_f32(static_cast<uint16_t>(h));
+    const float want = bits::test::f16_to_float(static_cast<uint16_t>(h));
+    if (std::isnan(want)) {
+      ASSERT_TRUE(std::isnan(got)) << std::hex << h;
+    } else {
+      ASSERT_EQ(cd::f32_bits(got), cd::f32_bits(want)) << std::hex << h;
+    }
+  }
+}
+
+TEST(CudaHostConvert, BFloat16WideningAllPatterns) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    ASSERT_EQ(cd::f32_bits(cd::bf16_to_f32(static_cast<uint16_t>(h))), h << 16);
+  }
+}
+
+// Narrowing against the double-based reference of lion_test_util.h: every
+// exponent, mantissas around every rounding boundary, random patterns.
+TEST(CudaHostConvert, NarrowingMatchesReference) {
+  using lionbit::optim::lion_test::ref_narrow;
+  std::mt19937_64 rng(7);
+  std::vector<uint32_t> pats = special_f32();
+  const uint32_t lows[] = {0x0, 0x1, 0xfff, 0x1000, 0x1001, 0x1fff, 0x2000,
+                           0x3000, 0x7fff, 0x8000, 0x8001, 0xffff, 0x10000,
+                           0x18000, 0x7fffff, 0x400000, 0x3ff000, 0x7fe000};
+  for (uint32_t sign = 0; sign < 2; ++sign) {
+    for (uint32_t e = 0; e < 256; ++e) {
+      for (uint32_t lo : lows) {
+        for (int r = 0; r < 4; ++r) {
+          const uint32_t hi = r == 0 ? 0u : static_cast<uint32_t>(rng()) & 0x7f0000u;
+          const uint32_t m = (hi | lo) & 0x7fffffu;
+          pats.push_back((sign << 31) | (e << 23) | m);
+          // the same mantissa with the float16 rounding bits moved around
+          pats.push_back((sign << 31) | (e << 23) | ((m & ~0x1fffu) | (lo & 0x1fffu)));
+        }
+      }
+    }
+  }
+  for (int i = 0; i < 2000000; ++i) {
+    pats.push_back(static_cast<uint32_t>(rng()));
+  }
+  // every float32 whose float16 result is subnormal or near the top
+  for (uint32_t a = 0x33000000u - 64; a < 0x38800000u + 64; a += 97) {
+    pats.push_back(a);
+    pats.push_back(a | 0x80000000u);
+  }
+  for (uint32_t a = 0x477f0000u; a < 0x47800010u; ++a) {
+    pats.push_back(a);
+  }
+  for (uint32_t p : pats) {
+    const float f = cd::bits_f32(p);
+    const uint16_t bf = cd::f32_to_bf16(f);
+    const uint16_t hf = cd::f32_to_f16(f);
+    if (std::isnan(f)) {
+      ASSERT_GT(bf & 0x7fff, 0x7f80) << std::hex << p;
+      ASSERT_GT(hf & 0x7fff, 0x7c00) << std::hex << p;
+      continue;
+    }
+    ASSERT_EQ(bf, ref_narrow(DType::kBFloat16, f)) << std::hex << p;
+    ASSERT_EQ(hf, ref_narrow(DType::kFloat16, f)) << std::hex << p;
+  }
+}
+
+// ------------------------------------------------------------------ pack ----
+
+TEST(CudaHostPack, ClassifyMatchesCpuOnEveryHalfPattern) {
+  for (DType d : {DType::kFloat16, DType::kBFloat16}) {
+    std::vector<uint16_t> all(65536);
+    for (uint32_t h = 0; h < 65536; ++h) {
+      all[h] = static_cast<uint16_t>(h);
+    }
+    std::vector<uint64_t> s(1024), z(1024);
+    const auto c = bits::pack_signs(d, all.data(), all.size(), s.data(), z.data());
+    uint64_t zeros = 0, nans = 0;
+    for (uint32_t h = 0; h < 65536; ++h) {
+      const unsigned f = d == DType::kFloat16 ? cd::classify<DType::kFloat16>(all[h])
+                                              : cd::classify<DType::kBFloat16>(all[h]);
+      ASSERT_EQ((f & cd::kPos) != 0, get_bit(s.data(), h)) << dname(d) << std::hex << h;
+      ASSERT_EQ((f & cd::kZero) != 0, get_bit(z.data(), h)) << dname(d) << std::hex << h;
+      zeros += (f & cd::kZero) != 0;
+      nans += (f & cd::kNan) != 0;
+    }
+    EXPECT_EQ(zeros, c.zeros);
+    EXPECT_EQ(nans, c.nans);
+  }
+  for (uint32_t v = 0; v < 256; ++v) {
+    const unsigned f = cd::classify<DType::kInt8>(static_cast<uint8_t>(v));
+    const auto s = static_cast<int8_t>(v);
+    EXPECT_EQ(f, s > 0 ? cd::kPos : (s == 0 ? cd::kZero : 0u));
+  }
+}
+
+// The emulated pack kernel at every bit offset 0..130, all dtypes, sizes
+// around word boundaries, several grid sizes, against bits::pack_signs; the
+// bits around the written range (random) must be unchanged.
+TEST(CudaHostPack, EmulatedKernelMatchesCpuAtEveryOffset) {
+  std::mt19937_64 rng(11);
+  size_t runs = 0;
+  for (DType d : bits::test::all_dtypes()) {
+    for (size_t n : small_sizes()) {
+      const auto src = bits::test::random_buffer(d, n, rng, true);
+      for (size_t off = 0; off <= 130; ++off) {
+        if (n > 300 && off % 7 != 0 && off < 128) {
+          continue; // large sizes: a sample of the offsets
+        }
+        const size_t words = (off + n) / 64 + 3;
+        const auto s0 = random_words(words, rng);
+        const auto z0 = random_words(words, rng);
+        const PackRef ref = ref_pack(d, src.data(), n, s0, z0, off);
+        for (size_t nwarps : {size_t{1}, size_t{3}, size_t{64}}) {
+          auto s = s0, z = z0;
+          const auto c = emu_pack_any(d, src.data(), n, s.data(), z.data(), off, nwarps);
+          ASSERT_EQ(s, ref.sign) << dname(d) << " n=" << n << " off=" << off << " warps=" << nwarps;
+          ASSERT_EQ(z, ref.zero) << dname(d) << " n=" << n << " off=" << off;
+          ASSERT_EQ(c.zeros, ref.counts.zeros) << dname(d) << " n=" << n;
+          ASSERT_EQ(c.nans, ref.counts.nans) << dname(d) << " n=" << n;
+          ++runs;
+        }
+      }
+    }
+  }
+  RecordProperty("runs", static_cast<int>(runs));
+}
+
+// Successive packs end to end into one buffer (what the backend does with a
+// bucket of tensors) give the concatenation.
+TEST(CudaHostPack, EndToEndPacksConcatenate) {
+  std::mt19937_64 rng(12);
+  const std::vector<size_t> sizes = {5, 64, 1, 130, 63, 200, 7};
+  size_t total = 0;
+  std::vector<std::vector<uint8_t>> bufs;
+  std::vector<uint8_t> all;
+  for (size_t n : sizes) {
+    bufs.push_back(bits::test::random_buffer(DType::kFloat32, n, rng, true));
+    all.insert(all.end(), bufs.back().begin(), bufs.back().begin() + 4 * n);
+    total += n;
+  }
+  std::vector<uint64_t> s(total / 64 + 2, ~0ull), z(total / 64 + 2, 0);
+  size_t off = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    emu_pack<DType::kFloat32>(bufs[i].data(), sizes[i], s.data(), z.data(), off, 2);
+    off += sizes[i];
+  }
+  std::vector<uint64_t> rs(total / 64 + 2), rz(total / 64 + 2);
+  bits::pack_signs(DType::kFloat32, all.data(), total, rs.data(), rz.data());
+  for (size_t i = 0; i < total; ++i) {
+    ASSERT_EQ(get_bit(s.data(), i), get_bit(rs.data(), i)) << i;
+    ASSERT_EQ(get_bit(z.data(), i), get_bit(rz.data(), i)) << i;
+  }
+  for (size_t i = total; i < s.size() * 64; ++i) {
+    ASSERT_TRUE(get_bit(s.data(), i)) << "bit past the end changed: " << i;
+  }
+}
+
+TEST(CudaHostPack, WordMask) {
+  for (unsigned o = 0; o < 64; ++o) {
+    for (size_t n = 1; n < 200; ++n) {
+      const size_t K = cd::words_out(o, n);
+      for (size_t k = 0; k < K; ++k) {
+        uint64_t want = 0;
+        for (unsigned j = 0; j < 64; ++j) {
+          size_t e;
+          if (cd::element_of(k, j, o, n, &e)) {
+            want |= 1ull << j;
+            ASSERT_EQ(e, k * 64 + j - o);
+          }
+        }
+        ASSERT_NE(want, 0u) << "empty word " << k << " o=" << o << " n=" << n;
+        ASSERT_EQ(cd::word_mask(k, o, n), want) << "k=" << k << " o=" << o << " n=" << n;
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------- count ----
+
+std::vector<int> count_ns() {
+  std::vector<int> v;
+  for (int n = 1; n <= 64; ++n) {
+    v.push_back(n);
+  }
+  for (int n : {100, 127, 128, 129, 255, 256, 257, 511, 512, 700, 1023, 1024}) {
+    v.push_back(n);
+  }
+  return v;
+}
+
+// Every n 1..64 and a few large, every zero mode, the kernel's own P and
+// every larger P the library compiles: count_code and vote against the CPU.
+TEST(CudaHostCount, CodeAndVoteMatchCpu) {
+  std::mt19937_64 rng(21);
+  size_t runs = 0;
+  for (int n : count_ns()) {
+    const int p0 = cd::pick_planes(n);
+    ASSERT_GE(p0, cd::width_of(static_cast<uint32_t>(n)));
+    for (int mode = 0; mode <= 4; ++mode) {
+      const size_t words = n > 128 ? 3 : 1 + rng() % 11;
+      const RanksData d = make_ranks(n, words, mode, rng);
+      const bool zeros = mode != 0;
+      const auto contrib = d.contributions();
+      const int planes = bits::code_planes(n, zeros);
+      std::vector<uint64_t> ref(static_cast<size_t>(planes) * words);
+      bits::count_code(contrib.data(), n, words, ref.data());
+      std::vector<uint64_t> rs(words), rz(words);
+      bits::vote(contrib.data(), n, words, rs.data(), rz.data());
+      for (int P : cd::kCounterPlanes) {
+        if (P < cd::width_of(static_cast<uint32_t>(n))) {
+          continue;
+        }
+        std::vector<uint64_t> out(ref.size(), 0x5555);
+        LIONBIT_FOR_PLANES(P, emu_count, d, zeros, out.data());
+        ASSERT_EQ(out, ref) << "count n=" << n << " mode=" << mode << " P=" << P;
+        std::vector<uint64_t> vs(words), vz(words);
+        LIONBIT_FOR_PLANES(P, emu_vote, d, zeros, vs.data(), vz.data());
+        ASSERT_EQ(vs, rs) << "vote sign n=" << n << " mode=" << mode << " P=" << P;
+        ASSERT_EQ(vz, rz) << "vote zero n=" << n << " mode=" << mode << " P=" << P;
+        ++runs;
+      }
+    }
+  }
+  RecordProperty("runs", static_cast<int>(runs));
+}
+
+// Ties and unanimity: exactly half the ranks positive, everyone zero, all
+// positive, all negative.
+TEST(CudaHostCount, TiesAndUnanimity) {
+  for (int n = 1; n <= 64; ++n) {
+    RanksData d;
+    d.n = n;
+    d.words = 4;
+    d.stride = 4;
+    d.sign.assign(static_cast<size_t>(n) * 4, 0);
+    d.zero.assign(static_cast<size_t>(n) * 4, 0);
+    for (int i = 0; i < n; ++i) {
+      uint64_t* s = d.sign.data() + i * 4;
+      uint64_t* z = d.zero.data() + i * 4;
+      s[0] = i < n / 2 ? ~0ull : 0; // tie for even n
+      s[1] = ~0ull; // all positive
+      s[2] = 0; // all negative
+      z[3] = ~0ull; // all zero
+    }
+    for (bool zeros : {false, true}) {
+      const auto contrib = d.contributions();
+      std::vector<bits::Contribution> c2 = contrib;
+      if (!zeros) {
+        for (auto& c : c2) c.zero = nullptr;
+      }
+      std::vector<uint64_t> rs(4), rz(4), vs(4), vz(4);
+      bits::vote(c2.data(), n, 4, rs.data(), rz.data());
+      LIONBIT_FOR_PLANES(cd::pick_planes(n), emu_vote, d, zeros, vs.data(), vz.data());
+      ASSERT_EQ(vs, rs) << n;
+      ASSERT_EQ(vz, rz) << n;
+      if (n % 2 == 0) {
+        ASSERT_EQ(vz[0], ~0ull) << "tie not seen, n=" << n;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- unpack ----
+
+template <typename S>
+void check_unpack(DType d, std::mt19937_64& rng) {
+  for (int nplanes : {0, 1, 2, 3, 4, 5, 7, 9, 12, 16}) {
+    for (int shards : {1, 2, 3, 5}) {
+      for (size_t n : {size_t{1}, size_t{63}, size_t{64}, size_t{65}, size_t{200}, size_t{1000}}) {
+        const size_t sw = bits::shard_words(n, shards);
+        const auto sharded = random_words(static_cast<size_t>(nplanes) * sw * shards + 1, rng);
+        const size_t entries = size_t{1} << nplanes;
+        std::vector<S> lut(entries);
+        for (auto& v : lut) {
+          v = static_cast<S>(rng());
+        }
+        const auto plain = unshard(sharded, nplanes, sw, shards);
+        const auto ptrs = plane_ptrs(plain, nplanes, sw * shards);
+        std::vector<S> ref(n + 3, S(0x5a)), got(n + 3, S(0x5a));
+        bits::unpack(d, ptrs.data(), nplanes, n, lut.data(), ref.data());
+        for (size_t nwarps : {size_t{1}, size_t{5}}) {
+          std::fill(got.begin(), got.end(), S(0x5a));
+          if (nplanes == 1) {
+            emu_unpack<S, 1>(sharded.data(), nplanes, sw, n, lut.data(), got.data(), nwarps);
+          } else if (nplanes == 2) {
+            emu_unpack<S, 2>(sharded.data(), nplanes, sw, n, lut.data(), got.data(), nwarps);
+          } else {
+            emu_unpack<S>(sharded.data(), nplanes, sw, n, lut.data(), got.data(), nwarps);
+          }
+          ASSERT_EQ(got, ref) << dname(d) << " nplanes=" << nplanes << " shards=" << shards << " n=" << n;
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaHostUnpack, EmulatedKernelMatchesCpu) {
+  std::mt19937_64 rng(31);
+  check_unpack<uint8_t>(DType::kInt8, rng);
+  check_unpack<uint16_t>(DType::kFloat16, rng);
+  check_unpack<uint16_t>(DType::kBFloat16, rng);
+  check_unpack<uint32_t>(DType::kFloat32, rng);
+  check_unpack<unsigned long long>(DType::kFloat64, rng);
+}
+
+// A vote unpacked with make_lut tables: the path the backend takes.
+TEST(CudaHostUnpack, VoteLutAllDtypes) {
+  std::mt19937_64 rng(32);
+  const double vals[4] = {-1.0, 1.0, 0.0, 0.0};
+  for (DType d : bits::test::all_dtypes()) {
+    std::vector<uint8_t> lut(4 * 8);
+    bits::make_lut(d, vals, 4, lut.data());
+    const size_t n = 333;
+    const auto planes = random_words(2 * 6, rng);
+    const auto ptrs = plane_ptrs(planes, 2, 6);
+    std::vector<uint8_t> ref(n * 8), got(n * 8);
+    bits::unpack(d, ptrs.data(), 2, n, lut.data(), ref.data());
+    switch (bits::dtype_size(d)) {
+      case 1: emu_unpack<uint8_t, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2); break;
+      case 2: emu_unpack<uint16_t, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2); break;
+      case 4: emu_unpack<uint32_t, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2); break;
+      default: emu_unpack<unsigned long long, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2); break;
+    }
+    ASSERT_EQ(got, ref) << dname(d);
+  }
+}
+
+// ------------------------------------------------------------------ Lion ----
+
+using lionbit::optim::lion_test::same_at;
+
+struct Coefs {
+  float b1, omb1, b2, omb2;
+};
+
+std::vector<Coefs> coef_sets() {
+  return {
+      {0.9f, static_cast<float>(1.0 - 0.9), 0.99f, static_cast<float>(1.0 - 0.99)},
+      {0.95f, static_cast<float>(1.0 - 0.95), 0.98f, static_cast<float>(1.0 - 0.98)},
+      {0.3f, 0.7f, 0.123456f, 0.876544f}, // products that round often
+      {1.0f, 0.0f, 0.0f, 1.0f},
+  };
+}
+
+template <DType G, DType M>
+void check_direction(std::mt19937_64& rng, size_t& runs) {
+  for (const Coefs& cf : coef_sets()) {
+    const cd::LionCoefs k{cf.b1, cf.omb1, cf.b2, cf.omb2};
+    for (size_t n : small_sizes()) {
+      const auto g = random_floats(G, n, rng);
+      const auto m0 = random_floats(M, n, rng);
+      for (size_t off : {size_t{0}, size_t{1}, size_t{31}, size_t{32}, size_t{63}, size_t{64},
+                         size_t{65}, size_t{100}, size_t{127}, size_t{128}, size_t{130}}) {
+        const size_t words = (off + n) / 64 + 3;
+        const auto s0 = random_words(words, rng);
+        const auto z0 = random_words(words, rng);
+        // CPU reference: words_for(n) words at offset 0, then inserted.
+        auto mref = m0;
+        std::vector<uint64_t> rs(n / 64 + 2), rz(n / 64 + 2);
+        const auto rc = optim::lion_direction(G, g.data(), M, mref.data(), n, cf.b1, cf.omb1,
+                                              cf.b2, cf.omb2, rs.data(), rz.data());
+        auto es = s0, ez = z0;
+        insert_bits(rs.data(), n, es.data(), off);
+        insert_bits(rz.data(), n, ez.data(), off);
+        for (size_t nwarps : {size_t{1}, size_t{7}}) {
+          auto m = m0;
+          auto s = s0, z = z0;
+          const auto c = emu_direction<G, M>(g.data(), m.data(), n, k, s.data(), z.data(), off, nwarps);
+          ASSERT_EQ(s, es) << dname(G) << "/" << dname(M) << " n=" << n << " off=" << off;
+          ASSERT_EQ(z, ez) << dname(G) << "/" << dname(M) << " n=" << n << " off=" << off;
+          ASSERT_EQ(c.zeros, rc.zeros);
+          ASSERT_EQ(c.nans, rc.nans);
+          for (size_t i = 0; i < n; ++i) {
+            ASSERT_TRUE(same_at(M, m.data(), mref.data(), i))
+                << dname(G) << "/" << dname(M) << " momentum " << i;
+          }
+          ++runs;
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaHostLion, DirectionMatchesCpu) {
+  std::mt19937_64 rng(41);
+  size_t runs = 0;
+  check_direction<DType::kFloat32, DType::kFloat32>(rng, runs);
+  check_direction<DType::kFloat32, DType::kBFloat16>(rng, runs);
+  check_direction<DType::kBFloat16, DType::kFloat32>(rng, runs);
+  check_direction<DType::kBFloat16, DType::kBFloat16>(rng, runs);
+  check_direction<DType::kFloat16, DType::kFloat32>(rng, runs);
+  check_direction<DType::kFloat16, DType::kBFloat16>(rng, runs);
+  RecordProperty("runs", static_cast<int>(runs));
+}
+
+// Every pair of special values for g and m, float32, element by element.
+TEST(CudaHostLion, DirectionSpecialPairs) {
+  const auto sp = special_f32();
+  const size_t n = sp.size() * sp.size();
+  std::vector<float> g(n), m(n);
+  for (size_t i = 0; i < sp.size(); ++i) {
+    for (size_t j = 0; j < sp.size(); ++j) {
+      g[i * sp.size() + j] = cd::bits_f32(sp[i]);
+      m[i * sp.size() + j] = cd::bits_f32(sp[j]);
+    }
+  }
+  for (const Coefs& cf : coef_sets()) {
+    auto mref = m, mg = m;
+    std::vector<uint64_t> rs(n / 64 + 1), rz(n / 64 + 1), s(n / 64 + 1), z(n / 64 + 1);
+    const auto rc = optim::lion_direction(DType::kFloat32, g.data(), DType::kFloat32, mref.data(), n,
+                                          cf.b1, cf.omb1, cf.b2, cf.omb2, rs.data(), rz.data());
+    const auto c = emu_direction<DType::kFloat32, DType::kFloat32>(
+        g.data(), mg.data(), n, {cf.b1, cf.omb1, cf.b2, cf.omb2}, s.data(), z.data(), 0, 3);
+    EXPECT_EQ(s, rs);
+    EXPECT_EQ(z, rz);
+    EXPECT_EQ(c.zeros, rc.zeros);
+    EXPECT_EQ(c.nans, rc.nans);
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_TRUE(same_at(DType::kFloat32, reinterpret_cast<const uint8_t*>(mg.data()),
+                          reinterpret_cast<const uint8_t*>(mref.data()), i)) << i;
+    }
+  }
+}
+
+template <DType X, DType Dl>
+void check_apply_dense(std::mt19937_64& rng) {
+  for (size_t n : small_sizes()) {
+    const auto x0 = random_floats(X, n, rng);
+    const auto delta = random_floats(Dl, n, rng);
+    for (float lr : {3e-4f, 0.5f, 1e-30f}) {
+      for (float decay : {1.0f, 0.99997f, 0.5f}) {
+        auto xr = x0, xg = x0;
+        optim::lion_apply_dense(X, xr.data(), Dl, delta.data(), n, lr, decay);
+        // apply_dense_kernel's grid loop with a grid of `threads` threads
+        const size_t threads = 1 + n % 70;
+        for (size_t t = 0; t < threads; ++t) {
+          for (size_t i0 = t; i0 < n; i0 += threads * cd::kApplyDenseUnroll) {
+            cd::lion_apply_dense_group<X, Dl>(
+                reinterpret_cast<typename FloatStore<X>::U*>(xg.data()),
+                reinterpret_cast<const typename FloatStore<Dl>::U*>(delta.data()), n, i0,
+                threads, lr, decay);
+          }
+        }
+        for (size_t i = 0; i < n; ++i) {
+          ASSERT_TRUE(same_at(X, xg.data(), xr.data(), i))
+              << dname(X) << "/" << dname(Dl) << " i=" << i << " lr=" << lr;
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaHostLion, ApplyDenseMatchesCpu) {
+  std::mt19937_64 rng(51);
+  check_apply_dense<DType::kFloat32, DType::kFloat32>(rng);
+  check_apply_dense<DType::kFloat32, DType::kBFloat16>(rng);
+  check_apply_dense<DType::kFloat32, DType::kFloat16>(rng);
+  check_apply_dense<DType::kBFloat16, DType::kFloat32>(rng);
+  check_apply_dense<DType::kBFloat16, DType::kBFloat16>(rng);
+  check_apply_dense<DType::kBFloat16, DType::kFloat16>(rng);
+  check_apply_dense<DType::kFloat16, DType::kFloat32>(rng);
+  check_apply_dense<DType::kFloat16, DType::kBFloat16>(rng);
+  check_apply_dense<DType::kFloat16, DType::kFloat16>(rng);
+}
+
+template <DType X>
+void check_apply_planes(std::mt19937_64& rng) {
+  for (int nplanes : {0, 1, 2, 3, 4, 5, 6, 8, 12, 16}) {
+    for (int shards : {1, 2, 3}) {
+      for (size_t n : {size_t{1}, size_t{64}, size_t{65}, size_t{129}, size_t{1000}}) {
+        const size_t sw = bits::shard_words(n, shards);
+        const auto sharded = random_words(static_cast<size_t>(nplanes) * sw * shards + 1, rng);
+        const auto plain = unshard(sharded, nplanes, sw, shards);
+        const auto ptrs = plane_ptrs(plain, nplanes, sw * shards);
+        std::vector<float> lut(size_t{1} << nplanes);
+        for (size_t c = 0; c < lut.size(); ++c) {
+          lut[c] = static_cast<float>(static_cast<int>(c) - static_cast<int>(lut.size() / 2)) /
+              static_cast<float>(shards);
+        }
+        if (nplanes == 2) {
+          lut = {-1.0f, 1.0f, 0.0f, 0.0f};
+        }
+        const auto x0 = random_floats(X, n, rng);
+        for (float lr : {3e-4f, 0.1f}) {
+          const float decay = 1.0f - lr * 0.1f;
+          auto xr = x0, xg = x0;
+          optim::lion_apply_planes(X, xr.data(), n, ptrs.data(), nplanes, lut.data(), lr, decay);
+          if (nplanes == 1) {
+            emu_apply_planes<X, 1>(xg.data(), sharded.data(), nplanes, sw, n, lut.data(), lr, decay, 3);
+          } else if (nplanes == 2) {
+            emu_apply_planes<X, 2>(xg.data(), sharded.data(), nplanes, sw, n, lut.data(), lr, decay, 3);
+          } else {
+            emu_apply_planes<X>(xg.data(), sharded.data(), nplanes, sw, n, lut.data(), lr, decay, 3);
+          }
+          for (size_t i = 0; i < n; ++i) {
+            ASSERT_TRUE(same_at(X, xg.data(), xr.data(), i))
+                << dname(X) << " nplanes=" << nplanes << " shards=" << shards << " n=" << n << " i=" << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaHostLion, ApplyPlanesMatchesCpu) {
+  std::mt19937_64 rng(61);
+  check_apply_planes<DType::kFloat32>(rng);
+  check_apply_planes<DType::kBFloat16>(rng);
+  check_apply_planes<DType::kFloat16>(rng);
+}
+
+} // namespace
+} // namespace lionbit::cuda_test

@@ -1,0 +1,428 @@
+// The GPU kernels of lionbit_cuda against the CPU kernels, bit for bit, on a
+// CUDA device (CTest label "gpu"). Without a device every test is SKIPPED
+// with the CUDA error that says why. The logic inside the kernels is also
+// checked without a GPU by test_cuda_host.cpp.
+#include "backend/cuda/kernels.h"
+#include "optimizer/lion_cuda.h"
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cuda_test_ref.h"
+#include "lion_test_util.h"
+
+namespace lionbit::cuda_test {
+namespace {
+
+// Empty when a device is usable, otherwise why not.
+const std::string& no_gpu_reason() {
+  static const std::string reason = [] {
+    int count = 0;
+    const cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return std::string(cudaGetErrorString(err));
+    }
+    if (count == 0) {
+      return std::string("cudaGetDeviceCount returned 0");
+    }
+    return std::string();
+  }();
+  return reason;
+}
+
+#define REQUIRE_GPU()                                        \
+  do {                                                       \
+    if (!no_gpu_reason().empty()) {                          \
+      GTEST_SKIP() << "no CUDA device: " << no_gpu_reason(); \
+    }                                                        \
+  } while (0)
+
+#define CUDA_OK(expr)                                                      \
+  do {                                                                     \
+    const cudaError_t e_ = (expr);                                         \
+    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_); \
+  } while (0)
+
+// Device buffer of bytes.
+class Dev {
+ public:
+  explicit Dev(size_t bytes) : bytes_(bytes) {
+    if (cudaMalloc(&p_, bytes == 0 ? 1 : bytes) != cudaSuccess) {
+      throw std::runtime_error("cudaMalloc failed");
+    }
+  }
+  template <typename T>
+  explicit Dev(const std::vector<T>& v) : Dev(v.size() * sizeof(T)) {
+    upload(v);
+  }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  ~Dev() { cudaFree(p_); }
+  template <typename T>
+  void upload(const std::vector<T>& v) {
+    if (!v.empty() && cudaMemcpy(p_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice) != cudaSuccess) {
+      throw std::runtime_error("cudaMemcpy H2D failed");
+    }
+  }
+  template <typename T>
+  std::vector<T> download(size_t count) const {
+    std::vector<T> v(count);
+    if (count != 0 && cudaMemcpy(v.data(), p_, count * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess) {
+      throw std::runtime_error("cudaMemcpy D2H failed");
+    }
+    return v;
+  }
+  template <typename T>
+  T* as() const { return static_cast<T*>(p_); }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_;
+};
+
+// One stream per test, synchronized (and checked) at the end of each call.
+class CudaKernels : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    REQUIRE_GPU();
+    CUDA_OK(cudaStreamCreate(&stream_));
+  }
+  void TearDown() override {
+    if (stream_ != nullptr) {
+      cudaStreamDestroy(stream_);
+    }
+  }
+  void sync() {
+    const cudaError_t e = cudaStreamSynchronize(stream_);
+    if (e != cudaSuccess) {
+      throw std::runtime_error(std::string("stream: ") + cudaGetErrorString(e));
+    }
+  }
+  cudaStream_t stream_ = nullptr;
+};
+
+std::string dname(DType d) {
+  return bits::dtype_name(d);
+}
+
+std::vector<size_t> sizes_small() {
+  return {0, 1, 2, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, 4097};
+}
+
+std::vector<size_t> sizes_large() {
+  return {65537, (size_t{1} << 20) + 3, (size_t{1} << 21) + 77};
+}
+
+// ------------------------------------------------------------------ pack ----
+
+TEST_F(CudaKernels, PackMatchesCpu) {
+  std::mt19937_64 rng(101);
+  for (DType d : bits::test::all_dtypes()) {
+    for (size_t n : sizes_small()) {
+      const auto src = bits::test::random_buffer(d, n, rng, true);
+      Dev dsrc(src);
+      for (size_t off = 0; off <= 130; ++off) {
+        const size_t words = (off + n) / 64 + 2;
+        const auto s0 = random_words(words, rng);
+        const auto z0 = random_words(words, rng);
+        const PackRef ref = ref_pack(d, src.data(), n, s0, z0, off);
+        Dev ds(s0), dz(z0);
+        Dev dc(std::vector<unsigned long long>{7, 9}); // counts are added to
+        cuda::pack_signs(d, dsrc.as<void>(), n, ds.as<uint64_t>(), dz.as<uint64_t>(), off,
+                         dc.as<cuda::Counts>(), stream_);
+        sync();
+        ASSERT_EQ(ds.download<uint64_t>(words), ref.sign) << dname(d) << " n=" << n << " off=" << off;
+        ASSERT_EQ(dz.download<uint64_t>(words), ref.zero) << dname(d) << " n=" << n << " off=" << off;
+        const auto c = dc.download<unsigned long long>(2);
+        ASSERT_EQ(c[0], 7 + ref.counts.zeros) << dname(d) << " n=" << n;
+        ASSERT_EQ(c[1], 9 + ref.counts.nans) << dname(d) << " n=" << n;
+      }
+    }
+    for (size_t n : sizes_large()) {
+      const auto src = bits::test::random_buffer(d, n, rng, true);
+      Dev dsrc(src);
+      for (size_t off : {size_t{0}, size_t{1}, size_t{64}, size_t{100}}) {
+        const size_t words = (off + n) / 64 + 2;
+        const auto s0 = random_words(words, rng);
+        const auto z0 = random_words(words, rng);
+        const PackRef ref = ref_pack(d, src.data(), n, s0, z0, off);
+        Dev ds(s0), dz(z0);
+        Dev dc(std::vector<unsigned long long>{0, 0});
+        cuda::pack_signs(d, dsrc.as<void>(), n, ds.as<uint64_t>(), dz.as<uint64_t>(), off,
+                         dc.as<cuda::Counts>(), stream_);
+        // and once more without counts: the same bits
+        cuda::pack_signs(d, dsrc.as<void>(), n, ds.as<uint64_t>(), dz.as<uint64_t>(), off,
+                         nullptr, stream_);
+        sync();
+        ASSERT_EQ(ds.download<uint64_t>(words), ref.sign) << dname(d) << " n=" << n << " off=" << off;
+        ASSERT_EQ(dz.download<uint64_t>(words), ref.zero) << dname(d) << " n=" << n << " off=" << off;
+        const auto c = dc.download<unsigned long long>(2);
+        ASSERT_EQ(c[0], ref.counts.zeros);
+        ASSERT_EQ(c[1], ref.counts.nans);
+      }
+    }
+  }
+}
+
+TEST_F(CudaKernels, PackEndToEndIntoOneBuffer) {
+  std::mt19937_64 rng(102);
+  const std::vector<size_t> sizes = {5, 64, 1, 130, 63, 200000, 7, 3};
+  std::vector<uint8_t> all;
+  size_t total = 0;
+  for (size_t n : sizes) total += n;
+  const size_t words = total / 64 + 2;
+  Dev ds(std::vector<uint64_t>(words, ~0ull)), dz(std::vector<uint64_t>(words, 0));
+  std::vector<std::unique_ptr<Dev>> keep;
+  size_t off = 0;
+  for (size_t n : sizes) {
+    const auto b = bits::test::random_buffer(DType::kBFloat16, n, rng, false);
+    all.insert(all.end(), b.begin(), b.begin() + 2 * n);
+    keep.push_back(std::make_unique<Dev>(b));
+    cuda::pack_signs(DType::kBFloat16, keep.back()->as<void>(), n, ds.as<uint64_t>(),
+                     dz.as<uint64_t>(), off, nullptr, stream_);
+    off += n;
+  }
+  sync();
+  std::vector<uint64_t> rs(words), rz(words);
+  bits::pack_signs(DType::kBFloat16, all.data(), total, rs.data(), rz.data());
+  const auto s = ds.download<uint64_t>(words);
+  const auto z = dz.download<uint64_t>(words);
+  for (size_t i = 0; i < words * 64; ++i) {
+    ASSERT_EQ(get_bit(s.data(), i), i < total ? get_bit(rs.data(), i) : true) << i;
+    ASSERT_EQ(get_bit(z.data(), i), i < total ? get_bit(rz.data(), i) : false) << i;
+  }
+}
+
+// ----------------------------------------------------------------- count ----
+
+TEST_F(CudaKernels, CountCodeAndVoteMatchCpu) {
+  std::mt19937_64 rng(201);
+  std::vector<int> ns;
+  for (int n = 1; n <= 64; ++n) ns.push_back(n);
+  for (int n : {100, 127, 128, 255, 256, 511, 512, 1000, 1023, 1024}) ns.push_back(n);
+  for (int n : ns) {
+    for (int mode = 0; mode <= 4; ++mode) {
+      for (size_t words : {size_t{1}, size_t{7}, size_t{1000}}) {
+        if (n > 64 && words == 1000 && mode % 2 == 1) continue;
+        const RanksData d = make_ranks(n, words, mode, rng);
+        const bool zeros = mode != 0;
+        const auto contrib = d.contributions();
+        const int planes = bits::code_planes(n, zeros);
+        std::vector<uint64_t> ref(static_cast<size_t>(planes) * words);
+        bits::count_code(contrib.data(), n, words, ref.data());
+        std::vector<uint64_t> rs(words), rz(words);
+        bits::vote(contrib.data(), n, words, rs.data(), rz.data());
+        Dev dsg(d.sign);
+        std::unique_ptr<Dev> dzr;
+        if (zeros) dzr = std::make_unique<Dev>(d.zero);
+        const uint64_t* zp = zeros ? dzr->as<uint64_t>() : nullptr;
+        Dev dout(ref.size() * 8), dvs(words * 8), dvz(words * 8);
+        cuda::count_code(dsg.as<uint64_t>(), zp, d.stride, n, words, dout.as<uint64_t>(), stream_);
+        cuda::vote(dsg.as<uint64_t>(), zp, d.stride, n, words, dvs.as<uint64_t>(), dvz.as<uint64_t>(), stream_);
+        sync();
+        ASSERT_EQ(dout.download<uint64_t>(ref.size()), ref) << "n=" << n << " mode=" << mode << " words=" << words;
+        ASSERT_EQ(dvs.download<uint64_t>(words), rs) << "n=" << n << " mode=" << mode;
+        ASSERT_EQ(dvz.download<uint64_t>(words), rz) << "n=" << n << " mode=" << mode;
+      }
+    }
+  }
+}
+
+TEST_F(CudaKernels, VoteLarge) {
+  std::mt19937_64 rng(202);
+  for (int n : {4, 8, 16, 3}) {
+    const size_t words = (size_t{1} << 18) + 5; // 16M+ elements
+    const RanksData d = make_ranks(n, words, n == 3 ? 2 : 0, rng);
+    const bool zeros = !d.zero.empty();
+    const auto contrib = d.contributions();
+    std::vector<uint64_t> rs(words), rz(words);
+    bits::vote(contrib.data(), n, words, rs.data(), rz.data());
+    Dev dsg(d.sign);
+    std::unique_ptr<Dev> dzr;
+    if (zeros) dzr = std::make_unique<Dev>(d.zero);
+    Dev dvs(words * 8), dvz(words * 8);
+    cuda::vote(dsg.as<uint64_t>(), zeros ? dzr->as<uint64_t>() : nullptr, d.stride, n, words,
+               dvs.as<uint64_t>(), dvz.as<uint64_t>(), stream_);
+    sync();
+    ASSERT_EQ(dvs.download<uint64_t>(words), rs) << n;
+    ASSERT_EQ(dvz.download<uint64_t>(words), rz) << n;
+  }
+}
+
+TEST(CudaKernelsArgs, CountRejectsBadN) {
+  // Validated before anything is enqueued: no device needed.
+  EXPECT_THROW(cuda::count_code(nullptr, nullptr, 1, 0, 1, nullptr, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::vote(nullptr, nullptr, 1, 1025, 1, nullptr, nullptr, nullptr), std::invalid_argument);
+}
+
+TEST_F(CudaKernels, EmptyCallsEnqueueNothing) {
+  cuda::pack_signs(DType::kFloat32, nullptr, 0, nullptr, nullptr, 5, nullptr, stream_);
+  cuda::count_code(nullptr, nullptr, 0, 3, 0, nullptr, stream_);
+  cuda::vote(nullptr, nullptr, 0, 3, 0, nullptr, nullptr, stream_);
+  cuda::unpack(DType::kFloat32, {nullptr, 2, 0}, 0, nullptr, nullptr, stream_);
+  optim::cuda::lion_direction(DType::kFloat32, nullptr, DType::kFloat32, nullptr, 0, 0.9f, 0.1f,
+                              0.99f, 0.01f, nullptr, nullptr, 0, nullptr, stream_);
+  optim::cuda::lion_apply_dense(DType::kFloat32, nullptr, DType::kFloat32, nullptr, 0, 1, 1, stream_);
+  optim::cuda::lion_apply_planes(DType::kFloat32, nullptr, 0, {nullptr, 2, 0}, nullptr, 1, 1, stream_);
+  sync();
+}
+
+// ---------------------------------------------------------------- unpack ----
+
+TEST_F(CudaKernels, UnpackMatchesCpu) {
+  std::mt19937_64 rng(301);
+  std::vector<size_t> ns = sizes_small();
+  ns.push_back((size_t{1} << 20) + 17);
+  for (DType d : bits::test::all_dtypes()) {
+    const size_t es = bits::dtype_size(d);
+    for (int nplanes : {0, 1, 2, 3, 4, 5, 8, 12, 16}) {
+      for (int shards : {1, 3, 5}) {
+        for (size_t n : ns) {
+          if (n > 100000 && (nplanes > 5 || shards == 3)) continue;
+          const size_t sw = bits::shard_words(n, shards);
+          const auto sharded = random_words(static_cast<size_t>(nplanes) * sw * shards + 1, rng);
+          std::vector<uint8_t> lut((size_t{1} << nplanes) * es);
+          for (auto& b : lut) b = static_cast<uint8_t>(rng());
+          const auto plain = unshard(sharded, nplanes, sw, shards);
+          const auto ptrs = plane_ptrs(plain, nplanes, sw * shards);
+          std::vector<uint8_t> ref(n * es + es, 0xa5);
+          bits::unpack(d, ptrs.data(), nplanes, n, lut.data(), ref.data());
+          Dev dp(sharded), dl(lut), dd(std::vector<uint8_t>(n * es + es, 0xa5));
+          cuda::unpack(d, {dp.as<uint64_t>(), nplanes, sw}, n, dl.as<void>(), dd.as<void>(), stream_);
+          sync();
+          ASSERT_EQ(dd.download<uint8_t>(ref.size()), ref)
+              << dname(d) << " nplanes=" << nplanes << " shards=" << shards << " n=" << n;
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ Lion ----
+
+using lionbit::optim::lion_test::same_at;
+
+std::vector<uint8_t> lion_floats(DType d, size_t n, std::mt19937_64& rng) {
+  // test_util's buffers (zeros, denormals, Inf, NaN) for float32 / bfloat16;
+  // float16 from random patterns.
+  return bits::test::random_buffer(d, n, rng, true);
+}
+
+const std::pair<DType, DType> kDirPairs[] = {
+    {DType::kFloat32, DType::kFloat32},   {DType::kFloat32, DType::kBFloat16},
+    {DType::kBFloat16, DType::kFloat32},  {DType::kBFloat16, DType::kBFloat16},
+    {DType::kFloat16, DType::kFloat32},   {DType::kFloat16, DType::kBFloat16}};
+
+TEST_F(CudaKernels, LionDirectionMatchesCpu) {
+  std::mt19937_64 rng(401);
+  const float b1 = 0.9f, omb1 = static_cast<float>(1.0 - 0.9);
+  const float b2 = 0.99f, omb2 = static_cast<float>(1.0 - 0.99);
+  std::vector<size_t> ns = sizes_small();
+  for (size_t n : sizes_large()) ns.push_back(n);
+  for (auto [gd, md] : kDirPairs) {
+    for (size_t n : ns) {
+      const auto g = lion_floats(gd, n, rng);
+      const auto m0 = lion_floats(md, n, rng);
+      auto mref = m0;
+      std::vector<uint64_t> rs(n / 64 + 2), rz(n / 64 + 2);
+      const auto rc = optim::lion_direction(gd, g.data(), md, mref.data(), n, b1, omb1, b2, omb2,
+                                            rs.data(), rz.data());
+      for (size_t off : {size_t{0}, size_t{1}, size_t{33}, size_t{63}, size_t{64}, size_t{65}, size_t{130}}) {
+        if (n > 100000 && off % 64 != 0 && off != 1) continue;
+        const size_t words = (off + n) / 64 + 2;
+        const auto s0 = random_words(words, rng);
+        const auto z0 = random_words(words, rng);
+        auto es = s0, ez = z0;
+        insert_bits(rs.data(), n, es.data(), off);
+        insert_bits(rz.data(), n, ez.data(), off);
+        Dev dg(g), dm(m0), ds(s0), dz(z0), dc(std::vector<unsigned long long>{0, 0});
+        optim::cuda::lion_direction(gd, dg.as<void>(), md, dm.as<void>(), n, b1, omb1, b2, omb2,
+                                    ds.as<uint64_t>(), dz.as<uint64_t>(), off, dc.as<cuda::Counts>(), stream_);
+        sync();
+        ASSERT_EQ(ds.download<uint64_t>(words), es) << dname(gd) << "/" << dname(md) << " n=" << n << " off=" << off;
+        ASSERT_EQ(dz.download<uint64_t>(words), ez) << dname(gd) << "/" << dname(md) << " n=" << n << " off=" << off;
+        const auto c = dc.download<unsigned long long>(2);
+        ASSERT_EQ(c[0], rc.zeros);
+        ASSERT_EQ(c[1], rc.nans);
+        const auto m = dm.download<uint8_t>(m0.size());
+        for (size_t i = 0; i < n; ++i) {
+          ASSERT_TRUE(same_at(md, m.data(), mref.data(), i)) << dname(gd) << "/" << dname(md) << " i=" << i;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CudaKernels, LionApplyDenseMatchesCpu) {
+  std::mt19937_64 rng(501);
+  const DType fl[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+  std::vector<size_t> ns = sizes_small();
+  ns.push_back((size_t{1} << 20) + 9);
+  for (DType xd : fl) {
+    for (DType dd : fl) {
+      for (size_t n : ns) {
+        const auto x0 = lion_floats(xd, n, rng);
+        const auto delta = lion_floats(dd, n, rng);
+        const float lr = 3e-4f, decay = static_cast<float>(1.0 - 3e-4 * 0.1);
+        auto xr = x0;
+        optim::lion_apply_dense(xd, xr.data(), dd, delta.data(), n, lr, decay);
+        Dev dx(x0), ddl(delta);
+        optim::cuda::lion_apply_dense(xd, dx.as<void>(), dd, ddl.as<void>(), n, lr, decay, stream_);
+        sync();
+        const auto x = dx.download<uint8_t>(x0.size());
+        for (size_t i = 0; i < n; ++i) {
+          ASSERT_TRUE(same_at(xd, x.data(), xr.data(), i)) << dname(xd) << "/" << dname(dd) << " i=" << i;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CudaKernels, LionApplyPlanesMatchesCpu) {
+  std::mt19937_64 rng(601);
+  const DType fl[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+  std::vector<size_t> ns = sizes_small();
+  ns.push_back((size_t{1} << 20) + 5);
+  for (DType xd : fl) {
+    for (int nplanes : {0, 1, 2, 3, 4, 5, 6, 8, 16}) {
+      for (int shards : {1, 2, 5}) {
+        for (size_t n : ns) {
+          if (n > 100000 && nplanes > 4) continue;
+          const size_t sw = bits::shard_words(n, shards);
+          const auto sharded = random_words(static_cast<size_t>(nplanes) * sw * shards + 1, rng);
+          const auto plain = unshard(sharded, nplanes, sw, shards);
+          const auto ptrs = plane_ptrs(plain, nplanes, sw * shards);
+          std::vector<float> lut(size_t{1} << nplanes);
+          for (size_t c = 0; c < lut.size(); ++c) {
+            lut[c] = (static_cast<float>(c) - static_cast<float>(lut.size() / 2)) / 3.0f;
+          }
+          if (nplanes == 2) lut = {-1.0f, 1.0f, 0.0f, 0.0f};
+          const auto x0 = lion_floats(xd, n, rng);
+          const float lr = 1e-3f, decay = static_cast<float>(1.0 - 1e-3 * 0.1);
+          auto xr = x0;
+          optim::lion_apply_planes(xd, xr.data(), n, ptrs.data(), nplanes, lut.data(), lr, decay);
+          Dev dx(x0), dp(sharded), dl(lut);
+          optim::cuda::lion_apply_planes(xd, dx.as<void>(), n, {dp.as<uint64_t>(), nplanes, sw},
+                                         dl.as<float>(), lr, decay, stream_);
+          sync();
+          const auto x = dx.download<uint8_t>(x0.size());
+          for (size_t i = 0; i < n; ++i) {
+            ASSERT_TRUE(same_at(xd, x.data(), xr.data(), i))
+                << dname(xd) << " nplanes=" << nplanes << " shards=" << shards << " n=" << n << " i=" << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+} // namespace
+} // namespace lionbit::cuda_test
