@@ -29,6 +29,9 @@ enum WireFlags : uint32_t {
   kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane
   kHasNan = 1u << 1, // this rank's input holds a NaN
   kRejected = 1u << 2, // this rank rejected the call locally (bad argument)
+  // The call is a sign reduce-scatter (phase 1 only: each rank gets its own
+  // shard's result), not an all-reduce; numel is then N * the shard size.
+  kReduceScatter = 1u << 3,
 };
 
 // 48 bytes, little-endian (x86-64 and aarch64 both are).
