@@ -1,6 +1,7 @@
 # lionbit task runner. `make test` and `make demo` do all their own set-up.
 #
 #   make demo          4 local CPU ranks under torchrun: DDP + DistributedLion training
+#   make demo-fsdp     4 ranks: FSDP2 (fully_shard) + DistributedLion, 1-bit reduce-scatter
 #   make demo-sign     4 ranks: the sign all-reduce vs an fp32 all-reduce, 16M elements
 #   make convergence   DistributedLion vs Lion vs AdamW on the bundled digits
 #   make test          C++ tests (ctest) and Python tests (pytest)
@@ -24,7 +25,7 @@ export CUDACXX := /usr/local/cuda/bin/nvcc
 endif
 endif
 
-.PHONY: all setup build test test-cpp test-python test-gpu demo demo-sign convergence clean
+.PHONY: all setup build test test-cpp test-python test-gpu demo demo-fsdp demo-sign convergence clean
 
 all: build
 
@@ -57,6 +58,9 @@ TORCHRUN := env -u LOCAL_WORLD_SIZE $(LIONBIT_VENV)/bin/torchrun --standalone --
 
 demo: build
 	@$(TORCHRUN) examples/ddp_train.py
+
+demo-fsdp: build
+	@$(TORCHRUN) examples/fsdp_train.py
 
 demo-sign: build
 	@$(TORCHRUN) examples/sign_allreduce_demo.py

@@ -11,6 +11,7 @@
 
 #include "backend/bits/count.h"
 #include "backend/bits/unpack.h"
+#include "backend/sign_reduce_scatter.hpp"
 #include "backend/sign_work.hpp"
 #ifdef LIONBIT_WITH_CUDA
 #include "backend/sign_allreduce_cuda.hpp"
@@ -220,22 +221,27 @@ void LionBitBackend::reject(
     uint64_t seq,
     bits::SignOp op,
     const std::string& op_name,
-    const std::string& reason) {
+    const std::string& reason,
+    bool reduce_scatter) {
   // Tell the peers in the header round so they fail now, not at timeout.
   const SignComm comm = signComm();
-  executor_.submit([comm, op, seq](bool cancelled) {
+  executor_.submit([comm, op, seq, reduce_scatter](bool cancelled) {
     if (cancelled) {
       return;
     }
     try {
-      sign_allreduce_reject(comm, op, seq);
+      if (reduce_scatter) {
+        sign_reduce_scatter_reject(comm, op, seq);
+      } else {
+        sign_allreduce_reject(comm, op, seq);
+      }
     } catch (...) {
       // The caller already has its error.
     }
   });
   TORCH_CHECK_VALUE(
-      false, "lionbit all_reduce_sign(op=", op_name, ") on rank ", rank_, ": ",
-      reason);
+      false, "lionbit ", reduce_scatter ? "reduce_scatter_sign" : "all_reduce_sign",
+      "(op=", op_name, ") on rank ", rank_, ": ", reason);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
@@ -389,6 +395,50 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPackedDevice(
 #else
   reject(seq, op, op_name, "this build of lionbit has no CUDA path");
 #endif
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterSignPacked(
+    at::Tensor sign,
+    at::Tensor zero,
+    int64_t shard_numel,
+    int64_t nans,
+    at::Tensor out,
+    const std::string& op_name) {
+  const uint64_t seq = next_seq_++;
+  bits::SignOp op = bits::SignOp::kVote;
+  std::string reason = reject_reason(out, op_name, size_, &op);
+  if (reason.empty() && (shard_numel < 0 || nans < 0)) {
+    reason = "arguments 'shard_numel' and 'nans' must be >= 0";
+  }
+  if (reason.empty() && static_cast<uint64_t>(shard_numel) * static_cast<uint64_t>(size_) > bits::kMaxNumel) {
+    reason = "argument 'shard_numel' is too large (" + std::to_string(shard_numel) + " per rank)";
+  }
+  if (reason.empty() && (out.numel() != shard_numel || !out.is_contiguous())) {
+    reason = "argument 'out' must be contiguous with shard_numel elements (" +
+        std::to_string(shard_numel) + "), got " + std::to_string(out.numel());
+  }
+  const int64_t need = reason.empty()
+      ? static_cast<int64_t>(reduce_scatter_plane_bytes(static_cast<uint64_t>(shard_numel), size_))
+      : 0;
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{sign, "sign"}, {zero, "zero"}}) {
+    if (reason.empty() &&
+        (!t.defined() || t.device().type() != at::kCPU || t.scalar_type() != at::kByte ||
+         !t.is_contiguous() || t.numel() < need)) {
+      reason = std::string("argument '") + name + "' must be a contiguous CPU uint8 tensor of at least " +
+          std::to_string(need) + " bytes (" + std::to_string(size_) + " shards of ceil(" +
+          std::to_string(shard_numel) + " / 64) words)";
+    }
+  }
+  if (!reason.empty()) {
+    reject(seq, op, op_name, reason, /*reduce_scatter=*/true);
+  }
+  return enqueue(op, out, [sign, zero, shard_numel, nans, out, op, seq](const SignComm& comm) mutable {
+    const PackedShards in{
+        reinterpret_cast<const uint64_t*>(sign.data_ptr<uint8_t>()),
+        reinterpret_cast<const uint64_t*>(zero.data_ptr<uint8_t>()),
+        static_cast<uint64_t>(shard_numel), static_cast<uint64_t>(nans)};
+    sign_reduce_scatter_packed(comm, in, out, op, seq);
+  });
 }
 
 // --- forwarding ------------------------------------------------------------

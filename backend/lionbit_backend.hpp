@@ -73,6 +73,19 @@ class LionBitBackend : public c10d::Backend {
       at::Tensor out,
       const std::string& op);
 
+  // The sign reduce-scatter (phase 1 only; backend/sign_reduce_scatter.hpp):
+  // `sign` / `zero` hold N shards of `shard_numel` elements, shard r starting
+  // at bit r * 64 * ceil(shard_numel / 64); this rank's shard of the vote /
+  // avg / sum is written into `out` (contiguous, shard_numel elements). The
+  // planes must stay unchanged until the Work completes.
+  c10::intrusive_ptr<c10d::Work> reduceScatterSignPacked(
+      at::Tensor sign,
+      at::Tensor zero,
+      int64_t shard_numel,
+      int64_t nans,
+      at::Tensor out,
+      const std::string& op);
+
   // Stops the sign-path worker of every live backend (queued calls fail,
   // running ones finish). lionbit registers it with atexit: no worker may run
   // while the interpreter finalizes.
@@ -193,7 +206,8 @@ class LionBitBackend : public c10d::Backend {
       uint64_t seq,
       bits::SignOp op,
       const std::string& op_name,
-      const std::string& reason);
+      const std::string& reason,
+      bool reduce_scatter = false);
   c10::intrusive_ptr<c10d::Work> enqueue(
       bits::SignOp op,
       at::Tensor out,

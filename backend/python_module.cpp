@@ -70,6 +70,16 @@ PYBIND11_MODULE(_C, m) {
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("cuda_transport", &lionbit::LionBitBackend::cudaTransport)
       .def(
+          "reduce_scatter_sign_packed",
+          &lionbit::LionBitBackend::reduceScatterSignPacked,
+          py::arg("sign"),
+          py::arg("zero"),
+          py::arg("shard_numel"),
+          py::arg("nans"),
+          py::arg("out"),
+          py::arg("op") = "vote",
+          py::call_guard<py::gil_scoped_release>())
+      .def(
           "stats",
           [](lionbit::LionBitBackend& self) { return self.stats().snapshot(); })
       .def(

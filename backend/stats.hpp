@@ -12,6 +12,7 @@ struct Stats {
   std::atomic<uint64_t> bytes_sent{0};
   std::atomic<uint64_t> bytes_received{0};
   std::atomic<uint64_t> sign_allreduce_calls{0};
+  std::atomic<uint64_t> sign_reduce_scatter_calls{0};
   std::atomic<uint64_t> elements{0};
   std::atomic<uint64_t> pack_ns{0};
   std::atomic<uint64_t> comm_ns{0};
@@ -19,7 +20,7 @@ struct Stats {
   std::atomic<uint64_t> unpack_ns{0};
 
   void reset() {
-    for (auto* c : {&bytes_sent, &bytes_received, &sign_allreduce_calls,
+    for (auto* c : {&bytes_sent, &bytes_received, &sign_allreduce_calls, &sign_reduce_scatter_calls,
                     &elements, &pack_ns, &comm_ns, &vote_ns, &unpack_ns}) {
       c->store(0);
     }
@@ -31,6 +32,7 @@ struct Stats {
         {"bytes_sent", static_cast<double>(bytes_sent.load())},
         {"bytes_received", static_cast<double>(bytes_received.load())},
         {"sign_allreduce_calls", static_cast<double>(sign_allreduce_calls.load())},
+        {"sign_reduce_scatter_calls", static_cast<double>(sign_reduce_scatter_calls.load())},
         {"elements", static_cast<double>(elements.load())},
         {"pack_seconds", pack_ns.load() * 1e-9},
         {"comm_seconds", comm_ns.load() * 1e-9},

@@ -96,7 +96,7 @@ HeaderSummary check_headers(
     }
     if (h.rank != static_cast<uint32_t>(r) || !known_op(h.op) ||
         !known_dtype(h.dtype) || h.numel > kMaxNumel ||
-        (h.flags & ~(kHasZero | kHasNan | kRejected | kDevice)) != 0) {
+        (h.flags & ~(kHasZero | kHasNan | kRejected | kReduceScatter | kDevice)) != 0) {
       err << "rank " << r << " sent a corrupt header (rank field " << h.rank
           << ", op " << static_cast<int>(h.op) << ", dtype "
           << static_cast<int>(h.dtype) << ", numel " << h.numel << ", flags 0x"
@@ -126,6 +126,16 @@ HeaderSummary check_headers(
       err << "ranks disagree on the order of sign all-reduce calls: this rank ("
           << mine.rank << ") is at call #" << mine.seq << ", rank " << r
           << " at call #" << h.seq;
+      s.error = err.str();
+      return s;
+    }
+    if ((h.flags & kReduceScatter) != (mine.flags & kReduceScatter)) {
+      const auto name = [](uint32_t f) {
+        return (f & kReduceScatter) ? "a sign reduce-scatter" : "a sign all-reduce";
+      };
+      err << "collective differs across ranks at call #" << mine.seq << ": rank "
+          << mine.rank << " runs " << name(mine.flags) << ", rank " << r
+          << " runs " << name(h.flags);
       s.error = err.str();
       return s;
     }

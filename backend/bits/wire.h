@@ -29,7 +29,10 @@ enum WireFlags : uint32_t {
   kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane
   kHasNan = 1u << 1, // this rank's input holds a NaN
   kRejected = 1u << 2, // this rank rejected the call locally (bad argument)
-  kDevice = 1u << 3, // this rank's tensor is on a GPU: dense planes over the
+  // The call is a sign reduce-scatter (phase 1 only: each rank gets its own
+  // shard's result), not an all-reduce; numel is then N * the shard size.
+  kReduceScatter = 1u << 3,
+  kDevice = 1u << 4, // this rank's tensor is on a GPU: dense planes over the
                      // device transport (every rank must agree)
 };
 

@@ -31,6 +31,7 @@ if _major_minor(torch.__version__) != _major_minor(torch_version_built_against):
 from ._backend import BACKEND_NAME, all_reduce_sign, reset_stats, stats  # noqa: E402
 from ._backend import register as _register  # noqa: E402
 from .optim import DistributedLion  # noqa: E402
+from .fsdp import reduce_scatter_sign  # noqa: E402
 
 _register()
 
@@ -43,6 +44,7 @@ _atexit.register(_C._shutdown_workers)
 __all__ = [
     "BACKEND_NAME",
     "all_reduce_sign",
+    "reduce_scatter_sign",
     "stats",
     "reset_stats",
     "DistributedLion",

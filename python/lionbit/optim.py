@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from . import fsdp as _fsdp
 from ._backend import _backend_for
 
 _AGGREGATIONS = ("vote", "avg")
@@ -166,6 +167,8 @@ class DistributedLion(torch.optim.Optimizer):
         self.momentum_dtype = momentum_dtype or torch.float32
         self.fused = fused
         self._ddp = None  # the DDP model after attach()
+        self._fsdp_params = None  # sharded parameter -> FSDPParam after attach(fsdp2 model)
+        self._fsdp_delta = {}  # sharded parameter -> Delta of the local shard, pending step()
 
     # -- state -------------------------------------------------------------
     def _momentum(self, p: torch.Tensor) -> torch.Tensor:
@@ -236,7 +239,11 @@ class DistributedLion(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         items = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not items:
+        if not items and not self._fsdp_delta:
+            return loss
+        if self._fsdp_params is not None:
+            # The FSDP reduce-scatter already voted: apply Delta to the local shards.
+            _fsdp.fsdp_step(self)
             return loss
         for p, _ in items:
             self._check_param(p, "step")
@@ -299,9 +306,37 @@ class DistributedLion(torch.optim.Optimizer):
             model.register_comm_hook(self, _ddp_hook)
             self._ddp = model
             return self
-        if type(model).__name__ in ("FullyShardedDataParallel", "FSDPModule") or hasattr(model, "set_reduce_scatter_divide_factor"):
-            raise NotImplementedError("DistributedLion.attach: FSDP is not supported yet (DDP and plain modules are)")
+        if _fsdp.is_fsdp2(model):
+            if self._ddp is not None or self._fsdp_params is not None:
+                raise RuntimeError("DistributedLion.attach: this optimizer is already attached to a model")
+            _fsdp.attach_fsdp2(self, model)
+            return self
+        if type(model).__name__ == "FullyShardedDataParallel":
+            raise NotImplementedError(
+                "DistributedLion.attach: FSDP1 (FullyShardedDataParallel) is not supported yet; "
+                "use FSDP2 (torch.distributed.fsdp.fully_shard) or DDP"
+            )
+        if _fsdp._fsdp2_modules(model):
+            raise ValueError(
+                "DistributedLion.attach: the model contains fully_shard-ed submodules but is not itself "
+                "fully_shard-ed; call fully_shard on the root module too and attach the root"
+            )
         return self
+
+    # -- FSDP2 checkpoints ------------------------------------------------
+    def sharded_state_dict(self) -> dict:
+        """For torch.distributed.checkpoint with an FSDP2 model (after
+        attach): each rank's full-size momentum as one DTensor of shape
+        (N, *param_shape), sharded on dim 0, keyed by parameter name; see
+        lionbit.fsdp.sharded_state_dict."""
+        return _fsdp.sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state_dict: dict) -> None:
+        """Restores what sharded_state_dict() gave (after dcp.load into it)."""
+        _fsdp.load_sharded_state_dict(self, state_dict)
+
+    def _fsdp_reduce(self, layout, inp, out, group, fqns, where):
+        _fsdp.fsdp_reduce(self, layout, inp, out, group, fqns, where)
 
 
 def _ddp_hook(opt: DistributedLion, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -134,5 +134,18 @@ TEST(Wire, NanAndRejectionAreReportedOnEveryRank) {
   EXPECT_NE(s.error.find("rank(s) [2] rejected"), std::string::npos) << s.error;
 }
 
+TEST(Wire, ReduceScatterAndAllReduceAtTheSameCallDisagree) {
+  auto h = agreeing(3, 3 * 100);
+  for (auto& x : h) {
+    x.flags |= kReduceScatter;
+  }
+  EXPECT_EQ(check_headers(h.data(), 3, h[0]).error, "");
+  h[2].flags &= ~kReduceScatter;
+  for (int me = 0; me < 3; ++me) {
+    const auto s = check_headers(h.data(), 3, h[static_cast<size_t>(me)]);
+    EXPECT_NE(s.error.find("collective differs across ranks at call #7"), std::string::npos) << s.error;
+  }
+}
+
 } // namespace
 } // namespace lionbit::bits

@@ -1,0 +1,402 @@
+"""DistributedLion on FSDP2 (``fully_shard``) models: a 1-bit sign
+reduce-scatter in place of FSDP's gradient reduce-scatter.
+
+``opt.attach(model)`` installs, on every FSDP unit of the model, a custom
+reduce-scatter (FSDP2's ``set_custom_reduce_scatter``). FSDP hands it the
+local unsharded gradients of the unit, laid out as N per-rank chunks (each
+parameter's dim 0 padded to a multiple of N and cut into N rows-blocks). The
+reduce-scatter
+
+1. updates each parameter's full-size local momentum and packs the Lion
+   direction ``sign(b1 m + (1 - b1) g)`` of every element into bit-planes,
+   chunk r of FSDP's layout at word r * ceil(S / 64) (S = elements per chunk,
+   padding included; padding elements get no momentum and their results are
+   discarded);
+2. runs lionbit's sign reduce-scatter (phase 1 of the sign all-reduce only:
+   an all-to-all of packed shards, then a count / vote of the own shard):
+   (N - 1)/N * S*N/8 bytes per rank;
+3. writes Delta for this rank's shard into FSDP's output (so ``p.grad`` of
+   the sharded parameter holds Delta, for logging) and keeps it for
+   ``step()``, which applies ``x = x * (1 - lr * wd) - lr * Delta`` to the
+   local shard of each DTensor parameter. The next all-gather of parameters
+   spreads the update; no phase 2 is needed.
+
+Semantics (the same as DDP + DistributedLion, so both give bitwise the same
+parameters from the same seed in float32):
+
+- one Lion step per synchronized backward of a unit; gradient accumulation
+  with ``model.set_requires_gradient_sync(False)`` on all micro-batches but
+  the last accumulates the local gradients (as DDP's ``no_sync``), and the
+  last backward's reduce-scatter takes one Lion step on their sum;
+- a second synchronized backward of a unit before ``step()`` is an error (it
+  would advance the momentum twice and vote twice);
+- a parameter that got no gradient this step (unused) is not reduced by FSDP
+  and is not updated (no weight decay either); DDP with
+  ``find_unused_parameters=True`` votes a zero gradient instead: call
+  ``model.set_reduce_scatter_unused_params(True)`` for that behaviour.
+- the momentum is full-size on every rank (it follows the local gradient,
+  which FSDP computes unsharded): memory is documented in docs/fsdp.md.
+
+Checkpoints: :func:`sharded_state_dict` / :func:`load_sharded_state_dict`
+(also ``opt.sharded_state_dict()``) present each rank's momentum as one
+DTensor of shape (N, *param_shape) sharded on dim 0 of the FSDP mesh, so
+``torch.distributed.checkpoint`` stores every rank's own momentum.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from ._backend import _backend_for
+
+_WHERE = "DistributedLion.attach (FSDP2)"
+
+
+def _planes(shards: int, shard_numel: int):
+    nbytes = shards * ((shard_numel + 63) // 64) * 8
+    return torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+
+
+def reduce_scatter_sign(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: str = "vote",
+    group: Optional[dist.ProcessGroup] = None,
+) -> None:
+    """1-bit sign reduce-scatter: ``input`` holds N * S elements (N chunks of S,
+    chunk r for rank r); ``output`` (S elements) receives this rank's chunk of
+    vote / avg / sum of ``sign(input)`` over the ranks (see
+    :func:`lionbit.all_reduce_sign`). Phase 1 of the sign all-reduce only:
+    (N - 1)/N * N*S/8 bytes per rank."""
+    for name, t in (("output", output), ("input", input)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"lionbit.reduce_scatter_sign: argument '{name}' must be a torch.Tensor")
+    backend = _backend_for(group, output.device, "reduce_scatter_sign")
+    n = group.size() if group is not None else dist.get_world_size()
+    s = output.numel()
+    if input.numel() != n * s:
+        # Take part in the header round all the same (the backend rejects the
+        # call and tells the peers, who then fail at once).
+        try:
+            backend.reduce_scatter_sign_packed(*_planes(0, 0), -1, 0, output.view(-1), op)
+        except (ValueError, RuntimeError):
+            pass
+        raise ValueError(
+            f"lionbit.reduce_scatter_sign on rank {dist.get_rank(group)}: argument 'input' has {input.numel()} "
+            f"elements; expected world size * output.numel() = {n} * {s}"
+        )
+    sign, zero = _planes(n, s)
+    flat = input.contiguous().view(-1)
+    nans = 0
+    words = (s + 63) // 64
+    for r in range(n):
+        _, k = _C.pack_signs_into(flat[r * s : (r + 1) * s], sign, zero, r * words * 64)
+        nans += k
+    out = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+    backend.reduce_scatter_sign_packed(sign, zero, s, nans, out.view(-1), op).wait()
+    if out is not output:
+        output.copy_(out)
+
+
+# -- FSDP2 ------------------------------------------------------------------
+
+
+def _fsdp2_modules(model) -> list:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_fsdp2(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _param_groups_of(module) -> list:
+    try:
+        return list(module._get_fsdp_state()._fsdp_param_groups)
+    except AttributeError as err:
+        raise NotImplementedError(
+            f"{_WHERE}: this torch {torch.__version__} does not have the FSDP2 internals lionbit uses "
+            f"({err}); lionbit is tested with torch 2.15"
+        ) from None
+
+
+class _SignReduceScatter:
+    """The custom reduce-scatter of one FSDP parameter group."""
+
+    def __init__(self, opt, param_group, fqns: Dict[torch.Tensor, str]):
+        self.opt = opt
+        self.pg = param_group
+        self.fqns = fqns
+        self.layout = None  # (fsdp_params, padded unsharded sizes) of the pending call
+        default_prepare = param_group._prepare_reduce_scatter_inputs
+
+        def prepare(fsdp_params, unsharded_grads, world_size):
+            sizes = default_prepare(fsdp_params, unsharded_grads, world_size)
+            self.layout = (list(fsdp_params), tuple(sizes))
+            return sizes
+
+        param_group._prepare_reduce_scatter_inputs = prepare
+
+    # FSDP's Comm interface
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        layout, self.layout = self.layout, None
+        where = f"DistributedLion (FSDP2 reduce-scatter) on rank {group.rank()}"
+        if layout is None:
+            raise RuntimeError(f"{where}: called without FSDP's gradient layout (an unsupported FSDP code path)")
+        if op != dist.ReduceOp.AVG:
+            raise RuntimeError(
+                f"{where}: FSDP asked for reduce op {op}, not AVG: it scales gradients itself "
+                f"(float16 reduce_dtype, set_gradient_divide_factor or set_force_sum_reduction_for_comms), "
+                f"which would change the momentum; use float32 or bfloat16 gradients and no divide factor"
+            )
+        self.opt._fsdp_reduce(layout, input_tensor, output_tensor, group, self.fqns, where)
+        if async_op:
+            raise NotImplementedError(f"{where}: async_op=True is not supported")
+        return None
+
+
+def attach_fsdp2(opt, model) -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    modules = _fsdp2_modules(model)
+    fqns = {p: n for n, p in model.named_parameters()}
+    known = opt._group_of()
+    managed = {}
+    installs = []
+    groups = set()
+    for module in modules:
+        pgs = _param_groups_of(module)
+        if not pgs:
+            continue
+        for pg in pgs:
+            if not hasattr(pg, "_prepare_reduce_scatter_inputs") or not hasattr(pg, "_reduce_scatter_comm"):
+                raise NotImplementedError(
+                    f"{_WHERE}: this torch {torch.__version__} lacks FSDP2's reduce-scatter input hook; "
+                    f"lionbit is tested with torch 2.15"
+                )
+            if isinstance(pg._reduce_scatter_comm, _SignReduceScatter):
+                raise RuntimeError(f"{_WHERE}: the model is already attached to a DistributedLion")
+            if type(pg._reduce_scatter_comm).__name__ != "DefaultReduceScatter":
+                raise ValueError(
+                    f"{_WHERE}: FSDP unit '{pg._module_fqn or '<root>'}' already has a custom reduce-scatter "
+                    f"({type(pg._reduce_scatter_comm).__name__}); lionbit needs to install its own"
+                )
+            if getattr(pg, "gradient_divide_factor", None) is not None:
+                raise ValueError(f"{_WHERE}: set_gradient_divide_factor is not supported (Lion needs the raw local gradient)")
+            if getattr(pg, "force_sum_reduction_for_comms", False):
+                raise ValueError(f"{_WHERE}: set_force_sum_reduction_for_comms(True) is not supported")
+            if getattr(pg, "_all_reduce_hook", None) is not None:
+                raise ValueError(f"{_WHERE}: set_all_reduce_hook is not supported (the output is Lion's update, not a gradient)")
+            for fp in pg.fsdp_params:
+                p = fp.sharded_param
+                name = fqns.get(p, "<unnamed>")
+                if not isinstance(p, DTensor):
+                    raise ValueError(f"{_WHERE}: parameter '{name}' is not a DTensor (unexpected FSDP state)")
+                mesh = p.device_mesh
+                if mesh.ndim != 1 or type(fp.mesh_info).__name__ != "FSDPMeshInfo":
+                    raise NotImplementedError(
+                        f"{_WHERE}: parameter '{name}' lives on a {mesh.ndim}-D mesh ({type(fp.mesh_info).__name__}); "
+                        f"HSDP, replicate and FSDP+TP meshes are not supported, only a 1-D FSDP mesh"
+                    )
+                if tuple(p.placements) != (Shard(0),):
+                    raise NotImplementedError(
+                        f"{_WHERE}: parameter '{name}' is sharded as {tuple(p.placements)}; only Shard(0) "
+                        f"(no shard_placement_fn) is supported"
+                    )
+                if fp.offload_to_cpu:
+                    raise NotImplementedError(f"{_WHERE}: CPUOffloadPolicy is not supported (parameter '{name}')")
+                if p.device.type != "cpu":
+                    raise NotImplementedError(
+                        f"{_WHERE}: parameter '{name}' is on {p.device}; this build of lionbit supports CPU only"
+                    )
+                if len(fp._orig_size) == 0:
+                    raise NotImplementedError(f"{_WHERE}: 0-dim parameter '{name}' is not supported")
+                if p.requires_grad and p not in known:
+                    raise ValueError(
+                        f"{_WHERE}: the FSDP model's parameter '{name}' is not in this optimizer; "
+                        f"it would be voted with no momentum or hyperparameters"
+                    )
+                managed[p] = fp
+            groups.add(pg._reduce_scatter_process_group if hasattr(pg, "_reduce_scatter_process_group") else None)
+            installs.append((module, pg))
+    if not modules or not managed:
+        raise ValueError(f"{_WHERE}: the model has no fully_shard-ed parameters")
+    stray = [fqns.get(p, "<unnamed>") for p in known if p not in managed]
+    if stray:
+        raise ValueError(
+            f"{_WHERE}: this optimizer's parameters {stray[:5]} are not managed by any fully_shard unit of the model; "
+            f"call fully_shard on the root module too"
+        )
+    pg0 = next(iter(managed)).device_mesh.get_group()
+    if opt.group is None:
+        opt.group = pg0
+    _backend_for(pg0, torch.device("cpu"), "attach (FSDP2)")  # a lionbit group, or a clear error
+    for module, pg in installs:
+        comm = _SignReduceScatter(opt, pg, fqns)
+        module.set_custom_reduce_scatter(comm)
+    opt._fsdp_params = managed
+    opt._fsdp_fqns = fqns
+    opt._fsdp_mesh = next(iter(managed)).device_mesh
+
+
+def full_momentum(opt, p: torch.Tensor, fp) -> torch.Tensor:
+    state = opt.state[p]
+    m = state.get("exp_avg")
+    if m is None:
+        m = torch.zeros(fp._orig_size, dtype=opt.momentum_dtype)
+        state["exp_avg"] = m
+    return m
+
+
+def fsdp_reduce(opt, layout, inp, out, group, fqns, where) -> None:
+    """Direction bits of the unit's local gradients -> sign reduce-scatter ->
+    Delta of this rank's shard (into FSDP's output and kept for step())."""
+    from .optim import _Coefs, direction_into
+
+    fsdp_params, sizes = layout
+    n, rank = group.size(), group.rank()
+    s = out.numel()
+    if inp.numel() != n * s or len(fsdp_params) != len(sizes):
+        raise RuntimeError(f"{where}: input of {inp.numel()} elements for an output of {s} on {n} ranks")
+    for fp in fsdp_params:
+        if fp.sharded_param in opt._fsdp_delta:
+            raise RuntimeError(
+                f"{where}: parameter '{fqns.get(fp.sharded_param, '?')}' was reduced twice before step(): a second "
+                f"synchronized backward would advance the momentum twice; for gradient accumulation call "
+                f"model.set_requires_gradient_sync(False) for all micro-batches but the last"
+            )
+    groups = opt._group_of()
+    sign, zero = _planes(n, s)
+    words = (s + 63) // 64
+    gin = inp.view(n, s)
+    nans = 0
+    pieces = []  # (param, offset in shard, elements per shard, full first-dim, row size, rows per shard)
+    off = 0
+    for fp, size in zip(fsdp_params, sizes):
+        rows = size[0] // n
+        row = 1
+        for d in size[1:]:
+            row *= d
+        pieces.append((fp, off, rows, row))
+        off += rows * row
+    if off != s:
+        raise RuntimeError(f"{where}: FSDP's layout covers {off} elements per rank, the output {s}")
+    for fp, off, rows, row in pieces:
+        p = fp.sharded_param
+        m = full_momentum(opt, p, fp).view(-1)
+        dim0 = fp._orig_size[0]
+        coefs = _Coefs(groups[p])
+        for r in range(n):
+            valid = max(0, min(rows, dim0 - r * rows)) * row
+            if valid == 0:
+                continue
+            g = gin[r, off : off + valid]
+            mr = m[r * rows * row : r * rows * row + valid]
+            nans += direction_into(g, mr, coefs, sign, zero, r * words * 64 + off, opt._fused_for(mr, g))
+    delta = torch.empty(s, dtype=torch.bfloat16 if opt.aggregation == "vote" else torch.float32)
+    backend = _backend_for(group, torch.device("cpu"), "attach (FSDP2 reduce-scatter)")
+    backend.reduce_scatter_sign_packed(sign, zero, s, nans, delta, opt.aggregation).wait()
+    for fp, off, rows, row in pieces:
+        p = fp.sharded_param
+        valid = max(0, min(rows, fp._orig_size[0] - rank * rows)) * row
+        delta[off + valid : off + rows * row] = 0  # padding
+        local = p.to_local()
+        if local.numel() != valid:
+            raise RuntimeError(
+                f"{where}: parameter '{fqns.get(p, '?')}' has {local.numel()} local elements, FSDP's layout {valid}"
+            )
+        opt._fsdp_delta[p] = delta[off : off + valid]
+    out.copy_(delta)
+
+
+def fsdp_step(opt) -> None:
+    from .optim import _Coefs, apply_update
+
+    pending, opt._fsdp_delta = opt._fsdp_delta, {}
+    for group in opt.param_groups:
+        coefs = None
+        for p in group["params"]:
+            delta = pending.pop(p, None)
+            if delta is None or delta.numel() == 0:
+                continue
+            coefs = coefs or _Coefs(group)
+            local = p.to_local()
+            apply_update(local, delta, coefs, opt._fused_for(local, delta))
+
+
+# -- checkpoints --------------------------------------------------------------
+
+
+def sharded_state_dict(opt) -> dict:
+    """The optimizer's state for ``torch.distributed.checkpoint``: each
+    parameter's momentum (per rank, full-size) as a DTensor of shape
+    (N, *param_shape) sharded on dim 0 over the FSDP mesh, keyed by the
+    parameter's name, so that every rank saves and loads its own; the
+    hyperparameters of every parameter group as plain values. Its DTensors
+    share memory with the momentum: ``dcp.load`` into it restores in place;
+    call :func:`load_sharded_state_dict` afterwards."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if getattr(opt, "_fsdp_params", None) is None:
+        raise RuntimeError("DistributedLion.sharded_state_dict: attach(model) to an FSDP2 model first")
+    if opt._fsdp_delta:
+        raise RuntimeError(
+            "DistributedLion.sharded_state_dict: an update is pending (backward ran, step() did not); "
+            "checkpoint after step()"
+        )
+    momentum = {}
+    for p, fp in opt._fsdp_params.items():
+        if not p.requires_grad:
+            continue
+        m = full_momentum(opt, p, fp)
+        momentum[opt._fsdp_fqns[p]] = DTensor.from_local(
+            m.unsqueeze(0), opt._fsdp_mesh, [Shard(0)], run_check=False
+        )
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return {"momentum": momentum, "param_groups": hyper, "aggregation": opt.aggregation}
+
+
+def load_sharded_state_dict(opt, sd: dict) -> None:
+    if getattr(opt, "_fsdp_params", None) is None:
+        raise RuntimeError("DistributedLion.load_sharded_state_dict: attach(model) to an FSDP2 model first")
+    if sd.get("aggregation", opt.aggregation) != opt.aggregation:
+        raise ValueError(
+            f"DistributedLion.load_sharded_state_dict: the checkpoint used aggregation={sd['aggregation']!r}, "
+            f"this optimizer {opt.aggregation!r}"
+        )
+    groups = sd["param_groups"]
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(
+            f"DistributedLion.load_sharded_state_dict: the checkpoint has {len(groups)} parameter groups, "
+            f"this optimizer {len(opt.param_groups)}"
+        )
+    by_name = {n: p for p, n in opt._fsdp_fqns.items()}
+    for name, value in sd["momentum"].items():
+        p = by_name.get(name)
+        if p is None or p not in opt._fsdp_params:
+            raise ValueError(f"DistributedLion.load_sharded_state_dict: unknown parameter '{name}' in the checkpoint")
+        local = value.to_local() if hasattr(value, "to_local") else value
+        m = full_momentum(opt, p, opt._fsdp_params[p])
+        if tuple(local.shape) != (1, *m.shape):
+            raise ValueError(
+                f"DistributedLion.load_sharded_state_dict: momentum of '{name}' has local shape {tuple(local.shape)}, "
+                f"expected {(1, *m.shape)} (same world size and model as the checkpoint)"
+            )
+        if local.data_ptr() != m.data_ptr():
+            m.copy_(local.reshape(m.shape))
+    for mine, saved in zip(opt.param_groups, groups):
+        for k, v in saved.items():
+            mine[k] = tuple(v) if k == "betas" else v
+    opt._fsdp_delta = {}
