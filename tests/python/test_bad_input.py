@@ -181,7 +181,9 @@ def case_nan_on_one_rank(rank, n):
     x = torch.randn(1000)
     if rank == 1:
         x[17] = float("nan")
+    before = x.clone()
     _raises(lambda: lionbit.all_reduce_sign(x), _me(rank) + r"input contains NaN on rank\(s\) \[1\]")
+    torch.testing.assert_close(x, before, rtol=0, atol=0, equal_nan=True)  # nothing written
 
 
 def case_nan_async_bfloat16(rank, n):
@@ -321,6 +323,13 @@ def case_requires_grad_leaf(rank, n):
     c = (b * b).sum()  # saves b
     lionbit.all_reduce_sign(b, "vote")
     _raises(c.backward, r"modified by an inplace operation")
+
+
+def case_more_than_2_pow_48_elements(rank, n):
+    import lionbit
+
+    x = torch.zeros(1).expand(1 << 49)  # no memory behind it: the size check comes first
+    _raises(lambda: lionbit.all_reduce_sign(x), r"ValueError: " + _me(rank) + r"argument 'tensor' has 562949953421312 elements; at most 2\^48")
 
 
 def case_int8_avg(rank, n):
