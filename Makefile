@@ -9,6 +9,8 @@
 #   make test-cpp / test-python
 #   make test-gpu      the GPU tests (ctest -L gpu, pytest -m gpu); they skip, saying
 #                      why, where there is no GPU
+#   make test-sanitize C++ tests built with ASan + UBSan (build/sanitize), fuzz tests scaled up
+#   make test-valgrind kernel tests under valgrind memcheck (build/valgrind), 1M-element cases left out
 #
 # The virtual environment lives outside the clone so fresh clones reuse it.
 LIONBIT_VENV ?= $(HOME)/.cache/lionbit/venv
@@ -25,7 +27,7 @@ export CUDACXX := /usr/local/cuda/bin/nvcc
 endif
 endif
 
-.PHONY: all setup build test test-cpp test-python test-gpu demo demo-fsdp demo-sign convergence clean
+.PHONY: all setup build test test-cpp test-python test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence clean
 
 all: build
 
@@ -44,6 +46,24 @@ test-cpp: setup
 	@cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release -DLIONBIT_BUILD_TESTS=ON >/dev/null
 	@cmake --build build/cpp -j $(JOBS)
 	@ctest --test-dir build/cpp -j $(JOBS) --output-on-failure --timeout 300
+
+# The same C++ tests with AddressSanitizer + UndefinedBehaviorSanitizer; any
+# report fails the run (-fno-sanitize-recover). The fuzz tests of what peers
+# send (tests/cpp/test_fuzz.cpp) run 10x longer here.
+test-sanitize:
+	@cmake -S . -B build/sanitize -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLIONBIT_BUILD_TESTS=ON -DLIONBIT_SANITIZE=ON -DLIONBIT_CUDA=OFF >/dev/null
+	@cmake --build build/sanitize -j $(JOBS)
+	@ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:check_initialization_order=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 LIONBIT_FUZZ_ITERS=10 \
+	  ctest --test-dir build/sanitize -j $(JOBS) --output-on-failure --timeout 600
+
+# The kernel tests under valgrind memcheck (tools/valgrind_tests.sh).
+test-valgrind:
+	@command -v valgrind >/dev/null || { s=""; [ "$$(id -u)" -eq 0 ] || s=sudo; \
+	  $$s apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$s apt-get install -y -qq valgrind >/dev/null; }
+	@cmake -S . -B build/valgrind -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLIONBIT_BUILD_TESTS=ON -DLIONBIT_CUDA=OFF >/dev/null
+	@cmake --build build/valgrind -j $(JOBS)
+	@tools/valgrind_tests.sh build/valgrind
 
 test-python: build
 	@$(PY) -m pytest tests/python -q -ra

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_set>
 #include <c10/util/Exception.h>
@@ -133,6 +134,29 @@ std::vector<c10d::Backend*> LionBitBackend::inners() {
 
 namespace {
 
+// Whether the elements of a strided tensor provably occupy distinct memory:
+// ordered by stride, every dimension's stride exceeds the furthest offset the
+// smaller ones reach. (at::has_internal_overlap only answers "too hard" for
+// views such as x[::3] or an as_strided window.) Some exotic non-overlapping
+// layouts fail this test; they get a clear error, never a wrong result.
+bool provably_no_overlap(const at::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims; // (stride, size)
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    if (t.size(i) > 1) {
+      dims.emplace_back(t.stride(i), t.size(i));
+    }
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 0;
+  for (const auto& [stride, size] : dims) {
+    if (stride <= span) {
+      return false;
+    }
+    span += stride * (size - 1);
+  }
+  return true;
+}
+
 // Why `tensor` / `op` cannot go through the sign all-reduce on a group of
 // `world` ranks; empty when they can.
 std::string reject_reason(
@@ -196,7 +220,10 @@ std::string reject_reason(
     return "argument 'tensor' has " + std::to_string(tensor.numel()) +
         " elements; at most 2^48 are supported";
   }
-  if (at::has_internal_overlap(tensor) == at::MemOverlap::Yes) {
+  const at::MemOverlap overlap = at::has_internal_overlap(tensor);
+  if (overlap == at::MemOverlap::Yes ||
+      (overlap == at::MemOverlap::TooHard && tensor.numel() > 1 &&
+       !provably_no_overlap(tensor))) {
     return "argument 'tensor' has elements that share memory (an expand()ed "
            "or as_strided view); the result cannot be written in place";
   }

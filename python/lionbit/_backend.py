@@ -110,8 +110,18 @@ def all_reduce_sign(
             f"lionbit.all_reduce_sign: argument 'tensor' must be a torch.Tensor, "
             f"not {type(tensor).__name__}"
         )
+    if not isinstance(op, str):
+        raise TypeError(
+            f"lionbit.all_reduce_sign: argument 'op' must be a str ('vote', 'avg' or 'sum'), "
+            f"not {type(op).__name__}"
+        )
     backend = _backend_for(group, tensor.device, "all_reduce_sign")
     work = backend.all_reduce_sign(tensor, op)
+    # The result replaces the data in place: bump the version counter so that
+    # autograd raises if the tensor was saved for a backward pass (c10d's own
+    # collectives do not; a silently wrong gradient is worse).
+    if not tensor.is_inference():
+        torch.autograd.graph.increment_version(tensor)
     if async_op:
         return work
     work.wait()

@@ -1,0 +1,283 @@
+// Fuzz tests of everything a peer sends that lionbit parses: the 48-byte
+// headers of the header round (bits::check_headers) and the encoded zero /
+// tie positions (bits::decode_zeros). Random and corrupted inputs must give
+// an error (or `false`) or a result that satisfies every invariant the sign
+// all-reduce relies on afterwards - never a read or write out of bounds
+// (run under ASan/UBSan by `make test-sanitize`, under valgrind by
+// `make test-valgrind`).
+//
+// LIONBIT_FUZZ_ITERS scales the number of cases (default 1: a few seconds).
+#include "backend/bits/wire.h"
+#include "backend/bits/zeros.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace lionbit::bits {
+namespace {
+
+uint64_t scale() {
+  const char* env = std::getenv("LIONBIT_FUZZ_ITERS");
+  const long v = env ? std::atol(env) : 1;
+  return v > 0 ? static_cast<uint64_t>(v) : 1;
+}
+
+// --- headers ----------------------------------------------------------------
+
+// What must hold of headers that check_headers accepts, written from the
+// wire contract (wire.h), not from check_headers' code.
+bool acceptable(const std::vector<WireHeader>& h, int n, const WireHeader& mine) {
+  const uint64_t largest_chunk =
+      mine.chunk_elems == 0 ? mine.numel : std::min(mine.numel, mine.chunk_elems);
+  const uint64_t shard_elems = shard_words(largest_chunk, n) * kWordBits;
+  for (int r = 0; r < n; ++r) {
+    const WireHeader& x = h[static_cast<size_t>(r)];
+    if (x.magic != kWireMagic || x.version != kWireVersion || x.rank != static_cast<uint32_t>(r)) return false;
+    if (x.op < 1 || x.op > 3 || x.dtype < 1 || x.dtype > 5) return false;
+    if (x.flags & ~(kHasZero | kHasNan | kRejected)) return false;
+    if (x.flags & (kRejected | kHasNan)) return false;
+    if (x.seq != mine.seq || x.op != mine.op || x.dtype != mine.dtype || x.numel != mine.numel ||
+        x.chunk_elems != mine.chunk_elems || x.numel > kMaxNumel)
+      return false;
+    const bool has_zero = (x.flags & kHasZero) != 0;
+    if (has_zero != (x.zero_capacity > 0) || x.zero_capacity > shard_elems) return false;
+  }
+  return true;
+}
+
+struct HeaderCase {
+  int n;
+  int me;
+  std::vector<WireHeader> h;
+};
+
+HeaderCase agreeing_case(std::mt19937_64& rng) {
+  HeaderCase c;
+  c.n = std::uniform_int_distribution<int>(1, 64)(rng);
+  c.me = std::uniform_int_distribution<int>(0, c.n - 1)(rng);
+  const auto op = static_cast<SignOp>(std::uniform_int_distribution<int>(1, 3)(rng));
+  const auto dtype = static_cast<DType>(std::uniform_int_distribution<int>(1, 5)(rng));
+  const uint64_t seq = rng() % 1000;
+  const uint64_t numel = rng() % 4 == 0 ? rng() % 200 : rng() % 20000000;
+  const uint64_t chunk = chunk_elems_for(rng() % 2 ? (uint64_t{1} << 22) : 1 + rng() % 100000, c.n);
+  const uint64_t largest = std::min(numel, chunk);
+  const uint64_t shard_elems = shard_words(largest, c.n) * kWordBits;
+  for (int r = 0; r < c.n; ++r) {
+    uint64_t cap = 0;
+    if (shard_elems > 0 && rng() % 3 == 0) {
+      cap = 1 + rng() % shard_elems;
+    }
+    c.h.push_back(make_header(op, dtype, r, cap ? kHasZero : 0u, seq, numel, cap, chunk));
+  }
+  return c;
+}
+
+void mutate(HeaderCase& c, std::mt19937_64& rng) {
+  const int times = std::uniform_int_distribution<int>(1, 3)(rng);
+  for (int t = 0; t < times; ++t) {
+    WireHeader& x = c.h[rng() % c.h.size()];
+    auto* bytes = reinterpret_cast<uint8_t*>(&x);
+    switch (rng() % 8) {
+      case 0: // one flipped bit
+        bytes[rng() % sizeof x] ^= static_cast<uint8_t>(1u << (rng() % 8));
+        break;
+      case 1: // one random byte
+        bytes[rng() % sizeof x] = static_cast<uint8_t>(rng());
+        break;
+      case 2: // a whole random header
+        for (size_t i = 0; i < sizeof x; ++i) bytes[i] = static_cast<uint8_t>(rng());
+        break;
+      case 3: // boundary sizes
+        x.numel = std::vector<uint64_t>{0, 1, kMaxNumel, kMaxNumel + 1, ~0ull}[rng() % 5];
+        break;
+      case 4: // zero capacity at and past the shard, with or without the flag
+        x.zero_capacity = std::vector<uint64_t>{0, 1, x.numel, x.numel + 1, ~0ull, 1ull << 32}[rng() % 6];
+        if (rng() % 2) x.flags ^= kHasZero;
+        break;
+      case 5: // a peer's chunking
+        x.chunk_elems = rng() % 2 ? 0 : rng();
+        break;
+      case 6: // all-ones or all-zero header
+        std::memset(bytes, rng() % 2 ? 0xff : 0x00, sizeof x);
+        break;
+      default: // flags
+        x.flags = static_cast<uint32_t>(rng() % 16);
+        break;
+    }
+  }
+}
+
+void check_one(const HeaderCase& c) {
+  const WireHeader mine = c.h[static_cast<size_t>(c.me)];
+  // The received headers live in a buffer of exactly n headers: ASan sees
+  // any read past it.
+  std::vector<WireHeader> recv(c.h);
+  const HeaderSummary s = check_headers(recv.data(), c.n, mine);
+  const bool ok = acceptable(c.h, c.n, mine);
+  ASSERT_EQ(s.error.empty(), ok) << "n=" << c.n << " me=" << c.me << " error: " << s.error;
+  if (!ok) {
+    return;
+  }
+  // What the collective computes from an accepted summary stays in bounds:
+  // every peer's zero encoding of every chunk is at most a dense plane.
+  ASSERT_EQ(s.zero_capacity.size(), static_cast<size_t>(c.n));
+  bool any = false;
+  const uint64_t chunk = mine.chunk_elems == 0 ? mine.numel : mine.chunk_elems;
+  for (int r = 0; r < c.n; ++r) {
+    const uint64_t cap = s.zero_capacity[static_cast<size_t>(r)];
+    EXPECT_EQ(cap, c.h[static_cast<size_t>(r)].zero_capacity);
+    any = any || cap > 0;
+    if (mine.numel > 0) {
+      for (uint64_t len : {std::min(mine.numel, chunk), mine.numel % std::max<uint64_t>(chunk, 1), uint64_t{1}}) {
+        if (len == 0) continue;
+        const size_t sw = shard_words(len, c.n);
+        EXPECT_LE(zero_encoding_bytes(cap, sw), sw * 8) << "cap " << cap << " sw " << sw;
+      }
+    }
+  }
+  EXPECT_EQ(s.any_zero, any);
+}
+
+TEST(FuzzHeaders, CorruptedHeadersAreRejectedOrFullyValid) {
+  std::mt19937_64 rng(20240607);
+  uint64_t accepted = 0, rejected = 0;
+  for (uint64_t i = 0; i < 20000 * scale(); ++i) {
+    HeaderCase c = agreeing_case(rng);
+    if (rng() % 8 != 0) {
+      mutate(c, rng);
+    }
+    const WireHeader mine = c.h[static_cast<size_t>(c.me)];
+    check_one(c);
+    if (HasFatalFailure()) return;
+    (check_headers(c.h.data(), c.n, mine).error.empty() ? accepted : rejected) += 1;
+  }
+  // Both outcomes are exercised.
+  EXPECT_GT(accepted, 1000u);
+  EXPECT_GT(rejected, 10000u);
+}
+
+TEST(FuzzHeaders, RandomBytesAreRejected) {
+  std::mt19937_64 rng(77);
+  for (uint64_t i = 0; i < 20000 * scale(); ++i) {
+    const int n = std::uniform_int_distribution<int>(1, 16)(rng);
+    std::vector<WireHeader> h(static_cast<size_t>(n));
+    auto* bytes = reinterpret_cast<uint8_t*>(h.data());
+    for (size_t b = 0; b < sizeof(WireHeader) * h.size(); ++b) bytes[b] = static_cast<uint8_t>(rng());
+    const int me = static_cast<int>(rng() % static_cast<uint64_t>(n));
+    WireHeader mine = make_header(SignOp::kVote, DType::kFloat32, me, 0, 0, 100, 0, chunk_elems_for(1 << 22, n));
+    h[static_cast<size_t>(me)] = mine;
+    const HeaderSummary s = check_headers(h.data(), n, mine);
+    if (n > 1) {
+      EXPECT_NE(s.error.find("rank "), std::string::npos) << s.error;
+    } else {
+      EXPECT_EQ(s.error, "");
+    }
+  }
+}
+
+// --- zero / tie position lists ---------------------------------------------
+
+// Decodes `wire` (exactly zero_encoding_bytes(cap, words) bytes) into a plane
+// of exactly `words` words; if accepted, checks the plane is canonical:
+// at most `cap` bits, and encoding it again gives the same bytes back.
+bool decode_and_check(const std::vector<uint8_t>& wire, size_t words, uint64_t cap) {
+  // Own heap blocks of the exact sizes: ASan / valgrind catch any overrun.
+  std::unique_ptr<uint8_t[]> in(new uint8_t[std::max<size_t>(wire.size(), 1)]);
+  std::memcpy(in.get(), wire.data(), wire.size());
+  std::unique_ptr<uint64_t[]> plane(new uint64_t[words]);
+  std::fill(plane.get(), plane.get() + words, 0x5a5a5a5a5a5a5a5aull);
+  if (!decode_zeros(in.get(), words, cap, plane.get())) {
+    EXPECT_TRUE(zeros_as_list(cap, words)) << "a dense plane is never rejected";
+    return false;
+  }
+  if (!zeros_as_list(cap, words)) {
+    EXPECT_EQ(std::memcmp(plane.get(), wire.data(), words * 8), 0);
+    return true;
+  }
+  EXPECT_LE(count_bits(plane.get(), words), cap);
+  std::vector<uint8_t> again(wire.size(), 0);
+  encode_zeros(plane.get(), words, cap, again.data());
+  EXPECT_EQ(again, wire) << "accepted a non-canonical list (words " << words << ", cap " << cap << ")";
+  return true;
+}
+
+uint64_t random_capacity(size_t words, std::mt19937_64& rng) {
+  const uint64_t limit = words * kWordBits;
+  switch (rng() % 4) {
+    case 0: return 1 + rng() % 4;
+    case 1: return 1 + rng() % std::max<uint64_t>(words, 1);
+    case 2: return 1 + rng() % (limit + 8); // past the plane too
+    default: return 1 + rng() % (2 * words + 2); // around the list/plane switch
+  }
+}
+
+TEST(FuzzZeros, RandomBytesDecodeToACanonicalPlaneOrFail) {
+  std::mt19937_64 rng(4242);
+  uint64_t lists = 0, accepted = 0;
+  for (uint64_t i = 0; i < 30000 * scale(); ++i) {
+    const size_t words = 1 + rng() % 300;
+    const uint64_t cap = random_capacity(words, rng);
+    std::vector<uint8_t> wire(zero_encoding_bytes(cap, words));
+    for (auto& b : wire) b = static_cast<uint8_t>(rng());
+    lists += zeros_as_list(cap, words);
+    accepted += decode_and_check(wire, words, cap) && zeros_as_list(cap, words);
+    if (HasFailure()) return;
+  }
+  EXPECT_GT(lists, 10000u);
+  (void)accepted; // random lists are almost never valid
+}
+
+TEST(FuzzZeros, MutatedValidListsDecodeCanonicallyOrFail) {
+  std::mt19937_64 rng(99);
+  uint64_t accepted = 0, rejected = 0;
+  for (uint64_t i = 0; i < 30000 * scale(); ++i) {
+    const size_t words = 2 + rng() % 300;
+    std::vector<uint64_t> plane(words, 0);
+    const uint64_t bits = rng() % (words / 2 + 2);
+    for (uint64_t b = 0; b < bits; ++b) {
+      const uint64_t idx = rng() % (words * kWordBits);
+      plane[idx / 64] |= 1ull << (idx % 64);
+    }
+    const uint64_t have = count_bits(plane.data(), words);
+    const uint64_t cap = std::max<uint64_t>(1, have + rng() % 3);
+    std::vector<uint8_t> wire(zero_encoding_bytes(cap, words));
+    encode_zeros(plane.data(), words, cap, wire.data());
+    if (!zeros_as_list(cap, words)) continue;
+    // The valid message itself decodes.
+    ASSERT_TRUE(decode_and_check(wire, words, cap));
+    const int flips = 1 + static_cast<int>(rng() % 3);
+    for (int f = 0; f < flips; ++f) {
+      const size_t byte = rng() % wire.size();
+      if (rng() % 2) {
+        wire[byte] ^= static_cast<uint8_t>(1u << (rng() % 8));
+      } else {
+        wire[byte] = rng() % 2 ? 0xff : 0x00;
+      }
+    }
+    (decode_and_check(wire, words, cap) ? accepted : rejected) += 1;
+    if (HasFailure()) return;
+  }
+  EXPECT_GT(rejected, 1000u);
+  EXPECT_GT(accepted, 100u); // a changed offset that is still in range and in order
+}
+
+TEST(FuzzZeros, HugePlanesNeverUseListsTheyCannotIndex) {
+  // 32-bit offsets: a plane of 2^32 elements or more must go dense whatever
+  // capacity a peer announces; the list size must never exceed the plane.
+  for (size_t words : {size_t{1} << 26, (size_t{1} << 26) - 1, (size_t{1} << 26) + 1, size_t{1} << 30}) {
+    for (uint64_t cap : {uint64_t{1}, uint64_t{2}, uint64_t{1} << 20, uint64_t{words}}) {
+      if (words * kWordBits >= kNoIndex) {
+        EXPECT_FALSE(zeros_as_list(cap, words)) << words << " " << cap;
+      }
+      EXPECT_LE(zero_encoding_bytes(cap, words), words * 8);
+    }
+  }
+}
+
+} // namespace
+} // namespace lionbit::bits
