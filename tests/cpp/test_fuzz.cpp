@@ -39,8 +39,10 @@ bool acceptable(const std::vector<WireHeader>& h, int n, const WireHeader& mine)
     const WireHeader& x = h[static_cast<size_t>(r)];
     if (x.magic != kWireMagic || x.version != kWireVersion || x.rank != static_cast<uint32_t>(r)) return false;
     if (x.op < 1 || x.op > 3 || x.dtype < 1 || x.dtype > 5) return false;
-    if (x.flags & ~(kHasZero | kHasNan | kRejected)) return false;
+    if (x.flags & ~(kHasZero | kHasNan | kRejected | kReduceScatter | kDevice)) return false;
     if (x.flags & (kRejected | kHasNan)) return false;
+    // The kind of collective and the tensor's device type must match this rank's.
+    if ((x.flags ^ mine.flags) & (kReduceScatter | kDevice)) return false;
     if (x.seq != mine.seq || x.op != mine.op || x.dtype != mine.dtype || x.numel != mine.numel ||
         x.chunk_elems != mine.chunk_elems || x.numel > kMaxNumel)
       return false;
@@ -106,7 +108,7 @@ void mutate(HeaderCase& c, std::mt19937_64& rng) {
         std::memset(bytes, rng() % 2 ? 0xff : 0x00, sizeof x);
         break;
       default: // flags
-        x.flags = static_cast<uint32_t>(rng() % 16);
+        x.flags = static_cast<uint32_t>(rng() % 32);
         break;
     }
   }
