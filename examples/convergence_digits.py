@@ -113,7 +113,7 @@ def train(net, opt, x, y, seed, rank=0, world=1, batch=BATCH, epochs=EPOCHS):
 class _SingleProcessLion(lionbit.DistributedLion):
     """DistributedLion that never touches the process group: plain Lion."""
 
-    def _vote(self, sign, zero, numel, nans, out, group, where):
+    def _vote(self, sign, zero, numel, nans, out, group, where, counts=None):
         from lionbit.optim import _local_vote
 
         out.copy_(_local_vote(sign, zero, numel))
