@@ -202,7 +202,8 @@ def attach_fsdp1(opt, model) -> None:
         ) from None
     if not model.check_is_root():
         raise ValueError(f"{_WHERE}: attach the root FullyShardedDataParallel instance, not a nested one")
-    names = {m: n for n, m in model.named_modules()}
+    # module names without FSDP's wrapper prefixes ("b", not "_fsdp_wrapped_module.b")
+    names = {m: n.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "") for n, m in model.named_modules()}
     known = opt._group_of()
     units: List[_Unit] = []
     covered = set()
