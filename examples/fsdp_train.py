@@ -1,7 +1,7 @@
 """Train a small transformer with FSDP2 (fully_shard) + DistributedLion over
 backend "lionbit".
 
-    torchrun --standalone --nproc-per-node 4 examples/fsdp_train.py
+    torchrun --standalone --nproc-per-node 4 examples/fsdp_train.py [--fsdp1]
 
 The same task and model as examples/ddp_train.py (scikit-learn's bundled
 digits, 8 row tokens per image). Each encoder layer and the root are
@@ -51,6 +51,7 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--aggregation", default="vote", choices=["vote", "avg"])
     parser.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy(param_dtype=bfloat16)")
+    parser.add_argument("--fsdp1", action="store_true", help="FSDP1 (FullyShardedDataParallel) instead of fully_shard")
     parser.add_argument("--momentum-dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
 
@@ -67,10 +68,18 @@ def main():
     torch.manual_seed(0)
     model = RowTransformer()
     d = sum(p.numel() for p in model.parameters())
-    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if args.bf16 else {}
-    for layer in model.encoder.layers:
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
+    if args.fsdp1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        assert not args.bf16, "--bf16 needs FSDP2 (lionbit refuses FSDP1 MixedPrecision)"
+        for i, layer in enumerate(model.encoder.layers):
+            model.encoder.layers[i] = FSDP(layer, device_id=torch.device("cpu"))
+        model = FSDP(model, device_id=torch.device("cpu"))
+    else:
+        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if args.bf16 else {}
+        for layer in model.encoder.layers:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
     units = 1 + len(model.encoder.layers)
     mdt = getattr(torch, args.momentum_dtype)
     opt = lionbit.DistributedLion(
@@ -82,7 +91,7 @@ def main():
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, total)
     if rank == 0:
         print(f"lionbit {lionbit.__version__}: {world} ranks, backend {dist.get_backend()}, "
-              f"transformer with {d:,} parameters in {units} fully_shard units"
+              f"transformer with {d:,} parameters in {units} {'FSDP1 instances' if args.fsdp1 else 'fully_shard units'}"
               f"{' (bf16 compute)' if args.bf16 else ''}, DistributedLion({args.aggregation}, "
               f"{args.momentum_dtype} momentum)")
 
@@ -103,7 +112,8 @@ def main():
                 progress(step, total, loss.item())
         with torch.no_grad():
             acc = 100.0 * (model(xte).argmax(1) == yte).float().mean().item()
-        model.reshard()  # the root keeps its parameters unsharded after a forward
+        if not args.fsdp1:
+            model.reshard()  # the root keeps its parameters unsharded after a forward
         if rank == 0:
             sys.stdout.write(f"  epoch {epoch + 1}: test accuracy {acc:.2f}%\n")
     secs = time.perf_counter() - t0
@@ -111,15 +121,22 @@ def main():
     stats = lionbit.stats()
     # Padded elements FSDP reduce-scatters per step (each parameter's dim 0
     # padded to a multiple of N).
-    padded = sum(-(-p.shape[0] // world) * world * (p.numel() // p.shape[0]) for p in opt.param_groups[0]["params"])
+    if args.fsdp1:  # each FlatParameter padded to a multiple of N
+        padded = sum(-(-u.numel // world) * world for u in opt._fsdp1_units)
+    else:
+        padded = sum(-(-p.shape[0] // world) * world * (p.numel() // p.shape[0]) for p in opt.param_groups[0]["params"])
     one_bit = (world - 1) / world * padded / 8 * step
     fp32_rs = (world - 1) / world * 4 * padded * step  # FSDP's fp32 reduce-scatter of gradients
     # FSDP's parameter all-gathers, the same with or without lionbit: forward
     # and backward (the root keeps its parameters unsharded after forward).
     ag = (world - 1) / world * 4 * padded * step * 2
-    params = opt.param_groups[0]["params"]  # the sharded DTensors
-    mom_bytes = sum(opt.state[p]["exp_avg"].numel() * opt.state[p]["exp_avg"].element_size() for p in params)
-    shard_bytes = sum(p.to_local().numel() * 4 for p in params)
+    params = opt.param_groups[0]["params"]  # the sharded DTensors (FSDP1: FlatParameters)
+    if args.fsdp1:
+        mom_bytes = sum(u.momentum.numel() * u.momentum.element_size() for u in opt._fsdp1_units)
+        shard_bytes = sum(p.numel() * 4 for p in params)
+    else:
+        mom_bytes = sum(opt.state[p]["exp_avg"].numel() * opt.state[p]["exp_avg"].element_size() for p in params)
+        shard_bytes = sum(p.to_local().numel() * 4 for p in params)
     if rank == 0:
         print(f"\ndone: {step} steps in {secs:.1f}s, final test accuracy {acc:.2f}%")
         print(f"gradient path, bytes sent per rank: lionbit {stats['bytes_sent']:,} "

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from . import _C
 from . import fsdp as _fsdp
+from . import fsdp1 as _fsdp1
 from ._backend import _backend_for
 
 _AGGREGATIONS = ("vote", "avg")
@@ -169,6 +170,8 @@ class DistributedLion(torch.optim.Optimizer):
         self._ddp = None  # the DDP model after attach()
         self._fsdp_params = None  # sharded parameter -> FSDPParam after attach(fsdp2 model)
         self._fsdp_delta = {}  # sharded parameter -> Delta of the local shard, pending step()
+        self._fsdp1_units = None  # FSDP1 comm-hook states (one per FSDP instance) after attach(fsdp1 model)
+        self._fsdp1_delta = {}  # FSDP1 unit -> Delta of its local flat shard, pending step()
 
     # -- state -------------------------------------------------------------
     def _momentum(self, p: torch.Tensor) -> torch.Tensor:
@@ -238,6 +241,10 @@ class DistributedLion(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._fsdp1_units is not None:
+            # The FSDP1 comm hooks already voted: apply Delta to the local flat shards.
+            _fsdp1.fsdp1_step(self)
+            return loss
         items = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not items and not self._fsdp_delta:
             return loss
@@ -292,6 +299,9 @@ class DistributedLion(torch.optim.Optimizer):
         """
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        if self._ddp is not None or self._fsdp_params is not None or self._fsdp1_units is not None:
+            if isinstance(model, DDP) or _fsdp.is_fsdp2(model) or _fsdp1.is_fsdp1(model):
+                raise RuntimeError("DistributedLion.attach: this optimizer is already attached to a model")
         if isinstance(model, DDP):
             known = self._group_of()
             missing = [n for n, p in model.module.named_parameters() if p.requires_grad and p not in known]
@@ -311,11 +321,9 @@ class DistributedLion(torch.optim.Optimizer):
                 raise RuntimeError("DistributedLion.attach: this optimizer is already attached to a model")
             _fsdp.attach_fsdp2(self, model)
             return self
-        if type(model).__name__ == "FullyShardedDataParallel":
-            raise NotImplementedError(
-                "DistributedLion.attach: FSDP1 (FullyShardedDataParallel) is not supported yet; "
-                "use FSDP2 (torch.distributed.fsdp.fully_shard) or DDP"
-            )
+        if _fsdp1.is_fsdp1(model):
+            _fsdp1.attach_fsdp1(self, model)
+            return self
         if _fsdp._fsdp2_modules(model):
             raise ValueError(
                 "DistributedLion.attach: the model contains fully_shard-ed submodules but is not itself "
@@ -334,6 +342,17 @@ class DistributedLion(torch.optim.Optimizer):
     def load_sharded_state_dict(self, state_dict: dict) -> None:
         """Restores what sharded_state_dict() gave (after dcp.load into it)."""
         _fsdp.load_sharded_state_dict(self, state_dict)
+
+    # -- FSDP1 checkpoints (per-rank files) ---------------------------------
+    def local_state_dict(self) -> dict:
+        """This rank's state with an FSDP1 model (after attach), for a
+        per-rank file: each FSDP instance's full-size flat momentum and the
+        hyperparameters; see lionbit.fsdp1.local_state_dict."""
+        return _fsdp1.local_state_dict(self)
+
+    def load_local_state_dict(self, state_dict: dict) -> None:
+        """Restores what local_state_dict() gave on this rank."""
+        _fsdp1.load_local_state_dict(self, state_dict)
 
     def _fsdp_reduce(self, layout, inp, out, group, fqns, where):
         _fsdp.fsdp_reduce(self, layout, inp, out, group, fqns, where)

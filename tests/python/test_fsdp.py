@@ -316,7 +316,6 @@ ATTACH_CASES = {
     "missing_param": "is not in this optimizer",
     "fp16_reduce": "not AVG",
     "two_syncs": "was reduced twice before step()",
-    "fsdp1": "FSDP1 (FullyShardedDataParallel) is not supported",
     "not_root": "call fully_shard on the root module too",
 }
 
@@ -387,11 +386,6 @@ def _error_case(rank, world_size, case):
         opt.attach(model)
         _loss(model, rank, 0).backward()
         _loss(model, rank, 1).backward()
-    elif case == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        model = FSDP(_net(), device_id=torch.device("cpu"))
-        lionbit.DistributedLion(model.parameters()).attach(model)
     elif case == "not_root":
         model = _net()
         fully_shard(model.a)
