@@ -188,6 +188,7 @@ def check_teardown_with_work_in_flight(rank, n, workdir, cycles=3):
     import lionbit
 
     dist.destroy_process_group()  # the harness's group: start from none
+    torch.randn(1 << 18).sign_()  # warm torch's own thread pools up before counting
     base = _threads()
     counts = []
     for c in range(cycles):
