@@ -566,7 +566,7 @@ def check_huge(rank, n):
 
 
 @pytest.mark.skipif(os.environ.get("LIONBIT_HUGE") != "1",
-                    reason="2^31+ elements need ~5 GiB and minutes; run with LIONBIT_HUGE=1")
+                    reason="2^31+ elements need ~6 GiB of free memory (3.1 GiB per rank); run with LIONBIT_HUGE=1")
 def test_more_than_2_pow_31_elements():
     res = values(run_ranks("test_bad_input:check_huge", 2, timeout=1200, pg_timeout=600))
     print(res)
