@@ -73,10 +73,6 @@ LionBitBackend::LionBitBackend(
       forward_cuda_(std::move(forward_cuda)),
       sign_cuda_(std::move(sign_cuda)),
       timeout_(timeout) {
-  {
-    std::lock_guard<std::mutex> lock(registry_mutex());
-    registry().insert(this);
-  }
   TORCH_CHECK_VALUE(forward_, "lionbit: argument 'forward' is None");
   TORCH_CHECK_VALUE(sign_, "lionbit: argument 'sign' is None");
   TORCH_CHECK_VALUE(
@@ -90,6 +86,10 @@ LionBitBackend::LionBitBackend(
         !*b || ((*b)->getRank() == rank && (*b)->getSize() == size),
         "lionbit: the inner CUDA backends must span rank ", rank, " of ", size);
   }
+  // Last: a constructor that throws never runs the destructor, which would
+  // have unregistered it.
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  registry().insert(this);
 }
 
 LionBitBackend::~LionBitBackend() {

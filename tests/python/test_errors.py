@@ -173,3 +173,25 @@ def check_destroy_with_work_in_flight(rank, n):
 @pytest.mark.parametrize("world_size", [2])
 def test_destroy_with_work_in_flight(world_size):
     assert all(values(run_ranks("test_errors:check_destroy_with_work_in_flight", world_size)))
+
+
+def test_backend_construction_error_leaves_no_dangling_worker_registration(tmp_path):
+    """A LionBitBackend whose inner backends span the wrong ranks raises;
+    stopping every backend's worker afterwards (what lionbit does at exit)
+    must not touch the half-built one."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lionbit import _C
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    t = timedelta(seconds=10)
+    fwd = dist.ProcessGroupGloo(dist.PrefixStore("f/", store), 0, 1, t)
+    sign = dist.ProcessGroupGloo(dist.PrefixStore("s/", store), 0, 1, t)
+    with pytest.raises(ValueError, match="inner backends span rank 0/1"):
+        _C.LionBitBackend(fwd, sign, 0, 2, t)
+    _C._shutdown_workers()
+    ok = _C.LionBitBackend(fwd, sign, 0, 1, t)
+    assert ok.cuda_transport in ("gloo", "nccl")
+    _C._shutdown_workers()
