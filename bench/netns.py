@@ -243,19 +243,19 @@ class Cluster:
         server = subprocess.Popen(["ip", "netns", "exec", self.ns[0], "iperf3", "-s", "-1", "-p", "5201"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
+            last = ""
             for _ in range(50):
                 r = self._ns(self.ns[1], "iperf3", "-c", self.addr[0], "-p", "5201", "-t", str(seconds),
                              "-J", check=False, capture=True)
-                if r.returncode == 0:
-                    break
-                time.sleep(0.1)
-            else:
-                return {"error": r.stdout[-300:] + r.stderr[-300:]}
-            data = json.loads(r.stdout)
-            end = data["end"]
-            return {"sent_bps": end["sum_sent"]["bits_per_second"],
-                    "received_bps": end["sum_received"]["bits_per_second"],
-                    "retransmits": end["sum_sent"].get("retransmits", 0)}
+                try:
+                    end = json.loads(r.stdout)["end"]
+                    return {"sent_bps": end["sum_sent"]["bits_per_second"],
+                            "received_bps": end["sum_received"]["bits_per_second"],
+                            "retransmits": end["sum_sent"].get("retransmits", 0)}
+                except (ValueError, KeyError):
+                    last = (r.stdout[-300:] + r.stderr[-300:]).strip()
+                    time.sleep(0.1)   # server not listening yet
+            return {"error": last}
         finally:
             if server.poll() is None:
                 os.killpg(server.pid, signal.SIGTERM)
