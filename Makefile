@@ -11,6 +11,9 @@
 #                      why, where there is no GPU
 #   make test-sanitize C++ tests built with ASan + UBSan (build/sanitize), fuzz tests scaled up
 #   make test-valgrind kernel tests under valgrind memcheck (build/valgrind), 1M-element cases left out
+#   make bench         quick benchmark suite (< 10 min; root: emulated 1 and 10 Gbit/s links in network
+#                      namespaces, else loopback): bench/results/*.json, *.md, *.png; see docs/benchmarks.md
+#   make bench-full    the full collectives suite (N 2,4,8; d 1M,16M,64M)
 #
 # The virtual environment lives outside the clone so fresh clones reuse it.
 LIONBIT_VENV ?= $(HOME)/.cache/lionbit/venv
@@ -27,7 +30,7 @@ export CUDACXX := /usr/local/cuda/bin/nvcc
 endif
 endif
 
-.PHONY: all setup build test test-cpp test-python test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence clean
+.PHONY: all setup build test test-cpp test-python test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence bench bench-full bench-setup clean
 
 all: build
 
@@ -87,6 +90,15 @@ demo-sign: build
 
 convergence: build
 	@$(TORCHRUN) examples/convergence_digits.py
+
+bench-setup: build
+	@tools/setup_bench.sh
+
+bench: bench-setup
+	@$(PY) bench/collectives.py --quick --json bench/results/collectives.json
+
+bench-full: bench-setup
+	@$(PY) bench/collectives.py --json bench/results/collectives-full.json
 
 clean:
 	rm -rf build
