@@ -102,5 +102,26 @@ def collectives(path: str) -> str:
     return table
 
 
+def kernels(path: str) -> str:
+    """Table of Google Benchmark's JSON: GB/s (median of repetitions) and the ratio to read_bw."""
+    with open(path) as f:
+        doc = json.load(f)
+    rows = [b for b in doc["benchmarks"] if b.get("aggregate_name", "median") == "median"]
+    bw = {b["run_name"]: b["bytes_per_second"] for b in rows}
+    read = next((v for k, v in bw.items() if k.startswith("BM_read_bw")), None)
+    lines = [f"| kernel | GB/s | / read bandwidth of one core |", "|---|---|---|"]
+    for name, v in bw.items():
+        lines.append(f"| {name.replace('/real_time', '')} | {v / 1e9:.2f} | {v / read:.2f} |")
+    table = "\n".join(lines) + "\n"
+    base = os.path.splitext(path)[0]
+    with open(base + ".md", "w") as f:
+        f.write(table)
+    print(table)
+    return table
+
+
 if __name__ == "__main__":
-    collectives(sys.argv[1])
+    if sys.argv[1] == "--kernels":
+        kernels(sys.argv[2])
+    else:
+        collectives(sys.argv[1])

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set-up for `make bench` (after tools/setup_env.sh): the Debian tools the
+# Set-up for `make bench` (after tools/setup_env.sh): Google Benchmark, the Debian tools the
 # emulated network needs (iproute2 for ip/tc, iperf3 for the rate check,
 # ethtool to turn segment offloads off) and matplotlib in the venv. Quick
 # when already done.
@@ -8,7 +8,7 @@ VENV=${LIONBIT_VENV:?LIONBIT_VENV must be set}
 here=$(cd "$(dirname "$0")" && pwd)
 
 need=()
-for pkg in iproute2 iperf3 ethtool; do
+for pkg in iproute2 iperf3 ethtool libbenchmark-dev; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then
