@@ -11,6 +11,10 @@
 #                      why, where there is no GPU
 #   make test-sanitize C++ tests built with ASan + UBSan (build/sanitize), fuzz tests scaled up
 #   make test-valgrind kernel tests under valgrind memcheck (build/valgrind), 1M-element cases left out
+#   make bench         quick benchmark suite (< 10 min; root: emulated 1 and 10 Gbit/s links in network
+#                      namespaces, else loopback): bench/results/*.json, *.md, *.png; see docs/benchmarks.md
+#   make bench-full    the full collectives suite (N 2,4,8; d 1M,16M,64M)
+#   make bench-kernels suite 2 alone: CPU kernels (Google Benchmark) against one core's read bandwidth
 #
 # The virtual environment lives outside the clone so fresh clones reuse it.
 LIONBIT_VENV ?= $(HOME)/.cache/lionbit/venv
@@ -27,7 +31,7 @@ export CUDACXX := /usr/local/cuda/bin/nvcc
 endif
 endif
 
-.PHONY: all setup build test test-cpp test-python test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence clean
+.PHONY: all setup build test test-cpp test-python test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence bench bench-full bench-setup bench-kernels clean
 
 all: build
 
@@ -87,6 +91,23 @@ demo-sign: build
 
 convergence: build
 	@$(TORCHRUN) examples/convergence_digits.py
+
+bench-setup: build
+	@tools/setup_bench.sh
+
+bench-kernels: bench-setup
+	@cmake -S . -B build/bench -G Ninja -DCMAKE_BUILD_TYPE=Release -DLIONBIT_BUILD_TESTS=ON -DLIONBIT_BUILD_EXTENSION=OFF -DLIONBIT_CUDA=OFF >/dev/null
+	@cmake --build build/bench -j $(JOBS) --target lionbit_bench_cpu
+	@mkdir -p bench/results
+	@build/bench/lionbit_bench_cpu --benchmark_min_time=0.5 --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
+	  --benchmark_out=bench/results/cpu_kernels.json --benchmark_out_format=json
+	@$(PY) bench/report.py --kernels bench/results/cpu_kernels.json
+
+bench: bench-kernels
+	@$(PY) bench/collectives.py --quick --json bench/results/collectives.json
+
+bench-full: bench-setup
+	@$(PY) bench/collectives.py --json bench/results/collectives-full.json
 
 clean:
 	rm -rf build

@@ -1,0 +1,153 @@
+// Suite 2: throughput of lionbit's CPU kernels (Google Benchmark), one core,
+// against the memory-read bandwidth of one core measured in the same run.
+//
+//   build/bench/lionbit_bench_cpu [--benchmark_format=json] [--benchmark_min_time=0.2s]
+//
+// Every kernel reports bytes_per_second over the bytes it must read (the
+// "input" the goals talk about): pack reads 4 bytes per float32 element; vote
+// reads N packed sign planes (d/8 bytes each); unpack reads its 1-2 planes and
+// writes 4 bytes per element (reported: bytes written); lion_direction reads g
+// and m and writes m (reported: bytes read, 8 per element); lion_apply_planes
+// reads and writes x (reported: bytes read, 4 per element). read_bw is a
+// plain sum of 64-bit words over a buffer of the same size as the kernels'
+// input, compiled -O3 for this machine: the one-core read bandwidth.
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "backend/bits/count.h"
+#include "backend/bits/pack.h"
+#include "backend/bits/unpack.h"
+#include "optimizer/lion.h"
+
+namespace bits = lionbit::bits;
+namespace optim = lionbit::optim;
+
+namespace {
+
+std::vector<float> random_floats(size_t n, uint32_t seed) {
+  std::vector<float> v(n);
+  std::mt19937 g(seed);
+  std::normal_distribution<float> nd;
+  for (auto& x : v) x = nd(g);
+  return v;
+}
+
+std::vector<uint64_t> random_words(size_t n, uint32_t seed) {
+  std::vector<uint64_t> v(n);
+  std::mt19937_64 g(seed);
+  for (auto& x : v) x = g();
+  return v;
+}
+
+// One core's read bandwidth: the sum of a buffer of `bytes` bytes.
+void BM_read_bw(benchmark::State& st) {
+  const size_t bytes = static_cast<size_t>(st.range(0)) * 4;
+  std::vector<uint64_t> buf = random_words(bytes / 8, 1);
+  for (auto _ : st) {
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    const uint64_t* p = buf.data();
+    for (size_t i = 0; i + 4 <= buf.size(); i += 4) {
+      s0 += p[i];
+      s1 += p[i + 1];
+      s2 += p[i + 2];
+      s3 += p[i + 3];
+    }
+    uint64_t s = s0 + s1 + s2 + s3;
+    benchmark::DoNotOptimize(s);
+  }
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * bytes);
+}
+
+void BM_pack(benchmark::State& st) {
+  const size_t n = st.range(0);
+  auto src = random_floats(n, 2);
+  std::vector<uint64_t> sign(bits::words_for(n)), zero(bits::words_for(n));
+  for (auto _ : st) {
+    auto c = bits::pack_signs(bits::DType::kFloat32, src.data(), n, sign.data(), zero.data());
+    benchmark::DoNotOptimize(c);
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * n * 4);
+}
+
+// vote over N ranks' shards of `n` elements each (what one rank counts in phase 1).
+void BM_vote(benchmark::State& st) {
+  const size_t n = st.range(0);
+  const int N = static_cast<int>(st.range(1));
+  const size_t w = bits::words_for(n);
+  std::vector<std::vector<uint64_t>> planes;
+  std::vector<bits::Contribution> in;
+  for (int r = 0; r < N; ++r) planes.push_back(random_words(w, 10 + r));
+  for (int r = 0; r < N; ++r) in.push_back({planes[r].data(), nullptr});
+  std::vector<uint64_t> out_sign(w), out_zero(w);
+  for (auto _ : st) {
+    bool ties = bits::vote(in.data(), N, w, out_sign.data(), out_zero.data());
+    benchmark::DoNotOptimize(ties);
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * N * w * 8);
+}
+
+// unpack a vote (sign + tie planes) into float32: reported over bytes written.
+void BM_unpack(benchmark::State& st) {
+  const size_t n = st.range(0);
+  const size_t w = bits::words_for(n);
+  auto s = random_words(w, 3), z = random_words(w, 4);
+  const uint64_t* planes[2] = {s.data(), z.data()};
+  const double values[4] = {-1, 1, 0, 0};
+  float lut[4];
+  bits::make_lut(bits::DType::kFloat32, values, 4, lut);
+  std::vector<float> dst(n);
+  for (auto _ : st) {
+    bits::unpack(bits::DType::kFloat32, planes, 2, n, lut, dst.data());
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * n * 4);
+}
+
+// Fused Lion step, part 1 (direction + momentum) and part 2 (apply the vote).
+void BM_lion_direction(benchmark::State& st) {
+  const size_t n = st.range(0);
+  auto g = random_floats(n, 5), m = random_floats(n, 6);
+  std::vector<uint64_t> sign(bits::words_for(n)), zero(bits::words_for(n));
+  for (auto _ : st) {
+    auto c = optim::lion_direction(bits::DType::kFloat32, g.data(), bits::DType::kFloat32, m.data(), n,
+                                   0.9f, 0.1f, 0.99f, 0.01f, sign.data(), zero.data());
+    benchmark::DoNotOptimize(c);
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * n * 8);
+}
+
+void BM_lion_apply_planes(benchmark::State& st) {
+  const size_t n = st.range(0);
+  const size_t w = bits::words_for(n);
+  auto x = random_floats(n, 7);
+  auto s = random_words(w, 8);
+  std::vector<uint64_t> z(w, 0);
+  const uint64_t* planes[2] = {s.data(), z.data()};
+  const float lut[4] = {-1.f, 1.f, 0.f, 0.f};
+  for (auto _ : st) {
+    optim::lion_apply_planes(bits::DType::kFloat32, x.data(), n, planes, 2, lut, 1e-7f, 1.0f);
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * n * 4);
+}
+
+constexpr int64_t k16M = 16 << 20;
+
+}  // namespace
+
+BENCHMARK(BM_read_bw)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_pack)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
+// Vote input: N packed planes of a shard; 16M elements per plane = 2 MB each.
+BENCHMARK(BM_vote)->ArgsProduct({{k16M}, {2, 4, 8, 16}})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_unpack)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_lion_direction)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_lion_apply_planes)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+BENCHMARK_MAIN();

@@ -1,0 +1,127 @@
+"""Markdown tables and PNG plots from the benchmark JSON files.
+
+    python bench/report.py bench/results/collectives.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import defaultdict
+
+
+def _mb(b):
+    return "n/a" if b is None else f"{b / 1e6:,.3f}"
+
+
+def _label(d: int) -> str:
+    return f"{d >> 20}M" if d % (1 << 20) == 0 else str(d)
+
+
+def collectives(path: str) -> str:
+    with open(path) as f:
+        doc = json.load(f)
+    res = doc["results"]
+    base = os.path.splitext(path)[0]
+    by = defaultdict(dict)
+    for r in res:
+        by[(r["link"], r["world_size"], r["numel"])][r["impl"]] = r
+    lines = ["| link | N | d | impl | median ms | vs gloo_fp32 | vs lionbit_vote | payload MB/rank | wire MB/rank "
+             "| payload / 1-bit | wire / 1-bit | fp32-equiv busbw Gbit/s | wire Gbit/s | comm-only ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in sorted(by, key=lambda k: (k[0] != "1gbit", k[0], k[1], k[2])):
+        link, n, d = key
+        cases = by[key]
+        f32 = cases.get("gloo_fp32", {}).get("median_s")
+        vote = cases.get("lionbit_vote", {}).get("median_s")
+        for impl, r in cases.items():
+            t = r["median_s"]
+            lines.append(
+                f"| {link} | {n} | {_label(d)} | {impl} | {t * 1e3:,.1f} | "
+                f"{(f32 / t) if f32 else float('nan'):.1f}x | {(t / vote) if vote else float('nan'):.2f}x | "
+                f"{_mb(r['bytes_per_rank'])} | {_mb(r.get('wire_bytes_per_rank'))} | "
+                f"{r['payload_over_1bit']:.3f} | "
+                f"{'n/a' if r.get('wire_over_1bit') is None else format(r['wire_over_1bit'], '.3f')} | "
+                f"{r['busbw_fp32_equiv_gbps']:.2f} | "
+                f"{'n/a' if r.get('wire_gbps') is None else format(r['wire_gbps'], '.3f')} | "
+                f"{'' if r.get('comm_s') is None else format(r['comm_s'] * 1e3, ',.1f')} |")
+    table = "\n".join(lines) + "\n"
+    with open(base + ".md", "w") as f:
+        f.write(table)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("report: matplotlib missing: no plots (pip install -r tools/requirements-bench.txt)")
+        print(table)
+        return table
+    links = sorted({r["link"] for r in res})
+    ns = sorted({r["world_size"] for r in res})
+    impls = list(dict.fromkeys(r["impl"] for r in res))
+    # One figure per link: time vs d, one panel per N.
+    for link in links:
+        fig, axes = plt.subplots(1, len(ns), figsize=(4.2 * len(ns), 3.8), squeeze=False)
+        for ax, n in zip(axes[0], ns):
+            for impl in impls:
+                pts = sorted((r["numel"], r["median_s"]) for r in res
+                             if r["link"] == link and r["world_size"] == n and r["impl"] == impl)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("d (elements)")
+            ax.set_ylabel("median time (ms)")
+            ax.set_title(f"{link}, N = {n}")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(f"{base}_time_{link}.png", dpi=90)
+        plt.close(fig)
+    # Bytes per rank on the wire / payload vs N at the largest d.
+    dmax = max(r["numel"] for r in res)
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    link0 = links[0]
+    w = 0.8 / max(len(impls), 1)
+    for i, impl in enumerate(impls):
+        pts = sorted((r["world_size"], r.get("wire_bytes_per_rank") or r["bytes_per_rank"]) for r in res
+                     if r["link"] == link0 and r["numel"] == dmax and r["impl"] == impl)
+        if pts:
+            ax.bar([ns.index(p[0]) + i * w for p in pts], [p[1] / 1e6 for p in pts], width=w, label=impl)
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(ns))], [f"N = {n}" for n in ns])
+    ax.set_yscale("log")
+    ax.set_ylabel("MB per rank on the wire")
+    ax.set_title(f"bytes per rank, d = {_label(dmax)} ({link0} interface counters)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{base}_bytes.png", dpi=90)
+    plt.close(fig)
+    print(table)
+    print(f"report: {base}.md, {base}_time_*.png, {base}_bytes.png")
+    return table
+
+
+def kernels(path: str) -> str:
+    """Table of Google Benchmark's JSON: GB/s (median of repetitions) and the ratio to read_bw."""
+    with open(path) as f:
+        doc = json.load(f)
+    rows = [b for b in doc["benchmarks"] if b.get("aggregate_name", "median") == "median"]
+    bw = {b["run_name"]: b["bytes_per_second"] for b in rows}
+    read = next((v for k, v in bw.items() if k.startswith("BM_read_bw")), None)
+    lines = [f"| kernel | GB/s | / read bandwidth of one core |", "|---|---|---|"]
+    for name, v in bw.items():
+        lines.append(f"| {name.replace('/real_time', '')} | {v / 1e9:.2f} | {v / read:.2f} |")
+    table = "\n".join(lines) + "\n"
+    base = os.path.splitext(path)[0]
+    with open(base + ".md", "w") as f:
+        f.write(table)
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--kernels":
+        kernels(sys.argv[2])
+    else:
+        collectives(sys.argv[1])
