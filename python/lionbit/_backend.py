@@ -128,6 +128,17 @@ def all_reduce_sign(
     return None
 
 
+def _lionbit_backend_any_device(group, what: str):
+    """The group's lionbit backend: the CPU one, or, for a group made with
+    "cpu:gloo,cuda:lionbit", the CUDA one."""
+    try:
+        return _backend_for(group, torch.device("cpu"), what)
+    except RuntimeError:
+        if not torch.cuda.is_available():
+            raise
+        return _backend_for(group, torch.device("cuda"), what)
+
+
 def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
     """Counters of the group's lionbit backend (sign path only).
 
@@ -135,10 +146,10 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
     included), ``sign_allreduce_calls``, ``elements``, and seconds spent in
     ``pack_seconds``, ``comm_seconds``, ``vote_seconds``, ``unpack_seconds``.
     """
-    raw = _backend_for(group, torch.device("cpu"), "stats").stats()
+    raw = _lionbit_backend_any_device(group, "stats").stats()
     return {k: (int(v) if not k.endswith("_seconds") else v) for k, v in raw.items()}
 
 
 def reset_stats(group: Optional[dist.ProcessGroup] = None) -> None:
     """Zero the counters of the group's lionbit backend."""
-    _backend_for(group, torch.device("cpu"), "reset_stats").reset_stats()
+    _lionbit_backend_any_device(group, "reset_stats").reset_stats()
