@@ -254,14 +254,15 @@ def _split_backends(rank, world_size):
     pg = dist.distributed_c10d._get_default_group()
     x = torch.tensor([1.0, -1.0, 2.0], device=dev) * (1 if rank == 0 else -1)
     lionbit.all_reduce_sign(x, "sum")
-    return {"cpu": pg._get_backend(torch.device("cpu")).name(), "sum": x.cpu().tolist()}
+    calls = lionbit.stats()["sign_allreduce_calls"]
+    return {"cpu": pg._get_backend(torch.device("cpu")).name(), "sum": x.cpu().tolist(), "calls": calls}
 
 
 @pytest.mark.gpu
 def test_cpu_gloo_cuda_lionbit():
     _skip_without_gpu()
     for v in values(run_ranks("test_cuda:_split_backends", 2, backend="cpu:gloo,cuda:lionbit", env=GLOO)):
-        assert v == {"cpu": "gloo", "sum": [0.0, 0.0, 0.0]}
+        assert v == {"cpu": "gloo", "sum": [0.0, 0.0, 0.0], "calls": 1}
 
 
 def _device_mismatch(rank, world_size):
