@@ -54,9 +54,6 @@ std::tuple<int64_t, int64_t> pack_signs_into(
   return {static_cast<int64_t>(c.zeros), static_cast<int64_t>(c.nans)};
 }
 
-namespace {
-
-// The dtypes the fused kernels take: float32, bfloat16, float16.
 std::optional<bits::DType> float_dtype(at::ScalarType t) {
   const auto d = bits_dtype(t);
   if (d && bits::dtype_is_floating(*d) && *d != bits::DType::kFloat64) {
@@ -64,6 +61,8 @@ std::optional<bits::DType> float_dtype(at::ScalarType t) {
   }
   return std::nullopt;
 }
+
+namespace {
 
 void check_dense(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK_VALUE(

@@ -5,7 +5,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <tuple>
+
+#include "backend/bits/types.h"
 
 namespace lionbit {
 
@@ -34,6 +37,10 @@ int64_t lion_direction_into(
 
 // x = x * decay - lr * delta, in place (optimizer/lion.h).
 void lion_apply(at::Tensor& x, const at::Tensor& delta, double lr, double decay);
+
+// The dtypes the fused Lion kernels take (float32, bfloat16, float16), as
+// the kernels' DType; nullopt for any other.
+std::optional<bits::DType> float_dtype(at::ScalarType t);
 
 // Whether the fused kernels take these dtypes.
 bool lion_fused_supported(

@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "backend/cuda/kernels.h"
+#include "backend/kernel_bindings.hpp"
 #include "backend/sign_allreduce.hpp"
 #include "optimizer/lion.h"
 #include "optimizer/lion_cuda.h"
@@ -41,14 +42,6 @@ void check_counts(const at::Tensor& c, const at::Tensor& like, const char* op) {
           c.is_contiguous() && c.numel() >= 2,
       "lionbit.", op, ": argument 'counts' must be a contiguous int64 tensor of 2 elements on ",
       like.device(), ", got ", describe(c));
-}
-
-std::optional<bits::DType> float_dtype(at::ScalarType t) {
-  const auto d = bits_dtype(t);
-  if (d && bits::dtype_is_floating(*d) && *d != bits::DType::kFloat64) {
-    return d;
-  }
-  return std::nullopt;
 }
 
 void check_dense(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {

@@ -267,19 +267,7 @@ class Run {
           planes[k].push_back(words_of(ch.gathered) + (static_cast<size_t>(k) * P + b) * ch.sw);
         }
       }
-      // code -> Sum; codes that cannot occur map to 0.
-      values.resize(size_t{1} << P);
-      for (size_t code = 0; code < values.size(); ++code) {
-        const int64_t c64 = static_cast<int64_t>(code);
-        const int64_t sum = with_zeros ? c64 - N_ : 2 * c64 - N_;
-        if (sum < -N_ || sum > N_) {
-          values[code] = 0;
-        } else {
-          values[code] = op_ == bits::SignOp::kSum
-              ? static_cast<double>(sum)
-              : static_cast<double>(sum) / static_cast<double>(N_);
-        }
-      }
+      values = count_code_values(op_, N_, with_zeros, P);
     }
     TORCH_CHECK(
         static_cast<int>(planes[0].size()) <= bits::kMaxUnpackPlanes, where(c_, op_),

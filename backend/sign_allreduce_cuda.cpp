@@ -93,16 +93,15 @@ class CudaRun {
     const int64_t used = static_cast<int64_t>(bits::words_for(n_) * 8);
     sign_.narrow(0, 0, used).copy_(sign.narrow(0, 0, used));
     zero_.narrow(0, 0, used).copy_(zero.narrow(0, 0, used));
+    auto s64 = sign_.view(at::kLong), z64 = zero_.view(at::kLong);
     const unsigned tail = static_cast<unsigned>(n_ % 64);
     if (tail != 0) { // bits past the end are not the caller's promise
       const int64_t mask = static_cast<int64_t>((uint64_t{1} << tail) - 1);
-      auto s64 = sign_.view(at::kLong), z64 = zero_.view(at::kLong);
       const int64_t w = used / 8 - 1;
       s64.narrow(0, w, 1).bitwise_and_(mask);
       z64.narrow(0, w, 1).bitwise_and_(mask);
     }
     // A zero bit wins over a sign bit (an element is 0, +1 or -1).
-    auto s64 = sign_.view(at::kLong), z64 = zero_.view(at::kLong);
     s64.bitwise_and_(z64.bitwise_not());
   }
 
@@ -156,18 +155,7 @@ class CudaRun {
             " is too large for op ", bits::sign_op_name(op_));
         mine = dev_bytes(static_cast<size_t>(P) * sw_ * 8, device_);
         cuda::count_code(in_sign, in_zero, per, N_, sw_, dev_words(mine), stream_.stream());
-        values.resize(size_t{1} << P);
-        for (size_t code = 0; code < values.size(); ++code) {
-          const int64_t c64 = static_cast<int64_t>(code);
-          const int64_t sum = any_zero ? c64 - N_ : 2 * c64 - N_;
-          if (sum < -N_ || sum > N_) {
-            values[code] = 0;
-          } else {
-            values[code] = op_ == bits::SignOp::kSum
-                ? static_cast<double>(sum)
-                : static_cast<double>(sum) / static_cast<double>(N_);
-          }
-        }
+        values = count_code_values(op_, N_, any_zero, P);
       }
     }
     recv = at::Tensor();

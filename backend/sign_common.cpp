@@ -74,4 +74,20 @@ bits::HeaderSummary header_round(
       reinterpret_cast<const bits::WireHeader*>(bytes_of(out)), c.world_size, mine);
 }
 
+std::vector<double> count_code_values(bits::SignOp op, int N, bool with_zeros, int planes) {
+  std::vector<double> values(size_t{1} << planes);
+  for (size_t code = 0; code < values.size(); ++code) {
+    const int64_t c64 = static_cast<int64_t>(code);
+    const int64_t sum = with_zeros ? c64 - N : 2 * c64 - N;
+    if (sum < -N || sum > N) {
+      values[code] = 0;
+    } else {
+      values[code] = op == bits::SignOp::kSum
+          ? static_cast<double>(sum)
+          : static_cast<double>(sum) / static_cast<double>(N);
+    }
+  }
+  return values;
+}
+
 } // namespace lionbit

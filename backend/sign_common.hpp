@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <string>
+#include <vector>
 
 #include "backend/bits/wire.h"
 #include "backend/sign_allreduce.hpp"
@@ -62,6 +63,12 @@ void wait_inner(
 
 // Adds a ring all-gather of `chunk` bytes per rank to the byte counters.
 void count_allgather(const SignComm& c, size_t chunk);
+
+// The value of each count code of an avg / sum result (bits::count_code:
+// code = #positive, or 2 * #positive + #zero when some rank sent zeros), for
+// the 2^planes codes of `planes` code planes: Sum for "sum", Sum / N for
+// "avg", 0 for codes that cannot occur. unpack's table is built from it.
+std::vector<double> count_code_values(bits::SignOp op, int N, bool with_zeros, int planes);
 
 // All-gathers every rank's header over c.comm (CPU) and checks them all.
 bits::HeaderSummary header_round(

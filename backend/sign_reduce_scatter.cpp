@@ -26,19 +26,7 @@ std::vector<double> code_values(bits::SignOp op, int N, bool with_zeros, int pla
   if (op == bits::SignOp::kVote) {
     return {-1, 1, 0, 0}; // sign bit + 2 * tie bit
   }
-  std::vector<double> values(size_t{1} << planes);
-  for (size_t code = 0; code < values.size(); ++code) {
-    const int64_t c64 = static_cast<int64_t>(code);
-    const int64_t sum = with_zeros ? c64 - N : 2 * c64 - N;
-    if (sum < -N || sum > N) {
-      values[code] = 0; // cannot occur
-    } else {
-      values[code] = op == bits::SignOp::kSum
-          ? static_cast<double>(sum)
-          : static_cast<double>(sum) / static_cast<double>(N);
-    }
-  }
-  return values;
+  return count_code_values(op, N, with_zeros, planes);
 }
 
 } // namespace
