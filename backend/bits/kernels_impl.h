@@ -96,52 +96,70 @@ inline WordBits pack_word_scalar(const typename Traits<D>::U* p, size_t cnt) {
 }
 
 #if defined(__AVX512BW__)
-// 64 elements from p, AVX-512: integer compares straight into mask registers.
+// GCC 12's headers trip -Wmaybe-uninitialized on the inlined vpslld/vpmaxud
+// intrinsics (their unused pass-through operand; GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// 64 elements from p, AVX-512, on the bit patterns, three operations a
+// vector: zero = (x & kMag) == 0 (one vptestnm); positive = x - 1 < kInf
+// unsigned (x in [1, kInf]: sign clear, nonzero, not NaN; a negative x or a
+// NaN lands above); and a running unsigned max of x << 1 (the magnitude
+// shifted up), compared with kInf << 1 once per buffer to count NaNs only
+// when there are any. Masks are joined in mask registers (kunpck). The NaN
+// bits of the returned word are left 0: pack_typed recounts NaNs itself.
 template <DType D>
-inline WordBits pack_word_vec(const typename Traits<D>::U* p) {
+inline WordBits pack_word_vec(const typename Traits<D>::U* p, __m512i& mag2_max) {
   WordBits r;
   if constexpr (D == DType::kFloat32) {
     const __m512i mag_mask = _mm512_set1_epi32(0x7fffffff);
     const __m512i inf = _mm512_set1_epi32(0x7f800000);
-    const __m512i zero = _mm512_setzero_si512();
+    const __m512i one = _mm512_set1_epi32(1);
+    __mmask16 z[4], s[4];
     for (int k = 0; k < 4; ++k) {
       const __m512i x = _mm512_loadu_si512(p + 16 * k);
-      const __m512i mag = _mm512_and_si512(x, mag_mask);
-      const uint64_t z = _mm512_cmpeq_epi32_mask(mag, zero);
-      const uint64_t n = _mm512_cmpgt_epi32_mask(mag, inf);
-      const uint64_t neg = _mm512_cmplt_epi32_mask(x, zero);
-      r.zero |= z << (16 * k);
-      r.nan |= n << (16 * k);
-      r.sign |= (~(z | n | neg) & 0xffffull) << (16 * k);
+      z[k] = _mm512_testn_epi32_mask(x, mag_mask);
+      s[k] = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(x, one), inf);
+      mag2_max = _mm512_max_epu32(mag2_max, _mm512_slli_epi32(x, 1));
     }
+    r.zero = _cvtmask64_u64(_mm512_kunpackd(
+        _mm512_kunpackw(z[3], z[2]), _mm512_kunpackw(z[1], z[0])));
+    r.sign = _cvtmask64_u64(_mm512_kunpackd(
+        _mm512_kunpackw(s[3], s[2]), _mm512_kunpackw(s[1], s[0])));
   } else if constexpr (D == DType::kFloat64) {
     const __m512i mag_mask = _mm512_set1_epi64(0x7fffffffffffffffll);
     const __m512i inf = _mm512_set1_epi64(0x7ff0000000000000ll);
-    const __m512i zero = _mm512_setzero_si512();
+    const __m512i one = _mm512_set1_epi64(1);
+    // 8-lane masks are joined in mask registers too, never widened through a
+    // general register: GCC 12 spilled such a mask with kmovb and reloaded
+    // it as 64 bits under register pressure (the sanitizer build packed
+    // garbage into the high bits).
+    __mmask16 z[8], s[8];
     for (int k = 0; k < 8; ++k) {
       const __m512i x = _mm512_loadu_si512(p + 8 * k);
-      const __m512i mag = _mm512_and_si512(x, mag_mask);
-      const uint64_t z = _mm512_cmpeq_epi64_mask(mag, zero);
-      const uint64_t n = _mm512_cmpgt_epi64_mask(mag, inf);
-      const uint64_t neg = _mm512_cmplt_epi64_mask(x, zero);
-      r.zero |= z << (8 * k);
-      r.nan |= n << (8 * k);
-      r.sign |= (~(z | n | neg) & 0xffull) << (8 * k);
+      z[k] = _mm512_testn_epi64_mask(x, mag_mask);
+      s[k] = _mm512_cmplt_epu64_mask(_mm512_sub_epi64(x, one), inf);
+      mag2_max = _mm512_max_epu64(mag2_max, _mm512_slli_epi64(x, 1));
     }
+    const auto join = [](const __mmask16* m) {
+      return _cvtmask64_u64(_mm512_kunpackd(
+          _mm512_kunpackw(_mm512_kunpackb(m[7], m[6]), _mm512_kunpackb(m[5], m[4])),
+          _mm512_kunpackw(_mm512_kunpackb(m[3], m[2]), _mm512_kunpackb(m[1], m[0]))));
+    };
+    r.zero = join(z);
+    r.sign = join(s);
   } else if constexpr (D == DType::kFloat16 || D == DType::kBFloat16) {
     const __m512i mag_mask = _mm512_set1_epi16(0x7fff);
     const __m512i inf = _mm512_set1_epi16(static_cast<short>(Traits<D>::kInf));
-    const __m512i zero = _mm512_setzero_si512();
+    const __m512i one = _mm512_set1_epi16(1);
+    __mmask32 z[2], s[2];
     for (int k = 0; k < 2; ++k) {
       const __m512i x = _mm512_loadu_si512(p + 32 * k);
-      const __m512i mag = _mm512_and_si512(x, mag_mask);
-      const uint64_t z = _mm512_cmpeq_epi16_mask(mag, zero);
-      const uint64_t n = _mm512_cmpgt_epi16_mask(mag, inf);
-      const uint64_t neg = _mm512_cmplt_epi16_mask(x, zero);
-      r.zero |= z << (32 * k);
-      r.nan |= n << (32 * k);
-      r.sign |= (~(z | n | neg) & 0xffffffffull) << (32 * k);
+      z[k] = _mm512_testn_epi16_mask(x, mag_mask);
+      s[k] = _mm512_cmplt_epu16_mask(_mm512_sub_epi16(x, one), inf);
+      mag2_max = _mm512_max_epu16(mag2_max, _mm512_slli_epi16(x, 1));
     }
+    r.zero = _cvtmask64_u64(_mm512_kunpackd(z[1], z[0]));
+    r.sign = _cvtmask64_u64(_mm512_kunpackd(s[1], s[0]));
   } else {
     const __m512i x = _mm512_loadu_si512(p);
     const __m512i zero = _mm512_setzero_si512();
@@ -150,6 +168,25 @@ inline WordBits pack_word_vec(const typename Traits<D>::U* p) {
   }
   return r;
 }
+
+// True iff some lane of the running max of x << 1 is above kInf << 1, i.e.
+// some element seen was a NaN.
+template <DType D>
+inline bool saw_nan(__m512i mag2_max) {
+  if constexpr (D == DType::kFloat32) {
+    return _mm512_cmpgt_epu32_mask(mag2_max, _mm512_set1_epi32(static_cast<int>(0xff000000u))) != 0;
+  } else if constexpr (D == DType::kFloat64) {
+    return _mm512_cmpgt_epu64_mask(
+               mag2_max, _mm512_set1_epi64(static_cast<long long>(0xffe0000000000000ull))) != 0;
+  } else if constexpr (D == DType::kFloat16 || D == DType::kBFloat16) {
+    return _mm512_cmpgt_epu16_mask(
+               mag2_max, _mm512_set1_epi16(static_cast<short>(Traits<D>::kInf << 1))) != 0;
+  } else {
+    return false;
+  }
+}
+#pragma GCC diagnostic pop
+#define LIONBIT_PACK_NAN_BY_MAX 1
 #define LIONBIT_HAVE_PACK_VEC 1
 #elif defined(__AVX2__)
 // 64 elements from p, AVX2: integer compares, then movemask per lane width.
@@ -244,8 +281,24 @@ PackCounts pack_typed(const void* src, size_t n, uint64_t* sign, uint64_t* zero)
   const U* p = static_cast<const U*>(src);
   PackCounts c;
   const size_t full = n / kWordBits;
+#ifdef LIONBIT_PACK_NAN_BY_MAX
+  __m512i mag2_max = _mm512_setzero_si512();
+#endif
   for (size_t w = 0; w < full; ++w) {
-#ifdef LIONBIT_HAVE_PACK_VEC
+#if defined(__AVX2__) || defined(__AVX512F__)
+    // Software prefetch 4 KB ahead: the hardware prefetcher alone left the
+    // vector loop at ~1/3 of a core's read bandwidth on large buffers
+    // (bench/cpu_kernels.cpp, BM_pack); prefetching a line past the end of
+    // the buffer is harmless (prefetches do not fault).
+    for (size_t off = 0; off < kWordBits * sizeof(U); off += 64) {
+      _mm_prefetch(
+          reinterpret_cast<const char*>(p + w * kWordBits) + 4096 + off,
+          _MM_HINT_T0);
+    }
+#endif
+#if defined(LIONBIT_PACK_NAN_BY_MAX)
+    const WordBits b = pack_word_vec<D>(p + w * kWordBits, mag2_max);
+#elif defined(LIONBIT_HAVE_PACK_VEC)
     const WordBits b = pack_word_vec<D>(p + w * kWordBits);
 #else
     const WordBits b = pack_word_scalar<D>(p + w * kWordBits, kWordBits);
@@ -255,6 +308,16 @@ PackCounts pack_typed(const void* src, size_t n, uint64_t* sign, uint64_t* zero)
     c.zeros += static_cast<uint64_t>(__builtin_popcountll(b.zero));
     c.nans += static_cast<uint64_t>(__builtin_popcountll(b.nan));
   }
+#ifdef LIONBIT_PACK_NAN_BY_MAX
+  // NaNs are rare (an error for the caller): count them in a second pass over
+  // the whole words only when the running max says there are some.
+  if (saw_nan<D>(mag2_max)) {
+    for (size_t w = 0; w < full; ++w) {
+      c.nans += static_cast<uint64_t>(__builtin_popcountll(
+          pack_word_scalar<D>(p + w * kWordBits, kWordBits).nan));
+    }
+  }
+#endif
   const size_t rest = n - full * kWordBits;
   if (rest != 0) {
     const WordBits b = pack_word_scalar<D>(p + full * kWordBits, rest);
@@ -293,13 +356,16 @@ constexpr int kLanes = 8; // words counted side by side (one zmm, two ymm)
 constexpr int kMaxPlanes = 33; // bit_width(2n) for n < 2^31
 
 // Adds the bit-vectors x[0..L) into the bit-sliced counters c[0..planes).
-template <int L>
+// P > 0: the number of planes is the compile-time constant P (the loops
+// unroll and the counters stay in registers); P == 0: `planes` at run time.
+template <int L, int P>
 inline void ripple_add(uint64_t (*c)[kLanes], int planes, const uint64_t* x) {
+  const int np = P > 0 ? P : planes;
   uint64_t carry[L];
   for (int l = 0; l < L; ++l) {
     carry[l] = x[l];
   }
-  for (int b = 0; b < planes; ++b) {
+  for (int b = 0; b < np; ++b) {
     for (int l = 0; l < L; ++l) {
       const uint64_t t = c[b][l] & carry[l];
       c[b][l] ^= carry[l];
@@ -308,44 +374,82 @@ inline void ripple_add(uint64_t (*c)[kLanes], int planes, const uint64_t* x) {
   }
 }
 
-// The code planes of L words starting at word w0 (see count.h).
-template <int L>
+// Planes of the counter of n contributions (bit_width(n)); P as above.
+template <int P>
+inline int pos_planes_of(int n) {
+  return P > 0 ? P : bit_width(static_cast<uint64_t>(n));
+}
+
+// Planes of the code (see count.h); Z: some contribution has a zero plane.
+template <int P, bool Z>
+inline int code_planes_of(int n) {
+  return pos_planes_of<P>(n) + (Z ? 1 : 0); // bit_width(2n) = bit_width(n) + 1
+}
+
+// Prefetch the line 4 KB ahead of word w0 of a plane (see pack_typed), when
+// there are at most kPrefetchMaxStreams planes: the planes of a shard lie a
+// multiple of 4 KB apart, so their lines share cache sets, and with more
+// streams the prefetched lines evicted each other (BM_vote: N = 4 ran ~1.6x
+// faster with them, N = 8 ~2x slower, N = 16 ~3x slower).
+constexpr int kPrefetchMaxStreams = 4;
+inline void prefetch_ahead(const uint64_t* plane, size_t w0) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+  _mm_prefetch(reinterpret_cast<const char*>(plane + w0) + 4096, _MM_HINT_T1);
+#else
+  (void)plane;
+  (void)w0;
+#endif
+}
+
+// The code planes of L words starting at word w0 (see count.h). Only the
+// planes in use are cleared: clearing all kMaxPlanes per block cost more than
+// the counting itself at small n.
+template <int L, int P, bool Z>
 inline void count_block(
     const Contribution* in,
     int n,
     size_t w0,
-    bool with_zeros,
     uint64_t (*code)[kLanes]) {
-  const int pos_planes = bit_width(static_cast<uint64_t>(n));
-  uint64_t pos[kMaxPlanes][kLanes] = {};
-  uint64_t zer[kMaxPlanes][kLanes] = {};
-  for (int i = 0; i < n; ++i) {
-    ripple_add<L>(pos, pos_planes, in[i].sign + w0);
-    if (in[i].zero != nullptr) {
-      ripple_add<L>(zer, pos_planes, in[i].zero + w0);
+  constexpr int kCap = P > 0 ? P : kMaxPlanes;
+  const int pos_planes = pos_planes_of<P>(n);
+  uint64_t pos[kCap][kLanes];
+  uint64_t zer[Z ? kCap : 1][kLanes] = {}; // small unless P == 0 (n >= 32)
+  for (int b = 0; b < pos_planes; ++b) {
+    for (int l = 0; l < L; ++l) {
+      pos[b][l] = 0;
     }
   }
-  if (!with_zeros) {
+  for (int i = 0; i < n; ++i) {
+    if (n <= kPrefetchMaxStreams) prefetch_ahead(in[i].sign, w0);
+    ripple_add<L, P>(pos, pos_planes, in[i].sign + w0);
+    if constexpr (Z) {
+      if (in[i].zero != nullptr) {
+        if (n <= kPrefetchMaxStreams) prefetch_ahead(in[i].zero, w0);
+        ripple_add<L, P>(zer, pos_planes, in[i].zero + w0);
+      }
+    }
+  }
+  if constexpr (!Z) {
     for (int b = 0; b < pos_planes; ++b) {
       for (int l = 0; l < L; ++l) {
         code[b][l] = pos[b][l];
       }
     }
-    return;
-  }
-  // code = 2 * pos + zer, a ripple-carry adder over the planes.
-  const int planes = bit_width(2 * static_cast<uint64_t>(n));
-  uint64_t carry[kLanes] = {};
-  for (int l = 0; l < L; ++l) {
-    code[0][l] = zer[0][l];
-  }
-  for (int b = 1; b < planes; ++b) {
+  } else {
+    // code = 2 * pos + zer, a ripple-carry adder over the planes.
+    const int planes = pos_planes + 1;
+    uint64_t carry[kLanes] = {};
     for (int l = 0; l < L; ++l) {
-      const uint64_t a = b - 1 < pos_planes ? pos[b - 1][l] : 0;
-      const uint64_t z = b < pos_planes ? zer[b][l] : 0;
-      const uint64_t s = a ^ z;
-      code[b][l] = s ^ carry[l];
-      carry[l] = (a & z) | (carry[l] & s);
+      code[0][l] = zer[0][l];
+    }
+    for (int b = 1; b < planes; ++b) {
+      for (int l = 0; l < L; ++l) {
+        const uint64_t a = pos[b - 1][l];
+        const uint64_t z = b < pos_planes ? zer[b][l] : 0;
+        const uint64_t s = a ^ z;
+        code[b][l] = s ^ carry[l];
+        carry[l] = (a & z) | (carry[l] & s);
+      }
     }
   }
 }
@@ -359,21 +463,16 @@ bool any_zero_plane(const Contribution* in, int n) {
   return false;
 }
 
-int planes_of(int n, bool with_zeros) {
-  return bit_width(static_cast<uint64_t>(with_zeros ? 2 * n : n));
-}
-
-template <int L>
+template <int L, int P, bool Z>
 inline void count_code_block(
     const Contribution* in,
     int n,
     size_t words,
     size_t w0,
-    bool with_zeros,
     uint64_t* out) {
-  uint64_t code[kMaxPlanes][kLanes];
-  count_block<L>(in, n, w0, with_zeros, code);
-  const int planes = planes_of(n, with_zeros);
+  uint64_t code[(P > 0 ? P : kMaxPlanes - 1) + 1][kLanes];
+  count_block<L, P, Z>(in, n, w0, code);
+  const int planes = code_planes_of<P, Z>(n);
   for (int b = 0; b < planes; ++b) {
     for (int l = 0; l < L; ++l) {
       out[b * words + w0 + l] = code[b][l];
@@ -381,15 +480,46 @@ inline void count_code_block(
   }
 }
 
-void count_code(const Contribution* in, int n, size_t words, uint64_t* out) {
-  const bool with_zeros = any_zero_plane(in, n);
+template <int P, bool Z>
+void count_code_fixed(const Contribution* in, int n, size_t words, uint64_t* out) {
   size_t w = 0;
   for (; w + kLanes <= words; w += kLanes) {
-    count_code_block<kLanes>(in, n, words, w, with_zeros, out);
+    count_code_block<kLanes, P, Z>(in, n, words, w, out);
   }
   for (; w < words; ++w) {
-    count_code_block<1>(in, n, words, w, with_zeros, out);
+    count_code_block<1, P, Z>(in, n, words, w, out);
   }
+}
+
+// Calls F<P, Z>::run(args...) with P = bit_width(n) when n < 32 (the
+// counters' plane count as a compile-time constant), else P = 0.
+template <template <int, bool> class F, typename... A>
+inline auto dispatch_planes(int n, bool with_zeros, A... args) {
+  const int p = bit_width(static_cast<uint64_t>(n));
+#define LIONBIT_PLANES_CASE(P)                                          \
+  case P:                                                              \
+    return with_zeros ? F<P, true>::run(args...) : F<P, false>::run(args...);
+  switch (p) {
+    LIONBIT_PLANES_CASE(1)
+    LIONBIT_PLANES_CASE(2)
+    LIONBIT_PLANES_CASE(3)
+    LIONBIT_PLANES_CASE(4)
+    LIONBIT_PLANES_CASE(5)
+    default:
+      return with_zeros ? F<0, true>::run(args...) : F<0, false>::run(args...);
+  }
+#undef LIONBIT_PLANES_CASE
+}
+
+template <int P, bool Z>
+struct CountCodeFn {
+  static void run(const Contribution* in, int n, size_t words, uint64_t* out) {
+    count_code_fixed<P, Z>(in, n, words, out);
+  }
+};
+
+void count_code(const Contribution* in, int n, size_t words, uint64_t* out) {
+  dispatch_planes<CountCodeFn>(n, any_zero_plane(in, n), in, n, words, out);
 }
 
 // Compares v = code << shift with the constant n, plane by plane from the top:
@@ -420,21 +550,20 @@ inline void compare_block(
   }
 }
 
-template <int L>
+template <int L, int P, bool Z>
 inline uint64_t vote_block(
     const Contribution* in,
     int n,
     size_t w0,
-    bool with_zeros,
     uint64_t* out_sign,
     uint64_t* out_zero) {
-  uint64_t code[kMaxPlanes][kLanes];
-  count_block<L>(in, n, w0, with_zeros, code);
+  uint64_t code[(P > 0 ? P : kMaxPlanes - 1) + 1][kLanes];
+  count_block<L, P, Z>(in, n, w0, code);
   // Sum > 0  <=>  code > n (with zeros)  or  2 * code > n (without).
   uint64_t gt[kLanes], eq[kLanes];
   compare_block<L>(
-      code, planes_of(n, with_zeros), with_zeros ? 0 : 1,
-      static_cast<uint64_t>(n), gt, eq);
+      code, code_planes_of<P, Z>(n), Z ? 0 : 1, static_cast<uint64_t>(n), gt,
+      eq);
   uint64_t any = 0;
   for (int l = 0; l < L; ++l) {
     out_sign[w0 + l] = gt[l];
@@ -444,22 +573,34 @@ inline uint64_t vote_block(
   return any;
 }
 
+template <int P, bool Z>
+struct VoteFn {
+  static bool run(
+      const Contribution* in,
+      int n,
+      size_t words,
+      uint64_t* out_sign,
+      uint64_t* out_zero) {
+    uint64_t any = 0;
+    size_t w = 0;
+    for (; w + kLanes <= words; w += kLanes) {
+      any |= vote_block<kLanes, P, Z>(in, n, w, out_sign, out_zero);
+    }
+    for (; w < words; ++w) {
+      any |= vote_block<1, P, Z>(in, n, w, out_sign, out_zero);
+    }
+    return any != 0;
+  }
+};
+
 bool vote(
     const Contribution* in,
     int n,
     size_t words,
     uint64_t* out_sign,
     uint64_t* out_zero) {
-  const bool with_zeros = any_zero_plane(in, n);
-  uint64_t any = 0;
-  size_t w = 0;
-  for (; w + kLanes <= words; w += kLanes) {
-    any |= vote_block<kLanes>(in, n, w, with_zeros, out_sign, out_zero);
-  }
-  for (; w < words; ++w) {
-    any |= vote_block<1>(in, n, w, with_zeros, out_sign, out_zero);
-  }
-  return any != 0;
+  return dispatch_planes<VoteFn>(
+      n, any_zero_plane(in, n), in, n, words, out_sign, out_zero);
 }
 
 // -------------------------------------------------------------- unpack ----
