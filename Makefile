@@ -15,6 +15,8 @@
 #                      namespaces, else loopback): bench/results/*.json, *.md, *.png; see docs/benchmarks.md
 #   make bench-full    the full collectives suite (N 2,4,8; d 1M,16M,64M)
 #   make bench-kernels suite 2 alone: CPU kernels (Google Benchmark) against one core's read bandwidth
+#   make bench-model   suite 4 alone: the cost model (seconds; no build, no root) on bench/results/,
+#                      else on docs/benchmarks/: bench/results/cost_model.{json,md,*.png}
 #
 # The virtual environment lives outside the clone so fresh clones reuse it.
 LIONBIT_VENV ?= $(HOME)/.cache/lionbit/venv
@@ -31,7 +33,7 @@ export CUDACXX := /usr/local/cuda/bin/nvcc
 endif
 endif
 
-.PHONY: all setup build test test-cpp test-python test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence bench bench-full bench-setup bench-kernels clean
+.PHONY: all setup build test test-cpp test-python test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence bench bench-full bench-setup bench-kernels bench-model clean
 
 all: build
 
@@ -105,6 +107,17 @@ bench-kernels: bench-setup
 
 bench: bench-kernels
 	@$(PY) bench/collectives.py --quick --json bench/results/collectives.json
+	@$(MAKE) --no-print-directory bench-model
+
+# Suite 4 needs only Python's standard library (matplotlib for its plots): no build, no
+# set-up. Its inputs: the fresh suite-2 and suite-1 files in bench/results/ when there are,
+# else the committed ones in docs/benchmarks/.
+bench-model:
+	@k=bench/results/cpu_kernels.json; [ -f $$k ] || k=docs/benchmarks/cpu_kernels.json; \
+	  c=$$(ls bench/results/collectives*.json 2>/dev/null); [ -n "$$c" ] || c=$$(ls docs/benchmarks/collectives*.json); \
+	  py=$(PY); [ -x "$$py" ] || py=$(PYTHON); \
+	  echo "bench-model: $$k, "$$c; \
+	  $$py bench/cost_model.py --kernels $$k --collectives $$c --json bench/results/cost_model.json
 
 bench-full: bench-setup
 	@$(PY) bench/collectives.py --json bench/results/collectives-full.json

@@ -102,12 +102,18 @@ def collectives(path: str) -> str:
     return table
 
 
-def kernels(path: str) -> str:
-    """Table of Google Benchmark's JSON: GB/s (median of repetitions) and the ratio to read_bw."""
+def kernel_rates(path: str) -> dict:
+    """Google Benchmark's JSON -> {run_name: bytes per second}, the median of the
+    repetitions (or the single run when there are no aggregates)."""
     with open(path) as f:
         doc = json.load(f)
     rows = [b for b in doc["benchmarks"] if b.get("aggregate_name", "median") == "median"]
-    bw = {b["run_name"]: b["bytes_per_second"] for b in rows}
+    return {b["run_name"]: b["bytes_per_second"] for b in rows}
+
+
+def kernels(path: str) -> str:
+    """Table of Google Benchmark's JSON: GB/s (median of repetitions) and the ratio to read_bw."""
+    bw = kernel_rates(path)
     read = next((v for k, v in bw.items() if k.startswith("BM_read_bw")), None)
     lines = [f"| kernel | GB/s | / read bandwidth of one core |", "|---|---|---|"]
     for name, v in bw.items():
