@@ -143,8 +143,8 @@ constexpr int64_t k16M = 16 << 20;
 
 }  // namespace
 
-BENCHMARK(BM_read_bw)->Arg(1 << 16)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_pack)->Arg(1 << 16)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_read_bw)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_pack)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 // Vote input: N packed planes of a shard; 16M elements per plane = 2 MB each.
 BENCHMARK(BM_vote)->ArgsProduct({{k16M}, {2, 4, 8, 16}})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_unpack)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
