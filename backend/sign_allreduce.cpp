@@ -57,7 +57,7 @@ class Run {
     buf_ = tensor.contiguous();
     n_ = static_cast<size_t>(buf_.numel());
     TORCH_CHECK(packed == nullptr || packed->numel == n_, where(c, op), "packed size mismatch");
-    chunk_elems_ = bits::chunk_elems_for(requested_chunk_elems(), N_);
+    chunk_elems_ = bits::chunk_elems_for(requested_chunk_elems(N_), N_);
   }
 
   void run() {
@@ -355,7 +355,7 @@ std::optional<bits::DType> bits_dtype(at::ScalarType t) {
 void sign_allreduce_reject(const SignComm& c, bits::SignOp op, uint64_t seq) {
   const auto mine = bits::make_header(
       op, bits::DType::kFloat32, c.rank, bits::kRejected, seq, 0, 0,
-      bits::chunk_elems_for(requested_chunk_elems(), c.world_size));
+      bits::chunk_elems_for(requested_chunk_elems(c.world_size), c.world_size));
   header_round(c, op, mine); // its error is the caller's own: ignore it
 }
 

@@ -7,12 +7,6 @@
 #include <cstring>
 
 namespace lionbit {
-namespace {
-
-// Default elements per pipelined chunk (rounded to a multiple of 64 * N).
-constexpr uint64_t kDefaultChunkElems = uint64_t{1} << 22;
-
-} // namespace
 
 std::string where(const SignComm& c, bits::SignOp op) {
   return std::string("lionbit all_reduce_sign(op=") + bits::sign_op_name(op) +
@@ -23,7 +17,7 @@ at::Tensor byte_buffer(size_t n) {
   return at::empty({static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte));
 }
 
-uint64_t requested_chunk_elems() {
+uint64_t requested_chunk_elems(int world_size) {
   const char* env = std::getenv("LIONBIT_CHUNK_ELEMS");
   if (env != nullptr && *env != '\0') {
     char* end = nullptr;
@@ -32,7 +26,7 @@ uint64_t requested_chunk_elems() {
       return v;
     }
   }
-  return kDefaultChunkElems;
+  return bits::default_chunk_elems(world_size);
 }
 
 void wait_inner(

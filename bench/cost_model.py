@@ -58,7 +58,7 @@ import report  # noqa: E402
 WORD_BITS = 64                 # backend/bits/types.h kWordBits: shards are whole 64-bit words
 HEADER_BYTES = 48              # backend/bits/wire.h sizeof(WireHeader): the header round
 TIE_COUNT_BYTES = 8            # sign_allreduce.cpp: each vote message starts with its tie count
-DEFAULT_CHUNK_ELEMS = 1 << 22  # sign_common.cpp kDefaultChunkElems (LIONBIT_CHUNK_ELEMS)
+DEFAULT_CHUNK_ELEMS = 0  # 0: lionbit's default for N, bits::default_chunk_elems (max(4M, 64K N))
 
 # --- defaults of the model (documented in docs/benchmarks.md) ----------------
 ALPHA_S = 50e-6        # latency of one dependent message step (datacenter TCP + Gloo)
@@ -169,8 +169,16 @@ def bit_width(v: int) -> int:
     return int(v).bit_length()
 
 
+def default_chunk_elems(n: int) -> int:
+    """backend/bits/wire.cpp default_chunk_elems: 4M, at least 64K elements a shard."""
+    return max(1 << 22, (1 << 16) * n)
+
+
 def chunk_elems_for(requested: int, n: int) -> int:
-    """backend/bits/wire.cpp: the chunk, rounded up to a multiple of 64 * N."""
+    """backend/bits/wire.cpp: the chunk, rounded up to a multiple of 64 * N
+    (requested 0: lionbit's default for N)."""
+    if requested <= 0:
+        requested = default_chunk_elems(n)
     unit = WORD_BITS * n
     r = max(requested, unit)
     return (r + unit - 1) // unit * unit
@@ -590,7 +598,9 @@ def markdown(meta: dict, val: list, summ: list, proj: list, train: list) -> str:
     for impl, c in fit.items():
         L.append(f"- fitted: torch code of {impl}: {c['bytes_per_s'] / 1e9:.2f} GB/s of memory traffic "
                  f"(from {c['link']}, N = {c['world_size']}, d = {numel_label(c['numel'])})")
-    L.append(f"- chunk {numel_label(meta['chunk_elems'])} elements; tie fraction: "
+    chunk_txt = (f"{numel_label(meta['chunk_elems'])} elements" if meta['chunk_elems']
+                 else "lionbit's default, max(4M, 64K N) elements")
+    L.append(f"- chunk: {chunk_txt}; tie fraction: "
              f"{meta['tie_fraction'] if meta['tie_fraction'] is not None else 'suite-1 input model'}\n")
 
     if val:
@@ -798,7 +808,8 @@ def main() -> None:
                    help=f"wire / payload bytes (default: measured median of the collectives, else {WIRE_OVERHEAD})")
     p.add_argument("--tie-fraction", type=float, default=None,
                    help="fraction of vote ties at even N (default: suite 1's input model, per N)")
-    p.add_argument("--chunk-elems", default=str(DEFAULT_CHUNK_ELEMS), help="lionbit's chunk (LIONBIT_CHUNK_ELEMS)")
+    p.add_argument("--chunk-elems", default="auto",
+                   help="lionbit's chunk (LIONBIT_CHUNK_ELEMS); auto: its default, max(4M, 64K N)")
     p.add_argument("--links", default=",".join(PROJ_LINKS))
     p.add_argument("--ranks", default=",".join(map(str, PROJ_N)))
     p.add_argument("--bucket-mb", type=float, default=BUCKET_MB)
@@ -815,7 +826,7 @@ def main() -> None:
     measured_wo = measured_wire_overhead(rows)
     wo = a.wire_overhead or measured_wo or WIRE_OVERHEAD
     alpha, overhead = a.alpha_us * 1e-6, a.msg_overhead_us * 1e-6
-    chunk = parse_numel(a.chunk_elems)
+    chunk = DEFAULT_CHUNK_ELEMS if a.chunk_elems == "auto" else parse_numel(a.chunk_elems)
     torch_fit = fit_torch_rates(rows)
 
     alpha_emu = a.alpha_emulated_us * 1e-6

@@ -40,6 +40,13 @@ WireHeader make_header(
   return h;
 }
 
+uint64_t default_chunk_elems(int world_size) {
+  constexpr uint64_t kChunk = uint64_t{1} << 22;
+  constexpr uint64_t kMinShard = uint64_t{1} << 16;
+  const uint64_t n = world_size > 0 ? static_cast<uint64_t>(world_size) : 1;
+  return kChunk > kMinShard * n ? kChunk : kMinShard * n;
+}
+
 uint64_t chunk_elems_for(uint64_t requested, int world_size) {
   const uint64_t unit = kWordBits * static_cast<uint64_t>(world_size);
   const uint64_t r = requested < unit ? unit : requested;

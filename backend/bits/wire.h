@@ -81,6 +81,13 @@ struct HeaderSummary {
 // to a multiple of 64 * world_size (at least one such unit).
 uint64_t chunk_elems_for(uint64_t requested, int world_size);
 
+// The chunk size asked for when LIONBIT_CHUNK_ELEMS is not set: 4M elements,
+// and at least 64K per rank's shard. A fixed 4M left a rank's shard at 1K
+// elements (128 bytes a message) at N = 4096, and each chunk pays an
+// all-gather of N - 1 steps: bench/cost_model.py put a 7B-parameter vote at
+// N = 4096 at ~700 s of latency that way.
+uint64_t default_chunk_elems(int world_size);
+
 // Checks the headers of all world_size ranks (zero capacities against the
 // shard size of the largest chunk) (headers[r] came from rank r)
 // against each other and against this rank's own header `mine`.
