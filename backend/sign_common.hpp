@@ -49,7 +49,7 @@ inline uint8_t* bytes_of(const at::Tensor& t) {
 }
 
 // Elements per pipelined chunk requested by LIONBIT_CHUNK_ELEMS (default
-// max(4M, 64K * world_size): every shard of a chunk at least 64K elements);
+// max(4M, 256K * world_size): every shard of a chunk at least 256K elements);
 // bits::chunk_elems_for rounds it for a world size. Every rank must use the
 // same value: the header round checks.
 uint64_t requested_chunk_elems(int world_size);

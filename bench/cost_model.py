@@ -58,7 +58,7 @@ import report  # noqa: E402
 WORD_BITS = 64                 # backend/bits/types.h kWordBits: shards are whole 64-bit words
 HEADER_BYTES = 48              # backend/bits/wire.h sizeof(WireHeader): the header round
 TIE_COUNT_BYTES = 8            # sign_allreduce.cpp: each vote message starts with its tie count
-DEFAULT_CHUNK_ELEMS = 0  # 0: lionbit's default for N, bits::default_chunk_elems (max(4M, 64K N))
+DEFAULT_CHUNK_ELEMS = 0  # 0: lionbit's default for N, bits::default_chunk_elems (max(4M, 256K N))
 
 # --- defaults of the model (documented in docs/benchmarks.md) ----------------
 ALPHA_S = 50e-6        # latency of one dependent message step (datacenter TCP + Gloo)
@@ -170,8 +170,8 @@ def bit_width(v: int) -> int:
 
 
 def default_chunk_elems(n: int) -> int:
-    """backend/bits/wire.cpp default_chunk_elems: 4M, at least 64K elements a shard."""
-    return max(1 << 22, (1 << 16) * n)
+    """backend/bits/wire.cpp default_chunk_elems: 4M, at least 256K elements a shard."""
+    return max(1 << 22, (1 << 18) * n)
 
 
 def chunk_elems_for(requested: int, n: int) -> int:
@@ -599,7 +599,7 @@ def markdown(meta: dict, val: list, summ: list, proj: list, train: list) -> str:
         L.append(f"- fitted: torch code of {impl}: {c['bytes_per_s'] / 1e9:.2f} GB/s of memory traffic "
                  f"(from {c['link']}, N = {c['world_size']}, d = {numel_label(c['numel'])})")
     chunk_txt = (f"{numel_label(meta['chunk_elems'])} elements" if meta['chunk_elems']
-                 else "lionbit's default, max(4M, 64K N) elements")
+                 else "lionbit's default, max(4M, 256K N) elements")
     L.append(f"- chunk: {chunk_txt}; tie fraction: "
              f"{meta['tie_fraction'] if meta['tie_fraction'] is not None else 'suite-1 input model'}\n")
 
@@ -809,7 +809,7 @@ def main() -> None:
     p.add_argument("--tie-fraction", type=float, default=None,
                    help="fraction of vote ties at even N (default: suite 1's input model, per N)")
     p.add_argument("--chunk-elems", default="auto",
-                   help="lionbit's chunk (LIONBIT_CHUNK_ELEMS); auto: its default, max(4M, 64K N)")
+                   help="lionbit's chunk (LIONBIT_CHUNK_ELEMS); auto: its default, max(4M, 256K N)")
     p.add_argument("--links", default=",".join(PROJ_LINKS))
     p.add_argument("--ranks", default=",".join(map(str, PROJ_N)))
     p.add_argument("--bucket-mb", type=float, default=BUCKET_MB)

@@ -42,7 +42,7 @@ WireHeader make_header(
 
 uint64_t default_chunk_elems(int world_size) {
   constexpr uint64_t kChunk = uint64_t{1} << 22;
-  constexpr uint64_t kMinShard = uint64_t{1} << 16;
+  constexpr uint64_t kMinShard = uint64_t{1} << 18;
   const uint64_t n = world_size > 0 ? static_cast<uint64_t>(world_size) : 1;
   return kChunk > kMinShard * n ? kChunk : kMinShard * n;
 }

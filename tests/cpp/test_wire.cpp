@@ -119,12 +119,12 @@ TEST(Wire, ChunkSizeMustAgreeAndBoundsTheZeroCapacity) {
   EXPECT_EQ(chunk_elems_for(0, 4), 256u);
   EXPECT_EQ(chunk_elems_for(1000, 4), 1024u);
   EXPECT_EQ(chunk_elems_for(1 << 22, 3), 4194432u);
-  // The default: 4M, and at least 64K elements a shard from N = 64 on.
+  // The default: 4M, and at least 256K elements a shard from N = 16 on.
   EXPECT_EQ(default_chunk_elems(1), uint64_t{1} << 22);
-  EXPECT_EQ(default_chunk_elems(64), uint64_t{1} << 22);
-  EXPECT_EQ(default_chunk_elems(65), uint64_t{65} << 16);
-  EXPECT_EQ(default_chunk_elems(4096), uint64_t{1} << 28);
-  EXPECT_EQ(chunk_elems_for(default_chunk_elems(4096), 4096) / 4096, uint64_t{1} << 16);
+  EXPECT_EQ(default_chunk_elems(16), uint64_t{1} << 22);
+  EXPECT_EQ(default_chunk_elems(17), uint64_t{17} << 18);
+  EXPECT_EQ(default_chunk_elems(4096), uint64_t{1} << 30);
+  EXPECT_EQ(chunk_elems_for(default_chunk_elems(4096), 4096) / 4096, uint64_t{1} << 18);
 }
 
 TEST(Wire, NanAndRejectionAreReportedOnEveryRank) {
