@@ -108,7 +108,7 @@ LionBitBackend::~LionBitBackend() {
 }
 
 SignComm LionBitBackend::signComm() {
-  return SignComm{sign_, rank_, size_, &stats_, sign_cuda_};
+  return SignComm{sign_, rank_, size_, &stats_, sign_cuda_, &tie_hint_};
 }
 
 c10d::Backend& LionBitBackend::inner(const at::Tensor& t) {

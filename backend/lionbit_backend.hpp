@@ -220,6 +220,7 @@ class LionBitBackend : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   std::atomic<uint64_t> next_seq_{0};
   Stats stats_;
+  std::atomic<bool> tie_hint_{false}; // SignComm::tie_hint
   // Last: destroyed first, so no job outlives the members it uses.
   SerialExecutor executor_;
 };

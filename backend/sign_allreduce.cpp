@@ -78,6 +78,10 @@ class Run {
       }
     }
     finish(chunks_.size() - 1);
+    if (op_ == bits::SignOp::kVote && c_.tie_hint != nullptr) {
+      // Same answer on every rank: every rank saw every shard's tie count.
+      c_.tie_hint->store(dense_ties_);
+    }
     if (!buf_.is_same(tensor_)) {
       ScopedTimer t(c_.stats->unpack_ns);
       tensor_.copy_(buf_);
@@ -142,10 +146,14 @@ class Run {
     uint32_t flags = 0;
     flags |= zero_cap_ > 0 ? bits::kHasZero : 0u;
     flags |= nans_ > 0 ? bits::kHasNan : 0u;
+    if (op_ == bits::SignOp::kVote && c_.tie_hint != nullptr && c_.tie_hint->load()) {
+      flags |= bits::kTieHint;
+    }
     const auto mine = bits::make_header(
         op_, dtype_, c_.rank, flags, seq_, n_, zero_cap_, chunk_elems_);
     hs_ = header_round(c_, op_, mine);
     TORCH_CHECK_VALUE(hs_.error.empty(), where(c_, op_), hs_.error);
+    inline_ties_ = op_ == bits::SignOp::kVote && hs_.inline_ties;
     c_.stats->sign_allreduce_calls += 1;
     c_.stats->elements += n_;
   }
@@ -209,7 +217,16 @@ class Run {
         }
         p += ch.out_splits[j];
       }
-      if (op_ == bits::SignOp::kVote) {
+      if (op_ == bits::SignOp::kVote && inline_ties_) {
+        // Message: [number of ties in the shard][sign plane][tie plane]: the
+        // ranks expect ties (kTieHint), so no separate tie round.
+        ch.msg = 8 + 2 * ch.sb;
+        c_.stats->inline_tie_chunks += 1;
+        ch.mine_msg = byte_buffer(ch.msg);
+        uint64_t* m = words_of(ch.mine_msg);
+        bits::vote(in.data(), N_, ch.sw, m + 1, m + 1 + ch.sw);
+        m[0] = bits::count_bits(m + 1 + ch.sw, ch.sw);
+      } else if (op_ == bits::SignOp::kVote) {
         // Message: [number of ties in the shard][sign plane of the shard].
         ch.msg = 8 + ch.sb;
         ch.mine_msg = byte_buffer(ch.msg);
@@ -248,13 +265,17 @@ class Run {
             ch.sw * bits::kWordBits, " elements)");
         tie_cap = std::max(tie_cap, ties);
       }
-      if (tie_cap > 0) {
+      // A tie plane is the cheapest encoding of these ties: worth carrying
+      // inline next time (kTieHint).
+      dense_ties_ = dense_ties_ || (tie_cap > 0 && !bits::zeros_as_list(tie_cap, ch.sw));
+      if (tie_cap > 0 && !inline_ties_) {
         fetch_ties(ch, tie_cap);
       }
       for (int k = 0; k < N_; ++k) {
-        planes[k].push_back(words_of(ch.gathered) + k * ch.msg / 8 + 1);
+        const uint64_t* sign = words_of(ch.gathered) + k * ch.msg / 8 + 1;
+        planes[k].push_back(sign);
         if (tie_cap > 0) {
-          planes[k].push_back(words_of(ch.tie_planes) + k * ch.sw);
+          planes[k].push_back(inline_ties_ ? sign + ch.sw : words_of(ch.tie_planes) + k * ch.sw);
         }
       }
       // code = sign bit + 2 * tie bit
@@ -294,6 +315,7 @@ class Run {
   // positions are needed everywhere, as a list or a plane. Only then is this
   // round paid.
   void fetch_ties(Chunk& ch, uint64_t tie_cap) {
+    c_.stats->tie_rounds += 1;
     const size_t zb = bits::zero_encoding_bytes(tie_cap, ch.sw);
     at::Tensor mine_enc = byte_buffer(zb);
     bits::encode_zeros(words_of(ch.mine_zero), ch.sw, tie_cap, bytes_of(mine_enc));
@@ -328,6 +350,8 @@ class Run {
   size_t n_ = 0;
   uint64_t chunk_elems_ = 0;
   uint64_t nans_ = 0;
+  bool inline_ties_ = false; // vote: phase-2 messages carry the tie plane
+  bool dense_ties_ = false; // vote: some chunk's ties were cheapest as a plane
   uint64_t zero_cap_ = 0;
   std::vector<Chunk> chunks_;
   bits::HeaderSummary hs_;

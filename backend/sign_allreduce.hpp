@@ -7,11 +7,14 @@
 //      when sparse, a plane when dense, see bits/zeros.h);
 //   2. each rank counts and votes its own shard with bit-sliced counters;
 //   3. all-gather of the shard results (vote: 1 bit, plus the tie positions
-//      only when a shard has a tie, encoded like zeros; avg/sum: the count's
-//      bit-planes); unpack in place.
+//      only when a shard has a tie, encoded like zeros, in a further round;
+//      or, when the last vote had a dense tie plane and every rank says so
+//      in its header (kTieHint), the tie plane inline in this one; avg/sum:
+//      the count's bit-planes); unpack in place.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <atomic>
 #include <optional>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
@@ -28,6 +31,10 @@ struct SignComm {
   // CUDA tensors' data: the device communicator (NCCL), or null to stage
   // through host memory over `comm`. Used by the worker thread only.
   c10::intrusive_ptr<c10d::Backend> device_comm = {};
+  // The CPU vote's tie-plane hint (bits::kTieHint): set when this backend's
+  // last vote sent a dense tie plane, so the next one offers to carry its tie
+  // plane inline in phase 2. Null: never offered. Worker thread only.
+  std::atomic<bool>* tie_hint = nullptr;
 };
 
 // The bit kernels' dtype for a torch dtype; nullopt when unsupported.

@@ -18,10 +18,15 @@ struct Stats {
   std::atomic<uint64_t> comm_ns{0};
   std::atomic<uint64_t> vote_ns{0};
   std::atomic<uint64_t> unpack_ns{0};
+  // Vote chunks whose ties took a round of their own (a list or a plane),
+  // and those whose tie plane rode inline in phase 2 (kTieHint).
+  std::atomic<uint64_t> tie_rounds{0};
+  std::atomic<uint64_t> inline_tie_chunks{0};
 
   void reset() {
     for (auto* c : {&bytes_sent, &bytes_received, &sign_allreduce_calls, &sign_reduce_scatter_calls,
-                    &elements, &pack_ns, &comm_ns, &vote_ns, &unpack_ns}) {
+                    &elements, &pack_ns, &comm_ns, &vote_ns, &unpack_ns, &tie_rounds,
+                    &inline_tie_chunks}) {
       c->store(0);
     }
   }
@@ -38,6 +43,8 @@ struct Stats {
         {"comm_seconds", comm_ns.load() * 1e-9},
         {"vote_seconds", vote_ns.load() * 1e-9},
         {"unpack_seconds", unpack_ns.load() * 1e-9},
+        {"tie_rounds", static_cast<double>(tie_rounds.load())},
+        {"inline_tie_chunks", static_cast<double>(inline_tie_chunks.load())},
     };
   }
 };

@@ -103,7 +103,7 @@ HeaderSummary check_headers(
     }
     if (h.rank != static_cast<uint32_t>(r) || !known_op(h.op) ||
         !known_dtype(h.dtype) || h.numel > kMaxNumel ||
-        (h.flags & ~(kHasZero | kHasNan | kRejected | kReduceScatter | kDevice)) != 0) {
+        (h.flags & ~(kHasZero | kHasNan | kRejected | kReduceScatter | kDevice | kTieHint)) != 0) {
       err << "rank " << r << " sent a corrupt header (rank field " << h.rank
           << ", op " << static_cast<int>(h.op) << ", dtype "
           << static_cast<int>(h.dtype) << ", numel " << h.numel << ", flags 0x"
@@ -198,6 +198,7 @@ HeaderSummary check_headers(
       mine.chunk_elems == 0 ? mine.numel : std::min(mine.numel, mine.chunk_elems);
   const uint64_t shard_elems = shard_words(largest_chunk, world_size) * kWordBits;
   s.zero_capacity.resize(static_cast<size_t>(world_size));
+  s.inline_ties = true;
   for (int r = 0; r < world_size; ++r) {
     const WireHeader& h = headers[r];
     const bool flag = (h.flags & kHasZero) != 0;
@@ -210,6 +211,7 @@ HeaderSummary check_headers(
     }
     s.zero_capacity[static_cast<size_t>(r)] = h.zero_capacity;
     s.any_zero = s.any_zero || flag;
+    s.inline_ties = s.inline_ties && (h.flags & kTieHint) != 0;
   }
   return s;
 }

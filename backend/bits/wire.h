@@ -23,7 +23,7 @@ enum class SignOp : uint8_t {
 const char* sign_op_name(SignOp op);
 
 constexpr uint32_t kWireMagic = 0x3153424cu; // "LBS1"
-constexpr uint16_t kWireVersion = 3;
+constexpr uint16_t kWireVersion = 4;
 
 enum WireFlags : uint32_t {
   kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane
@@ -34,6 +34,10 @@ enum WireFlags : uint32_t {
   kReduceScatter = 1u << 3,
   kDevice = 1u << 4, // this rank's tensor is on a GPU: dense planes over the
                      // device transport (every rank must agree)
+  // Vote: this rank expects ties (its last vote had a dense tie plane). The
+  // phase-2 messages carry the tie plane inline, saving the separate tie
+  // round, iff every rank sets it (HeaderSummary::inline_ties).
+  kTieHint = 1u << 5,
 };
 
 // 48 bytes, little-endian (x86-64 and aarch64 both are).
@@ -75,6 +79,7 @@ struct HeaderSummary {
   std::string error; // empty: all headers agree and are well formed
   std::vector<uint64_t> zero_capacity; // per rank (0: it sends no zeros)
   bool any_zero = false;
+  bool inline_ties = false; // every rank set kTieHint
 };
 
 // Elements per chunk for a tensor of numel elements: `requested` rounded up

@@ -143,8 +143,11 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
     """Counters of the group's lionbit backend (sign path only).
 
     ``bytes_sent`` / ``bytes_received`` (payload bytes of this rank, headers
-    included), ``sign_allreduce_calls``, ``elements``, and seconds spent in
-    ``pack_seconds``, ``comm_seconds``, ``vote_seconds``, ``unpack_seconds``.
+    included), ``sign_allreduce_calls``, ``elements``, seconds spent in
+    ``pack_seconds``, ``comm_seconds``, ``vote_seconds``, ``unpack_seconds``,
+    and for votes at even N ``tie_rounds`` (chunks whose tie positions took a
+    round of their own) and ``inline_tie_chunks`` (chunks whose tie plane
+    rode in phase 2 because the previous vote had dense ties).
     """
     raw = _lionbit_backend_any_device(group, "stats").stats()
     return {k: (int(v) if not k.endswith("_seconds") else v) for k, v in raw.items()}

@@ -39,7 +39,7 @@ bool acceptable(const std::vector<WireHeader>& h, int n, const WireHeader& mine)
     const WireHeader& x = h[static_cast<size_t>(r)];
     if (x.magic != kWireMagic || x.version != kWireVersion || x.rank != static_cast<uint32_t>(r)) return false;
     if (x.op < 1 || x.op > 3 || x.dtype < 1 || x.dtype > 5) return false;
-    if (x.flags & ~(kHasZero | kHasNan | kRejected | kReduceScatter | kDevice)) return false;
+    if (x.flags & ~(kHasZero | kHasNan | kRejected | kReduceScatter | kDevice | kTieHint)) return false;
     if (x.flags & (kRejected | kHasNan)) return false;
     // The kind of collective and the tensor's device type must match this rank's.
     if ((x.flags ^ mine.flags) & (kReduceScatter | kDevice)) return false;
@@ -74,7 +74,8 @@ HeaderCase agreeing_case(std::mt19937_64& rng) {
     if (shard_elems > 0 && rng() % 3 == 0) {
       cap = 1 + rng() % shard_elems;
     }
-    c.h.push_back(make_header(op, dtype, r, cap ? kHasZero : 0u, seq, numel, cap, chunk));
+    const uint32_t hint = rng() % 2 ? kTieHint : 0u; // a rank's own expectation
+    c.h.push_back(make_header(op, dtype, r, (cap ? kHasZero : 0u) | hint, seq, numel, cap, chunk));
   }
   return c;
 }
@@ -108,7 +109,7 @@ void mutate(HeaderCase& c, std::mt19937_64& rng) {
         std::memset(bytes, rng() % 2 ? 0xff : 0x00, sizeof x);
         break;
       default: // flags
-        x.flags = static_cast<uint32_t>(rng() % 32);
+        x.flags = static_cast<uint32_t>(rng() % 64);
         break;
     }
   }
@@ -143,6 +144,11 @@ void check_one(const HeaderCase& c) {
     }
   }
   EXPECT_EQ(s.any_zero, any);
+  // The tie plane travels inline iff every rank hinted it: one answer on
+  // every rank, whatever each one expected.
+  bool all_hint = true;
+  for (const auto& x : c.h) all_hint = all_hint && (x.flags & kTieHint) != 0;
+  EXPECT_EQ(s.inline_ties, all_hint);
 }
 
 TEST(FuzzHeaders, CorruptedHeadersAreRejectedOrFullyValid) {

@@ -91,6 +91,19 @@ TEST(Wire, MismatchesNameBothRanks) {
   }
 }
 
+TEST(Wire, TiePlaneInlineOnlyWhenEveryRankHintsIt) {
+  auto h = agreeing(3);
+  EXPECT_FALSE(check_headers(h.data(), 3, h[0]).inline_ties);
+  for (auto& x : h) x.flags |= kTieHint;
+  EXPECT_TRUE(check_headers(h.data(), 3, h[1]).inline_ties);
+  h[2].flags &= ~kTieHint; // ranks may disagree: no error, no inline plane
+  for (int r = 0; r < 3; ++r) {
+    const auto s = check_headers(h.data(), 3, h[r]);
+    EXPECT_EQ(s.error, "");
+    EXPECT_FALSE(s.inline_ties);
+  }
+}
+
 TEST(Wire, CudaAndCpuTensorsCannotMeet) {
   // The CUDA path moves dense planes, the CPU path zero lists and chunks: a
   // rank with a CUDA tensor and one with a CPU tensor must fail together,

@@ -202,6 +202,44 @@ def test_vote_bytes_over_many_chunks_stay_within_5_percent():
         assert s["bytes_sent"] <= 1.05 * _one_bit_bytes(n, d), s
 
 
+def tie_hint_sequence(rank, n, numel):
+    """Votes in a row: dense ties, dense ties, tie-free, tie-free. Each exact;
+    per call, the counters of the tie path."""
+    import lionbit
+
+    out = []
+    for i, kind in enumerate(["independent", "independent", "shared", "shared"]):
+        g = torch.Generator().manual_seed(1000 * i + (rank if kind == "independent" else 0))
+        x = torch.randn(numel, generator=g)
+        x[x == 0] = 1.0
+        expected = _reference(x, "vote", n)
+        lionbit.reset_stats()
+        lionbit.all_reduce_sign(x, "vote")
+        assert torch.equal(x, expected), f"call {i} ({kind}) differs from the reference"
+        assert _all_ranks_identical(x)
+        s = lionbit.stats()
+        out.append((s["tie_rounds"], s["inline_tie_chunks"], s["bytes_sent"]))
+    return out
+
+
+def test_tie_plane_rides_inline_after_a_vote_with_dense_ties():
+    # At N = 4 independent signs tie on 3/8 of the elements: the first vote
+    # pays a tie round per chunk; the next one, hinted by it (kTieHint in the
+    # header), carries the tie plane inside phase 2 instead, the same bytes in
+    # fewer rounds. A tie-free vote after that still carries it once (the
+    # hint is a guess), exact, and the one after is back to one bit.
+    n, d, chunk = 4, 1 << 18, 1 << 16  # 4 chunks
+    calls = values(
+        run_ranks("test_sign_allreduce:tie_hint_sequence", n, kwargs={"numel": d},
+                  env={"LIONBIT_CHUNK_ELEMS": str(chunk)})
+    )
+    for (r0, i0, b0), (r1, i1, b1), (r2, i2, b2), (r3, i3, b3) in calls:
+        assert (r0, i0) == (4, 0) and (r1, i1) == (0, 4)
+        assert b1 <= b0  # the same planes, less the tie rounds' headers
+        assert (r2, i2) == (0, 4) and (r3, i3) == (0, 0)
+        assert b3 <= 1.01 * _one_bit_bytes(n, d) < b2
+
+
 def test_vote_bytes_with_ties_pay_one_extra_plane_only():
     # At even N, independent signs tie on 3/8 of the elements (N = 4): the tie
     # plane is real information and is sent in phase 2 - 1.5x the 1-bit figure
