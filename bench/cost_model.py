@@ -246,8 +246,10 @@ def lionbit_terms(op: str, n: int, d: int, link: Link, cpu: Cpu, tie_fraction: f
                      posted at once                                  alpha + (N-1) o, (N-1) sb bytes
         phase 2      ring all-gather of the voted shard: 8 + sb (vote) or
                      bit_width(N) * sb (avg: count planes)           (N-1) alpha, (N-1) msg bytes
-        ties         vote with a tie in the chunk: ring all-gather of the tie
-                     positions, a list of 4-byte offsets or a plane  (N-1) alpha, (N-1) tie bytes
+        ties         vote with a tie in the chunk: the tie positions, a list of
+                     4-byte offsets in a ring all-gather of their own ((N-1) alpha,
+                     (N-1) list bytes), or, when a plane is cheaper, the plane
+                     inline in phase 2 (kTieHint: from the second vote on)
       kernels        pack 4 d bytes, vote/count the own shard of every chunk with N inputs
                      (avg's count_code: the vote kernel's rate, not measured alone), unpack
                      4 d bytes
@@ -273,8 +275,13 @@ def lionbit_terms(op: str, n: int, d: int, link: Link, cpu: Cpu, tie_fraction: f
             per += TIE_COUNT_BYTES + sb
             ties = math.ceil(tie_fraction * sw * WORD_BITS)   # ties in a shard (the mean, as its cap)
             if ties > 0:
-                per += zero_encoding_bytes(ties, sw)
-                csteps += ag_steps
+                tb = zero_encoding_bytes(ties, sw)
+                per += tb
+                if tb < sb:
+                    # sparse ties: a list, in a round of its own. Dense ones
+                    # (a plane) ride inline in phase 2 from the second vote on
+                    # (kTieHint), the steady state of training and of suite 1.
+                    csteps += ag_steps
         else:
             per += planes * sb
         nbytes += mult * (n - 1) * per
