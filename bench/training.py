@@ -115,6 +115,15 @@ def make_model(cfg: dict):
     return LM()
 
 
+def busy_seconds():
+    """(busy, steal): CPU seconds all cores have run something (user, nice, system, irq,
+    softirq in /proc/stat) and seconds the hypervisor gave them to someone else (steal)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / hz, v[7] / hz
+
+
 def make_lion(params, lr: float, betas, weight_decay: float):
     """Plain single-process Lion (Chen et al. 2023) in torch ops, for the
     baselines and the floor (lionbit has none outside DistributedLion):
@@ -147,6 +156,38 @@ def make_lion(params, lr: float, betas, weight_decay: float):
                     m.lerp_(p.grad, 1.0 - b2)
 
     return Lion()
+
+
+class traced_hook:
+    """While open, wraps module._ddp_hook (DistributedLion's DDP hook, which attach()
+    registers) so that each call appends [bucket index, numel, called, returned, done]
+    (seconds since clock[0]) to the last list in the trace. No-op if lionbit has no
+    such function."""
+
+    def __init__(self, module, clock):
+        self.module, self.clock, self.trace = module, clock, []
+
+    def __enter__(self):
+        self.inner = getattr(self.module, "_ddp_hook", None)
+        if self.inner is None:
+            return self.trace
+        inner, clock, trace = self.inner, self.clock, self.trace
+
+        def hook(state, bucket):
+            rec = [bucket.index(), bucket.buffer().numel(), time.perf_counter() - clock[0], 0.0, float("nan")]
+            fut = inner(state, bucket)
+            rec[3] = time.perf_counter() - clock[0]
+            fut.add_done_callback(lambda _: rec.__setitem__(4, time.perf_counter() - clock[0]))
+            if trace:
+                trace[-1].append(rec)
+            return fut
+
+        self.module._ddp_hook = hook
+        return self.trace
+
+    def __exit__(self, *exc):
+        if self.inner is not None:
+            self.module._ddp_hook = self.inner
 
 
 def serialized(hook):
@@ -216,7 +257,9 @@ def worker(args) -> None:
 
     results = []
     d = None
+    clock = [0.0]      # start of the current step, for the bucket trace
     for impl in args.impls:
+        trace = []
         torch.manual_seed(0)
         model = make_model(cfg)
         d = sum(p.numel() for p in model.parameters())
@@ -235,7 +278,9 @@ def worker(args) -> None:
             except (RuntimeError, TypeError):
                 opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
         elif impl == "distlion_vote":
-            opt = lionbit.DistributedLion(net.parameters(), lr=LR, betas=BETAS, weight_decay=WD).attach(net)
+            opt = lionbit.DistributedLion(net.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+            with traced_hook(lionbit.optim, clock) as trace:
+                opt.attach(net)
         else:
             opt = make_lion(net.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
         if impl == "lion_bf16":
@@ -249,7 +294,9 @@ def worker(args) -> None:
 
         def step(i):
             opt.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
+            if impl == "distlion_vote":
+                trace.append([])
+            t0 = clock[0] = time.perf_counter()
             loss = loss_of(net, i)
             loss.backward()
             t1 = time.perf_counter()
@@ -266,12 +313,15 @@ def worker(args) -> None:
 
         lionbit.reset_stats()
         times = []
+        trace.clear()
         dist.barrier()
         w0 = wire_bytes()
+        c0, u0, t_0 = time.process_time(), busy_seconds(), time.perf_counter()
         for i in range(args.steps):
             dist.barrier()
             times.append(step(args.warmup + i))
         dist.barrier()
+        c1, u1, t_1 = time.process_time(), busy_seconds(), time.perf_counter()
         w1 = wire_bytes()
         # The same number of bare barriers: their bytes are subtracted.
         for _ in range(args.steps + 1):
@@ -279,6 +329,15 @@ def worker(args) -> None:
         w2 = wire_bytes()
         st = lionbit.stats()
         psgd_numel = (psgd.total_numel_after_compression - psgd_after0) / args.steps if psgd is not None else 0
+
+        # DistributedLion's buckets: per bucket, the median over the timed steps of when its
+        # hook was called, when it returned and when its vote was done (s from the step's start).
+        rows = buckets_seen = None
+        if trace and trace[0] and all(len(t) == len(trace[0]) for t in trace):
+            med = torch.tensor([[statistics.median(t[b][k] for t in trace) for k in range(2, 5)]
+                                for b in range(len(trace[0]))], dtype=torch.float64).view(-1)
+            rows, buckets_seen = gather_rows(med), [t[:2] for t in trace[0]]
+        trace.clear()                                 # the comm-alone runs below are not traced
 
         # The communication alone: DDP's buckets through the same hook, no compute.
         comm = []
@@ -336,7 +395,8 @@ def worker(args) -> None:
                              (w1 - w0) - (w2 - w1) if w0 >= 0 else -1.0,
                              float(st["bytes_sent"]),
                              st["pack_seconds"], st["comm_seconds"], st["vote_seconds"], st["unpack_seconds"],
-                             float(st["sign_allreduce_calls"])], dtype=torch.float64)
+                             float(st["sign_allreduce_calls"]),
+                             c1 - c0, u1[0] - u0[0], t_1 - t_0, u1[1] - u0[1]], dtype=torch.float64)
         every = gather_rows(mine)
 
         slow = int(every[:, 0].argmax())
@@ -368,8 +428,20 @@ def worker(args) -> None:
             "steps": args.steps, "warmup": args.warmup, "comm_repeats": args.comm_repeats,
             "per_rank_median_s": every[:, 0].tolist(),
             "replicas_identical": same,
+            # Cores busy during the timed steps (/proc/stat, the whole machine) and the share
+            # not charged to the N rank processes: other users' jobs, plus softirq work
+            # (veth, tbf) that the kernel does not charge to a process.
+            "cpu_busy_cores": every[0, 12].item() / every[0, 13].item(),
+            "cpu_other_cores": (every[0, 12].item() - every[:, 11].sum().item()) / every[0, 13].item(),
+            "cpu_steal_cores": every[0, 14].item() / every[0, 13].item(),
             "model": dict(cfg, params=d), "tokens_per_rank": cfg["batch"] * cfg["seq"],
         }
+        if rows is not None:   # the slowest rank's
+            rec["bucket_trace_ms"] = [
+                {"bucket": idx, "numel": k,
+                 **{key: 1e3 * rows[slow].view(-1, 3)[b, j].item()
+                    for j, key in enumerate(("hook", "hook_return", "done"))}}
+                for b, (idx, k) in enumerate(buckets_seen)]
         if impl == "distlion_vote":
             calls = every[:, 10].max().item()
             rec["lionbit_split_s"] = {k: every[:, 6 + j].max().item() / args.steps
@@ -379,13 +451,17 @@ def worker(args) -> None:
             rec["powersgd"] = {"matrix_approximation_rank": POWERSGD_RANK, "start_powerSGD_iter": POWERSGD_START,
                                "elements_after_compression": psgd_numel}
         results.append(rec)
+        if rank == 0 and "bucket_trace_ms" in rec:
+            print("  " + " ".join(f"[bucket {b['bucket']}: {b['numel'] / 1e6:.1f}M, hook at {b['hook']:.0f} ms, "
+                                  f"voted at {b['done']:.0f} ms]" for b in rec["bucket_trace_ms"]), flush=True)
         if rank == 0:
             ca = rec["comm_alone_s"]
             print(f"  {args.link:>9} N={n} {impl:<14} step {rec['median_s'] * 1e3:8.1f} ms  "
                   f"fwd+bwd {rec['fwd_bwd_s'] * 1e3:8.1f}  opt {rec['opt_s'] * 1e3:6.1f}  "
                   f"comm alone {ca * 1e3 if ca is not None else float('nan'):7.1f} ms  "
-                  f"payload {payload / 1e6:8.3f} MB  wire {wire / 1e6 if wire is not None else float('nan'):8.3f} MB",
-                  flush=True)
+                  f"payload {payload / 1e6:8.3f} MB  wire {wire / 1e6 if wire is not None else float('nan'):8.3f} MB  "
+                  f"cores busy {rec['cpu_busy_cores']:.2f} (not ranks {rec['cpu_other_cores']:.2f}, "
+                  f"steal {rec['cpu_steal_cores']:.2f})", flush=True)
         del net, model, opt, psgd
         gc.collect()
 
