@@ -19,7 +19,7 @@ from the same seed.
 
 Implementations (all optimizers: lr 1e-4, weight decay 0.1; Lion betas 0.9, 0.99):
 
-    adamw_fp32     DDP (its built-in fp32 all-reduce) + torch AdamW
+    adamw_fp32     DDP (its built-in fp32 all-reduce) + torch AdamW (fused=True where available)
     lion_fp32      DDP (built-in fp32 all-reduce) + Lion
     lion_bf16      DDP + bf16_compress_hook + Lion
     lion_powersgd  DDP + PowerSGD hook (rank 4, start_powerSGD_iter 2, error feedback,
@@ -60,6 +60,11 @@ PowerSGD: 2(N-1)/N * 4 * (P + Q + uncompressed elements) from the hook's own
 counters, DistributedLion: lionbit.stats()["bytes_sent"]) and on the wire
 (veth tx_bytes over the timed steps minus the same number of bare barriers,
 divided by the steps).
+
+Also recorded per config: the cores busy during its timed steps (/proc/stat)
+and the share not charged to the ranks (other jobs, network softirqs), and
+for distlion_vote, per DDP bucket, when its hook was called and its vote done
+(a wrapper around DistributedLion's DDP hook while attach() registers it).
 
 Output: JSON (suite "training"; the stable schema: suite, impl, world_size,
 numel, link, median_s, bytes_per_rank, plus extras), a Markdown table, a PNG
