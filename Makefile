@@ -12,9 +12,12 @@
 #   make test-sanitize C++ tests built with ASan + UBSan (build/sanitize), fuzz tests scaled up
 #   make test-valgrind kernel tests under valgrind memcheck (build/valgrind), 1M-element cases left out
 #   make bench         quick benchmark suite (< 10 min; root: emulated 1 and 10 Gbit/s links in network
-#                      namespaces, else loopback): bench/results/*.json, *.md, *.png; see docs/benchmarks.md
+#                      namespaces, else loopback): suites 2, 1 and 3 (quick); bench/results/*.json, *.md,
+#                      *.png; see docs/benchmarks.md
 #   make bench-full    the full collectives suite (N 2,4,8; d 1M,16M,64M)
 #   make bench-kernels suite 2 alone: CPU kernels (Google Benchmark) against one core's read bandwidth
+#   make bench-training suite 3 alone: DDP training step (~26M-parameter LM, N 4, 1 and 10 Gbit/s,
+#                      5 warm-up + 20 timed steps per config; ~7 min on 2 cores)
 #   make bench-model   suite 4 alone: the cost model (seconds; no build, no root) on bench/results/,
 #                      else on docs/benchmarks/: bench/results/cost_model.{json,md,*.png}
 #
@@ -33,7 +36,7 @@ export CUDACXX := /usr/local/cuda/bin/nvcc
 endif
 endif
 
-.PHONY: all setup build test test-cpp test-python test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence bench bench-full bench-setup bench-kernels bench-model clean
+.PHONY: all setup build test test-cpp test-python test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence bench bench-full bench-setup bench-kernels bench-training bench-model clean
 
 all: build
 
@@ -107,6 +110,7 @@ bench-kernels: bench-setup
 
 bench: bench-kernels
 	@$(PY) bench/collectives.py --quick --json bench/results/collectives.json
+	@$(PY) bench/training.py --quick --json bench/results/training.json
 	@$(MAKE) --no-print-directory bench-model
 
 # Suite 4 needs only Python's standard library (matplotlib for its plots): no build, no
@@ -121,6 +125,9 @@ bench-model:
 
 bench-full: bench-setup
 	@$(PY) bench/collectives.py --json bench/results/collectives-full.json
+
+bench-training: bench-setup
+	@$(PY) bench/training.py --json bench/results/training.json
 
 clean:
 	rm -rf build

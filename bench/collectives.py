@@ -63,6 +63,23 @@ def numel_label(d: int) -> str:
     return f"{d >> 20}M" if d % (1 << 20) == 0 else (f"{d >> 10}K" if d % 1024 == 0 else str(d))
 
 
+def tx_bytes(ifname: str) -> int:
+    """This namespace's tx_bytes counter of ifname (LIONBIT_BENCH_IF), or -1 when none is set."""
+    if not ifname:
+        return -1
+    with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def gather_rows(mine):
+    """all_gather of each rank's 1-D float64 tensor: an (N, k) tensor, row r from rank r."""
+    import torch
+    import torch.distributed as dist
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return torch.stack(every)
+
+
 # ---------------------------------------------------------------------------
 # worker: one rank (run inside its namespace, or as a plain process on loopback)
 # ---------------------------------------------------------------------------
@@ -76,12 +93,7 @@ def worker(args) -> None:
     dist.init_process_group("lionbit")
     rank, n = dist.get_rank(), dist.get_world_size()
     ifname = os.environ.get("LIONBIT_BENCH_IF", "")
-
-    def wire_bytes() -> int:
-        if not ifname:
-            return -1
-        with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
-            return int(f.read())
+    wire_bytes = lambda: tx_bytes(ifname)
 
     shifts = torch.arange(8, dtype=torch.uint8)
     weights = (torch.ones(8, dtype=torch.uint8) << shifts)
@@ -181,9 +193,7 @@ def worker(args) -> None:
                                  statistics.median(comm_times) if comm_times else 0.0,
                                  (w1 - w0) - (w2 - w1) if w0 >= 0 else -1.0,
                                  float(st["bytes_sent"])], dtype=torch.float64)
-            every = [torch.zeros_like(mine) for _ in range(n)]
-            dist.all_gather(every, mine)
-            every = torch.stack(every)
+            every = gather_rows(mine)
 
             if impl.startswith("lionbit"):
                 payload = every[:, 3].max().item() / args.repeats
@@ -238,6 +248,13 @@ def run_ranks(cluster, n: int, link: str, numels, impls, repeats, out: str, time
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--link", link,
             "--numel", ",".join(map(str, numels)), "--impls", ",".join(impls),
             "--repeats", str(repeats), "--out", out]
+    return launch(cluster, n, argv, out, timeout)
+
+
+def launch(cluster, n: int, argv: list, out: str, timeout: float) -> list:
+    """Runs argv as N ranks (in the cluster's namespaces, or on loopback when
+    cluster is None), waits up to timeout seconds, and returns the JSON list
+    rank 0 wrote to out."""
     procs = []
     try:
         if cluster is not None:
@@ -268,6 +285,15 @@ def run_ranks(cluster, n: int, link: str, numels, impls, repeats, out: str, time
                 p.wait()
     with open(out) as f:
         return json.load(f)
+
+
+def check_link(c, link: str, suite: str) -> dict:
+    """iperf3 rank 1 -> rank 0 on a fresh cluster; prints the set-up and the rate, returns the record."""
+    ip = c.iperf3(seconds=1.0)
+    rate = (f"{ip['received_bps'] / 1e9:.3f} Gbit/s, {ip['retransmits']} retransmits"
+            if ip and "received_bps" in ip else f"n/a ({ip})")
+    print(f"{suite}: {c.describe()}\n{suite}: iperf3 check rank1->rank0: {rate}", flush=True)
+    return {"link": link, "world_size": c.n, "iperf3": ip, "setup": c.describe()}
 
 
 def machine() -> dict:
@@ -331,11 +357,7 @@ def main() -> None:
         for n in ranks:
             if use_ns:
                 with netns.Cluster(n, netns.parse_rate(link)) as c:
-                    ip = c.iperf3(seconds=1.0)
-                    rate = (f"{ip['received_bps'] / 1e9:.3f} Gbit/s, {ip['retransmits']} retransmits"
-                            if ip and "received_bps" in ip else f"n/a ({ip})")
-                    print(f"collectives: {c.describe()}\ncollectives: iperf3 check rank1->rank0: {rate}", flush=True)
-                    checks.append({"link": link, "world_size": n, "iperf3": ip, "setup": c.describe()})
+                    checks.append(check_link(c, link, "collectives"))
                     results += run_ranks(c, n, link, numels, impls, repeats, tmp, a.timeout)
             else:
                 results += run_ranks(None, n, "loopback", numels, impls, repeats, tmp, a.timeout)

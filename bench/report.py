@@ -1,6 +1,8 @@
 """Markdown tables and PNG plots from the benchmark JSON files.
 
     python bench/report.py bench/results/collectives.json
+    python bench/report.py --kernels bench/results/cpu_kernels.json
+    python bench/report.py --training bench/results/training.json
 """
 
 from __future__ import annotations
@@ -126,8 +128,84 @@ def kernels(path: str) -> str:
     return table
 
 
+def _ms(s):
+    return "n/a" if s is None else f"{s * 1e3:,.1f}"
+
+
+def training(path: str, md: str | None = None, png: str | None = None) -> str:
+    """Suite 3: the table of step times and its split, and stacked bars (compute floor vs exposed comm)."""
+    with open(path) as f:
+        doc = json.load(f)
+    res = doc["results"]
+    base = os.path.splitext(path)[0]
+    md, png = md or base + ".md", png or base + ".png"
+    lines = ["| impl | link | N | median step ms | fwd+bwd ms | opt ms | exposed comm ms | comm-alone ms | hidden % "
+             "| vs floor | vs fused-Lion floor | vs lion_fp32 | payload MB/rank | wire MB/rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    links = sorted({r["link"] for r in res}, key=lambda l: (l != "1gbit", l))
+    order = list(dict.fromkeys(r["impl"] for r in res))
+    for link in links:
+        for r in sorted((r for r in res if r["link"] == link), key=lambda r: (r["world_size"], order.index(r["impl"]))):
+            h, vf, vl = r.get("hidden_fraction"), r.get("vs_floor"), r.get("speedup_vs_lion_fp32")
+            vff = r.get("vs_floor_fused_lion")
+            lines.append(
+                f"| {r['impl']} | {link} | {r['world_size']} | {_ms(r['median_s'])} | {_ms(r['fwd_bwd_s'])} | "
+                f"{_ms(r['opt_s'])} | {_ms(r.get('exposed_comm_s')) if r['impl'] != 'no_comm' else '(floor)'} | "
+                f"{_ms(r.get('comm_alone_s')) if r.get('comm_alone_s') is not None else '-'} | "
+                f"{'-' if h is None else format(100 * h, '.0f')} | "
+                f"{'n/a' if vf is None else format(vf, '.2f') + 'x'} | "
+                f"{'n/a' if vff is None else format(vff, '.2f') + 'x'} | "
+                f"{'n/a' if vl is None else format(vl, '.2f') + 'x'} | "
+                f"{_mb(r['bytes_per_rank'])} | {_mb(r.get('wire_bytes_per_rank'))} |")
+    table = "\n".join(lines) + "\n"
+    with open(md, "w") as f:
+        f.write(table)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("report: matplotlib missing: no plots (pip install -r tools/requirements-bench.txt)")
+        print(table)
+        return table
+    ns = sorted({r["world_size"] for r in res})
+    panels = [(l, n) for l in links for n in ns]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False, sharey=True)
+    for ax, (link, n) in zip(axes[0], panels):
+        rows = sorted((r for r in res if r["link"] == link and r["world_size"] == n),
+                      key=lambda r: order.index(r["impl"]))
+        x = range(len(rows))
+        step = [r["median_s"] * 1e3 for r in rows]
+        floor = [(r.get("floor_s") or r["median_s"]) * 1e3 for r in rows]
+        base_ = [min(s, f_) for s, f_ in zip(step, floor)]
+        exposed = [max(0.0, s - f_) for s, f_ in zip(step, floor)]
+        ax.bar(x, base_, color="#8da0cb", label="compute (no_comm floor)")
+        ax.bar(x, exposed, bottom=base_, color="#fc8d62", label="exposed communication")
+        for i, r in enumerate(rows):
+            h = r.get("hidden_fraction")
+            if h is not None:
+                ax.text(i, step[i], f"{100 * h:.0f}% hidden", ha="center", va="bottom", fontsize=7)
+        ff = next((r.get("floor_fused_lion_s") for r in rows if r.get("floor_fused_lion_s")), None)
+        if ff:
+            ax.axhline(ff * 1e3, color="k", ls="--", lw=0.8, label="floor with fused Lion (est.)")
+        ax.set_xticks(list(x), [r["impl"] for r in rows], rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"{link}, N = {n}")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("median step time (ms)")
+    axes[0][0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"DDP training step, {res[0]['numel'] / 1e6:.1f}M parameters", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+    print(table)
+    print(f"report: {md}, {png}")
+    return table
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--kernels":
         kernels(sys.argv[2])
+    elif sys.argv[1] == "--training":
+        training(sys.argv[2])
     else:
         collectives(sys.argv[1])
