@@ -311,6 +311,54 @@ def machine() -> dict:
             "loadavg_at_start": os.getloadavg()}
 
 
+def choose_mode(suite: str, loopback: bool) -> bool:
+    """True: the emulated cluster; False: loopback (asked, or no namespaces here: says why)."""
+    import netns
+    use_ns, why = (False, "--loopback asked") if loopback else netns.can_make_namespaces()
+    if not use_ns:
+        print(f"{suite}: LOOPBACK MODE ({why}): no link emulation, no rate limit; "
+              f"wire bytes are loopback's counter (all ranks) / N")
+    return use_ns
+
+
+def new_meta(use_ns: bool) -> dict:
+    return {"machine": machine(), "command": " ".join(["python"] + sys.argv),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mode": "netns" if use_ns else "loopback"}
+
+
+def run_cases(suite: str, use_ns: bool, links, ranks, json_path: str, meta: dict, run_one) -> list:
+    """For each link and N: run_one(cluster, n, link, tmp) -> results, on a fresh
+    cluster after its iperf3 check (cluster None and link "loopback" without
+    namespaces). The JSON {meta, iperf3, results} is rewritten after each, and
+    at the end with meta["finished"]. Returns the results."""
+    import netns
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    tmp = os.path.abspath(json_path) + ".part"
+    results, checks = [], []
+    t0 = time.time()
+
+    def write():
+        with open(json_path, "w") as f:
+            json.dump({"meta": meta, "iperf3": checks, "results": results}, f, indent=1)
+
+    for link in (links if use_ns else ["loopback"]):
+        for n in ranks:
+            if use_ns:
+                with netns.Cluster(n, netns.parse_rate(link)) as c:
+                    checks.append(check_link(c, link, suite))
+                    results += run_one(c, n, link, tmp)
+            else:
+                results += run_one(None, n, "loopback", tmp)
+            print(f"{suite}: {link} N={n} done, {time.time() - t0:.0f} s so far", flush=True)
+            write()                           # keep what is done so far
+    if os.path.exists(tmp):
+        os.remove(tmp)
+    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    meta["elapsed_s"] = time.time() - t0
+    write()
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -339,35 +387,15 @@ def main() -> None:
     impls = a.impls.split(",")
     links = a.links.split(",")
 
-    import netns
-    use_ns, why = (False, "--loopback asked") if a.loopback else netns.can_make_namespaces()
+    use_ns = choose_mode("collectives", a.loopback)
     if not use_ns:
-        print(f"collectives: LOOPBACK MODE ({why}): no link emulation, no rate limit; "
-              f"wire bytes are loopback's counter (all ranks) / N")
         links = ["loopback"]
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    tmp = os.path.abspath(a.json) + ".part"
-    results, checks = [], []
-    meta = {"machine": machine(), "command": " ".join(["python"] + sys.argv),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mode": "netns" if use_ns else "loopback"}
+    meta = new_meta(use_ns)
     print(f"collectives: {meta['machine']['cores']} cores ({meta['machine']['cpu']}), "
           f"torch {meta['machine']['torch']}, lionbit {meta['machine']['lionbit']}; N {ranks}, "
           f"d {[numel_label(d) for d in numels]}, links {links}, median of {repeats}", flush=True)
-    for link in links:
-        for n in ranks:
-            if use_ns:
-                with netns.Cluster(n, netns.parse_rate(link)) as c:
-                    checks.append(check_link(c, link, "collectives"))
-                    results += run_ranks(c, n, link, numels, impls, repeats, tmp, a.timeout)
-            else:
-                results += run_ranks(None, n, "loopback", numels, impls, repeats, tmp, a.timeout)
-            with open(a.json, "w") as f:      # keep what is done so far
-                json.dump({"meta": meta, "iperf3": checks, "results": results}, f, indent=1)
-    if os.path.exists(tmp):
-        os.remove(tmp)
-    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    with open(a.json, "w") as f:
-        json.dump({"meta": meta, "iperf3": checks, "results": results}, f, indent=1)
+    run_cases("collectives", use_ns, links, ranks, a.json, meta,
+              lambda c, n, link, tmp: run_ranks(c, n, link, numels, impls, repeats, tmp, a.timeout))
     import report
     report.collectives(a.json)
 

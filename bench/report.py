@@ -17,6 +17,18 @@ def _mb(b):
     return "n/a" if b is None else f"{b / 1e6:,.3f}"
 
 
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (saying so) when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("report: matplotlib missing: no plots (pip install -r tools/requirements-bench.txt)")
+        return None
+    return plt
+
+
 def _label(d: int) -> str:
     return f"{d >> 20}M" if d % (1 << 20) == 0 else str(d)
 
@@ -51,12 +63,8 @@ def collectives(path: str) -> str:
     table = "\n".join(lines) + "\n"
     with open(base + ".md", "w") as f:
         f.write(table)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("report: matplotlib missing: no plots (pip install -r tools/requirements-bench.txt)")
+    plt = _pyplot()
+    if plt is None:
         print(table)
         return table
     links = sorted({r["link"] for r in res})
@@ -160,12 +168,8 @@ def training(path: str, md: str | None = None, png: str | None = None) -> str:
     table = "\n".join(lines) + "\n"
     with open(md, "w") as f:
         f.write(table)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("report: matplotlib missing: no plots (pip install -r tools/requirements-bench.txt)")
+    plt = _pyplot()
+    if plt is None:
         print(table)
         return table
     ns = sorted({r["world_size"] for r in res})

@@ -84,7 +84,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from collectives import check_link, gather_rows, launch, machine, tx_bytes  # noqa: E402
+from collectives import choose_mode, gather_rows, launch, new_meta, run_cases, tx_bytes  # noqa: E402
 
 IMPLS = ["adamw_fp32", "lion_fp32", "lion_bf16", "lion_powersgd", "distlion_vote", "no_comm"]
 
@@ -559,39 +559,15 @@ def main() -> None:
         p.error(f"--warmup must be > {POWERSGD_START} so that PowerSGD compresses in the timed steps")
     links = a.links.split(",")
 
-    import netns
-    use_ns, why = (False, "--loopback asked") if a.loopback else netns.can_make_namespaces()
+    use_ns = choose_mode("training", a.loopback)
     if not use_ns:
-        print(f"training: LOOPBACK MODE ({why}): no link emulation, no rate limit; "
-              f"wire bytes are loopback's counter (all ranks) / N")
         links = ["loopback"]
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    tmp = os.path.abspath(a.json) + ".part"
-    results, checks = [], []
-    meta = {"machine": machine(), "command": " ".join(["python"] + sys.argv),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mode": "netns" if use_ns else "loopback",
-            "model": MODEL, "lr": LR, "weight_decay": WD, "betas": BETAS, "git": git_commit()}
+    meta = dict(new_meta(use_ns), model=MODEL, lr=LR, weight_decay=WD, betas=BETAS, git=git_commit())
     print(f"training: {meta['machine']['cores']} cores ({meta['machine']['cpu']}), "
           f"torch {meta['machine']['torch']}, lionbit {meta['machine']['lionbit']}; N {ranks}, links {links}, "
           f"impls {impls}; {warmup} warm-up + {steps} timed steps, comm alone x{comm_repeats}", flush=True)
-    t_start = time.time()
-    for link in links:
-        for n in ranks:
-            if use_ns:
-                with netns.Cluster(n, netns.parse_rate(link)) as c:
-                    checks.append(check_link(c, link, "training"))
-                    results += run_ranks(c, n, link, impls, warmup, steps, comm_repeats, tmp, a.timeout)
-            else:
-                results += run_ranks(None, n, "loopback", impls, warmup, steps, comm_repeats, tmp, a.timeout)
-            print(f"training: {link} N={n} done, {time.time() - t_start:.0f} s so far", flush=True)
-            with open(a.json, "w") as f:      # keep what is done so far
-                json.dump({"meta": meta, "iperf3": checks, "results": results}, f, indent=1)
-    if os.path.exists(tmp):
-        os.remove(tmp)
-    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    meta["elapsed_s"] = time.time() - t_start
-    with open(a.json, "w") as f:
-        json.dump({"meta": meta, "iperf3": checks, "results": results}, f, indent=1)
+    run_cases("training", use_ns, links, ranks, a.json, meta,
+              lambda c, n, link, tmp: run_ranks(c, n, link, impls, warmup, steps, comm_repeats, tmp, a.timeout))
     import report
     report.training(a.json, md=a.md, png=a.png)
 
