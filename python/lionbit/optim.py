@@ -168,6 +168,7 @@ class DistributedLion(torch.optim.Optimizer):
         self.momentum_dtype = momentum_dtype or torch.float32
         self.fused = fused
         self._ddp = None  # the DDP model after attach()
+        self._ddp_planes = {}  # DDP bucket index -> its (sign, zero) planes, kept across steps
         self._fsdp_params = None  # sharded parameter -> FSDPParam after attach(fsdp2 model)
         self._fsdp_delta = {}  # sharded parameter -> Delta of the local shard, pending step()
         self._fsdp1_units = None  # FSDP1 comm-hook states (one per FSDP instance) after attach(fsdp1 model)
@@ -365,7 +366,18 @@ def _ddp_hook(opt: DistributedLion, bucket: dist.GradBucket) -> torch.futures.Fu
         params, grads = bucket.parameters(), bucket.gradients()
         total = buffer.numel()
         groups = opt._group_of()
-        sign, zero = _planes(total, buffer.device)
+        # The bit-planes of this bucket are kept across steps (zeroed here: the
+        # direction kernels OR bits in at parameter boundaries). The previous
+        # step's vote on them is done: DDP waits for every bucket's future
+        # before backward returns.
+        planes = opt._ddp_planes.get(bucket.index())
+        if planes is None or planes[0].numel() != (total + 63) // 64 * 8 or planes[0].device != buffer.device:
+            # (DDP rebuilds its buckets after the first step: sizes change once.)
+            planes = opt._ddp_planes[bucket.index()] = _planes(total, buffer.device)
+        else:
+            planes[0].zero_()
+            planes[1].zero_()
+        sign, zero = planes
         counts = _counts(buffer.device)
         nans, off = 0, 0
         for p, g in zip(params, grads):
@@ -376,6 +388,10 @@ def _ddp_hook(opt: DistributedLion, bucket: dist.GradBucket) -> torch.futures.Fu
             off += g.numel()
         if off != total:
             raise RuntimeError(f"DistributedLion: DDP bucket holds {total} elements, its gradients {off}")
-        out = torch.empty_like(buffer)
+        # The vote is unpacked straight into the bucket's buffer, as DDP's own
+        # all-reduce works in place: its gradients are spent (packed above),
+        # and a fresh output per bucket cost lionbit's unpack ~3x its time in
+        # page faults (docs/benchmarks.md, suite 3).
+        out = buffer
         fut = opt._vote(sign, zero, total, nans, out, opt.group, "attach (DDP hook)", counts)
         return fut.then(lambda f: f.value()[0])
