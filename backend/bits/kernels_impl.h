@@ -355,22 +355,58 @@ PackCounts pack(
 constexpr int kLanes = 8; // words counted side by side (one zmm, two ymm)
 constexpr int kMaxPlanes = 33; // bit_width(2n) for n < 2^31
 
-// Adds the bit-vectors x[0..L) into the bit-sliced counters c[0..planes).
-// P > 0: the number of planes is the compile-time constant P (the loops
-// unroll and the counters stay in registers); P == 0: `planes` at run time.
-template <int L, int P>
-inline void ripple_add(uint64_t (*c)[kLanes], int planes, const uint64_t* x) {
-  const int np = P > 0 ? P : planes;
-  uint64_t carry[L];
-  for (int l = 0; l < L; ++l) {
-    carry[l] = x[l];
+// The counters hold L words side by side in one value: for L = kLanes a GCC
+// vector of 8 words (one zmm, two ymm, or scalar code, as the ISA of this
+// copy allows), for L = 1 a plain word. Written with explicit vectors: left to
+// the auto-vectorizer, GCC 12 vectorized the lane loops for some plane counts
+// and not others (a vote at N = 8..15 ran 5x slower per input than at N = 16).
+typedef uint64_t Lanes8 __attribute__((vector_size(8 * kLanes)));
+// (These helpers have internal linkage: how a non-AVX-512 copy passes a
+// 64-byte vector between them is nobody else's business.)
+#pragma GCC diagnostic ignored "-Wpsabi"
+template <int L>
+struct LaneType {
+  using T = uint64_t;
+};
+template <>
+struct LaneType<kLanes> {
+  using T = Lanes8;
+};
+
+template <class T>
+inline T load_lanes(const uint64_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <class T>
+inline void store_lanes(uint64_t* p, T v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+inline uint64_t or_lanes(uint64_t v) {
+  return v;
+}
+
+inline uint64_t or_lanes(Lanes8 v) {
+  uint64_t r = 0;
+  for (int l = 0; l < kLanes; ++l) {
+    r |= v[l];
   }
+  return r;
+}
+
+// Adds the bit-vector x into the bit-sliced counters c[0..planes). P > 0:
+// the number of planes is the compile-time constant P (the loop unrolls and
+// the counters stay in registers); P == 0: `planes` at run time.
+template <int P, class T>
+inline void ripple_add(T* c, int planes, T x) {
+  const int np = P > 0 ? P : planes;
   for (int b = 0; b < np; ++b) {
-    for (int l = 0; l < L; ++l) {
-      const uint64_t t = c[b][l] & carry[l];
-      c[b][l] ^= carry[l];
-      carry[l] = t;
-    }
+    const T t = c[b] & x;
+    c[b] ^= x;
+    x = t;
   }
 }
 
@@ -401,55 +437,51 @@ inline void prefetch_ahead(const uint64_t* plane, size_t w0) {
 #endif
 }
 
-// The code planes of L words starting at word w0 (see count.h). Only the
-// planes in use are cleared: clearing all kMaxPlanes per block cost more than
-// the counting itself at small n.
+// The code planes of L words starting at word w0 (see count.h), into
+// code[0..code_planes_of<P, Z>(n)).
 template <int L, int P, bool Z>
 inline void count_block(
     const Contribution* in,
     int n,
     size_t w0,
-    uint64_t (*code)[kLanes]) {
+    typename LaneType<L>::T* code) {
+  using T = typename LaneType<L>::T;
   constexpr int kCap = P > 0 ? P : kMaxPlanes;
   const int pos_planes = pos_planes_of<P>(n);
-  uint64_t pos[kCap][kLanes];
-  uint64_t zer[Z ? kCap : 1][kLanes] = {}; // small unless P == 0 (n >= 32)
+  T pos[kCap];
+  T zer[Z ? kCap : 1] = {}; // small unless P == 0 (n >= 32)
   for (int b = 0; b < pos_planes; ++b) {
-    for (int l = 0; l < L; ++l) {
-      pos[b][l] = 0;
-    }
+    pos[b] = T{};
   }
+  const bool prefetch = n <= kPrefetchMaxStreams;
   for (int i = 0; i < n; ++i) {
-    if (n <= kPrefetchMaxStreams) prefetch_ahead(in[i].sign, w0);
-    ripple_add<L, P>(pos, pos_planes, in[i].sign + w0);
+    if (prefetch) {
+      prefetch_ahead(in[i].sign, w0);
+    }
+    ripple_add<P>(pos, pos_planes, load_lanes<T>(in[i].sign + w0));
     if constexpr (Z) {
       if (in[i].zero != nullptr) {
-        if (n <= kPrefetchMaxStreams) prefetch_ahead(in[i].zero, w0);
-        ripple_add<L, P>(zer, pos_planes, in[i].zero + w0);
+        if (prefetch) {
+          prefetch_ahead(in[i].zero, w0);
+        }
+        ripple_add<P>(zer, pos_planes, load_lanes<T>(in[i].zero + w0));
       }
     }
   }
   if constexpr (!Z) {
     for (int b = 0; b < pos_planes; ++b) {
-      for (int l = 0; l < L; ++l) {
-        code[b][l] = pos[b][l];
-      }
+      code[b] = pos[b];
     }
   } else {
     // code = 2 * pos + zer, a ripple-carry adder over the planes.
-    const int planes = pos_planes + 1;
-    uint64_t carry[kLanes] = {};
-    for (int l = 0; l < L; ++l) {
-      code[0][l] = zer[0][l];
-    }
-    for (int b = 1; b < planes; ++b) {
-      for (int l = 0; l < L; ++l) {
-        const uint64_t a = pos[b - 1][l];
-        const uint64_t z = b < pos_planes ? zer[b][l] : 0;
-        const uint64_t s = a ^ z;
-        code[b][l] = s ^ carry[l];
-        carry[l] = (a & z) | (carry[l] & s);
-      }
+    T carry{};
+    code[0] = zer[0];
+    for (int b = 1; b <= pos_planes; ++b) {
+      const T a = pos[b - 1];
+      const T z = b < pos_planes ? zer[b] : T{};
+      const T s = a ^ z;
+      code[b] = s ^ carry;
+      carry = (a & z) | (carry & s);
     }
   }
 }
@@ -470,13 +502,11 @@ inline void count_code_block(
     size_t words,
     size_t w0,
     uint64_t* out) {
-  uint64_t code[(P > 0 ? P : kMaxPlanes - 1) + 1][kLanes];
+  typename LaneType<L>::T code[(P > 0 ? P : kMaxPlanes - 1) + 1];
   count_block<L, P, Z>(in, n, w0, code);
   const int planes = code_planes_of<P, Z>(n);
   for (int b = 0; b < planes; ++b) {
-    for (int l = 0; l < L; ++l) {
-      out[b * words + w0 + l] = code[b][l];
-    }
+    store_lanes(out + b * words + w0, code[b]);
   }
 }
 
@@ -524,28 +554,24 @@ void count_code(const Contribution* in, int n, size_t words, uint64_t* out) {
 
 // Compares v = code << shift with the constant n, plane by plane from the top:
 // gt where v > n, eq where v == n.
-template <int L>
+template <class T>
 inline void compare_block(
-    uint64_t (*code)[kLanes],
+    const T* code,
     int planes,
     int shift,
     uint64_t n,
-    uint64_t* gt,
-    uint64_t* eq) {
-  for (int l = 0; l < L; ++l) {
-    gt[l] = 0;
-    eq[l] = ~0ull;
-  }
+    T& gt,
+    T& eq) {
+  gt = T{};
+  eq = ~T{};
   for (int b = planes + shift - 1; b >= 0; --b) {
     const bool cb = ((n >> b) & 1u) != 0;
-    for (int l = 0; l < L; ++l) {
-      const uint64_t vb = b >= shift ? code[b - shift][l] : 0;
-      if (cb) {
-        eq[l] &= vb;
-      } else {
-        gt[l] |= eq[l] & vb;
-        eq[l] &= ~vb;
-      }
+    const T vb = b >= shift ? code[b - shift] : T{};
+    if (cb) {
+      eq &= vb;
+    } else {
+      gt |= eq & vb;
+      eq &= ~vb;
     }
   }
 }
@@ -557,20 +583,17 @@ inline uint64_t vote_block(
     size_t w0,
     uint64_t* out_sign,
     uint64_t* out_zero) {
-  uint64_t code[(P > 0 ? P : kMaxPlanes - 1) + 1][kLanes];
+  using T = typename LaneType<L>::T;
+  T code[(P > 0 ? P : kMaxPlanes - 1) + 1];
   count_block<L, P, Z>(in, n, w0, code);
   // Sum > 0  <=>  code > n (with zeros)  or  2 * code > n (without).
-  uint64_t gt[kLanes], eq[kLanes];
-  compare_block<L>(
+  T gt, eq;
+  compare_block<T>(
       code, code_planes_of<P, Z>(n), Z ? 0 : 1, static_cast<uint64_t>(n), gt,
       eq);
-  uint64_t any = 0;
-  for (int l = 0; l < L; ++l) {
-    out_sign[w0 + l] = gt[l];
-    out_zero[w0 + l] = eq[l];
-    any |= eq[l];
-  }
-  return any;
+  store_lanes(out_sign + w0, gt);
+  store_lanes(out_zero + w0, eq);
+  return or_lanes(eq);
 }
 
 template <int P, bool Z>
