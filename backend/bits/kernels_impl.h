@@ -275,6 +275,18 @@ inline WordBits pack_word_vec(const typename Traits<D>::U* p) {
 #define LIONBIT_HAVE_PACK_VEC 1
 #endif
 
+// Software prefetch of `bytes` bytes starting 4 KB past `p`, into L1
+// (Locality 3) or L2 (2): the hardware prefetcher alone left pack at ~1/3 of
+// a core's read bandwidth on large buffers (bench/cpu_kernels.cpp, BM_pack).
+// Prefetching past the end of a buffer is harmless (prefetches do not fault).
+template <int Locality>
+inline void prefetch_ahead(const void* p, size_t bytes) {
+  const char* q = static_cast<const char*>(p) + 4096;
+  for (size_t off = 0; off < bytes; off += 64) {
+    __builtin_prefetch(q + off, 0, Locality);
+  }
+}
+
 template <DType D>
 PackCounts pack_typed(const void* src, size_t n, uint64_t* sign, uint64_t* zero) {
   using U = typename Traits<D>::U;
@@ -285,17 +297,7 @@ PackCounts pack_typed(const void* src, size_t n, uint64_t* sign, uint64_t* zero)
   __m512i mag2_max = _mm512_setzero_si512();
 #endif
   for (size_t w = 0; w < full; ++w) {
-#if defined(__AVX2__) || defined(__AVX512F__)
-    // Software prefetch 4 KB ahead: the hardware prefetcher alone left the
-    // vector loop at ~1/3 of a core's read bandwidth on large buffers
-    // (bench/cpu_kernels.cpp, BM_pack); prefetching a line past the end of
-    // the buffer is harmless (prefetches do not fault).
-    for (size_t off = 0; off < kWordBits * sizeof(U); off += 64) {
-      _mm_prefetch(
-          reinterpret_cast<const char*>(p + w * kWordBits) + 4096 + off,
-          _MM_HINT_T0);
-    }
-#endif
+    prefetch_ahead<3>(p + w * kWordBits, kWordBits * sizeof(U));
 #if defined(LIONBIT_PACK_NAN_BY_MAX)
     const WordBits b = pack_word_vec<D>(p + w * kWordBits, mag2_max);
 #elif defined(LIONBIT_HAVE_PACK_VEC)
@@ -422,20 +424,12 @@ inline int code_planes_of(int n) {
   return pos_planes_of<P>(n) + (Z ? 1 : 0); // bit_width(2n) = bit_width(n) + 1
 }
 
-// Prefetch the line 4 KB ahead of word w0 of a plane (see pack_typed), when
-// there are at most kPrefetchMaxStreams planes: the planes of a shard lie a
-// multiple of 4 KB apart, so their lines share cache sets, and with more
-// streams the prefetched lines evicted each other (BM_vote: N = 4 ran ~1.6x
-// faster with them, N = 8 ~2x slower, N = 16 ~3x slower).
+// The vote prefetches (prefetch_ahead, above) only when there are at most
+// kPrefetchMaxStreams planes: the planes of a shard lie a multiple of 4 KB
+// apart, so their lines share cache sets, and with more streams the
+// prefetched lines evicted each other (BM_vote: N = 4 ran ~1.6x faster with
+// them, N = 8 ~2x slower, N = 16 ~3x slower).
 constexpr int kPrefetchMaxStreams = 4;
-inline void prefetch_ahead(const uint64_t* plane, size_t w0) {
-#if defined(__AVX2__) || defined(__AVX512F__)
-  _mm_prefetch(reinterpret_cast<const char*>(plane + w0) + 4096, _MM_HINT_T1);
-#else
-  (void)plane;
-  (void)w0;
-#endif
-}
 
 // The code planes of L words starting at word w0 (see count.h), into
 // code[0..code_planes_of<P, Z>(n)).
@@ -456,13 +450,13 @@ inline void count_block(
   const bool prefetch = n <= kPrefetchMaxStreams;
   for (int i = 0; i < n; ++i) {
     if (prefetch) {
-      prefetch_ahead(in[i].sign, w0);
+      prefetch_ahead<2>(in[i].sign + w0, 64);
     }
     ripple_add<P>(pos, pos_planes, load_lanes<T>(in[i].sign + w0));
     if constexpr (Z) {
       if (in[i].zero != nullptr) {
         if (prefetch) {
-          prefetch_ahead(in[i].zero, w0);
+          prefetch_ahead<2>(in[i].zero + w0, 64);
         }
         ripple_add<P>(zer, pos_planes, load_lanes<T>(in[i].zero + w0));
       }

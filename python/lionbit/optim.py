@@ -87,8 +87,12 @@ def apply_update(p, delta, coefs: _Coefs, fused: bool) -> None:
     p.copy_(torch.sub(torch.mul(xf, coefs.decay), torch.mul(delta.reshape(p.shape).float(), coefs.lr)))
 
 
+def _plane_bytes(numel: int) -> int:
+    return (numel + 63) // 64 * 8
+
+
 def _planes(numel: int, device=None):
-    nbytes = (numel + 63) // 64 * 8
+    nbytes = _plane_bytes(numel)
     return (
         torch.zeros(nbytes, dtype=torch.uint8, device=device),
         torch.zeros(nbytes, dtype=torch.uint8, device=device),
@@ -371,7 +375,7 @@ def _ddp_hook(opt: DistributedLion, bucket: dist.GradBucket) -> torch.futures.Fu
         # step's vote on them is done: DDP waits for every bucket's future
         # before backward returns.
         planes = opt._ddp_planes.get(bucket.index())
-        if planes is None or planes[0].numel() != (total + 63) // 64 * 8 or planes[0].device != buffer.device:
+        if planes is None or planes[0].numel() != _plane_bytes(total) or planes[0].device != buffer.device:
             # (DDP rebuilds its buckets after the first step: sizes change once.)
             planes = opt._ddp_planes[bucket.index()] = _planes(total, buffer.device)
         else:
