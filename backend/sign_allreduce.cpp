@@ -14,6 +14,7 @@
 #include "backend/bits/pack.h"
 #include "backend/bits/unpack.h"
 #include "backend/bits/zeros.h"
+#include "backend/call_trace.hpp"
 #include "backend/sign_common.hpp"
 
 namespace lionbit {
@@ -48,7 +49,13 @@ class Run {
       bits::SignOp op,
       uint64_t seq,
       const PackedSigns* packed = nullptr)
-      : c_(c), N_(c.world_size), op_(op), seq_(seq), tensor_(tensor), packed_(packed) {
+      : c_(c),
+        N_(c.world_size),
+        op_(op),
+        seq_(seq),
+        tensor_(tensor),
+        packed_(packed),
+        trace_(c.rank, c.world_size, bits::sign_op_name(op), seq, static_cast<uint64_t>(tensor.numel())) {
     const auto d = bits_dtype(tensor.scalar_type());
     TORCH_CHECK(d.has_value(), where(c, op), "unsupported dtype ", tensor.scalar_type());
     dtype_ = *d;
@@ -62,13 +69,17 @@ class Run {
 
   void run() {
     pack_all();
+    trace_.set_chunks(chunks_.size());
+    trace_.mark("packed");
     header();
+    trace_.mark("header");
     if (n_ == 0) {
       return;
     }
     issue_phase1(0);
     for (size_t k = 0; k < chunks_.size(); ++k) {
       wait_inner(c_, op_, "all-to-all of packed signs (phase 1)", chunks_[k].a2a);
+      trace_.mark("a2a_done", static_cast<int64_t>(k));
       if (k + 1 < chunks_.size()) {
         issue_phase1(k + 1); // moves while this chunk is counted
       }
@@ -192,6 +203,7 @@ class Run {
     std::vector<int64_t> out_arg = ch.out_splits;
     ScopedTimer t(c_.stats->comm_ns);
     ch.a2a = c_.comm->alltoall_base(ch.recv, send, out_arg, in_splits);
+    trace_.mark("a2a_issued", static_cast<int64_t>(idx));
   }
 
   // Phase 2: count and vote the own shard; start the all-gather of results.
@@ -240,6 +252,7 @@ class Run {
         bits::count_code(in.data(), N_, ch.sw, words_of(ch.mine_msg));
       }
     }
+    trace_.mark("counted", static_cast<int64_t>(idx));
     ch.recv = at::Tensor(); // phase-1 buffers are no longer needed
     ch.decoded = at::Tensor();
     ch.gathered = byte_buffer(ch.msg * N_);
@@ -253,6 +266,7 @@ class Run {
   void finish(size_t idx) {
     Chunk& ch = chunks_[idx];
     wait_inner(c_, op_, "all-gather of shard results (phase 2)", ch.ag);
+    trace_.mark("ag_done", static_cast<int64_t>(idx));
     std::vector<std::vector<const uint64_t*>> planes(N_);
     std::vector<double> values;
     if (op_ == bits::SignOp::kVote) {
@@ -270,6 +284,7 @@ class Run {
       dense_ties_ = dense_ties_ || (tie_cap > 0 && !bits::zeros_as_list(tie_cap, ch.sw));
       if (tie_cap > 0 && !inline_ties_) {
         fetch_ties(ch, tie_cap);
+        trace_.mark("ties_done", static_cast<int64_t>(idx));
       }
       for (int k = 0; k < N_; ++k) {
         const uint64_t* sign = words_of(ch.gathered) + k * ch.msg / 8 + 1;
@@ -308,6 +323,7 @@ class Run {
           dtype_, planes[k].data(), static_cast<int>(planes[k].size()),
           std::min(per_shard, ch.len - begin), lut.data(), dst + begin * esize);
     }
+    trace_.mark("unpacked", static_cast<int64_t>(idx));
     ch = Chunk(); // release the chunk's buffers
   }
 
@@ -355,6 +371,7 @@ class Run {
   uint64_t zero_cap_ = 0;
   std::vector<Chunk> chunks_;
   bits::HeaderSummary hs_;
+  CallTrace trace_; // LIONBIT_TRACE; its line is written when the run ends
 };
 
 } // namespace

@@ -42,9 +42,11 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -71,6 +73,28 @@ def tx_bytes(ifname: str) -> int:
         return int(f.read())
 
 
+# A sign all-reduce's timeline from its LIONBIT_TRACE line (ms): packing the
+# whole tensor; the header round (with the wait for the slowest rank); the
+# chunks' pipeline, from the header until the last chunk's phase 2 (and tie
+# round) arrived, the unpack of all but the last chunk overlapped with it;
+# the tail after it (the last chunk's unpack); the whole call.
+TIMELINE = ("pack", "header", "pipeline", "tail", "total")
+
+
+def timeline_medians(calls: list) -> dict:
+    rows = []
+    for c in calls:
+        at = {}
+        for name, _, t in c["events"]:
+            at[name] = max(at.get(name, 0.0), t)  # per name, its last chunk
+        last = max(at.get("ag_done", at["header"]), at.get("ties_done", 0.0))
+        rows.append({"pack": at["packed"], "header": at["header"] - at["packed"],
+                     "pipeline": last - at["header"], "tail": at["end"] - last, "total": at["end"]})
+    if not rows:
+        return {k: float("nan") for k in TIMELINE}
+    return {k: statistics.median(r[k] for r in rows) for k in TIMELINE}
+
+
 def gather_rows(mine):
     """all_gather of each rank's 1-D float64 tensor: an (N, k) tensor, row r from rank r."""
     import torch
@@ -90,8 +114,19 @@ def worker(args) -> None:
     import lionbit
 
     torch.set_num_threads(1)          # N ranks share few cores; no oversubscription
+    # lionbit's per-call timelines (LIONBIT_TRACE), read back after each case.
+    trace_dir = tempfile.mkdtemp(prefix="lionbit-bench-trace-")
+    os.environ["LIONBIT_TRACE"] = os.path.join(trace_dir, "t")
     dist.init_process_group("lionbit")
     rank, n = dist.get_rank(), dist.get_world_size()
+    trace_file = os.path.join(trace_dir, f"t.rank{os.environ.get('RANK', rank)}.jsonl")
+
+    def trace_calls() -> list:
+        try:
+            with open(trace_file) as f:
+                return [json.loads(line) for line in f]
+        except FileNotFoundError:
+            return []
     ifname = os.environ.get("LIONBIT_BENCH_IF", "")
     wire_bytes = lambda: tx_bytes(ifname)
 
@@ -170,6 +205,7 @@ def worker(args) -> None:
                 raise ValueError(impl)
 
             prep(); run()                     # warm-up (connections, allocations)
+            traced_before = len(trace_calls())
             comm_times.clear()
             lionbit.reset_stats()
             times = []
@@ -225,6 +261,11 @@ def worker(args) -> None:
             if impl.startswith("lionbit"):
                 c = max(st["sign_allreduce_calls"], 1)
                 rec["lionbit_split_s"] = {k: st[f"{k}_seconds"] / c for k in ("pack", "comm", "vote", "unpack")}
+                # The slowest rank's timeline (medians over the timed calls).
+                phases = timeline_medians(trace_calls()[traced_before:])
+                rows = gather_rows(torch.tensor([phases[k] for k in TIMELINE], dtype=torch.float64))
+                slow = int(rows[:, -1].argmax())
+                rec["lionbit_timeline_ms"] = dict(zip(TIMELINE, rows[slow].tolist()))
             results.append(rec)
             same = None
             if rank == 0:
@@ -238,6 +279,7 @@ def worker(args) -> None:
             json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
+    shutil.rmtree(trace_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------

@@ -33,6 +33,31 @@ def _label(d: int) -> str:
     return f"{d >> 20}M" if d % (1 << 20) == 0 else str(d)
 
 
+def _timeline_table(doc: dict) -> str:
+    """lionbit's own timeline of a call (LIONBIT_TRACE, slowest rank's
+    medians) against the wire time of its bytes at the iperf3 rate."""
+    rate = {(c["link"], c["world_size"]): c["iperf3"]["received_bps"] for c in doc.get("iperf3", [])
+            if c.get("iperf3") and c["iperf3"].get("received_bps")}
+    rows = [r for r in doc["results"] if r.get("lionbit_timeline_ms")]
+    if not rows:
+        return ""
+    lines = ["", "lionbit's timeline per call (ms, slowest rank, medians; `LIONBIT_TRACE`): pack = the whole "
+             "tensor, header = its round incl. waiting for the slowest rank, pipeline = until the last chunk's "
+             "phase 2 arrived (earlier chunks' unpack overlapped), tail = after it; wire ms = wire bytes at the "
+             "iperf3 rate; link busy = wire ms / pipeline.", "",
+             "| link | N | d | impl | pack | header | pipeline | tail | total | wire ms | link busy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["link"] != "1gbit", r["link"], r["world_size"], r["numel"])):
+        t = r["lionbit_timeline_ms"]
+        bps = rate.get((r["link"], r["world_size"]))
+        wire_ms = r["wire_bytes_per_rank"] * 8 / bps * 1e3 if bps and r.get("wire_bytes_per_rank") else None
+        busy = f"{wire_ms / t['pipeline'] * 100:.0f} %" if wire_ms and t["pipeline"] > 0 else "n/a"
+        lines.append(f"| {r['link']} | {r['world_size']} | {_label(r['numel'])} | {r['impl']} | {t['pack']:.1f} | "
+                     f"{t['header']:.1f} | {t['pipeline']:.1f} | {t['tail']:.1f} | {t['total']:.1f} | "
+                     f"{'n/a' if wire_ms is None else format(wire_ms, '.1f')} | {busy} |")
+    return "\n".join(lines) + "\n"
+
+
 def collectives(path: str) -> str:
     with open(path) as f:
         doc = json.load(f)
@@ -60,7 +85,7 @@ def collectives(path: str) -> str:
                 f"{r['busbw_fp32_equiv_gbps']:.2f} | "
                 f"{'n/a' if r.get('wire_gbps') is None else format(r['wire_gbps'], '.3f')} | "
                 f"{'' if r.get('comm_s') is None else format(r['comm_s'] * 1e3, ',.1f')} |")
-    table = "\n".join(lines) + "\n"
+    table = "\n".join(lines) + "\n" + _timeline_table(doc)
     with open(base + ".md", "w") as f:
         f.write(table)
     plt = _pyplot()

@@ -248,3 +248,44 @@ def test_vote_bytes_with_ties_pay_one_extra_plane_only():
     stats = values(run_ranks("test_sign_allreduce:measure_bytes", n, kwargs={"numel": d, "pattern": "independent"}))
     for s in stats:
         assert s["bytes_sent"] <= 1.5 * _one_bit_bytes(n, d) * 1.01, s
+
+
+def traced_votes(rank, n, numel):
+    """Two votes (dense ties, then ties inline), traced (LIONBIT_TRACE)."""
+    import lionbit
+
+    for i in range(2):
+        g = torch.Generator().manual_seed(10 * i + rank)
+        x = torch.randn(numel, generator=g)
+        expected = _reference(x, "vote", n)
+        lionbit.all_reduce_sign(x, "vote")
+        assert torch.equal(x, expected)
+    return True
+
+
+def test_trace_writes_each_calls_timeline(tmp_path):
+    # LIONBIT_TRACE=<prefix>: one JSON line per call and rank, its events in
+    # the order the pipeline runs them, every chunk accounted for.
+    import json
+
+    n, d, chunk = 2, 1 << 16, 1 << 14  # 4 chunks
+    prefix = str(tmp_path / "trace")
+    run_ranks("test_sign_allreduce:traced_votes", n, kwargs={"numel": d},
+              env={"LIONBIT_TRACE": prefix, "LIONBIT_CHUNK_ELEMS": str(chunk)})
+    for rank in range(n):
+        lines = (tmp_path / f"trace.rank{rank}.jsonl").read_text().splitlines()
+        calls = [json.loads(line) for line in lines]
+        assert len(calls) == 2, lines
+        for i, call in enumerate(calls):
+            assert (call["rank"], call["world_size"], call["op"], call["numel"], call["chunks"]) == (rank, n, "vote", d, 4)
+            names = [e[0] for e in call["events"]]
+            times = [e[2] for e in call["events"]]
+            assert times == sorted(times) and times[0] >= 0, call
+            assert names[:2] == ["packed", "header"] and names[-1] == "end", names
+            for k in range(4):
+                mine = [e[0] for e in call["events"] if e[1] == k]
+                # The first vote fetches its ties in a round of their own; the
+                # second, hinted, carries them inline.
+                ties = ["ties_done"] if i == 0 else []
+                assert mine == ["a2a_issued", "a2a_done", "counted", "ag_done", *ties, "unpacked"], (i, k, mine)
+        assert calls[1]["seq"] > calls[0]["seq"]
