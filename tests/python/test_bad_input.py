@@ -518,6 +518,38 @@ def check_world_size_one(rank, n):
     return True
 
 
+def check_nan_in_later_chunks(rank, n, chunk):
+    """NaN in any of 5 pipelined chunks, the last included: an error on every
+    rank, no tensor written (not even the chunks before it), and the group
+    still usable; zeros that appear only in later chunks, and a chunk 0 with
+    zeros where the others have none, are exact."""
+    import lionbit
+
+    d = 5 * chunk - 3
+    for op in ("vote", "avg"):
+        for where_ in (200, chunk + 5, 2 * chunk + 1, 3 * chunk + 2, d - 1):
+            x = torch.randn(d, generator=torch.Generator().manual_seed(rank + where_))
+            if rank == 1:
+                x[where_] = float("nan")
+            before = x.clone()
+            _raises(lambda: lionbit.all_reduce_sign(x, op), _me(rank, op) + r"input contains NaN on rank\(s\) \[1\]")
+            torch.testing.assert_close(x, before, rtol=0, atol=0, equal_nan=True)
+            _group_still_works(rank, n)
+        for zeros in ((3 * chunk, 3 * chunk + 40), (0, 10), (chunk - 7, 2 * chunk + 9)):
+            x = torch.randn(d, generator=torch.Generator().manual_seed(100 + rank))
+            if rank != 0:
+                x[zeros[0]:zeros[1]] = 0.0
+            _reduce_and_check(x, op)
+    return True
+
+
+def test_nan_in_any_chunk_is_an_error_on_every_rank_with_nothing_written():
+    chunk = 64 * WORLD * 4
+    res = values(run_ranks("test_bad_input:check_nan_in_later_chunks", WORLD, kwargs={"chunk": chunk},
+                           env={"LIONBIT_CHUNK_ELEMS": str(chunk)}, pg_timeout=30))
+    assert res == [True] * WORLD
+
+
 def test_world_size_one():
     assert values(run_ranks("test_bad_input:check_world_size_one", 1)) == [True]
 
