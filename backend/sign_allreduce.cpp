@@ -12,6 +12,7 @@
 
 #include "backend/bits/count.h"
 #include "backend/bits/pack.h"
+#include "backend/bits/trits.h"
 #include "backend/bits/unpack.h"
 #include "backend/bits/zeros.h"
 #include "backend/call_trace.hpp"
@@ -230,14 +231,21 @@ class Run {
         p += ch.out_splits[j];
       }
       if (op_ == bits::SignOp::kVote && inline_ties_) {
-        // Message: [number of ties in the shard][sign plane][tie plane]: the
-        // ranks expect ties (kTieHint), so no separate tie round.
-        ch.msg = 8 + 2 * ch.sb;
+        // Message: [number of ties in the shard][the shard's results in base
+        // 3, 13 bytes a word (bits/trits.h), padded to 8 bytes]: the ranks
+        // expect ties (kTieHint), so no separate tie round, and 1.625 bits
+        // an element instead of a sign and a tie plane.
+        ch.msg = 8 + (bits::kTritBytesPerWord * ch.sw + 7) / 8 * 8;
         c_.stats->inline_tie_chunks += 1;
         ch.mine_msg = byte_buffer(ch.msg);
+        at::Tensor planes = byte_buffer(2 * ch.sb);
+        uint64_t* sign = words_of(planes);
+        uint64_t* tie = sign + ch.sw;
+        bits::vote(in.data(), N_, ch.sw, sign, tie);
         uint64_t* m = words_of(ch.mine_msg);
-        bits::vote(in.data(), N_, ch.sw, m + 1, m + 1 + ch.sw);
-        m[0] = bits::count_bits(m + 1 + ch.sw, ch.sw);
+        m[0] = bits::count_bits(tie, ch.sw);
+        m[ch.msg / 8 - 1] = 0; // the padding
+        bits::encode_trits(sign, tie, ch.sw, bytes_of(ch.mine_msg) + 8);
       } else if (op_ == bits::SignOp::kVote) {
         // Message: [number of ties in the shard][sign plane of the shard].
         ch.msg = 8 + ch.sb;
@@ -282,7 +290,13 @@ class Run {
       // A tie plane is the cheapest encoding of these ties: worth carrying
       // inline next time (kTieHint).
       dense_ties_ = dense_ties_ || (tie_cap > 0 && !bits::zeros_as_list(tie_cap, ch.sw));
-      if (tie_cap > 0 && !inline_ties_) {
+      if (inline_ties_) {
+        unpack_trits(ch);
+        trace_.mark("unpacked", static_cast<int64_t>(idx));
+        ch = Chunk(); // release the chunk's buffers
+        return;
+      }
+      if (tie_cap > 0) {
         fetch_ties(ch, tie_cap);
         trace_.mark("ties_done", static_cast<int64_t>(idx));
       }
@@ -290,7 +304,7 @@ class Run {
         const uint64_t* sign = words_of(ch.gathered) + k * ch.msg / 8 + 1;
         planes[k].push_back(sign);
         if (tie_cap > 0) {
-          planes[k].push_back(inline_ties_ ? sign + ch.sw : words_of(ch.tie_planes) + k * ch.sw);
+          planes[k].push_back(words_of(ch.tie_planes) + k * ch.sw);
         }
       }
       // code = sign bit + 2 * tie bit
@@ -325,6 +339,28 @@ class Run {
     }
     trace_.mark("unpacked", static_cast<int64_t>(idx));
     ch = Chunk(); // release the chunk's buffers
+  }
+
+  // A vote's phase 2 in base 3 (inline ties): every shard's results.
+  void unpack_trits(Chunk& ch) {
+    ScopedTimer t(c_.stats->unpack_ns);
+    const double values[3] = {-1, 1, 0}; // trit 0, 1, 2
+    std::vector<uint8_t> lut(3 * bits::dtype_size(dtype_));
+    bits::make_lut(dtype_, values, 3, lut.data());
+    const size_t per_shard = ch.sw * bits::kWordBits;
+    const size_t esize = bits::dtype_size(dtype_);
+    uint8_t* dst = static_cast<uint8_t*>(buf_.data_ptr()) + ch.begin * esize;
+    for (int k = 0; k < N_; ++k) {
+      const size_t begin = static_cast<size_t>(k) * per_shard;
+      if (begin >= ch.len) {
+        break;
+      }
+      TORCH_CHECK_VALUE(
+          bits::decode_trits(
+              dtype_, bytes_of(ch.gathered) + k * ch.msg + 8, std::min(per_shard, ch.len - begin),
+              lut.data(), dst + begin * esize),
+          where(c_, op_), "rank ", k, " sent a corrupt vote message (a base-3 code above 242)");
+    }
   }
 
   // Some shard of the chunk has a tie (or an all-zero element): its tie

@@ -1,5 +1,5 @@
 // The two-phase 1-bit sign all-reduce (DESIGN.md sections 2 and 3):
-//   0. header round: an all-gather of a 40-byte header per rank (order, op,
+//   0. header round: an all-gather of a 48-byte header per rank (order, op,
 //      dtype, size, NaN flag, zero capacity), checked before anything else
 //      is used;
 //   1. pack signs to bit-planes; all-to-all of packed shards (zero positions
@@ -9,8 +9,9 @@
 //   3. all-gather of the shard results (vote: 1 bit, plus the tie positions
 //      only when a shard has a tie, encoded like zeros, in a further round;
 //      or, when the last vote had a dense tie plane and every rank says so
-//      in its header (kTieHint), the tie plane inline in this one; avg/sum:
-//      the count's bit-planes); unpack in place.
+//      in its header (kTieHint), results and ties together in base 3 in this
+//      one, 1.625 bits an element (bits/trits.h); avg/sum: the count's
+//      bit-planes); unpack in place.
 #pragma once
 
 #include <ATen/core/Tensor.h>

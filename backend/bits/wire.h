@@ -23,7 +23,8 @@ enum class SignOp : uint8_t {
 const char* sign_op_name(SignOp op);
 
 constexpr uint32_t kWireMagic = 0x3153424cu; // "LBS1"
-constexpr uint16_t kWireVersion = 4;
+// 5: a vote's inline-tie phase 2 in base 3 (trits.h).
+constexpr uint16_t kWireVersion = 5;
 
 enum WireFlags : uint32_t {
   kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane

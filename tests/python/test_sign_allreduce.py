@@ -289,3 +289,29 @@ def test_trace_writes_each_calls_timeline(tmp_path):
                 ties = ["ties_done"] if i == 0 else []
                 assert mine == ["a2a_issued", "a2a_done", "counted", "ag_done", *ties, "unpacked"], (i, k, mine)
         assert calls[1]["seq"] > calls[0]["seq"]
+
+
+def inline_ties_every_dtype(rank, n):
+    """Votes with dense ties on every dtype and odd sizes, twice each: the
+    second carries results and ties in base 3 (inline); both exact."""
+    import lionbit
+
+    for dtype in DTYPES:
+        for numel in (64 * n + 3, 5 * 64 * n + 61, 40000 + 7):
+            for i in range(2):
+                x = _make(rank, n, (numel,), dtype, "random", 100 * i + numel)
+                expected = _reference(x, "vote", n)
+                lionbit.reset_stats()
+                lionbit.all_reduce_sign(x, "vote")
+                assert torch.equal(_bits(x), _bits(expected)), (dtype, numel, i)
+                assert _all_ranks_identical(x)
+                if i == 1:
+                    assert lionbit.stats()["inline_tie_chunks"] > 0, (dtype, numel)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_inline_ties_in_base_3_are_exact_on_every_dtype(world_size):
+    # Chunks of one 64N block: many chunks, short last shards.
+    assert all(values(run_ranks("test_sign_allreduce:inline_ties_every_dtype", world_size,
+                                env={"LIONBIT_CHUNK_ELEMS": str(64 * world_size * 4)})))
