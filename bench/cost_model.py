@@ -58,6 +58,7 @@ import report  # noqa: E402
 WORD_BITS = 64                 # backend/bits/types.h kWordBits: shards are whole 64-bit words
 HEADER_BYTES = 48              # backend/bits/wire.h sizeof(WireHeader): the header round
 TIE_COUNT_BYTES = 8            # sign_allreduce.cpp: each vote message starts with its tie count
+TRIT_BYTES_PER_WORD = 13       # bits/trits.h: 64 results in base 3 (inline ties)
 DEFAULT_CHUNK_ELEMS = 0  # 0: lionbit's default for N, bits::default_chunk_elems (max(4M, 256K N))
 
 # --- defaults of the model (documented in docs/benchmarks.md) ----------------
@@ -110,6 +111,7 @@ class Kernels:
     vote_a: float     # vote: seconds per output element = vote_a + vote_b * N (least squares
     vote_b: float     #   over the BM_vote points; the bit-sliced adder tree is linear in N)
     vote_points: list = field(default_factory=list)
+    unpack_trits: float = 0.0   # bytes/s of float32 decoded from base 3 (inline ties); 0: as unpack
 
     def vote_s(self, out_elems: float, n: int) -> float:
         return out_elems * (self.vote_a + self.vote_b * n)
@@ -139,8 +141,9 @@ def load_kernels(path: str) -> Kernels:
     else:
         b, a = statistics.linear_regression([p[0] for p in pts], [p[1] for p in pts])
     read = max(v for k, v in rates.items() if k.startswith("BM_read_bw"))  # first and last of the run
+    trits = next((v for k, v in rates.items() if k.startswith("BM_unpack_trits/")), 0.0)  # older runs lack it
     return Kernels(pack=one("BM_pack"), unpack=one("BM_unpack"), read=read,
-                   vote_a=a, vote_b=b, vote_points=pts)
+                   vote_a=a, vote_b=b, vote_points=pts, unpack_trits=trits)
 
 
 @dataclass
@@ -249,8 +252,10 @@ def lionbit_terms(op: str, n: int, d: int, link: Link, cpu: Cpu, tie_fraction: f
                      bit_width(N) * sb (avg: count planes)           (N-1) alpha, (N-1) msg bytes
         ties         vote with a tie in the chunk: the tie positions, a list of
                      4-byte offsets in a ring all-gather of their own ((N-1) alpha,
-                     (N-1) list bytes), or, when a plane is cheaper, the plane
-                     inline in phase 2 (kTieHint: from the second vote on)
+                     (N-1) list bytes), or, when a plane is cheaper (dense ties),
+                     inline in phase 2 from the second vote on (kTieHint): the
+                     results in base 3, 8 + 13 bytes a word (padded to 8) instead
+                     of 8 + sb
       kernels        pack 4 d bytes, vote/count the own shard of every chunk with N inputs
                      (avg's count_code: the vote kernel's rate, not measured alone), unpack
                      4 d bytes
@@ -265,6 +270,7 @@ def lionbit_terms(op: str, n: int, d: int, link: Link, cpu: Cpu, tie_fraction: f
     nbytes = (n - 1) * HEADER_BYTES
     steps = ag_steps                                   # dependent message steps (alpha each)
     vote_s = 0.0
+    inline_elems = 0                                   # elements whose phase 2 is base 3
     for length, mult in lens:
         if mult == 0:
             continue
@@ -273,22 +279,27 @@ def lionbit_terms(op: str, n: int, d: int, link: Link, cpu: Cpu, tie_fraction: f
         per = sb                                       # phase 1
         csteps = 1 + ag_steps
         if op == "vote":
-            per += TIE_COUNT_BYTES + sb
             ties = math.ceil(tie_fraction * sw * WORD_BITS)   # ties in a shard (the mean, as its cap)
-            if ties > 0:
-                tb = zero_encoding_bytes(ties, sw)
-                per += tb
-                if tb < sb:
-                    # sparse ties: a list, in a round of its own. Dense ones
-                    # (a plane) ride inline in phase 2 from the second vote on
-                    # (kTieHint), the steady state of training and of suite 1.
+            tb = zero_encoding_bytes(ties, sw) if ties > 0 else 0
+            if ties > 0 and tb >= sb:
+                # dense ties: inline in phase 2 from the second vote on
+                # (kTieHint), the steady state of training and of suite 1,
+                # results and ties in base 3 (backend/bits/trits.h)
+                per += TIE_COUNT_BYTES + (TRIT_BYTES_PER_WORD * sw + 7) // 8 * 8
+                inline_elems += mult * length
+            else:
+                per += TIE_COUNT_BYTES + sb
+                if ties > 0:
+                    per += tb          # sparse ties: a list, in a round of its own
                     csteps += ag_steps
         else:
             per += planes * sb
         nbytes += mult * (n - 1) * per
         steps += mult * csteps
         vote_s += mult * cpu.k.vote_s(sw * WORD_BITS, n)
-    kern = cpu.kappa * (4 * d / cpu.k.pack + vote_s + 4 * d / cpu.k.unpack)
+    trits_rate = cpu.k.unpack_trits or cpu.k.unpack
+    kern = cpu.kappa * (4 * d / cpu.k.pack + vote_s + 4 * (d - inline_elems) / cpu.k.unpack
+                        + 4 * inline_elems / trits_rate)
     chunks = full + (1 if rest else 0)
     lat = steps * link.alpha + chunks * (n - 1) * link.msg_overhead
     return _terms(nbytes, lat, nbytes / link.goodput, kern, steps=steps, chunks=chunks, chunk_elems=chunk)

@@ -20,6 +20,7 @@
 
 #include "backend/bits/count.h"
 #include "backend/bits/pack.h"
+#include "backend/bits/trits.h"
 #include "backend/bits/unpack.h"
 #include "optimizer/lion.h"
 
@@ -110,6 +111,24 @@ void BM_unpack(benchmark::State& st) {
   st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * n * 4);
 }
 
+// A vote with dense ties as phase 2 sends it (inline ties): results in base
+// 3, 13 bytes a word, decoded into float32. GB/s of output, as unpack.
+void BM_unpack_trits(benchmark::State& st) {
+  const size_t n = st.range(0);
+  const size_t w = bits::words_for(n);
+  auto s = random_words(w, 3), z = random_words(w, 4);
+  std::vector<uint8_t> trits(w * bits::kTritBytesPerWord);
+  bits::encode_trits(s.data(), z.data(), w, trits.data());
+  const float lut[3] = {-1, 1, 0};
+  std::vector<float> dst(n);
+  for (auto _ : st) {
+    bool ok = bits::decode_trits(bits::DType::kFloat32, trits.data(), n, lut, dst.data());
+    benchmark::DoNotOptimize(ok);
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * n * 4);
+}
+
 // Fused Lion step, part 1 (direction + momentum) and part 2 (apply the vote).
 void BM_lion_direction(benchmark::State& st) {
   const size_t n = st.range(0);
@@ -148,6 +167,7 @@ BENCHMARK(BM_pack)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 // Vote input: N packed planes of a shard; 16M elements per plane = 2 MB each.
 BENCHMARK(BM_vote)->ArgsProduct({{k16M}, {2, 4, 8, 16}})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_unpack)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_unpack_trits)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_lion_direction)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_lion_apply_planes)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 // The read bandwidth once more, last: a run whose first benchmark is

@@ -41,11 +41,14 @@ const std::array<std::array<uint8_t, 5>, 243>& digit_table() {
   return t;
 }
 
-// Elements of type U: a table of the 5 values of each code, then one copy of
-// 5 (or, for the word's last byte, 4) values per byte.
+// Elements of type U: a table of the values of each byte, 8 a row (5 used),
+// then one 8-element copy per byte: byte b of a word writes elements 5 b ..
+// 5 b + 7, the next byte overwrites the 3 extra, and the 12th (b = 11) ends
+// at element 62, inside the word; the 13th copies its 4. Bytes 243..255 (not
+// valid codes) have rows too, so no byte needs a clamp; they are flagged.
 template <typename U>
 bool decode_typed(const uint8_t* trits, size_t n, const U* lut, U* dst) {
-  std::array<std::array<U, 5>, 243> values;
+  std::array<std::array<U, 8>, 256> values{};
   const auto& digits = digit_table();
   for (unsigned c = 0; c < 243; ++c) {
     for (unsigned j = 0; j < 5; ++j) {
@@ -53,19 +56,19 @@ bool decode_typed(const uint8_t* trits, size_t n, const U* lut, U* dst) {
     }
   }
   const size_t full = n / 64;
+  unsigned bad = 0;
   for (size_t w = 0; w < full; ++w) {
     const uint8_t* in = trits + w * kTritBytesPerWord;
     U* out = dst + w * 64;
-    uint8_t bad = 0;
     for (size_t b = 0; b < 12; ++b) {
-      bad |= static_cast<uint8_t>(in[b] >= 243);
-      std::memcpy(out + 5 * b, values[in[b] < 243 ? in[b] : 0].data(), 5 * sizeof(U));
+      bad |= static_cast<unsigned>(in[b] >= 243);
+      std::memcpy(out + 5 * b, values[in[b]].data(), 8 * sizeof(U));
     }
-    bad |= static_cast<uint8_t>(in[12] >= 243);
-    std::memcpy(out + 60, values[in[12] < 243 ? in[12] : 0].data(), 4 * sizeof(U));
-    if (bad != 0) {
-      return false;
-    }
+    bad |= static_cast<unsigned>(in[12] >= 243);
+    std::memcpy(out + 60, values[in[12]].data(), 4 * sizeof(U));
+  }
+  if (bad != 0) {
+    return false;
   }
   for (size_t i = full * 64; i < n; ++i) {
     const uint8_t code = trits[(i / 64) * kTritBytesPerWord + (i % 64) / 5];
