@@ -322,31 +322,30 @@ class Run {
     TORCH_CHECK(
         static_cast<int>(planes[0].size()) <= bits::kMaxUnpackPlanes, where(c_, op_),
         "world size ", N_, " is too large for op ", bits::sign_op_name(op_));
-    ScopedTimer t(c_.stats->unpack_ns);
-    std::vector<uint8_t> lut(values.size() * bits::dtype_size(dtype_));
-    bits::make_lut(dtype_, values.data(), values.size(), lut.data());
-    const size_t per_shard = ch.sw * bits::kWordBits;
-    const size_t esize = bits::dtype_size(dtype_);
-    uint8_t* dst = static_cast<uint8_t*>(buf_.data_ptr()) + ch.begin * esize;
-    for (int k = 0; k < N_; ++k) {
-      const size_t begin = static_cast<size_t>(k) * per_shard;
-      if (begin >= ch.len) {
-        break;
-      }
-      bits::unpack(
-          dtype_, planes[k].data(), static_cast<int>(planes[k].size()),
-          std::min(per_shard, ch.len - begin), lut.data(), dst + begin * esize);
-    }
+    write_shards(ch, values.data(), values.size(), [&](int k, size_t n, const void* lut, uint8_t* dst) {
+      bits::unpack(dtype_, planes[k].data(), static_cast<int>(planes[k].size()), n, lut, dst);
+    });
     trace_.mark("unpacked", static_cast<int64_t>(idx));
     ch = Chunk(); // release the chunk's buffers
   }
 
   // A vote's phase 2 in base 3 (inline ties): every shard's results.
-  void unpack_trits(Chunk& ch) {
-    ScopedTimer t(c_.stats->unpack_ns);
+  void unpack_trits(const Chunk& ch) {
     const double values[3] = {-1, 1, 0}; // trit 0, 1, 2
-    std::vector<uint8_t> lut(3 * bits::dtype_size(dtype_));
-    bits::make_lut(dtype_, values, 3, lut.data());
+    write_shards(ch, values, 3, [&](int k, size_t n, const void* lut, uint8_t* dst) {
+      TORCH_CHECK_VALUE(
+          bits::decode_trits(dtype_, bytes_of(ch.gathered) + k * ch.msg + 8, n, lut, dst),
+          where(c_, op_), "rank ", k, " sent a corrupt vote message (a base-3 code above 242)");
+    });
+  }
+
+  // Calls write(k, elements, lut, dst) for each shard k of the chunk that
+  // holds elements: dst is its place in the buffer, lut `values` as dtype_.
+  template <typename Write>
+  void write_shards(const Chunk& ch, const double* values, size_t count, Write&& write) {
+    ScopedTimer t(c_.stats->unpack_ns);
+    std::vector<uint8_t> lut(count * bits::dtype_size(dtype_));
+    bits::make_lut(dtype_, values, count, lut.data());
     const size_t per_shard = ch.sw * bits::kWordBits;
     const size_t esize = bits::dtype_size(dtype_);
     uint8_t* dst = static_cast<uint8_t*>(buf_.data_ptr()) + ch.begin * esize;
@@ -355,11 +354,7 @@ class Run {
       if (begin >= ch.len) {
         break;
       }
-      TORCH_CHECK_VALUE(
-          bits::decode_trits(
-              dtype_, bytes_of(ch.gathered) + k * ch.msg + 8, std::min(per_shard, ch.len - begin),
-              lut.data(), dst + begin * esize),
-          where(c_, op_), "rank ", k, " sent a corrupt vote message (a base-3 code above 242)");
+      write(k, std::min(per_shard, ch.len - begin), lut.data(), dst + begin * esize);
     }
   }
 
