@@ -275,10 +275,8 @@ class Run {
     Chunk& ch = chunks_[idx];
     wait_inner(c_, op_, "all-gather of shard results (phase 2)", ch.ag);
     trace_.mark("ag_done", static_cast<int64_t>(idx));
-    std::vector<std::vector<const uint64_t*>> planes(N_);
-    std::vector<double> values;
+    uint64_t tie_cap = 0;
     if (op_ == bits::SignOp::kVote) {
-      uint64_t tie_cap = 0;
       for (int k = 0; k < N_; ++k) {
         const uint64_t ties = words_of(ch.gathered)[k * ch.msg / 8];
         TORCH_CHECK_VALUE(
@@ -290,19 +288,28 @@ class Run {
       // A tie plane is the cheapest encoding of these ties: worth carrying
       // inline next time (kTieHint).
       dense_ties_ = dense_ties_ || (tie_cap > 0 && !bits::zeros_as_list(tie_cap, ch.sw));
-      if (inline_ties_) {
-        unpack_trits(ch);
-        trace_.mark("unpacked", static_cast<int64_t>(idx));
-        ch = Chunk(); // release the chunk's buffers
-        return;
-      }
-      if (tie_cap > 0) {
+      if (tie_cap > 0 && !inline_ties_) {
         fetch_ties(ch, tie_cap);
         trace_.mark("ties_done", static_cast<int64_t>(idx));
       }
+    }
+    if (op_ == bits::SignOp::kVote && inline_ties_) {
+      unpack_trits(ch);
+    } else {
+      unpack_planes(ch, tie_cap);
+    }
+    trace_.mark("unpacked", static_cast<int64_t>(idx));
+    ch = Chunk(); // release the chunk's buffers
+  }
+
+  // Every shard's results from bit-planes: a vote's sign plane (and the tie
+  // planes fetched for it), or avg/sum's count planes.
+  void unpack_planes(const Chunk& ch, uint64_t tie_cap) {
+    std::vector<std::vector<const uint64_t*>> planes(N_);
+    std::vector<double> values;
+    if (op_ == bits::SignOp::kVote) {
       for (int k = 0; k < N_; ++k) {
-        const uint64_t* sign = words_of(ch.gathered) + k * ch.msg / 8 + 1;
-        planes[k].push_back(sign);
+        planes[k].push_back(words_of(ch.gathered) + k * ch.msg / 8 + 1);
         if (tie_cap > 0) {
           planes[k].push_back(words_of(ch.tie_planes) + k * ch.sw);
         }
@@ -325,8 +332,6 @@ class Run {
     write_shards(ch, values.data(), values.size(), [&](int k, size_t n, const void* lut, uint8_t* dst) {
       bits::unpack(dtype_, planes[k].data(), static_cast<int>(planes[k].size()), n, lut, dst);
     });
-    trace_.mark("unpacked", static_cast<int64_t>(idx));
-    ch = Chunk(); // release the chunk's buffers
   }
 
   // A vote's phase 2 in base 3 (inline ties): every shard's results.
