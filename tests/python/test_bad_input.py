@@ -439,6 +439,11 @@ def case_group_of_another_backend(rank, n):
     g = dist.new_group(backend="gloo")
     _raises(lambda: lionbit.all_reduce_sign(torch.ones(3), group=g), r"RuntimeError: lionbit.all_reduce_sign on rank \d: the group's backend .* is 'gloo', not lionbit")
     _raises(lambda: lionbit.stats(g), r"not lionbit")
+    # Nothing above talks over g, so without this barrier a fast rank could
+    # destroy g (closing its sockets) while a slow peer is still inside
+    # new_group's Gloo connectFullMesh, which then fails with "Connection
+    # closed by peer" (seen once in CI on 2 cores).
+    dist.barrier(group=g)
     dist.destroy_process_group(g)
 
 
