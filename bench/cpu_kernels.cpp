@@ -111,6 +111,34 @@ void BM_unpack(benchmark::State& st) {
   st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * n * 4);
 }
 
+// unpack P count planes (avg / sum at larger N: N = 8 with zeros needs 5,
+// N = 16 6) into float32, from a table of 2^P values; GB/s of output.
+void BM_unpack_counts(benchmark::State& st) {
+  const size_t n = st.range(0);
+  const int np = static_cast<int>(st.range(1));
+  const size_t w = bits::words_for(n);
+  std::vector<std::vector<uint64_t>> words;
+  std::vector<const uint64_t*> planes;
+  for (int b = 0; b < np; ++b) {
+    words.push_back(random_words(w, 10 + b));
+  }
+  for (auto& p : words) {
+    planes.push_back(p.data());
+  }
+  std::vector<double> values(size_t{1} << np);
+  for (size_t e = 0; e < values.size(); ++e) {
+    values[e] = static_cast<double>(e) / 8.0 - 1.0;
+  }
+  std::vector<float> lut(values.size());
+  bits::make_lut(bits::DType::kFloat32, values.data(), values.size(), lut.data());
+  std::vector<float> dst(n);
+  for (auto _ : st) {
+    bits::unpack(bits::DType::kFloat32, planes.data(), np, n, lut.data(), dst.data());
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * n * 4);
+}
+
 // A vote with dense ties as phase 2 sends it (inline ties): results in base
 // 3, 13 bytes a word, decoded into float32. GB/s of output, as unpack.
 void BM_unpack_trits(benchmark::State& st) {
@@ -168,6 +196,7 @@ BENCHMARK(BM_pack)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_vote)->ArgsProduct({{k16M}, {2, 4, 8, 16}})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_unpack)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_unpack_trits)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_unpack_counts)->Args({k16M, 3})->Args({k16M, 5})->Args({k16M, 8})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_lion_direction)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_lion_apply_planes)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 // The read bandwidth once more, last: a run whose first benchmark is

@@ -57,7 +57,7 @@ INSTANTIATE_TEST_SUITE_P(
     UnpackTest,
     ::testing::Combine(
         ::testing::ValuesIn(test::all_dtypes()),
-        ::testing::Values(1, 2, 3, 4, 5, 7, 12),
+        ::testing::Values(1, 2, 3, 4, 5, 7, 12, 16),
         ::testing::ValuesIn(kSizes)),
     [](const auto& info) {
       return std::string(dtype_name(std::get<0>(info.param))) + "_p" +
