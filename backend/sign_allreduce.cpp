@@ -14,6 +14,7 @@
 #include "backend/bits/pack.h"
 #include "backend/bits/trits.h"
 #include "backend/bits/unpack.h"
+#include "backend/bits/zero_counts.h"
 #include "backend/bits/zeros.h"
 #include "backend/call_trace.hpp"
 #include "backend/sign_common.hpp"
@@ -253,6 +254,22 @@ class Run {
         ch.mine_zero = byte_buffer(ch.sb);
         bits::vote(in.data(), N_, ch.sw, words_of(ch.mine_msg) + 1, words_of(ch.mine_zero));
         words_of(ch.mine_msg)[0] = bits::count_bits(words_of(ch.mine_zero), ch.sw);
+      } else if (const uint64_t cap = zero_list_cap(ch); cap > 0) {
+        // A few zeros: message = [the zero-free count planes (positives)]
+        // [the elements with a zero, as a list] (bits/zero_counts.h): one
+        // plane less than the zero-aware code.
+        const int P = bits::code_planes(N_, false);
+        ch.msg = P * ch.sb + bits::zero_count_list_bytes(cap);
+        ch.mine_msg = byte_buffer(ch.msg);
+        std::vector<bits::Contribution> signs = in;
+        for (auto& c : signs) {
+          c.zero = nullptr; // a zero's sign bit is 0: counted as not positive
+        }
+        bits::count_code(signs.data(), N_, ch.sw, words_of(ch.mine_msg));
+        // cap bounds this shard's zeros summed over the senders.
+        TORCH_CHECK(
+            bits::encode_zero_counts(in.data(), N_, ch.sw, cap, bytes_of(ch.mine_msg) + P * ch.sb),
+            where(c_, op_), "internal: more elements with a zero than announced");
       } else {
         // Message: the bit-planes of the count code of the shard.
         ch.msg = bits::code_planes(N_, hs_.any_zero) * ch.sb;
@@ -317,20 +334,66 @@ class Run {
       // code = sign bit + 2 * tie bit
       values = tie_cap > 0 ? std::vector<double>{-1, 1, 0, 0} : std::vector<double>{-1, 1};
     } else {
-      const bool with_zeros = hs_.any_zero;
+      const uint64_t cap = zero_list_cap(ch);
+      const bool with_zeros = hs_.any_zero && cap == 0;
       const int P = bits::code_planes(N_, with_zeros);
       for (int k = 0; k < N_; ++k) {
         for (int b = 0; b < P; ++b) {
-          planes[k].push_back(words_of(ch.gathered) + (static_cast<size_t>(k) * P + b) * ch.sw);
+          planes[k].push_back(words_of(ch.gathered) + k * ch.msg / 8 + b * ch.sw);
         }
       }
       values = count_code_values(op_, N_, with_zeros, P);
+      if (cap > 0) {
+        unpack_counts_with_zero_list(ch, planes, values, cap);
+        return;
+      }
     }
     TORCH_CHECK(
         static_cast<int>(planes[0].size()) <= bits::kMaxUnpackPlanes, where(c_, op_),
         "world size ", N_, " is too large for op ", bits::sign_op_name(op_));
     write_shards(ch, values.data(), values.size(), [&](int k, size_t n, const void* lut, uint8_t* dst) {
       bits::unpack(dtype_, planes[k].data(), static_cast<int>(planes[k].size()), n, lut, dst);
+    });
+  }
+
+  // avg / sum when the call has zeros but few: 0 if the chunk's count
+  // message is the zero-aware code (dense zeros), else the room its list of
+  // elements with a zero needs. Every rank computes the same from the
+  // headers: no shard has more such elements than the senders' zero
+  // capacities (each the most zeros it has in any shard) added up.
+  uint64_t zero_list_cap(const Chunk& ch) const {
+    const uint64_t shard_elems = ch.sw * bits::kWordBits;
+    if (op_ == bits::SignOp::kVote || !hs_.any_zero || shard_elems > (uint64_t{1} << 32)) {
+      return 0; // (offsets are 32 bits)
+    }
+    uint64_t cap = 0;
+    for (const uint64_t z : hs_.zero_capacity) {
+      cap += z;
+    }
+    cap = std::min<uint64_t>(cap, shard_elems);
+    return bits::zero_count_list_bytes(cap) < ch.sb ? cap : 0; // cheaper than the extra plane
+  }
+
+  // Every shard from the zero-free count planes, then its listed elements
+  // (those with a zero somewhere) rewritten from the zero-aware code
+  // 2 * positives + zeros.
+  void unpack_counts_with_zero_list(
+      const Chunk& ch,
+      const std::vector<std::vector<const uint64_t*>>& planes,
+      const std::vector<double>& values,
+      uint64_t cap) {
+    const int P = static_cast<int>(planes[0].size());
+    const std::vector<double> zvalues = count_code_values(op_, N_, true, P + 1);
+    const size_t esize = bits::dtype_size(dtype_);
+    std::vector<uint8_t> zlut(zvalues.size() * esize);
+    bits::make_lut(dtype_, zvalues.data(), zvalues.size(), zlut.data());
+    write_shards(ch, values.data(), values.size(), [&](int k, size_t n, const void* lut, uint8_t* dst) {
+      bits::unpack(dtype_, planes[k].data(), P, n, lut, dst);
+      TORCH_CHECK_VALUE(
+          bits::apply_zero_counts(
+              bytes_of(ch.gathered) + k * ch.msg + P * ch.sb, cap, planes[k].data(), P, n, N_,
+              zlut.data(), esize, dst),
+          where(c_, op_), "rank ", k, " sent a corrupt count message (its list of elements with a zero)");
     });
   }
 

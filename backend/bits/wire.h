@@ -23,8 +23,10 @@ enum class SignOp : uint8_t {
 const char* sign_op_name(SignOp op);
 
 constexpr uint32_t kWireMagic = 0x3153424cu; // "LBS1"
-// 5: a vote's inline-tie phase 2 in base 3 (trits.h).
-constexpr uint16_t kWireVersion = 5;
+// 5: a vote's inline-tie phase 2 in base 3 (trits.h). 6: avg / sum with a
+// few zeros send the zero-free count planes and a list of the elements with
+// a zero, not the zero-aware code's extra plane.
+constexpr uint16_t kWireVersion = 6;
 
 enum WireFlags : uint32_t {
   kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane
