@@ -324,6 +324,8 @@ class Run {
   void unpack_planes(const Chunk& ch, uint64_t tie_cap) {
     std::vector<std::vector<const uint64_t*>> planes(N_);
     std::vector<double> values;
+    const uint64_t cap = zero_list_cap(ch); // avg / sum with a few zeros
+    std::vector<uint8_t> zlut; // then: the zero-aware code's table
     if (op_ == bits::SignOp::kVote) {
       for (int k = 0; k < N_; ++k) {
         planes[k].push_back(words_of(ch.gathered) + k * ch.msg / 8 + 1);
@@ -334,7 +336,6 @@ class Run {
       // code = sign bit + 2 * tie bit
       values = tie_cap > 0 ? std::vector<double>{-1, 1, 0, 0} : std::vector<double>{-1, 1};
     } else {
-      const uint64_t cap = zero_list_cap(ch);
       const bool with_zeros = hs_.any_zero && cap == 0;
       const int P = bits::code_planes(N_, with_zeros);
       for (int k = 0; k < N_; ++k) {
@@ -344,15 +345,25 @@ class Run {
       }
       values = count_code_values(op_, N_, with_zeros, P);
       if (cap > 0) {
-        unpack_counts_with_zero_list(ch, planes, values, cap);
-        return;
+        const std::vector<double> zvalues = count_code_values(op_, N_, true, P + 1);
+        zlut.resize(zvalues.size() * bits::dtype_size(dtype_));
+        bits::make_lut(dtype_, zvalues.data(), zvalues.size(), zlut.data());
       }
     }
+    const int P = static_cast<int>(planes[0].size());
     TORCH_CHECK(
-        static_cast<int>(planes[0].size()) <= bits::kMaxUnpackPlanes, where(c_, op_),
+        P <= bits::kMaxUnpackPlanes, where(c_, op_),
         "world size ", N_, " is too large for op ", bits::sign_op_name(op_));
     write_shards(ch, values.data(), values.size(), [&](int k, size_t n, const void* lut, uint8_t* dst) {
-      bits::unpack(dtype_, planes[k].data(), static_cast<int>(planes[k].size()), n, lut, dst);
+      bits::unpack(dtype_, planes[k].data(), P, n, lut, dst);
+      // The listed elements (a zero somewhere) rewritten from the zero-aware
+      // code 2 * positives + zeros.
+      TORCH_CHECK_VALUE(
+          cap == 0 ||
+              bits::apply_zero_counts(
+                  bytes_of(ch.gathered) + k * ch.msg + P * ch.sb, cap, planes[k].data(), P, n, N_,
+                  zlut.data(), bits::dtype_size(dtype_), dst),
+          where(c_, op_), "rank ", k, " sent a corrupt count message (its list of elements with a zero)");
     });
   }
 
@@ -372,29 +383,6 @@ class Run {
     }
     cap = std::min<uint64_t>(cap, shard_elems);
     return bits::zero_count_list_bytes(cap) < ch.sb ? cap : 0; // cheaper than the extra plane
-  }
-
-  // Every shard from the zero-free count planes, then its listed elements
-  // (those with a zero somewhere) rewritten from the zero-aware code
-  // 2 * positives + zeros.
-  void unpack_counts_with_zero_list(
-      const Chunk& ch,
-      const std::vector<std::vector<const uint64_t*>>& planes,
-      const std::vector<double>& values,
-      uint64_t cap) {
-    const int P = static_cast<int>(planes[0].size());
-    const std::vector<double> zvalues = count_code_values(op_, N_, true, P + 1);
-    const size_t esize = bits::dtype_size(dtype_);
-    std::vector<uint8_t> zlut(zvalues.size() * esize);
-    bits::make_lut(dtype_, zvalues.data(), zvalues.size(), zlut.data());
-    write_shards(ch, values.data(), values.size(), [&](int k, size_t n, const void* lut, uint8_t* dst) {
-      bits::unpack(dtype_, planes[k].data(), P, n, lut, dst);
-      TORCH_CHECK_VALUE(
-          bits::apply_zero_counts(
-              bytes_of(ch.gathered) + k * ch.msg + P * ch.sb, cap, planes[k].data(), P, n, N_,
-              zlut.data(), esize, dst),
-          where(c_, op_), "rank ", k, " sent a corrupt count message (its list of elements with a zero)");
-    });
   }
 
   // A vote's phase 2 in base 3 (inline ties): every shard's results.
