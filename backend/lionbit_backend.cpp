@@ -245,17 +245,17 @@ void LionBitBackend::shutdownAllWorkers() {
 }
 
 void LionBitBackend::reject(
-    uint64_t seq,
     bits::SignOp op,
     const std::string& op_name,
     const std::string& reason,
     bool reduce_scatter) {
   // Tell the peers in the header round so they fail now, not at timeout.
   const SignComm comm = signComm();
-  executor_.submit([comm, op, seq, reduce_scatter](bool cancelled) {
+  executor_.submit([this, comm, op, reduce_scatter](bool cancelled) {
     if (cancelled) {
       return;
     }
+    const uint64_t seq = next_seq_++;
     try {
       if (reduce_scatter) {
         sign_reduce_scatter_reject(comm, op, seq);
@@ -274,7 +274,7 @@ void LionBitBackend::reject(
 c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
     bits::SignOp op,
     at::Tensor out,
-    std::function<void(const SignComm&)> body) {
+    std::function<void(const SignComm&, uint64_t)> body) {
   auto work = c10::make_intrusive<SignWork>(rank_, std::vector<at::Tensor>{out});
   out = at::Tensor();
   // What the job holds that Python may own too (tensors, the inner Gloo
@@ -282,11 +282,11 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
   // waits, never afterwards on this thread (see SignWork::complete).
   struct Held {
     SignComm comm;
-    std::function<void(const SignComm&)> body;
+    std::function<void(const SignComm&, uint64_t)> body;
   };
   auto held = std::make_shared<Held>(Held{signComm(), std::move(body)});
   const int rank = rank_;
-  executor_.submit([held = std::move(held), op, rank, work](bool cancelled) mutable {
+  executor_.submit([this, held = std::move(held), op, rank, work](bool cancelled) mutable {
     std::exception_ptr error;
     if (cancelled) {
       error = std::make_exception_ptr(c10::DistBackendError(
@@ -297,7 +297,7 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
     } else {
       try {
         at::AutoGradMode no_grad(false);
-        held->body(held->comm);
+        held->body(held->comm, next_seq_++);
       } catch (...) {
         error = std::current_exception();
       }
@@ -315,21 +315,20 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
 c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSign(
     at::Tensor tensor,
     const std::string& op_name) {
-  const uint64_t seq = next_seq_++;
   bits::SignOp op = bits::SignOp::kVote;
   const std::string reason = reject_reason(tensor, op_name, size_, &op);
   if (!reason.empty()) {
-    reject(seq, op, op_name, reason);
+    reject(op, op_name, reason);
   }
 #ifdef LIONBIT_WITH_CUDA
   if (tensor.is_cuda()) {
     auto ready = cuda_mark_ready(tensor);
-    return enqueue(op, tensor, [tensor, op, seq, ready](const SignComm& comm) mutable {
+    return enqueue(op, tensor, [tensor, op, ready](const SignComm& comm, uint64_t seq) mutable {
       sign_allreduce_cuda(comm, tensor, op, seq, ready);
     });
   }
 #endif
-  return enqueue(op, tensor, [tensor, op, seq](const SignComm& comm) mutable {
+  return enqueue(op, tensor, [tensor, op](const SignComm& comm, uint64_t seq) mutable {
     sign_allreduce(comm, tensor, op, seq);
   });
 }
@@ -341,7 +340,6 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPacked(
     int64_t nans,
     at::Tensor out,
     const std::string& op_name) {
-  const uint64_t seq = next_seq_++;
   bits::SignOp op = bits::SignOp::kVote;
   std::string reason = reject_reason(out, op_name, size_, &op);
   const int64_t need = static_cast<int64_t>(bits::words_for(static_cast<size_t>(std::max<int64_t>(numel, 0))) * 8);
@@ -366,9 +364,9 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPacked(
     reason = plane_problem(zero, "zero");
   }
   if (!reason.empty()) {
-    reject(seq, op, op_name, reason);
+    reject(op, op_name, reason);
   }
-  return enqueue(op, out, [sign, zero, numel, nans, out, op, seq](const SignComm& comm) mutable {
+  return enqueue(op, out, [sign, zero, numel, nans, out, op](const SignComm& comm, uint64_t seq) mutable {
     const PackedSigns in{
         reinterpret_cast<const uint64_t*>(sign.data_ptr<uint8_t>()),
         reinterpret_cast<const uint64_t*>(zero.data_ptr<uint8_t>()),
@@ -384,7 +382,6 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPackedDevice(
     int64_t numel,
     at::Tensor out,
     const std::string& op_name) {
-  const uint64_t seq = next_seq_++;
   bits::SignOp op = bits::SignOp::kVote;
   std::string reason = reject_reason(out, op_name, size_, &op);
   if (reason.empty() && !out.is_cuda()) {
@@ -412,15 +409,15 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPackedDevice(
     reason = problem(counts, "counts", at::kLong, 2);
   }
   if (!reason.empty()) {
-    reject(seq, op, op_name, reason);
+    reject(op, op_name, reason);
   }
 #ifdef LIONBIT_WITH_CUDA
   auto ready = cuda_mark_ready(out);
-  return enqueue(op, out, [sign, zero, counts, numel, out, op, seq, ready](const SignComm& comm) mutable {
+  return enqueue(op, out, [sign, zero, counts, numel, out, op, ready](const SignComm& comm, uint64_t seq) mutable {
     sign_allreduce_cuda_packed(comm, sign, zero, counts, numel, out, op, seq, ready);
   });
 #else
-  reject(seq, op, op_name, "this build of lionbit has no CUDA path");
+  reject(op, op_name, "this build of lionbit has no CUDA path");
 #endif
 }
 
@@ -431,7 +428,6 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterSignPacked(
     int64_t nans,
     at::Tensor out,
     const std::string& op_name) {
-  const uint64_t seq = next_seq_++;
   bits::SignOp op = bits::SignOp::kVote;
   std::string reason = reject_reason(out, op_name, size_, &op);
   if (reason.empty() && (shard_numel < 0 || nans < 0)) {
@@ -457,9 +453,9 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterSignPacked(
     }
   }
   if (!reason.empty()) {
-    reject(seq, op, op_name, reason, /*reduce_scatter=*/true);
+    reject(op, op_name, reason, /*reduce_scatter=*/true);
   }
-  return enqueue(op, out, [sign, zero, shard_numel, nans, out, op, seq](const SignComm& comm) mutable {
+  return enqueue(op, out, [sign, zero, shard_numel, nans, out, op](const SignComm& comm, uint64_t seq) mutable {
     const PackedShards in{
         reinterpret_cast<const uint64_t*>(sign.data_ptr<uint8_t>()),
         reinterpret_cast<const uint64_t*>(zero.data_ptr<uint8_t>()),

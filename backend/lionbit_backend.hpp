@@ -200,10 +200,9 @@ class LionBitBackend : public c10d::Backend {
   c10d::Backend& inner(const std::vector<at::Tensor>& ts);
   std::vector<c10d::Backend*> inners();
   void stopWorker();
-  // Queues a header round that tells the peers this rank rejected call #seq,
+  // Queues a header round that tells the peers this rank rejected its call,
   // then raises `reason` here.
   [[noreturn]] void reject(
-      uint64_t seq,
       bits::SignOp op,
       const std::string& op_name,
       const std::string& reason,
@@ -211,14 +210,18 @@ class LionBitBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> enqueue(
       bits::SignOp op,
       at::Tensor out,
-      std::function<void(const SignComm&)> body);
+      std::function<void(const SignComm&, uint64_t seq)> body);
 
   c10::intrusive_ptr<c10d::Backend> forward_;
   c10::intrusive_ptr<c10d::Backend> sign_;
   c10::intrusive_ptr<c10d::Backend> forward_cuda_;
   c10::intrusive_ptr<c10d::Backend> sign_cuda_;
   std::chrono::milliseconds timeout_;
-  std::atomic<uint64_t> next_seq_{0};
+  // The number of the next sign call, taken when its job starts on the
+  // executor's thread (only there): calls are numbered in the order they run,
+  // even when threads race to submit them (numbering them on entry let two
+  // racing threads queue #n+1 before #n, and the peers saw them out of order).
+  uint64_t next_seq_ = 0;
   Stats stats_;
   std::atomic<bool> tie_hint_{false}; // SignComm::tie_hint
   // Last: destroyed first, so no job outlives the members it uses.
