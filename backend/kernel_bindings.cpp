@@ -93,7 +93,8 @@ int64_t lion_direction_into(
     double omb2,
     at::Tensor& sign,
     at::Tensor& zero,
-    int64_t bit_offset) {
+    int64_t bit_offset,
+    bool update_momentum) {
   check_dense(g, "lion_direction_into", "g");
   check_dense(m, "lion_direction_into", "m");
   TORCH_CHECK_VALUE(
@@ -112,13 +113,18 @@ int64_t lion_direction_into(
   const size_t w = bits::words_for(static_cast<size_t>(n));
   at::Tensor tmp = at::empty({static_cast<int64_t>(2 * w * 8)}, at::kByte);
   uint64_t* ts = words(tmp);
-  const bits::PackCounts c = optim::lion_direction(
-      *float_dtype(g.scalar_type()), g.data_ptr(), *float_dtype(m.scalar_type()), m.data_ptr(),
-      static_cast<size_t>(n), static_cast<float>(b1), static_cast<float>(omb1),
-      static_cast<float>(b2), static_cast<float>(omb2), ts, ts + w);
+  const auto gd = *float_dtype(g.scalar_type());
+  const auto md = *float_dtype(m.scalar_type());
+  const bits::PackCounts c = update_momentum
+      ? optim::lion_direction(
+            gd, g.data_ptr(), md, m.data_ptr(), static_cast<size_t>(n), static_cast<float>(b1),
+            static_cast<float>(omb1), static_cast<float>(b2), static_cast<float>(omb2), ts, ts + w)
+      : optim::lion_direction_only(
+            gd, g.data_ptr(), md, m.data_ptr(), static_cast<size_t>(n), static_cast<float>(b1),
+            static_cast<float>(omb1), ts, ts + w);
   bits::copy_bits(words(sign), static_cast<size_t>(bit_offset), ts, 0, static_cast<size_t>(n));
   bits::copy_bits(words(zero), static_cast<size_t>(bit_offset), ts + w, 0, static_cast<size_t>(n));
-  return static_cast<int64_t>(c.nans);
+  return static_cast<int64_t>(c.nonfinite);
 }
 
 void lion_apply(at::Tensor& x, const at::Tensor& delta, double lr, double decay) {

@@ -22,8 +22,9 @@ std::tuple<int64_t, int64_t> pack_signs_into(
     int64_t bit_offset);
 
 // Fused Lion direction (optimizer/lion.h): reads g and m once, writes the new
-// m in place and the direction's bits into the planes at `bit_offset`.
-// Returns the number of NaN directions. Coefficients as in lion.h.
+// m in place (unless update_momentum is false) and the direction's bits into
+// the planes at `bit_offset`. Returns the number of non-finite directions
+// (NaN or +-Inf: a non-finite g or m). Coefficients as in lion.h.
 int64_t lion_direction_into(
     const at::Tensor& g,
     at::Tensor& m,
@@ -33,7 +34,8 @@ int64_t lion_direction_into(
     double omb2,
     at::Tensor& sign,
     at::Tensor& zero,
-    int64_t bit_offset);
+    int64_t bit_offset,
+    bool update_momentum);
 
 // x = x * decay - lr * delta, in place (optimizer/lion.h).
 void lion_apply(at::Tensor& x, const at::Tensor& delta, double lr, double decay);

@@ -114,6 +114,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("sign"),
       py::arg("zero"),
       py::arg("bit_offset"),
+      py::arg("update_momentum") = true,
       py::call_guard<py::gil_scoped_release>());
   m.def(
       "lion_apply",

@@ -25,8 +25,12 @@ Implementations (all optimizers: lr 1e-4, weight decay 0.1; Lion betas 0.9, 0.99
     lion_powersgd  DDP + PowerSGD hook (rank 4, start_powerSGD_iter 2, error feedback,
                    warm start; the warm-up steps cover the 2 uncompressed iterations) + Lion
     distlion_vote  DDP + lionbit.DistributedLion(...).attach(ddp): no gradient all-reduce;
-                   each bucket's Lion directions are voted (1 bit/param) in DDP's hook,
-                   during backward; step() applies the vote
+                   each bucket's Lion directions are packed in DDP's hook and their vote
+                   (1 bit/param) starts there, overlapping the rest of backward; step()
+                   checks that no gradient changed, waits for the votes and applies them
+    distlion_vote_step  the same with attach(ddp, overlap=False): the hook leaves the
+                   gradients alone and step() votes them, chunk by chunk (the mode a
+                   loop that clips or unscales gradients falls back to)
     no_comm        the floor: the same model, forward, backward and Lion step on each
                    rank, no DDP and no collective (only the per-step barrier)
 
@@ -86,7 +90,7 @@ sys.path.insert(0, HERE)
 
 from collectives import choose_mode, gather_rows, launch, new_meta, run_cases, tx_bytes  # noqa: E402
 
-IMPLS = ["adamw_fp32", "lion_fp32", "lion_bf16", "lion_powersgd", "distlion_vote", "no_comm"]
+IMPLS = ["adamw_fp32", "lion_fp32", "lion_bf16", "lion_powersgd", "distlion_vote", "distlion_vote_step", "no_comm"]
 
 MODEL = dict(vocab=16384, d_model=512, layers=3, heads=8, ffn=2048, seq=32, batch=4)
 LR, WD, BETAS = 1e-4, 0.1, (0.9, 0.99)
@@ -164,16 +168,17 @@ def make_lion(params, lr: float, betas, weight_decay: float):
 
 
 class traced_hook:
-    """While open, wraps module._ddp_hook (DistributedLion's DDP hook, which attach()
+    """While open, wraps module._hook (DistributedLion's DDP hook, which attach()
     registers) so that each call appends [bucket index, numel, called, returned, done]
-    (seconds since clock[0]) to the last list in the trace. No-op if lionbit has no
-    such function."""
+    (seconds since clock[0]) to the last list in the trace; "done" is when the
+    bucket's vote finished (the hook returns the local gradient at once). No-op if
+    lionbit has no such function."""
 
     def __init__(self, module, clock):
         self.module, self.clock, self.trace = module, clock, []
 
     def __enter__(self):
-        self.inner = getattr(self.module, "_ddp_hook", None)
+        self.inner = getattr(self.module, "_hook", None)
         if self.inner is None:
             return self.trace
         inner, clock, trace = self.inner, self.clock, self.trace
@@ -182,17 +187,18 @@ class traced_hook:
             rec = [bucket.index(), bucket.buffer().numel(), time.perf_counter() - clock[0], 0.0, float("nan")]
             fut = inner(state, bucket)
             rec[3] = time.perf_counter() - clock[0]
-            fut.add_done_callback(lambda _: rec.__setitem__(4, time.perf_counter() - clock[0]))
+            vote = state.buckets[bucket.index()].work if state.overlap else None
+            (vote or fut).add_done_callback(lambda _: rec.__setitem__(4, time.perf_counter() - clock[0]))
             if trace:
                 trace[-1].append(rec)
             return fut
 
-        self.module._ddp_hook = hook
+        self.module._hook = hook
         return self.trace
 
     def __exit__(self, *exc):
         if self.inner is not None:
-            self.module._ddp_hook = self.inner
+            self.module._hook = self.inner
 
 
 def serialized(hook):
@@ -245,6 +251,8 @@ def worker(args) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import lionbit
+    import lionbit.ddp  # noqa: F401  (traced_hook wraps its hook)
+    from lionbit import step_vote
 
     torch.set_num_threads(1)          # N ranks share few cores; no oversubscription
     dist.init_process_group("lionbit")
@@ -282,10 +290,10 @@ def worker(args) -> None:
                 opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, fused=True)
             except (RuntimeError, TypeError):
                 opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
-        elif impl == "distlion_vote":
+        elif impl.startswith("distlion"):
             opt = lionbit.DistributedLion(net.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
-            with traced_hook(lionbit.optim, clock) as trace:
-                opt.attach(net)
+            with traced_hook(lionbit.ddp, clock) as trace:
+                opt.attach(net, overlap=impl == "distlion_vote")
         else:
             opt = make_lion(net.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
         if impl == "lion_bf16":
@@ -294,12 +302,12 @@ def worker(args) -> None:
             psgd = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
                                                start_powerSGD_iter=POWERSGD_START, random_seed=0)
             net.register_comm_hook(psgd, serialized(powerSGD_hook.powerSGD_hook))
-        elif impl not in ("adamw_fp32", "lion_fp32", "distlion_vote", "no_comm"):
+        elif impl not in ("adamw_fp32", "lion_fp32", "distlion_vote", "distlion_vote_step", "no_comm"):
             raise ValueError(impl)
 
         def step(i):
             opt.zero_grad(set_to_none=True)
-            if impl == "distlion_vote":
+            if impl.startswith("distlion"):
                 trace.append([])
             t0 = clock[0] = time.perf_counter()
             loss = loss_of(net, i)
@@ -363,6 +371,14 @@ def worker(args) -> None:
                 futs = [net.reducer._run_comm_hook(b) for b in buckets]
                 for f in futs:
                     f.wait()
+                if impl == "distlion_vote":     # the votes the hooks started
+                    started, opt._ddp.started = opt._ddp.started, []
+                    for bv in started:
+                        bv.work.wait()
+                        bv.work = None
+                elif impl == "distlion_vote_step":   # step()'s chunked vote (changes no state)
+                    step_vote.vote_chunks(opt, step_vote.step_entries(opt, opt.param_groups), opt.group,
+                                          "bench", step_vote.VoteBuffers())
                 comm.append(time.perf_counter() - t0)
             del buckets, saved
 
@@ -412,7 +428,7 @@ def worker(args) -> None:
             payload = f * 2 * d
         elif impl == "lion_powersgd":
             payload = f * 4 * psgd_numel
-        elif impl == "distlion_vote":
+        elif impl.startswith("distlion"):
             payload = every[:, 5].max().item() / args.steps
         else:
             payload = 0.0
@@ -447,7 +463,7 @@ def worker(args) -> None:
                  **{key: 1e3 * rows[slow].view(-1, 3)[b, j].item()
                     for j, key in enumerate(("hook", "hook_return", "done"))}}
                 for b, (idx, k) in enumerate(buckets_seen)]
-        if impl == "distlion_vote":
+        if impl.startswith("distlion"):
             calls = every[:, 10].max().item()
             rec["lionbit_split_s"] = {k: every[:, 6 + j].max().item() / args.steps
                                       for j, k in enumerate(("pack", "comm", "vote", "unpack"))}

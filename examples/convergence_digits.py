@@ -114,9 +114,9 @@ class _SingleProcessLion(lionbit.DistributedLion):
     """DistributedLion that never touches the process group: plain Lion."""
 
     def _vote(self, sign, zero, numel, nans, out, group, where, counts=None):
-        from lionbit.optim import _local_vote
+        from lionbit.lion_math import local_vote
 
-        out.copy_(_local_vote(sign, zero, numel))
+        out.copy_(local_vote(sign, zero, numel))
         fut = torch.futures.Future()
         fut.set_result([out])
         return fut

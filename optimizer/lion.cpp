@@ -66,7 +66,27 @@ bits::PackCounts lion_direction(
   }
   const detail::LionCoefs k{b1, omb1, b2, omb2};
   return detail::lion_kernels_for(isa).direction(
-      grad_dtype, g, momentum_dtype, m, n, k, sign, zero);
+      grad_dtype, g, momentum_dtype, m, n, k, sign, zero, true);
+}
+
+bits::PackCounts lion_direction_only(
+    DType grad_dtype,
+    const void* g,
+    DType momentum_dtype,
+    const void* m,
+    size_t n,
+    float b1,
+    float omb1,
+    uint64_t* sign,
+    uint64_t* zero,
+    Isa isa) {
+  if (n == 0 || !lion_direction_dtypes_supported(grad_dtype, momentum_dtype)) {
+    return {};
+  }
+  const detail::LionCoefs k{b1, omb1, 0.0f, 0.0f};
+  // update_momentum = false: m is only read.
+  return detail::lion_kernels_for(isa).direction(
+      grad_dtype, g, momentum_dtype, const_cast<void*>(m), n, k, sign, zero, false);
 }
 
 void lion_apply_dense(

@@ -92,7 +92,8 @@ bool lion_apply_dtypes_supported(bits::DType param, bits::DType delta);
 
 // Step 1, one pass: reads g[0..n) and m[0..n) once, writes m[0..n) (new
 // momentum) and words_for(n) words of `sign` and `zero` (the signs of c, see
-// above). Returns the number of c == 0 and c NaN elements.
+// above). Returns the number of c == 0, c NaN and c non-finite (NaN or
+// +-Inf: an infinite g or m) elements.
 bits::PackCounts lion_direction(
     bits::DType grad_dtype,
     const void* g,
@@ -103,6 +104,22 @@ bits::PackCounts lion_direction(
     float omb1,
     float b2,
     float omb2,
+    uint64_t* sign,
+    uint64_t* zero,
+    bits::Isa isa = bits::default_isa());
+
+// Step 1 without the momentum: the same bits and counts as lion_direction,
+// m only read. With lion_direction run later on the same g and m (its bits
+// discarded), the two give exactly lion_direction's results; the caller can
+// look at the counts (and at the other ranks') before any state changes.
+bits::PackCounts lion_direction_only(
+    bits::DType grad_dtype,
+    const void* g,
+    bits::DType momentum_dtype,
+    const void* m,
+    size_t n,
+    float b1,
+    float omb1,
     uint64_t* sign,
     uint64_t* zero,
     bits::Isa isa = bits::default_isa());

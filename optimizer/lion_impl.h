@@ -385,11 +385,12 @@ struct WordBits {
   uint64_t sign = 0;
   uint64_t zero = 0;
   uint64_t nan = 0;
+  uint64_t nonfinite = 0;
 };
 
-// cnt (<= 64, a multiple of V::kW) elements from i0: new momentum stored,
-// the bits of c returned (bit j for element i0 + j).
-template <class V, DType G, DType M>
+// cnt (<= 64, a multiple of V::kW) elements from i0: new momentum stored
+// (if Update), the bits of c returned (bit j for element i0 + j).
+template <class V, DType G, DType M, bool Update>
 inline WordBits direction_run(
     const void* g,
     void* m,
@@ -405,11 +406,14 @@ inline WordBits direction_run(
     const typename V::F gv = V::template load<G>(g, i0 + j);
     const typename V::F mv = V::template load<M>(m, i0 + j);
     const typename V::F c = V::add(V::mul(b1, mv), V::mul(omb1, gv));
-    const typename V::F mn = V::add(V::mul(b2, mv), V::mul(omb2, gv));
-    V::template store<M>(m, i0 + j, mn);
+    if constexpr (Update) {
+      const typename V::F mn = V::add(V::mul(b2, mv), V::mul(omb2, gv));
+      V::template store<M>(m, i0 + j, mn);
+    }
     r.sign |= V::gt0(c) << j;
     r.zero |= V::eq0(c) << j;
     r.nan |= V::nan(c) << j;
+    r.nonfinite |= V::nan(V::sub(c, c)) << j; // c - c is NaN iff c is NaN or +-Inf
   }
   return r;
 }
@@ -421,9 +425,12 @@ inline void count_word(const WordBits& b, PackCounts& c) {
   if (b.nan != 0) {
     c.nans += static_cast<uint64_t>(__builtin_popcountll(b.nan));
   }
+  if (b.nonfinite != 0) {
+    c.nonfinite += static_cast<uint64_t>(__builtin_popcountll(b.nonfinite));
+  }
 }
 
-template <DType G, DType M>
+template <DType G, DType M, bool Update>
 PackCounts direction_typed(
     const void* g,
     void* m,
@@ -435,7 +442,7 @@ PackCounts direction_typed(
   const size_t full = n / kWordBits;
   for (size_t w = 0; w < full; ++w) {
     const WordBits b =
-        direction_run<Vec, G, M>(g, m, w * kWordBits, kWordBits, k);
+        direction_run<Vec, G, M, Update>(g, m, w * kWordBits, kWordBits, k);
     sign[w] = b.sign;
     zero[w] = b.zero;
     count_word(b, c);
@@ -443,7 +450,7 @@ PackCounts direction_typed(
   const unsigned rest = static_cast<unsigned>(n - full * kWordBits);
   if (rest != 0) {
     const WordBits b =
-        direction_run<Sc, G, M>(g, m, full * kWordBits, rest, k);
+        direction_run<Sc, G, M, Update>(g, m, full * kWordBits, rest, k);
     sign[full] = b.sign;
     zero[full] = b.zero;
     count_word(b, c);
@@ -459,12 +466,15 @@ PackCounts direction_grad(
     size_t n,
     const LionCoefs& k,
     uint64_t* sign,
-    uint64_t* zero) {
+    uint64_t* zero,
+    bool update) {
   switch (md) {
     case DType::kFloat32:
-      return direction_typed<G, DType::kFloat32>(g, m, n, k, sign, zero);
+      return update ? direction_typed<G, DType::kFloat32, true>(g, m, n, k, sign, zero)
+                    : direction_typed<G, DType::kFloat32, false>(g, m, n, k, sign, zero);
     case DType::kBFloat16:
-      return direction_typed<G, DType::kBFloat16>(g, m, n, k, sign, zero);
+      return update ? direction_typed<G, DType::kBFloat16, true>(g, m, n, k, sign, zero)
+                    : direction_typed<G, DType::kBFloat16, false>(g, m, n, k, sign, zero);
     default:
       return {};
   }
@@ -478,14 +488,15 @@ PackCounts direction(
     size_t n,
     const LionCoefs& k,
     uint64_t* sign,
-    uint64_t* zero) {
+    uint64_t* zero,
+    bool update) {
   switch (gd) {
     case DType::kFloat32:
-      return direction_grad<DType::kFloat32>(g, md, m, n, k, sign, zero);
+      return direction_grad<DType::kFloat32>(g, md, m, n, k, sign, zero, update);
     case DType::kBFloat16:
-      return direction_grad<DType::kBFloat16>(g, md, m, n, k, sign, zero);
+      return direction_grad<DType::kBFloat16>(g, md, m, n, k, sign, zero, update);
     case DType::kFloat16:
-      return direction_grad<DType::kFloat16>(g, md, m, n, k, sign, zero);
+      return direction_grad<DType::kFloat16>(g, md, m, n, k, sign, zero, update);
     default:
       return {};
   }

@@ -21,7 +21,8 @@ struct LionKernels {
       size_t n,
       const LionCoefs& k,
       uint64_t* sign,
-      uint64_t* zero);
+      uint64_t* zero,
+      bool update_momentum);
   void (*apply_dense)(
       bits::DType param_dtype,
       void* x,

@@ -9,6 +9,9 @@ namespace lionbit::bits {
 struct PackCounts {
   uint64_t zeros = 0; // elements equal to 0 (including -0.0)
   uint64_t nans = 0; // NaN elements (their sign and zero bits are 0)
+  // NaN or +-Inf elements; only optim::lion_direction fills it (an infinite
+  // gradient or momentum makes a direction that must not be applied).
+  uint64_t nonfinite = 0;
 };
 
 // Writes words_for(n) words into `sign` (bit i set: src[i] > 0) and `zero`

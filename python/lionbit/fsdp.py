@@ -37,12 +37,18 @@ parameters from the same seed in float32):
 - the momentum is full-size on every rank (it follows the local gradient,
   which FSDP computes unsharded): memory is documented in docs/fsdp.md.
 
-Checkpoints: :func:`sharded_state_dict` / :func:`load_sharded_state_dict`
-(also ``opt.sharded_state_dict()``) present each rank's momentum as one
-DTensor of shape (N, *param_shape) sharded on dim 0 of the FSDP mesh, so
-``torch.distributed.checkpoint`` stores every rank's own momentum.
+Checkpoints: ``opt.state_dict()`` (:func:`state_dict`, so also torch's
+``get_optimizer_state_dict`` / ``set_optimizer_state_dict``) and
+:func:`sharded_state_dict` / :func:`load_sharded_state_dict` (also
+``opt.sharded_state_dict()``) present each rank's momentum as one DTensor of
+shape (N, *param_shape) sharded on dim 0 of the FSDP mesh, so
+``torch.distributed.checkpoint`` stores every rank's own momentum and a
+``full_state_dict=True`` checkpoint holds all N of them (row r: rank r's).
+Resuming needs the same number of ranks.
 """
 
+import copy
+import warnings
 from typing import Dict, List, Optional
 
 import torch
@@ -263,7 +269,7 @@ def full_momentum(opt, p: torch.Tensor, fp) -> torch.Tensor:
 def fsdp_reduce(opt, layout, inp, out, group, fqns, where) -> None:
     """Direction bits of the unit's local gradients -> sign reduce-scatter ->
     Delta of this rank's shard (into FSDP's output and kept for step())."""
-    from .optim import _Coefs, direction_into
+    from .lion_math import Coefs as _Coefs, direction_into
 
     fsdp_params, sizes = layout
     n, rank = group.size(), group.rank()
@@ -322,9 +328,17 @@ def fsdp_reduce(opt, layout, inp, out, group, fqns, where) -> None:
 
 
 def fsdp_step(opt) -> None:
-    from .optim import _Coefs, apply_update
+    from .lion_math import Coefs as _Coefs, apply_update
 
     pending, opt._fsdp_delta = opt._fsdp_delta, {}
+    if not pending and not opt.state:
+        init_momentum(opt)  # torch's _init_optim_state: step() with zero gradients on a fresh optimizer
+
+    def grad_of(p):
+        g = p.grad
+        return None if g is None else (g.to_local() if hasattr(g, "to_local") else g)
+
+    check_grads_untouched(opt, pending, grad_of, "FSDP2")
     for group in opt.param_groups:
         coefs = None
         for p in group["params"]:
@@ -336,66 +350,271 @@ def fsdp_step(opt) -> None:
             apply_update(local, delta, coefs, opt._fused_for(local, delta))
 
 
+def check_grads_untouched(opt, pending: dict, grad_of, kind: str) -> None:
+    """Under FSDP the update is voted during backward and the gradient is
+    gone; p.grad holds the voted update Delta. If something changed it before
+    step() (clip_grad_norm_, an unscale, any in-place edit), the user asked for
+    something this step cannot do: say so instead of ignoring it."""
+    for key, delta in pending.items():
+        g = grad_of(key)
+        if g is not None and delta.numel() and not torch.equal(g.reshape(-1), delta.reshape(-1).to(g.dtype)):
+            raise RuntimeError(
+                f"DistributedLion.step ({kind}): the gradients were changed between backward() and step() "
+                f"(gradient clipping, GradScaler.unscale_ or another in-place edit). Under {kind} lionbit's 1-bit "
+                f"reduce-scatter computes the Lion update during backward, so such a change cannot reach it, and "
+                f"p.grad holds the voted update (+-1/0 per element), not a gradient. Lion's update has size lr "
+                f"per element whatever the gradient's norm, so clipping is rarely needed: remove the call (with "
+                f"Lightning: gradient_clip_val=None; Hugging Face: max_grad_norm=0), or use DDP, where "
+                f"p.grad is the local gradient and clipping works per rank"
+            )
+
+
 # -- checkpoints --------------------------------------------------------------
+#
+# Each rank's momentum is full-size and its own (it follows the rank's local
+# gradients), so a checkpoint keeps N momenta per parameter. In every state
+# dict below, the momentum of a parameter of shape S is a DTensor of global
+# shape (N, *S) sharded on dim 0 over the FSDP mesh: row r is rank r's
+# momentum, and rank r's local tensor (1, *S) is a view of its momentum.
+# torch.distributed.checkpoint then writes every rank's row (a plain tensor
+# counts as replicated: dcp.save writes one rank's copy, whichever rank its
+# de-duplication balances the write onto, parameter by parameter), and
+# full_state_dict=True gathers the rows: a consolidated checkpoint holds all N
+# momenta stacked. Loading needs the same number of ranks.
+
+
+def _check_attached(opt, where: str, pending_ok: bool = False) -> None:
+    if getattr(opt, "_fsdp_params", None) is None:
+        raise RuntimeError(f"DistributedLion.{where}: attach(model) to an FSDP2 model first")
+    if opt._fsdp_delta and not pending_ok:
+        raise RuntimeError(
+            f"DistributedLion.{where}: an update is pending (backward ran, step() did not); "
+            f"save and load checkpoints after step() (or before backward())"
+        )
+
+
+def _rows(p: torch.Tensor, m: torch.Tensor):
+    """Rank r's momentum m as row r of an (N, *shape) DTensor (sharing m's memory)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(m.unsqueeze(0), p.device_mesh, [Shard(0)], run_check=False)
+
+
+def _own_row(opt, p: torch.Tensor, value, name: str, where: str, unsure: Optional[list] = None) -> torch.Tensor:
+    """This rank's momentum (the parameter's full shape) out of a loaded value:
+    the (N, *shape) DTensor of :func:`state_dict`, or a plain (N, *shape)
+    tensor (a consolidated checkpoint given to load_state_dict as it is): row
+    rank; a plain tensor of the parameter's shape (what torch's default
+    state_dict held before): taken as it is, its name added to ``unsure``
+    (see :func:`_warn_unsure`)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = tuple(opt._fsdp_params[p]._orig_size)
+    mesh = p.device_mesh
+    n, rank = mesh.size(), mesh.get_local_rank()
+    rows = (n, *shape)
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{where}: momentum of '{name}' is a {type(value).__name__}, not a tensor")
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        if tuple(value.shape) == rows and tuple(value.placements) == (Shard(0),) and tuple(local.shape) == (1, *shape):
+            return local[0]
+        got = f"a DTensor of shape {tuple(value.shape)} placed {tuple(value.placements)}"
+    else:
+        if tuple(value.shape) == rows:
+            return value[rank]
+        if tuple(value.shape) == shape:
+            if unsure is not None:
+                unsure.append(name)
+            return value
+        got = f"a tensor of shape {tuple(value.shape)}"
+    hint = ""
+    if value.dim() == len(shape) + 1 and tuple(value.shape[1:]) == shape and value.shape[0] != n:
+        hint = (
+            f": it holds the momenta of {value.shape[0]} ranks and this run has {n}; each rank's momentum "
+            f"follows its own data, so resume with the same number of ranks"
+        )
+    raise ValueError(
+        f"{where}: momentum of '{name}' is {got}; expected {rows}, row r being rank r's momentum "
+        f"(as state_dict() gives it){hint}"
+    )
+
+
+def _warn_unsure(opt, names: list, where: str) -> None:
+    if names:
+        warnings.warn(
+            f"{where} on rank {opt._fsdp_mesh.get_local_rank()}: the momentum of {len(names)} parameter(s) "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) is one tensor of the parameter's shape, "
+            f"not one per rank, so whose it is cannot be told: this rank continues from it. A per-rank file of "
+            f"this rank resumes exactly; a checkpoint of single-process Lion, another rank's file, or a DCP "
+            f"checkpoint written before lionbit kept every rank's momentum (DCP kept one rank's copy) does not "
+            f"continue bitwise",
+            stacklevel=4,
+        )
+
+
+def init_momentum(opt) -> None:
+    """Zero momentum for every trainable parameter that has none yet (what
+    the first reduce-scatter would create). :func:`fsdp_step` calls it when
+    step() finds no update pending and the state empty: torch's
+    ``_init_optim_state`` (get/set_optimizer_state_dict on a fresh optimizer)
+    calls step() with zero gradients and lr 0 on each rank on its own, and
+    then reads the state. No collective runs and no parameter changes."""
+    for p, fp in opt._fsdp_params.items():
+        if p.requires_grad:
+            full_momentum(opt, p, fp)
+
+
+def state_dict(opt) -> dict:
+    """``DistributedLion.state_dict()`` under FSDP2 (after attach): torch's
+    layout (``{"state": {index: {"exp_avg": ...}}, "param_groups": [...]}``,
+    parameters numbered in param_groups order, the state-dict hooks run), each
+    momentum the (N, *shape) DTensor described above, sharing memory with the
+    momentum (``dcp.load`` into it restores in place). Parameters without
+    momentum get zero momentum first, so the state dict is complete.
+
+    Through torch.distributed.checkpoint.state_dict: the default options give
+    every rank its row, which dcp.save / dcp.load keep per rank;
+    ``full_state_dict=True`` gathers the rows into one plain (N, *shape)
+    tensor per parameter (``cpu_offload=True``: on rank 0 only), a
+    consolidated checkpoint of every rank's momentum, N times a parameter's
+    size."""
+    _check_attached(opt, "state_dict")
+    for hook in getattr(opt, "_optimizer_state_dict_pre_hooks", {}).values():
+        hook(opt)
+    init_momentum(opt)
+    index: Dict[int, int] = {}
+    groups = []
+    for g in opt.param_groups:
+        packed = {k: v for k, v in g.items() if k != "params"}
+        packed["params"] = [index.setdefault(id(p), len(index)) for p in g["params"]]
+        groups.append(packed)
+    state = {}
+    for g in opt.param_groups:
+        for p in g["params"]:
+            st = opt.state.get(p)
+            if not st:
+                continue
+            state[index[id(p)]] = {
+                k: (_rows(p, v) if k == "exp_avg" and p in opt._fsdp_params else v) for k, v in st.items()
+            }
+    sd = {"state": state, "param_groups": groups}
+    for hook in getattr(opt, "_optimizer_state_dict_post_hooks", {}).values():
+        out = hook(opt, sd)
+        if out is not None:
+            sd = out
+    return sd
+
+
+def load_state_dict(opt, state_dict: dict) -> None:
+    """``DistributedLion.load_state_dict()`` under FSDP2 (after attach): what
+    :func:`state_dict` gave (after dcp.load into it), or the same with keys
+    renamed (torch's get/set_optimizer_state_dict use parameter names), or a
+    consolidated (N, *shape) momentum: rank r takes row r. Parameters are
+    matched by position in param_groups, as torch does; the hyperparameters
+    come from the state dict. The momentum is copied into the optimizer's own
+    tensor in its momentum_dtype (torch's Optimizer.load_state_dict would cast
+    it to the parameter's dtype). Everything is checked before anything
+    changes."""
+    where = "DistributedLion.load_state_dict (FSDP2)"
+    _check_attached(opt, "load_state_dict")
+    sd = dict(state_dict)
+    for hook in getattr(opt, "_optimizer_load_state_dict_pre_hooks", {}).values():
+        out = hook(opt, sd)
+        if out is not None:
+            sd = out
+    groups, saved_groups = opt.param_groups, sd["param_groups"]
+    if len(saved_groups) != len(groups):
+        raise ValueError(f"{where}: the state dict has {len(saved_groups)} parameter groups, this optimizer {len(groups)}")
+    ids = {}
+    for i, (mine, saved) in enumerate(zip(groups, saved_groups)):
+        if len(saved["params"]) != len(mine["params"]):
+            raise ValueError(
+                f"{where}: parameter group {i} has {len(saved['params'])} parameters in the state dict, "
+                f"{len(mine['params'])} in this optimizer"
+            )
+        ids.update(zip(saved["params"], mine["params"]))
+    marker = sd.get("lionbit")  # optim.py's {"rank", "world_size"} of a per-rank state dict
+    mesh = opt._fsdp_mesh
+    own_file = isinstance(marker, dict) and (marker.get("rank"), marker.get("world_size")) == (
+        mesh.get_local_rank(),
+        mesh.size(),
+    )
+    unsure = []
+    loaded = {}
+    for key, st in sd["state"].items():
+        p = ids.get(key)
+        if p is None:
+            raise ValueError(f"{where}: the state dict has state for parameter {key!r}, which no parameter group lists")
+        name = opt._fsdp_fqns.get(p, str(key))
+        loaded[p] = {k: (_own_row(opt, p, v, name, where, unsure) if k == "exp_avg" else v) for k, v in st.items()}
+    if not own_file:
+        _warn_unsure(opt, unsure, where)
+    # Checked: now change the optimizer. Its state becomes the state dict's.
+    for p in [p for p in opt.state if p not in loaded]:
+        del opt.state[p]
+    for p, new in loaded.items():
+        row = new.pop("exp_avg", None)
+        st = opt.state[p]
+        old = st.get("exp_avg")
+        st.clear()
+        st.update(new)
+        if row is None:
+            continue
+        if old is None or old.dtype != opt.momentum_dtype or old.shape != row.shape:
+            old = torch.zeros(row.shape, dtype=opt.momentum_dtype)
+        if not (row.data_ptr() == old.data_ptr() and row.dtype == old.dtype and row.stride() == old.stride()):
+            old.copy_(row)
+        st["exp_avg"] = old
+    for mine, saved in zip(groups, saved_groups):
+        for k, v in saved.items():
+            if k != "params":
+                mine[k] = tuple(v) if k == "betas" else copy.deepcopy(v)
+    for hook in getattr(opt, "_optimizer_load_state_dict_post_hooks", {}).values():
+        hook(opt)
 
 
 def sharded_state_dict(opt) -> dict:
-    """The optimizer's state for ``torch.distributed.checkpoint``: each
-    parameter's momentum (per rank, full-size) as a DTensor of shape
-    (N, *param_shape) sharded on dim 0 over the FSDP mesh, keyed by the
-    parameter's name, so that every rank saves and loads its own; the
-    hyperparameters of every parameter group as plain values. Its DTensors
-    share memory with the momentum: ``dcp.load`` into it restores in place;
-    call :func:`load_sharded_state_dict` afterwards."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if getattr(opt, "_fsdp_params", None) is None:
-        raise RuntimeError("DistributedLion.sharded_state_dict: attach(model) to an FSDP2 model first")
-    if opt._fsdp_delta:
-        raise RuntimeError(
-            "DistributedLion.sharded_state_dict: an update is pending (backward ran, step() did not); "
-            "checkpoint after step()"
-        )
+    """The optimizer's state for ``torch.distributed.checkpoint`` used
+    directly (without torch's state_dict helpers): each parameter's momentum
+    as the (N, *param_shape) DTensor above, keyed by the parameter's name;
+    the hyperparameters of every parameter group as plain values. Its
+    DTensors share memory with the momentum: ``dcp.load`` into it restores
+    in place; call :func:`load_sharded_state_dict` afterwards."""
+    _check_attached(opt, "sharded_state_dict")
     momentum = {}
     for p, fp in opt._fsdp_params.items():
         if not p.requires_grad:
             continue
-        m = full_momentum(opt, p, fp)
-        momentum[opt._fsdp_fqns[p]] = DTensor.from_local(
-            m.unsqueeze(0), opt._fsdp_mesh, [Shard(0)], run_check=False
-        )
+        momentum[opt._fsdp_fqns[p]] = _rows(p, full_momentum(opt, p, fp))
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return {"momentum": momentum, "param_groups": hyper, "aggregation": opt.aggregation}
 
 
 def load_sharded_state_dict(opt, sd: dict) -> None:
-    if getattr(opt, "_fsdp_params", None) is None:
-        raise RuntimeError("DistributedLion.load_sharded_state_dict: attach(model) to an FSDP2 model first")
+    where = "DistributedLion.load_sharded_state_dict"
+    _check_attached(opt, "load_sharded_state_dict", pending_ok=True)
     if sd.get("aggregation", opt.aggregation) != opt.aggregation:
         raise ValueError(
-            f"DistributedLion.load_sharded_state_dict: the checkpoint used aggregation={sd['aggregation']!r}, "
-            f"this optimizer {opt.aggregation!r}"
+            f"{where}: the checkpoint used aggregation={sd['aggregation']!r}, this optimizer {opt.aggregation!r}"
         )
     groups = sd["param_groups"]
     if len(groups) != len(opt.param_groups):
         raise ValueError(
-            f"DistributedLion.load_sharded_state_dict: the checkpoint has {len(groups)} parameter groups, "
-            f"this optimizer {len(opt.param_groups)}"
+            f"{where}: the checkpoint has {len(groups)} parameter groups, this optimizer {len(opt.param_groups)}"
         )
     by_name = {n: p for p, n in opt._fsdp_fqns.items()}
+    rows, unsure = {}, []
     for name, value in sd["momentum"].items():
         p = by_name.get(name)
         if p is None or p not in opt._fsdp_params:
-            raise ValueError(f"DistributedLion.load_sharded_state_dict: unknown parameter '{name}' in the checkpoint")
-        local = value.to_local() if hasattr(value, "to_local") else value
+            raise ValueError(f"{where}: unknown parameter '{name}' in the checkpoint")
+        rows[p] = _own_row(opt, p, value, name, where, unsure)
+    _warn_unsure(opt, unsure, where)
+    for p, row in rows.items():
         m = full_momentum(opt, p, opt._fsdp_params[p])
-        if tuple(local.shape) != (1, *m.shape):
-            raise ValueError(
-                f"DistributedLion.load_sharded_state_dict: momentum of '{name}' has local shape {tuple(local.shape)}, "
-                f"expected {(1, *m.shape)} (same world size and model as the checkpoint)"
-            )
-        if local.data_ptr() != m.data_ptr():
-            m.copy_(local.reshape(m.shape))
+        if row.data_ptr() != m.data_ptr():
+            m.copy_(row)
     for mine, saved in zip(opt.param_groups, groups):
         for k, v in saved.items():
             mine[k] = tuple(v) if k == "betas" else v

@@ -104,7 +104,7 @@ def _check_grad(unit: _Unit, grad: torch.Tensor, expect: int) -> None:
 def _pack(unit: _Unit, grad: torch.Tensor, shard: int, shards: int):
     """Direction bits of the unit's local gradient: chunk r of `shard`
     elements at bit r * 64 * ceil(shard / 64). Returns (sign, zero, nans)."""
-    from .optim import _Coefs, direction_into
+    from .lion_math import Coefs as _Coefs, direction_into
 
     opt = unit.opt
     words = (shard + 63) // 64
@@ -156,21 +156,39 @@ def _reduce_sharded(unit: _Unit, grad: torch.Tensor, output: torch.Tensor) -> No
 
 
 def _reduce_no_shard(unit: _Unit, grad: torch.Tensor) -> None:
-    total = unit.numel
-    _check_grad(unit, grad, total)
-    _check_pending(unit)
-    sign, zero, nans = _pack(unit, grad, max(total, 1), 1)
-    delta = torch.empty(total, dtype=_delta_dtype(unit.opt))
-    unit.opt._vote(sign, zero, total, nans, delta, unit.group, "attach (FSDP1 NO_SHARD comm hook)").wait()
-    _zero_padding(unit, delta, 0)
-    unit.opt._fsdp1_delta[unit] = delta
-    grad.copy_(delta)
+    """NO_SHARD is DDP's case: the gradient stays this rank's own (p.grad
+    after backward is the local gradient, clipping and logging see it), and
+    step() votes the directions of the gradients as they stand then."""
+    _check_grad(unit, grad, unit.numel)
+
+
+def no_shard_entries(opt) -> list:
+    """The step_vote entries of every NO_SHARD unit with a gradient: one per
+    original parameter's segment of the flat parameter."""
+    from .lion_math import Coefs
+    from .step_vote import Entry
+
+    entries = []
+    for unit in opt._fsdp1_units:
+        fp = unit.handle.flat_param
+        if unit.sharded or fp.grad is None:
+            continue
+        g, x, m = fp.grad.view(-1), fp.data.view(-1), unit.momentum_tensor()
+        if g.numel() < unit.numel or x.numel() < unit.numel:
+            raise RuntimeError(f"{unit.where()}: step() found a flat gradient of {g.numel()} elements, expected {unit.numel}")
+        for off, numel, group, _ in unit.segments:
+            gs, xs, ms = g[off : off + numel], x[off : off + numel], m[off : off + numel]
+            entries.append(Entry(xs, gs, ms, Coefs(group), opt._fused_for(xs, gs)))
+    return entries
 
 
 def fsdp1_step(opt) -> None:
-    from .optim import _Coefs, apply_update
+    from .lion_math import Coefs as _Coefs, apply_update
+
+    from .fsdp import check_grads_untouched
 
     pending, opt._fsdp1_delta = opt._fsdp1_delta, {}
+    check_grads_untouched(opt, pending, lambda unit: unit.handle.flat_param.grad, "FSDP1")
     for unit, delta in pending.items():
         local = unit.handle.flat_param.data
         base = unit.group.rank() * delta.numel() if unit.sharded else 0

@@ -22,6 +22,8 @@ in float64 and rounded once to float32:
 when stored).
 """
 
+import logging
+import warnings
 from typing import Dict, Optional
 
 import torch
@@ -30,89 +32,19 @@ import torch.distributed as dist
 from . import _C
 from . import fsdp as _fsdp
 from . import fsdp1 as _fsdp1
+from . import lion_math
+from . import step_vote
 from ._backend import _backend_for
+from .ddp import attach_ddp
+
+log = logging.getLogger("lionbit")
+
+# GradScaler passes itself to an optimizer whose step() takes grad_scaler= and
+# warns that it will stop doing so; DistributedLion needs it (to make every
+# rank's scaler back off alike), and the warning tells a user nothing to do.
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
 _AGGREGATIONS = ("vote", "avg")
-
-
-def _f32(x: float) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.float32)
-
-
-class _Coefs:
-    """A group's hyperparameters: the float64 values of the contract (the
-    fused kernels round them to float32) and their float32 tensors (for the
-    torch path)."""
-
-    def __init__(self, group: dict):
-        b1, b2 = group["betas"]
-        lr, wd = group["lr"], group["weight_decay"]
-        self.values = (b1, 1.0 - b1, b2, 1.0 - b2, lr, 1.0 - lr * wd)
-        self.b1, self.omb1, self.b2, self.omb2, self.lr, self.decay = (_f32(v) for v in self.values)
-
-
-def direction_into(g, m, coefs: _Coefs, sign, zero, bit_offset: int, fused: bool, counts=None) -> int:
-    """Updates momentum m in place and packs sign(b1 m + (1 - b1) g) into the
-    uint8 bit-planes sign / zero at bit_offset. Returns the number of NaNs
-    (CUDA: 0; the kernels add the zero / NaN tallies to ``counts`` on the
-    device instead, without a host synchronisation)."""
-    if g.is_cuda:
-        if fused:
-            b1, omb1, b2, omb2, _, _ = coefs.values
-            _C.lion_direction_into_device(g.reshape(-1), m.view(-1), b1, omb1, b2, omb2, sign, zero, counts, bit_offset)
-            return 0
-        gf, mf = g.float(), m.float()
-        c = torch.add(torch.mul(mf, coefs.b1), torch.mul(gf, coefs.omb1))
-        m.copy_(torch.add(torch.mul(mf, coefs.b2), torch.mul(gf, coefs.omb2)))
-        _C.pack_signs_into_device(c.reshape(-1), sign, zero, counts, bit_offset)
-        return 0
-    if fused:
-        b1, omb1, b2, omb2, _, _ = coefs.values
-        return _C.lion_direction_into(g.reshape(-1), m.view(-1), b1, omb1, b2, omb2, sign, zero, bit_offset)
-    gf, mf = g.float(), m.float()
-    c = torch.add(torch.mul(mf, coefs.b1), torch.mul(gf, coefs.omb1))
-    m.copy_(torch.add(torch.mul(mf, coefs.b2), torch.mul(gf, coefs.omb2)))
-    _, nans = _C.pack_signs_into(c.reshape(-1), sign, zero, bit_offset)
-    return nans
-
-
-def apply_update(p, delta, coefs: _Coefs, fused: bool) -> None:
-    """x = fl(fl(x * decay) - fl(lr * Delta)), in place."""
-    if fused:
-        _, _, _, _, lr, decay = coefs.values
-        apply = _C.lion_apply_device if p.is_cuda else _C.lion_apply
-        apply(p.view(-1), delta.reshape(-1), lr, decay)
-        return
-    xf = p.float()
-    p.copy_(torch.sub(torch.mul(xf, coefs.decay), torch.mul(delta.reshape(p.shape).float(), coefs.lr)))
-
-
-def _plane_bytes(numel: int) -> int:
-    return (numel + 63) // 64 * 8
-
-
-def _planes(numel: int, device=None):
-    nbytes = _plane_bytes(numel)
-    return (
-        torch.zeros(nbytes, dtype=torch.uint8, device=device),
-        torch.zeros(nbytes, dtype=torch.uint8, device=device),
-    )
-
-
-def _counts(device):
-    """{zeros, NaNs} tallied on a CUDA device by the packing kernels."""
-    return torch.zeros(2, dtype=torch.int64, device=device) if device.type == "cuda" else None
-
-
-def _local_vote(sign, zero, numel: int) -> torch.Tensor:
-    """Delta of a single rank (no process group): its own direction."""
-    shifts = torch.arange(64, dtype=torch.int64, device=sign.device)
-
-    def bits(plane):
-        return ((plane.view(torch.int64).unsqueeze(1) >> shifts) & 1).reshape(-1)[:numel]
-
-    s, z = bits(sign), bits(zero)
-    return (s - (1 - s) * (1 - z)).to(torch.bfloat16)
 
 
 class DistributedLion(torch.optim.Optimizer):
@@ -137,10 +69,13 @@ class DistributedLion(torch.optim.Optimizer):
             ops. Both give bitwise the same result.
 
     Without a process group (``torch.distributed`` not initialized) it is
-    single-process Lion. With a plain module, ``step()`` runs the vote itself,
-    one collective per step for all parameters. With DDP, call
-    ``attach(ddp_model)``: the vote then runs in DDP's communication hook,
-    overlapping backward, and ``step()`` only applies it.
+    single-process Lion. With a plain module, ``step()`` votes the directions
+    itself. With DDP, call ``attach(ddp_model)``: DDP then all-reduces no
+    gradient, ``p.grad`` after backward is each rank's own gradient, and
+    ``step()`` votes the directions of the gradients as they stand (after
+    clipping or unscaling); the vote starts during backward where that is
+    exact (lionbit.ddp). ``torch.amp.GradScaler`` is supported: an inf/NaN on
+    any rank skips the step on every rank.
     """
 
     def __init__(
@@ -172,7 +107,6 @@ class DistributedLion(torch.optim.Optimizer):
         self.momentum_dtype = momentum_dtype or torch.float32
         self.fused = fused
         self._ddp = None  # the DDP model after attach()
-        self._ddp_planes = {}  # DDP bucket index -> its (sign, zero) planes, kept across steps
         self._fsdp_params = None  # sharded parameter -> FSDPParam after attach(fsdp2 model)
         self._fsdp_delta = {}  # sharded parameter -> Delta of the local shard, pending step()
         self._fsdp1_units = None  # FSDP1 comm-hook states (one per FSDP instance) after attach(fsdp1 model)
@@ -185,7 +119,34 @@ class DistributedLion(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, dtype=self.momentum_dtype, memory_format=torch.contiguous_format)
         return state["exp_avg"]
 
+    def state_dict(self):
+        """torch's optimizer state dict, plus which rank's momentum it holds
+        (``"lionbit": {"rank", "world_size"}``): each rank's momentum is its
+        own, so an exact resume loads each rank's own file."""
+        if self._fsdp_params is not None:  # FSDP2: every rank's momentum (lionbit.fsdp.state_dict)
+            return _fsdp.state_dict(self)
+        sd = super().state_dict()
+        if dist.is_initialized():
+            sd["lionbit"] = {"rank": dist.get_rank(self.group), "world_size": dist.get_world_size(self.group)}
+        return sd
+
     def load_state_dict(self, state_dict):
+        if self._fsdp_params is not None:
+            return _fsdp.load_state_dict(self, state_dict)
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("lionbit", None)
+        if saved is not None and dist.is_initialized():
+            rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+            if (saved.get("rank"), saved.get("world_size")) != (rank, size):
+                warnings.warn(
+                    f"DistributedLion.load_state_dict on rank {rank}: this state dict holds the momentum of rank "
+                    f"{saved.get('rank')} of {saved.get('world_size')}, so this rank continues from that rank's "
+                    f"momentum, not its own (when every rank loads rank 0's file, every rank starts with the same "
+                    f"momentum: a momentum synchronization; training goes on, but not bitwise as without the "
+                    f"restart). For an exact resume save each rank's own: torch.save(opt.state_dict(), "
+                    f"f'opt.rank{{dist.get_rank()}}.pt') on every rank, and load each rank's file",
+                    stacklevel=2,
+                )
         super().load_state_dict(state_dict)
         # torch casts loaded state to each parameter's dtype; the momentum
         # keeps its own.
@@ -226,10 +187,12 @@ class DistributedLion(torch.optim.Optimizer):
         if group is None and not dist.is_initialized():
             if counts is not None:
                 nans = int(counts[1].item())
-            if nans:
-                raise RuntimeError(f"DistributedLion.{where}: the update direction contains NaN")
-            out.copy_(_local_vote(sign, zero, numel))
             fut = torch.futures.Future(devices=[out.device] if out.is_cuda else None)
+            if nans:
+                # The same words as the header round's, so that callers treat both alike.
+                fut.set_exception(ValueError(f"DistributedLion.{where}: input contains NaN on rank(s) [0]"))
+                return fut
+            out.copy_(lion_math.local_vote(sign, zero, numel))
             fut.set_result([out])
             return fut
         backend = _backend_for(group, out.device, where)
@@ -239,87 +202,145 @@ class DistributedLion(torch.optim.Optimizer):
             work = backend.all_reduce_sign_packed(sign, zero, numel, nans, out, self.aggregation)
         return work.get_future()
 
-    # -- plain module ------------------------------------------------------
+    # -- step ----------------------------------------------------------------
+    #: torch.amp.GradScaler hands this optimizer the step (and itself): the
+    #: inf/NaN decision is taken jointly by all ranks, see step().
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
+        """One Lion step from the gradients as they stand now (after any
+        clipping or unscaling). With ``torch.amp.GradScaler`` (which passes
+        itself as ``grad_scaler``) the gradients are unscaled first (unless
+        ``scaler.unscale_(opt)`` already did); an inf/NaN on any rank makes
+        every rank skip the step, changing nothing, and every rank's scaler
+        backs off. Without a scaler an inf/NaN gradient on any rank raises
+        on every rank, again before anything changed."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._fsdp1_units is not None:
-            # The FSDP1 comm hooks already voted: apply Delta to the local flat shards.
-            _fsdp1.fsdp1_step(self)
-            return loss
-        items = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not items and not self._fsdp_delta:
-            return loss
-        if self._fsdp_params is not None:
-            # The FSDP reduce-scatter already voted: apply Delta to the local shards.
-            _fsdp.fsdp_step(self)
-            return loss
-        for p, _ in items:
-            self._check_param(p, "step")
-        device = items[0][0].device
-        if self._ddp is None and any(p.device != device for p, _ in items):
-            devices = sorted({str(p.device) for p, _ in items})
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             raise RuntimeError(
-                f"DistributedLion.step: parameters on several devices ({', '.join(devices)}); one step votes "
-                f"all of them in one collective, so they must share a device (use one optimizer per device)"
+                "DistributedLion.step: this torch's GradScaler set optimizer.grad_scale / found_inf instead of "
+                "passing grad_scaler=; lionbit does not support that protocol yet (the step would use scaled "
+                "gradients)"
             )
-        if self._ddp is not None:
-            # The hook already voted: p.grad holds Delta.
-            for p, g in items:
-                apply_update(p, p.grad, _Coefs(g), self._fused_for(p, p.grad))
+        if self._fsdp1_units is not None or self._fsdp_params is not None:
+            self._fsdp_step(grad_scaler)
+            if self._fsdp_params is not None:
+                return loss
+        found = None
+        if grad_scaler is not None:
+            found = self._unscale(grad_scaler)
+        try:
+            if self._ddp is not None:
+                entries, deltas, scratch = self._ddp.step("step", scaled=grad_scaler is not None)
+            elif self._fsdp1_units is not None:
+                entries, deltas, scratch = self._vote_entries(_fsdp1.no_shard_entries(self))
+            else:
+                entries, deltas, scratch = self._plain_votes()
+        except step_vote.NonFinite as bad:
+            if found is None:
+                raise RuntimeError(
+                    f"DistributedLion.step on rank {dist.get_rank(self.group) if dist.is_initialized() else 0}: "
+                    f"non-finite gradient (inf or NaN) on rank(s) {bad.ranks}; no parameter or momentum changed on "
+                    f"any rank. With float16 autocast use torch.amp.GradScaler, which skips such steps"
+                ) from None
+            for t in found.values():
+                t.fill_(1.0)  # every rank's scaler backs off alike
+            log.info("lionbit: DistributedLion skipped a step: inf/NaN gradient on rank(s) %s", bad.ranks)
             return loss
-        total = sum(p.numel() for p, _ in items)
-        sign, zero = _planes(total, device)
-        counts = _counts(device)
-        nans, off = 0, 0
-        for p, g in items:
-            grad = p.grad.contiguous()
-            nans += direction_into(
-                grad, self._momentum(p), _Coefs(g), sign, zero, off, self._fused_for(p, grad), counts
-            )
-            off += p.numel()
-        # Delta: -1/0/+1 is exact in bfloat16 (half float32's memory); an
-        # average k/N is rounded to float32, the update's arithmetic type.
-        out = torch.empty(total, dtype=torch.bfloat16 if self.aggregation == "vote" else torch.float32, device=device)
-        self._vote(sign, zero, total, nans, out, self.group, "step", counts).wait()
-        off = 0
-        for p, g in items:
-            delta = out[off : off + p.numel()]
-            apply_update(p, delta, _Coefs(g), self._fused_for(p, delta))
-            off += p.numel()
+        step_vote.update(entries, deltas, scratch)
         return loss
 
+    def _unscale(self, scaler) -> dict:
+        """Unscales the gradients in place (as GradScaler.unscale_ does) unless
+        the user already did; returns the scaler's per-device found_inf
+        tensors, which its update() reads."""
+        from torch.amp.grad_scaler import OptState
+
+        state = scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.READY:
+            scaler.unscale_(self)
+        return scaler._found_inf_per_device(self)
+
+    def _plain_votes(self):
+        if not getattr(self, "_checked_unattached", False):
+            self._checked_unattached = True
+            self._warn_if_ddp_unattached()
+        return self._vote_entries(step_vote.step_entries(self, self.param_groups))
+
+    def _warn_if_ddp_unattached(self) -> None:
+        """Once, at the first step: a DDP model holding these parameters but
+        not attached all-reduces every gradient in fp32 before the vote."""
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return
+        import gc
+
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        mine = {id(p) for g in self.param_groups for p in g["params"]}
+        for obj in gc.get_objects():
+            if isinstance(obj, DDP) and any(id(p) in mine for p in obj.parameters()):
+                warnings.warn(
+                    f"DistributedLion.step on rank {dist.get_rank(self.group)}: these parameters belong to a "
+                    f"DistributedDataParallel model that was not attached, so DDP all-reduces every gradient in "
+                    f"fp32 and the 1-bit vote runs on top of it: all the cost, none of the saving. Call "
+                    f"opt.attach(ddp_model) once after creating both",
+                    stacklevel=3,
+                )
+                return
+
+    def _vote_entries(self, entries):
+        if not entries:
+            return [], [], None
+        device = entries[0].param.device
+        if any(e.param.device != device for e in entries):
+            devices = sorted({str(e.param.device) for e in entries})
+            raise RuntimeError(
+                f"DistributedLion.step: parameters on several devices ({', '.join(devices)}); one step votes "
+                f"all of them together, so they must share a device (use one optimizer per device)"
+            )
+        if not hasattr(self, "_step_buffers"):
+            self._step_buffers = step_vote.VoteBuffers()
+        deltas = step_vote.vote_chunks(self, entries, self.group, "step", self._step_buffers)
+        return entries, deltas, self._step_buffers.scratch
+
+    def _fsdp_step(self, grad_scaler) -> None:
+        kind = "FSDP1" if self._fsdp1_units is not None else "FSDP2"
+        if grad_scaler is not None:
+            raise RuntimeError(
+                f"DistributedLion.step ({kind}): GradScaler is not supported with FSDP: the 1-bit reduce-scatter "
+                f"computes the Lion update during backward, from the still-scaled gradients. Use bfloat16 mixed "
+                f"precision instead (FSDP2: MixedPrecisionPolicy(param_dtype=torch.bfloat16); or torch.autocast "
+                f"with dtype=torch.bfloat16), which needs no loss scaling"
+            )
+        if self._fsdp1_units is not None:
+            _fsdp1.fsdp1_step(self)
+        else:
+            _fsdp.fsdp_step(self)
+
     # -- DDP ----------------------------------------------------------------
-    def attach(self, model):
+    def attach(self, model, overlap: bool = True):
         """Route this optimizer's updates through the model's communication.
 
-        ``DistributedDataParallel``: registers a comm hook that turns each
-        bucket's gradients into direction bits, votes them with the 1-bit
-        sign all-reduce (no gradient all-reduce at all) and hands DDP the
-        voted update as the bucket's value; ``step()`` then applies it. A
-        plain module needs no attach. Returns self.
+        ``DistributedDataParallel``: registers a comm hook; DDP then
+        all-reduces no gradient, ``p.grad`` keeps each rank's own gradient,
+        and ``step()`` votes the Lion directions with 1 bit per parameter.
+        ``overlap=True`` (default) starts the vote during backward where that
+        is exact (see lionbit.ddp); ``overlap=False`` votes at ``step()``.
+        FSDP2 / FSDP1 models: the 1-bit reduce-scatter (lionbit.fsdp,
+        lionbit.fsdp1). A plain module needs no attach. Returns self.
         """
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        model = getattr(model, "_orig_mod", model)  # torch.compile(ddp_model): attach the DDP model inside
         if self._ddp is not None or self._fsdp_params is not None or self._fsdp1_units is not None:
             if isinstance(model, DDP) or _fsdp.is_fsdp2(model) or _fsdp1.is_fsdp1(model):
                 raise RuntimeError("DistributedLion.attach: this optimizer is already attached to a model")
         if isinstance(model, DDP):
-            known = self._group_of()
-            missing = [n for n, p in model.module.named_parameters() if p.requires_grad and p not in known]
-            if missing:
-                raise ValueError(
-                    f"DistributedLion.attach: the DDP model's parameters {missing[:5]} are not in this optimizer; "
-                    f"DDP would vote them with no momentum or hyperparameters"
-                )
-            if self.group is None:
-                self.group = model.process_group
-            _backend_for(self.group, next(model.parameters()).device, "attach")  # a lionbit group, or a clear error
-            model.register_comm_hook(self, _ddp_hook)
-            self._ddp = model
+            self._ddp = attach_ddp(self, model, bool(overlap))
             return self
         if _fsdp.is_fsdp2(model):
             if self._ddp is not None or self._fsdp_params is not None:
@@ -361,41 +382,3 @@ class DistributedLion(torch.optim.Optimizer):
 
     def _fsdp_reduce(self, layout, inp, out, group, fqns, where):
         _fsdp.fsdp_reduce(self, layout, inp, out, group, fqns, where)
-
-
-def _ddp_hook(opt: DistributedLion, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: local gradients -> direction bits -> vote -> Delta."""
-    with torch.no_grad():
-        buffer = bucket.buffer()
-        params, grads = bucket.parameters(), bucket.gradients()
-        total = buffer.numel()
-        groups = opt._group_of()
-        # The bit-planes of this bucket are kept across steps (zeroed here: the
-        # direction kernels OR bits in at parameter boundaries). The previous
-        # step's vote on them is done: DDP waits for every bucket's future
-        # before backward returns.
-        planes = opt._ddp_planes.get(bucket.index())
-        if planes is None or planes[0].numel() != _plane_bytes(total) or planes[0].device != buffer.device:
-            # (DDP rebuilds its buckets after the first step: sizes change once.)
-            planes = opt._ddp_planes[bucket.index()] = _planes(total, buffer.device)
-        else:
-            planes[0].zero_()
-            planes[1].zero_()
-        sign, zero = planes
-        counts = _counts(buffer.device)
-        nans, off = 0, 0
-        for p, g in zip(params, grads):
-            opt._check_param(p, "attach (DDP hook)")
-            nans += direction_into(
-                g, opt._momentum(p), _Coefs(groups[p]), sign, zero, off, opt._fused_for(p, g), counts
-            )
-            off += g.numel()
-        if off != total:
-            raise RuntimeError(f"DistributedLion: DDP bucket holds {total} elements, its gradients {off}")
-        # The vote is unpacked straight into the bucket's buffer, as DDP's own
-        # all-reduce works in place: its gradients are spent (packed above),
-        # and a fresh output per bucket cost lionbit's unpack ~3x its time in
-        # page faults (docs/benchmarks.md, suite 3).
-        out = buffer
-        fut = opt._vote(sign, zero, total, nans, out, opt.group, "attach (DDP hook)", counts)
-        return fut.then(lambda f: f.value()[0])

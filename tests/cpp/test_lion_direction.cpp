@@ -41,6 +41,7 @@ struct Reference {
   std::vector<uint8_t> m; // new momentum, dtype md
   uint64_t zeros = 0;
   uint64_t nans = 0;
+  uint64_t nonfinite = 0; // c NaN or +-Inf
 };
 
 Reference reference_direction(
@@ -58,6 +59,7 @@ Reference reference_direction(
     const float mf = widen(md, m.data(), i);
     const float c = ref_add(ref_mul(k.b1, mf), ref_mul(k.omb1, gf));
     const float mn = ref_add(ref_mul(k.b2, mf), ref_mul(k.omb2, gf));
+    r.nonfinite += std::isfinite(c) ? 0 : 1;
     if (std::isnan(c)) {
       r.state[i] = 2;
       ++r.nans;
@@ -115,6 +117,21 @@ DirRun run_direction(
   r.m.assign(mb.bytes(), mb.bytes() + n * esize(md));
   r.sign.assign(sb.words(), sb.words() + words);
   r.zero.assign(zb.words(), zb.words() + words);
+
+  // lion_direction_only on the original momentum: the same bits and counts,
+  // and m left as it was.
+  Guarded m2(n * esize(md)), s2(words * 8), z2(words * 8);
+  m2.fill(m);
+  const bits::PackCounts c2 = lion_direction_only(
+      gd, gb.bytes(), md, m2.bytes(), n, k.b1, k.omb1, s2.words(), z2.words(), isa);
+  EXPECT_TRUE(m2.guard_intact() && s2.guard_intact() && z2.guard_intact())
+      << "lion_direction_only wrote past an end";
+  EXPECT_TRUE(equal_bytes(m2.bytes(), m.data(), m.size())) << "lion_direction_only modified m";
+  EXPECT_EQ(c2.zeros, r.counts.zeros);
+  EXPECT_EQ(c2.nans, r.counts.nans);
+  EXPECT_EQ(c2.nonfinite, r.counts.nonfinite);
+  EXPECT_TRUE(n == 0 || equal_bytes(s2.bytes(), sb.bytes(), words * 8)) << "lion_direction_only sign bits differ";
+  EXPECT_TRUE(n == 0 || equal_bytes(z2.bytes(), zb.bytes(), words * 8)) << "lion_direction_only zero bits differ";
   return r;
 }
 
@@ -126,6 +143,7 @@ void expect_matches(
     size_t n) {
   EXPECT_EQ(run.counts.zeros, ref.zeros);
   EXPECT_EQ(run.counts.nans, ref.nans);
+  EXPECT_EQ(run.counts.nonfinite, ref.nonfinite);
   for (size_t i = 0; i < n; ++i) {
     ASSERT_EQ(bit_of(run.sign.data(), i), ref.state[i] == 1)
         << "sign bit of element " << i << " (state " << ref.state[i] << ")";

@@ -467,8 +467,9 @@ def case_distributed_lion_nan_gradient(rank, n):
     p.grad = torch.ones(50)
     if rank == 2:
         p.grad[7] = float("nan")
-    _raises(opt.step, r"lionbit all_reduce_sign\(op=vote\) on rank %d: input contains NaN on rank\(s\) \[2\]" % rank)
+    _raises(opt.step, r"DistributedLion.step on rank %d: non-finite gradient \(inf or NaN\) on rank\(s\) \[2\]" % rank)
     assert torch.equal(p.detach(), torch.ones(50))  # no update applied
+    assert torch.equal(opt.state[p]["exp_avg"], torch.zeros(50))  # nor a momentum change
 
 
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}

@@ -340,13 +340,23 @@ def bad_arguments(rank, n):
     opt = lionbit.DistributedLion(model.head.parameters())
     with pytest.raises(ValueError, match="not in this optimizer"):
         opt.attach(ddp)
-    # NaN gradients: an error on every rank, naming the rank.
+    # NaN / Inf gradients: an error on every rank, naming the rank, before
+    # any parameter or momentum changed anywhere.
     opt = lionbit.DistributedLion(model.parameters())
     _loss(model, rank, 0).backward()
-    if rank == 1:
-        model.a.weight.grad[0, 0] = float("nan")
-    with pytest.raises(ValueError, match=r"NaN on rank\(s\) \[1\]"):
-        opt.step()
+    opt.step()
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        opt.zero_grad()
+        _loss(model, rank, 1).backward()
+        if rank == 1:
+            model.a.weight.grad[0, 0] = bad
+        before = [p.detach().clone() for p in model.parameters()]
+        momenta = {p: s["exp_avg"].clone() for p, s in opt.state.items()}
+        assert momenta
+        with pytest.raises(RuntimeError, match=r"non-finite gradient \(inf or NaN\) on rank\(s\) \[1\]"):
+            opt.step()
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert all(torch.equal(m, opt.state[p]["exp_avg"]) for p, m in momenta.items())
     return True
 
 

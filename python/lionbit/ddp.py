@@ -1,0 +1,230 @@
+"""DistributedLion on ``DistributedDataParallel``: a comm hook that leaves
+each rank's own gradient in ``p.grad`` (no gradient all-reduce at all) and,
+where that is exact, starts the vote of the Lion directions during backward.
+
+``p.grad`` after ``backward()`` is this rank's local gradient (DDP does not
+divide by the world size when a comm hook is registered; nothing is
+averaged). ``step()`` uses the gradients as they stand then:
+
+- overlap (the default): the hook packs each bucket's directions from the
+  local gradients and the momentum (read only) and starts their vote at
+  once, overlapping the rest of backward. After DDP has written the
+  gradients back, the version counter of every ``p.grad`` is recorded.
+  ``step()`` checks them; the ranks agree (one 1-element all-reduce) and,
+  if no rank's gradients changed, the votes started in backward are the
+  step's. If any rank's gradients changed (clipping, unscaling, any in-place
+  edit), those votes are dropped, ``step()`` votes the directions of the
+  changed gradients, logs once why, and votes at ``step()`` from then on.
+- at step (``attach(model, overlap=False)``, or after a fallback): the hook
+  returns the bucket untouched; ``step()`` votes chunk by chunk
+  (lionbit.step_vote).
+
+Either way the momentum and parameters change only after every vote of
+the step is done and no rank had a non-finite direction.
+"""
+
+import logging
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import lion_math
+from . import step_vote
+from ._backend import _backend_for
+
+log = logging.getLogger("lionbit")
+
+_WHERE = "DistributedLion (DDP comm hook)"
+
+
+class _BucketVote:
+    __slots__ = ("params", "sizes", "planes", "out", "work")
+
+    def __init__(self):
+        self.params, self.sizes, self.planes, self.out, self.work = [], [], None, None, None
+
+
+class DDPAttachment:
+    """The comm-hook state of one DDP model."""
+
+    def __init__(self, opt, model, overlap: bool):
+        self.opt = opt
+        self.model = model
+        self.group = opt.group
+        self.overlap = overlap
+        self.buckets: Dict[int, _BucketVote] = {}  # bucket index -> its vote, kept across steps
+        self.started: List[_BucketVote] = []  # votes started in this backward
+        self.versions: Optional[dict] = None  # p -> (id(p.grad), version) after DDP wrote the grads
+        self.step_buffers = step_vote.VoteBuffers()
+        self.fallbacks = 0
+        model.register_comm_hook(self, _hook)
+
+    # -- backward -------------------------------------------------------------
+    def start_bucket(self, bucket) -> None:
+        idx = bucket.index()
+        bv = self.buckets.get(idx)
+        if bv is not None and bv.work is not None:
+            # A second synchronized backward before step(): the gradients
+            # accumulate, and this bucket's new vote supersedes the old one.
+            _drain([bv])
+            self.started = [b for b in self.started if b is not bv]
+        buffer = bucket.buffer()
+        params, grads = bucket.parameters(), bucket.gradients()
+        total = buffer.numel()
+        if bv is None or bv.planes[0].numel() != lion_math.plane_bytes(total) or bv.planes[0].device != buffer.device:
+            # (DDP rebuilds its buckets after the first step: sizes change once.)
+            bv = self.buckets[idx] = _BucketVote()
+            bv.planes = lion_math.planes(total, buffer.device)
+            delta_dtype = torch.bfloat16 if self.opt.aggregation == "vote" else torch.float32
+            bv.out = torch.empty(total, dtype=delta_dtype, device=buffer.device)
+        else:
+            bv.planes[0].zero_()
+            bv.planes[1].zero_()
+        sign, zero = bv.planes
+        groups = self.opt._group_of()
+        counts = lion_math.device_counts(buffer.device)
+        bad, off = 0, 0
+        bv.params, bv.sizes = list(params), []
+        for p, g in zip(params, grads):
+            self.opt._check_param(p, "attach (DDP hook)")
+            bad += lion_math.pack_direction(
+                g, self.opt._momentum(p), lion_math.Coefs(groups[p]), sign, zero, off, self.opt._fused_for(p, g), counts
+            )
+            bv.sizes.append(g.numel())
+            off += g.numel()
+        if off != total:
+            raise RuntimeError(f"{_WHERE}: DDP bucket holds {total} elements, its gradients {off}")
+        bv.work = self.opt._vote(sign, zero, total, bad, bv.out, self.group, "attach (DDP hook)", counts)
+        self.started = [b for b in self.started if b is not bv] + [bv]
+        if bucket.is_last():
+            _after_ddp_finalize(self._record_versions)
+
+    def _record_versions(self) -> None:
+        self.versions = {}
+        for bv in self.started:
+            for p in bv.params:
+                g = p.grad
+                self.versions[p] = None if g is None else (id(g), g._version)
+
+    # -- step -----------------------------------------------------------------
+    def step(self, where: str, scaled: bool = False):
+        """Returns (entries, deltas, scratch) of the step, or raises
+        step_vote.NonFinite. Changes no state. ``scaled``: a GradScaler
+        scaled the gradients the hooks saw (its unscaling does not bump
+        version counters)."""
+        started, self.started = self.started, []
+        versions, self.versions = self.versions, None
+        if started:
+            # Under a TorchDispatchMode (FlopCounterMode, ...) in-place ops do
+            # not bump version counters: nothing can be told, so vote again.
+            dispatch_mode = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)() > 0
+            changed = scaled or dispatch_mode or versions is None or any(bv.work is None for bv in started) or any(
+                versions.get(p, False) != (None if p.grad is None else (id(p.grad), p.grad._version))
+                for bv in started
+                for p in bv.params
+            )
+            # Agree: a sign "sum" of +1 (changed) / -1 on lionbit's own path, so
+            # that it queues behind the hooks' votes and fails, if a peer is
+            # gone, with lionbit's error like they do.
+            flag = torch.tensor([1.0 if changed else -1.0])
+            _backend_for(self.group, flag.device, "step").all_reduce_sign(flag, "sum").wait()
+            if flag.item() == -float(self.group.size() if self.group is not None else dist.get_world_size()):
+                return self._overlapped(started)
+            _drain(started)
+            self.overlap = False
+            self.fallbacks += 1
+            log.warning(
+                "lionbit: DistributedLion: the gradients changed between backward() and step() on at least one rank "
+                "(gradient clipping, GradScaler unscaling or another in-place edit), so the votes started during "
+                "backward were dropped and this step voted the changed gradients; from now on this model votes at "
+                "step() (attach(model, overlap=False) says so from the start)"
+            )
+        entries = step_vote.step_entries(self.opt, self.opt.param_groups)
+        if not entries:
+            return [], [], None
+        deltas = step_vote.vote_chunks(self.opt, entries, self.group, where, self.step_buffers)
+        return entries, deltas, self.step_buffers.scratch
+
+    def _overlapped(self, started):
+        bad_ranks, first_error = [], None
+        for bv in started:
+            try:
+                bv.work.wait()
+            except (RuntimeError, ValueError) as err:
+                ranks = step_vote.nonfinite_ranks(err)
+                if ranks is None:
+                    first_error = first_error or err
+                else:
+                    bad_ranks += ranks
+            bv.work = None
+        if first_error is not None:
+            raise first_error
+        if bad_ranks:
+            raise step_vote.NonFinite(bad_ranks)
+        groups = self.opt._group_of()
+        entries, deltas, biggest = [], [], 0
+        for bv in started:
+            off = 0
+            for p, n in zip(bv.params, bv.sizes):
+                g = p.grad
+                if g is None:
+                    # Unused on every rank (find_unused_parameters): DDP left no
+                    # gradient, and the parameter is not stepped, as at step().
+                    off += n
+                    continue
+                coefs = lion_math.Coefs(groups[p])
+                entries.append(step_vote.Entry(p, g, self.opt._momentum(p), coefs, self.opt._fused_for(p, g)))
+                deltas.append(bv.out[off : off + n])
+                biggest = max(biggest, n)
+                off += n
+        scratch = lion_math.planes(biggest, entries[0].param.device) if entries else None
+        return entries, deltas, scratch
+
+
+def _drain(votes) -> None:
+    for bv in votes:
+        if bv.work is not None:
+            try:
+                bv.work.wait()
+            except (RuntimeError, ValueError):
+                pass  # every rank saw the same header; the vote is dropped
+            bv.work = None
+
+
+def _after_ddp_finalize(fn) -> None:
+    """Runs fn at the end of this backward, after DDP's own end-of-backward
+    callback (which waits for the hooks' futures and writes the buckets back
+    into p.grad). DDP queues that callback right after the last bucket's hook
+    returns; a callback queued from within the hook runs before it, so ours
+    queues a second one, which runs after it."""
+    engine = torch.autograd.Variable._execution_engine
+    try:
+        engine.queue_callback(lambda: engine.queue_callback(fn))
+    except RuntimeError:  # not in a backward pass (the hook run by hand): nothing to wait for
+        fn()
+
+
+def _hook(att: DDPAttachment, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: the bucket's local gradients go back to p.grad as they
+    are; with overlap, their directions' vote starts now."""
+    if att.overlap:
+        with torch.no_grad():
+            att.start_bucket(bucket)
+    fut = torch.futures.Future(devices=[bucket.buffer().device] if bucket.buffer().is_cuda else None)
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def attach_ddp(opt, model, overlap: bool) -> DDPAttachment:
+    known = opt._group_of()
+    missing = [n for n, p in model.module.named_parameters() if p.requires_grad and p not in known]
+    if missing:
+        raise ValueError(
+            f"DistributedLion.attach: the DDP model's parameters {missing[:5]} are not in this optimizer; "
+            f"DDP would vote them with no momentum or hyperparameters"
+        )
+    if opt.group is None:
+        opt.group = model.process_group
+    _backend_for(opt.group, next(model.parameters()).device, "attach")  # a lionbit group, or a clear error
+    return DDPAttachment(opt, model, overlap)

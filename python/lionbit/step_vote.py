@@ -1,0 +1,150 @@
+"""Voting at ``step()``: the Lion directions of the gradients as they stand
+when ``step()`` runs, voted chunk by chunk (each chunk's collective in
+flight while the next chunk's directions are packed), then the momentum and
+the parameters updated. Nothing changes on any rank until every chunk's
+vote is done: a non-finite direction on any rank (reported to every rank by
+the vote's header round, before any data moves) leaves every rank's state
+as it was. Used by a plain module, by DDP (when the votes did not start in
+backward) and by FSDP1 ``NO_SHARD``.
+"""
+
+import re
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import lion_math
+from ._backend import _backend_for
+
+# Elements per vote: big enough that a vote's fixed costs (a 48-byte header
+# round, the all-to-all's set-up) are small against its bytes, small enough
+# that a model has several chunks to pipeline.
+CHUNK_ELEMENTS = 1 << 22
+
+_NONFINITE = re.compile(r"contains NaN on rank\(s\) \[([0-9, ]*)\]")
+
+
+class NonFinite(Exception):
+    """A direction was NaN or infinite on the given ranks; no state changed."""
+
+    def __init__(self, ranks: Sequence[int]):
+        super().__init__(f"non-finite gradient on rank(s) {list(ranks)}")
+        self.ranks = sorted(set(ranks))
+
+
+def nonfinite_ranks(err: BaseException) -> Optional[List[int]]:
+    """The ranks a vote's header round named as holding NaN/Inf input, or
+    None if ``err`` is another error."""
+    m = _NONFINITE.search(str(err))
+    if m is None:
+        return None
+    return [int(r) for r in m.group(1).split(",") if r.strip()]
+
+
+class Entry:
+    """One tensor of a step: its parameter (to update), gradient, momentum,
+    hyperparameters and whether the fused kernels serve it."""
+
+    __slots__ = ("param", "grad", "momentum", "coefs", "fused")
+
+    def __init__(self, param, grad, momentum, coefs, fused):
+        self.param, self.grad, self.momentum, self.coefs, self.fused = param, grad, momentum, coefs, fused
+
+
+class VoteBuffers:
+    """Bit-planes and result buffers of one layout (the chunking of a list of
+    tensor sizes), kept across steps: a step of a model whose gradients did
+    not change shape allocates nothing."""
+
+    def __init__(self):
+        self.key = None
+        self.chunks: List[Tuple[int, int, int]] = []  # (first entry, end entry, elements)
+        self.planes = []
+        self.outs = []
+        self.scratch = None
+
+    def prepare(self, sizes: Sequence[int], device, delta_dtype):
+        key = (tuple(sizes), str(device), delta_dtype)
+        if key == self.key:
+            for sign, zero in self.planes:
+                sign.zero_()
+                zero.zero_()
+            return
+        chunks, start, total = [], 0, 0
+        for i, n in enumerate(sizes):
+            if total and total + n > CHUNK_ELEMENTS:
+                chunks.append((start, i, total))
+                start, total = i, 0
+            total += n
+        if start < len(sizes):
+            chunks.append((start, len(sizes), total))
+        self.key, self.chunks = key, chunks
+        self.planes = [lion_math.planes(t, device) for _, _, t in chunks]
+        self.outs = [torch.empty(t, dtype=delta_dtype, device=device) for _, _, t in chunks]
+        biggest = max(sizes, default=0)
+        self.scratch = lion_math.planes(biggest, device) if biggest else None
+
+
+def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteBuffers):
+    """Packs and votes ``entries`` chunk by chunk. Returns the list of Delta
+    views (one per entry); raises :class:`NonFinite` (on every rank alike)
+    if any rank had a non-finite direction. Changes no state."""
+    device = entries[0].param.device
+    delta_dtype = torch.bfloat16 if opt.aggregation == "vote" else torch.float32
+    buffers.prepare([e.grad.numel() for e in entries], device, delta_dtype)
+    works = []
+    for (first, end, total), (sign, zero), out in zip(buffers.chunks, buffers.planes, buffers.outs):
+        counts = lion_math.device_counts(device)
+        bad, off = 0, 0
+        for e in entries[first:end]:
+            bad += lion_math.pack_direction(e.grad, e.momentum, e.coefs, sign, zero, off, e.fused, counts)
+            off += e.grad.numel()
+        works.append(opt._vote(sign, zero, total, bad, out, group, where, counts))
+    bad_ranks: List[int] = []
+    first_error = None
+    for fut in works:
+        try:
+            fut.wait()
+        except (RuntimeError, ValueError) as err:
+            ranks = nonfinite_ranks(err)
+            if ranks is None:
+                first_error = first_error or err
+            else:
+                bad_ranks += ranks
+    if first_error is not None:
+        raise first_error
+    if bad_ranks:
+        raise NonFinite(bad_ranks)
+    deltas = []
+    for (first, end, _), out in zip(buffers.chunks, buffers.outs):
+        off = 0
+        for e in entries[first:end]:
+            deltas.append(out[off : off + e.grad.numel()])
+            off += e.grad.numel()
+    return deltas
+
+
+def update(entries: Sequence[Entry], deltas, scratch) -> None:
+    """The state change of a voted step: momentum, then parameters."""
+    for e, d in zip(entries, deltas):
+        n = e.grad.numel()
+        sc = None if scratch is None else (scratch[0][: lion_math.plane_bytes(n)], scratch[1][: lion_math.plane_bytes(n)])
+        lion_math.update_momentum(e.grad, e.momentum, e.coefs, e.fused, sc)
+        lion_math.apply_update(e.param, d, e.coefs, e.fused)
+
+
+def step_entries(opt, params_groups) -> List[Entry]:
+    """The entries of a step: every parameter with a gradient, in the
+    optimizer's order."""
+    entries = []
+    for group in params_groups:
+        coefs = None
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            opt._check_param(p, "step")
+            coefs = coefs or lion_math.Coefs(group)
+            g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+            entries.append(Entry(p, g, opt._momentum(p), coefs, opt._fused_for(p, g)))
+    return entries
