@@ -1,49 +1,25 @@
-#include <Python.h>
-
 #include "backend/lionbit_backend.hpp"
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
+#include <ATen/ThreadLocalState.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <mutex>
 #include <unordered_set>
-#include <c10/util/Exception.h>
 
-#include "backend/bits/count.h"
-#include "backend/bits/unpack.h"
+#include "backend/sign_common.hpp"
 #include "backend/sign_reduce_scatter.hpp"
 #include "backend/sign_work.hpp"
+#include "backend/torch_adapter.hpp"
+#include "signbits/count.h"
+#include "signbits/unpack.h"
 #ifdef LIONBIT_WITH_CUDA
 #include "backend/sign_allreduce_cuda.hpp"
 #endif
 
 namespace lionbit {
-
-namespace {
-// Releases the GIL, if this thread holds it, for the scope. Tearing down
-// waits for other threads - lionbit's worker, the inner Gloo backends' worker
-// threads - that may need the GIL to release tensors Python also owns, while
-// the thread tearing down (a Python call such as destroy_process_group, the
-// ProcessGroup's deallocation, the interpreter's teardown) may hold it:
-// waiting with the GIL held deadlocks. (torch binds its own backends with a
-// holder that does the same.)
-class WithoutGil {
- public:
-  WithoutGil()
-      : saved_(Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
-  ~WithoutGil() {
-    if (saved_ != nullptr) {
-      PyEval_RestoreThread(saved_);
-    }
-  }
-  WithoutGil(const WithoutGil&) = delete;
-  WithoutGil& operator=(const WithoutGil&) = delete;
-
- private:
-  PyThreadState* saved_;
-};
-} // namespace
 
 namespace {
 // Every live backend, so that shutdown_all_workers() can stop their threads
@@ -57,7 +33,6 @@ std::unordered_set<LionBitBackend*>& registry() {
   return r;
 }
 } // namespace
-
 
 LionBitBackend::LionBitBackend(
     c10::intrusive_ptr<c10d::Backend> forward,
@@ -86,25 +61,22 @@ LionBitBackend::LionBitBackend(
         !*b || ((*b)->getRank() == rank && (*b)->getSize() == size),
         "lionbit: the inner CUDA backends must span rank ", rank, " of ", size);
   }
+  init(); // c10d's usage logging, as Backend.hpp asks of implementations
   // Last: a constructor that throws never runs the destructor, which would
   // have unregistered it.
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry().insert(this);
 }
 
+// Joins the worker and, through the inner backends, their threads. Python's
+// reference is dropped without the GIL (bindings/python_module.cpp), as for
+// torch's own backends: a thread joined here may need it.
 LionBitBackend::~LionBitBackend() {
   {
     std::lock_guard<std::mutex> lock(registry_mutex());
     registry().erase(this);
   }
-  WithoutGil no_gil;
   executor_.shutdown();
-  // The inner Gloo backends join their worker threads when destroyed: drop
-  // them here, without the GIL, not in the implicit member destructors.
-  forward_.reset();
-  sign_.reset();
-  forward_cuda_.reset();
-  sign_cuda_.reset();
 }
 
 SignComm LionBitBackend::signComm() {
@@ -134,6 +106,25 @@ std::vector<c10d::Backend*> LionBitBackend::inners() {
 
 namespace {
 
+#ifdef LIONBIT_WITH_CUDA
+constexpr bool kCudaBuilt = true;
+#else
+constexpr bool kCudaBuilt = false;
+#endif
+
+std::optional<bits::SignOp> parse_op(const std::string& name) {
+  if (name == "vote") {
+    return bits::SignOp::kVote;
+  }
+  if (name == "avg") {
+    return bits::SignOp::kAvg;
+  }
+  if (name == "sum") {
+    return bits::SignOp::kSum;
+  }
+  return std::nullopt;
+}
+
 // Whether the elements of a strided tensor provably occupy distinct memory:
 // ordered by stride, every dimension's stride exceeds the furthest offset the
 // smaller ones reach. (at::has_internal_overlap only answers "too hard" for
@@ -157,125 +148,119 @@ bool provably_no_overlap(const at::Tensor& t) {
   return true;
 }
 
-// Why `tensor` / `op` cannot go through the sign all-reduce on a group of
-// `world` ranks; empty when they can.
-std::string reject_reason(
+// Why `tensor` (argument `name`) cannot receive the result of `op` on a group
+// of `world` ranks; "" when it can.
+std::string result_problem(
     const at::Tensor& tensor,
-    const std::string& op_name,
-    int world,
-    bits::SignOp* op) {
-#ifdef LIONBIT_WITH_CUDA
-  constexpr bool cuda_built = true;
-#else
-  constexpr bool cuda_built = false;
-#endif
-  if (op_name == "vote") {
-    *op = bits::SignOp::kVote;
-  } else if (op_name == "avg") {
-    *op = bits::SignOp::kAvg;
-  } else if (op_name == "sum") {
-    *op = bits::SignOp::kSum;
-  } else {
-    return "argument 'op' is '" + op_name + "'; expected 'vote', 'avg' or 'sum'";
-  }
+    const char* name,
+    bits::SignOp op,
+    int world) {
+  const std::string arg = std::string("argument '") + name + "'";
   if (!tensor.defined()) {
-    return "argument 'tensor' is undefined";
+    return arg + " is undefined";
   }
   if (tensor.layout() != at::kStrided) {
-    return "argument 'tensor' has layout " + c10::str(tensor.layout()) +
+    return arg + " has layout " + c10::str(tensor.layout()) +
         "; only dense (strided) tensors are supported";
   }
-  if (tensor.device().type() != at::kCPU) {
-    if (tensor.is_cuda() && cuda_built) {
-      // the CUDA path
-    } else if (tensor.is_cuda()) {
-      return "argument 'tensor' is on " + tensor.device().str() +
-          "; this build of lionbit runs the sign all-reduce on CPU tensors "
-          "only (it was built without the CUDA path: no nvcc or a CPU-only "
-          "torch at build time)";
-    } else {
-      return "argument 'tensor' is on " + tensor.device().str() +
-          "; the sign all-reduce supports CPU and CUDA tensors";
-    }
+  if (tensor.is_cuda() && !kCudaBuilt) {
+    return arg + " is on " + tensor.device().str() +
+        "; this build of lionbit runs the sign collectives on CPU tensors "
+        "only (it was built without the CUDA path: no nvcc or a CPU-only "
+        "torch at build time)";
+  }
+  if (!tensor.is_cuda() && !tensor.is_cpu()) {
+    return arg + " is on " + tensor.device().str() +
+        "; the sign collectives support CPU and CUDA tensors";
   }
   const auto dtype = bits_dtype(tensor.scalar_type());
   if (!dtype) {
-    return "argument 'tensor' has dtype " +
-        std::string(c10::toString(tensor.scalar_type())) +
+    return arg + " has dtype " + std::string(c10::toString(tensor.scalar_type())) +
         "; supported: float32, float16, bfloat16, float64, int8";
   }
-  if (*op == bits::SignOp::kAvg && *dtype == bits::DType::kInt8) {
+  if (op == bits::SignOp::kAvg && *dtype == bits::DType::kInt8) {
     return "op 'avg' needs a floating dtype: int8 cannot hold sum/N";
   }
-  if (*op == bits::SignOp::kSum && *dtype == bits::DType::kInt8 &&
-      world > 127) {
-    return "op 'sum' on int8 needs a world size <= 127 (it is " +
-        std::to_string(world) + ")";
+  if (op == bits::SignOp::kSum && *dtype == bits::DType::kInt8 && world > 127) {
+    return "op 'sum' on int8 needs a world size <= 127 (it is " + std::to_string(world) + ")";
   }
-  if (*op != bits::SignOp::kVote &&
-      bits::code_planes(world, true) > bits::kMaxUnpackPlanes) {
-    return "op '" + op_name + "' supports world sizes up to 32767";
+  if (op != bits::SignOp::kVote && bits::code_planes(world, true) > bits::kMaxUnpackPlanes) {
+    return std::string("op '") + bits::sign_op_name(op) + "' supports world sizes up to 32767";
   }
   if (static_cast<uint64_t>(tensor.numel()) > bits::kMaxNumel) {
-    return "argument 'tensor' has " + std::to_string(tensor.numel()) +
-        " elements; at most 2^48 are supported";
+    return arg + " has " + std::to_string(tensor.numel()) + " elements; at most 2^48 are supported";
   }
   const at::MemOverlap overlap = at::has_internal_overlap(tensor);
   if (overlap == at::MemOverlap::Yes ||
-      (overlap == at::MemOverlap::TooHard && tensor.numel() > 1 &&
-       !provably_no_overlap(tensor))) {
-    return "argument 'tensor' has elements that share memory (an expand()ed "
-           "or as_strided view); the result cannot be written in place";
+      (overlap == at::MemOverlap::TooHard && tensor.numel() > 1 && !provably_no_overlap(tensor))) {
+    return arg + " has elements that share memory (an expand()ed or as_strided view); "
+        "the result cannot be written in place";
+  }
+  return "";
+}
+
+// A result buffer of exactly `numel` contiguous elements.
+std::string exact_size_problem(const at::Tensor& out, const char* what, int64_t numel) {
+  if (out.numel() != numel || !out.is_contiguous()) {
+    return std::string("argument 'out' must be contiguous with ") + what + " elements (" +
+        std::to_string(numel) + "), got " + std::to_string(out.numel());
+  }
+  return "";
+}
+
+// The first non-empty reason.
+std::string first_problem(std::initializer_list<std::function<std::string()>> checks) {
+  for (const auto& check : checks) {
+    std::string reason = check();
+    if (!reason.empty()) {
+      return reason;
+    }
   }
   return "";
 }
 
 } // namespace
 
-void LionBitBackend::stopWorker() {
-  WithoutGil no_gil;
-  executor_.shutdown();
-}
-
 void LionBitBackend::shutdownAllWorkers() {
   std::lock_guard<std::mutex> lock(registry_mutex());
   for (LionBitBackend* b : registry()) {
-    b->stopWorker();
+    b->executor_.shutdown();
   }
 }
 
-void LionBitBackend::reject(
-    bits::SignOp op,
+bits::SignOp LionBitBackend::validate(
+    Collective kind,
     const std::string& op_name,
-    const std::string& reason,
-    bool reduce_scatter) {
-  // Tell the peers in the header round so they fail now, not at timeout.
-  const SignComm comm = signComm();
-  executor_.submit([this, comm, op, reduce_scatter](bool cancelled) {
-    if (cancelled) {
-      return;
-    }
-    const uint64_t seq = next_seq_++;
-    try {
-      if (reduce_scatter) {
-        sign_reduce_scatter_reject(comm, op, seq);
-      } else {
-        sign_allreduce_reject(comm, op, seq);
+    const std::function<std::string(bits::SignOp)>& problem) {
+  const auto op = parse_op(op_name);
+  std::string reason = op ? problem(*op)
+                          : "argument 'op' is '" + op_name + "'; expected 'vote', 'avg' or 'sum'";
+  if (!reason.empty()) {
+    // Tell the peers in the header round so they fail now, not at timeout.
+    const SignComm comm = signComm();
+    const bits::SignOp announced = op.value_or(bits::SignOp::kVote);
+    executor_.submit([this, comm, announced, kind](bool cancelled) {
+      if (cancelled) {
+        return;
       }
-    } catch (...) {
-      // The caller already has its error.
-    }
-  });
-  TORCH_CHECK_VALUE(
-      false, "lionbit ", reduce_scatter ? "reduce_scatter_sign" : "all_reduce_sign",
-      "(op=", op_name, ") on rank ", rank_, ": ", reason);
+      try {
+        reject_round(SignCall{comm, announced, kind, next_seq_++});
+      } catch (...) {
+        // The caller already has its error.
+      }
+    });
+    TORCH_CHECK_VALUE(
+        false, "lionbit ", collective_name(kind), "(op=", op_name, ") on rank ", rank_, ": ", reason);
+  }
+  return *op;
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
+    Collective kind,
     bits::SignOp op,
     at::Tensor out,
     std::function<void(const SignComm&, uint64_t)> body) {
-  auto work = c10::make_intrusive<SignWork>(rank_, std::vector<at::Tensor>{out});
+  auto work = c10::make_intrusive<SignWork>(rank_, kind, std::vector<at::Tensor>{out});
   out = at::Tensor();
   // What the job holds that Python may own too (tensors, the inner Gloo
   // backend): released before the Work completes, while the caller still
@@ -285,17 +270,22 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
     std::function<void(const SignComm&, uint64_t)> body;
   };
   auto held = std::make_shared<Held>(Held{signComm(), std::move(body)});
+  // The caller's thread-local state (the profiler's, among others): the
+  // job's steps show in a trace as part of the caller's step.
+  at::ThreadLocalState caller_state;
   const int rank = rank_;
-  executor_.submit([this, held = std::move(held), op, rank, work](bool cancelled) mutable {
+  executor_.submit([this, held = std::move(held), kind, op, rank, work,
+                    caller_state = std::move(caller_state)](bool cancelled) mutable {
     std::exception_ptr error;
     if (cancelled) {
       error = std::make_exception_ptr(c10::DistBackendError(
           {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
           c10::str(
-              "lionbit all_reduce_sign(op=", bits::sign_op_name(op), ") on rank ",
+              "lionbit ", collective_name(kind), "(op=", bits::sign_op_name(op), ") on rank ",
               rank, ": the backend was shut down before the call ran")));
     } else {
       try {
+        at::ThreadLocalStateGuard state(caller_state);
         at::AutoGradMode no_grad(false);
         held->body(held->comm, next_seq_++);
       } catch (...) {
@@ -315,20 +305,18 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
 c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSign(
     at::Tensor tensor,
     const std::string& op_name) {
-  bits::SignOp op = bits::SignOp::kVote;
-  const std::string reason = reject_reason(tensor, op_name, size_, &op);
-  if (!reason.empty()) {
-    reject(op, op_name, reason);
-  }
+  const bits::SignOp op = validate(Collective::kAllReduce, op_name, [&](bits::SignOp op) {
+    return result_problem(tensor, "tensor", op, size_);
+  });
 #ifdef LIONBIT_WITH_CUDA
   if (tensor.is_cuda()) {
     auto ready = cuda_mark_ready(tensor);
-    return enqueue(op, tensor, [tensor, op, ready](const SignComm& comm, uint64_t seq) mutable {
+    return enqueue(Collective::kAllReduce, op, tensor, [tensor, op, ready](const SignComm& comm, uint64_t seq) mutable {
       sign_allreduce_cuda(comm, tensor, op, seq, ready);
     });
   }
 #endif
-  return enqueue(op, tensor, [tensor, op](const SignComm& comm, uint64_t seq) mutable {
+  return enqueue(Collective::kAllReduce, op, tensor, [tensor, op](const SignComm& comm, uint64_t seq) mutable {
     sign_allreduce(comm, tensor, op, seq);
   });
 }
@@ -340,37 +328,20 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPacked(
     int64_t nans,
     at::Tensor out,
     const std::string& op_name) {
-  bits::SignOp op = bits::SignOp::kVote;
-  std::string reason = reject_reason(out, op_name, size_, &op);
-  const int64_t need = static_cast<int64_t>(bits::words_for(static_cast<size_t>(std::max<int64_t>(numel, 0))) * 8);
-  auto plane_problem = [&](const at::Tensor& t, const char* name) -> std::string {
-    if (!t.defined() || t.device().type() != at::kCPU || t.scalar_type() != at::kByte ||
-        !t.is_contiguous() || t.numel() < need) {
-      return std::string("argument '") + name + "' must be a contiguous CPU uint8 tensor of at least " +
-          std::to_string(need) + " bytes";
-    }
-    return "";
-  };
-  if (reason.empty() && (numel < 0 || nans < 0)) {
-    reason = "arguments 'numel' and 'nans' must be >= 0";
-  }
-  if (reason.empty() && (out.numel() != numel || !out.is_contiguous())) {
-    reason = "argument 'out' must be contiguous with numel elements (" + std::to_string(numel) + ")";
-  }
-  if (reason.empty()) {
-    reason = plane_problem(sign, "sign");
-  }
-  if (reason.empty()) {
-    reason = plane_problem(zero, "zero");
-  }
-  if (!reason.empty()) {
-    reject(op, op_name, reason);
-  }
-  return enqueue(op, out, [sign, zero, numel, nans, out, op](const SignComm& comm, uint64_t seq) mutable {
+  const bits::SignOp op = validate(Collective::kAllReduce, op_name, [&](bits::SignOp op) {
+    const int64_t bits_needed = std::max<int64_t>(numel, 0);
+    return first_problem({
+        [&] { return result_problem(out, "out", op, size_); },
+        [&] { return numel < 0 || nans < 0 ? "arguments 'numel' and 'nans' must be >= 0" : ""; },
+        [&] { return out.is_cpu() ? "" : "argument 'out' must be a CPU tensor (planes packed on the CPU)"; },
+        [&] { return exact_size_problem(out, "numel", numel); },
+        [&] { return check_planes(sign, "sign", at::kCPU, bits_needed); },
+        [&] { return check_planes(zero, "zero", at::kCPU, bits_needed); },
+    });
+  });
+  return enqueue(Collective::kAllReduce, op, out, [sign, zero, numel, nans, out, op](const SignComm& comm, uint64_t seq) mutable {
     const PackedSigns in{
-        reinterpret_cast<const uint64_t*>(sign.data_ptr<uint8_t>()),
-        reinterpret_cast<const uint64_t*>(zero.data_ptr<uint8_t>()),
-        static_cast<uint64_t>(numel), static_cast<uint64_t>(nans)};
+        words_of(sign), words_of(zero), static_cast<uint64_t>(numel), static_cast<uint64_t>(nans)};
     sign_allreduce_packed(comm, in, out, op, seq);
   });
 }
@@ -382,42 +353,26 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPackedDevice(
     int64_t numel,
     at::Tensor out,
     const std::string& op_name) {
-  bits::SignOp op = bits::SignOp::kVote;
-  std::string reason = reject_reason(out, op_name, size_, &op);
-  if (reason.empty() && !out.is_cuda()) {
-    reason = "argument 'out' must be a CUDA tensor (planes packed on the GPU)";
-  }
-  if (reason.empty() && (numel < 0 || out.numel() != numel || !out.is_contiguous())) {
-    reason = "argument 'out' must be contiguous with numel elements (" + std::to_string(numel) + ")";
-  }
-  const int64_t need = static_cast<int64_t>(bits::words_for(static_cast<size_t>(std::max<int64_t>(numel, 0))) * 8);
-  auto problem = [&](const at::Tensor& t, const char* name, at::ScalarType dt, int64_t at_least) -> std::string {
-    if (!t.defined() || t.device() != out.device() || t.scalar_type() != dt || !t.is_contiguous() ||
-        t.numel() < at_least) {
-      return std::string("argument '") + name + "' must be a contiguous " + c10::toString(dt) +
-          " tensor on " + out.device().str() + " of at least " + std::to_string(at_least) + " elements";
-    }
-    return "";
-  };
-  if (reason.empty()) {
-    reason = problem(sign, "sign", at::kByte, need);
-  }
-  if (reason.empty()) {
-    reason = problem(zero, "zero", at::kByte, need);
-  }
-  if (reason.empty()) {
-    reason = problem(counts, "counts", at::kLong, 2);
-  }
-  if (!reason.empty()) {
-    reject(op, op_name, reason);
-  }
+  const bits::SignOp op = validate(Collective::kAllReduce, op_name, [&](bits::SignOp op) {
+    const int64_t bits_needed = std::max<int64_t>(numel, 0);
+    return first_problem({
+        [&] { return result_problem(out, "out", op, size_); },
+        [&] { return out.is_cuda() ? "" : "argument 'out' must be a CUDA tensor (planes packed on the GPU)"; },
+        [&] { return numel < 0 ? "argument 'numel' must be >= 0" : ""; },
+        [&] { return exact_size_problem(out, "numel", numel); },
+        [&] { return check_planes(sign, "sign", out.device(), bits_needed); },
+        [&] { return check_planes(zero, "zero", out.device(), bits_needed); },
+        [&] { return check_buffer(counts, "counts", at::kLong, out.device(), 2); },
+    });
+  });
 #ifdef LIONBIT_WITH_CUDA
   auto ready = cuda_mark_ready(out);
-  return enqueue(op, out, [sign, zero, counts, numel, out, op, ready](const SignComm& comm, uint64_t seq) mutable {
+  return enqueue(Collective::kAllReduce, op, out, [sign, zero, counts, numel, out, op, ready](const SignComm& comm, uint64_t seq) mutable {
     sign_allreduce_cuda_packed(comm, sign, zero, counts, numel, out, op, seq, ready);
   });
 #else
-  reject(op, op_name, "this build of lionbit has no CUDA path");
+  (void)op; // validate() refused the CUDA tensor: this build has no CUDA path
+  TORCH_INTERNAL_ASSERT(false, "unreachable");
 #endif
 }
 
@@ -428,38 +383,32 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterSignPacked(
     int64_t nans,
     at::Tensor out,
     const std::string& op_name) {
-  bits::SignOp op = bits::SignOp::kVote;
-  std::string reason = reject_reason(out, op_name, size_, &op);
-  if (reason.empty() && (shard_numel < 0 || nans < 0)) {
-    reason = "arguments 'shard_numel' and 'nans' must be >= 0";
-  }
-  if (reason.empty() && static_cast<uint64_t>(shard_numel) * static_cast<uint64_t>(size_) > bits::kMaxNumel) {
-    reason = "argument 'shard_numel' is too large (" + std::to_string(shard_numel) + " per rank)";
-  }
-  if (reason.empty() && (out.numel() != shard_numel || !out.is_contiguous())) {
-    reason = "argument 'out' must be contiguous with shard_numel elements (" +
-        std::to_string(shard_numel) + "), got " + std::to_string(out.numel());
-  }
-  const int64_t need = reason.empty()
-      ? static_cast<int64_t>(reduce_scatter_plane_bytes(static_cast<uint64_t>(shard_numel), size_))
-      : 0;
-  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{sign, "sign"}, {zero, "zero"}}) {
-    if (reason.empty() &&
-        (!t.defined() || t.device().type() != at::kCPU || t.scalar_type() != at::kByte ||
-         !t.is_contiguous() || t.numel() < need)) {
-      reason = std::string("argument '") + name + "' must be a contiguous CPU uint8 tensor of at least " +
-          std::to_string(need) + " bytes (" + std::to_string(size_) + " shards of ceil(" +
-          std::to_string(shard_numel) + " / 64) words)";
-    }
-  }
-  if (!reason.empty()) {
-    reject(op, op_name, reason, /*reduce_scatter=*/true);
-  }
-  return enqueue(op, out, [sign, zero, shard_numel, nans, out, op](const SignComm& comm, uint64_t seq) mutable {
+  const bits::SignOp op = validate(Collective::kReduceScatter, op_name, [&](bits::SignOp op) {
+    return first_problem({
+        [&] { return result_problem(out, "out", op, size_); },
+        [&] { return out.is_cpu() ? "" : "argument 'out' must be a CPU tensor (planes packed on the CPU)"; },
+        [&] { return shard_numel < 0 || nans < 0 ? "arguments 'shard_numel' and 'nans' must be >= 0" : ""; },
+        [&]() -> std::string {
+          if (static_cast<uint64_t>(shard_numel) * static_cast<uint64_t>(size_) > bits::kMaxNumel) {
+            return "argument 'shard_numel' is too large (" + std::to_string(shard_numel) + " per rank)";
+          }
+          return "";
+        },
+        [&] { return exact_size_problem(out, "shard_numel", shard_numel); },
+        [&] {
+          // N shards, each starting on a word.
+          const auto bytes = static_cast<int64_t>(reduce_scatter_plane_bytes(static_cast<uint64_t>(shard_numel), size_));
+          return check_planes(sign, "sign", at::kCPU, 8 * bytes);
+        },
+        [&] {
+          const auto bytes = static_cast<int64_t>(reduce_scatter_plane_bytes(static_cast<uint64_t>(shard_numel), size_));
+          return check_planes(zero, "zero", at::kCPU, 8 * bytes);
+        },
+    });
+  });
+  return enqueue(Collective::kReduceScatter, op, out, [sign, zero, shard_numel, nans, out, op](const SignComm& comm, uint64_t seq) mutable {
     const PackedShards in{
-        reinterpret_cast<const uint64_t*>(sign.data_ptr<uint8_t>()),
-        reinterpret_cast<const uint64_t*>(zero.data_ptr<uint8_t>()),
-        static_cast<uint64_t>(shard_numel), static_cast<uint64_t>(nans)};
+        words_of(sign), words_of(zero), static_cast<uint64_t>(shard_numel), static_cast<uint64_t>(nans)};
     sign_reduce_scatter_packed(comm, in, out, op, seq);
   });
 }
@@ -635,7 +584,6 @@ void LionBitBackend::setTimeout(std::chrono::milliseconds timeout) {
 }
 
 void LionBitBackend::abort() {
-  WithoutGil no_gil;
   executor_.shutdown();
   for (c10d::Backend* b : inners()) {
     b->abort();
@@ -643,7 +591,6 @@ void LionBitBackend::abort() {
 }
 
 void LionBitBackend::shutdown() {
-  WithoutGil no_gil;
   executor_.shutdown();
   for (c10d::Backend* b : inners()) {
     b->shutdown();

@@ -12,6 +12,7 @@
 
 #include "backend/serial_executor.hpp"
 #include "backend/sign_allreduce.hpp"
+#include "backend/sign_common.hpp"
 #include "backend/stats.hpp"
 
 namespace lionbit {
@@ -93,9 +94,6 @@ class LionBitBackend : public c10d::Backend {
 
   Stats& stats() {
     return stats_;
-  }
-  const c10::intrusive_ptr<c10d::Backend>& forwardBackend() const {
-    return forward_;
   }
   // The backend that carries standard collectives on CUDA tensors.
   const c10::intrusive_ptr<c10d::Backend>& forwardCudaBackend() const {
@@ -199,15 +197,18 @@ class LionBitBackend : public c10d::Backend {
   c10d::Backend& inner(const at::Tensor& t);
   c10d::Backend& inner(const std::vector<at::Tensor>& ts);
   std::vector<c10d::Backend*> inners();
-  void stopWorker();
-  // Queues a header round that tells the peers this rank rejected its call,
-  // then raises `reason` here.
-  [[noreturn]] void reject(
-      bits::SignOp op,
+  // The op named `op_name`, once `problem(op)` finds nothing wrong with the
+  // call's arguments. Otherwise raises here, naming the collective, the op,
+  // the rank and the argument, after queuing a header round that tells the
+  // peers this rank rejected its call (they fail at once, not at timeout).
+  bits::SignOp validate(
+      Collective kind,
       const std::string& op_name,
-      const std::string& reason,
-      bool reduce_scatter = false);
+      const std::function<std::string(bits::SignOp)>& problem);
+  // Queues `body` on the worker; the returned Work completes (or fails) when
+  // it has run.
   c10::intrusive_ptr<c10d::Work> enqueue(
+      Collective kind,
       bits::SignOp op,
       at::Tensor out,
       std::function<void(const SignComm&, uint64_t seq)> body);

@@ -10,13 +10,14 @@
 #include <string>
 #include <vector>
 
-#include "backend/bits/count.h"
-#include "backend/bits/pack.h"
-#include "backend/bits/trits.h"
-#include "backend/bits/unpack.h"
-#include "backend/bits/zero_counts.h"
-#include "backend/bits/zeros.h"
+#include "signbits/count.h"
+#include "signbits/pack.h"
+#include "signbits/trits.h"
+#include "signbits/unpack.h"
+#include "signbits/zero_counts.h"
+#include "signbits/zeros.h"
 #include "backend/call_trace.hpp"
+#include "backend/phase1.hpp"
 #include "backend/sign_common.hpp"
 
 namespace lionbit {
@@ -29,11 +30,9 @@ struct Chunk {
   size_t sw = 0; // words per shard
   size_t sb = 0; // bytes per shard plane
   at::Tensor sign_plane, zero_plane; // N * sw words each
-  uint64_t zeros = 0;
   // phase 1
-  std::vector<int64_t> out_splits;
-  at::Tensor recv, decoded;
-  c10::intrusive_ptr<c10d::Work> a2a;
+  Phase1 p1;
+  at::Tensor decoded;
   // phase 2
   size_t msg = 0; // bytes each rank contributes to the all-gather
   at::Tensor mine_msg, mine_zero, gathered, tie_planes;
@@ -54,18 +53,18 @@ class Run {
       : c_(c),
         N_(c.world_size),
         op_(op),
-        seq_(seq),
+        call_{c, op, Collective::kAllReduce, seq},
         tensor_(tensor),
         packed_(packed),
         trace_(c.rank, c.world_size, bits::sign_op_name(op), seq, static_cast<uint64_t>(tensor.numel())) {
     const auto d = bits_dtype(tensor.scalar_type());
-    TORCH_CHECK(d.has_value(), where(c, op), "unsupported dtype ", tensor.scalar_type());
+    TORCH_CHECK(d.has_value(), where(call_), "unsupported dtype ", tensor.scalar_type());
     dtype_ = *d;
     // Work on a contiguous buffer; for a non-contiguous input it is a copy
     // and the result is copied back at the end.
     buf_ = tensor.contiguous();
     n_ = static_cast<size_t>(buf_.numel());
-    TORCH_CHECK(packed == nullptr || packed->numel == n_, where(c, op), "packed size mismatch");
+    TORCH_CHECK(packed == nullptr || packed->numel == n_, where(call_), "packed size mismatch");
     chunk_elems_ = bits::chunk_elems_for(requested_chunk_elems(N_), N_);
   }
 
@@ -80,7 +79,7 @@ class Run {
     }
     issue_phase1(0);
     for (size_t k = 0; k < chunks_.size(); ++k) {
-      wait_inner(c_, op_, "all-to-all of packed signs (phase 1)", chunks_[k].a2a);
+      wait_shards(call_, chunks_[k].p1);
       trace_.mark("a2a_done", static_cast<int64_t>(k));
       if (k + 1 < chunks_.size()) {
         issue_phase1(k + 1); // moves while this chunk is counted
@@ -96,14 +95,14 @@ class Run {
       c_.tie_hint->store(dense_ties_);
     }
     if (!buf_.is_same(tensor_)) {
-      ScopedTimer t(c_.stats->unpack_ns);
+      ScopedTimer t(c_.stats->unpack_ns, "lionbit::unpack");
       tensor_.copy_(buf_);
     }
   }
 
  private:
   void pack_all() {
-    ScopedTimer t(c_.stats->pack_ns);
+    ScopedTimer t(c_.stats->pack_ns, "lionbit::pack");
     const size_t esize = bits::dtype_size(dtype_);
     const uint8_t* src = static_cast<const uint8_t*>(buf_.data_ptr());
     for (size_t begin = 0; begin < n_; begin += chunk_elems_) {
@@ -125,15 +124,7 @@ class Run {
         // Chunks start on word boundaries (a multiple of 64 * N elements).
         std::memcpy(words_of(ch.sign_plane), packed_->sign + begin / 64, used * 8);
         std::memcpy(words_of(ch.zero_plane), packed_->zero + begin / 64, used * 8);
-        const unsigned tail = static_cast<unsigned>(ch.len % 64);
-        if (tail != 0) { // bits past the end are not the caller's promise
-          words_of(ch.sign_plane)[used - 1] &= (uint64_t{1} << tail) - 1;
-          words_of(ch.zero_plane)[used - 1] &= (uint64_t{1} << tail) - 1;
-        }
-        // A zero bit wins over a sign bit (an element is 0, +1 or -1).
-        for (size_t w = 0; w < used; ++w) {
-          words_of(ch.sign_plane)[w] &= ~words_of(ch.zero_plane)[w];
-        }
+        clean_planes(words_of(ch.sign_plane), words_of(ch.zero_plane), used, ch.len);
         pc.zeros = bits::count_bits(words_of(ch.zero_plane), used);
         pc.nans = begin == 0 ? packed_->nans : 0;
       }
@@ -142,12 +133,8 @@ class Run {
       std::memset(words_of(ch.sign_plane) + used, 0, (total_words - used) * 8);
       std::memset(words_of(ch.zero_plane) + used, 0, (total_words - used) * 8);
       nans_ += pc.nans;
-      ch.zeros = pc.zeros;
       if (pc.zeros > 0) {
-        for (int k = 0; k < N_; ++k) {
-          zero_cap_ = std::max(
-              zero_cap_, bits::count_bits(words_of(ch.zero_plane) + k * ch.sw, ch.sw));
-        }
+        zero_cap_ = std::max(zero_cap_, max_shard_zeros(words_of(ch.zero_plane), N_, ch.sw));
       }
       chunks_.push_back(std::move(ch));
     }
@@ -156,84 +143,34 @@ class Run {
   // Every rank learns every rank's size, dtype, op, order, chunking and
   // zero/NaN flags, and all raise together if they disagree.
   void header() {
-    uint32_t flags = 0;
-    flags |= zero_cap_ > 0 ? bits::kHasZero : 0u;
-    flags |= nans_ > 0 ? bits::kHasNan : 0u;
+    uint32_t flags = header_flags(zero_cap_, nans_);
     if (op_ == bits::SignOp::kVote && c_.tie_hint != nullptr && c_.tie_hint->load()) {
       flags |= bits::kTieHint;
     }
     const auto mine = bits::make_header(
-        op_, dtype_, c_.rank, flags, seq_, n_, zero_cap_, chunk_elems_);
-    hs_ = header_round(c_, op_, mine);
-    TORCH_CHECK_VALUE(hs_.error.empty(), where(c_, op_), hs_.error);
+        op_, dtype_, c_.rank, flags, call_.seq, n_, zero_cap_, chunk_elems_);
+    hs_ = header_round(call_, mine);
     inline_ties_ = op_ == bits::SignOp::kVote && hs_.inline_ties;
     c_.stats->sign_allreduce_calls += 1;
     c_.stats->elements += n_;
   }
 
-  // Phase 1: all-to-all of packed shards. Rank k gets [sign_k | zeros_k]
-  // from every rank, zeros_k encoded as a list or a plane (zeros.h), absent
-  // from ranks without zeros.
+  // Phase 1 (backend/phase1.hpp): rank k gets every rank's shard k.
   void issue_phase1(size_t idx) {
     Chunk& ch = chunks_[idx];
-    const size_t my_zbytes = bits::zero_encoding_bytes(zero_cap_, ch.sw);
-    at::Tensor send = ch.sign_plane;
-    if (zero_cap_ > 0) {
-      ScopedTimer t(c_.stats->pack_ns);
-      send = byte_buffer(N_ * (ch.sb + my_zbytes));
-      uint8_t* s = bytes_of(send);
-      for (int k = 0; k < N_; ++k) {
-        std::memcpy(s, bytes_of(ch.sign_plane) + k * ch.sb, ch.sb);
-        bits::encode_zeros(words_of(ch.zero_plane) + k * ch.sw, ch.sw, zero_cap_, s + ch.sb);
-        s += ch.sb + my_zbytes;
-      }
-    }
-    std::vector<int64_t> in_splits(N_, static_cast<int64_t>(ch.sb + my_zbytes));
-    ch.out_splits.resize(N_);
-    int64_t recv_total = 0;
-    for (int j = 0; j < N_; ++j) {
-      ch.out_splits[j] = static_cast<int64_t>(
-          ch.sb + bits::zero_encoding_bytes(hs_.zero_capacity[j], ch.sw));
-      recv_total += ch.out_splits[j];
-      if (j != c_.rank) {
-        c_.stats->bytes_sent += static_cast<uint64_t>(in_splits[j]);
-        c_.stats->bytes_received += static_cast<uint64_t>(ch.out_splits[j]);
-      }
-    }
-    ch.recv = byte_buffer(static_cast<size_t>(recv_total));
-    // The inner backend may move from the split vectors: hand it copies.
-    std::vector<int64_t> out_arg = ch.out_splits;
-    ScopedTimer t(c_.stats->comm_ns);
-    ch.a2a = c_.comm->alltoall_base(ch.recv, send, out_arg, in_splits);
+    ch.p1 = send_shards(call_, hs_, ch.sign_plane, ch.zero_plane, ch.sw);
     trace_.mark("a2a_issued", static_cast<int64_t>(idx));
   }
 
   // Phase 2: count and vote the own shard; start the all-gather of results.
   void count_and_issue_phase2(size_t idx) {
     Chunk& ch = chunks_[idx];
-    std::vector<bits::Contribution> in(N_);
+    const std::vector<bits::Contribution> in = receive_shards(call_, hs_, ch.p1, ch.decoded);
     {
-      ScopedTimer t(c_.stats->vote_ns);
-      const uint8_t* p = bytes_of(ch.recv);
-      for (int j = 0; j < N_; ++j) {
-        const uint64_t cap = hs_.zero_capacity[j];
-        in[j].sign = reinterpret_cast<const uint64_t*>(p);
-        in[j].zero = cap > 0 ? reinterpret_cast<const uint64_t*>(p + ch.sb) : nullptr;
-        if (bits::zeros_as_list(cap, ch.sw)) {
-          if (!ch.decoded.defined()) {
-            ch.decoded = byte_buffer(N_ * ch.sb);
-          }
-          uint64_t* plane = words_of(ch.decoded) + j * ch.sw;
-          TORCH_CHECK_VALUE(
-              bits::decode_zeros(p + ch.sb, ch.sw, cap, plane), where(c_, op_),
-              "rank ", j, " sent a corrupt list of zero positions in phase 1");
-          in[j].zero = plane;
-        }
-        p += ch.out_splits[j];
-      }
+      ScopedTimer t(c_.stats->vote_ns, "lionbit::count");
       if (op_ == bits::SignOp::kVote && inline_ties_) {
         // Message: [number of ties in the shard][the shard's results in base
-        // 3, 13 bytes a word (bits/trits.h), padded to 8 bytes]: the ranks
+        // 3, 13 bytes a word (signbits/trits.h), padded to 8 bytes]: the ranks
         // expect ties (kTieHint), so no separate tie round, and 1.625 bits
         // an element instead of a sign and a tie plane.
         ch.msg = 8 + (bits::kTritBytesPerWord * ch.sw + 7) / 8 * 8;
@@ -256,7 +193,7 @@ class Run {
         words_of(ch.mine_msg)[0] = bits::count_bits(words_of(ch.mine_zero), ch.sw);
       } else if (const uint64_t cap = zero_list_cap(ch); cap > 0) {
         // A few zeros: message = [the zero-free count planes (positives)]
-        // [the elements with a zero, as a list] (bits/zero_counts.h): one
+        // [the elements with a zero, as a list] (signbits/zero_counts.h): one
         // plane less than the zero-aware code.
         const int P = bits::code_planes(N_, false);
         ch.msg = P * ch.sb + bits::zero_count_list_bytes(cap);
@@ -269,7 +206,7 @@ class Run {
         // cap bounds this shard's zeros summed over the senders.
         TORCH_CHECK(
             bits::encode_zero_counts(in.data(), N_, ch.sw, cap, bytes_of(ch.mine_msg) + P * ch.sb),
-            where(c_, op_), "internal: more elements with a zero than announced");
+            where(call_), "internal: more elements with a zero than announced");
       } else {
         // Message: the bit-planes of the count code of the shard.
         ch.msg = bits::code_planes(N_, hs_.any_zero) * ch.sb;
@@ -278,11 +215,11 @@ class Run {
       }
     }
     trace_.mark("counted", static_cast<int64_t>(idx));
-    ch.recv = at::Tensor(); // phase-1 buffers are no longer needed
+    ch.p1 = Phase1(); // phase-1 buffers are no longer needed
     ch.decoded = at::Tensor();
     ch.gathered = byte_buffer(ch.msg * N_);
     count_allgather(c_, ch.msg);
-    ScopedTimer t(c_.stats->comm_ns);
+    ScopedTimer t(c_.stats->comm_ns, "lionbit::issue");
     ch.ag = c_.comm->_allgather_base(ch.gathered, ch.mine_msg);
   }
 
@@ -290,14 +227,14 @@ class Run {
   // tie positions), then unpacks every shard into the buffer.
   void finish(size_t idx) {
     Chunk& ch = chunks_[idx];
-    wait_inner(c_, op_, "all-gather of shard results (phase 2)", ch.ag);
+    wait_inner(call_, "all-gather of shard results (phase 2)", *c_.comm, ch.ag);
     trace_.mark("ag_done", static_cast<int64_t>(idx));
     uint64_t tie_cap = 0;
     if (op_ == bits::SignOp::kVote) {
       for (int k = 0; k < N_; ++k) {
         const uint64_t ties = words_of(ch.gathered)[k * ch.msg / 8];
         TORCH_CHECK_VALUE(
-            ties <= ch.sw * bits::kWordBits, where(c_, op_), "rank ", k,
+            ties <= ch.sw * bits::kWordBits, where(call_), "rank ", k,
             " sent a corrupt vote message (", ties, " ties in a shard of ",
             ch.sw * bits::kWordBits, " elements)");
         tie_cap = std::max(tie_cap, ties);
@@ -352,7 +289,7 @@ class Run {
     }
     const int P = static_cast<int>(planes[0].size());
     TORCH_CHECK(
-        P <= bits::kMaxUnpackPlanes, where(c_, op_),
+        P <= bits::kMaxUnpackPlanes, where(call_),
         "world size ", N_, " is too large for op ", bits::sign_op_name(op_));
     write_shards(ch, values.data(), values.size(), [&](int k, size_t n, const void* lut, uint8_t* dst) {
       bits::unpack(dtype_, planes[k].data(), P, n, lut, dst);
@@ -363,7 +300,7 @@ class Run {
               bits::apply_zero_counts(
                   bytes_of(ch.gathered) + k * ch.msg + P * ch.sb, cap, planes[k].data(), P, n, N_,
                   zlut.data(), bits::dtype_size(dtype_), dst),
-          where(c_, op_), "rank ", k, " sent a corrupt count message (its list of elements with a zero)");
+          where(call_), "rank ", k, " sent a corrupt count message (its list of elements with a zero)");
     });
   }
 
@@ -391,7 +328,7 @@ class Run {
     write_shards(ch, values, 3, [&](int k, size_t n, const void* lut, uint8_t* dst) {
       TORCH_CHECK_VALUE(
           bits::decode_trits(dtype_, bytes_of(ch.gathered) + k * ch.msg + 8, n, lut, dst),
-          where(c_, op_), "rank ", k, " sent a corrupt vote message (a base-3 code above 242)");
+          where(call_), "rank ", k, " sent a corrupt vote message (a base-3 code above 242)");
     });
   }
 
@@ -399,7 +336,7 @@ class Run {
   // holds elements: dst is its place in the buffer, lut `values` as dtype_.
   template <typename Write>
   void write_shards(const Chunk& ch, const double* values, size_t count, Write&& write) {
-    ScopedTimer t(c_.stats->unpack_ns);
+    ScopedTimer t(c_.stats->unpack_ns, "lionbit::unpack");
     std::vector<uint8_t> lut(count * bits::dtype_size(dtype_));
     bits::make_lut(dtype_, values, count, lut.data());
     const size_t per_shard = ch.sw * bits::kWordBits;
@@ -424,28 +361,28 @@ class Run {
     bits::encode_zeros(words_of(ch.mine_zero), ch.sw, tie_cap, bytes_of(mine_enc));
     at::Tensor gathered_zero = byte_buffer(zb * N_);
     wait_inner(
-        c_, op_, "all-gather of tie positions (phase 2)",
+        call_, "all-gather of tie positions (phase 2)", *c_.comm,
         c_.comm->_allgather_base(gathered_zero, mine_enc));
     count_allgather(c_, zb);
     if (!bits::zeros_as_list(tie_cap, ch.sw)) {
       ch.tie_planes = gathered_zero;
       return;
     }
-    ScopedTimer t(c_.stats->unpack_ns);
+    ScopedTimer t(c_.stats->unpack_ns, "lionbit::unpack");
     ch.tie_planes = byte_buffer(ch.sb * N_);
     for (int k = 0; k < N_; ++k) {
       TORCH_CHECK_VALUE(
           bits::decode_zeros(
               bytes_of(gathered_zero) + k * zb, ch.sw, tie_cap,
               words_of(ch.tie_planes) + k * ch.sw),
-          where(c_, op_), "rank ", k, " sent a corrupt list of tie positions");
+          where(call_), "rank ", k, " sent a corrupt list of tie positions");
     }
   }
 
   const SignComm& c_;
   const int N_;
   const bits::SignOp op_;
-  const uint64_t seq_;
+  const SignCall call_;
   at::Tensor& tensor_;
   const PackedSigns* packed_;
   bits::DType dtype_;
@@ -462,30 +399,6 @@ class Run {
 };
 
 } // namespace
-
-std::optional<bits::DType> bits_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return bits::DType::kFloat32;
-    case at::kHalf:
-      return bits::DType::kFloat16;
-    case at::kBFloat16:
-      return bits::DType::kBFloat16;
-    case at::kDouble:
-      return bits::DType::kFloat64;
-    case at::kChar:
-      return bits::DType::kInt8;
-    default:
-      return std::nullopt;
-  }
-}
-
-void sign_allreduce_reject(const SignComm& c, bits::SignOp op, uint64_t seq) {
-  const auto mine = bits::make_header(
-      op, bits::DType::kFloat32, c.rank, bits::kRejected, seq, 0, 0,
-      bits::chunk_elems_for(requested_chunk_elems(c.world_size), c.world_size));
-  header_round(c, op, mine); // its error is the caller's own: ignore it
-}
 
 void sign_allreduce(
     const SignComm& c,

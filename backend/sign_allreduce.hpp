@@ -1,25 +1,25 @@
-// The two-phase 1-bit sign all-reduce (DESIGN.md sections 2 and 3):
+// The two-phase 1-bit sign all-reduce:
 //   0. header round: an all-gather of a 48-byte header per rank (order, op,
 //      dtype, size, NaN flag, zero capacity), checked before anything else
 //      is used;
 //   1. pack signs to bit-planes; all-to-all of packed shards (zero positions
 //      travel only from ranks whose input holds a zero: a list of offsets
-//      when sparse, a plane when dense, see bits/zeros.h);
+//      when sparse, a plane when dense, see signbits/zeros.h);
 //   2. each rank counts and votes its own shard with bit-sliced counters;
 //   3. all-gather of the shard results (vote: 1 bit, plus the tie positions
 //      only when a shard has a tie, encoded like zeros, in a further round;
 //      or, when the last vote had a dense tie plane and every rank says so
 //      in its header (kTieHint), results and ties together in base 3 in this
-//      one, 1.625 bits an element (bits/trits.h); avg/sum: the count's
-//      bit-planes); unpack in place.
+//      one, 1.625 bits an element (signbits/trits.h); avg/sum: the count's
+//      bit-planes, with a list of the elements that hold a zero when a few
+//      do, signbits/zero_counts.h); unpack in place.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <atomic>
-#include <optional>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include "backend/bits/wire.h"
+#include "signbits/wire.h"
 #include "backend/stats.hpp"
 
 namespace lionbit {
@@ -37,9 +37,6 @@ struct SignComm {
   // plane inline in phase 2. Null: never offered. Worker thread only.
   std::atomic<bool>* tie_hint = nullptr;
 };
-
-// The bit kernels' dtype for a torch dtype; nullopt when unsupported.
-std::optional<bits::DType> bits_dtype(at::ScalarType t);
 
 // Runs the whole collective on `tensor` (CPU, a supported dtype, no internal
 // overlap: the caller has checked) and writes the result into it. Throws
@@ -67,9 +64,5 @@ void sign_allreduce_packed(
     at::Tensor& out,
     bits::SignOp op,
     uint64_t seq);
-
-// Takes part in the header round only, announcing that this rank rejected
-// call #seq, so that peers fail at once instead of waiting for it.
-void sign_allreduce_reject(const SignComm& c, bits::SignOp op, uint64_t seq);
 
 } // namespace lionbit

@@ -10,9 +10,9 @@
 #include <map>
 #include <vector>
 
-#include "backend/bits/count.h"
-#include "backend/bits/unpack.h"
-#include "backend/cuda/kernels.h"
+#include "signbits/count.h"
+#include "signbits/unpack.h"
+#include "signbits/cuda/kernels.h"
 #include "backend/sign_common.hpp"
 
 namespace lionbit {
@@ -20,10 +20,6 @@ namespace lionbit {
 struct CudaReady {
   at::cuda::CUDAEvent event;
 };
-
-bool cuda_path_built() {
-  return true;
-}
 
 std::shared_ptr<CudaReady> cuda_mark_ready(const at::Tensor& tensor) {
   auto ready = std::make_shared<CudaReady>();
@@ -58,7 +54,7 @@ at::Tensor dev_bytes(size_t n, const at::Device& device) {
 class CudaRun {
  public:
   CudaRun(const SignComm& c, bits::SignOp op, uint64_t seq, at::Device device)
-      : c_(c), N_(c.world_size), op_(op), seq_(seq), device_(device),
+      : c_(c), N_(c.world_size), op_(op), call_{c, op, Collective::kAllReduce, seq}, device_(device),
         stream_(c10::cuda::getCurrentCUDAStream(device.index())) {}
 
   // Packs `buf` (contiguous) into the planes.
@@ -69,7 +65,7 @@ class CudaRun {
     if (n_ == 0) {
       return;
     }
-    ScopedTimer t(c_.stats->pack_ns);
+    ScopedTimer t(c_.stats->pack_ns, "lionbit::pack");
     cuda::pack_signs(
         dtype_, buf.data_ptr(), n_, dev_words(sign_), dev_words(zero_), 0,
         reinterpret_cast<cuda::Counts*>(counts_.data_ptr<int64_t>()), stream_.stream());
@@ -89,7 +85,7 @@ class CudaRun {
     if (n_ == 0) {
       return;
     }
-    ScopedTimer t(c_.stats->pack_ns);
+    ScopedTimer t(c_.stats->pack_ns, "lionbit::pack");
     const int64_t used = static_cast<int64_t>(bits::words_for(n_) * 8);
     sign_.narrow(0, 0, used).copy_(sign.narrow(0, 0, used));
     zero_.narrow(0, 0, used).copy_(zero.narrow(0, 0, used));
@@ -135,7 +131,7 @@ class CudaRun {
     at::Tensor mine;
     std::vector<double> values;
     {
-      ScopedTimer t(c_.stats->vote_ns);
+      ScopedTimer t(c_.stats->vote_ns, "lionbit::count");
       if (op_ == bits::SignOp::kVote) {
         // A tie is possible only with an even N or with zeros.
         P = (N_ % 2 == 0 || any_zero) ? 2 : 1;
@@ -151,7 +147,7 @@ class CudaRun {
       } else {
         P = bits::code_planes(N_, any_zero);
         TORCH_CHECK(
-            P <= bits::kMaxUnpackPlanes, where(c_, op_), "world size ", N_,
+            P <= bits::kMaxUnpackPlanes, where(call_), "world size ", N_,
             " is too large for op ", bits::sign_op_name(op_));
         mine = dev_bytes(static_cast<size_t>(P) * sw_ * 8, device_);
         cuda::count_code(in_sign, in_zero, per, N_, sw_, dev_words(mine), stream_.stream());
@@ -163,7 +159,7 @@ class CudaRun {
         exchange_allgather(mine, "all-gather of shard results (phase 2)");
     mine = at::Tensor();
 
-    ScopedTimer t(c_.stats->unpack_ns);
+    ScopedTimer t(c_.stats->unpack_ns, "lionbit::unpack");
     const size_t esize = bits::dtype_size(dtype_);
     at::Tensor lut_host = byte_buffer(values.size() * esize);
     bits::make_lut(dtype_, values.data(), values.size(), bytes_of(lut_host));
@@ -192,16 +188,10 @@ class CudaRun {
     at::Tensor host = counts_.cpu();
     const uint64_t zeros = static_cast<uint64_t>(host.data_ptr<int64_t>()[0]);
     const uint64_t nans = static_cast<uint64_t>(host.data_ptr<int64_t>()[1]);
-    uint32_t flags = bits::kDevice;
-    uint64_t cap = 0;
-    if (zeros > 0) {
-      flags |= bits::kHasZero;
-      cap = std::min<uint64_t>(zeros, sw_ * bits::kWordBits);
-    }
-    flags |= nans > 0 ? bits::kHasNan : 0u;
-    const auto mine = bits::make_header(op_, dtype_, c_.rank, flags, seq_, n_, cap, 0);
-    hs_ = header_round(c_, op_, mine);
-    TORCH_CHECK_VALUE(hs_.error.empty(), where(c_, op_), hs_.error);
+    const uint64_t cap = std::min<uint64_t>(zeros, sw_ * bits::kWordBits);
+    const auto mine = bits::make_header(
+        op_, dtype_, c_.rank, bits::kDevice | header_flags(cap, nans), call_.seq, n_, cap, 0);
+    hs_ = header_round(call_, mine);
     c_.stats->sign_allreduce_calls += 1;
     c_.stats->elements += n_;
   }
@@ -217,12 +207,12 @@ class CudaRun {
     std::vector<int64_t> equal_out, equal_in; // empty: equal splits
     if (direct()) {
       at::Tensor recv = at::empty_like(send);
-      wait_inner(c_, op_, step, c_.device_comm->alltoall_base(recv, send, equal_out, equal_in));
+      wait_inner(call_, step, *c_.device_comm, c_.device_comm->alltoall_base(recv, send, equal_out, equal_in));
       return recv;
     }
     at::Tensor host_send = send.cpu();
     at::Tensor host_recv = byte_buffer(static_cast<size_t>(host_send.numel()));
-    wait_inner(c_, op_, step, c_.comm->alltoall_base(host_recv, host_send, equal_out, equal_in));
+    wait_inner(call_, step, *c_.comm, c_.comm->alltoall_base(host_recv, host_send, equal_out, equal_in));
     return host_recv.to(device_);
   }
 
@@ -231,19 +221,19 @@ class CudaRun {
     count_allgather(c_, bytes);
     if (direct()) {
       at::Tensor out = dev_bytes(bytes * N_, device_);
-      wait_inner(c_, op_, step, c_.device_comm->_allgather_base(out, mine));
+      wait_inner(call_, step, *c_.device_comm, c_.device_comm->_allgather_base(out, mine));
       return out;
     }
     at::Tensor host_mine = mine.cpu();
     at::Tensor host_out = byte_buffer(bytes * N_);
-    wait_inner(c_, op_, step, c_.comm->_allgather_base(host_out, host_mine));
+    wait_inner(call_, step, *c_.comm, c_.comm->_allgather_base(host_out, host_mine));
     return host_out.to(device_);
   }
 
   const SignComm& c_;
   const int N_;
   const bits::SignOp op_;
-  const uint64_t seq_;
+  const SignCall call_;
   const at::Device device_;
   c10::cuda::CUDAStream stream_;
   bits::DType dtype_ = bits::DType::kFloat32;

@@ -1,7 +1,7 @@
 // The sign all-reduce on CUDA tensors (built when LIONBIT_WITH_CUDA is set).
 //
 // The same two phases as the CPU path (sign_allreduce.hpp), with the kernels
-// of backend/cuda on the GPU and the data on the device transport:
+// of signbits/cuda on the GPU and the data on the device transport:
 //   0. the caller's thread records an event on its current stream
 //      (cuda_mark_ready); the worker's own stream waits for it, so the
 //      collective is ordered after everything the caller queued before it;
@@ -25,16 +25,13 @@
 
 #include <memory>
 
-#include "backend/bits/wire.h"
+#include "signbits/wire.h"
 #include "backend/sign_allreduce.hpp"
 
 namespace lionbit {
 
 // An event recorded on the current stream of a tensor's device.
 struct CudaReady;
-
-// Whether this build has the CUDA path.
-bool cuda_path_built();
 
 // Called on the caller's thread when a CUDA call is queued.
 std::shared_ptr<CudaReady> cuda_mark_ready(const at::Tensor& tensor);

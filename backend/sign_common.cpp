@@ -8,13 +8,13 @@
 
 namespace lionbit {
 
-std::string where(const SignComm& c, bits::SignOp op) {
-  return std::string("lionbit all_reduce_sign(op=") + bits::sign_op_name(op) +
-      ") on rank " + std::to_string(c.rank) + ": ";
+const char* collective_name(Collective kind) {
+  return kind == Collective::kReduceScatter ? "reduce_scatter_sign" : "all_reduce_sign";
 }
 
-at::Tensor byte_buffer(size_t n) {
-  return at::empty({static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte));
+std::string where(const SignCall& call) {
+  return std::string("lionbit ") + collective_name(call.kind) + "(op=" + bits::sign_op_name(call.op) +
+      ") on rank " + std::to_string(call.c.rank) + ": ";
 }
 
 uint64_t requested_chunk_elems(int world_size) {
@@ -30,21 +30,18 @@ uint64_t requested_chunk_elems(int world_size) {
 }
 
 void wait_inner(
-    const SignComm& c,
-    bits::SignOp op,
+    const SignCall& call,
     const char* step,
+    const c10d::Backend& via,
     const c10::intrusive_ptr<c10d::Work>& work) {
-  ScopedTimer t(c.stats->comm_ns);
+  ScopedTimer t(call.c.stats->comm_ns, "lionbit::issue");
   try {
     work->wait();
-  } catch (const c10::Error& e) {
-    TORCH_CHECK_WITH(
-        DistBackendError, false, where(c, op), "the ", step,
-        " over the inner Gloo communicator failed: ", e.what_without_backtrace());
   } catch (const std::exception& e) {
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
     TORCH_CHECK_WITH(
-        DistBackendError, false, where(c, op), "the ", step,
-        " over the inner Gloo communicator failed: ", e.what());
+        DistBackendError, false, where(call), "the ", step, " over the inner ", via.getBackendName(),
+        " communicator failed: ", c10_error != nullptr ? c10_error->what_without_backtrace() : e.what());
   }
 }
 
@@ -55,17 +52,38 @@ void count_allgather(const SignComm& c, size_t chunk) {
   c.stats->bytes_received += b;
 }
 
-bits::HeaderSummary header_round(
-    const SignComm& c,
-    bits::SignOp op,
-    const bits::WireHeader& mine) {
+uint32_t header_flags(uint64_t zero_capacity, uint64_t nans) {
+  return (zero_capacity > 0 ? bits::kHasZero : 0u) | (nans > 0 ? bits::kHasNan : 0u);
+}
+
+namespace {
+bits::HeaderSummary exchange_headers(const SignCall& call, const bits::WireHeader& mine) {
+  const SignComm& c = call.c;
   at::Tensor in = byte_buffer(sizeof(bits::WireHeader));
   std::memcpy(bytes_of(in), &mine, sizeof mine);
   at::Tensor out = byte_buffer(sizeof(bits::WireHeader) * c.world_size);
-  wait_inner(c, op, "header round", c.comm->_allgather_base(out, in));
+  wait_inner(call, "header round", *c.comm, c.comm->_allgather_base(out, in));
   count_allgather(c, sizeof(bits::WireHeader));
   return bits::check_headers(
       reinterpret_cast<const bits::WireHeader*>(bytes_of(out)), c.world_size, mine);
+}
+} // namespace
+
+bits::HeaderSummary header_round(const SignCall& call, const bits::WireHeader& mine) {
+  bits::HeaderSummary hs = exchange_headers(call, mine);
+  TORCH_CHECK_VALUE(hs.error.empty(), where(call), hs.error);
+  return hs;
+}
+
+void reject_round(const SignCall& call) {
+  const uint32_t flags =
+      bits::kRejected | (call.kind == Collective::kReduceScatter ? bits::kReduceScatter : 0u);
+  const uint64_t chunk = call.kind == Collective::kReduceScatter
+      ? 0
+      : bits::chunk_elems_for(requested_chunk_elems(call.c.world_size), call.c.world_size);
+  const auto mine =
+      bits::make_header(call.op, bits::DType::kFloat32, call.c.rank, flags, call.seq, 0, 0, chunk);
+  exchange_headers(call, mine); // its error is the caller's own: ignore it
 }
 
 std::vector<double> count_code_values(bits::SignOp op, int N, bool with_zeros, int planes) {

@@ -1,25 +1,51 @@
 // Pieces shared by the sign collectives (sign_allreduce.cpp, the CUDA path,
-// the reduce-scatter): error prefixes, timers, byte buffers, waiting for an
-// inner collective and the header round.
+// the reduce-scatter): what a call is, its error prefix, timers, waiting for
+// an inner collective and the header round.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/record_function.h>
 
 #include <atomic>
 #include <chrono>
 #include <string>
 #include <vector>
 
-#include "backend/bits/wire.h"
 #include "backend/sign_allreduce.hpp"
+#include "backend/torch_adapter.hpp"
+#include "signbits/wire.h"
 
 namespace lionbit {
 
-// Adds the time spent in its scope to a counter.
+// Which sign collective a call is.
+enum class Collective { kAllReduce, kReduceScatter };
+
+// "all_reduce_sign" or "reduce_scatter_sign", as users call them.
+const char* collective_name(Collective kind);
+
+// One sign call as its steps see it: the communicators, the op, which
+// collective, and its number in the order every rank runs the calls.
+struct SignCall {
+  const SignComm& c;
+  bits::SignOp op;
+  Collective kind;
+  uint64_t seq;
+};
+
+// "lionbit reduce_scatter_sign(op=vote) on rank 3: "
+std::string where(const SignCall& call);
+
+// Adds the time spent in its scope to a counter of lionbit.stats(), and
+// shows the scope as a span named `span` (a string literal) in a
+// torch.profiler trace: the worker runs with the caller's profiler state.
 class ScopedTimer {
  public:
-  explicit ScopedTimer(std::atomic<uint64_t>& into)
-      : into_(into), start_(std::chrono::steady_clock::now()) {}
+  ScopedTimer(std::atomic<uint64_t>& into, const char* span)
+      : into_(into), span_(at::RecordScope::USER_SCOPE), start_(std::chrono::steady_clock::now()) {
+    if (span_.isActive()) {
+      span_.before(span);
+    }
+  }
   ~ScopedTimer() {
     into_ += static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -31,22 +57,9 @@ class ScopedTimer {
 
  private:
   std::atomic<uint64_t>& into_;
+  at::RecordFunction span_;
   std::chrono::steady_clock::time_point start_;
 };
-
-// "lionbit all_reduce_sign(op=vote) on rank 3: "
-std::string where(const SignComm& c, bits::SignOp op);
-
-// A CPU uint8 tensor of n bytes (uninitialised).
-at::Tensor byte_buffer(size_t n);
-
-inline uint64_t* words_of(const at::Tensor& t) {
-  return reinterpret_cast<uint64_t*>(t.data_ptr<uint8_t>());
-}
-
-inline uint8_t* bytes_of(const at::Tensor& t) {
-  return t.data_ptr<uint8_t>();
-}
 
 // Elements per pipelined chunk requested by LIONBIT_CHUNK_ELEMS (default
 // max(4M, 256K * world_size): every shard of a chunk at least 256K elements);
@@ -54,12 +67,13 @@ inline uint8_t* bytes_of(const at::Tensor& t) {
 // same value: the header round checks.
 uint64_t requested_chunk_elems(int world_size);
 
-// Waits for an inner collective; a failure (a dead peer, a timeout) becomes a
-// DistBackendError naming lionbit, the op, the rank and the step.
+// Waits for a collective issued on the inner backend `via`; a failure (a dead
+// peer, a timeout) becomes a DistBackendError naming lionbit, the collective,
+// the op, the rank, the step and the transport.
 void wait_inner(
-    const SignComm& c,
-    bits::SignOp op,
+    const SignCall& call,
     const char* step,
+    const c10d::Backend& via,
     const c10::intrusive_ptr<c10d::Work>& work);
 
 // Adds a ring all-gather of `chunk` bytes per rank to the byte counters.
@@ -71,10 +85,16 @@ void count_allgather(const SignComm& c, size_t chunk);
 // "avg", 0 for codes that cannot occur. unpack's table is built from it.
 std::vector<double> count_code_values(bits::SignOp op, int N, bool with_zeros, int planes);
 
-// All-gathers every rank's header over c.comm (CPU) and checks them all.
-bits::HeaderSummary header_round(
-    const SignComm& c,
-    bits::SignOp op,
-    const bits::WireHeader& mine);
+// The header flags every call sets from what this rank holds.
+uint32_t header_flags(uint64_t zero_capacity, uint64_t nans);
+
+// All-gathers every rank's header over c.comm (CPU) and checks them all;
+// raises the call's error on every rank when they disagree (or a rank
+// rejected its input, or holds a NaN).
+bits::HeaderSummary header_round(const SignCall& call, const bits::WireHeader& mine);
+
+// The header round alone, announcing that this rank rejected call #seq (its
+// own error is raised by the caller): peers fail at once instead of waiting.
+void reject_round(const SignCall& call);
 
 } // namespace lionbit

@@ -45,7 +45,4 @@ void sign_reduce_scatter_packed(
     bits::SignOp op,
     uint64_t seq);
 
-// The header round alone, announcing that this rank rejected call #seq.
-void sign_reduce_scatter_reject(const SignComm& c, bits::SignOp op, uint64_t seq);
-
 } // namespace lionbit

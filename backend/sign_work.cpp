@@ -22,14 +22,28 @@ std::vector<c10::Device> devices_of(const std::vector<at::Tensor>& ts) {
 }
 } // namespace
 
-SignWork::SignWork(int rank, std::vector<at::Tensor> outputs)
-    : c10d::Work(rank, c10d::OpType::ALLREDUCE, "lionbit:all_reduce_sign"),
+SignWork::SignWork(int rank, Collective kind, std::vector<at::Tensor> outputs)
+    : c10d::Work(
+          rank,
+          kind == Collective::kReduceScatter ? c10d::OpType::REDUCE_SCATTER : c10d::OpType::ALLREDUCE,
+          // Static strings: the profiler keeps the pointer.
+          kind == Collective::kReduceScatter ? "lionbit:reduce_scatter_sign" : "lionbit:all_reduce_sign",
+          outputs),
+      kind_(kind),
       outputs_(std::move(outputs)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()),
           devices_of(outputs_))) {}
 
+void SignWork::end_profiling() {
+  if (recordFunctionEndCallback_) {
+    recordFunctionEndCallback_();
+    recordFunctionEndCallback_ = nullptr;
+  }
+}
+
 void SignWork::complete() {
+  end_profiling();
   // The future keeps the outputs from here on: this Work holds no tensor
   // after completion, so releasing it (on the worker thread, perhaps while
   // the interpreter finalizes) never touches a Python object.
@@ -38,6 +52,7 @@ void SignWork::complete() {
 }
 
 void SignWork::fail(std::exception_ptr error) {
+  end_profiling();
   outputs_.clear();
   future_->setError(std::move(error));
 }
@@ -76,7 +91,7 @@ bool SignWork::wait(std::chrono::milliseconds timeout) {
     const bool done = state->second.wait_for(
         lock, timeout, [this] { return future_->completed(); });
     TORCH_CHECK(
-        done, "lionbit all_reduce_sign on rank ", rank_,
+        done, "lionbit ", collective_name(kind_), " on rank ", rank_,
         ": Work.wait() timed out after ", timeout.count(), " ms");
   }
   if (future_->hasError()) {

@@ -5,11 +5,16 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "backend/sign_common.hpp"
+
 namespace lionbit {
 
 class SignWork : public c10d::Work {
  public:
-  SignWork(int rank, std::vector<at::Tensor> outputs);
+  // torch.profiler shows the call as a span "lionbit:all_reduce_sign" (or
+  // "lionbit:reduce_scatter_sign") from this constructor, on the caller's
+  // thread, to complete() / fail().
+  SignWork(int rank, Collective kind, std::vector<at::Tensor> outputs);
 
   // Called by the worker.
   void complete();
@@ -23,6 +28,9 @@ class SignWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
+  void end_profiling();
+
+  const Collective kind_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };

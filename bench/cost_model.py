@@ -54,11 +54,11 @@ from collectives import IMPLS, numel_label, parse_numel  # noqa: E402  (no torch
 from netns import parse_rate  # noqa: E402  (standard library only)
 import report  # noqa: E402
 
-# --- constants of the wire format (backend/) ---------------------------------
-WORD_BITS = 64                 # backend/bits/types.h kWordBits: shards are whole 64-bit words
-HEADER_BYTES = 48              # backend/bits/wire.h sizeof(WireHeader): the header round
+# --- constants of the wire format (signbits/, backend/) -------------------------
+WORD_BITS = 64                 # signbits/types.h kWordBits: shards are whole 64-bit words
+HEADER_BYTES = 48              # signbits/wire.h sizeof(WireHeader): the header round
 TIE_COUNT_BYTES = 8            # sign_allreduce.cpp: each vote message starts with its tie count
-TRIT_BYTES_PER_WORD = 13       # bits/trits.h: 64 results in base 3 (inline ties)
+TRIT_BYTES_PER_WORD = 13       # signbits/trits.h: 64 results in base 3 (inline ties)
 DEFAULT_CHUNK_ELEMS = 0  # 0: lionbit's default for N, bits::default_chunk_elems (max(4M, 256K N))
 
 # --- defaults of the model (documented in docs/benchmarks.md) ----------------
@@ -174,12 +174,12 @@ def bit_width(v: int) -> int:
 
 
 def default_chunk_elems(n: int) -> int:
-    """backend/bits/wire.cpp default_chunk_elems: 4M, at least 256K elements a shard."""
+    """signbits/wire.cpp default_chunk_elems: 4M, at least 256K elements a shard."""
     return max(1 << 22, (1 << 18) * n)
 
 
 def chunk_elems_for(requested: int, n: int) -> int:
-    """backend/bits/wire.cpp: the chunk, rounded up to a multiple of 64 * N
+    """signbits/wire.cpp: the chunk, rounded up to a multiple of 64 * N
     (requested 0: lionbit's default for N)."""
     if requested <= 0:
         requested = default_chunk_elems(n)
@@ -189,13 +189,13 @@ def chunk_elems_for(requested: int, n: int) -> int:
 
 
 def shard_words(numel: int, n: int) -> int:
-    """backend/bits/types.h: words per rank's shard (elements padded to 64 * N)."""
+    """signbits/types.h: words per rank's shard (elements padded to 64 * N)."""
     unit = WORD_BITS * n
     return (numel + unit - 1) // unit * unit // WORD_BITS // n
 
 
 def zero_encoding_bytes(cap: int, words: int) -> int:
-    """backend/bits/zeros.cpp: K 32-bit offsets (padded to even) when smaller than the plane."""
+    """signbits/zeros.cpp: K 32-bit offsets (padded to even) when smaller than the plane."""
     if cap <= 0:
         return 0
     slots = cap + (cap & 1)
@@ -284,7 +284,7 @@ def lionbit_terms(op: str, n: int, d: int, link: Link, cpu: Cpu, tie_fraction: f
             if ties > 0 and tb >= sb:
                 # dense ties: inline in phase 2 from the second vote on
                 # (kTieHint), the steady state of training and of suite 1,
-                # results and ties in base 3 (backend/bits/trits.h)
+                # results and ties in base 3 (signbits/trits.h)
                 per += TIE_COUNT_BYTES + (TRIT_BYTES_PER_WORD * sw + 7) // 8 * 8
                 inline_elems += mult * length
             else:

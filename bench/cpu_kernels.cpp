@@ -7,8 +7,7 @@
 // "input" the goals talk about): pack reads 4 bytes per float32 element; vote
 // reads N packed sign planes (d/8 bytes each); unpack reads its 1-2 planes and
 // writes 4 bytes per element (reported: bytes written); lion_direction reads g
-// and m and writes m (reported: bytes read, 8 per element); lion_apply_planes
-// reads and writes x (reported: bytes read, 4 per element). read_bw is a
+// and m and writes m (reported: bytes read, 8 per element). read_bw is a
 // plain sum of 64-bit words over a buffer of the same size as the kernels'
 // input, compiled -O3 for this machine: the one-core read bandwidth.
 #include <benchmark/benchmark.h>
@@ -18,10 +17,10 @@
 #include <random>
 #include <vector>
 
-#include "backend/bits/count.h"
-#include "backend/bits/pack.h"
-#include "backend/bits/trits.h"
-#include "backend/bits/unpack.h"
+#include "signbits/count.h"
+#include "signbits/pack.h"
+#include "signbits/trits.h"
+#include "signbits/unpack.h"
 #include "optimizer/lion.h"
 
 namespace bits = lionbit::bits;
@@ -157,7 +156,7 @@ void BM_unpack_trits(benchmark::State& st) {
   st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * n * 4);
 }
 
-// Fused Lion step, part 1 (direction + momentum) and part 2 (apply the vote).
+// Fused Lion step, part 1 (direction + momentum).
 void BM_lion_direction(benchmark::State& st) {
   const size_t n = st.range(0);
   auto g = random_floats(n, 5), m = random_floats(n, 6);
@@ -169,21 +168,6 @@ void BM_lion_direction(benchmark::State& st) {
     benchmark::ClobberMemory();
   }
   st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * n * 8);
-}
-
-void BM_lion_apply_planes(benchmark::State& st) {
-  const size_t n = st.range(0);
-  const size_t w = bits::words_for(n);
-  auto x = random_floats(n, 7);
-  auto s = random_words(w, 8);
-  std::vector<uint64_t> z(w, 0);
-  const uint64_t* planes[2] = {s.data(), z.data()};
-  const float lut[4] = {-1.f, 1.f, 0.f, 0.f};
-  for (auto _ : st) {
-    optim::lion_apply_planes(bits::DType::kFloat32, x.data(), n, planes, 2, lut, 1e-7f, 1.0f);
-    benchmark::ClobberMemory();
-  }
-  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * n * 4);
 }
 
 constexpr int64_t k16M = 16 << 20;
@@ -198,7 +182,6 @@ BENCHMARK(BM_unpack)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_unpack_trits)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_unpack_counts)->Args({k16M, 3})->Args({k16M, 5})->Args({k16M, 8})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_lion_direction)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_lion_apply_planes)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 // The read bandwidth once more, last: a run whose first benchmark is
 // disturbed (a build finishing, another job) would otherwise divide every
 // kernel by a low figure. The report takes the larger of the two.

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/cuda/kernels.h"
+#include "signbits/cuda/kernels.h"
 #include "optimizer/lion_cuda.h"
 
 namespace {
@@ -175,10 +175,6 @@ int main(int argc, char** argv) {
                                                0.1f, 0.99f, 0.01f, out, out + words, 0, counts,
                                                stream);
         }), 6.0 * n + n / 4.0, copy_gbs);
-    row("lion_apply_planes f32 vote", n, timer.median_ms([&] {
-          lionbit::optim::cuda::lion_apply_planes(DType::kFloat32, b, n, {planes, 2, words}, lut,
-                                                  1e-4f, 0.99999f, stream);
-        }), 8.0 * n + n / 4.0, copy_gbs);
     row("lion_apply_dense f32/f32", n, timer.median_ms([&] {
           lionbit::optim::cuda::lion_apply_dense(DType::kFloat32, b, DType::kFloat32, a, n, 1e-4f,
                                                  0.99999f, stream);

@@ -1,7 +1,5 @@
 #include "optimizer/lion.h"
 
-#include <vector>
-
 #include "optimizer/lion_kernels.h"
 
 namespace lionbit::optim {
@@ -31,16 +29,12 @@ bool lion_apply_dtypes_supported(DType param, DType delta) {
 namespace detail {
 const LionKernels& lion_kernels_for(Isa isa) {
 #ifdef LIONBIT_HAVE_X86_KERNELS
-  if (isa >= Isa::kAvx512 && bits::isa_supported(Isa::kAvx512)) {
-    return lion_kernels_avx512();
-  }
-  if (isa >= Isa::kAvx2 && bits::isa_supported(Isa::kAvx2) &&
-      __builtin_cpu_supports("f16c") != 0) {
-    return lion_kernels_avx2();
-  }
+  static constexpr bits::PerIsa<LionKernels> copies{
+      lion_kernels_scalar, lion_kernels_avx2, lion_kernels_avx512};
+#else
+  static constexpr bits::PerIsa<LionKernels> copies{lion_kernels_scalar};
 #endif
-  (void)isa;
-  return lion_kernels_scalar();
+  return bits::pick_kernels(isa, copies);
 }
 } // namespace detail
 
@@ -103,37 +97,6 @@ void lion_apply_dense(
   }
   detail::lion_kernels_for(isa).apply_dense(
       param_dtype, x, delta_dtype, delta, n, lr, decay);
-}
-
-void lion_apply_planes(
-    DType param_dtype,
-    void* x,
-    size_t n,
-    const uint64_t* const* planes,
-    int nplanes,
-    const float* lut,
-    float lr,
-    float decay,
-    Isa isa) {
-  if (n == 0 || !lion_param_dtype_supported(param_dtype) || nplanes < 0 ||
-      nplanes > kLionMaxPlanes) {
-    return;
-  }
-  // step[c] = fl(lr * lut[c]): the product every element with code c uses,
-  // rounded once, as in fl(fl(x * decay) - fl(lr * Delta)).
-  const size_t entries = size_t{1} << nplanes;
-  float local[detail::kMinStepTable] = {};
-  std::vector<float> heap;
-  float* step = local;
-  if (entries > static_cast<size_t>(detail::kMinStepTable)) {
-    heap.resize(entries);
-    step = heap.data();
-  }
-  for (size_t c = 0; c < entries; ++c) {
-    step[c] = lr * lut[c];
-  }
-  detail::lion_kernels_for(isa).apply_planes(
-      param_dtype, x, n, planes, nplanes, step, decay);
 }
 
 } // namespace lionbit::optim

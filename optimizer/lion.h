@@ -52,8 +52,7 @@
 //
 // Bit layout of sign/zero/planes: exactly bits::pack_signs / bits::unpack:
 // words_for(n) 64-bit words, element i is bit i % 64 of word i / 64; the bits
-// past n in the last word are written as 0 by lion_direction and ignored by
-// lion_apply_planes.
+// past n in the last word are written as 0 by lion_direction.
 //
 // Preconditions (the caller validates; the kernels do not check):
 //  * dtypes: see lion_direction_dtypes_supported / lion_apply_dtypes_supported;
@@ -63,8 +62,6 @@
 //    bit-planes words_for(n) words); n == 0 touches nothing, pointers may be
 //    null then.
 //  * buffers written do not overlap any other buffer of the same call.
-//  * lion_apply_planes: 0 <= nplanes <= kLionMaxPlanes; lut holds 2^nplanes
-//    floats.
 // The kernels are single-threaded. To split a call across threads, cut at
 // multiples of 64 elements and offset the bit-plane pointers by i0 / 64.
 #pragma once
@@ -72,15 +69,11 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "backend/bits/isa.h"
-#include "backend/bits/pack.h"
-#include "backend/bits/types.h"
+#include "signbits/isa.h"
+#include "signbits/pack.h"
+#include "signbits/types.h"
 
 namespace lionbit::optim {
-
-// Largest number of code planes lion_apply_planes accepts (same as
-// bits::kMaxUnpackPlanes).
-constexpr int kLionMaxPlanes = 16;
 
 // grad: float32, bfloat16 or float16; momentum: float32 or bfloat16.
 bool lion_direction_dtypes_supported(bits::DType grad, bits::DType momentum);
@@ -132,22 +125,6 @@ void lion_apply_dense(
     bits::DType delta_dtype,
     const void* delta,
     size_t n,
-    float lr,
-    float decay,
-    bits::Isa isa = bits::default_isa());
-
-// Step 2 with Delta from bit-planes: Delta_i = lut[code_i], where bit b of
-// code_i is bit i of planes[b] (weight 2^b, as bits::unpack), then
-// x[i] = fl(fl(x[i] * decay) - fl(lr * Delta_i)). nplanes == 0: code_i = 0.
-// For a vote (sign plane s, zero plane z): planes = {s, z},
-// lut = {-1, +1, 0, 0}.
-void lion_apply_planes(
-    bits::DType param_dtype,
-    void* x,
-    size_t n,
-    const uint64_t* const* planes,
-    int nplanes,
-    const float* lut,
     float lr,
     float decay,
     bits::Isa isa = bits::default_isa());

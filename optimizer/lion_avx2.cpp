@@ -1,7 +1,7 @@
 // The Lion kernels built for the avx2 instruction set (see lion_impl.h).
-// Compiled with -mavx2 -mf16c -mpopcnt (optimizer/sources.cmake), no -mfma.
+// Compiled with the avx2 flags of cmake/isa.cmake (no -mfma).
 #if !defined(__AVX2__) || !defined(__F16C__)
-#error "lion_avx2.cpp needs -mavx2 -mf16c (see optimizer/sources.cmake)"
+#error "lion_avx2.cpp needs -mavx2 -mf16c (see cmake/isa.cmake)"
 #endif
 #define LIONBIT_OPTIM_NS avx2
 #define LIONBIT_OPTIM_ISA kAvx2

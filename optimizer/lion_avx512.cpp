@@ -1,8 +1,8 @@
 // The Lion kernels built for the avx512 instruction set (see lion_impl.h).
-// Compiled with -mavx512f -mavx512bw -mavx512vl -mpopcnt
-// (optimizer/sources.cmake): what bits::isa_supported(Isa::kAvx512) checks.
+// Compiled with the avx512 flags of cmake/isa.cmake: what
+// bits::isa_supported(Isa::kAvx512) checks.
 #if !defined(__AVX512F__)
-#error "lion_avx512.cpp needs -mavx512f (see optimizer/sources.cmake)"
+#error "lion_avx512.cpp needs -mavx512f (see cmake/isa.cmake)"
 #endif
 #define LIONBIT_OPTIM_NS avx512
 #define LIONBIT_OPTIM_ISA kAvx512

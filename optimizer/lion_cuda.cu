@@ -1,6 +1,6 @@
 // The fused Lion kernels on the GPU (optimizer/lion_cuda.h), bitwise equal to
 // the CPU kernels of optimizer/lion.h. The float arithmetic is in
-// backend/cuda/element.cuh (lion_direction_math, lion_apply_math): every
+// signbits/cuda/element.cuh (lion_direction_math, lion_apply_math): every
 // operation an __fmul_rn / __fadd_rn / __fsub_rn intrinsic, which nvcc never
 // contracts into an FMA (the library is also built with --fmad=false), and
 // float16 / bfloat16 conversions done on the bit patterns, never flushing.
@@ -12,19 +12,17 @@
 //    per block.
 //  * lion_apply_dense: one element per thread and iteration, 4 iterations in
 //    flight per thread.
-//  * lion_apply_planes: as unpack, one warp per word, broadcast plane loads.
 #include "optimizer/lion_cuda.h"
 
-#include "backend/cuda/element.cuh"
-#include "backend/cuda/launch.cuh"
-#include "backend/cuda/warp_planes.cuh"
+#include "signbits/cuda/element.cuh"
+#include "signbits/cuda/launch.cuh"
+#include "signbits/cuda/warp_planes.cuh"
 
 namespace lionbit::optim::cuda {
 namespace {
 
 using bits::DType;
 using lionbit::cuda::Counts;
-using lionbit::cuda::ShardedPlanes;
 namespace cd = lionbit::cuda::detail;
 using cd::FloatStore;
 using cd::kBlockThreads;
@@ -163,64 +161,6 @@ void apply_dense_param(
   }
 }
 
-template <DType X, int NP>
-__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) apply_planes_kernel(
-    typename FloatStore<X>::U* __restrict__ x,
-    const uint64_t* __restrict__ base,
-    int nplanes,
-    size_t shard_words,
-    size_t n,
-    size_t nwords,
-    const float* __restrict__ lut,
-    float lr,
-    float decay) {
-  const unsigned lane = threadIdx.x & 31u;
-  const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
-  for (size_t k0 = warp * kDirUnroll; k0 < nwords; k0 += nwarps * kDirUnroll) {
-    cd::lion_apply_planes_group<X, NP>(
-        x, base, nplanes, shard_words, n, k0, lane, lut, lr, decay);
-  }
-}
-
-template <DType X, int NP>
-void launch_apply_planes_np(
-    void* x,
-    size_t n,
-    ShardedPlanes planes,
-    const float* lut,
-    float lr,
-    float decay,
-    cudaStream_t stream) {
-  const size_t nwords = (n + 63) / 64;
-  static const int resident = cd::resident_blocks(apply_planes_kernel<X, NP>);
-  const unsigned grid = cd::grid_for(nwords, size_t{kWarpsPerBlock} * kDirUnroll, resident);
-  apply_planes_kernel<X, NP><<<grid, kBlockThreads, 0, stream>>>(
-      static_cast<typename FloatStore<X>::U*>(x), planes.base, planes.nplanes,
-      planes.shard_words, n, nwords, lut, lr, decay);
-  cd::check_launch("lion_apply_planes");
-}
-
-// Plane counts compiled in: 1 (sign only), 2 (a vote); others at run time.
-template <DType X>
-void launch_apply_planes(
-    void* x,
-    size_t n,
-    ShardedPlanes planes,
-    const float* lut,
-    float lr,
-    float decay,
-    cudaStream_t stream) {
-  switch (planes.nplanes) {
-    case 1:
-      return launch_apply_planes_np<X, 1>(x, n, planes, lut, lr, decay, stream);
-    case 2:
-      return launch_apply_planes_np<X, 2>(x, n, planes, lut, lr, decay, stream);
-    default:
-      return launch_apply_planes_np<X, -1>(x, n, planes, lut, lr, decay, stream);
-  }
-}
-
 } // namespace
 
 void lion_direction(
@@ -273,30 +213,6 @@ void lion_apply_dense(
       return apply_dense_param<DType::kBFloat16>(delta_dtype, x, delta, n, lr, decay, stream);
     case DType::kFloat16:
       return apply_dense_param<DType::kFloat16>(delta_dtype, x, delta, n, lr, decay, stream);
-    default:
-      return;
-  }
-}
-
-void lion_apply_planes(
-    DType param_dtype,
-    void* x,
-    size_t n,
-    ShardedPlanes planes,
-    const float* lut,
-    float lr,
-    float decay,
-    cudaStream_t stream) {
-  if (n == 0 || planes.nplanes < 0 || planes.nplanes > 16) {
-    return; // as optim::lion_apply_planes: out of contract, nothing touched
-  }
-  switch (param_dtype) {
-    case DType::kFloat32:
-      return launch_apply_planes<DType::kFloat32>(x, n, planes, lut, lr, decay, stream);
-    case DType::kBFloat16:
-      return launch_apply_planes<DType::kBFloat16>(x, n, planes, lut, lr, decay, stream);
-    case DType::kFloat16:
-      return launch_apply_planes<DType::kFloat16>(x, n, planes, lut, lr, decay, stream);
     default:
       return;
   }

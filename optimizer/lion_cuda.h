@@ -2,9 +2,9 @@
 // same float contract (see lion.h: float32 arithmetic, every operation
 // rounded on its own, never a fused multiply-add, round-to-nearest-even
 // stores) and therefore bitwise equal to the CPU kernels. No torch here;
-// compiled by nvcc into lionbit_cuda.
+// compiled by nvcc into lionbit_optim_cuda.
 //
-// As in backend/cuda/kernels.h: device pointers, enqueue on `stream` only,
+// As in signbits/cuda/kernels.h: device pointers, enqueue on `stream` only,
 // no host synchronisation, std::runtime_error on a launch failure.
 #pragma once
 
@@ -13,8 +13,8 @@
 
 #include <cuda_runtime_api.h>
 
-#include "backend/bits/types.h"
-#include "backend/cuda/kernels.h"
+#include "signbits/types.h"
+#include "signbits/cuda/kernels.h"
 
 namespace lionbit::optim::cuda {
 
@@ -46,18 +46,6 @@ void lion_apply_dense(
     bits::DType delta_dtype,
     const void* delta,
     size_t n,
-    float lr,
-    float decay,
-    cudaStream_t stream);
-
-// As lion_apply_planes: Delta_i = lut[code_i] (lut: device memory, 2^nplanes
-// floats; planes as lionbit::cuda::ShardedPlanes).
-void lion_apply_planes(
-    bits::DType param_dtype,
-    void* x,
-    size_t n,
-    lionbit::cuda::ShardedPlanes planes,
-    const float* lut,
     float lr,
     float decay,
     cudaStream_t stream);

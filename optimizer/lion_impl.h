@@ -2,7 +2,7 @@
 //
 // The including file defines LIONBIT_OPTIM_NS (the namespace of this copy) and
 // LIONBIT_OPTIM_ISA (its bits::Isa enumerator) and is compiled with that ISA's
-// flags (optimizer/sources.cmake) plus -ffp-contract=off for the whole
+// flags (cmake/isa.cmake) plus -ffp-contract=off for the whole
 // library. Everything here lives in an anonymous namespace inside the per-ISA
 // namespace, so no inline function compiled with one ISA's flags can be
 // picked by the linker for another.
@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "optimizer/lion_kernels.h"
+#include "signbits/float16.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -48,93 +49,22 @@ constexpr size_t kWordBits = bits::kWordBits;
 
 // ------------------------------------------------ scalar conversions ----
 
-inline uint32_t float_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-inline float bits_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline float bf16_to_float(uint16_t h) {
-  return bits_float(static_cast<uint32_t>(h) << 16);
-}
-
-// Exact, subnormals included (the same function as vcvtph2ps).
-inline float f16_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1f) { // Inf, NaN (payload kept, made quiet)
-    return bits_float(
-        sign | 0x7f800000u | (mant << 13) | (mant != 0 ? 0x400000u : 0u));
-  }
-  if (exp != 0) {
-    return bits_float(sign | ((exp + 112u) << 23) | (mant << 13));
-  }
-  if (mant == 0) {
-    return bits_float(sign);
-  }
-  // Subnormal mant * 2^-24: shift the leading 1 up to bit 10.
-  const uint32_t shift = static_cast<uint32_t>(__builtin_clz(mant)) - 21u;
-  return bits_float(
-      sign | ((113u - shift) << 23) | (((mant << shift) & 0x3ffu) << 13));
-}
-
-// Round to nearest even; NaN stays NaN (quiet, top payload bits kept).
-inline uint16_t float_to_bf16(float f) {
-  const uint32_t u = float_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    return static_cast<uint16_t>((u >> 16) | 0x40u);
-  }
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-// Round to nearest even with overflow to Inf and correct subnormals (the
-// same function as vcvtps2ph with imm8 = round to nearest).
-inline uint16_t float_to_f16(float f) {
-  const uint32_t u = float_bits(f);
-  const uint32_t sign = (u >> 16) & 0x8000u;
-  const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) { // NaN
-    return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
-  }
-  if (a >= 0x477ff000u) { // >= 65520 (halfway above 65504, ties to Inf), Inf
-    return static_cast<uint16_t>(sign | 0x7c00u);
-  }
-  if (a >= 0x38800000u) { // >= 2^-14: normal float16
-    const uint32_t r = a - 0x38000000u; // rebias 127 -> 15
-    return static_cast<uint16_t>(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
-  }
-  if (a <= 0x33000000u) { // <= 2^-25: half the smallest subnormal or less
-    return static_cast<uint16_t>(sign);
-  }
-  // Subnormal float16 (or rounding up to the smallest normal): the value in
-  // units of 2^-24, rounded to nearest even.
-  const uint32_t e = a >> 23; // 102 .. 112
-  const uint32_t m = (a & 0x7fffffu) | 0x800000u;
-  const uint32_t shift = 126u - e; // 14 .. 24
-  uint32_t q = m >> shift;
-  const uint32_t rem = m & ((1u << shift) - 1u);
-  const uint32_t half = 1u << (shift - 1u);
-  if (rem > half || (rem == half && (q & 1u) != 0)) {
-    ++q;
-  }
-  return static_cast<uint16_t>(sign | q);
-}
+// Exact widening and round-to-nearest-even narrowing: signbits/float16.h.
+using bits::bf16_to_f32;
+using bits::bits_f32;
+using bits::f16_to_f32;
+using bits::f32_bits;
+using bits::f32_to_bf16;
+using bits::f32_to_f16;
 
 template <DType D>
 inline float load1(const void* p, size_t i) {
   if constexpr (D == DType::kFloat32) {
     return static_cast<const float*>(p)[i];
   } else if constexpr (D == DType::kBFloat16) {
-    return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
   } else {
-    return f16_to_float(static_cast<const uint16_t*>(p)[i]);
+    return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
   }
 }
 
@@ -143,9 +73,9 @@ inline void store1(void* p, size_t i, float v) {
   if constexpr (D == DType::kFloat32) {
     static_cast<float*>(p)[i] = v;
   } else if constexpr (D == DType::kBFloat16) {
-    static_cast<uint16_t*>(p)[i] = float_to_bf16(v);
+    static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
   } else {
-    static_cast<uint16_t*>(p)[i] = float_to_f16(v);
+    static_cast<uint16_t*>(p)[i] = f32_to_f16(v);
   }
 }
 
@@ -170,23 +100,6 @@ struct Sc {
   static uint64_t gt0(F c) { return c > 0.0f ? 1u : 0u; }
   static uint64_t eq0(F c) { return c == 0.0f ? 1u : 0u; }
   static uint64_t nan(F c) { return c != c ? 1u : 0u; }
-
-  // step[code] for the element at bit j of word w. NP: the number of planes
-  // when fixed at compile time (the common small counts), -1 otherwise.
-  template <int NP>
-  struct Lookup {
-    const float* step;
-    int nplanes;
-    Lookup(const float* s, int np) : step(s), nplanes(NP >= 0 ? NP : np) {}
-    F operator()(const uint64_t* const* planes, size_t w, unsigned j) const {
-      const int np = NP >= 0 ? NP : nplanes;
-      uint32_t code = 0;
-      for (int b = 0; b < np; ++b) {
-        code |= static_cast<uint32_t>((planes[b][w] >> j) & 1u) << b;
-      }
-      return step[code];
-    }
-  };
 };
 
 #if defined(__AVX512F__)
@@ -243,35 +156,6 @@ struct Vec {
     return _mm512_cmp_ps_mask(c, _mm512_setzero_ps(), _CMP_EQ_OQ);
   }
   static uint64_t nan(F c) { return _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q); }
-
-  // Codes from mask registers; up to 5 planes a permute from registers,
-  // more a gather from the table.
-  template <int NP>
-  struct Lookup {
-    const float* step;
-    int nplanes;
-    __m512 t0, t1;
-    Lookup(const float* s, int np)
-        : step(s),
-          nplanes(NP >= 0 ? NP : np),
-          t0(_mm512_loadu_ps(s)),
-          t1(_mm512_loadu_ps(s + 16)) {}
-    F operator()(const uint64_t* const* planes, size_t w, unsigned j) const {
-      const int np = NP >= 0 ? NP : nplanes;
-      __m512i code = _mm512_setzero_si512();
-      for (int b = 0; b < np; ++b) {
-        const auto m = static_cast<__mmask16>(planes[b][w] >> j);
-        code = _mm512_mask_or_epi32(code, m, code, _mm512_set1_epi32(1 << b));
-      }
-      if (np <= 4) {
-        return _mm512_permutexvar_ps(code, t0);
-      }
-      if (np == 5) {
-        return _mm512_permutex2var_ps(t0, code, t1);
-      }
-      return _mm512_i32gather_ps(code, step, 4);
-    }
-  };
 };
 #elif defined(__AVX2__)
 // 8 floats in a ymm; comparisons, then movemask.
@@ -336,44 +220,6 @@ struct Vec {
     return static_cast<uint32_t>(
         _mm256_movemask_ps(_mm256_cmp_ps(c, c, _CMP_UNORD_Q)));
   }
-
-  // Codes from lane masks (broadcast 8 bits, isolate one per lane, compare);
-  // up to 4 planes a permute from registers, more a gather from the table.
-  template <int NP>
-  struct Lookup {
-    const float* step;
-    int nplanes;
-    __m256 t0, t1;
-    Lookup(const float* s, int np)
-        : step(s),
-          nplanes(NP >= 0 ? NP : np),
-          t0(_mm256_loadu_ps(s)),
-          t1(_mm256_loadu_ps(s + 8)) {}
-    F operator()(const uint64_t* const* planes, size_t w, unsigned j) const {
-      const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-      const int np = NP >= 0 ? NP : nplanes;
-      __m256i code = _mm256_setzero_si256();
-      for (int b = 0; b < np; ++b) {
-        const __m256i v =
-            _mm256_set1_epi32(static_cast<int>((planes[b][w] >> j) & 0xffu));
-        const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(v, sel), sel);
-        code = _mm256_or_si256(
-            code, _mm256_and_si256(on, _mm256_set1_epi32(1 << b)));
-      }
-      if (np <= 3) {
-        return _mm256_permutevar8x32_ps(t0, code);
-      }
-      if (np == 4) {
-        // permutevar uses the low 3 bits; bit 3 (moved to the sign bit)
-        // picks the upper half of the table.
-        const __m256 lo = _mm256_permutevar8x32_ps(t0, code);
-        const __m256 hi = _mm256_permutevar8x32_ps(t1, code);
-        return _mm256_blendv_ps(
-            lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
-      }
-      return _mm256_i32gather_ps(step, code, 4);
-    }
-  };
 };
 #else
 using Vec = Sc;
@@ -583,97 +429,11 @@ void apply_dense(
   }
 }
 
-// cnt (<= 64, a multiple of V::kW) elements from word w: x = x * decay -
-// step[code].
-template <class V, DType X, class L>
-inline void apply_planes_run(
-    void* x,
-    const uint64_t* const* planes,
-    size_t w,
-    unsigned cnt,
-    const L& lookup,
-    typename V::F decay) {
-  for (unsigned j = 0; j < cnt; j += V::kW) {
-    const size_t i = w * kWordBits + j;
-    const typename V::F t = lookup(planes, w, j);
-    const typename V::F xv = V::template load<X>(x, i);
-    V::template store<X>(x, i, V::sub(V::mul(xv, decay), t));
-  }
-}
-
-template <DType X, int NP>
-void apply_planes_typed(
-    void* x,
-    size_t n,
-    const uint64_t* const* planes,
-    int nplanes,
-    const float* step,
-    float decay) {
-  const size_t full = n / kWordBits;
-  {
-    const Vec::Lookup<NP> lookup(step, nplanes);
-    const Vec::F dv = Vec::set1(decay);
-    for (size_t w = 0; w < full; ++w) {
-      apply_planes_run<Vec, X>(x, planes, w, kWordBits, lookup, dv);
-    }
-  }
-  const unsigned rest = static_cast<unsigned>(n - full * kWordBits);
-  if (rest != 0) {
-    const Sc::Lookup<NP> lookup(step, nplanes);
-    apply_planes_run<Sc, X>(x, planes, full, rest, lookup, decay);
-  }
-}
-
-template <DType X>
-void apply_planes_param(
-    void* x,
-    size_t n,
-    const uint64_t* const* planes,
-    int nplanes,
-    const float* step,
-    float decay) {
-  switch (nplanes) {
-    case 1:
-      return apply_planes_typed<X, 1>(x, n, planes, nplanes, step, decay);
-    case 2: // a vote: sign and tie planes
-      return apply_planes_typed<X, 2>(x, n, planes, nplanes, step, decay);
-    case 3:
-      return apply_planes_typed<X, 3>(x, n, planes, nplanes, step, decay);
-    case 4:
-      return apply_planes_typed<X, 4>(x, n, planes, nplanes, step, decay);
-    default:
-      return apply_planes_typed<X, -1>(x, n, planes, nplanes, step, decay);
-  }
-}
-
-void apply_planes(
-    DType xd,
-    void* x,
-    size_t n,
-    const uint64_t* const* planes,
-    int nplanes,
-    const float* step,
-    float decay) {
-  switch (xd) {
-    case DType::kFloat32:
-      return apply_planes_param<DType::kFloat32>(
-          x, n, planes, nplanes, step, decay);
-    case DType::kBFloat16:
-      return apply_planes_param<DType::kBFloat16>(
-          x, n, planes, nplanes, step, decay);
-    case DType::kFloat16:
-      return apply_planes_param<DType::kFloat16>(
-          x, n, planes, nplanes, step, decay);
-    default:
-      return;
-  }
-}
-
 } // namespace
 
 const LionKernels& table() {
   static const LionKernels k{
-      bits::Isa::LIONBIT_OPTIM_ISA, &direction, &apply_dense, &apply_planes};
+      bits::Isa::LIONBIT_OPTIM_ISA, &direction, &apply_dense};
   return k;
 }
 

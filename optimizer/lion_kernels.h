@@ -31,19 +31,7 @@ struct LionKernels {
       size_t n,
       float lr,
       float decay);
-  // step[c] = fl(lr * lut[c]) for every code c; the table holds at least
-  // max(2^nplanes, kMinStepTable) floats (the entries past 2^nplanes are 0).
-  void (*apply_planes)(
-      bits::DType param_dtype,
-      void* x,
-      size_t n,
-      const uint64_t* const* planes,
-      int nplanes,
-      const float* step,
-      float decay);
 };
-
-constexpr int kMinStepTable = 32;
 
 const LionKernels& lion_kernels_scalar();
 #ifdef LIONBIT_HAVE_X86_KERNELS

@@ -1,6 +1,6 @@
 // References and inputs shared by test_cuda_host.cpp (the GPU kernels' logic
 // run on the host) and test_cuda_kernels.cpp (the kernels on a GPU). The
-// references are the CPU kernels (backend/bits, optimizer/lion.h) plus naive
+// references are the CPU kernels (bits/, optimizer/lion.h) plus naive
 // bit shuffling around them: bit offsets and the ShardedPlanes layout.
 #pragma once
 
@@ -10,10 +10,10 @@
 #include <random>
 #include <vector>
 
-#include "backend/bits/count.h"
-#include "backend/bits/pack.h"
-#include "backend/bits/types.h"
-#include "backend/bits/unpack.h"
+#include "signbits/count.h"
+#include "signbits/pack.h"
+#include "signbits/types.h"
+#include "signbits/unpack.h"
 #include "optimizer/lion.h"
 
 namespace lionbit::cuda_test {

@@ -1,4 +1,4 @@
-#include "backend/bits/copy_bits.h"
+#include "signbits/copy_bits.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "backend/bits/count.h"
+#include "signbits/count.h"
 
 #include <gtest/gtest.h>
 

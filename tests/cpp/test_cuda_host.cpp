@@ -1,11 +1,11 @@
-// The logic of the GPU kernels, run on the host: backend/cuda/element.cuh is
+// The logic of the GPU kernels, run on the host: signbits/cuda/element.cuh is
 // compiled here by g++ (-ffp-contract=off) and every per-element, per-lane and
 // per-word function the kernels call is checked against the CPU kernels. The
 // word-per-warp kernels are emulated with the same grid loop as the .cu files
 // (warps, kWordsPerWarpIter words per iteration, 32 lanes, the two ballots per
 // plane as ballot_planes_host), so the index math, the bit offsets and the
 // read-modify-write of the boundary words are verified without a GPU.
-#include "backend/cuda/element.cuh"
+#include "signbits/cuda/element.cuh"
 
 #include <gtest/gtest.h>
 
@@ -31,7 +31,7 @@ std::string dname(DType d) {
 
 // ----------------------------------------------------- emulated kernels ----
 
-// pack_kernel of backend/cuda/pack.cu with `nwarps` warps in the grid.
+// pack_kernel of signbits/cuda/pack.cu with `nwarps` warps in the grid.
 template <DType D>
 bits::PackCounts emu_pack(
     const void* src,
@@ -89,7 +89,7 @@ bits::PackCounts emu_pack_any(
   return {};
 }
 
-// count_code_kernel / vote_kernel of backend/cuda/count.cu (one thread per
+// count_code_kernel / vote_kernel of signbits/cuda/count.cu (one thread per
 // word; the grid order does not matter, each word is independent).
 template <int P>
 void emu_count(const RanksData& d, bool zeros, uint64_t* out) {
@@ -128,7 +128,7 @@ void emu_vote(const RanksData& d, bool zeros, uint64_t* out_sign, uint64_t* out_
     default: FAIL() << "no kernel for P=" << P; \
   }
 
-// unpack_kernel of backend/cuda/unpack.cu.
+// unpack_kernel of signbits/cuda/unpack.cu.
 template <typename S, int NP = -1>
 void emu_unpack(
     const uint64_t* base,
@@ -194,27 +194,21 @@ bits::PackCounts emu_direction(
   return {zeros, nans};
 }
 
-// apply_planes_kernel of optimizer/lion_cuda.cu.
-template <DType X, int NP = -1>
-void emu_apply_planes(
+// apply_dense_kernel of optimizer/lion_cuda.cu: its grid loop with a grid of
+// `threads` threads.
+template <DType X, DType Dl>
+void emu_apply_dense(
     void* x,
-    const uint64_t* base,
-    int nplanes,
-    size_t shard_words,
+    const void* delta,
     size_t n,
-    const float* lut,
     float lr,
     float decay,
-    size_t nwarps) {
-  const size_t nwords = (n + 63) / 64;
-  constexpr int U = cd::kWordsPerWarpIter;
-  for (size_t warp = 0; warp < nwarps; ++warp) {
-    for (size_t k0 = warp * U; k0 < nwords; k0 += nwarps * U) {
-      for (unsigned lane = 0; lane < 32; ++lane) {
-        cd::lion_apply_planes_group<X, NP>(
-            static_cast<typename FloatStore<X>::U*>(x), base, nplanes,
-            shard_words, n, k0, lane, lut, lr, decay);
-      }
+    size_t threads) {
+  for (size_t t = 0; t < threads; ++t) {
+    for (size_t i0 = t; i0 < n; i0 += threads * cd::kApplyDenseUnroll) {
+      cd::lion_apply_dense_group<X, Dl>(
+          static_cast<typename FloatStore<X>::U*>(x),
+          static_cast<const typename FloatStore<Dl>::U*>(delta), n, i0, threads, lr, decay);
     }
   }
 }
@@ -701,16 +695,7 @@ void check_apply_dense(std::mt19937_64& rng) {
       for (float decay : {1.0f, 0.99997f, 0.5f}) {
         auto xr = x0, xg = x0;
         optim::lion_apply_dense(X, xr.data(), Dl, delta.data(), n, lr, decay);
-        // apply_dense_kernel's grid loop with a grid of `threads` threads
-        const size_t threads = 1 + n % 70;
-        for (size_t t = 0; t < threads; ++t) {
-          for (size_t i0 = t; i0 < n; i0 += threads * cd::kApplyDenseUnroll) {
-            cd::lion_apply_dense_group<X, Dl>(
-                reinterpret_cast<typename FloatStore<X>::U*>(xg.data()),
-                reinterpret_cast<const typename FloatStore<Dl>::U*>(delta.data()), n, i0,
-                threads, lr, decay);
-          }
-        }
+        emu_apply_dense<X, Dl>(xg.data(), delta.data(), n, lr, decay, 1 + n % 70);
         for (size_t i = 0; i < n; ++i) {
           ASSERT_TRUE(same_at(X, xg.data(), xr.data(), i))
               << dname(X) << "/" << dname(Dl) << " i=" << i << " lr=" << lr;
@@ -733,38 +718,38 @@ TEST(CudaHostLion, ApplyDenseMatchesCpu) {
   check_apply_dense<DType::kFloat16, DType::kFloat16>(rng);
 }
 
-template <DType X>
-void check_apply_planes(std::mt19937_64& rng) {
-  for (int nplanes : {0, 1, 2, 3, 4, 5, 6, 8, 12, 16}) {
-    for (int shards : {1, 2, 3}) {
-      for (size_t n : {size_t{1}, size_t{64}, size_t{65}, size_t{129}, size_t{1000}}) {
-        const size_t sw = bits::shard_words(n, shards);
-        const auto sharded = random_words(static_cast<size_t>(nplanes) * sw * shards + 1, rng);
-        const auto plain = unshard(sharded, nplanes, sw, shards);
-        const auto ptrs = plane_ptrs(plain, nplanes, sw * shards);
-        std::vector<float> lut(size_t{1} << nplanes);
-        for (size_t c = 0; c < lut.size(); ++c) {
-          lut[c] = static_cast<float>(static_cast<int>(c) - static_cast<int>(lut.size() / 2)) /
-              static_cast<float>(shards);
+// The Delta values the backend applies, as a dense buffer: vote results
+// -1, +1, 0 (one rank's sign, or a majority with ties) and averages k/N of N
+// ranks, k = -N..N (float32 k / N, then stored in Dl).
+template <DType X, DType Dl>
+void check_apply_dense_votes(std::mt19937_64& rng) {
+  using lionbit::optim::lion_test::ref_store;
+  for (int ranks : {1, 2, 3, 5, 8}) {
+    for (size_t n : {size_t{1}, size_t{64}, size_t{65}, size_t{129}, size_t{1000}}) {
+      std::vector<uint8_t> delta(n * bits::dtype_size(Dl) + 16);
+      for (size_t i = 0; i < n; ++i) {
+        float v;
+        if (ranks == 1) {
+          const float votes[] = {-1.0f, 1.0f, 0.0f, -0.0f};
+          v = votes[rng() % 4];
+        } else {
+          const int k = static_cast<int>(rng() % static_cast<uint64_t>(2 * ranks + 1)) - ranks;
+          v = static_cast<float>(k) / static_cast<float>(ranks);
         }
-        if (nplanes == 2) {
-          lut = {-1.0f, 1.0f, 0.0f, 0.0f};
-        }
-        const auto x0 = random_floats(X, n, rng);
-        for (float lr : {3e-4f, 0.1f}) {
-          const float decay = 1.0f - lr * 0.1f;
-          auto xr = x0, xg = x0;
-          optim::lion_apply_planes(X, xr.data(), n, ptrs.data(), nplanes, lut.data(), lr, decay);
-          if (nplanes == 1) {
-            emu_apply_planes<X, 1>(xg.data(), sharded.data(), nplanes, sw, n, lut.data(), lr, decay, 3);
-          } else if (nplanes == 2) {
-            emu_apply_planes<X, 2>(xg.data(), sharded.data(), nplanes, sw, n, lut.data(), lr, decay, 3);
-          } else {
-            emu_apply_planes<X>(xg.data(), sharded.data(), nplanes, sw, n, lut.data(), lr, decay, 3);
-          }
+        ref_store(Dl, delta.data(), i, v);
+      }
+      const auto x0 = random_floats(X, n, rng);
+      for (float lr : {3e-4f, 0.1f}) {
+        const float decay = 1.0f - lr * 0.1f;
+        auto xr = x0;
+        optim::lion_apply_dense(X, xr.data(), Dl, delta.data(), n, lr, decay);
+        for (size_t threads : {size_t{1}, size_t{3}, size_t{64}}) {
+          auto xg = x0;
+          emu_apply_dense<X, Dl>(xg.data(), delta.data(), n, lr, decay, threads);
           for (size_t i = 0; i < n; ++i) {
             ASSERT_TRUE(same_at(X, xg.data(), xr.data(), i))
-                << dname(X) << " nplanes=" << nplanes << " shards=" << shards << " n=" << n << " i=" << i;
+                << dname(X) << "/" << dname(Dl) << " ranks=" << ranks << " n=" << n
+                << " threads=" << threads << " i=" << i;
           }
         }
       }
@@ -772,11 +757,13 @@ void check_apply_planes(std::mt19937_64& rng) {
   }
 }
 
-TEST(CudaHostLion, ApplyPlanesMatchesCpu) {
+TEST(CudaHostLion, ApplyDenseVoteDeltasMatchesCpu) {
   std::mt19937_64 rng(61);
-  check_apply_planes<DType::kFloat32>(rng);
-  check_apply_planes<DType::kBFloat16>(rng);
-  check_apply_planes<DType::kFloat16>(rng);
+  check_apply_dense_votes<DType::kFloat32, DType::kFloat32>(rng);
+  check_apply_dense_votes<DType::kBFloat16, DType::kFloat32>(rng);
+  check_apply_dense_votes<DType::kBFloat16, DType::kBFloat16>(rng);
+  check_apply_dense_votes<DType::kFloat16, DType::kFloat32>(rng);
+  check_apply_dense_votes<DType::kFloat16, DType::kFloat16>(rng);
 }
 
 } // namespace

@@ -1,8 +1,8 @@
-// The GPU kernels of lionbit_cuda against the CPU kernels, bit for bit, on a
+// The GPU kernels (lionbit_bits_cuda, lionbit_optim_cuda) against the CPU kernels, bit for bit, on a
 // CUDA device (CTest label "gpu"). Without a device every test is SKIPPED
 // with the CUDA error that says why. The logic inside the kernels is also
 // checked without a GPU by test_cuda_host.cpp.
-#include "backend/cuda/kernels.h"
+#include "signbits/cuda/kernels.h"
 #include "optimizer/lion_cuda.h"
 
 #include <cuda_runtime_api.h>
@@ -271,7 +271,6 @@ TEST_F(CudaKernels, EmptyCallsEnqueueNothing) {
   optim::cuda::lion_direction(DType::kFloat32, nullptr, DType::kFloat32, nullptr, 0, 0.9f, 0.1f,
                               0.99f, 0.01f, nullptr, nullptr, 0, nullptr, stream_);
   optim::cuda::lion_apply_dense(DType::kFloat32, nullptr, DType::kFloat32, nullptr, 0, 1, 1, stream_);
-  optim::cuda::lion_apply_planes(DType::kFloat32, nullptr, 0, {nullptr, 2, 0}, nullptr, 1, 1, stream_);
   sync();
 }
 
@@ -386,37 +385,43 @@ TEST_F(CudaKernels, LionApplyDenseMatchesCpu) {
   }
 }
 
-TEST_F(CudaKernels, LionApplyPlanesMatchesCpu) {
+// The Delta values the backend applies, as a dense buffer: vote results
+// -1, +1, 0 and averages k/N of N ranks, k = -N..N (float32 k / N, stored in
+// the delta dtype).
+TEST_F(CudaKernels, LionApplyDenseVoteDeltasMatchesCpu) {
+  using lionbit::optim::lion_test::ref_store;
   std::mt19937_64 rng(601);
   const DType fl[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
   std::vector<size_t> ns = sizes_small();
   ns.push_back((size_t{1} << 20) + 5);
   for (DType xd : fl) {
-    for (int nplanes : {0, 1, 2, 3, 4, 5, 6, 8, 16}) {
-      for (int shards : {1, 2, 5}) {
+    for (DType dd : fl) {
+      for (int ranks : {1, 2, 3, 5}) {
         for (size_t n : ns) {
-          if (n > 100000 && nplanes > 4) continue;
-          const size_t sw = bits::shard_words(n, shards);
-          const auto sharded = random_words(static_cast<size_t>(nplanes) * sw * shards + 1, rng);
-          const auto plain = unshard(sharded, nplanes, sw, shards);
-          const auto ptrs = plane_ptrs(plain, nplanes, sw * shards);
-          std::vector<float> lut(size_t{1} << nplanes);
-          for (size_t c = 0; c < lut.size(); ++c) {
-            lut[c] = (static_cast<float>(c) - static_cast<float>(lut.size() / 2)) / 3.0f;
+          if (n > 100000 && ranks > 2) continue;
+          std::vector<uint8_t> delta(n * bits::dtype_size(dd));
+          for (size_t i = 0; i < n; ++i) {
+            float v;
+            if (ranks == 1) {
+              const float votes[] = {-1.0f, 1.0f, 0.0f, -0.0f};
+              v = votes[rng() % 4];
+            } else {
+              const int k = static_cast<int>(rng() % static_cast<uint64_t>(2 * ranks + 1)) - ranks;
+              v = static_cast<float>(k) / static_cast<float>(ranks);
+            }
+            ref_store(dd, delta.data(), i, v);
           }
-          if (nplanes == 2) lut = {-1.0f, 1.0f, 0.0f, 0.0f};
           const auto x0 = lion_floats(xd, n, rng);
           const float lr = 1e-3f, decay = static_cast<float>(1.0 - 1e-3 * 0.1);
           auto xr = x0;
-          optim::lion_apply_planes(xd, xr.data(), n, ptrs.data(), nplanes, lut.data(), lr, decay);
-          Dev dx(x0), dp(sharded), dl(lut);
-          optim::cuda::lion_apply_planes(xd, dx.as<void>(), n, {dp.as<uint64_t>(), nplanes, sw},
-                                         dl.as<float>(), lr, decay, stream_);
+          optim::lion_apply_dense(xd, xr.data(), dd, delta.data(), n, lr, decay);
+          Dev dx(x0), ddl(delta);
+          optim::cuda::lion_apply_dense(xd, dx.as<void>(), dd, ddl.as<void>(), n, lr, decay, stream_);
           sync();
           const auto x = dx.download<uint8_t>(x0.size());
           for (size_t i = 0; i < n; ++i) {
             ASSERT_TRUE(same_at(xd, x.data(), xr.data(), i))
-                << dname(xd) << " nplanes=" << nplanes << " shards=" << shards << " n=" << n << " i=" << i;
+                << dname(xd) << "/" << dname(dd) << " ranks=" << ranks << " n=" << n << " i=" << i;
           }
         }
       }

@@ -7,8 +7,8 @@
 // `make test-valgrind`).
 //
 // LIONBIT_FUZZ_ITERS scales the number of cases (default 1: a few seconds).
-#include "backend/bits/wire.h"
-#include "backend/bits/zeros.h"
+#include "signbits/wire.h"
+#include "signbits/zeros.h"
 
 #include <gtest/gtest.h>
 

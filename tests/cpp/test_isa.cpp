@@ -1,8 +1,8 @@
-#include "backend/bits/isa.h"
+#include "signbits/isa.h"
 
 #include <gtest/gtest.h>
 
-#include "backend/bits/types.h"
+#include "signbits/types.h"
 
 namespace lionbit::bits {
 namespace {

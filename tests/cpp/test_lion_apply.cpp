@@ -1,6 +1,6 @@
-// lion_apply_dense / lion_apply_planes (optimizer/lion.h):
-// x <- x*decay - lr*Delta, against a naive scalar reference written straight
-// from the contract in lion.h, on every ISA this CPU runs, bit for bit.
+// lion_apply_dense (optimizer/lion.h): x <- x*decay - lr*Delta with Delta
+// from a dense buffer, against a naive scalar reference written straight from
+// the contract in lion.h, on every ISA this CPU runs, bit for bit.
 // (The reference helpers repeat those of test_lion_direction.cpp so that each
 // test file stands alone.)
 #include "optimizer/lion.h"
@@ -12,7 +12,6 @@
 #include <cstdio>
 #include <cstring>
 #include <iterator>
-#include <memory>
 #include <random>
 #include <string>
 #include <tuple>
@@ -125,107 +124,6 @@ void expect_same(
   }
 }
 
-// Bit-planes as guarded copies (reads past words_for(n) words abort under
-// ASan) and the code of element i.
-struct Planes {
-  std::vector<std::vector<uint64_t>> words;
-  uint32_t code(size_t i) const {
-    uint32_t c = 0;
-    for (size_t b = 0; b < words.size(); ++b) {
-      c |= static_cast<uint32_t>((words[b][i / 64] >> (i % 64)) & 1u) << b;
-    }
-    return c;
-  }
-};
-
-// Random planes, bits past n included (they must be ignored).
-Planes make_planes(int nplanes, size_t n, std::mt19937_64& rng) {
-  Planes p;
-  for (int b = 0; b < nplanes; ++b) {
-    std::vector<uint64_t> w(bits::words_for(n));
-    for (auto& x : w) {
-      x = rng();
-    }
-    p.words.push_back(std::move(w));
-  }
-  return p;
-}
-
-std::vector<uint8_t> reference_planes(
-    DType xd,
-    const std::vector<uint8_t>& x,
-    const Planes& planes,
-    const std::vector<float>& lut,
-    size_t n,
-    const Step& s) {
-  std::vector<uint8_t> out(n * esize(xd));
-  for (size_t i = 0; i < n; ++i) {
-    ref_store(xd, out.data(), i,
-              ref_update(widen(xd, x.data(), i), s, lut[planes.code(i)]));
-  }
-  return out;
-}
-
-std::vector<uint8_t> run_planes(
-    DType xd,
-    const std::vector<uint8_t>& x,
-    const Planes& planes,
-    const std::vector<float>& lut,
-    size_t n,
-    const Step& s,
-    Isa isa) {
-  const size_t words = bits::words_for(n);
-  Guarded xb(n * esize(xd));
-  xb.fill(x);
-  std::vector<std::unique_ptr<Guarded>> pb;
-  std::vector<const uint64_t*> ptrs;
-  for (const auto& w : planes.words) {
-    pb.push_back(std::make_unique<Guarded>(words * 8));
-    copy_bytes(pb.back()->words(), w.data(), words * 8);
-    ptrs.push_back(pb.back()->words());
-  }
-  Guarded lb(lut.size() * 4);
-  copy_bytes(lb.bytes(), lut.data(), lut.size() * 4);
-  lion_apply_planes(
-      xd, xb.bytes(), n, ptrs.data(), static_cast<int>(ptrs.size()),
-      reinterpret_cast<const float*>(lb.bytes()), s.lr, s.decay, isa);
-  EXPECT_TRUE(xb.guard_intact()) << "wrote past the end of x";
-  for (size_t b = 0; b < pb.size(); ++b) {
-    EXPECT_TRUE(pb[b]->guard_intact()) << "plane " << b;
-    EXPECT_TRUE(equal_bytes(pb[b]->words(), planes.words[b].data(), words * 8))
-        << "plane " << b << " modified";
-  }
-  EXPECT_TRUE(lb.guard_intact());
-  return std::vector<uint8_t>(xb.bytes(), xb.bytes() + n * esize(xd));
-}
-
-// A table of 2^nplanes Delta values: the vote table for 2 planes, otherwise
-// averages k/N, ordinary values, -0, +-Inf and one NaN.
-std::vector<float> make_lut(int nplanes, std::mt19937_64& rng) {
-  const size_t entries = size_t{1} << nplanes;
-  if (nplanes == 2) {
-    return {-1.0f, 1.0f, 0.0f, 0.0f};
-  }
-  std::vector<float> lut(entries);
-  std::uniform_real_distribution<double> u01(0.0, 1.0);
-  for (size_t c = 0; c < entries; ++c) {
-    if (c % 3 == 0) {
-      lut[c] = static_cast<float>((static_cast<double>(c) - entries / 2.0) /
-                                  static_cast<double>(entries));
-    } else {
-      lut[c] = static_cast<float>(std::ldexp(1.0 + u01(rng), static_cast<int>(rng() % 30) - 20) *
-                                  ((rng() & 1) != 0 ? -1 : 1));
-    }
-  }
-  if (entries >= 8) {
-    lut[1] = -0.0f;
-    lut[2] = INFINITY;
-    lut[entries - 1] = -INFINITY;
-    lut[entries - 2] = NAN;
-  }
-  return lut;
-}
-
 // ---------------------------------------------- parameterized: random ----
 
 const DType kParams[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
@@ -274,45 +172,6 @@ INSTANTIATE_TEST_SUITE_P(
           "_delta_" + bits::dtype_name(kParams[std::get<1>(info.param)]) + "_n" +
           std::to_string(std::get<2>(info.param)) + "_" +
           bits::isa_name(std::get<3>(info.param));
-    });
-
-class LionApplyPlanes
-    : public ::testing::TestWithParam<std::tuple<int, size_t, Isa>> {};
-
-TEST_P(LionApplyPlanes, MatchesNaiveReferenceBitForBit) {
-  const auto [xi, n, isa] = GetParam();
-  if (!bits::isa_supported(isa)) {
-    GTEST_SKIP() << isa_check(isa);
-  }
-  ASSERT_EQ(lion_kernel_isa(isa), isa);
-  const DType xd = kParams[xi];
-  std::mt19937_64 rng(1000003 * n + 7 * static_cast<uint64_t>(xi));
-  const auto x = make_values(xd, n, rng, -20, 12);
-  // Every table path: permutes from registers (<= 4 / 5 planes) and gathers.
-  for (int nplanes : {0, 1, 2, 3, 4, 5, 6, 8, 16}) {
-    const Planes planes = make_planes(nplanes, n, rng);
-    const auto lut = make_lut(nplanes, rng);
-    for (const Step& s : kSteps) {
-      SCOPED_TRACE(::testing::Message() << nplanes << " planes, lr " << s.lr
-                                        << " decay " << s.decay);
-      const auto want = reference_planes(xd, x, planes, lut, n, s);
-      const auto got = run_planes(xd, x, planes, lut, n, s, isa);
-      expect_same(xd, got, want, n);
-    }
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    AllDtypesSizesIsas,
-    LionApplyPlanes,
-    ::testing::Combine(
-        ::testing::Range(0, 3),
-        ::testing::ValuesIn(kSizes),
-        ::testing::ValuesIn(kIsas)),
-    [](const auto& info) {
-      return std::string("x_") + bits::dtype_name(kParams[std::get<0>(info.param)]) +
-          "_n" + std::to_string(std::get<1>(info.param)) + "_" +
-          bits::isa_name(std::get<2>(info.param));
     });
 
 std::vector<Isa> supported() {
@@ -386,23 +245,12 @@ void check_edges(DType xd, const Edge* edges, size_t count) {
       SCOPED_TRACE(::testing::Message() << bits::isa_name(isa) << " at " << base);
       const size_t n = std::max(base + count, size_t{128});
       std::vector<uint8_t> x(n * 2), delta(n * 4);
-      std::vector<float> lut(32, -1.0f);
-      Planes planes;
-      planes.words.assign(5, std::vector<uint64_t>(bits::words_for(n), 0));
       for (size_t i = 0; i < n; ++i) {
         std::memcpy(x.data() + 2 * i, &minus_zero, 2);
         const float v =
             i >= base && i < base + count ? from_bits(edges[i - base].v) : 1.0f;
         const float minus_v = -v;
         std::memcpy(delta.data() + 4 * i, &minus_v, 4);
-        // Planes: element i has code i % 32; the table holds -v for it.
-        const uint32_t code = static_cast<uint32_t>(i % 32);
-        for (int b = 0; b < 5; ++b) {
-          planes.words[b][i / 64] |= static_cast<uint64_t>((code >> b) & 1u) << (i % 64);
-        }
-        if (i >= base && i < base + count) {
-          lut[code] = minus_v;
-        }
       }
       const auto ref = reference_dense(xd, x, DType::kFloat32, delta, n, one);
       const auto dense = run_dense(xd, x, DType::kFloat32, delta, n, one, isa);
@@ -413,16 +261,6 @@ void check_edges(DType xd, const Edge* edges, size_t count) {
         std::memcpy(&want_ref, ref.data() + 2 * (base + j), 2);
         EXPECT_EQ(got, edges[j].want) << "dense, edge " << j;
         EXPECT_EQ(want_ref, edges[j].want) << "reference, edge " << j;
-      }
-      // The same values through the planes path, where each code's value is
-      // unique in a window of 32 elements.
-      if (count <= 32 && base % 32 == 0) {
-        const auto pl = run_planes(xd, x, planes, lut, n, one, isa);
-        for (size_t j = 0; j < count; ++j) {
-          uint16_t got;
-          std::memcpy(&got, pl.data() + 2 * (base + j), 2);
-          EXPECT_EQ(got, edges[j].want) << "planes, edge " << j;
-        }
       }
     }
   }
@@ -463,33 +301,6 @@ TEST(LionApplyRounding, NanAndInf) {
   }
 }
 
-// A vote by hand: planes {sign, zero}, lut {-1, +1, 0, 0}; x = 1,
-// decay = 0.75, lr = 0.5: +1 -> 0.25, -1 -> 1.25, tie -> 0.75.
-TEST(LionApplyPlanesVote, ByHand) {
-  const size_t n = 64 * 2 + 10;
-  for (Isa isa : supported()) {
-    std::vector<float> x(n, 1.0f);
-    std::vector<uint64_t> s(3, 0), z(3, 0);
-    std::vector<float> want(n);
-    for (size_t i = 0; i < n; ++i) {
-      const int vote = static_cast<int>(i % 3) - 1; // -1, 0, +1
-      if (vote > 0) {
-        s[i / 64] |= 1ull << (i % 64);
-        want[i] = 0.25f;
-      } else if (vote == 0) {
-        z[i / 64] |= 1ull << (i % 64);
-        want[i] = 0.75f;
-      } else {
-        want[i] = 1.25f;
-      }
-    }
-    const uint64_t* planes[] = {s.data(), z.data()};
-    const float lut[] = {-1.0f, 1.0f, 0.0f, 0.0f};
-    lion_apply_planes(DType::kFloat32, x.data(), n, planes, 2, lut, 0.5f, 0.75f, isa);
-    EXPECT_EQ(x, want) << bits::isa_name(isa);
-  }
-}
-
 // ---------------------------------------------------------- contract ----
 
 TEST(LionApplyContract, DtypeSupport) {
@@ -508,54 +319,62 @@ TEST(LionApplyContract, DtypeSupport) {
 
 TEST(LionApplyContract, UnsupportedInputsTouchNothing) {
   const size_t n = 200;
-  std::vector<uint64_t> plane(4, ~0ull);
-  const uint64_t* planes[17];
-  for (auto& p : planes) {
-    p = plane.data();
-  }
-  std::vector<float> lut(1 << 17, 1.0f);
   for (Isa isa : supported()) {
     std::vector<uint8_t> x(n * 8, 0x41), d(n * 8, 0x3f);
     const auto untouched = [&] {
-      return std::all_of(x.begin(), x.end(), [](uint8_t b) { return b == 0x41; });
+      return std::all_of(x.begin(), x.end(), [](uint8_t b) { return b == 0x41; }) &&
+          std::all_of(d.begin(), d.end(), [](uint8_t b) { return b == 0x3f; });
     };
     lion_apply_dense(DType::kFloat64, x.data(), DType::kFloat32, d.data(), n, 0.1f, 0.9f, isa);
     lion_apply_dense(DType::kFloat32, x.data(), DType::kFloat64, d.data(), n, 0.1f, 0.9f, isa);
     lion_apply_dense(DType::kInt8, x.data(), DType::kFloat32, d.data(), n, 0.1f, 0.9f, isa);
-    lion_apply_planes(DType::kFloat64, x.data(), n, planes, 2, lut.data(), 0.1f, 0.9f, isa);
-    lion_apply_planes(DType::kFloat32, x.data(), n, planes, 17, lut.data(), 0.1f, 0.9f, isa);
-    lion_apply_planes(DType::kFloat32, x.data(), n, planes, -1, lut.data(), 0.1f, 0.9f, isa);
     EXPECT_TRUE(untouched()) << bits::isa_name(isa);
+    // Every unsupported (param, delta) pair, a supported param with an
+    // unsupported delta included.
+    for (DType xd : bits::test::all_dtypes()) {
+      for (DType dd : bits::test::all_dtypes()) {
+        if (lion_apply_dtypes_supported(xd, dd)) {
+          // n == 0 touches nothing; the pointers may be null.
+          lion_apply_dense(xd, nullptr, dd, nullptr, 0, 0.1f, 0.9f, isa);
+          continue;
+        }
+        lion_apply_dense(xd, x.data(), dd, d.data(), n, 0.1f, 0.9f, isa);
+        EXPECT_TRUE(untouched()) << bits::isa_name(isa) << " x " << bits::dtype_name(xd)
+                                 << " delta " << bits::dtype_name(dd);
+      }
+    }
     lion_apply_dense(DType::kFloat32, nullptr, DType::kFloat32, nullptr, 0, 0.1f, 0.9f, isa);
-    lion_apply_planes(DType::kFloat32, nullptr, 0, nullptr, 2, nullptr, 0.1f, 0.9f, isa);
   }
 }
 
-// Splitting at multiples of 64 elements (planes offset by i0 / 64) gives the
-// same result as one call, whatever ISA each part runs on.
+// Splitting at multiples of 64 elements (x and delta offset by i0) gives the
+// same result as one call, whatever ISA each part runs on. Delta holds what
+// the backend applies: vote results -1, +1, 0 (and -0), averages k/N,
+// ordinary values and specials (make_deltas).
 TEST(LionApplyContract, SplitAtWordsEqualsOneCall) {
   const size_t n = 64 * 41 + 27;
-  std::mt19937_64 rng(5);
-  const DType xd = DType::kBFloat16;
-  const auto x = make_values(xd, n, rng, -10, 4);
-  const Planes planes = make_planes(3, n, rng);
-  const auto lut = make_lut(3, rng);
   const Step s = step_from(0.05, 0.2);
-  const auto whole = run_planes(xd, x, planes, lut, n, s, Isa::kScalar);
   const auto isas = supported();
-  std::vector<uint8_t> xx = x;
-  size_t i0 = 0;
-  for (size_t part = 0; i0 < n; ++part) {
-    const size_t len = std::min(n - i0, size_t{64} * (part % 4 + 1));
-    const uint64_t* ptrs[3];
-    for (int b = 0; b < 3; ++b) {
-      ptrs[b] = planes.words[b].data() + i0 / 64;
+  for (DType xd : kParams) {
+    for (DType dd : kParams) {
+      SCOPED_TRACE(::testing::Message() << "x " << bits::dtype_name(xd) << " delta "
+                                        << bits::dtype_name(dd));
+      std::mt19937_64 rng(5);
+      const auto x = make_values(xd, n, rng, -10, 4);
+      const auto delta = make_deltas(dd, n, rng);
+      const auto whole = run_dense(xd, x, dd, delta, n, s, Isa::kScalar);
+      expect_same(xd, whole, reference_dense(xd, x, dd, delta, n, s), n);
+      std::vector<uint8_t> xx = x;
+      size_t i0 = 0;
+      for (size_t part = 0; i0 < n; ++part) {
+        const size_t len = std::min(n - i0, size_t{64} * (part % 4 + 1));
+        lion_apply_dense(xd, xx.data() + esize(xd) * i0, dd, delta.data() + esize(dd) * i0, len,
+                         s.lr, s.decay, isas[part % isas.size()]);
+        i0 += len;
+      }
+      expect_same(xd, xx, whole, n);
     }
-    lion_apply_planes(xd, xx.data() + 2 * i0, len, ptrs, 3, lut.data(), s.lr,
-                      s.decay, isas[part % isas.size()]);
-    i0 += len;
   }
-  expect_same(xd, xx, whole, n);
 }
 
 } // namespace

@@ -1,4 +1,4 @@
-#include "backend/bits/pack.h"
+#include "signbits/pack.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "backend/bits/trits.h"
+#include "signbits/trits.h"
 
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/bits/unpack.h"
+#include "signbits/unpack.h"
 #include "test_util.h"
 
 namespace lionbit::bits {

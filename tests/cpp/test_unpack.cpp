@@ -1,4 +1,4 @@
-#include "backend/bits/unpack.h"
+#include "signbits/unpack.h"
 
 #include <gtest/gtest.h>
 

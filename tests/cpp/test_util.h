@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "backend/bits/isa.h"
-#include "backend/bits/types.h"
+#include "signbits/isa.h"
+#include "signbits/types.h"
 
 namespace lionbit::bits::test {
 

@@ -1,4 +1,4 @@
-#include "backend/bits/wire.h"
+#include "signbits/wire.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "backend/bits/zero_counts.h"
+#include "signbits/zero_counts.h"
 
 #include <gtest/gtest.h>
 
@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "backend/bits/count.h"
+#include "signbits/count.h"
 #include "test_util.h"
 
 namespace lionbit::bits {

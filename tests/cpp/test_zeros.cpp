@@ -1,4 +1,4 @@
-#include "backend/bits/zeros.h"
+#include "signbits/zeros.h"
 
 #include <gtest/gtest.h>
 

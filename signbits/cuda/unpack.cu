@@ -3,9 +3,9 @@
 // whole warp (one broadcast load per plane); the LUT (2^nplanes entries in
 // device memory) is read through the cache. Elements are moved as raw 1, 2, 4
 // or 8-byte patterns, so every dtype is exact.
-#include "backend/cuda/element.cuh"
-#include "backend/cuda/kernels.h"
-#include "backend/cuda/launch.cuh"
+#include "signbits/cuda/element.cuh"
+#include "signbits/cuda/kernels.h"
+#include "signbits/cuda/launch.cuh"
 
 namespace lionbit::cuda {
 namespace detail {

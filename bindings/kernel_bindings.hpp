@@ -4,13 +4,20 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
-#include <optional>
+#include <string>
 #include <tuple>
 
-#include "backend/bits/types.h"
+#include "signbits/types.h"
 
 namespace lionbit {
+
+// Raises ValueError "lionbit.<op>: <problem>" when a check of
+// backend/torch_adapter.hpp found one.
+inline void require(const char* op, const std::string& problem) {
+  TORCH_CHECK_VALUE(problem.empty(), "lionbit.", op, ": ", problem);
+}
 
 // Packs the signs of `t` (contiguous CPU, a sign all-reduce dtype) into the
 // uint8 planes `sign` / `zero` at bit offset `bit_offset`. Returns
@@ -39,10 +46,6 @@ int64_t lion_direction_into(
 
 // x = x * decay - lr * delta, in place (optimizer/lion.h).
 void lion_apply(at::Tensor& x, const at::Tensor& delta, double lr, double decay);
-
-// The dtypes the fused Lion kernels take (float32, bfloat16, float16), as
-// the kernels' DType; nullopt for any other.
-std::optional<bits::DType> float_dtype(at::ScalarType t);
 
 // Whether the fused kernels take these dtypes.
 bool lion_fused_supported(

@@ -1,6 +1,6 @@
 // The per-element and per-word logic of the GPU bit kernels, written once as
 // host+device inline functions. nvcc compiles them into the kernels
-// (backend/cuda/*.cu); g++ compiles the very same functions into
+// (signbits/cuda/*.cu); g++ compiles the very same functions into
 // tests/cpp/test_cuda_host.cpp, which checks them against the CPU kernels on a
 // machine without a GPU. The kernels keep only what cannot run on a host (the
 // warp ballots, the grid loop) and the tests emulate those with plain loops
@@ -13,13 +13,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "backend/bits/types.h"
-
-#if defined(__CUDACC__)
-#define LIONBIT_HD __host__ __device__ __forceinline__
-#else
-#define LIONBIT_HD inline
-#endif
+#include "signbits/float16.h"
+#include "signbits/types.h"
 
 // Full unrolling of loops with compile-time trip counts in device code (so
 // that small arrays stay in registers); nothing on the host.
@@ -35,34 +30,13 @@ using bits::DType;
 
 // ---------------------------------------------------------- primitives ----
 
-LIONBIT_HD uint32_t f32_bits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-#endif
-}
-
-LIONBIT_HD float bits_f32(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-#endif
-}
-
-// Leading zeros of a nonzero 32-bit value.
-LIONBIT_HD int clz32(uint32_t x) {
-#if defined(__CUDA_ARCH__)
-  return __clz(static_cast<int>(x));
-#else
-  return __builtin_clz(x);
-#endif
-}
+using bits::bf16_to_f32;
+using bits::bits_f32;
+using bits::clz32;
+using bits::f16_to_f32;
+using bits::f32_bits;
+using bits::f32_to_bf16;
+using bits::f32_to_f16;
 
 LIONBIT_HD int popc64(uint64_t x) {
 #if defined(__CUDA_ARCH__)
@@ -112,43 +86,9 @@ LIONBIT_HD constexpr int width_of(uint32_t v) {
 
 // ------------------------------------------------------- sign of a value ----
 
-// Storage type of each dtype and its bit-pattern constants (magnitude mask,
-// the pattern of +Inf: a larger magnitude is NaN).
+// Storage type of each dtype and its bit-pattern constants.
 template <DType D>
-struct Elem;
-template <>
-struct Elem<DType::kFloat32> {
-  using U = uint32_t;
-  static constexpr U kMag = 0x7fffffffu;
-  static constexpr U kInf = 0x7f800000u;
-  static constexpr bool kFloat = true;
-};
-template <>
-struct Elem<DType::kFloat64> {
-  using U = uint64_t;
-  static constexpr U kMag = 0x7fffffffffffffffull;
-  static constexpr U kInf = 0x7ff0000000000000ull;
-  static constexpr bool kFloat = true;
-};
-template <>
-struct Elem<DType::kFloat16> {
-  using U = uint16_t;
-  static constexpr U kMag = 0x7fff;
-  static constexpr U kInf = 0x7c00;
-  static constexpr bool kFloat = true;
-};
-template <>
-struct Elem<DType::kBFloat16> {
-  using U = uint16_t;
-  static constexpr U kMag = 0x7fff;
-  static constexpr U kInf = 0x7f80;
-  static constexpr bool kFloat = true;
-};
-template <>
-struct Elem<DType::kInt8> {
-  using U = uint8_t;
-  static constexpr bool kFloat = false;
-};
+using Elem = bits::Storage<D>;
 
 // Flags of one element: bit 0 positive, bit 1 zero, bit 2 NaN (at most one
 // set; none: negative, or no element).
@@ -183,69 +123,7 @@ LIONBIT_HD unsigned classify_float(float c) {
 
 // -------------------------------------------------- float conversions ----
 
-LIONBIT_HD float bf16_to_f32(uint16_t h) {
-  return bits_f32(static_cast<uint32_t>(h) << 16);
-}
-
-// Exact widening, subnormals included; Inf stays Inf, NaN stays NaN.
-LIONBIT_HD float f16_to_f32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1fu) {
-    return bits_f32(sign | 0x7f800000u | (mant << 13) | (mant != 0 ? 0x400000u : 0u));
-  }
-  if (exp != 0) {
-    return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
-  }
-  if (mant == 0) {
-    return bits_f32(sign);
-  }
-  // mant * 2^-24 with mant < 2^10: normalise so the leading one is bit 10.
-  const uint32_t s = static_cast<uint32_t>(clz32(mant)) - 21u; // 1 .. 10
-  return bits_f32(sign | ((113u - s) << 23) | (((mant << s) & 0x3ffu) << 13));
-}
-
-// float32 -> bfloat16, round to nearest even, overflow to Inf; NaN -> a
-// quiet NaN.
-LIONBIT_HD uint16_t f32_to_bf16(float f) {
-  const uint32_t u = f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    return static_cast<uint16_t>((u >> 16) | 0x40u);
-  }
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-// float32 -> float16, round to nearest even: overflow to +-Inf, correct
-// subnormals, |f| <= 2^-25 to +-0; NaN -> a quiet NaN.
-LIONBIT_HD uint16_t f32_to_f16(float f) {
-  const uint32_t u = f32_bits(f);
-  const uint32_t sign = (u >> 16) & 0x8000u;
-  const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) {
-    return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
-  }
-  if (a >= 0x477ff000u) { // 65520 = halfway past 65504 and up: Inf
-    return static_cast<uint16_t>(sign | 0x7c00u);
-  }
-  if (a >= 0x38800000u) { // 2^-14 and up: a normal float16
-    const uint32_t r = a - 0x38000000u; // exponent bias 127 -> 15
-    return static_cast<uint16_t>(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
-  }
-  if (a <= 0x33000000u) { // 2^-25 and below (a tie with 0 goes to 0)
-    return static_cast<uint16_t>(sign);
-  }
-  // Subnormal result in units of 2^-24 (may round up to the smallest normal,
-  // whose pattern 0x0400 follows 0x03ff).
-  const uint32_t e = a >> 23; // 102 .. 112
-  const uint32_t m = (a & 0x7fffffu) | 0x800000u;
-  const uint32_t shift = 126u - e; // 14 .. 24
-  uint32_t q = m >> shift;
-  const uint32_t rem = m & ((1u << shift) - 1u);
-  const uint32_t half = 1u << (shift - 1u);
-  q += (rem > half || (rem == half && (q & 1u) != 0)) ? 1u : 0u;
-  return static_cast<uint16_t>(sign | q);
-}
+// float16 / bfloat16 conversions: signbits/float16.h.
 
 // Float storage of the Lion buffers: float32, bfloat16, float16.
 template <DType D>
@@ -340,7 +218,7 @@ LIONBIT_HD void commit_word(
 }
 
 // Words each warp handles per iteration of its grid loop in the word-per-warp
-// kernels (pack, lion_direction, unpack, lion_apply_planes): enough
+// kernels (pack, lion_direction, unpack): enough
 // independent loads in flight per thread.
 constexpr int kWordsPerWarpIter = 4;
 
@@ -581,34 +459,6 @@ LIONBIT_HD void unpack_lane(
   }
 }
 
-// lion_apply_planes: the lane's two elements of word k,
-// x = fl(fl(x * decay) - fl(lr * lut[code])).
-template <DType X>
-LIONBIT_HD void lion_apply_planes_lane(
-    typename FloatStore<X>::U* x,
-    const uint64_t* base,
-    int nplanes,
-    size_t shard_words,
-    size_t n,
-    size_t k,
-    unsigned lane,
-    const float* lut,
-    float lr,
-    float decay) {
-  const size_t e0 = k * 64 + lane;
-  if (e0 >= n) {
-    return;
-  }
-  const uint32_t codes =
-      code_pair_at(base, nplanes, shard_words, sharded_first(k, nplanes, shard_words), lane);
-  x[e0] = FloatStore<X>::store(lion_apply_math(
-      FloatStore<X>::load(x[e0]), decay, mul_rn(lr, lut[codes & 0xffffu])));
-  if (e0 + 32 < n) {
-    x[e0 + 32] = FloatStore<X>::store(lion_apply_math(
-        FloatStore<X>::load(x[e0 + 32]), decay, mul_rn(lr, lut[codes >> 16])));
-  }
-}
-
 // unpack: the group of words from k0. Whole groups read all plane words
 // first, then write.
 template <typename S, int NP>
@@ -640,47 +490,6 @@ LIONBIT_HD void unpack_group(
   LIONBIT_UNROLL
   for (int u = 0; u < U; ++u) {
     unpack_lane<S>(base, nplanes, shard_words, n, k0 + u, lane, lut, dst);
-  }
-}
-
-// lion_apply_planes: the group of words from k0.
-template <DType X, int NP>
-LIONBIT_HD void lion_apply_planes_group(
-    typename FloatStore<X>::U* x,
-    const uint64_t* base,
-    int nplanes,
-    size_t shard_words,
-    size_t n,
-    size_t k0,
-    unsigned lane,
-    const float* lut,
-    float lr,
-    float decay) {
-  constexpr int U = kWordsPerWarpIter;
-  if ((k0 + U) * 64 <= n) {
-    uint32_t codes[U];
-    typename FloatStore<X>::U xv[2 * U];
-    typename FloatStore<X>::U* p = x + (k0 * 64 + lane);
-    LIONBIT_UNROLL
-    for (int u = 0; u < U; ++u) {
-      codes[u] = code_pair_at<NP>(base, nplanes, shard_words,
-                                  sharded_first(k0 + u, nplanes, shard_words), lane);
-    }
-    LIONBIT_UNROLL
-    for (int i = 0; i < 2 * U; ++i) {
-      xv[i] = p[32 * i];
-    }
-    LIONBIT_UNROLL
-    for (int i = 0; i < 2 * U; ++i) {
-      const uint32_t code = (i & 1) == 0 ? (codes[i / 2] & 0xffffu) : (codes[i / 2] >> 16);
-      p[32 * i] = FloatStore<X>::store(
-          lion_apply_math(FloatStore<X>::load(xv[i]), decay, mul_rn(lr, lut[code])));
-    }
-    return;
-  }
-  LIONBIT_UNROLL
-  for (int u = 0; u < U; ++u) {
-    lion_apply_planes_lane<X>(x, base, nplanes, shard_words, n, k0 + u, lane, lut, lr, decay);
   }
 }
 

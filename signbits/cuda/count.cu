@@ -5,9 +5,9 @@
 // of contributions plus a ripple of the carry) and writes the code planes or
 // the vote. The kernels are compiled for a few counter widths P; a call uses
 // the smallest P >= bit_width(n).
-#include "backend/cuda/element.cuh"
-#include "backend/cuda/kernels.h"
-#include "backend/cuda/launch.cuh"
+#include "signbits/cuda/element.cuh"
+#include "signbits/cuda/kernels.h"
+#include "signbits/cuda/launch.cuh"
 
 namespace lionbit::cuda {
 namespace detail {

@@ -1,16 +1,61 @@
-// lionbit._C: the backend class and a few build facts for Python.
+// lionbit._C: the backend class, the kernels on tensors and a few build facts
+// for Python.
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "backend/bits/isa.h"
-#include "backend/kernel_bindings.hpp"
+#include "signbits/isa.h"
+#include "bindings/kernel_bindings.hpp"
 #include "backend/lionbit_backend.hpp"
 #ifdef LIONBIT_WITH_CUDA
-#include "backend/kernel_bindings_cuda.hpp"
+#include "bindings/kernel_bindings_cuda.hpp"
 #endif
 
 namespace py = pybind11;
+
+namespace lionbit {
+namespace {
+
+// The holder of Python's reference to a LionBitBackend. The backend's
+// destructor joins threads (lionbit's worker, the inner Gloo backends') that
+// may need the GIL to drop tensors Python shares, and torch may drop the
+// last reference from Python with the GIL held (the object's deallocation,
+// destroy_process_group, the interpreter's teardown): so the reference is
+// released with the GIL let go, as torch binds its own backends.
+template <typename T>
+class ReleasedWithoutGil {
+ public:
+  ReleasedWithoutGil() = default;
+  ReleasedWithoutGil(const ReleasedWithoutGil&) = default;
+  ReleasedWithoutGil(ReleasedWithoutGil&&) noexcept = default;
+  ReleasedWithoutGil& operator=(const ReleasedWithoutGil&) = default;
+  ReleasedWithoutGil& operator=(ReleasedWithoutGil&&) noexcept = default;
+  /* implicit */ ReleasedWithoutGil(c10::intrusive_ptr<T> p) : ptr_(std::move(p)) {}
+  // pybind11 wraps an object it has just allocated through this one.
+  explicit ReleasedWithoutGil(T* fresh) : ptr_(c10::intrusive_ptr<T>::unsafe_steal_from_new(fresh)) {}
+  ~ReleasedWithoutGil() {
+    if (!ptr_) {
+      return;
+    }
+    if (PyGILState_Check() != 0) {
+      py::gil_scoped_release no_gil;
+      ptr_.reset();
+    } else {
+      ptr_.reset();
+    }
+  }
+  T* get() const noexcept {
+    return ptr_.get();
+  }
+
+ private:
+  c10::intrusive_ptr<T> ptr_;
+};
+
+} // namespace
+} // namespace lionbit
+
+PYBIND11_DECLARE_HOLDER_TYPE(T, lionbit::ReleasedWithoutGil<T>, true);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "lionbit: a c10d backend with a 1-bit sign all-reduce";
@@ -21,7 +66,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<
       lionbit::LionBitBackend,
       c10d::Backend,
-      c10::intrusive_ptr<lionbit::LionBitBackend>>(m, "LionBitBackend")
+      lionbit::ReleasedWithoutGil<lionbit::LionBitBackend>>(m, "LionBitBackend")
       .def(
           py::init([](const c10::intrusive_ptr<c10d::Backend>& forward,
                       const c10::intrusive_ptr<c10d::Backend>& sign,
@@ -30,10 +75,11 @@ PYBIND11_MODULE(_C, m) {
                       std::chrono::milliseconds timeout,
                       std::optional<c10::intrusive_ptr<c10d::Backend>> forward_cuda,
                       std::optional<c10::intrusive_ptr<c10d::Backend>> sign_cuda) {
-            return c10::make_intrusive<lionbit::LionBitBackend>(
-                forward, sign, rank, size, timeout,
-                forward_cuda.value_or(c10::intrusive_ptr<c10d::Backend>()),
-                sign_cuda.value_or(c10::intrusive_ptr<c10d::Backend>()));
+            return lionbit::ReleasedWithoutGil<lionbit::LionBitBackend>(
+                c10::make_intrusive<lionbit::LionBitBackend>(
+                    forward, sign, rank, size, timeout,
+                    forward_cuda.value_or(c10::intrusive_ptr<c10d::Backend>()),
+                    sign_cuda.value_or(c10::intrusive_ptr<c10d::Backend>())));
           }),
           py::arg("forward"),
           py::arg("sign"),
@@ -84,9 +130,7 @@ PYBIND11_MODULE(_C, m) {
           [](lionbit::LionBitBackend& self) { return self.stats().snapshot(); })
       .def(
           "reset_stats",
-          [](lionbit::LionBitBackend& self) { self.stats().reset(); })
-      .def_property_readonly(
-          "forward_backend", &lionbit::LionBitBackend::forwardBackend);
+          [](lionbit::LionBitBackend& self) { self.stats().reset(); });
 
   m.attr("__version__") = LIONBIT_VERSION;
   m.attr("torch_version") = LIONBIT_TORCH_VERSION;

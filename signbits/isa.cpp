@@ -60,12 +60,15 @@ bool isa_supported(Isa isa) {
     case Isa::kScalar:
       return true;
 #ifdef LIONBIT_HAVE_X86_KERNELS
+    // The features of cmake/isa.cmake's flags for each ISA.
     case Isa::kAvx2:
-      return __builtin_cpu_supports("avx2") != 0;
+      return __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_supports("f16c") != 0 &&
+          __builtin_cpu_supports("bmi") != 0 && __builtin_cpu_supports("bmi2") != 0 &&
+          __builtin_cpu_supports("popcnt") != 0;
     case Isa::kAvx512:
-      return __builtin_cpu_supports("avx512f") != 0 &&
-          __builtin_cpu_supports("avx512bw") != 0 &&
-          __builtin_cpu_supports("avx512vl") != 0;
+      return isa_supported(Isa::kAvx2) && __builtin_cpu_supports("avx512f") != 0 &&
+          __builtin_cpu_supports("avx512bw") != 0 && __builtin_cpu_supports("avx512vl") != 0 &&
+          __builtin_cpu_supports("avx512dq") != 0;
 #else
     default:
       return false;
@@ -102,15 +105,11 @@ Isa default_isa() {
 namespace detail {
 const Kernels& kernels_for(Isa isa) {
 #ifdef LIONBIT_HAVE_X86_KERNELS
-  if (isa >= Isa::kAvx512 && isa_supported(Isa::kAvx512)) {
-    return kernels_avx512();
-  }
-  if (isa >= Isa::kAvx2 && isa_supported(Isa::kAvx2)) {
-    return kernels_avx2();
-  }
+  static constexpr PerIsa<Kernels> copies{kernels_scalar, kernels_avx2, kernels_avx512};
+#else
+  static constexpr PerIsa<Kernels> copies{kernels_scalar};
 #endif
-  (void)isa;
-  return kernels_scalar();
+  return pick_kernels(isa, copies);
 }
 } // namespace detail
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "float16.h"
 #include "kernels.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -26,43 +27,9 @@ namespace {
 
 // ---------------------------------------------------------------- pack ----
 
-// Bit-pattern view of each dtype: magnitude mask and the pattern of +Inf (a
-// magnitude above it is NaN).
+// Bit-pattern view of each dtype (signbits/float16.h).
 template <DType D>
-struct Traits;
-template <>
-struct Traits<DType::kFloat32> {
-  using U = uint32_t;
-  static constexpr U kMag = 0x7fffffffu;
-  static constexpr U kInf = 0x7f800000u;
-  static constexpr bool kFloat = true;
-};
-template <>
-struct Traits<DType::kFloat64> {
-  using U = uint64_t;
-  static constexpr U kMag = 0x7fffffffffffffffull;
-  static constexpr U kInf = 0x7ff0000000000000ull;
-  static constexpr bool kFloat = true;
-};
-template <>
-struct Traits<DType::kFloat16> {
-  using U = uint16_t;
-  static constexpr U kMag = 0x7fff;
-  static constexpr U kInf = 0x7c00;
-  static constexpr bool kFloat = true;
-};
-template <>
-struct Traits<DType::kBFloat16> {
-  using U = uint16_t;
-  static constexpr U kMag = 0x7fff;
-  static constexpr U kInf = 0x7f80;
-  static constexpr bool kFloat = true;
-};
-template <>
-struct Traits<DType::kInt8> {
-  using U = uint8_t;
-  static constexpr bool kFloat = false;
-};
+using Traits = Storage<D>;
 
 struct WordBits {
   uint64_t sign = 0;

@@ -1,5 +1,5 @@
 // Device properties the launch helpers of launch.cuh need, cached per device.
-#include "backend/cuda/launch.cuh"
+#include "signbits/cuda/launch.cuh"
 
 #include <atomic>
 

@@ -9,7 +9,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "backend/cuda/kernels.h"
+#include "signbits/cuda/kernels.h"
 
 namespace lionbit::cuda::detail {
 

@@ -7,7 +7,8 @@
 //   list smaller       -> K uint32 offsets, ascending, padded with kNoIndex to
 //                         an even count (a whole number of 64-bit words)
 //   otherwise          -> the dense plane
-// A rank with one stray zero thus sends 4 bytes, not a second plane.
+// A rank with one stray zero thus sends 8 bytes (the offset and its padding),
+// not a second plane.
 #pragma once
 
 #include "types.h"

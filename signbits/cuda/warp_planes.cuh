@@ -4,8 +4,8 @@
 // lane. ballot_planes_host in element.cuh is the same function on the host.
 #pragma once
 
-#include "backend/cuda/element.cuh"
-#include "backend/cuda/launch.cuh"
+#include "signbits/cuda/element.cuh"
+#include "signbits/cuda/launch.cuh"
 
 namespace lionbit::cuda::detail {
 

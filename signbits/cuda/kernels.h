@@ -1,6 +1,6 @@
 // The bit kernels of backend/bits on the GPU: pack, count / vote and unpack.
 // Same bit layouts and bitwise the same results as the CPU kernels. No torch
-// here; compiled by nvcc into the static library lionbit_cuda.
+// here; compiled by nvcc into the static library lionbit_bits_cuda.
 //
 // Every function only enqueues work on `stream` and returns: no host
 // synchronisation, no allocation. Pointers are device pointers (the caller
@@ -14,7 +14,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "backend/bits/types.h"
+#include "signbits/types.h"
 
 namespace lionbit::cuda {
 

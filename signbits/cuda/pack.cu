@@ -3,10 +3,10 @@
 // give the word. Lane u of the warp writes word u of its group of kUnroll
 // words; only the first and last word of a launch are read-modify-written
 // (bits outside [bit_offset, bit_offset + n) keep their values).
-#include "backend/cuda/element.cuh"
-#include "backend/cuda/kernels.h"
-#include "backend/cuda/launch.cuh"
-#include "backend/cuda/warp_planes.cuh"
+#include "signbits/cuda/element.cuh"
+#include "signbits/cuda/kernels.h"
+#include "signbits/cuda/launch.cuh"
+#include "signbits/cuda/warp_planes.cuh"
 
 namespace lionbit::cuda {
 namespace detail {

@@ -1,0 +1,57 @@
+// The torch side of the kernels' types in one place: dtype mapping, raw views
+// of byte tensors, and the argument checks that the backend and the bindings
+// share. Each check returns "" when the argument is fine, else a sentence
+// naming it; the caller adds who is asking (op, rank) and raises.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "signbits/types.h"
+
+namespace lionbit {
+
+// The kernels' dtype for a torch dtype (the sign collectives take float32,
+// float16, bfloat16, float64 and int8); nullopt for any other.
+std::optional<bits::DType> bits_dtype(at::ScalarType t);
+
+// The dtypes the fused Lion kernels take (float32, bfloat16, float16).
+std::optional<bits::DType> float_dtype(at::ScalarType t);
+
+inline uint64_t* words_of(const at::Tensor& t) {
+  return reinterpret_cast<uint64_t*>(t.data_ptr<uint8_t>());
+}
+
+inline uint8_t* bytes_of(const at::Tensor& t) {
+  return t.data_ptr<uint8_t>();
+}
+
+// A CPU uint8 tensor of n bytes (uninitialised).
+at::Tensor byte_buffer(size_t n);
+
+// "float32 on cpu", "float16 on cuda:0 (not contiguous)", "undefined".
+std::string describe(const at::Tensor& t);
+
+// A contiguous `dtype` tensor on `device` with at least `min_numel` elements.
+std::string check_buffer(
+    const at::Tensor& t,
+    const char* name,
+    at::ScalarType dtype,
+    const c10::Device& device,
+    int64_t min_numel);
+
+// Bit-planes: a contiguous uint8 tensor on `device` of whole 64-bit words
+// holding at least `min_bits` bits.
+std::string check_planes(
+    const at::Tensor& t,
+    const char* name,
+    const c10::Device& device,
+    int64_t min_bits);
+
+// A contiguous float32, bfloat16 or float16 tensor on `device`.
+std::string check_float(const at::Tensor& t, const char* name, const c10::Device& device);
+
+} // namespace lionbit

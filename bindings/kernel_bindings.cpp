@@ -1,0 +1,105 @@
+#include "bindings/kernel_bindings.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "backend/torch_adapter.hpp"
+#include "optimizer/lion.h"
+#include "signbits/copy_bits.h"
+#include "signbits/pack.h"
+
+namespace lionbit {
+
+std::tuple<int64_t, int64_t> pack_signs_into(
+    const at::Tensor& t,
+    at::Tensor& sign,
+    at::Tensor& zero,
+    int64_t bit_offset) {
+  const char* op = "pack_signs_into";
+  const auto dtype = bits_dtype(t.scalar_type());
+  TORCH_CHECK_VALUE(
+      dtype.has_value() && t.device().is_cpu() && t.is_contiguous(),
+      "lionbit.", op, ": argument 't' must be a contiguous CPU tensor of "
+      "float32, float16, bfloat16, float64 or int8, got ", describe(t));
+  TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.", op, ": negative bit_offset");
+  const int64_t n = t.numel();
+  require(op, check_planes(sign, "sign", at::kCPU, bit_offset + n));
+  require(op, check_planes(zero, "zero", at::kCPU, bit_offset + n));
+  if (n == 0) {
+    return {0, 0};
+  }
+  const size_t w = bits::words_for(static_cast<size_t>(n));
+  at::Tensor tmp = at::empty({static_cast<int64_t>(2 * w * 8)}, at::kByte);
+  uint64_t* ts = words_of(tmp);
+  const bits::PackCounts c = bits::pack_signs(*dtype, t.data_ptr(), static_cast<size_t>(n), ts, ts + w);
+  bits::copy_bits(words_of(sign), static_cast<size_t>(bit_offset), ts, 0, static_cast<size_t>(n));
+  bits::copy_bits(words_of(zero), static_cast<size_t>(bit_offset), ts + w, 0, static_cast<size_t>(n));
+  return {static_cast<int64_t>(c.zeros), static_cast<int64_t>(c.nans)};
+}
+
+bool lion_fused_supported(
+    at::ScalarType param,
+    at::ScalarType grad,
+    at::ScalarType momentum) {
+  const auto p = float_dtype(param), g = float_dtype(grad), m = float_dtype(momentum);
+  return p && g && m && optim::lion_direction_dtypes_supported(*g, *m) &&
+      optim::lion_param_dtype_supported(*p);
+}
+
+int64_t lion_direction_into(
+    const at::Tensor& g,
+    at::Tensor& m,
+    double b1,
+    double omb1,
+    double b2,
+    double omb2,
+    at::Tensor& sign,
+    at::Tensor& zero,
+    int64_t bit_offset,
+    bool update_momentum) {
+  const char* op = "lion_direction_into";
+  require(op, check_float(g, "g", at::kCPU));
+  require(op, check_float(m, "m", at::kCPU));
+  TORCH_CHECK_VALUE(
+      optim::lion_direction_dtypes_supported(*float_dtype(g.scalar_type()), *float_dtype(m.scalar_type())),
+      "lionbit.", op, ": momentum must be float32 or bfloat16, got ", m.scalar_type());
+  TORCH_CHECK_VALUE(
+      g.numel() == m.numel(), "lionbit.", op, ": g has ", g.numel(), " elements, m ", m.numel());
+  TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.", op, ": negative bit_offset");
+  const int64_t n = g.numel();
+  require(op, check_planes(sign, "sign", at::kCPU, bit_offset + n));
+  require(op, check_planes(zero, "zero", at::kCPU, bit_offset + n));
+  if (n == 0) {
+    return 0;
+  }
+  const size_t w = bits::words_for(static_cast<size_t>(n));
+  at::Tensor tmp = at::empty({static_cast<int64_t>(2 * w * 8)}, at::kByte);
+  uint64_t* ts = words_of(tmp);
+  const auto gd = *float_dtype(g.scalar_type());
+  const auto md = *float_dtype(m.scalar_type());
+  const bits::PackCounts c = update_momentum
+      ? optim::lion_direction(
+            gd, g.data_ptr(), md, m.data_ptr(), static_cast<size_t>(n), static_cast<float>(b1),
+            static_cast<float>(omb1), static_cast<float>(b2), static_cast<float>(omb2), ts, ts + w)
+      : optim::lion_direction_only(
+            gd, g.data_ptr(), md, m.data_ptr(), static_cast<size_t>(n), static_cast<float>(b1),
+            static_cast<float>(omb1), ts, ts + w);
+  bits::copy_bits(words_of(sign), static_cast<size_t>(bit_offset), ts, 0, static_cast<size_t>(n));
+  bits::copy_bits(words_of(zero), static_cast<size_t>(bit_offset), ts + w, 0, static_cast<size_t>(n));
+  return static_cast<int64_t>(c.nonfinite);
+}
+
+void lion_apply(at::Tensor& x, const at::Tensor& delta, double lr, double decay) {
+  const char* op = "lion_apply";
+  require(op, check_float(x, "x", at::kCPU));
+  require(op, check_float(delta, "delta", at::kCPU));
+  TORCH_CHECK_VALUE(
+      x.numel() == delta.numel(), "lionbit.", op, ": x has ", x.numel(), " elements, delta ",
+      delta.numel());
+  optim::lion_apply_dense(
+      *float_dtype(x.scalar_type()), x.data_ptr(), *float_dtype(delta.scalar_type()),
+      delta.data_ptr(), static_cast<size_t>(x.numel()), static_cast<float>(lr),
+      static_cast<float>(decay));
+}
+
+} // namespace lionbit

@@ -1,0 +1,226 @@
+#include "wire.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace lionbit::bits {
+
+const char* sign_op_name(SignOp op) {
+  switch (op) {
+    case SignOp::kVote:
+      return "vote";
+    case SignOp::kAvg:
+      return "avg";
+    case SignOp::kSum:
+      return "sum";
+  }
+  return "unknown";
+}
+
+WireHeader make_header(
+    SignOp op,
+    DType dtype,
+    int rank,
+    uint32_t flags,
+    uint64_t seq,
+    uint64_t numel,
+    uint64_t zero_capacity,
+    uint64_t chunk_elems) {
+  WireHeader h{};
+  h.magic = kWireMagic;
+  h.version = kWireVersion;
+  h.op = static_cast<uint8_t>(op);
+  h.dtype = static_cast<uint8_t>(dtype);
+  h.rank = static_cast<uint32_t>(rank);
+  h.flags = flags;
+  h.seq = seq;
+  h.numel = numel;
+  h.zero_capacity = zero_capacity;
+  h.chunk_elems = chunk_elems;
+  return h;
+}
+
+uint64_t default_chunk_elems(int world_size) {
+  constexpr uint64_t kChunk = uint64_t{1} << 22;
+  constexpr uint64_t kMinShard = uint64_t{1} << 18;
+  const uint64_t n = world_size > 0 ? static_cast<uint64_t>(world_size) : 1;
+  return kChunk > kMinShard * n ? kChunk : kMinShard * n;
+}
+
+uint64_t chunk_elems_for(uint64_t requested, int world_size) {
+  const uint64_t unit = kWordBits * static_cast<uint64_t>(world_size);
+  const uint64_t r = requested < unit ? unit : requested;
+  return (r + unit - 1) / unit * unit;
+}
+
+namespace {
+
+std::string ranks_list(const std::vector<int>& ranks) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    os << (i ? ", " : "") << ranks[i];
+  }
+  os << "]";
+  return os.str();
+}
+
+bool known_op(uint8_t v) {
+  return v >= 1 && v <= 3;
+}
+
+bool known_dtype(uint8_t v) {
+  return v >= 1 && v <= 5;
+}
+
+std::string op_text(uint8_t v) {
+  return known_op(v) ? sign_op_name(static_cast<SignOp>(v))
+                     : "op#" + std::to_string(v);
+}
+
+std::string dtype_text(uint8_t v) {
+  return known_dtype(v) ? dtype_name(static_cast<DType>(v))
+                        : "dtype#" + std::to_string(v);
+}
+
+// The checks of check_headers, in order: the first that fails gives the
+// call's error, and later ones are not run.
+class Checks {
+ public:
+  explicit Checks(HeaderSummary& s) : s_(s) {}
+  // True (and the message kept) when `bad` and no earlier check failed.
+  template <typename... Parts>
+  bool fail(bool bad, const Parts&... parts) {
+    if (bad && s_.error.empty()) {
+      std::ostringstream os;
+      (os << ... << parts);
+      s_.error = os.str();
+    }
+    return !s_.error.empty();
+  }
+
+ private:
+  HeaderSummary& s_;
+};
+
+std::string hex(uint64_t v) {
+  std::ostringstream os;
+  os << "0x" << std::hex << v;
+  return os.str();
+}
+
+const char* collective_text(uint32_t flags) {
+  return (flags & kReduceScatter) ? "a sign reduce-scatter" : "a sign all-reduce";
+}
+
+const char* device_text(uint32_t flags) {
+  return (flags & kDevice) ? "CUDA" : "CPU";
+}
+
+// The ranks whose header has `flag`.
+std::vector<int> ranks_with(const WireHeader* headers, int world_size, uint32_t flag) {
+  std::vector<int> ranks;
+  for (int r = 0; r < world_size; ++r) {
+    if (headers[r].flags & flag) {
+      ranks.push_back(r);
+    }
+  }
+  return ranks;
+}
+
+} // namespace
+
+HeaderSummary check_headers(
+    const WireHeader* headers,
+    int world_size,
+    const WireHeader& mine) {
+  HeaderSummary s;
+  Checks check(s);
+  constexpr uint32_t kKnownFlags = kHasZero | kHasNan | kRejected | kReduceScatter | kDevice | kTieHint;
+  // 1. Well-formed: magic, version, rank field, known enums, sane size.
+  for (int r = 0; r < world_size; ++r) {
+    const WireHeader& h = headers[r];
+    if (check.fail(
+            h.magic != kWireMagic || h.version != kWireVersion, "rank ", r,
+            " sent a malformed header (magic ", hex(h.magic), ", version ", h.version,
+            "): is every rank running the same lionbit version?") ||
+        check.fail(
+            h.rank != static_cast<uint32_t>(r) || !known_op(h.op) || !known_dtype(h.dtype) ||
+                h.numel > kMaxNumel || (h.flags & ~kKnownFlags) != 0,
+            "rank ", r, " sent a corrupt header (rank field ", h.rank, ", op ",
+            static_cast<int>(h.op), ", dtype ", static_cast<int>(h.dtype), ", numel ", h.numel,
+            ", flags ", hex(h.flags), ")")) {
+      return s;
+    }
+  }
+  // 2. A rank that rejected its own arguments: it raised there; fail here too
+  //    instead of waiting for it.
+  const std::vector<int> rejected = ranks_with(headers, world_size, kRejected);
+  if (check.fail(
+          !rejected.empty(), "rank(s) ", ranks_list(rejected),
+          " rejected their input to this call (their own error says why)")) {
+    return s;
+  }
+  // 3. Same call on every rank: order, collective, device, op, dtype, size,
+  //    chunking.
+  for (int r = 0; r < world_size; ++r) {
+    const WireHeader& h = headers[r];
+    const uint32_t me = mine.rank;
+    if (check.fail(
+            h.seq != mine.seq, "ranks disagree on the order of sign all-reduce calls: this rank (",
+            me, ") is at call #", mine.seq, ", rank ", r, " at call #", h.seq) ||
+        check.fail(
+            (h.flags & kReduceScatter) != (mine.flags & kReduceScatter),
+            "collective differs across ranks at call #", mine.seq, ": rank ", me, " runs ",
+            collective_text(mine.flags), ", rank ", r, " runs ", collective_text(h.flags)) ||
+        check.fail(
+            (h.flags & kDevice) != (mine.flags & kDevice),
+            "tensor device type differs across ranks: rank ", me, " has a ",
+            device_text(mine.flags), " tensor, rank ", r, " a ", device_text(h.flags), " tensor") ||
+        check.fail(
+            h.op != mine.op, "op differs across ranks: rank ", me, " has ", op_text(mine.op),
+            ", rank ", r, " has ", op_text(h.op)) ||
+        check.fail(
+            h.dtype != mine.dtype, "dtype differs across ranks: rank ", me, " has ",
+            dtype_text(mine.dtype), ", rank ", r, " has ", dtype_text(h.dtype)) ||
+        check.fail(
+            h.numel != mine.numel, "number of elements differs across ranks: rank ", me, " has ",
+            mine.numel, ", rank ", r, " has ", h.numel) ||
+        check.fail(
+            h.chunk_elems != mine.chunk_elems,
+            "pipeline chunk size differs across ranks (LIONBIT_CHUNK_ELEMS?): rank ", me,
+            " uses ", mine.chunk_elems, ", rank ", r, " uses ", h.chunk_elems)) {
+      return s;
+    }
+  }
+  // 4. NaN anywhere poisons the result on every rank.
+  const std::vector<int> nan_ranks = ranks_with(headers, world_size, kHasNan);
+  if (check.fail(
+          !nan_ranks.empty(), "input contains NaN on rank(s) ", ranks_list(nan_ranks),
+          "; the sign of NaN is undefined")) {
+    return s;
+  }
+  // 5. Zero capacities: consistent with the flag, at most a shard's size.
+  const uint64_t largest_chunk =
+      mine.chunk_elems == 0 ? mine.numel : std::min(mine.numel, mine.chunk_elems);
+  const uint64_t shard_elems = shard_words(largest_chunk, world_size) * kWordBits;
+  s.zero_capacity.resize(static_cast<size_t>(world_size));
+  s.inline_ties = true;
+  for (int r = 0; r < world_size; ++r) {
+    const WireHeader& h = headers[r];
+    const bool flag = (h.flags & kHasZero) != 0;
+    if (check.fail(
+            flag != (h.zero_capacity > 0) || h.zero_capacity > shard_elems, "rank ", r,
+            " sent a corrupt header (zero capacity ", h.zero_capacity, ", shard of ", shard_elems,
+            " elements)")) {
+      s.zero_capacity.clear();
+      return s;
+    }
+    s.zero_capacity[static_cast<size_t>(r)] = h.zero_capacity;
+    s.any_zero = s.any_zero || flag;
+    s.inline_ties = s.inline_ties && (h.flags & kTieHint) != 0;
+  }
+  return s;
+}
+
+} // namespace lionbit::bits
