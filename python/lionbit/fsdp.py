@@ -161,6 +161,8 @@ class _SignReduceScatter:
         where = f"DistributedLion (FSDP2 reduce-scatter) on rank {group.rank()}"
         if layout is None:
             raise RuntimeError(f"{where}: called without FSDP's gradient layout (an unsupported FSDP code path)")
+        if async_op:  # before anything is reduced: no momentum advanced, no update stored
+            raise NotImplementedError(f"{where}: async_op=True is not supported")
         if op != dist.ReduceOp.AVG:
             raise RuntimeError(
                 f"{where}: FSDP asked for reduce op {op}, not AVG: it scales gradients itself "
@@ -168,8 +170,6 @@ class _SignReduceScatter:
                 f"which would change the momentum; use float32 or bfloat16 gradients and no divide factor"
             )
         self.opt._fsdp_reduce(layout, input_tensor, output_tensor, group, self.fqns, where)
-        if async_op:
-            raise NotImplementedError(f"{where}: async_op=True is not supported")
         return None
 
 
@@ -225,7 +225,8 @@ def attach_fsdp2(opt, model) -> None:
                     raise NotImplementedError(f"{_WHERE}: CPUOffloadPolicy is not supported (parameter '{name}')")
                 if p.device.type != "cpu":
                     raise NotImplementedError(
-                        f"{_WHERE}: parameter '{name}' is on {p.device}; this build of lionbit supports CPU only"
+                        f"{_WHERE}: parameter '{name}' is on {p.device}; DistributedLion's FSDP2 path "
+                        f"runs on CPU parameters only so far (use DDP for CUDA models; see docs/fsdp.md)"
                     )
                 if len(fp._orig_size) == 0:
                     raise NotImplementedError(f"{_WHERE}: 0-dim parameter '{name}' is not supported")
