@@ -263,19 +263,19 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
   auto work = c10::make_intrusive<SignWork>(rank_, kind, std::vector<at::Tensor>{out});
   out = at::Tensor();
   // What the job holds that Python may own too (tensors, the inner Gloo
-  // backend): released before the Work completes, while the caller still
-  // waits, never afterwards on this thread (see SignWork::complete).
+  // backend, the Python parts of the caller's thread-local state): released
+  // before the Work completes, while the caller still waits, never
+  // afterwards on this thread (see SignWork::complete).
+  // The caller's thread-local state (the profiler's, among others) goes
+  // with it: the job's steps show in a trace as part of the caller's step.
   struct Held {
     SignComm comm;
     std::function<void(const SignComm&, uint64_t)> body;
+    at::ThreadLocalState caller_state;
   };
-  auto held = std::make_shared<Held>(Held{signComm(), std::move(body)});
-  // The caller's thread-local state (the profiler's, among others): the
-  // job's steps show in a trace as part of the caller's step.
-  at::ThreadLocalState caller_state;
+  auto held = std::make_shared<Held>(Held{signComm(), std::move(body), at::ThreadLocalState()});
   const int rank = rank_;
-  executor_.submit([this, held = std::move(held), kind, op, rank, work,
-                    caller_state = std::move(caller_state)](bool cancelled) mutable {
+  executor_.submit([this, held = std::move(held), kind, op, rank, work](bool cancelled) mutable {
     std::exception_ptr error;
     if (cancelled) {
       error = std::make_exception_ptr(c10::DistBackendError(
@@ -285,7 +285,7 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
               rank, ": the backend was shut down before the call ran")));
     } else {
       try {
-        at::ThreadLocalStateGuard state(caller_state);
+        at::ThreadLocalStateGuard state(held->caller_state);
         at::AutoGradMode no_grad(false);
         held->body(held->comm, next_seq_++);
       } catch (...) {

@@ -12,12 +12,11 @@
 
 #include "signbits/count.h"
 #include "signbits/pack.h"
-#include "signbits/trits.h"
 #include "signbits/unpack.h"
-#include "signbits/zero_counts.h"
 #include "signbits/zeros.h"
 #include "backend/call_trace.hpp"
 #include "backend/phase1.hpp"
+#include "backend/phase2.hpp"
 #include "backend/sign_common.hpp"
 
 namespace lionbit {
@@ -34,6 +33,7 @@ struct Chunk {
   Phase1 p1;
   at::Tensor decoded;
   // phase 2
+  Phase2 fmt{};
   size_t msg = 0; // bytes each rank contributes to the all-gather
   at::Tensor mine_msg, mine_zero, gathered, tie_planes;
   c10::intrusive_ptr<c10d::Work> ag;
@@ -162,57 +162,25 @@ class Run {
     trace_.mark("a2a_issued", static_cast<int64_t>(idx));
   }
 
-  // Phase 2: count and vote the own shard; start the all-gather of results.
+  // Phase 2 (backend/phase2.hpp): count and vote the own shard; start the
+  // all-gather of every shard's result.
   void count_and_issue_phase2(size_t idx) {
     Chunk& ch = chunks_[idx];
     const std::vector<bits::Contribution> in = receive_shards(call_, hs_, ch.p1, ch.decoded);
+    ch.fmt = Phase2::choose(op_, N_, ch.sw, inline_ties_, hs_.zero_capacity);
     {
       ScopedTimer t(c_.stats->vote_ns, "lionbit::count");
-      if (op_ == bits::SignOp::kVote && inline_ties_) {
-        // Message: [number of ties in the shard][the shard's results in base
-        // 3, 13 bytes a word (signbits/trits.h), padded to 8 bytes]: the ranks
-        // expect ties (kTieHint), so no separate tie round, and 1.625 bits
-        // an element instead of a sign and a tie plane.
-        ch.msg = 8 + (bits::kTritBytesPerWord * ch.sw + 7) / 8 * 8;
-        c_.stats->inline_tie_chunks += 1;
-        ch.mine_msg = byte_buffer(ch.msg);
-        at::Tensor planes = byte_buffer(2 * ch.sb);
-        uint64_t* sign = words_of(planes);
-        uint64_t* tie = sign + ch.sw;
-        bits::vote(in.data(), N_, ch.sw, sign, tie);
-        uint64_t* m = words_of(ch.mine_msg);
-        m[0] = bits::count_bits(tie, ch.sw);
-        m[ch.msg / 8 - 1] = 0; // the padding
-        bits::encode_trits(sign, tie, ch.sw, bytes_of(ch.mine_msg) + 8);
-      } else if (op_ == bits::SignOp::kVote) {
-        // Message: [number of ties in the shard][sign plane of the shard].
-        ch.msg = 8 + ch.sb;
-        ch.mine_msg = byte_buffer(ch.msg);
+      ch.msg = ch.fmt.message_bytes();
+      ch.mine_msg = byte_buffer(ch.msg);
+      if (ch.fmt.format == Phase2Format::kVoteSigns) {
         ch.mine_zero = byte_buffer(ch.sb);
-        bits::vote(in.data(), N_, ch.sw, words_of(ch.mine_msg) + 1, words_of(ch.mine_zero));
-        words_of(ch.mine_msg)[0] = bits::count_bits(words_of(ch.mine_zero), ch.sw);
-      } else if (const uint64_t cap = zero_list_cap(ch); cap > 0) {
-        // A few zeros: message = [the zero-free count planes (positives)]
-        // [the elements with a zero, as a list] (signbits/zero_counts.h): one
-        // plane less than the zero-aware code.
-        const int P = bits::code_planes(N_, false);
-        ch.msg = P * ch.sb + bits::zero_count_list_bytes(cap);
-        ch.mine_msg = byte_buffer(ch.msg);
-        std::vector<bits::Contribution> signs = in;
-        for (auto& c : signs) {
-          c.zero = nullptr; // a zero's sign bit is 0: counted as not positive
-        }
-        bits::count_code(signs.data(), N_, ch.sw, words_of(ch.mine_msg));
-        // cap bounds this shard's zeros summed over the senders.
-        TORCH_CHECK(
-            bits::encode_zero_counts(in.data(), N_, ch.sw, cap, bytes_of(ch.mine_msg) + P * ch.sb),
-            where(call_), "internal: more elements with a zero than announced");
-      } else {
-        // Message: the bit-planes of the count code of the shard.
-        ch.msg = bits::code_planes(N_, hs_.any_zero) * ch.sb;
-        ch.mine_msg = byte_buffer(ch.msg);
-        bits::count_code(in.data(), N_, ch.sw, words_of(ch.mine_msg));
       }
+      if (ch.fmt.format == Phase2Format::kVoteTrits) {
+        c_.stats->inline_tie_chunks += 1;
+      }
+      const std::string error = ch.fmt.encode(
+          in.data(), bytes_of(ch.mine_msg), ch.mine_zero.defined() ? words_of(ch.mine_zero) : nullptr);
+      TORCH_CHECK(error.empty(), where(call_), error);
     }
     trace_.mark("counted", static_cast<int64_t>(idx));
     ch.p1 = Phase1(); // phase-1 buffers are no longer needed
@@ -232,7 +200,7 @@ class Run {
     uint64_t tie_cap = 0;
     if (op_ == bits::SignOp::kVote) {
       for (int k = 0; k < N_; ++k) {
-        const uint64_t ties = words_of(ch.gathered)[k * ch.msg / 8];
+        const uint64_t ties = Phase2::ties_in(bytes_of(ch.gathered) + k * ch.msg);
         TORCH_CHECK_VALUE(
             ties <= ch.sw * bits::kWordBits, where(call_), "rank ", k,
             " sent a corrupt vote message (", ties, " ties in a shard of ",
@@ -242,113 +210,31 @@ class Run {
       // A tie plane is the cheapest encoding of these ties: worth carrying
       // inline next time (kTieHint).
       dense_ties_ = dense_ties_ || (tie_cap > 0 && !bits::zeros_as_list(tie_cap, ch.sw));
-      if (tie_cap > 0 && !inline_ties_) {
+      if (tie_cap > 0 && ch.fmt.format == Phase2Format::kVoteSigns) {
         fetch_ties(ch, tie_cap);
         trace_.mark("ties_done", static_cast<int64_t>(idx));
       }
     }
-    if (op_ == bits::SignOp::kVote && inline_ties_) {
-      unpack_trits(ch);
-    } else {
-      unpack_planes(ch, tie_cap);
+    TORCH_CHECK(
+        ch.fmt.planes <= bits::kMaxUnpackPlanes, where(call_), "world size ", N_,
+        " is too large for op ", bits::sign_op_name(op_));
+    {
+      ScopedTimer t(c_.stats->unpack_ns, "lionbit::unpack");
+      const bool tie_planes = ch.tie_planes.defined();
+      const Phase2Decoder decoder(ch.fmt, op_, dtype_, tie_planes);
+      const size_t per_shard = ch.sw * bits::kWordBits;
+      const size_t esize = bits::dtype_size(dtype_);
+      uint8_t* dst = static_cast<uint8_t*>(buf_.data_ptr()) + ch.begin * esize;
+      for (int k = 0; k < N_ && static_cast<size_t>(k) * per_shard < ch.len; ++k) {
+        const size_t begin = static_cast<size_t>(k) * per_shard;
+        const std::string corrupt = decoder.decode(
+            bytes_of(ch.gathered) + k * ch.msg, tie_planes ? words_of(ch.tie_planes) + k * ch.sw : nullptr,
+            std::min(per_shard, ch.len - begin), dst + begin * esize);
+        TORCH_CHECK_VALUE(corrupt.empty(), where(call_), "rank ", k, " sent ", corrupt);
+      }
     }
     trace_.mark("unpacked", static_cast<int64_t>(idx));
     ch = Chunk(); // release the chunk's buffers
-  }
-
-  // Every shard's results from bit-planes: a vote's sign plane (and the tie
-  // planes fetched for it), or avg/sum's count planes.
-  void unpack_planes(const Chunk& ch, uint64_t tie_cap) {
-    std::vector<std::vector<const uint64_t*>> planes(N_);
-    std::vector<double> values;
-    const uint64_t cap = zero_list_cap(ch); // avg / sum with a few zeros
-    std::vector<uint8_t> zlut; // then: the zero-aware code's table
-    if (op_ == bits::SignOp::kVote) {
-      for (int k = 0; k < N_; ++k) {
-        planes[k].push_back(words_of(ch.gathered) + k * ch.msg / 8 + 1);
-        if (tie_cap > 0) {
-          planes[k].push_back(words_of(ch.tie_planes) + k * ch.sw);
-        }
-      }
-      // code = sign bit + 2 * tie bit
-      values = tie_cap > 0 ? std::vector<double>{-1, 1, 0, 0} : std::vector<double>{-1, 1};
-    } else {
-      const bool with_zeros = hs_.any_zero && cap == 0;
-      const int P = bits::code_planes(N_, with_zeros);
-      for (int k = 0; k < N_; ++k) {
-        for (int b = 0; b < P; ++b) {
-          planes[k].push_back(words_of(ch.gathered) + k * ch.msg / 8 + b * ch.sw);
-        }
-      }
-      values = count_code_values(op_, N_, with_zeros, P);
-      if (cap > 0) {
-        const std::vector<double> zvalues = count_code_values(op_, N_, true, P + 1);
-        zlut.resize(zvalues.size() * bits::dtype_size(dtype_));
-        bits::make_lut(dtype_, zvalues.data(), zvalues.size(), zlut.data());
-      }
-    }
-    const int P = static_cast<int>(planes[0].size());
-    TORCH_CHECK(
-        P <= bits::kMaxUnpackPlanes, where(call_),
-        "world size ", N_, " is too large for op ", bits::sign_op_name(op_));
-    write_shards(ch, values.data(), values.size(), [&](int k, size_t n, const void* lut, uint8_t* dst) {
-      bits::unpack(dtype_, planes[k].data(), P, n, lut, dst);
-      // The listed elements (a zero somewhere) rewritten from the zero-aware
-      // code 2 * positives + zeros.
-      TORCH_CHECK_VALUE(
-          cap == 0 ||
-              bits::apply_zero_counts(
-                  bytes_of(ch.gathered) + k * ch.msg + P * ch.sb, cap, planes[k].data(), P, n, N_,
-                  zlut.data(), bits::dtype_size(dtype_), dst),
-          where(call_), "rank ", k, " sent a corrupt count message (its list of elements with a zero)");
-    });
-  }
-
-  // avg / sum when the call has zeros but few: 0 if the chunk's count
-  // message is the zero-aware code (dense zeros), else the room its list of
-  // elements with a zero needs. Every rank computes the same from the
-  // headers: no shard has more such elements than the senders' zero
-  // capacities (each the most zeros it has in any shard) added up.
-  uint64_t zero_list_cap(const Chunk& ch) const {
-    const uint64_t shard_elems = ch.sw * bits::kWordBits;
-    if (op_ == bits::SignOp::kVote || !hs_.any_zero || shard_elems > (uint64_t{1} << 32)) {
-      return 0; // (offsets are 32 bits)
-    }
-    uint64_t cap = 0;
-    for (const uint64_t z : hs_.zero_capacity) {
-      cap += z;
-    }
-    cap = std::min<uint64_t>(cap, shard_elems);
-    return bits::zero_count_list_bytes(cap) < ch.sb ? cap : 0; // cheaper than the extra plane
-  }
-
-  // A vote's phase 2 in base 3 (inline ties): every shard's results.
-  void unpack_trits(const Chunk& ch) {
-    const double values[3] = {-1, 1, 0}; // trit 0, 1, 2
-    write_shards(ch, values, 3, [&](int k, size_t n, const void* lut, uint8_t* dst) {
-      TORCH_CHECK_VALUE(
-          bits::decode_trits(dtype_, bytes_of(ch.gathered) + k * ch.msg + 8, n, lut, dst),
-          where(call_), "rank ", k, " sent a corrupt vote message (a base-3 code above 242)");
-    });
-  }
-
-  // Calls write(k, elements, lut, dst) for each shard k of the chunk that
-  // holds elements: dst is its place in the buffer, lut `values` as dtype_.
-  template <typename Write>
-  void write_shards(const Chunk& ch, const double* values, size_t count, Write&& write) {
-    ScopedTimer t(c_.stats->unpack_ns, "lionbit::unpack");
-    std::vector<uint8_t> lut(count * bits::dtype_size(dtype_));
-    bits::make_lut(dtype_, values, count, lut.data());
-    const size_t per_shard = ch.sw * bits::kWordBits;
-    const size_t esize = bits::dtype_size(dtype_);
-    uint8_t* dst = static_cast<uint8_t*>(buf_.data_ptr()) + ch.begin * esize;
-    for (int k = 0; k < N_; ++k) {
-      const size_t begin = static_cast<size_t>(k) * per_shard;
-      if (begin >= ch.len) {
-        break;
-      }
-      write(k, std::min(per_shard, ch.len - begin), lut.data(), dst + begin * esize);
-    }
   }
 
   // Some shard of the chunk has a tie (or an all-zero element): its tie
@@ -390,7 +276,7 @@ class Run {
   size_t n_ = 0;
   uint64_t chunk_elems_ = 0;
   uint64_t nans_ = 0;
-  bool inline_ties_ = false; // vote: phase-2 messages carry the tie plane
+  bool inline_ties_ = false; // vote: phase-2 messages carry the ties (kVoteTrits)
   bool dense_ties_ = false; // vote: some chunk's ties were cheapest as a plane
   uint64_t zero_cap_ = 0;
   std::vector<Chunk> chunks_;

@@ -1,0 +1,78 @@
+// Phase 2 of the CPU sign all-reduce: the owner of each shard sends every
+// rank its shard's result in one all-gather message. One format per case,
+// each with its size, its encoder (run by the owner) and its decoder (run by
+// every rank for every shard) side by side in phase2.cpp, so that a change
+// of the wire touches one place:
+//
+//   kVoteSigns       [ties: u64][sign plane]; the tie positions, when some
+//                    shard has any, follow in a round of their own (zeros.h)
+//   kVoteTrits       [ties: u64][results in base 3, 13 bytes a word, padded
+//                    to 8 bytes] (trits.h): every rank expects dense ties
+//                    (kTieHint), so they ride inline at 1.625 bits an element
+//   kCounts          [P code planes] (count.h: code = #positive, or
+//                    2 * #positive + #zero when some rank sent a zero)
+//   kCountsZeroList  [P zero-free code planes][the elements with a zero, as
+//                    a list] (zero_counts.h): avg / sum with a few zeros
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "signbits/types.h"
+#include "signbits/wire.h"
+
+namespace lionbit {
+
+enum class Phase2Format { kVoteSigns, kVoteTrits, kCounts, kCountsZeroList };
+
+struct Phase2 {
+  Phase2Format format;
+  int N; // ranks
+  size_t sw; // words per shard
+  int planes = 0; // count formats: the code planes P
+  bool with_zeros = false; // kCounts: the zero-aware code
+  uint64_t list_cap = 0; // kCountsZeroList: room of the list
+
+  // The format of one chunk of an all-reduce: `zero_capacity` the ranks'
+  // announced zero capacities (the header round's), `inline_ties` whether
+  // every rank expects dense ties.
+  static Phase2 choose(
+      bits::SignOp op,
+      int N,
+      size_t sw,
+      bool inline_ties,
+      const std::vector<uint64_t>& zero_capacity);
+
+  size_t message_bytes() const;
+
+  // The owner's message about its shard, from the N contributions to it.
+  // kVoteSigns also writes the shard's tie plane (sw words) into `ties`.
+  // Returns "" or what went wrong (an internal inconsistency).
+  std::string encode(const bits::Contribution* in, uint8_t* msg, uint64_t* ties) const;
+
+  // The number of ties a vote message announces (both vote formats).
+  static uint64_t ties_in(const uint8_t* msg);
+};
+
+// Decodes the messages of one chunk, shard by shard, into values of `dtype`.
+class Phase2Decoder {
+ public:
+  // `tie_planes`: kVoteSigns when some shard has ties (they were fetched).
+  Phase2Decoder(const Phase2& fmt, bits::SignOp op, bits::DType dtype, bool tie_planes);
+
+  // Writes the n results of one shard into dst. `tie_plane`: that shard's
+  // tie plane (kVoteSigns with tie planes), else null. Returns "" or what is
+  // corrupt in the message (named in the caller's error with the sender).
+  std::string decode(const uint8_t* msg, const uint64_t* tie_plane, size_t n, void* dst) const;
+
+ private:
+  Phase2 fmt_;
+  bits::DType dtype_;
+  bool tie_planes_;
+  std::vector<uint8_t> lut_; // the message's codes as dtype_
+  std::vector<uint8_t> zero_lut_; // kCountsZeroList: the zero-aware code's
+};
+
+} // namespace lionbit
