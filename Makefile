@@ -68,8 +68,7 @@ test-sanitize:
 
 # The kernel tests under valgrind memcheck (tools/valgrind_tests.sh).
 test-valgrind:
-	@command -v valgrind >/dev/null || { s=""; [ "$$(id -u)" -eq 0 ] || s=sudo; \
-	  $$s apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$s apt-get install -y -qq valgrind >/dev/null; }
+	@command -v valgrind >/dev/null || tools/apt_need.sh test-valgrind valgrind
 	@cmake -S . -B build/valgrind -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLIONBIT_BUILD_TESTS=ON -DLIONBIT_CUDA=OFF >/dev/null
 	@cmake --build build/valgrind -j $(JOBS)
 	@tools/valgrind_tests.sh build/valgrind
