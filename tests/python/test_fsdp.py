@@ -5,7 +5,6 @@ lionbit, errors."""
 
 import hashlib
 import os
-import tempfile
 
 import numpy as np
 import pytest
@@ -231,9 +230,9 @@ def fsdp_checkpoint(rank, world_size, path):
     return out
 
 
-def test_fsdp2_dcp_checkpoint_resume_is_bitwise():
+def test_fsdp2_dcp_checkpoint_resume_is_bitwise(tmp_path):
     n = 3
-    res = values(run_ranks("test_fsdp:fsdp_checkpoint", n, kwargs=dict(path=tempfile.mkdtemp(prefix="lionbit-dcp-"))))
+    res = values(run_ranks("test_fsdp:fsdp_checkpoint", n, kwargs=dict(path=str(tmp_path))))
     for md in ("torch.float32", "torch.bfloat16"):
         for r in res:
             assert r[md]["resumed"] == r[md]["full"]

@@ -4,7 +4,6 @@ NO_SHARD, both use_orig_params), bytes per step, per-rank checkpoints,
 errors."""
 
 import os
-import tempfile
 
 import pytest
 import torch
@@ -172,9 +171,9 @@ def fsdp1_checkpoint(rank, world_size, path):
     return out
 
 
-def test_fsdp1_per_rank_checkpoint_resume_is_bitwise():
+def test_fsdp1_per_rank_checkpoint_resume_is_bitwise(tmp_path):
     n = 2
-    res = values(run_ranks("test_fsdp1:fsdp1_checkpoint", n, kwargs=dict(path=tempfile.mkdtemp(prefix="lionbit-fsdp1-"))))
+    res = values(run_ranks("test_fsdp1:fsdp1_checkpoint", n, kwargs=dict(path=str(tmp_path))))
     for md in ("torch.float32", "torch.bfloat16"):
         for r in res:
             assert r[md]["resumed"] == r[md]["full"]

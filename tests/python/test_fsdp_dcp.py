@@ -12,7 +12,6 @@ every rank, and every rank's momentum must be its own (the ranks see
 different data, so their momenta differ)."""
 
 import os
-import tempfile
 
 import pytest
 import torch
@@ -142,8 +141,7 @@ def resume_phase(rank, world_size, path, modes):
     return out
 
 
-def _check_resume(world_size, modes):
-    path = tempfile.mkdtemp(prefix="lionbit-dcp-api-")
+def _check_resume(world_size, modes, path):
     saved = values(run_ranks("test_fsdp_dcp:save_phase", world_size, kwargs=dict(path=path, modes=modes)))
     resumed = values(run_ranks("test_fsdp_dcp:resume_phase", world_size, kwargs=dict(path=path, modes=modes)))
     for md in DTYPES:
@@ -165,18 +163,18 @@ def _check_resume(world_size, modes):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_dcp_api_sharded_resume_is_bitwise(world_size):
+def test_dcp_api_sharded_resume_is_bitwise(world_size, tmp_path):
     """Default StateDictOptions (and flatten_optimizer_state_dict) with
     dcp.save / dcp.load: every rank writes and reads its own momentum."""
-    _check_resume(world_size, ["sharded", "flat"])
+    _check_resume(world_size, ["sharded", "flat"], str(tmp_path))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_dcp_api_full_state_dict_resume_is_bitwise(world_size):
+def test_dcp_api_full_state_dict_resume_is_bitwise(world_size, tmp_path):
     """full_state_dict=True + cpu_offload=True: rank 0 holds every rank's
     momentum (stacked, row r = rank r) and torch.save-s it; the resume
     distributes row r to rank r, read by every rank or broadcast from rank 0."""
-    _check_resume(world_size, ["full", "full_bcast"])
+    _check_resume(world_size, ["full", "full_bcast"], str(tmp_path))
 
 
 def full_state_dict_layout(rank, world_size):
