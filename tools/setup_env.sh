@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Sets up everything `make test` and `make demo` need on a fresh Debian 12
 # machine, and is quick (a few checks) when that is already done:
-#   1. Debian packages (compiler, CMake, GoogleTest, Python headers, venv):
-#      installed when running as root (CI); otherwise, when some are
-#      missing, it stops and prints the apt-get command to run as root
-#      (tools/apt_need.sh; never sudo);
+#   1. Debian packages (compiler, CMake, GoogleTest, Python headers, venv,
+#      clang-format): installed when running as root (CI); otherwise, when
+#      some are missing, it stops and prints the apt-get command to run as
+#      root (tools/apt_need.sh; never sudo);
 #   2. a virtual environment OUTSIDE the clone ($LIONBIT_VENV), so a fresh
 #      clone reuses it and its multi-GB torch;
 #   3. torch ($TORCH_SPEC) and the Python tools in it.
@@ -16,7 +16,8 @@ PYTHON=${PYTHON:-python3}
 here=$(cd "$(dirname "$0")" && pwd)
 
 # --- 1. Debian packages --------------------------------------------------
-"$here/apt_need.sh" setup g++ cmake ninja-build make git libgtest-dev libgmock-dev python3-dev python3-venv
+"$here/apt_need.sh" setup g++ cmake ninja-build make git libgtest-dev libgmock-dev python3-dev python3-venv \
+  clang-format
 
 # --- 2. the virtual environment -----------------------------------------
 if [ ! -x "$VENV/bin/python" ]; then

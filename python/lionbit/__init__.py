@@ -50,10 +50,15 @@ if _major_minor(torch.__version__) != _major_minor(torch_version_built_against):
         f"or install torch=={_built}.*"
     )
 
-from ._backend import BACKEND_NAME, all_reduce_sign, reset_stats, stats  # noqa: E402
-from ._backend import register as _register  # noqa: E402
-from .optim import DistributedLion  # noqa: E402
+from ._backend import (  # noqa: E402
+    BACKEND_NAME,
+    all_reduce_sign,
+    register as _register,
+    reset_stats,
+    stats,
+)
 from .fsdp import reduce_scatter_sign  # noqa: E402
+from .optim import DistributedLion  # noqa: E402
 
 _register()
 

@@ -215,8 +215,9 @@ def init_optim_state(rank, world_size):
     they must create zero momentum for every parameter, change no parameter
     and run no collective (the other ranks do not call them); training then
     goes on as if they had not happened."""
-    import lionbit
     from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    import lionbit
 
     def run(init):
         model, opt = _build("float32", 0)
@@ -246,7 +247,8 @@ def init_optim_state(rank, world_size):
 def test_init_optim_state_creates_zero_momentum_without_collectives():
     res = values(run_ranks("test_fsdp_dcp:init_optim_state", 2, timeout=90, pg_timeout=30))
     r0 = res[0]["init"]
-    assert (r0["states"], r0["zeros"], r0["same"], r0["grads"], r0["lr"], r0["collectives"]) == (6, True, True, True, LION["lr"], 0), r0
+    assert (r0["states"], r0["zeros"], r0["same"], r0["grads"], r0["lr"], r0["collectives"]) == (
+        6, True, True, True, LION["lr"], 0), r0
     for r in res:
         assert r["init"]["params"] == r["plain"]["params"]
         assert r["init"]["momentum"] == r["plain"]["momentum"]
@@ -260,7 +262,8 @@ def other_layouts(rank, world_size):
     _train(model, opt, rank, range(2))
     want = _momentum_digest(opt)
     params = [p for g in opt.param_groups for p in g["params"]]
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(range(len(params)))} for g in opt.param_groups]
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(range(len(params)))}
+              for g in opt.param_groups]
     own = {i: {"exp_avg": opt.state[p]["exp_avg"].clone()} for i, p in enumerate(params)}
     everyone = [None] * world_size
     dist.all_gather_object(everyone, own)
