@@ -5,6 +5,9 @@
 #   make demo-sign     4 ranks: the sign all-reduce vs an fp32 all-reduce, 16M elements
 #   make convergence   DistributedLion vs Lion vs AdamW on the bundled digits
 #   make test          C++ tests (ctest) and Python tests (pytest)
+#   make lint          ruff over the Python files (tools/lint.sh; .ci/run runs it before make test)
+#   make lint-cpp      the C++ format check: clang-format --dry-run --Werror with .clang-format
+#   make format-cpp    reformat every tracked C++ file in place with .clang-format
 #   make build         (re)build and install the package into the venv
 #   make test-cpp / test-python
 #   make test-gpu      the GPU tests (ctest -L gpu, pytest -m gpu); they skip, saying
@@ -36,7 +39,7 @@ export CUDACXX := /usr/local/cuda/bin/nvcc
 endif
 endif
 
-.PHONY: all setup build test test-cpp test-python test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence bench bench-full bench-setup bench-kernels bench-training bench-model clean
+.PHONY: all setup build lint lint-cpp format-cpp test test-cpp test-python test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence bench bench-full bench-setup bench-kernels bench-training bench-model clean
 
 all: build
 
@@ -50,6 +53,19 @@ build: setup
 	  || { echo "build failed; rerun with: $(PY) -m pip install -v --no-build-isolation ."; exit 1; }
 
 test: test-cpp test-python
+
+# ruff comes from the venv (tools/requirements-dev.txt), clang-format from Debian.
+lint: setup
+	@tools/lint.sh
+
+lint-cpp:
+	@tools/apt_need.sh lint-cpp clang-format
+	@tools/lint.sh --cpp
+
+CPP_FILES = git ls-files -z '*.cpp' '*.hpp' '*.h' '*.cu' '*.cuh'
+format-cpp:
+	@tools/apt_need.sh format-cpp clang-format
+	@$(CPP_FILES) | xargs -0 clang-format --style=file -i
 
 test-cpp: setup
 	@cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release -DLIONBIT_BUILD_TESTS=ON >/dev/null
@@ -68,8 +84,7 @@ test-sanitize:
 
 # The kernel tests under valgrind memcheck (tools/valgrind_tests.sh).
 test-valgrind:
-	@command -v valgrind >/dev/null || { s=""; [ "$$(id -u)" -eq 0 ] || s=sudo; \
-	  $$s apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$s apt-get install -y -qq valgrind >/dev/null; }
+	@command -v valgrind >/dev/null || tools/apt_need.sh test-valgrind valgrind
 	@cmake -S . -B build/valgrind -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLIONBIT_BUILD_TESTS=ON -DLIONBIT_CUDA=OFF >/dev/null
 	@cmake --build build/valgrind -j $(JOBS)
 	@tools/valgrind_tests.sh build/valgrind

@@ -52,7 +52,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-IMPLS = ["lionbit_vote", "lionbit_vote_tiefree", "lionbit_avg", "gloo_fp32", "gloo_bf16", "allgather_bits", "int8_counts"]
+IMPLS = ["lionbit_vote", "lionbit_vote_tiefree", "lionbit_avg", "gloo_fp32", "gloo_bf16", "allgather_bits",
+         "int8_counts"]
 
 
 def parse_numel(s: str) -> int:
@@ -111,6 +112,7 @@ def gather_rows(mine):
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
+
     import lionbit
 
     torch.set_num_threads(1)          # N ranks share few cores; no oversubscription
@@ -204,7 +206,9 @@ def worker(args) -> None:
             else:
                 raise ValueError(impl)
 
-            prep(); run()                     # warm-up (connections, allocations)
+            # warm-up (connections, allocations)
+            prep()
+            run()
             traced_before = len(trace_calls())
             comm_times.clear()
             lionbit.reset_stats()
@@ -270,9 +274,11 @@ def worker(args) -> None:
             same = None
             if rank == 0:
                 print(f"  {args.link:>9} N={n} d={numel_label(d):>4} {impl:<15} {med * 1e3:9.1f} ms  "
-                      f"payload {payload / 1e6:9.3f} MB  wire {wire / 1e6 if wire is not None else float('nan'):9.3f} MB",
+                      f"payload {payload / 1e6:9.3f} MB  "
+                      f"wire {wire / 1e6 if wire is not None else float('nan'):9.3f} MB",
                       flush=True)
-        del x, buf, bf, i8, packed, gathered
+        # Rebound, not deleted: the prep/run closures above refer to these names.
+        x = buf = bf = i8 = packed = gathered = None
 
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
@@ -340,11 +346,12 @@ def check_link(c, link: str, suite: str) -> dict:
 
 def machine() -> dict:
     import torch
+
     import lionbit
     cpu = ""
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(),

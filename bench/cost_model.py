@@ -50,9 +50,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DOCS = os.path.join(os.path.dirname(HERE), "docs", "benchmarks")   # the committed suite results
 sys.path.insert(0, HERE)
 
+import report  # noqa: E402
 from collectives import IMPLS, numel_label, parse_numel  # noqa: E402  (no torch at import)
 from netns import parse_rate  # noqa: E402  (standard library only)
-import report  # noqa: E402
 
 # --- constants of the wire format (signbits/, backend/) -------------------------
 WORD_BITS = 64                 # signbits/types.h kWordBits: shards are whole 64-bit words
@@ -642,10 +642,12 @@ def markdown(meta: dict, val: list, summ: list, proj: list, train: list) -> str:
                      f"{_pct(v['rel_error_ideal'])} | {t['latency_s'] * 1e3:.1f} / {t['bandwidth_s'] * 1e3:.1f} / "
                      f"{t['kernel_s'] * 1e3:.1f} | {v['bytes_per_rank'] / v['measured_bytes_per_rank']:.4f} |")
         L.append("")
-        L.append("| impl | cases | median abs error (emulated) | max | median signed | median abs error (ideal) | max |")
+        L.append("| impl | cases | median abs error (emulated) | max | median signed "
+                 "| median abs error (ideal) | max |")
         L.append("|---|---|---|---|---|---|---|")
         for s in summ:
-            L.append(f"| {s['impl']} | {s['cases']} | {s['median_abs_err'] * 100:.0f}% | {s['max_abs_err'] * 100:.0f}% | "
+            L.append(f"| {s['impl']} | {s['cases']} | {s['median_abs_err'] * 100:.0f}% | "
+                     f"{s['max_abs_err'] * 100:.0f}% | "
                      f"{s['median_signed_err'] * 100:+.0f}% | {s['median_abs_err_ideal'] * 100:.0f}% | "
                      f"{s['max_abs_err_ideal'] * 100:.0f}% |")
         sens = meta.get("alpha_emulated_sensitivity_median_abs_err") or {}
@@ -752,16 +754,21 @@ def plots(val: list, proj: list, png_dir: str, stem: str) -> list:
             ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
             ax.plot([lo, hi], [lo / 2, hi / 2], "k:", lw=0.6)
             ax.plot([lo, hi], [lo * 2, hi * 2], "k:", lw=0.6)
-            ax.set_xscale("log"); ax.set_yscale("log")
-            ax.set_xlim(lo, hi); ax.set_ylim(lo, hi)
-            ax.set_xlabel("measured ms (suite 1)"); ax.set_title(title, fontsize=9)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlim(lo, hi)
+            ax.set_ylim(lo, hi)
+            ax.set_xlabel("measured ms (suite 1)")
+            ax.set_title(title, fontsize=9)
             ax.grid(True, which="both", alpha=0.3)
         axes[0].set_ylabel("predicted ms")
         axes[0].legend(fontsize=6, ncol=2)
         fig.suptitle("cost model vs suite 1 (dotted: factor 2)", fontsize=10)
         fig.tight_layout()
         path = os.path.join(png_dir, f"{stem}_validation.png")
-        fig.savefig(path, dpi=90); plt.close(fig); made.append(path)
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        made.append(path)
     if proj:
         combos = [("125M", "25gbit"), ("7B", "10gbit"), ("7B", "400gbit"), ("70B", "100gbit")]
         combos = [c for c in combos if any(r["model"] == c[0] and r["link"] == c[1] for r in proj)] or \
@@ -775,16 +782,20 @@ def plots(val: list, proj: list, png_dir: str, stem: str) -> list:
                 if impl in WHATIF_IMPLS:
                     style = dict(ls="--", color=colors["lionbit_vote" if "vote" in impl else "gloo_fp32"])
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=impl, **style)
-            ax.set_xscale("log", base=2); ax.set_yscale("log")
-            ax.set_xlabel("N (ranks)"); ax.set_ylabel("predicted s per collective")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("N (ranks)")
+            ax.set_ylabel("predicted s per collective")
             ax.set_title(f"d = {dn}, {link}", fontsize=9)
             ax.grid(True, which="both", alpha=0.3)
         axes[0][0].legend(fontsize=6)
         fig.tight_layout()
         path = os.path.join(png_dir, f"{stem}_projection.png")
-        fig.savefig(path, dpi=90); plt.close(fig); made.append(path)
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        made.append(path)
         # The vote's three terms vs N: where latency and where the kernels take over.
-        links = [l for l in ("10gbit", "400gbit") if any(r["link"] == l for r in proj)] or [proj[0]["link"]]
+        links = [lk for lk in ("10gbit", "400gbit") if any(r["link"] == lk for r in proj)] or [proj[0]["link"]]
         dn = "7B" if any(r["model"] == "7B" for r in proj) else proj[0]["model"]
         fig, axes = plt.subplots(1, len(links), figsize=(5 * len(links), 3.8), squeeze=False, sharey=True)
         for ax, link in zip(axes[0], links):
@@ -797,14 +808,18 @@ def plots(val: list, proj: list, png_dir: str, stem: str) -> list:
             f32 = sorted((r["world_size"], r["median_s"]) for r in proj
                          if r["impl"] == "gloo_fp32" and r["model"] == dn and r["link"] == link)
             ax.plot([p[0] for p in f32], [p[1] for p in f32], "k--", lw=0.8, label="gloo_fp32 total")
-            ax.set_xscale("log", base=2); ax.set_yscale("log")
-            ax.set_xlabel("N (ranks)"); ax.set_title(f"lionbit_vote terms, d = {dn}, {link}", fontsize=9)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("N (ranks)")
+            ax.set_title(f"lionbit_vote terms, d = {dn}, {link}", fontsize=9)
             ax.grid(True, which="both", alpha=0.3)
         axes[0][0].set_ylabel("seconds")
         axes[0][0].legend(fontsize=7)
         fig.tight_layout()
         path = os.path.join(png_dir, f"{stem}_terms.png")
-        fig.savefig(path, dpi=90); plt.close(fig); made.append(path)
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        made.append(path)
     return made
 
 

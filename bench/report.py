@@ -150,7 +150,7 @@ def kernels(path: str) -> str:
     """Table of Google Benchmark's JSON: GB/s (median of repetitions) and the ratio to read_bw."""
     bw = kernel_rates(path)
     read = max((v for k, v in bw.items() if k.startswith("BM_read_bw")), default=None)
-    lines = [f"| kernel | GB/s | / read bandwidth of one core |", "|---|---|---|"]
+    lines = ["| kernel | GB/s | / read bandwidth of one core |", "|---|---|---|"]
     for name, v in bw.items():
         lines.append(f"| {name.replace('/real_time', '')} | {v / 1e9:.2f} | {v / read:.2f} |")
     table = "\n".join(lines) + "\n"
@@ -175,7 +175,7 @@ def training(path: str, md: str | None = None, png: str | None = None) -> str:
     lines = ["| impl | link | N | median step ms | fwd+bwd ms | opt ms | exposed comm ms | comm-alone ms | hidden % "
              "| vs floor | vs fused-Lion floor | vs lion_fp32 | payload MB/rank | wire MB/rank |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    links = sorted({r["link"] for r in res}, key=lambda l: (l != "1gbit", l))
+    links = sorted({r["link"] for r in res}, key=lambda lk: (lk != "1gbit", lk))
     order = list(dict.fromkeys(r["impl"] for r in res))
     for link in links:
         for r in sorted((r for r in res if r["link"] == link), key=lambda r: (r["world_size"], order.index(r["impl"]))):
@@ -198,7 +198,7 @@ def training(path: str, md: str | None = None, png: str | None = None) -> str:
         print(table)
         return table
     ns = sorted({r["world_size"] for r in res})
-    panels = [(l, n) for l in links for n in ns]
+    panels = [(lk, n) for lk in links for n in ns]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False, sharey=True)
     for ax, (link, n) in zip(axes[0], panels):
         rows = sorted((r for r in res if r["link"] == link and r["world_size"] == n),

@@ -483,7 +483,8 @@ def worker(args) -> None:
                   f"payload {payload / 1e6:8.3f} MB  wire {wire / 1e6 if wire is not None else float('nan'):8.3f} MB  "
                   f"cores busy {rec['cpu_busy_cores']:.2f} (not ranks {rec['cpu_other_cores']:.2f}, "
                   f"steal {rec['cpu_steal_cores']:.2f})", flush=True)
-        del net, model, opt, psgd
+        # Rebound, not deleted: step() above refers to these names.
+        net = model = opt = psgd = None
         gc.collect()
 
     # Relative figures against the floor and lion_fp32 of this run.

@@ -172,7 +172,7 @@ def main():
 
     if rank == 0:
         got = {}
-        for name, seed, r in sorted((t for part in everything for t in part), key=lambda t: t[1]):
+        for name, _seed, r in sorted((t for part in everything for t in part), key=lambda t: t[1]):
             got.setdefault(name, []).append(r)
         n = len(yte)
         print(f"\ndigits: {len(xtr)} train / {n} test images, MLP 64-128-128-10, global batch {BATCH}, "

@@ -121,7 +121,8 @@ def main():
               f"that with correlated ranks, {payload_vote / one_bit:.4f}x with independent ones: at even N,")
         print("independent signs tie (sum 0) on 3/8 of the elements and the tie positions are real information")
         s = lionbit.stats()
-        print(f"lionbit time split over the {s['sign_allreduce_calls']} correlated calls: pack {s['pack_seconds']:.3f}s, "
+        print(f"lionbit time split over the {s['sign_allreduce_calls']} correlated calls: "
+              f"pack {s['pack_seconds']:.3f}s, "
               f"comm {s['comm_seconds']:.3f}s, vote {s['vote_seconds']:.3f}s, unpack {s['unpack_seconds']:.3f}s")
         if os.environ.get("LOCAL_WORLD_SIZE"):
             print("note: on one machine Gloo still goes through TCP on loopback")

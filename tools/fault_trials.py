@@ -54,7 +54,8 @@ def main() -> int:
             t = test_faults.run_trial(scenario, n, victim, delay, seed, args.pg_timeout, workdir, **extra)
             counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
             hangs += t["outcome"] == "hang"
-            line = f"{scenario} trial {i + 1:2d}: N={n} victim={victim} delay={delay:.2f}s {extra or ''} -> {t['outcome']}"
+            line = (f"{scenario} trial {i + 1:2d}: N={n} victim={victim} delay={delay:.2f}s {extra or ''} "
+                    f"-> {t['outcome']}")
             if "worst_s" in t:
                 times.append(t["worst_s"])
                 line += f", slowest survivor error {t['worst_s']:.2f}s after the kill"

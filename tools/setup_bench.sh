@@ -21,7 +21,9 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "iperf3 iperf3/start_daemon boolean false" | $sudo debconf-set-selections 2>/dev/null || true
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
   else
-    echo "setup-bench: no root: not installing ${need[*]} (the benchmark falls back to loopback)"
+    echo "setup-bench: no root (and no password-less sudo): not installing ${need[*]} (the benchmark"
+    echo "setup-bench: falls back to loopback); to install them, as root run"
+    echo "    apt-get update && apt-get install -y ${need[*]}"
   fi
 fi
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Sets up everything `make test` and `make demo` need on a fresh Debian 12
 # machine, and is quick (a few checks) when that is already done:
-#   1. Debian packages (compiler, CMake, GoogleTest, Python headers, venv);
+#   1. Debian packages (compiler, CMake, GoogleTest, Python headers, venv,
+#      clang-format): installed when running as root (CI); otherwise, when
+#      some are missing, it stops and prints the apt-get command to run as
+#      root (tools/apt_need.sh; never sudo);
 #   2. a virtual environment OUTSIDE the clone ($LIONBIT_VENV), so a fresh
 #      clone reuses it and its multi-GB torch;
 #   3. torch ($TORCH_SPEC) and the Python tools in it.
@@ -13,17 +16,8 @@ PYTHON=${PYTHON:-python3}
 here=$(cd "$(dirname "$0")" && pwd)
 
 # --- 1. Debian packages --------------------------------------------------
-need=()
-for pkg in g++ cmake ninja-build make git libgtest-dev libgmock-dev python3-dev python3-venv; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
-done
-if [ ${#need[@]} -gt 0 ]; then
-  echo "setup: installing Debian packages: ${need[*]}"
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
-fi
+"$here/apt_need.sh" setup g++ cmake ninja-build make git libgtest-dev libgmock-dev python3-dev python3-venv \
+  clang-format
 
 # --- 2. the virtual environment -----------------------------------------
 if [ ! -x "$VENV/bin/python" ]; then

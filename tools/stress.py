@@ -68,7 +68,8 @@ def main() -> int:
             rss = r["rss_mb"]
             print(f"  rank {rank}: mismatches {r['n_mismatches']} {r['mismatches'][:3]}, ran {r['kinds']}, "
                   f"sign calls (stats) {r['sign_calls']}")
-            print(f"    RSS MB after malloc_trim: start {rss['start']:.0f} middle {rss['middle']:.0f} end {rss['end']:.0f}"
+            print(f"    RSS MB after malloc_trim: start {rss['start']:.0f} middle {rss['middle']:.0f}"
+                  f" end {rss['end']:.0f}"
                   f" (untrimmed: start {rss['start_untrimmed']:.0f} end {rss['end_untrimmed']:.0f});"
                   f" every tenth: {[mb for _, mb in rss['samples']]}")
         print(f"  {time.time() - start:.0f}s", flush=True)

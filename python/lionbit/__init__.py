@@ -7,7 +7,25 @@ runs the 1-bit two-phase sign all-reduce.
 
 import torch
 
-from . import _C
+try:
+    from . import _C
+except ImportError as _err:
+    # Under a torch of another version than the one lionbit was built against
+    # the extension often fails to load (undefined symbols) before the check
+    # below can name both versions: name them here, the built-against one from
+    # the package metadata (Requires-Dist torch==X.Y.*, tools/lionbit_metadata.py).
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        _want = next((r for r in requires("lionbit") or [] if r.startswith("torch")), "unknown")
+    except PackageNotFoundError:
+        _want = "unknown"
+    raise ImportError(
+        f"lionbit's C++ extension lionbit._C failed to load ({_err}). torch {torch.__version__} is installed; "
+        f"lionbit's metadata requires {_want} (the torch it was built against). If torch changed since "
+        f"lionbit was built, rebuild lionbit against it: in the lionbit source tree run "
+        f"`pip install --no-build-isolation .` (or `make build`)"
+    ) from _err
 
 __version__: str = _C.__version__
 #: The torch version this build of lionbit was compiled against.
@@ -22,16 +40,25 @@ def _major_minor(version: str) -> tuple:
 
 
 if _major_minor(torch.__version__) != _major_minor(torch_version_built_against):
+    # The package metadata says the same: Requires-Dist torch==X.Y.* (tools/lionbit_metadata.py).
+    _built = "%d.%d" % _major_minor(torch_version_built_against)
     raise ImportError(
-        f"lionbit was built against torch {torch_version_built_against} but torch "
-        f"{torch.__version__} is installed; rebuild it with "
-        f"`pip install --no-build-isolation .` (the C++ ABI must match)"
+        f"lionbit was built against torch {torch_version_built_against} but torch {torch.__version__} "
+        f"is installed; lionbit runs only with the torch major.minor it was built against ({_built}.*: "
+        f"its C++ extension links torch's C++ libraries). Rebuild it against the installed torch: in the "
+        f"lionbit source tree run `pip install --no-build-isolation .` (or `make build`), "
+        f"or install torch=={_built}.*"
     )
 
-from ._backend import BACKEND_NAME, all_reduce_sign, reset_stats, stats  # noqa: E402
-from ._backend import register as _register  # noqa: E402
-from .optim import DistributedLion  # noqa: E402
+from ._backend import (  # noqa: E402
+    BACKEND_NAME,
+    all_reduce_sign,
+    register as _register,
+    reset_stats,
+    stats,
+)
 from .fsdp import reduce_scatter_sign  # noqa: E402
+from .optim import DistributedLion  # noqa: E402
 
 _register()
 

@@ -29,8 +29,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import lion_math
-from . import step_vote
+from . import lion_math, step_vote
 from ._backend import _backend_for
 
 log = logging.getLogger("lionbit")

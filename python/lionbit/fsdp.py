@@ -49,7 +49,7 @@ Resuming needs the same number of ranks.
 
 import copy
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist

@@ -33,7 +33,6 @@ order (alignment padding included, never touched), kept on the optimizer
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
 from ._backend import _backend_for
 
@@ -175,7 +174,9 @@ def no_shard_entries(opt) -> list:
             continue
         g, x, m = fp.grad.view(-1), fp.data.view(-1), unit.momentum_tensor()
         if g.numel() < unit.numel or x.numel() < unit.numel:
-            raise RuntimeError(f"{unit.where()}: step() found a flat gradient of {g.numel()} elements, expected {unit.numel}")
+            raise RuntimeError(
+                f"{unit.where()}: step() found a flat gradient of {g.numel()} elements, expected {unit.numel}"
+            )
         for off, numel, group, _ in unit.segments:
             gs, xs, ms = g[off : off + numel], x[off : off + numel], m[off : off + numel]
             entries.append(Entry(xs, gs, ms, Coefs(group), opt._fused_for(xs, gs)))
@@ -183,9 +184,8 @@ def no_shard_entries(opt) -> list:
 
 
 def fsdp1_step(opt) -> None:
-    from .lion_math import Coefs as _Coefs, apply_update
-
     from .fsdp import check_grads_untouched
+    from .lion_math import Coefs as _Coefs, apply_update
 
     pending, opt._fsdp1_delta = opt._fsdp1_delta, {}
     check_grads_untouched(opt, pending, lambda unit: unit.handle.flat_param.grad, "FSDP1")
@@ -206,8 +206,7 @@ def fsdp1_step(opt) -> None:
 
 
 def attach_fsdp1(opt, model) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 
     try:
         import torch.distributed.fsdp._traversal_utils as traversal_utils
@@ -221,14 +220,18 @@ def attach_fsdp1(opt, model) -> None:
     if not model.check_is_root():
         raise ValueError(f"{_WHERE}: attach the root FullyShardedDataParallel instance, not a nested one")
     # module names without FSDP's wrapper prefixes ("b", not "_fsdp_wrapped_module.b")
-    names = {m: n.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "") for n, m in model.named_modules()}
+    names = {
+        m: n.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "") for n, m in model.named_modules()
+    }
     known = opt._group_of()
     units: List[_Unit] = []
     covered = set()
     group0 = None
     for state in states:
         if not isinstance(state, FSDP):
-            raise NotImplementedError(f"{_WHERE}: composable FSDP1 states are not supported, only FullyShardedDataParallel modules")
+            raise NotImplementedError(
+                f"{_WHERE}: composable FSDP1 states are not supported, only FullyShardedDataParallel modules"
+            )
         name = names.get(state, "?")
         label = f"FSDP instance '{name or '<root>'}'"
         strategy = state.sharding_strategy
@@ -245,7 +248,9 @@ def attach_fsdp1(opt, model) -> None:
         if state.cpu_offload is not None and state.cpu_offload.offload_params:
             raise NotImplementedError(f"{_WHERE}: {label}: CPUOffload(offload_params=True) is not supported")
         mp = state.mixed_precision
-        if mp is not None and any(getattr(mp, k, None) is not None for k in ("param_dtype", "reduce_dtype", "buffer_dtype")):
+        if mp is not None and any(
+            getattr(mp, k, None) is not None for k in ("param_dtype", "reduce_dtype", "buffer_dtype")
+        ):
             raise NotImplementedError(
                 f"{_WHERE}: {label}: FSDP1 MixedPrecision is not supported by lionbit's FSDP1 path "
                 f"(use FSDP2's MixedPrecisionPolicy, or float32 parameters)"
@@ -259,10 +264,14 @@ def attach_fsdp1(opt, model) -> None:
             continue
         fp = handle.flat_param
         if fp.device.type != "cpu":
-            raise NotImplementedError(f"{_WHERE}: {label} has parameters on {fp.device}; the FSDP1 path supports CPU only")
+            raise NotImplementedError(
+                f"{_WHERE}: {label} has parameters on {fp.device}; the FSDP1 path supports CPU only"
+            )
         use_orig = handle._use_orig_params
         if use_orig and fp._params is None:
-            raise RuntimeError(f"{_WHERE}: {label}: use_orig_params=True but the FlatParameter keeps no original parameters")
+            raise RuntimeError(
+                f"{_WHERE}: {label}: use_orig_params=True but the FlatParameter keeps no original parameters"
+            )
         prefix = f"{name}." if name else ""
         segments = []
         off, i = 0, 0
@@ -283,7 +292,10 @@ def attach_fsdp1(opt, model) -> None:
                 i += 1
             off += numel
         if off != fp._unpadded_unsharded_size.numel():
-            raise RuntimeError(f"{_WHERE}: {label}: FlatParameter layout covers {off} elements, its size is {fp._unpadded_unsharded_size}")
+            raise RuntimeError(
+                f"{_WHERE}: {label}: FlatParameter layout covers {off} elements, "
+                f"its size is {fp._unpadded_unsharded_size}"
+            )
         units.append(_Unit(opt, state, name, segments, off, strategy != ShardingStrategy.NO_SHARD, state.process_group))
     if not units:
         raise ValueError(f"{_WHERE}: the model has no parameters managed by FSDP")
@@ -317,7 +329,8 @@ def local_state_dict(opt) -> dict:
         raise RuntimeError("DistributedLion.local_state_dict: attach(model) to an FSDP1 model first")
     if opt._fsdp1_delta:
         raise RuntimeError(
-            "DistributedLion.local_state_dict: an update is pending (backward ran, step() did not); checkpoint after step()"
+            "DistributedLion.local_state_dict: an update is pending (backward ran, step() did not); "
+            "checkpoint after step()"
         )
     g = opt._fsdp1_units[0].group
     return {
@@ -340,16 +353,26 @@ def load_local_state_dict(opt, sd: dict) -> None:
             f"this is rank {g.rank()} of {g.size()} (each rank loads its own file; same world size)"
         )
     if sd.get("aggregation") != opt.aggregation:
-        raise ValueError(f"{where}: the checkpoint used aggregation={sd.get('aggregation')!r}, this optimizer {opt.aggregation!r}")
+        raise ValueError(
+            f"{where}: the checkpoint used aggregation={sd.get('aggregation')!r}, this optimizer {opt.aggregation!r}"
+        )
     if len(sd["param_groups"]) != len(opt.param_groups):
-        raise ValueError(f"{where}: the checkpoint has {len(sd['param_groups'])} parameter groups, this optimizer {len(opt.param_groups)}")
+        raise ValueError(
+            f"{where}: the checkpoint has {len(sd['param_groups'])} parameter groups, "
+            f"this optimizer {len(opt.param_groups)}"
+        )
     units = {u.name: u for u in opt._fsdp1_units}
     if set(sd["momentum"]) != set(units):
-        raise ValueError(f"{where}: the checkpoint's FSDP instances {sorted(sd['momentum'])} differ from the model's {sorted(units)}")
+        raise ValueError(
+            f"{where}: the checkpoint's FSDP instances {sorted(sd['momentum'])} "
+            f"differ from the model's {sorted(units)}"
+        )
     for name, m in sd["momentum"].items():
         u = units[name]
         if m.numel() != u.numel:
-            raise ValueError(f"{where}: momentum of FSDP instance '{name}' has {m.numel()} elements, expected {u.numel}")
+            raise ValueError(
+                f"{where}: momentum of FSDP instance '{name}' has {m.numel()} elements, expected {u.numel}"
+            )
         u.momentum_tensor().copy_(m.reshape(-1))
     for mine, saved in zip(opt.param_groups, sd["param_groups"]):
         for k, v in saved.items():

@@ -27,7 +27,7 @@ import weakref
 
 import torch.distributed as dist
 
-__all__ = ["HFAttachCallback", "distributed_lions"]
+__all__ = ["HFAttachCallback", "distributed_lions"]  # noqa: F822  (HFAttachCallback: module __getattr__)
 
 
 def distributed_lions(optimizer) -> list:

@@ -29,11 +29,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from . import _C
-from . import fsdp as _fsdp
-from . import fsdp1 as _fsdp1
-from . import lion_math
-from . import step_vote
+from . import _C, fsdp as _fsdp, fsdp1 as _fsdp1, lion_math, step_vote
 from ._backend import _backend_for
 from .ddp import attach_ddp
 
@@ -99,7 +95,8 @@ class DistributedLion(torch.optim.Optimizer):
             raise ValueError(f"DistributedLion: argument 'aggregation' must be 'vote' or 'avg', got {aggregation!r}")
         if momentum_dtype not in (None, torch.float32, torch.bfloat16):
             raise ValueError(
-                f"DistributedLion: argument 'momentum_dtype' must be torch.float32 or torch.bfloat16, got {momentum_dtype}"
+                f"DistributedLion: argument 'momentum_dtype' must be torch.float32 or torch.bfloat16, "
+                f"got {momentum_dtype}"
             )
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
         self.aggregation = aggregation
@@ -180,7 +177,9 @@ class DistributedLion(torch.optim.Optimizer):
                 f"(rebuild it where nvcc and a CUDA build of torch are present)"
             )
         if p.device.type not in ("cpu", "cuda"):
-            raise RuntimeError(f"DistributedLion.{where}: parameters on {p.device} are not supported (CPU and CUDA are)")
+            raise RuntimeError(
+                f"DistributedLion.{where}: parameters on {p.device} are not supported (CPU and CUDA are)"
+            )
 
     # -- the collective ------------------------------------------------------
     def _vote(self, sign, zero, numel: int, nans: int, out: torch.Tensor, group, where: str, counts=None):

@@ -9,13 +9,11 @@ backward) and by FSDP1 ``NO_SHARD``.
 """
 
 import re
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from . import lion_math
-from ._backend import _backend_for
 
 # Elements per vote: big enough that a vote's fixed costs (a 48-byte header
 # round, the all-to-all's set-up) are small against its bytes, small enough
@@ -129,7 +127,10 @@ def update(entries: Sequence[Entry], deltas, scratch) -> None:
     """The state change of a voted step: momentum, then parameters."""
     for e, d in zip(entries, deltas):
         n = e.grad.numel()
-        sc = None if scratch is None else (scratch[0][: lion_math.plane_bytes(n)], scratch[1][: lion_math.plane_bytes(n)])
+        sc = None if scratch is None else (
+            scratch[0][: lion_math.plane_bytes(n)],
+            scratch[1][: lion_math.plane_bytes(n)],
+        )
         lion_math.update_momentum(e.grad, e.momentum, e.coefs, e.fused, sc)
         lion_math.apply_update(e.param, d, e.coefs, e.fused)
 

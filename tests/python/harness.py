@@ -5,11 +5,14 @@ rank (this file as the worker's main), joins them over a FileStore with the
 given backend, calls ``function(rank, world_size, **kwargs)`` in each and
 returns each rank's return value (JSON). Every process is killed when the
 deadline passes, so a hang is a test failure with every rank's output, never
-a stuck test run.
+a stuck test run. Its scratch folder (the store, each rank's log and result)
+is removed when it returns or raises: a failure's message carries every
+rank's output.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,69 +50,78 @@ def run_ranks(
     """Runs target on world_size ranks. Raises RanksFailed if any rank fails
     (unless expect_errors) or any rank is still running at the deadline."""
     workdir = tempfile.mkdtemp(prefix="lionbit-test-")
-    store = os.path.join(workdir, "store")
-    penv = dict(os.environ)
-    penv.pop("LOCAL_WORLD_SIZE", None)
-    penv["PYTHONPATH"] = HERE + os.pathsep + penv.get("PYTHONPATH", "")
-    penv.setdefault("OMP_NUM_THREADS", "1")
-    if env:
-        penv.update(env)
     procs = []
-    for rank in range(world_size):
-        spec = json.dumps(
-            {
-                "target": target,
-                "rank": rank,
-                "world_size": world_size,
-                "backend": backend,
-                "store": store,
-                "pg_timeout": pg_timeout,
-                "kwargs": kwargs or {},
-                "out": os.path.join(workdir, f"rank{rank}.json"),
-            }
-        )
-        log = open(os.path.join(workdir, f"rank{rank}.log"), "w+")
-        p = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "harness.py"), spec],
-            stdout=log, stderr=subprocess.STDOUT, env=penv, start_new_session=True,
-        )
-        procs.append((p, log))
-    deadline = time.monotonic() + timeout
-    hung = False
-    for p, _ in procs:
-        left = deadline - time.monotonic()
-        try:
-            p.wait(timeout=max(left, 0.1))
-        except subprocess.TimeoutExpired:
-            hung = True
-            break
-    results = []
-    for rank, (p, log) in enumerate(procs):
-        if p.poll() is None:
-            hung = True
-            os.killpg(p.pid, 9)
-            p.wait()
-            code = None
-        else:
-            code = p.returncode
-        log.seek(0)
-        output = log.read()
-        log.close()
-        value, error = None, None
-        out = os.path.join(workdir, f"rank{rank}.json")
-        if os.path.exists(out):
-            with open(out) as f:
-                rec = json.load(f)
-            value, error = rec.get("value"), rec.get("error")
-        results.append(RankResult(rank, code, value, error, output))
-    bad = [r for r in results if r.returncode is None or (r.returncode != 0 and not expect_errors)]
-    if hung or bad:
-        report = "\n".join(
-            f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-4000:]}" for r in results
-        )
-        what = f"hung past {timeout:.0f}s" if hung else "failed"
-        raise RanksFailed(f"{target} on {world_size} ranks {what}:\n{report}")
-    return results
+    try:
+        store = os.path.join(workdir, "store")
+        penv = dict(os.environ)
+        penv.pop("LOCAL_WORLD_SIZE", None)
+        penv["PYTHONPATH"] = HERE + os.pathsep + penv.get("PYTHONPATH", "")
+        penv.setdefault("OMP_NUM_THREADS", "1")
+        if env:
+            penv.update(env)
+        for rank in range(world_size):
+            spec = json.dumps(
+                {
+                    "target": target,
+                    "rank": rank,
+                    "world_size": world_size,
+                    "backend": backend,
+                    "store": store,
+                    "pg_timeout": pg_timeout,
+                    "kwargs": kwargs or {},
+                    "out": os.path.join(workdir, f"rank{rank}.json"),
+                }
+            )
+            log = open(os.path.join(workdir, f"rank{rank}.log"), "w+")
+            p = subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "harness.py"), spec],
+                stdout=log, stderr=subprocess.STDOUT, env=penv, start_new_session=True,
+            )
+            procs.append((p, log))
+        deadline = time.monotonic() + timeout
+        hung = False
+        for p, _ in procs:
+            left = deadline - time.monotonic()
+            try:
+                p.wait(timeout=max(left, 0.1))
+            except subprocess.TimeoutExpired:
+                hung = True
+                break
+        results = []
+        for rank, (p, log) in enumerate(procs):
+            if p.poll() is None:
+                hung = True
+                os.killpg(p.pid, 9)
+                p.wait()
+                code = None
+            else:
+                code = p.returncode
+            log.seek(0)
+            output = log.read()
+            log.close()
+            value, error = None, None
+            out = os.path.join(workdir, f"rank{rank}.json")
+            if os.path.exists(out):
+                with open(out) as f:
+                    rec = json.load(f)
+                value, error = rec.get("value"), rec.get("error")
+            results.append(RankResult(rank, code, value, error, output))
+        bad = [r for r in results if r.returncode is None or (r.returncode != 0 and not expect_errors)]
+        if hung or bad:
+            report = "\n".join(
+                f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-4000:]}" for r in results
+            )
+            what = f"hung past {timeout:.0f}s" if hung else "failed"
+            raise RanksFailed(f"{target} on {world_size} ranks {what}:\n{report}")
+        return results
+    finally:
+        # Nothing of a rank outlives the call, its scratch folder included.
+        for p, log in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+            log.close()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def values(results: List[RankResult]) -> list:

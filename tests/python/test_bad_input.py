@@ -106,7 +106,8 @@ def case_dtype_unsupported_on_one_rank(rank, n):
 def case_device_meta(rank, n):
     import lionbit
 
-    _raises(lambda: lionbit.all_reduce_sign(torch.empty(4, device="meta")), r"ValueError: " + _me(rank) + r"argument 'tensor' is on meta")
+    _raises(lambda: lionbit.all_reduce_sign(torch.empty(4, device="meta")),
+            r"ValueError: " + _me(rank) + r"argument 'tensor' is on meta")
 
 
 def case_device_differs_across_ranks(rank, n):
@@ -127,7 +128,8 @@ def case_size_differs_across_ranks(rank, n):
     import lionbit
 
     _raises(lambda: lionbit.all_reduce_sign(torch.ones(100 + rank)),
-            _me(rank) + r"number of elements differs across ranks: rank %d has %d, rank \d has \d+" % (rank, 100 + rank))
+            _me(rank)
+            + r"number of elements differs across ranks: rank %d has %d, rank \d has \d+" % (rank, 100 + rank))
 
 
 def case_shape_differs_same_numel(rank, n):
@@ -166,13 +168,15 @@ def case_op_unknown(rank, n):
 def case_op_not_a_string(rank, n):
     import lionbit
 
-    _raises(lambda: lionbit.all_reduce_sign(torch.ones(3), 1), r"TypeError: lionbit.all_reduce_sign: argument 'op' must be a str")
+    _raises(lambda: lionbit.all_reduce_sign(torch.ones(3), 1),
+            r"TypeError: lionbit.all_reduce_sign: argument 'op' must be a str")
 
 
 def case_not_a_tensor(rank, n):
     import lionbit
 
-    _raises(lambda: lionbit.all_reduce_sign([1.0, 2.0]), r"TypeError: lionbit.all_reduce_sign: argument 'tensor' must be a torch.Tensor")
+    _raises(lambda: lionbit.all_reduce_sign([1.0, 2.0]),
+            r"TypeError: lionbit.all_reduce_sign: argument 'tensor' must be a torch.Tensor")
 
 
 def case_nan_on_one_rank(rank, n):
@@ -214,7 +218,8 @@ def case_negative_zero(rank, n):
 
 
 def case_subnormal_and_tiny(rank, n):
-    for dtype, tiny in ((torch.float32, 1e-45), (torch.float64, 5e-324), (torch.float16, 6e-8), (torch.bfloat16, 1e-40)):
+    for dtype, tiny in ((torch.float32, 1e-45), (torch.float64, 5e-324), (torch.float16, 6e-8),
+                        (torch.bfloat16, 1e-40)):
         x = torch.full((129,), tiny, dtype=dtype)
         assert (x != 0).all()
         x[rank::2] = -x[rank::2]
@@ -287,7 +292,8 @@ def case_overlap_expand(rank, n):
     import lionbit
 
     x = torch.zeros(1).expand(10)
-    _raises(lambda: lionbit.all_reduce_sign(x), r"ValueError: " + _me(rank) + r"argument 'tensor' has elements that share memory")
+    _raises(lambda: lionbit.all_reduce_sign(x),
+            r"ValueError: " + _me(rank) + r"argument 'tensor' has elements that share memory")
 
 
 def case_overlap_as_strided(rank, n):
@@ -329,7 +335,8 @@ def case_more_than_2_pow_48_elements(rank, n):
     import lionbit
 
     x = torch.zeros(1).expand(1 << 49)  # no memory behind it: the size check comes first
-    _raises(lambda: lionbit.all_reduce_sign(x), r"ValueError: " + _me(rank) + r"argument 'tensor' has 562949953421312 elements; at most 2\^48")
+    _raises(lambda: lionbit.all_reduce_sign(x),
+            r"ValueError: " + _me(rank) + r"argument 'tensor' has 562949953421312 elements; at most 2\^48")
 
 
 def case_int8_avg(rank, n):
@@ -396,7 +403,7 @@ def case_threads_racing_on_one_group(rank, n):
 
     def worker(t):
         try:
-            for i in range(25):
+            for _ in range(25):
                 x = torch.full((1000 * (t + 1),), 1.0)
                 try:
                     lionbit.all_reduce_sign(x, "sum")
@@ -437,7 +444,8 @@ def case_group_of_another_backend(rank, n):
     import lionbit
 
     g = dist.new_group(backend="gloo")
-    _raises(lambda: lionbit.all_reduce_sign(torch.ones(3), group=g), r"RuntimeError: lionbit.all_reduce_sign on rank \d: the group's backend .* is 'gloo', not lionbit")
+    _raises(lambda: lionbit.all_reduce_sign(torch.ones(3), group=g),
+            r"RuntimeError: lionbit.all_reduce_sign on rank \d: the group's backend .* is 'gloo', not lionbit")
     _raises(lambda: lionbit.stats(g), r"not lionbit")
     # Nothing above talks over g, so without this barrier a fast rank could
     # destroy g (closing its sockets) while a slow peer is still inside
@@ -454,7 +462,8 @@ def case_wait_timeout(rank, n):
         time.sleep(1.5)  # late to the call
     w = lionbit.all_reduce_sign(torch.ones(10), "sum", async_op=True)
     if rank == 0:
-        _raises(lambda: w.wait(timedelta(milliseconds=100)), r"lionbit all_reduce_sign on rank 0: Work.wait\(\) timed out after 100 ms")
+        _raises(lambda: w.wait(timedelta(milliseconds=100)),
+                r"lionbit all_reduce_sign on rank 0: Work.wait\(\) timed out after 100 ms")
     w.wait()  # the call itself completes once the peer arrives
     assert w.is_success()
 
@@ -565,13 +574,15 @@ def test_int8_sum_needs_world_size_at_most_127_and_garbage_from_peers_is_rejecte
     the received buffers hold whatever memory held): int8 sum is refused for
     N > 127, and every call on that transport fails cleanly in the header
     round - what peers "sent" is garbage - never a crash."""
-    import lionbit
     from torch._C._distributed_c10d import FakeProcessGroup
+
+    import lionbit
 
     fake = FakeProcessGroup._create_internal(0, 200)
     b = lionbit._C.LionBitBackend(fake, fake, 0, 200, timedelta(seconds=5))
     _raises(lambda: b.all_reduce_sign(torch.ones(10, dtype=torch.int8), "sum"),
-            r"ValueError: lionbit all_reduce_sign\(op=sum\) on rank 0: op 'sum' on int8 needs a world size <= 127 \(it is 200\)")
+            r"ValueError: lionbit all_reduce_sign\(op=sum\) on rank 0: "
+            r"op 'sum' on int8 needs a world size <= 127 \(it is 200\)")
     for dtype, op in ((torch.float32, "sum"), (torch.int8, "vote"), (torch.bfloat16, "avg")):
         _raises(lambda: b.all_reduce_sign(torch.ones(1000, dtype=dtype), op).wait(),
                 r"lionbit all_reduce_sign\(op=%s\) on rank 0: rank \d+ sent a (corrupt|malformed) header" % op)

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import lionbit
-from lionbit import _C
 from harness import run_ranks, values
+from lionbit import _C
 
 HAVE_GPU = torch.cuda.is_available()
 if not lionbit.built_with_cuda:
@@ -323,6 +323,7 @@ def _ddp_both(rank, world_size, steps, aggregation, fused):
 @pytest.mark.parametrize("fused", [True, False])
 def test_distributed_lion_ddp_cuda_matches_cpu(aggregation, fused):
     _skip_without_gpu()
-    got = values(run_ranks("test_cuda:_ddp_both", 3, kwargs={"steps": 25, "aggregation": aggregation, "fused": fused}, env=GLOO, timeout=600))
+    got = values(run_ranks("test_cuda:_ddp_both", 3, kwargs={"steps": 25, "aggregation": aggregation, "fused": fused},
+                           env=GLOO, timeout=600))
     assert all(v["equal"] for v in got), got
     assert len({v["hash"] for v in got}) == 1, "replicas differ across ranks"

@@ -4,9 +4,9 @@ under torchrun, with and without `import lionbit`, and as "cpu:lionbit"."""
 import hashlib
 import os
 import re
-import tempfile
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch

@@ -40,7 +40,8 @@ def check_bad_input(rank, n):
     x = torch.randn(1000)
     if rank == 1:
         x[17] = float("nan")
-    seen["nan"] = _expect_error(lambda: lionbit.all_reduce_sign(x, "vote"), me + r"input contains NaN on rank\(s\) \[1\]")
+    seen["nan"] = _expect_error(lambda: lionbit.all_reduce_sign(x, "vote"),
+                                me + r"input contains NaN on rank\(s\) \[1\]")
     _good_call_still_works(rank, n)
 
     # ... also through the async path, on a bfloat16 tensor.
@@ -64,7 +65,8 @@ def check_bad_input(rank, n):
 
     # ops that differ across ranks.
     x = torch.ones(50)
-    seen["op"] = _expect_error(lambda: lionbit.all_reduce_sign(x, "vote" if rank == 0 else "sum"), r"op differs across ranks")
+    seen["op"] = _expect_error(lambda: lionbit.all_reduce_sign(x, "vote" if rank == 0 else "sum"),
+                               r"op differs across ranks")
     _good_call_still_works(rank, n)
 
     # An unsupported dtype on every rank: a local ValueError naming the argument.
@@ -82,14 +84,17 @@ def check_bad_input(rank, n):
     if rank == 1:
         _expect_error(lambda: lionbit.all_reduce_sign(x), me + r"argument 'tensor' has dtype ComplexFloat", ValueError)
     else:
-        seen["peer_rejected"] = _expect_error(lambda: lionbit.all_reduce_sign(x), me + r"rank\(s\) \[1\] rejected their input")
+        seen["peer_rejected"] = _expect_error(lambda: lionbit.all_reduce_sign(x),
+                                              me + r"rank\(s\) \[1\] rejected their input")
     assert time.monotonic() - start < 10
     _good_call_still_works(rank, n)
 
     # Other bad arguments, on every rank.
     cases = {
-        "op_name": (lambda: lionbit.all_reduce_sign(torch.ones(3), "max"), r"argument 'op' is 'max'; expected 'vote', 'avg' or 'sum'"),
-        "int8_avg": (lambda: lionbit.all_reduce_sign(torch.ones(3, dtype=torch.int8), "avg"), r"op 'avg' needs a floating dtype"),
+        "op_name": (lambda: lionbit.all_reduce_sign(torch.ones(3), "max"),
+                    r"argument 'op' is 'max'; expected 'vote', 'avg' or 'sum'"),
+        "int8_avg": (lambda: lionbit.all_reduce_sign(torch.ones(3, dtype=torch.int8), "avg"),
+                     r"op 'avg' needs a floating dtype"),
         "overlap": (lambda: lionbit.all_reduce_sign(torch.zeros(1).expand(10)), r"share memory"),
         "meta": (lambda: lionbit.all_reduce_sign(torch.empty(4, device="meta")), r"argument 'tensor' is on meta"),
         "sparse": (lambda: lionbit.all_reduce_sign(torch.eye(3).to_sparse()), r"layout Sparse"),
@@ -118,7 +123,8 @@ def test_bad_input_gives_clear_errors_on_every_rank():
 def check_not_initialized(rank, n):
     import lionbit
 
-    _expect_error(lambda: lionbit.all_reduce_sign(torch.ones(3)), r"default process group is not initialized", RuntimeError)
+    _expect_error(lambda: lionbit.all_reduce_sign(torch.ones(3)), r"default process group is not initialized",
+                  RuntimeError)
     _expect_error(lambda: lionbit.stats(), r"not initialized", RuntimeError)
     return True
 
@@ -130,7 +136,8 @@ def test_use_before_init():
 def check_wrong_backend(rank, n):
     import lionbit
 
-    _expect_error(lambda: lionbit.all_reduce_sign(torch.ones(3)), r"backend for device type 'cpu' is 'gloo', not lionbit")
+    _expect_error(lambda: lionbit.all_reduce_sign(torch.ones(3)),
+                  r"backend for device type 'cpu' is 'gloo', not lionbit")
     return True
 
 
@@ -145,7 +152,8 @@ def check_peer_never_calls(rank, n):
         time.sleep(12)  # never joins the call; outlives the peer's timeout
         return "absent"
     start = time.monotonic()
-    msg = _expect_error(lambda: lionbit.all_reduce_sign(torch.ones(10)), r"lionbit all_reduce_sign\(op=vote\) on rank 0: the header round")
+    msg = _expect_error(lambda: lionbit.all_reduce_sign(torch.ones(10)),
+                        r"lionbit all_reduce_sign\(op=vote\) on rank 0: the header round")
     elapsed = time.monotonic() - start
     return {"elapsed": elapsed, "message": msg[:300]}
 

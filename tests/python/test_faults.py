@@ -77,8 +77,9 @@ def kill_mid_ddp_step(rank, n, victim, delay, stamp, seed, max_s=60.0, kill_in_b
     """DDP + DistributedLion (attached) training; rank `victim` is SIGKILLed
     inside its backward pass (a gradient hook, while DDP's buckets are being
     voted) at the step reached after `delay` seconds, or by a timer."""
-    import lionbit
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(

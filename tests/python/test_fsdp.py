@@ -5,9 +5,7 @@ lionbit, errors."""
 
 import hashlib
 import os
-import tempfile
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,8 +70,9 @@ LION = dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)
 
 
 def _train_ddp(rank, steps, accumulate, aggregation, momentum_dtype=None):
-    import lionbit
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
 
     model = DDP(_net())
     opt = lionbit.DistributedLion(model.parameters(), aggregation=aggregation, momentum_dtype=momentum_dtype, **LION)
@@ -231,9 +230,9 @@ def fsdp_checkpoint(rank, world_size, path):
     return out
 
 
-def test_fsdp2_dcp_checkpoint_resume_is_bitwise():
+def test_fsdp2_dcp_checkpoint_resume_is_bitwise(tmp_path):
     n = 3
-    res = values(run_ranks("test_fsdp:fsdp_checkpoint", n, kwargs=dict(path=tempfile.mkdtemp(prefix="lionbit-dcp-"))))
+    res = values(run_ranks("test_fsdp:fsdp_checkpoint", n, kwargs=dict(path=str(tmp_path))))
     for md in ("torch.float32", "torch.bfloat16"):
         for r in res:
             assert r[md]["resumed"] == r[md]["full"]
@@ -297,7 +296,8 @@ def reduce_scatter_collective(rank, world_size, cases):
 
 
 def test_reduce_scatter_sign_against_float64():
-    cases = [(1000, "vote", "float32"), (70, "avg", "bfloat16"), (1, "sum", "float32"), (0, "vote", "float32"), (130, "vote", "int8")]
+    cases = [(1000, "vote", "float32"), (70, "avg", "bfloat16"), (1, "sum", "float32"), (0, "vote", "float32"),
+             (130, "vote", "int8")]
     res = values(run_ranks("test_fsdp:reduce_scatter_collective", 3, kwargs=dict(cases=cases)))
     for r in res:
         assert r["ok"] == [True] * len(cases)
@@ -339,8 +339,9 @@ def errors(rank, world_size, cases):
 
 
 def _error_case(rank, world_size, case):
-    import lionbit
     from torch.distributed.fsdp import fully_shard
+
+    import lionbit
     if case == "size_mismatch":
         out = torch.zeros(10)
         x = torch.ones(world_size * 10 + (rank == 1))
@@ -400,7 +401,8 @@ def _error_case(rank, world_size, case):
     [(COLLECTIVE_CASES, 3, "lionbit"), (ATTACH_CASES, 4, "lionbit"), ({"gloo_group": "not lionbit"}, 2, "gloo")],
 )
 def test_errors(cases, world_size, backend):
-    res = values(run_ranks("test_fsdp:errors", world_size, backend=backend, kwargs=dict(cases=list(cases)), timeout=150))
+    res = values(run_ranks("test_fsdp:errors", world_size, backend=backend, kwargs=dict(cases=list(cases)),
+                           timeout=150))
     for rank, seen in enumerate(res):
         for case, expect in cases.items():
             want = expect.get(rank, expect.get("others")) if isinstance(expect, dict) else expect

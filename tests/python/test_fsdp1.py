@@ -4,7 +4,6 @@ NO_SHARD, both use_orig_params), bytes per step, per-rank checkpoints,
 errors."""
 
 import os
-import tempfile
 
 import pytest
 import torch
@@ -17,10 +16,10 @@ CPU = torch.device("cpu")
 
 def _wrap(model, strategy="FULL_SHARD", use_orig_params=False, **kw):
     """Three FSDP instances, as the FSDP2 tests: a, b and the root (head)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 
-    kw = dict(device_id=CPU, sharding_strategy=getattr(ShardingStrategy, strategy), use_orig_params=use_orig_params, **kw)
+    kw = dict(device_id=CPU, sharding_strategy=getattr(ShardingStrategy, strategy), use_orig_params=use_orig_params,
+              **kw)
     model.a = FSDP(model.a, **kw)
     model.b = FSDP(model.b, **kw)
     return FSDP(model, **kw)
@@ -33,7 +32,8 @@ def _params(model):
         return [p.detach().clone() for p in model.parameters()]
 
 
-def _train_fsdp1(rank, steps, accumulate, aggregation, strategy, use_orig_params, momentum_dtype=None, seed=0, model=None):
+def _train_fsdp1(rank, steps, accumulate, aggregation, strategy, use_orig_params, momentum_dtype=None, seed=0,
+                 model=None):
     import lionbit
 
     model = model or _wrap(_net(seed), strategy, use_orig_params)
@@ -127,8 +127,7 @@ def fsdp1_checkpoint(rank, world_size, path):
     against 6 steps, per-rank files (model LOCAL_STATE_DICT + the optimizer's
     local_state_dict), a fresh model from another seed with another lr loading
     them, and 4 more steps."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
 
     import lionbit
 
@@ -172,9 +171,9 @@ def fsdp1_checkpoint(rank, world_size, path):
     return out
 
 
-def test_fsdp1_per_rank_checkpoint_resume_is_bitwise():
+def test_fsdp1_per_rank_checkpoint_resume_is_bitwise(tmp_path):
     n = 2
-    res = values(run_ranks("test_fsdp1:fsdp1_checkpoint", n, kwargs=dict(path=tempfile.mkdtemp(prefix="lionbit-fsdp1-"))))
+    res = values(run_ranks("test_fsdp1:fsdp1_checkpoint", n, kwargs=dict(path=str(tmp_path))))
     for md in ("torch.float32", "torch.bfloat16"):
         for r in res:
             assert r[md]["resumed"] == r[md]["full"]
@@ -205,9 +204,9 @@ def errors(rank, world_size, cases):
 
 
 def _error_case(rank, world_size, case):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
+
     import lionbit
-    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     def attach(model, params=None):
         opt = lionbit.DistributedLion(model.parameters() if params is None else params)

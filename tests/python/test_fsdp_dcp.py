@@ -12,7 +12,6 @@ every rank, and every rank's momentum must be its own (the ranks see
 different data, so their momenta differ)."""
 
 import os
-import tempfile
 
 import pytest
 import torch
@@ -142,8 +141,7 @@ def resume_phase(rank, world_size, path, modes):
     return out
 
 
-def _check_resume(world_size, modes):
-    path = tempfile.mkdtemp(prefix="lionbit-dcp-api-")
+def _check_resume(world_size, modes, path):
     saved = values(run_ranks("test_fsdp_dcp:save_phase", world_size, kwargs=dict(path=path, modes=modes)))
     resumed = values(run_ranks("test_fsdp_dcp:resume_phase", world_size, kwargs=dict(path=path, modes=modes)))
     for md in DTYPES:
@@ -165,18 +163,18 @@ def _check_resume(world_size, modes):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_dcp_api_sharded_resume_is_bitwise(world_size):
+def test_dcp_api_sharded_resume_is_bitwise(world_size, tmp_path):
     """Default StateDictOptions (and flatten_optimizer_state_dict) with
     dcp.save / dcp.load: every rank writes and reads its own momentum."""
-    _check_resume(world_size, ["sharded", "flat"])
+    _check_resume(world_size, ["sharded", "flat"], str(tmp_path))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_dcp_api_full_state_dict_resume_is_bitwise(world_size):
+def test_dcp_api_full_state_dict_resume_is_bitwise(world_size, tmp_path):
     """full_state_dict=True + cpu_offload=True: rank 0 holds every rank's
     momentum (stacked, row r = rank r) and torch.save-s it; the resume
     distributes row r to rank r, read by every rank or broadcast from rank 0."""
-    _check_resume(world_size, ["full", "full_bcast"])
+    _check_resume(world_size, ["full", "full_bcast"], str(tmp_path))
 
 
 def full_state_dict_layout(rank, world_size):
@@ -217,8 +215,9 @@ def init_optim_state(rank, world_size):
     they must create zero momentum for every parameter, change no parameter
     and run no collective (the other ranks do not call them); training then
     goes on as if they had not happened."""
-    import lionbit
     from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    import lionbit
 
     def run(init):
         model, opt = _build("float32", 0)
@@ -248,7 +247,8 @@ def init_optim_state(rank, world_size):
 def test_init_optim_state_creates_zero_momentum_without_collectives():
     res = values(run_ranks("test_fsdp_dcp:init_optim_state", 2, timeout=90, pg_timeout=30))
     r0 = res[0]["init"]
-    assert (r0["states"], r0["zeros"], r0["same"], r0["grads"], r0["lr"], r0["collectives"]) == (6, True, True, True, LION["lr"], 0), r0
+    assert (r0["states"], r0["zeros"], r0["same"], r0["grads"], r0["lr"], r0["collectives"]) == (
+        6, True, True, True, LION["lr"], 0), r0
     for r in res:
         assert r["init"]["params"] == r["plain"]["params"]
         assert r["init"]["momentum"] == r["plain"]["momentum"]
@@ -262,7 +262,8 @@ def other_layouts(rank, world_size):
     _train(model, opt, rank, range(2))
     want = _momentum_digest(opt)
     params = [p for g in opt.param_groups for p in g["params"]]
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(range(len(params)))} for g in opt.param_groups]
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(range(len(params)))}
+              for g in opt.param_groups]
     own = {i: {"exp_avg": opt.state[p]["exp_avg"].clone()} for i, p in enumerate(params)}
     everyone = [None] * world_size
     dist.all_gather_object(everyone, own)

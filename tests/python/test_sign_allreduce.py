@@ -326,7 +326,8 @@ def test_trace_writes_each_calls_timeline(tmp_path):
         calls = [json.loads(line) for line in lines]
         assert len(calls) == 2, lines
         for i, call in enumerate(calls):
-            assert (call["rank"], call["world_size"], call["op"], call["numel"], call["chunks"]) == (rank, n, "vote", d, 4)
+            assert (call["rank"], call["world_size"], call["op"], call["numel"], call["chunks"]) == (
+                rank, n, "vote", d, 4)
             names = [e[0] for e in call["events"]]
             times = [e[2] for e in call["events"]]
             assert times == sorted(times) and times[0] >= 0, call

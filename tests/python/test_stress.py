@@ -49,8 +49,9 @@ def _params_hash(params) -> str:
 def lion_steps(rank, n, steps=100, seed=0, check_every=25):
     """DistributedLion on three set-ups; returns, per set-up, how many hash
     checks found ranks disagreeing, and whether training moved the weights."""
-    import lionbit
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
 
     out = {}
     for setup in ("plain-vote", "ddp-vote", "ddp-avg-bf16momentum"):

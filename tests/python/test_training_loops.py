@@ -152,8 +152,9 @@ def _user_step(opt, model, loop, scaler, clip):
 
 
 def ddp_loop(rank, n, loop, overlap, compiled=False):
-    import lionbit
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
 
     torch.set_num_threads(1)
     model = _net()
@@ -224,7 +225,8 @@ def test_ddp_loop_equals_simulation(loop, overlap, n):
 
 
 def test_ddp_torch_compile_equals_simulation():
-    res = values(run_ranks("test_training_loops:ddp_loop", 2, kwargs={"loop": "clip", "overlap": True, "compiled": True}))
+    res = values(run_ranks("test_training_loops:ddp_loop", 2,
+                           kwargs={"loop": "clip", "overlap": True, "compiled": True}))
     assert len({r["digest"] for r in res}) == 1 and all(r["fallbacks"] == 1 for r in res), res
 
 
@@ -235,9 +237,7 @@ def _shard(model, kind):
         fully_shard(model.a)
         fully_shard(model.b)
         return fully_shard(model)
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 
     cpu = torch.device("cpu")
     if kind == "fsdp1_no_shard":
@@ -320,8 +320,9 @@ def checkpoint_habits(rank, n, ckpt_dir):
     import os
     import warnings
 
-    import lionbit
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
 
     torch.set_num_threads(1)
 
@@ -382,8 +383,9 @@ def test_checkpoints_the_way_scripts_write_them(tmp_path):
 def unattached_ddp(rank, n):
     import warnings
 
-    import lionbit
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
 
     model = _net()
     ddp = DDP(model)
