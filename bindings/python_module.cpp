@@ -37,7 +37,7 @@ class ReleasedWithoutGil {
     if (!ptr_) {
       return;
     }
-    if (PyGILState_Check() != 0) {
+    if (Py_IsInitialized() != 0 && PyGILState_Check() != 0) {
       py::gil_scoped_release no_gil;
       ptr_.reset();
     } else {
