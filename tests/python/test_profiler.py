@@ -4,10 +4,9 @@ after the collective ("lionbit:all_reduce_sign", "lionbit:reduce_scatter_sign")
 on the caller's thread, and the worker's steps (pack, count, unpack) show in
 the same trace."""
 
-import torch
 
 from harness import run_ranks, values
-from test_fsdp import _loss, _net, _shard, LION
+from test_fsdp import LION, _loss, _net, _shard
 
 
 def _event_counts(prof):
@@ -18,9 +17,10 @@ def _event_counts(prof):
 
 
 def profile_training(rank, world_size, steps, fsdp):
-    import lionbit
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.profiler import ProfilerActivity, profile
+
+    import lionbit
 
     model = _shard(_net()) if fsdp else DDP(_net())
     opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
@@ -39,7 +39,8 @@ def profile_training(rank, world_size, steps, fsdp):
 
 def test_ddp_step_shows_the_sign_all_reduce_and_its_steps():
     steps = 3
-    for rank, out in enumerate(values(run_ranks("test_profiler:profile_training", 2, kwargs={"steps": steps, "fsdp": False}))):
+    outs = values(run_ranks("test_profiler:profile_training", 2, kwargs={"steps": steps, "fsdp": False}))
+    for rank, out in enumerate(outs):
         counts = out["counts"]
         assert counts.get("lionbit:all_reduce_sign", 0) >= steps, (rank, counts)
         assert "lionbit:reduce_scatter_sign" not in counts, (rank, counts)
@@ -50,7 +51,8 @@ def test_ddp_step_shows_the_sign_all_reduce_and_its_steps():
 
 def test_fsdp2_step_shows_the_sign_reduce_scatter():
     steps = 2
-    for rank, out in enumerate(values(run_ranks("test_profiler:profile_training", 2, kwargs={"steps": steps, "fsdp": True}))):
+    outs = values(run_ranks("test_profiler:profile_training", 2, kwargs={"steps": steps, "fsdp": True}))
+    for rank, out in enumerate(outs):
         counts = out["counts"]
         assert counts.get("lionbit:reduce_scatter_sign", 0) >= steps, (rank, counts)
         assert counts.get("lionbit::count", 0) >= steps, (rank, counts)
