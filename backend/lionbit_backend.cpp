@@ -83,15 +83,30 @@ SignComm LionBitBackend::signComm() {
   return SignComm{sign_, rank_, size_, &stats_, sign_cuda_, &tie_hint_};
 }
 
+c10d::Backend& LionBitBackend::forwardInner() {
+  TORCH_CHECK(
+      forward_, "lionbit on rank ", rank_,
+      ": the backend was shut down (destroy_process_group, ProcessGroup.shutdown() "
+      "or interpreter exit); create a new process group");
+  return *forward_;
+}
+
 c10d::Backend& LionBitBackend::inner(const at::Tensor& t) {
   if (forward_cuda_ && t.defined() && t.is_cuda()) {
     return *forward_cuda_;
   }
-  return *forward_;
+  return forwardInner();
 }
 
 c10d::Backend& LionBitBackend::inner(const std::vector<at::Tensor>& ts) {
-  return ts.empty() ? *forward_ : inner(ts.front());
+  return ts.empty() ? forwardInner() : inner(ts.front());
+}
+
+std::vector<c10::intrusive_ptr<c10d::Backend>> LionBitBackend::takeCpuInners() {
+  std::vector<c10::intrusive_ptr<c10d::Backend>> taken;
+  taken.push_back(std::move(forward_));
+  taken.push_back(std::move(sign_));
+  return taken;
 }
 
 std::vector<c10d::Backend*> LionBitBackend::inners() {
@@ -221,11 +236,33 @@ std::string first_problem(std::initializer_list<std::function<std::string()>> ch
 
 } // namespace
 
+// The inner Gloo backends' worker threads hold each finished collective until
+// they pick up the next one, and releasing it frees its tensors: when the
+// caller has dropped them already (all_gather_object's, say), a tensor's
+// Python twin goes too, which takes the GIL. Were the interpreter finalizing
+// by then, the GIL would end that thread (pthread_exit, unwinding through
+// the tensor's noexcept destructor: "terminate called without an active
+// exception", an abort at exit). So the inner CPU backends are dropped at
+// shutdown and at exit, before finalization (the bindings call this without
+// the GIL): the last reference goes, the destructor joins the workers, and
+// whatever they still held is released while the interpreter is whole. (If
+// something else still holds an inner backend, its threads live on as they
+// would for plain gloo.) Later calls raise (forwardInner); the sign path's
+// are cancelled already.
 void LionBitBackend::shutdownAllWorkers() {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  for (LionBitBackend* b : registry()) {
-    b->executor_.shutdown();
+  std::vector<c10::intrusive_ptr<c10d::Backend>> inners;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    for (LionBitBackend* b : registry()) {
+      b->executor_.shutdown();
+      for (auto& inner : b->takeCpuInners()) {
+        inners.push_back(std::move(inner));
+      }
+    }
   }
+  // Outside the registry lock: a worker releasing a Python object runs
+  // Python code, which must not find lionbit's lock taken.
+  inners.clear();
 }
 
 bits::SignOp LionBitBackend::validate(
@@ -547,33 +584,34 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::recvAnysource(
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::barrier(
     const c10d::BarrierOptions& opts) {
-  return forward_->barrier(opts);
+  return forwardInner().barrier(opts);
 }
 
 void LionBitBackend::monitoredBarrier(
     const c10d::BarrierOptions& opts,
     bool wait_all_ranks) {
-  forward_->monitoredBarrier(opts, wait_all_ranks);
+  forwardInner().monitoredBarrier(opts, wait_all_ranks);
 }
 
 void LionBitBackend::setSequenceNumberForGroup() {
-  forward_->setSequenceNumberForGroup();
+  forwardInner().setSequenceNumberForGroup();
 }
 
 uint64_t LionBitBackend::getSequenceNumberForGroup() {
-  return forward_->getSequenceNumberForGroup();
+  return forwardInner().getSequenceNumberForGroup();
 }
 
 bool LionBitBackend::supportsCoalescing() const {
-  return forwardCudaBackend()->supportsCoalescing();
+  const auto& b = forwardCudaBackend();
+  return b && b->supportsCoalescing();
 }
 
 void LionBitBackend::startCoalescing() {
-  forwardCudaBackend()->startCoalescing();
+  (forward_cuda_ ? *forward_cuda_ : forwardInner()).startCoalescing();
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::endCoalescing() {
-  return forwardCudaBackend()->endCoalescing();
+  return (forward_cuda_ ? *forward_cuda_ : forwardInner()).endCoalescing();
 }
 
 void LionBitBackend::setTimeout(std::chrono::milliseconds timeout) {
@@ -595,6 +633,8 @@ void LionBitBackend::shutdown() {
   for (c10d::Backend* b : inners()) {
     b->shutdown();
   }
+  // Joins the inner Gloo workers now (see shutdownAllWorkers).
+  takeCpuInners();
 }
 
 } // namespace lionbit

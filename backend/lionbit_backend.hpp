@@ -88,8 +88,9 @@ class LionBitBackend : public c10d::Backend {
       const std::string& op);
 
   // Stops the sign-path worker of every live backend (queued calls fail,
-  // running ones finish). lionbit registers it with atexit: no worker may run
-  // while the interpreter finalizes.
+  // running ones finish) and releases its inner CPU backends, joining their
+  // workers, as shutdown() does. lionbit registers it with atexit: no worker
+  // may run while the interpreter finalizes.
   static void shutdownAllWorkers();
 
   Stats& stats() {
@@ -197,6 +198,11 @@ class LionBitBackend : public c10d::Backend {
   c10d::Backend& inner(const at::Tensor& t);
   c10d::Backend& inner(const std::vector<at::Tensor>& ts);
   std::vector<c10d::Backend*> inners();
+  // forward_, or an error once shutdown() or exit released it.
+  c10d::Backend& forwardInner();
+  // Moves forward_ and sign_ out (the members are null after): dropping the
+  // last reference joins their worker threads. Not while calls run.
+  std::vector<c10::intrusive_ptr<c10d::Backend>> takeCpuInners();
   // The op named `op_name`, once `problem(op)` finds nothing wrong with the
   // call's arguments. Otherwise raises here, naming the collective, the op,
   // the rank and the argument, after queuing a header round that tells the

@@ -64,8 +64,9 @@ _register()
 
 import atexit as _atexit  # noqa: E402
 
-# Stop lionbit's worker threads while the interpreter is still whole: a
-# worker that ran on during finalization could be killed mid-destructor.
+# Stop lionbit's worker threads, and join the inner Gloo backends' workers,
+# while the interpreter is still whole: a thread that released a Python-owned
+# tensor during finalization would be killed mid-destructor (std::terminate).
 _atexit.register(_C._shutdown_workers)
 
 __all__ = [

@@ -220,6 +220,52 @@ def test_destroy_process_group_with_sign_work_in_flight_leaks_no_threads(tmp_pat
         assert [c["after"] for c in v["cycles"]] == [v["base"]] * len(v["cycles"]), v
 
 
+def check_teardown_joins_inner_gloo_workers(rank, n, workdir):
+    """A lionbit group that outlives its teardown (in examples/ddp_train.py
+    the backend outlives main()): destroy_process_group, and lionbit's atexit
+    hook without it, still join the inner Gloo backends' workers. Left alive,
+    one of them released a finished all-gather's Python-owned tensors during
+    interpreter finalization and was killed taking the GIL: "terminate called
+    without an active exception", about 1 `make demo` in 17."""
+    import lionbit
+
+    dist.destroy_process_group()  # the harness's group: start from none
+    torch.randn(1 << 18).sign_()  # warm torch's own thread pools up before counting
+    base = _threads()
+    res = {"base": base}
+    for how in ("destroy", "atexit"):
+        dist.init_process_group("lionbit", init_method=f"file://{workdir}/store-{how}", rank=rank, world_size=n)
+        kept = dist.distributed_c10d._get_default_group()  # what outlives teardown
+        gathered = [None] * n
+        dist.all_gather_object(gathered, rank)
+        lionbit.all_reduce_sign(torch.randn(1000))
+        during = _threads()
+        after_call = ""
+        if how == "destroy":
+            dist.destroy_process_group()
+        else:
+            lionbit._C._shutdown_workers()  # what lionbit registers with atexit
+            try:
+                dist.all_reduce(torch.ones(4))
+            except Exception as err:  # noqa: BLE001
+                after_call = str(err)
+        res[how] = {"during": during, "after": _threads(), "after_call": after_call}
+        if how == "atexit":
+            dist.destroy_process_group()
+        del kept
+    return res
+
+
+def test_teardown_joins_inner_gloo_workers_of_a_group_still_referenced(tmp_path):
+    res = run_ranks("test_faults:check_teardown_joins_inner_gloo_workers", 2, kwargs={"workdir": str(tmp_path)})
+    for r in res:
+        v = r.value
+        for how in ("destroy", "atexit"):
+            assert v[how]["during"] > v["base"], v  # the group had threads to stop
+            assert v[how]["after"] == v["base"], v
+        assert "lionbit" in v["atexit"]["after_call"] and "shut down" in v["atexit"]["after_call"], v
+
+
 def check_shutdown_backend_mid_call(rank, n):
     """backend.shutdown() from another thread while a large sign all-reduce
     runs: the call ends (result or lionbit error), no crash, the worker is
