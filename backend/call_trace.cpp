@@ -64,8 +64,8 @@ CallTrace::~CallTrace() {
     const char* r = std::getenv("RANK");
     return std::string(r != nullptr ? r : "");
   }();
-  const std::string path =
-      prefix() + ".rank" + (job_rank.empty() ? std::to_string(rank_) : job_rank) + ".jsonl";
+  const std::string path = prefix() + ".rank" +
+      (job_rank.empty() ? std::to_string(rank_) : job_rank) + ".jsonl";
   std::FILE*& f = files[path];
   if (f == nullptr) {
     f = std::fopen(path.c_str(), "a");

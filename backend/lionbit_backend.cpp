@@ -51,11 +51,10 @@ LionBitBackend::LionBitBackend(
   TORCH_CHECK_VALUE(forward_, "lionbit: argument 'forward' is None");
   TORCH_CHECK_VALUE(sign_, "lionbit: argument 'sign' is None");
   TORCH_CHECK_VALUE(
-      forward_->getRank() == rank && forward_->getSize() == size &&
-          sign_->getRank() == rank && sign_->getSize() == size,
-      "lionbit: inner backends span rank ", forward_->getRank(), "/",
-      forward_->getSize(), " and ", sign_->getRank(), "/", sign_->getSize(),
-      ", expected rank ", rank, " of ", size);
+      forward_->getRank() == rank && forward_->getSize() == size && sign_->getRank() == rank &&
+          sign_->getSize() == size,
+      "lionbit: inner backends span rank ", forward_->getRank(), "/", forward_->getSize(), " and ",
+      sign_->getRank(), "/", sign_->getSize(), ", expected rank ", rank, " of ", size);
   for (const auto* b : {&forward_cuda_, &sign_cuda_}) {
     TORCH_CHECK_VALUE(
         !*b || ((*b)->getRank() == rank && (*b)->getSize() == size),
@@ -165,11 +164,7 @@ bool provably_no_overlap(const at::Tensor& t) {
 
 // Why `tensor` (argument `name`) cannot receive the result of `op` on a group
 // of `world` ranks; "" when it can.
-std::string result_problem(
-    const at::Tensor& tensor,
-    const char* name,
-    bits::SignOp op,
-    int world) {
+std::string result_problem(const at::Tensor& tensor, const char* name, bits::SignOp op, int world) {
   const std::string arg = std::string("argument '") + name + "'";
   if (!tensor.defined()) {
     return arg + " is undefined";
@@ -208,7 +203,8 @@ std::string result_problem(
   const at::MemOverlap overlap = at::has_internal_overlap(tensor);
   if (overlap == at::MemOverlap::Yes ||
       (overlap == at::MemOverlap::TooHard && tensor.numel() > 1 && !provably_no_overlap(tensor))) {
-    return arg + " has elements that share memory (an expand()ed or as_strided view); "
+    return arg +
+        " has elements that share memory (an expand()ed or as_strided view); "
         "the result cannot be written in place";
   }
   return "";
@@ -287,7 +283,8 @@ bits::SignOp LionBitBackend::validate(
       }
     });
     TORCH_CHECK_VALUE(
-        false, "lionbit ", collective_name(kind), "(op=", op_name, ") on rank ", rank_, ": ", reason);
+        false, "lionbit ", collective_name(kind), "(op=", op_name, ") on rank ", rank_, ": ",
+        reason);
   }
   return *op;
 }
@@ -318,8 +315,8 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
       error = std::make_exception_ptr(c10::DistBackendError(
           {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
           c10::str(
-              "lionbit ", collective_name(kind), "(op=", bits::sign_op_name(op), ") on rank ",
-              rank, ": the backend was shut down before the call ran")));
+              "lionbit ", collective_name(kind), "(op=", bits::sign_op_name(op), ") on rank ", rank,
+              ": the backend was shut down before the call ran")));
     } else {
       try {
         at::ThreadLocalStateGuard state(held->caller_state);
@@ -348,14 +345,17 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSign(
 #ifdef LIONBIT_WITH_CUDA
   if (tensor.is_cuda()) {
     auto ready = cuda_mark_ready(tensor);
-    return enqueue(Collective::kAllReduce, op, tensor, [tensor, op, ready](const SignComm& comm, uint64_t seq) mutable {
-      sign_allreduce_cuda(comm, tensor, op, seq, ready);
-    });
+    return enqueue(
+        Collective::kAllReduce, op, tensor,
+        [tensor, op, ready](const SignComm& comm, uint64_t seq) mutable {
+          sign_allreduce_cuda(comm, tensor, op, seq, ready);
+        });
   }
 #endif
-  return enqueue(Collective::kAllReduce, op, tensor, [tensor, op](const SignComm& comm, uint64_t seq) mutable {
-    sign_allreduce(comm, tensor, op, seq);
-  });
+  return enqueue(
+      Collective::kAllReduce, op, tensor, [tensor, op](const SignComm& comm, uint64_t seq) mutable {
+        sign_allreduce(comm, tensor, op, seq);
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPacked(
@@ -370,17 +370,23 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPacked(
     return first_problem({
         [&] { return result_problem(out, "out", op, size_); },
         [&] { return numel < 0 || nans < 0 ? "arguments 'numel' and 'nans' must be >= 0" : ""; },
-        [&] { return out.is_cpu() ? "" : "argument 'out' must be a CPU tensor (planes packed on the CPU)"; },
+        [&] {
+          return out.is_cpu() ? ""
+                              : "argument 'out' must be a CPU tensor (planes packed on the CPU)";
+        },
         [&] { return exact_size_problem(out, "numel", numel); },
         [&] { return check_planes(sign, "sign", at::kCPU, bits_needed); },
         [&] { return check_planes(zero, "zero", at::kCPU, bits_needed); },
     });
   });
-  return enqueue(Collective::kAllReduce, op, out, [sign, zero, numel, nans, out, op](const SignComm& comm, uint64_t seq) mutable {
-    const PackedSigns in{
-        words_of(sign), words_of(zero), static_cast<uint64_t>(numel), static_cast<uint64_t>(nans)};
-    sign_allreduce_packed(comm, in, out, op, seq);
-  });
+  return enqueue(
+      Collective::kAllReduce, op, out,
+      [sign, zero, numel, nans, out, op](const SignComm& comm, uint64_t seq) mutable {
+        const PackedSigns in{
+            words_of(sign), words_of(zero), static_cast<uint64_t>(numel),
+            static_cast<uint64_t>(nans)};
+        sign_allreduce_packed(comm, in, out, op, seq);
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPackedDevice(
@@ -394,7 +400,10 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPackedDevice(
     const int64_t bits_needed = std::max<int64_t>(numel, 0);
     return first_problem({
         [&] { return result_problem(out, "out", op, size_); },
-        [&] { return out.is_cuda() ? "" : "argument 'out' must be a CUDA tensor (planes packed on the GPU)"; },
+        [&] {
+          return out.is_cuda() ? ""
+                               : "argument 'out' must be a CUDA tensor (planes packed on the GPU)";
+        },
         [&] { return numel < 0 ? "argument 'numel' must be >= 0" : ""; },
         [&] { return exact_size_problem(out, "numel", numel); },
         [&] { return check_planes(sign, "sign", out.device(), bits_needed); },
@@ -404,9 +413,11 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPackedDevice(
   });
 #ifdef LIONBIT_WITH_CUDA
   auto ready = cuda_mark_ready(out);
-  return enqueue(Collective::kAllReduce, op, out, [sign, zero, counts, numel, out, op, ready](const SignComm& comm, uint64_t seq) mutable {
-    sign_allreduce_cuda_packed(comm, sign, zero, counts, numel, out, op, seq, ready);
-  });
+  return enqueue(
+      Collective::kAllReduce, op, out,
+      [sign, zero, counts, numel, out, op, ready](const SignComm& comm, uint64_t seq) mutable {
+        sign_allreduce_cuda_packed(comm, sign, zero, counts, numel, out, op, seq, ready);
+      });
 #else
   (void)op; // validate() refused the CUDA tensor: this build has no CUDA path
   TORCH_INTERNAL_ASSERT(false, "unreachable");
@@ -423,31 +434,43 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterSignPacked(
   const bits::SignOp op = validate(Collective::kReduceScatter, op_name, [&](bits::SignOp op) {
     return first_problem({
         [&] { return result_problem(out, "out", op, size_); },
-        [&] { return out.is_cpu() ? "" : "argument 'out' must be a CPU tensor (planes packed on the CPU)"; },
-        [&] { return shard_numel < 0 || nans < 0 ? "arguments 'shard_numel' and 'nans' must be >= 0" : ""; },
+        [&] {
+          return out.is_cpu() ? ""
+                              : "argument 'out' must be a CPU tensor (planes packed on the CPU)";
+        },
+        [&] {
+          return shard_numel < 0 || nans < 0 ? "arguments 'shard_numel' and 'nans' must be >= 0"
+                                             : "";
+        },
         [&]() -> std::string {
           if (static_cast<uint64_t>(shard_numel) * static_cast<uint64_t>(size_) > bits::kMaxNumel) {
-            return "argument 'shard_numel' is too large (" + std::to_string(shard_numel) + " per rank)";
+            return "argument 'shard_numel' is too large (" + std::to_string(shard_numel) +
+                " per rank)";
           }
           return "";
         },
         [&] { return exact_size_problem(out, "shard_numel", shard_numel); },
         [&] {
           // N shards, each starting on a word.
-          const auto bytes = static_cast<int64_t>(reduce_scatter_plane_bytes(static_cast<uint64_t>(shard_numel), size_));
+          const auto bytes = static_cast<int64_t>(
+              reduce_scatter_plane_bytes(static_cast<uint64_t>(shard_numel), size_));
           return check_planes(sign, "sign", at::kCPU, 8 * bytes);
         },
         [&] {
-          const auto bytes = static_cast<int64_t>(reduce_scatter_plane_bytes(static_cast<uint64_t>(shard_numel), size_));
+          const auto bytes = static_cast<int64_t>(
+              reduce_scatter_plane_bytes(static_cast<uint64_t>(shard_numel), size_));
           return check_planes(zero, "zero", at::kCPU, 8 * bytes);
         },
     });
   });
-  return enqueue(Collective::kReduceScatter, op, out, [sign, zero, shard_numel, nans, out, op](const SignComm& comm, uint64_t seq) mutable {
-    const PackedShards in{
-        words_of(sign), words_of(zero), static_cast<uint64_t>(shard_numel), static_cast<uint64_t>(nans)};
-    sign_reduce_scatter_packed(comm, in, out, op, seq);
-  });
+  return enqueue(
+      Collective::kReduceScatter, op, out,
+      [sign, zero, shard_numel, nans, out, op](const SignComm& comm, uint64_t seq) mutable {
+        const PackedShards in{
+            words_of(sign), words_of(zero), static_cast<uint64_t>(shard_numel),
+            static_cast<uint64_t>(nans)};
+        sign_reduce_scatter_packed(comm, in, out, op, seq);
+      });
 }
 
 // --- forwarding ------------------------------------------------------------
@@ -551,8 +574,7 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::alltoall_base(
     std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes,
     const c10d::AllToAllOptions& opts) {
-  return inner(input).alltoall_base(
-      output, input, output_split_sizes, input_split_sizes, opts);
+  return inner(input).alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::alltoall(
@@ -582,14 +604,11 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::recvAnysource(
   return inner(tensors).recvAnysource(tensors, tag);
 }
 
-c10::intrusive_ptr<c10d::Work> LionBitBackend::barrier(
-    const c10d::BarrierOptions& opts) {
+c10::intrusive_ptr<c10d::Work> LionBitBackend::barrier(const c10d::BarrierOptions& opts) {
   return forwardInner().barrier(opts);
 }
 
-void LionBitBackend::monitoredBarrier(
-    const c10d::BarrierOptions& opts,
-    bool wait_all_ranks) {
+void LionBitBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
   forwardInner().monitoredBarrier(opts, wait_all_ranks);
 }
 

@@ -38,17 +38,13 @@ class LionBitBackend : public c10d::Backend {
       c10::intrusive_ptr<c10d::Backend> sign_cuda = {});
   ~LionBitBackend() override;
 
-  const std::string getBackendName() const override {
-    return "lionbit";
-  }
+  const std::string getBackendName() const override { return "lionbit"; }
 
   // --- the sign all-reduce ------------------------------------------------
   // In place; `op` is "vote", "avg" or "sum". Never blocks on communication:
   // the returned Work completes when the result is written. Bad arguments
   // raise here (and peers are told, so they fail at once rather than wait).
-  c10::intrusive_ptr<c10d::Work> allreduceSign(
-      at::Tensor tensor,
-      const std::string& op);
+  c10::intrusive_ptr<c10d::Work> allreduceSign(at::Tensor tensor, const std::string& op);
 
   // allreduceSignPacked for planes packed on a GPU: `counts` is an int64
   // tensor {zeros, NaNs} on the same device as the planes and `out` (the
@@ -93,17 +89,13 @@ class LionBitBackend : public c10d::Backend {
   // may run while the interpreter finalizes.
   static void shutdownAllWorkers();
 
-  Stats& stats() {
-    return stats_;
-  }
+  Stats& stats() { return stats_; }
   // The backend that carries standard collectives on CUDA tensors.
   const c10::intrusive_ptr<c10d::Backend>& forwardCudaBackend() const {
     return forward_cuda_ ? forward_cuda_ : forward_;
   }
   // "nccl" or "gloo": what moves the sign path's data for CUDA tensors.
-  std::string cudaTransport() const {
-    return sign_cuda_ ? sign_cuda_->getBackendName() : "gloo";
-  }
+  std::string cudaTransport() const { return sign_cuda_ ? sign_cuda_->getBackendName() : "gloo"; }
 
   // --- standard collectives: forwarded ----------------------------------
   c10::intrusive_ptr<c10d::Work> broadcast(
@@ -167,21 +159,13 @@ class LionBitBackend : public c10d::Backend {
       std::vector<at::Tensor>& outputs,
       std::vector<at::Tensor>& inputs,
       const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> send(
-      std::vector<at::Tensor>& tensors,
-      int dst_rank,
-      int tag) override;
-  c10::intrusive_ptr<c10d::Work> recv(
-      std::vector<at::Tensor>& tensors,
-      int src_rank,
-      int tag) override;
-  c10::intrusive_ptr<c10d::Work> recvAnysource(
-      std::vector<at::Tensor>& tensors,
-      int tag) override;
-  c10::intrusive_ptr<c10d::Work> barrier(
-      const c10d::BarrierOptions& opts) override;
-  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks)
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag)
       override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag)
+      override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
 
   void setSequenceNumberForGroup() override;
   uint64_t getSequenceNumberForGroup() override;

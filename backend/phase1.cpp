@@ -63,7 +63,8 @@ Phase1 send_shards(
   p.recv_splits.resize(N);
   int64_t recv_total = 0;
   for (int j = 0; j < N; ++j) {
-    p.recv_splits[j] = static_cast<int64_t>(sb + bits::zero_encoding_bytes(hs.zero_capacity[j], sw));
+    p.recv_splits[j] = static_cast<int64_t>(
+        sb + bits::zero_encoding_bytes(hs.zero_capacity[j], sw));
     recv_total += p.recv_splits[j];
     if (j != c.rank) {
       c.stats->bytes_sent += static_cast<uint64_t>(send_splits[j]);

@@ -108,7 +108,8 @@ Phase2Decoder::Phase2Decoder(const Phase2& fmt, bits::SignOp op, bits::DType dty
     : fmt_(fmt), dtype_(dtype), tie_planes_(tie_planes) {
   switch (fmt.format) {
     case Phase2Format::kVoteSigns: // code = sign bit + 2 * tie bit
-      lut_ = lut_of(dtype, tie_planes ? std::vector<double>{-1, 1, 0, 0} : std::vector<double>{-1, 1});
+      lut_ = lut_of(
+          dtype, tie_planes ? std::vector<double>{-1, 1, 0, 0} : std::vector<double>{-1, 1});
       break;
     case Phase2Format::kVoteTrits: // trit 0, 1, 2
       lut_ = lut_of(dtype, {-1, 1, 0});
@@ -123,7 +124,11 @@ Phase2Decoder::Phase2Decoder(const Phase2& fmt, bits::SignOp op, bits::DType dty
   }
 }
 
-std::string Phase2Decoder::decode(const uint8_t* msg, const uint64_t* tie_plane, size_t n, void* dst) const {
+std::string Phase2Decoder::decode(
+    const uint8_t* msg,
+    const uint64_t* tie_plane,
+    size_t n,
+    void* dst) const {
   const size_t sw = fmt_.sw;
   const auto* words = reinterpret_cast<const uint64_t*>(msg);
   switch (fmt_.format) {

@@ -56,7 +56,12 @@ class Run {
         call_{c, op, Collective::kAllReduce, seq},
         tensor_(tensor),
         packed_(packed),
-        trace_(c.rank, c.world_size, bits::sign_op_name(op), seq, static_cast<uint64_t>(tensor.numel())) {
+        trace_(
+            c.rank,
+            c.world_size,
+            bits::sign_op_name(op),
+            seq,
+            static_cast<uint64_t>(tensor.numel())) {
     const auto d = bits_dtype(tensor.scalar_type());
     TORCH_CHECK(d.has_value(), where(call_), "unsupported dtype ", tensor.scalar_type());
     dtype_ = *d;
@@ -118,8 +123,7 @@ class Run {
       bits::PackCounts pc;
       if (packed_ == nullptr) {
         pc = bits::pack_signs(
-            dtype_, src + begin * esize, ch.len, words_of(ch.sign_plane),
-            words_of(ch.zero_plane));
+            dtype_, src + begin * esize, ch.len, words_of(ch.sign_plane), words_of(ch.zero_plane));
       } else {
         // Chunks start on word boundaries (a multiple of 64 * N elements).
         std::memcpy(words_of(ch.sign_plane), packed_->sign + begin / 64, used * 8);
@@ -179,7 +183,8 @@ class Run {
         c_.stats->inline_tie_chunks += 1;
       }
       const std::string error = ch.fmt.encode(
-          in.data(), bytes_of(ch.mine_msg), ch.mine_zero.defined() ? words_of(ch.mine_zero) : nullptr);
+          in.data(), bytes_of(ch.mine_msg),
+          ch.mine_zero.defined() ? words_of(ch.mine_zero) : nullptr);
       TORCH_CHECK(error.empty(), where(call_), error);
     }
     trace_.mark("counted", static_cast<int64_t>(idx));
@@ -203,8 +208,8 @@ class Run {
         const uint64_t ties = Phase2::ties_in(bytes_of(ch.gathered) + k * ch.msg);
         TORCH_CHECK_VALUE(
             ties <= ch.sw * bits::kWordBits, where(call_), "rank ", k,
-            " sent a corrupt vote message (", ties, " ties in a shard of ",
-            ch.sw * bits::kWordBits, " elements)");
+            " sent a corrupt vote message (", ties, " ties in a shard of ", ch.sw * bits::kWordBits,
+            " elements)");
         tie_cap = std::max(tie_cap, ties);
       }
       // A tie plane is the cheapest encoding of these ties: worth carrying
@@ -228,7 +233,8 @@ class Run {
       for (int k = 0; k < N_ && static_cast<size_t>(k) * per_shard < ch.len; ++k) {
         const size_t begin = static_cast<size_t>(k) * per_shard;
         const std::string corrupt = decoder.decode(
-            bytes_of(ch.gathered) + k * ch.msg, tie_planes ? words_of(ch.tie_planes) + k * ch.sw : nullptr,
+            bytes_of(ch.gathered) + k * ch.msg,
+            tie_planes ? words_of(ch.tie_planes) + k * ch.sw : nullptr,
             std::min(per_shard, ch.len - begin), dst + begin * esize);
         TORCH_CHECK_VALUE(corrupt.empty(), where(call_), "rank ", k, " sent ", corrupt);
       }
@@ -286,11 +292,7 @@ class Run {
 
 } // namespace
 
-void sign_allreduce(
-    const SignComm& c,
-    at::Tensor& tensor,
-    bits::SignOp op,
-    uint64_t seq) {
+void sign_allreduce(const SignComm& c, at::Tensor& tensor, bits::SignOp op, uint64_t seq) {
   Run(c, tensor, op, seq).run();
 }
 

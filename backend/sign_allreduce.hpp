@@ -41,11 +41,7 @@ struct SignComm {
 // Runs the whole collective on `tensor` (CPU, a supported dtype, no internal
 // overlap: the caller has checked) and writes the result into it. Throws
 // c10::Error naming lionbit, the op and the rank on any failure.
-void sign_allreduce(
-    const SignComm& c,
-    at::Tensor& tensor,
-    bits::SignOp op,
-    uint64_t seq);
+void sign_allreduce(const SignComm& c, at::Tensor& tensor, bits::SignOp op, uint64_t seq);
 
 // Direction bits packed by the caller (the fused Lion kernel): planes of at
 // least words_for(numel) words laid out like bits::pack_signs; bits past

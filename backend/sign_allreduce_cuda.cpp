@@ -45,8 +45,7 @@ uint64_t* dev_words(const at::Tensor& t) {
 }
 
 at::Tensor dev_bytes(size_t n, const at::Device& device) {
-  return at::empty(
-      {static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte).device(device));
+  return at::empty({static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte).device(device));
 }
 
 // One collective on one device tensor. Runs on the worker thread with the
@@ -54,7 +53,11 @@ at::Tensor dev_bytes(size_t n, const at::Device& device) {
 class CudaRun {
  public:
   CudaRun(const SignComm& c, bits::SignOp op, uint64_t seq, at::Device device)
-      : c_(c), N_(c.world_size), op_(op), call_{c, op, Collective::kAllReduce, seq}, device_(device),
+      : c_(c),
+        N_(c.world_size),
+        op_(op),
+        call_{c, op, Collective::kAllReduce, seq},
+        device_(device),
         stream_(c10::cuda::getCurrentCUDAStream(device.index())) {}
 
   // Packs `buf` (contiguous) into the planes.
@@ -147,16 +150,15 @@ class CudaRun {
       } else {
         P = bits::code_planes(N_, any_zero);
         TORCH_CHECK(
-            P <= bits::kMaxUnpackPlanes, where(call_), "world size ", N_,
-            " is too large for op ", bits::sign_op_name(op_));
+            P <= bits::kMaxUnpackPlanes, where(call_), "world size ", N_, " is too large for op ",
+            bits::sign_op_name(op_));
         mine = dev_bytes(static_cast<size_t>(P) * sw_ * 8, device_);
         cuda::count_code(in_sign, in_zero, per, N_, sw_, dev_words(mine), stream_.stream());
         values = count_code_values(op_, N_, any_zero, P);
       }
     }
     recv = at::Tensor();
-    at::Tensor gathered =
-        exchange_allgather(mine, "all-gather of shard results (phase 2)");
+    at::Tensor gathered = exchange_allgather(mine, "all-gather of shard results (phase 2)");
     mine = at::Tensor();
 
     ScopedTimer t(c_.stats->unpack_ns, "lionbit::unpack");
@@ -165,8 +167,8 @@ class CudaRun {
     bits::make_lut(dtype_, values.data(), values.size(), bytes_of(lut_host));
     at::Tensor lut = lut_host.to(device_);
     cuda::unpack(
-        dtype_, cuda::ShardedPlanes{dev_words(gathered), P, sw_}, n_,
-        lut.data_ptr(), out.data_ptr(), stream_.stream());
+        dtype_, cuda::ShardedPlanes{dev_words(gathered), P, sw_}, n_, lut.data_ptr(),
+        out.data_ptr(), stream_.stream());
   }
 
  private:
@@ -196,9 +198,7 @@ class CudaRun {
     c_.stats->elements += n_;
   }
 
-  bool direct() const {
-    return c_.device_comm.defined();
-  }
+  bool direct() const { return c_.device_comm.defined(); }
 
   // All-to-all with `bytes` per destination.
   at::Tensor exchange_a2a(at::Tensor& send, size_t bytes, const char* step) {
@@ -207,12 +207,15 @@ class CudaRun {
     std::vector<int64_t> equal_out, equal_in; // empty: equal splits
     if (direct()) {
       at::Tensor recv = at::empty_like(send);
-      wait_inner(call_, step, *c_.device_comm, c_.device_comm->alltoall_base(recv, send, equal_out, equal_in));
+      wait_inner(
+          call_, step, *c_.device_comm,
+          c_.device_comm->alltoall_base(recv, send, equal_out, equal_in));
       return recv;
     }
     at::Tensor host_send = send.cpu();
     at::Tensor host_recv = byte_buffer(static_cast<size_t>(host_send.numel()));
-    wait_inner(call_, step, *c_.comm, c_.comm->alltoall_base(host_recv, host_send, equal_out, equal_in));
+    wait_inner(
+        call_, step, *c_.comm, c_.comm->alltoall_base(host_recv, host_send, equal_out, equal_in));
     return host_recv.to(device_);
   }
 

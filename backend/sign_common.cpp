@@ -13,8 +13,8 @@ const char* collective_name(Collective kind) {
 }
 
 std::string where(const SignCall& call) {
-  return std::string("lionbit ") + collective_name(call.kind) + "(op=" + bits::sign_op_name(call.op) +
-      ") on rank " + std::to_string(call.c.rank) + ": ";
+  return std::string("lionbit ") + collective_name(call.kind) +
+      "(op=" + bits::sign_op_name(call.op) + ") on rank " + std::to_string(call.c.rank) + ": ";
 }
 
 uint64_t requested_chunk_elems(int world_size) {
@@ -40,8 +40,9 @@ void wait_inner(
   } catch (const std::exception& e) {
     const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
     TORCH_CHECK_WITH(
-        DistBackendError, false, where(call), "the ", step, " over the inner ", via.getBackendName(),
-        " communicator failed: ", c10_error != nullptr ? c10_error->what_without_backtrace() : e.what());
+        DistBackendError, false, where(call), "the ", step, " over the inner ",
+        via.getBackendName(), " communicator failed: ",
+        c10_error != nullptr ? c10_error->what_without_backtrace() : e.what());
   }
 }
 
@@ -76,13 +77,13 @@ bits::HeaderSummary header_round(const SignCall& call, const bits::WireHeader& m
 }
 
 void reject_round(const SignCall& call) {
-  const uint32_t flags =
-      bits::kRejected | (call.kind == Collective::kReduceScatter ? bits::kReduceScatter : 0u);
+  const uint32_t flags = bits::kRejected |
+      (call.kind == Collective::kReduceScatter ? bits::kReduceScatter : 0u);
   const uint64_t chunk = call.kind == Collective::kReduceScatter
       ? 0
       : bits::chunk_elems_for(requested_chunk_elems(call.c.world_size), call.c.world_size);
-  const auto mine =
-      bits::make_header(call.op, bits::DType::kFloat32, call.c.rank, flags, call.seq, 0, 0, chunk);
+  const auto mine = bits::make_header(
+      call.op, bits::DType::kFloat32, call.c.rank, flags, call.seq, 0, 0, chunk);
   exchange_headers(call, mine); // its error is the caller's own: ignore it
 }
 
@@ -94,9 +95,8 @@ std::vector<double> count_code_values(bits::SignOp op, int N, bool with_zeros, i
     if (sum < -N || sum > N) {
       values[code] = 0;
     } else {
-      values[code] = op == bits::SignOp::kSum
-          ? static_cast<double>(sum)
-          : static_cast<double>(sum) / static_cast<double>(N);
+      values[code] = op == bits::SignOp::kSum ? static_cast<double>(sum)
+                                              : static_cast<double>(sum) / static_cast<double>(N);
     }
   }
   return values;

@@ -25,9 +25,11 @@ std::vector<c10::Device> devices_of(const std::vector<at::Tensor>& ts) {
 SignWork::SignWork(int rank, Collective kind, std::vector<at::Tensor> outputs)
     : c10d::Work(
           rank,
-          kind == Collective::kReduceScatter ? c10d::OpType::REDUCE_SCATTER : c10d::OpType::ALLREDUCE,
+          kind == Collective::kReduceScatter ? c10d::OpType::REDUCE_SCATTER
+                                             : c10d::OpType::ALLREDUCE,
           // Static strings: the profiler keeps the pointer.
-          kind == Collective::kReduceScatter ? "lionbit:reduce_scatter_sign" : "lionbit:all_reduce_sign",
+          kind == Collective::kReduceScatter ? "lionbit:reduce_scatter_sign"
+                                             : "lionbit:all_reduce_sign",
           outputs),
       kind_(kind),
       outputs_(std::move(outputs)),

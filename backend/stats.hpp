@@ -24,9 +24,9 @@ struct Stats {
   std::atomic<uint64_t> inline_tie_chunks{0};
 
   void reset() {
-    for (auto* c : {&bytes_sent, &bytes_received, &sign_allreduce_calls, &sign_reduce_scatter_calls,
-                    &elements, &pack_ns, &comm_ns, &vote_ns, &unpack_ns, &tie_rounds,
-                    &inline_tie_chunks}) {
+    for (auto* c :
+         {&bytes_sent, &bytes_received, &sign_allreduce_calls, &sign_reduce_scatter_calls,
+          &elements, &pack_ns, &comm_ns, &vote_ns, &unpack_ns, &tie_rounds, &inline_tie_chunks}) {
       c->store(0);
     }
   }

@@ -38,7 +38,8 @@ std::string describe(const at::Tensor& t) {
   if (!t.defined()) {
     return "undefined";
   }
-  return c10::str(t.scalar_type(), " on ", t.device(), t.is_contiguous() ? "" : " (not contiguous)");
+  return c10::str(
+      t.scalar_type(), " on ", t.device(), t.is_contiguous() ? "" : " (not contiguous)");
 }
 
 std::string check_buffer(

@@ -162,8 +162,9 @@ void BM_lion_direction(benchmark::State& st) {
   auto g = random_floats(n, 5), m = random_floats(n, 6);
   std::vector<uint64_t> sign(bits::words_for(n)), zero(bits::words_for(n));
   for (auto _ : st) {
-    auto c = optim::lion_direction(bits::DType::kFloat32, g.data(), bits::DType::kFloat32, m.data(), n,
-                                   0.9f, 0.1f, 0.99f, 0.01f, sign.data(), zero.data());
+    auto c = optim::lion_direction(
+        bits::DType::kFloat32, g.data(), bits::DType::kFloat32, m.data(), n, 0.9f, 0.1f, 0.99f,
+        0.01f, sign.data(), zero.data());
     benchmark::DoNotOptimize(c);
     benchmark::ClobberMemory();
   }
@@ -172,19 +173,31 @@ void BM_lion_direction(benchmark::State& st) {
 
 constexpr int64_t k16M = 16 << 20;
 
-}  // namespace
+} // namespace
 
 BENCHMARK(BM_read_bw)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_pack)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 // Vote input: N packed planes of a shard; 16M elements per plane = 2 MB each.
-BENCHMARK(BM_vote)->ArgsProduct({{k16M}, {2, 4, 8, 16}})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_vote)
+    ->ArgsProduct({{k16M}, {2, 4, 8, 16}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(BM_unpack)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_unpack_trits)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_unpack_counts)->Args({k16M, 3})->Args({k16M, 5})->Args({k16M, 8})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_unpack_counts)
+    ->Args({k16M, 3})
+    ->Args({k16M, 5})
+    ->Args({k16M, 8})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(BM_lion_direction)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 // The read bandwidth once more, last: a run whose first benchmark is
 // disturbed (a build finishing, another job) would otherwise divide every
 // kernel by a low figure. The report takes the larger of the two.
-BENCHMARK(BM_read_bw)->Name("BM_read_bw_again")->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_read_bw)
+    ->Name("BM_read_bw_again")
+    ->Arg(k16M)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 BENCHMARK_MAIN();

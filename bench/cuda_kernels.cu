@@ -33,7 +33,12 @@ void check(cudaError_t e, const char* what) {
 
 // Deterministic pseudo-random bytes (a hash of the index) so that signs,
 // zeros and codes vary the way real data does.
-__global__ void fill_kernel(uint32_t* p, size_t n32, uint32_t seed, uint32_t and_mask, uint32_t or_mask) {
+__global__ void fill_kernel(
+    uint32_t* p,
+    size_t n32,
+    uint32_t seed,
+    uint32_t and_mask,
+    uint32_t or_mask) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n32;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     uint32_t x = static_cast<uint32_t>(i) * 0x9e3779b9u ^ seed;
@@ -82,8 +87,9 @@ struct Timer {
 
 void row(const char* kernel, size_t n, double ms, double bytes, double copy_gbs) {
   const double gbs = bytes / (ms * 1e-3) / 1e9;
-  std::printf("%-28s %8zuM %10.1f %9.1f %9.1f %7.1f%%\n", kernel, n >> 20, ms * 1e3, bytes / 1e6,
-              gbs, 100.0 * gbs / copy_gbs);
+  std::printf(
+      "%-28s %8zuM %10.1f %9.1f %9.1f %7.1f%%\n", kernel, n >> 20, ms * 1e3, bytes / 1e6, gbs,
+      100.0 * gbs / copy_gbs);
 }
 
 } // namespace
@@ -92,8 +98,9 @@ int main(int argc, char** argv) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
-    std::printf("lionbit_bench_cuda: no CUDA device (%s); nothing to measure\n",
-                err != cudaSuccess ? cudaGetErrorString(err) : "cudaGetDeviceCount returned 0");
+    std::printf(
+        "lionbit_bench_cuda: no CUDA device (%s); nothing to measure\n",
+        err != cudaSuccess ? cudaGetErrorString(err) : "cudaGetDeviceCount returned 0");
     return 0;
   }
   size_t max_n = size_t{256} << 20;
@@ -102,8 +109,9 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "properties");
-  std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor,
-              prop.multiProcessorCount);
+  std::printf(
+      "device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor,
+      prop.multiProcessorCount);
 
   cudaStream_t stream;
   check(cudaStreamCreate(&stream), "stream");
@@ -131,54 +139,61 @@ int main(int argc, char** argv) {
   check(cudaMemset(counts, 0, sizeof(lionbit::cuda::Counts)), "memset");
   check(cudaDeviceSynchronize(), "init");
 
-  std::printf("%-28s %9s %10s %9s %9s %8s\n", "kernel", "elements", "time_us", "MB", "GB/s",
-              "of_copy");
+  std::printf(
+      "%-28s %9s %10s %9s %9s %8s\n", "kernel", "elements", "time_us", "MB", "GB/s", "of_copy");
   for (size_t n : {size_t{1} << 20, size_t{16} << 20, size_t{64} << 20, size_t{256} << 20}) {
     if (n > max_n) {
       break;
     }
     const size_t words = n / 64;
     // Device-to-device copy of n float32: 4n bytes read and 4n written.
-    const double copy_ms = timer.median_ms([&] {
-      check(cudaMemcpyAsync(b, a, n * 4, cudaMemcpyDeviceToDevice, stream), "copy");
-    });
+    const double copy_ms = timer.median_ms(
+        [&] { check(cudaMemcpyAsync(b, a, n * 4, cudaMemcpyDeviceToDevice, stream), "copy"); });
     const double copy_gbs = 8.0 * n / (copy_ms * 1e-3) / 1e9;
-    std::printf("%-28s %8zuM %10.1f %9.1f %9.1f %7.1f%%\n", "memcpy D2D (f32)", n >> 20,
-                copy_ms * 1e3, 8.0 * n / 1e6, copy_gbs, 100.0);
+    std::printf(
+        "%-28s %8zuM %10.1f %9.1f %9.1f %7.1f%%\n", "memcpy D2D (f32)", n >> 20, copy_ms * 1e3,
+        8.0 * n / 1e6, copy_gbs, 100.0);
     fill(b, n * 4, 2, 0x807fffffu, 0x3f800000u); // b again holds momentum-like values
 
     row("pack_signs f32", n, timer.median_ms([&] {
-          lionbit::cuda::pack_signs(DType::kFloat32, a, n, out, out + words, 0, counts, stream);
-        }), 4.0 * n + n / 4.0, copy_gbs);
+      lionbit::cuda::pack_signs(DType::kFloat32, a, n, out, out + words, 0, counts, stream);
+    }),
+        4.0 * n + n / 4.0, copy_gbs);
     row("pack_signs bf16", n, timer.median_ms([&] {
-          lionbit::cuda::pack_signs(DType::kBFloat16, a, n, out, out + words, 0, counts, stream);
-        }), 2.0 * n + n / 4.0, copy_gbs);
+      lionbit::cuda::pack_signs(DType::kBFloat16, a, n, out, out + words, 0, counts, stream);
+    }),
+        2.0 * n + n / 4.0, copy_gbs);
     for (int shards : {4, 8, 16}) {
       // A rank's vote over a shard of n elements: `shards` sign planes read,
       // sign and zero planes written.
       const std::string name = "vote N=" + std::to_string(shards);
       row(name.c_str(), n, timer.median_ms([&] {
-            lionbit::cuda::vote(planes, nullptr, words, shards, words, out, out + words, stream);
-          }), (shards + 2) * n / 8.0, copy_gbs);
+        lionbit::cuda::vote(planes, nullptr, words, shards, words, out, out + words, stream);
+      }),
+          (shards + 2) * n / 8.0, copy_gbs);
     }
     row("unpack f32 (2 planes)", n, timer.median_ms([&] {
-          lionbit::cuda::unpack(DType::kFloat32, {planes, 2, words}, n, lut, b, stream);
-        }), 4.0 * n + n / 4.0, copy_gbs);
+      lionbit::cuda::unpack(DType::kFloat32, {planes, 2, words}, n, lut, b, stream);
+    }),
+        4.0 * n + n / 4.0, copy_gbs);
     fill(b, n * 4, 2, 0x807fffffu, 0x3f800000u);
     row("lion_direction f32/f32", n, timer.median_ms([&] {
-          lionbit::optim::cuda::lion_direction(DType::kFloat32, a, DType::kFloat32, b, n, 0.9f,
-                                               0.1f, 0.99f, 0.01f, out, out + words, 0, counts,
-                                               stream);
-        }), 12.0 * n + n / 4.0, copy_gbs);
+      lionbit::optim::cuda::lion_direction(
+          DType::kFloat32, a, DType::kFloat32, b, n, 0.9f, 0.1f, 0.99f, 0.01f, out, out + words, 0,
+          counts, stream);
+    }),
+        12.0 * n + n / 4.0, copy_gbs);
     row("lion_direction bf16/bf16", n, timer.median_ms([&] {
-          lionbit::optim::cuda::lion_direction(DType::kBFloat16, a, DType::kBFloat16, b, n, 0.9f,
-                                               0.1f, 0.99f, 0.01f, out, out + words, 0, counts,
-                                               stream);
-        }), 6.0 * n + n / 4.0, copy_gbs);
+      lionbit::optim::cuda::lion_direction(
+          DType::kBFloat16, a, DType::kBFloat16, b, n, 0.9f, 0.1f, 0.99f, 0.01f, out, out + words,
+          0, counts, stream);
+    }),
+        6.0 * n + n / 4.0, copy_gbs);
     row("lion_apply_dense f32/f32", n, timer.median_ms([&] {
-          lionbit::optim::cuda::lion_apply_dense(DType::kFloat32, b, DType::kFloat32, a, n, 1e-4f,
-                                                 0.99999f, stream);
-        }), 12.0 * n, copy_gbs);
+      lionbit::optim::cuda::lion_apply_dense(
+          DType::kFloat32, b, DType::kFloat32, a, n, 1e-4f, 0.99999f, stream);
+    }),
+        12.0 * n, copy_gbs);
   }
   check(cudaStreamSynchronize(stream), "final sync");
   cudaFree(a);

@@ -18,9 +18,10 @@ std::tuple<int64_t, int64_t> pack_signs_into(
   const char* op = "pack_signs_into";
   const auto dtype = bits_dtype(t.scalar_type());
   TORCH_CHECK_VALUE(
-      dtype.has_value() && t.device().is_cpu() && t.is_contiguous(),
-      "lionbit.", op, ": argument 't' must be a contiguous CPU tensor of "
-      "float32, float16, bfloat16, float64 or int8, got ", describe(t));
+      dtype.has_value() && t.device().is_cpu() && t.is_contiguous(), "lionbit.", op,
+      ": argument 't' must be a contiguous CPU tensor of "
+      "float32, float16, bfloat16, float64 or int8, got ",
+      describe(t));
   TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.", op, ": negative bit_offset");
   const int64_t n = t.numel();
   require(op, check_planes(sign, "sign", at::kCPU, bit_offset + n));
@@ -31,16 +32,15 @@ std::tuple<int64_t, int64_t> pack_signs_into(
   const size_t w = bits::words_for(static_cast<size_t>(n));
   at::Tensor tmp = at::empty({static_cast<int64_t>(2 * w * 8)}, at::kByte);
   uint64_t* ts = words_of(tmp);
-  const bits::PackCounts c = bits::pack_signs(*dtype, t.data_ptr(), static_cast<size_t>(n), ts, ts + w);
+  const bits::PackCounts c = bits::pack_signs(
+      *dtype, t.data_ptr(), static_cast<size_t>(n), ts, ts + w);
   bits::copy_bits(words_of(sign), static_cast<size_t>(bit_offset), ts, 0, static_cast<size_t>(n));
-  bits::copy_bits(words_of(zero), static_cast<size_t>(bit_offset), ts + w, 0, static_cast<size_t>(n));
+  bits::copy_bits(
+      words_of(zero), static_cast<size_t>(bit_offset), ts + w, 0, static_cast<size_t>(n));
   return {static_cast<int64_t>(c.zeros), static_cast<int64_t>(c.nans)};
 }
 
-bool lion_fused_supported(
-    at::ScalarType param,
-    at::ScalarType grad,
-    at::ScalarType momentum) {
+bool lion_fused_supported(at::ScalarType param, at::ScalarType grad, at::ScalarType momentum) {
   const auto p = float_dtype(param), g = float_dtype(grad), m = float_dtype(momentum);
   return p && g && m && optim::lion_direction_dtypes_supported(*g, *m) &&
       optim::lion_param_dtype_supported(*p);
@@ -61,7 +61,8 @@ int64_t lion_direction_into(
   require(op, check_float(g, "g", at::kCPU));
   require(op, check_float(m, "m", at::kCPU));
   TORCH_CHECK_VALUE(
-      optim::lion_direction_dtypes_supported(*float_dtype(g.scalar_type()), *float_dtype(m.scalar_type())),
+      optim::lion_direction_dtypes_supported(
+          *float_dtype(g.scalar_type()), *float_dtype(m.scalar_type())),
       "lionbit.", op, ": momentum must be float32 or bfloat16, got ", m.scalar_type());
   TORCH_CHECK_VALUE(
       g.numel() == m.numel(), "lionbit.", op, ": g has ", g.numel(), " elements, m ", m.numel());
@@ -85,7 +86,8 @@ int64_t lion_direction_into(
             gd, g.data_ptr(), md, m.data_ptr(), static_cast<size_t>(n), static_cast<float>(b1),
             static_cast<float>(omb1), ts, ts + w);
   bits::copy_bits(words_of(sign), static_cast<size_t>(bit_offset), ts, 0, static_cast<size_t>(n));
-  bits::copy_bits(words_of(zero), static_cast<size_t>(bit_offset), ts + w, 0, static_cast<size_t>(n));
+  bits::copy_bits(
+      words_of(zero), static_cast<size_t>(bit_offset), ts + w, 0, static_cast<size_t>(n));
   return static_cast<int64_t>(c.nonfinite);
 }
 

@@ -48,9 +48,6 @@ int64_t lion_direction_into(
 void lion_apply(at::Tensor& x, const at::Tensor& delta, double lr, double decay);
 
 // Whether the fused kernels take these dtypes.
-bool lion_fused_supported(
-    at::ScalarType param,
-    at::ScalarType grad,
-    at::ScalarType momentum);
+bool lion_fused_supported(at::ScalarType param, at::ScalarType grad, at::ScalarType momentum);
 
 } // namespace lionbit

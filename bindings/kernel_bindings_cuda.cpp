@@ -32,7 +32,8 @@ void pack_signs_into_device(
   TORCH_CHECK_VALUE(
       dtype.has_value() && t.is_cuda() && t.is_contiguous(),
       "lionbit.pack_signs_into_device: argument 't' must be a contiguous CUDA tensor of "
-      "float32, float16, bfloat16, float64 or int8, got ", describe(t));
+      "float32, float16, bfloat16, float64 or int8, got ",
+      describe(t));
   TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.pack_signs_into_device: negative bit_offset");
   const char* op = "pack_signs_into_device";
   require(op, check_planes(sign, "sign", t.device(), bit_offset + t.numel()));
@@ -57,11 +58,14 @@ void lion_direction_into_device(
     at::Tensor& counts,
     int64_t bit_offset) {
   const char* op = "lion_direction_into_device";
-  TORCH_CHECK_VALUE(g.defined() && g.is_cuda(), "lionbit.", op, ": argument 'g' must be a CUDA tensor, got ", describe(g));
+  TORCH_CHECK_VALUE(
+      g.defined() && g.is_cuda(), "lionbit.", op, ": argument 'g' must be a CUDA tensor, got ",
+      describe(g));
   require(op, check_float(g, "g", g.device()));
   require(op, check_float(m, "m", g.device()));
   TORCH_CHECK_VALUE(
-      optim::lion_direction_dtypes_supported(*float_dtype(g.scalar_type()), *float_dtype(m.scalar_type())),
+      optim::lion_direction_dtypes_supported(
+          *float_dtype(g.scalar_type()), *float_dtype(m.scalar_type())),
       "lionbit.", op, ": momentum must be float32 or bfloat16, got ", m.scalar_type());
   TORCH_CHECK_VALUE(
       g.numel() == m.numel(), "lionbit.", op, ": g has ", g.numel(), " elements, m ", m.numel());
@@ -80,7 +84,9 @@ void lion_direction_into_device(
 
 void lion_apply_device(at::Tensor& x, const at::Tensor& delta, double lr, double decay) {
   const char* op = "lion_apply_device";
-  TORCH_CHECK_VALUE(x.defined() && x.is_cuda(), "lionbit.", op, ": argument 'x' must be a CUDA tensor, got ", describe(x));
+  TORCH_CHECK_VALUE(
+      x.defined() && x.is_cuda(), "lionbit.", op, ": argument 'x' must be a CUDA tensor, got ",
+      describe(x));
   require(op, check_float(x, "x", x.device()));
   require(op, check_float(delta, "delta", x.device()));
   TORCH_CHECK_VALUE(

@@ -32,7 +32,8 @@ class ReleasedWithoutGil {
   ReleasedWithoutGil& operator=(ReleasedWithoutGil&&) noexcept = default;
   /* implicit */ ReleasedWithoutGil(c10::intrusive_ptr<T> p) : ptr_(std::move(p)) {}
   // pybind11 wraps an object it has just allocated through this one.
-  explicit ReleasedWithoutGil(T* fresh) : ptr_(c10::intrusive_ptr<T>::unsafe_steal_from_new(fresh)) {}
+  explicit ReleasedWithoutGil(T* fresh)
+      : ptr_(c10::intrusive_ptr<T>::unsafe_steal_from_new(fresh)) {}
   ~ReleasedWithoutGil() {
     if (!ptr_) {
       return;
@@ -44,9 +45,7 @@ class ReleasedWithoutGil {
       ptr_.reset();
     }
   }
-  T* get() const noexcept {
-    return ptr_.get();
-  }
+  T* get() const noexcept { return ptr_.get(); }
 
  private:
   c10::intrusive_ptr<T> ptr_;
@@ -64,14 +63,11 @@ PYBIND11_MODULE(_C, m) {
   py::module_::import("torch.distributed");
 
   py::class_<
-      lionbit::LionBitBackend,
-      c10d::Backend,
-      lionbit::ReleasedWithoutGil<lionbit::LionBitBackend>>(m, "LionBitBackend")
+      lionbit::LionBitBackend, c10d::Backend, lionbit::ReleasedWithoutGil<lionbit::LionBitBackend>>(
+      m, "LionBitBackend")
       .def(
           py::init([](const c10::intrusive_ptr<c10d::Backend>& forward,
-                      const c10::intrusive_ptr<c10d::Backend>& sign,
-                      int rank,
-                      int size,
+                      const c10::intrusive_ptr<c10d::Backend>& sign, int rank, int size,
                       std::chrono::milliseconds timeout,
                       std::optional<c10::intrusive_ptr<c10d::Backend>> forward_cuda,
                       std::optional<c10::intrusive_ptr<c10d::Backend>> sign_cuda) {
@@ -81,56 +77,26 @@ PYBIND11_MODULE(_C, m) {
                     forward_cuda.value_or(c10::intrusive_ptr<c10d::Backend>()),
                     sign_cuda.value_or(c10::intrusive_ptr<c10d::Backend>())));
           }),
-          py::arg("forward"),
-          py::arg("sign"),
-          py::arg("rank"),
-          py::arg("size"),
-          py::arg("timeout"),
-          py::arg("forward_cuda") = py::none(),
-          py::arg("sign_cuda") = py::none())
+          py::arg("forward"), py::arg("sign"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+          py::arg("forward_cuda") = py::none(), py::arg("sign_cuda") = py::none())
       .def(
-          "all_reduce_sign",
-          &lionbit::LionBitBackend::allreduceSign,
-          py::arg("tensor"),
-          py::arg("op") = "vote",
-          py::call_guard<py::gil_scoped_release>())
+          "all_reduce_sign", &lionbit::LionBitBackend::allreduceSign, py::arg("tensor"),
+          py::arg("op") = "vote", py::call_guard<py::gil_scoped_release>())
       .def(
-          "all_reduce_sign_packed",
-          &lionbit::LionBitBackend::allreduceSignPacked,
-          py::arg("sign"),
-          py::arg("zero"),
-          py::arg("numel"),
-          py::arg("nans"),
-          py::arg("out"),
-          py::arg("op") = "vote",
-          py::call_guard<py::gil_scoped_release>())
+          "all_reduce_sign_packed", &lionbit::LionBitBackend::allreduceSignPacked, py::arg("sign"),
+          py::arg("zero"), py::arg("numel"), py::arg("nans"), py::arg("out"),
+          py::arg("op") = "vote", py::call_guard<py::gil_scoped_release>())
       .def(
-          "all_reduce_sign_packed_device",
-          &lionbit::LionBitBackend::allreduceSignPackedDevice,
-          py::arg("sign"),
-          py::arg("zero"),
-          py::arg("counts"),
-          py::arg("numel"),
-          py::arg("out"),
-          py::arg("op") = "vote",
-          py::call_guard<py::gil_scoped_release>())
+          "all_reduce_sign_packed_device", &lionbit::LionBitBackend::allreduceSignPackedDevice,
+          py::arg("sign"), py::arg("zero"), py::arg("counts"), py::arg("numel"), py::arg("out"),
+          py::arg("op") = "vote", py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("cuda_transport", &lionbit::LionBitBackend::cudaTransport)
       .def(
-          "reduce_scatter_sign_packed",
-          &lionbit::LionBitBackend::reduceScatterSignPacked,
-          py::arg("sign"),
-          py::arg("zero"),
-          py::arg("shard_numel"),
-          py::arg("nans"),
-          py::arg("out"),
-          py::arg("op") = "vote",
-          py::call_guard<py::gil_scoped_release>())
-      .def(
-          "stats",
-          [](lionbit::LionBitBackend& self) { return self.stats().snapshot(); })
-      .def(
-          "reset_stats",
-          [](lionbit::LionBitBackend& self) { self.stats().reset(); });
+          "reduce_scatter_sign_packed", &lionbit::LionBitBackend::reduceScatterSignPacked,
+          py::arg("sign"), py::arg("zero"), py::arg("shard_numel"), py::arg("nans"), py::arg("out"),
+          py::arg("op") = "vote", py::call_guard<py::gil_scoped_release>())
+      .def("stats", [](lionbit::LionBitBackend& self) { return self.stats().snapshot(); })
+      .def("reset_stats", [](lionbit::LionBitBackend& self) { self.stats().reset(); });
 
   m.attr("__version__") = LIONBIT_VERSION;
   m.attr("torch_version") = LIONBIT_TORCH_VERSION;
@@ -140,68 +106,31 @@ PYBIND11_MODULE(_C, m) {
   m.attr("built_with_cuda") = false;
 #endif
   m.def(
-      "pack_signs_into",
-      &lionbit::pack_signs_into,
-      py::arg("t"),
-      py::arg("sign"),
-      py::arg("zero"),
+      "pack_signs_into", &lionbit::pack_signs_into, py::arg("t"), py::arg("sign"), py::arg("zero"),
       py::arg("bit_offset"));
   m.def(
-      "lion_direction_into",
-      &lionbit::lion_direction_into,
-      py::arg("g"),
-      py::arg("m"),
-      py::arg("b1"),
-      py::arg("omb1"),
-      py::arg("b2"),
-      py::arg("omb2"),
-      py::arg("sign"),
-      py::arg("zero"),
-      py::arg("bit_offset"),
-      py::arg("update_momentum") = true,
+      "lion_direction_into", &lionbit::lion_direction_into, py::arg("g"), py::arg("m"),
+      py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("sign"),
+      py::arg("zero"), py::arg("bit_offset"), py::arg("update_momentum") = true,
       py::call_guard<py::gil_scoped_release>());
   m.def(
-      "lion_apply",
-      &lionbit::lion_apply,
-      py::arg("x"),
-      py::arg("delta"),
-      py::arg("lr"),
-      py::arg("decay"),
-      py::call_guard<py::gil_scoped_release>());
+      "lion_apply", &lionbit::lion_apply, py::arg("x"), py::arg("delta"), py::arg("lr"),
+      py::arg("decay"), py::call_guard<py::gil_scoped_release>());
   m.def("lion_fused_supported", &lionbit::lion_fused_supported);
 #ifdef LIONBIT_WITH_CUDA
   m.def(
-      "pack_signs_into_device",
-      &lionbit::pack_signs_into_device,
-      py::arg("t"),
-      py::arg("sign"),
-      py::arg("zero"),
-      py::arg("counts"),
-      py::arg("bit_offset"));
+      "pack_signs_into_device", &lionbit::pack_signs_into_device, py::arg("t"), py::arg("sign"),
+      py::arg("zero"), py::arg("counts"), py::arg("bit_offset"));
   m.def(
-      "lion_direction_into_device",
-      &lionbit::lion_direction_into_device,
-      py::arg("g"),
-      py::arg("m"),
-      py::arg("b1"),
-      py::arg("omb1"),
-      py::arg("b2"),
-      py::arg("omb2"),
-      py::arg("sign"),
-      py::arg("zero"),
-      py::arg("counts"),
-      py::arg("bit_offset"));
+      "lion_direction_into_device", &lionbit::lion_direction_into_device, py::arg("g"),
+      py::arg("m"), py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("sign"),
+      py::arg("zero"), py::arg("counts"), py::arg("bit_offset"));
   m.def(
-      "lion_apply_device",
-      &lionbit::lion_apply_device,
-      py::arg("x"),
-      py::arg("delta"),
-      py::arg("lr"),
-      py::arg("decay"));
+      "lion_apply_device", &lionbit::lion_apply_device, py::arg("x"), py::arg("delta"),
+      py::arg("lr"), py::arg("decay"));
 #endif
   m.def(
-      "_shutdown_workers",
-      &lionbit::LionBitBackend::shutdownAllWorkers,
+      "_shutdown_workers", &lionbit::LionBitBackend::shutdownAllWorkers,
       py::call_guard<py::gil_scoped_release>());
   m.def("cpu_isa", [] { return lionbit::bits::isa_name(lionbit::bits::default_isa()); });
 }

@@ -14,8 +14,7 @@ bool is_float_storage(DType t) {
 } // namespace
 
 bool lion_direction_dtypes_supported(DType grad, DType momentum) {
-  return is_float_storage(grad) &&
-      (momentum == DType::kFloat32 || momentum == DType::kBFloat16);
+  return is_float_storage(grad) && (momentum == DType::kFloat32 || momentum == DType::kBFloat16);
 }
 
 bool lion_param_dtype_supported(DType param) {
@@ -95,8 +94,7 @@ void lion_apply_dense(
   if (n == 0 || !lion_apply_dtypes_supported(param_dtype, delta_dtype)) {
     return;
   }
-  detail::lion_kernels_for(isa).apply_dense(
-      param_dtype, x, delta_dtype, delta, n, lr, decay);
+  detail::lion_kernels_for(isa).apply_dense(param_dtype, x, delta_dtype, delta, n, lr, decay);
 }
 
 } // namespace lionbit::optim

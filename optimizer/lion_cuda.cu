@@ -82,9 +82,8 @@ void launch_direction(
   static const int resident = cd::resident_blocks(direction_kernel<G, M>);
   const unsigned grid = cd::grid_for(nwords, size_t{kWarpsPerBlock} * kDirUnroll, resident);
   direction_kernel<G, M><<<grid, kBlockThreads, 0, stream>>>(
-      static_cast<const typename FloatStore<G>::U*>(g),
-      static_cast<typename FloatStore<M>::U*>(m), n, k, sign + first,
-      zero + first, o, nwords, counts);
+      static_cast<const typename FloatStore<G>::U*>(g), static_cast<typename FloatStore<M>::U*>(m),
+      n, k, sign + first, zero + first, o, nwords, counts);
   cd::check_launch("lion_direction");
 }
 
@@ -102,9 +101,11 @@ void direction_grad(
     cudaStream_t stream) {
   switch (md) {
     case DType::kFloat32:
-      return launch_direction<G, DType::kFloat32>(g, m, n, k, sign, zero, bit_offset, counts, stream);
+      return launch_direction<G, DType::kFloat32>(
+          g, m, n, k, sign, zero, bit_offset, counts, stream);
     case DType::kBFloat16:
-      return launch_direction<G, DType::kBFloat16>(g, m, n, k, sign, zero, bit_offset, counts, stream);
+      return launch_direction<G, DType::kBFloat16>(
+          g, m, n, k, sign, zero, bit_offset, counts, stream);
     default:
       return; // unsupported: nothing touched (the caller validates)
   }
@@ -118,8 +119,8 @@ __global__ void __launch_bounds__(kBlockThreads) apply_dense_kernel(
     float lr,
     float decay) {
   const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t i0 = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i0 < n; i0 += step * kApplyUnroll) {
+  for (size_t i0 = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i0 < n;
+       i0 += step * kApplyUnroll) {
     cd::lion_apply_dense_group<X, Dl>(x, delta, n, i0, step, lr, decay);
   }
 }
@@ -184,11 +185,14 @@ void lion_direction(
   const cd::LionCoefs k{b1, omb1, b2, omb2};
   switch (grad_dtype) {
     case DType::kFloat32:
-      return direction_grad<DType::kFloat32>(momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream);
+      return direction_grad<DType::kFloat32>(
+          momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream);
     case DType::kBFloat16:
-      return direction_grad<DType::kBFloat16>(momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream);
+      return direction_grad<DType::kBFloat16>(
+          momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream);
     case DType::kFloat16:
-      return direction_grad<DType::kFloat16>(momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream);
+      return direction_grad<DType::kFloat16>(
+          momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream);
     default:
       return;
   }

@@ -23,8 +23,7 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__) && \
-    __GNUC__ < 13
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
 // g++ 12 warns "'__Y' may be used uninitialized" inside its own AVX-512
 // headers wherever an intrinsic built on _mm512_undefined_* is inlined (GCC
 // PR 105593, fixed in 13). Silenced for this copy only; the scalar and AVX2
@@ -119,8 +118,7 @@ struct Vec {
       const __m256i h = _mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
       if constexpr (D == DType::kBFloat16) {
-        return _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
       } else {
         return _mm512_cvtph_ps(h);
       }
@@ -137,24 +135,18 @@ struct Vec {
         const __m512i hi = _mm512_srli_epi32(u, 16);
         const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
         __m512i r = _mm512_srli_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb),
-            16);
+            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
         const __mmask16 isnan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         r = _mm512_mask_or_epi32(r, isnan, hi, _mm512_set1_epi32(0x40));
         h = _mm512_cvtepi32_epi16(r);
       } else {
         h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
       }
-      _mm256_storeu_si256(
-          reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p) + i), h);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p) + i), h);
     }
   }
-  static uint64_t gt0(F c) {
-    return _mm512_cmp_ps_mask(c, _mm512_setzero_ps(), _CMP_GT_OQ);
-  }
-  static uint64_t eq0(F c) {
-    return _mm512_cmp_ps_mask(c, _mm512_setzero_ps(), _CMP_EQ_OQ);
-  }
+  static uint64_t gt0(F c) { return _mm512_cmp_ps_mask(c, _mm512_setzero_ps(), _CMP_GT_OQ); }
+  static uint64_t eq0(F c) { return _mm512_cmp_ps_mask(c, _mm512_setzero_ps(), _CMP_EQ_OQ); }
   static uint64_t nan(F c) { return _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q); }
 };
 #elif defined(__AVX2__)
@@ -174,8 +166,7 @@ struct Vec {
       const __m128i h = _mm_loadu_si128(
           reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
       if constexpr (D == DType::kBFloat16) {
-        return _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
       } else {
         return _mm256_cvtph_ps(h);
       }
@@ -192,20 +183,16 @@ struct Vec {
         const __m256i hi = _mm256_srli_epi32(u, 16);
         const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
         __m256i r = _mm256_srli_epi32(
-            _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb),
-            16);
-        const __m256i isnan =
-            _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        r = _mm256_blendv_epi8(
-            r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), isnan);
+            _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+        const __m256i isnan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), isnan);
         // 8 x u32 (each <= 0xffff) -> 8 x u16 in element order.
         const __m256i packed = _mm256_packus_epi32(r, r);
         h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
       } else {
         h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
       }
-      _mm_storeu_si128(
-          reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), h);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), h);
     }
   }
   static uint64_t gt0(F c) {
@@ -217,8 +204,7 @@ struct Vec {
         _mm256_movemask_ps(_mm256_cmp_ps(c, _mm256_setzero_ps(), _CMP_EQ_OQ)));
   }
   static uint64_t nan(F c) {
-    return static_cast<uint32_t>(
-        _mm256_movemask_ps(_mm256_cmp_ps(c, c, _CMP_UNORD_Q)));
+    return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(c, c, _CMP_UNORD_Q)));
   }
 };
 #else
@@ -237,12 +223,7 @@ struct WordBits {
 // cnt (<= 64, a multiple of V::kW) elements from i0: new momentum stored
 // (if Update), the bits of c returned (bit j for element i0 + j).
 template <class V, DType G, DType M, bool Update>
-inline WordBits direction_run(
-    const void* g,
-    void* m,
-    size_t i0,
-    unsigned cnt,
-    const LionCoefs& k) {
+inline WordBits direction_run(const void* g, void* m, size_t i0, unsigned cnt, const LionCoefs& k) {
   const typename V::F b1 = V::set1(k.b1);
   const typename V::F omb1 = V::set1(k.omb1);
   const typename V::F b2 = V::set1(k.b2);
@@ -287,16 +268,14 @@ PackCounts direction_typed(
   PackCounts c;
   const size_t full = n / kWordBits;
   for (size_t w = 0; w < full; ++w) {
-    const WordBits b =
-        direction_run<Vec, G, M, Update>(g, m, w * kWordBits, kWordBits, k);
+    const WordBits b = direction_run<Vec, G, M, Update>(g, m, w * kWordBits, kWordBits, k);
     sign[w] = b.sign;
     zero[w] = b.zero;
     count_word(b, c);
   }
   const unsigned rest = static_cast<unsigned>(n - full * kWordBits);
   if (rest != 0) {
-    const WordBits b =
-        direction_run<Sc, G, M, Update>(g, m, full * kWordBits, rest, k);
+    const WordBits b = direction_run<Sc, G, M, Update>(g, m, full * kWordBits, rest, k);
     sign[full] = b.sign;
     zero[full] = b.zero;
     count_word(b, c);
@@ -363,12 +342,7 @@ inline void apply_dense_one(
 }
 
 template <DType X, DType D>
-void apply_dense_typed(
-    void* x,
-    const void* delta,
-    size_t n,
-    float lr,
-    float decay) {
+void apply_dense_typed(void* x, const void* delta, size_t n, float lr, float decay) {
   size_t i = 0;
   {
     const Vec::F lrv = Vec::set1(lr);
@@ -390,13 +364,7 @@ void apply_dense_typed(
 }
 
 template <DType X>
-void apply_dense_param(
-    void* x,
-    DType dd,
-    const void* delta,
-    size_t n,
-    float lr,
-    float decay) {
+void apply_dense_param(void* x, DType dd, const void* delta, size_t n, float lr, float decay) {
   switch (dd) {
     case DType::kFloat32:
       return apply_dense_typed<X, DType::kFloat32>(x, delta, n, lr, decay);
@@ -409,14 +377,7 @@ void apply_dense_param(
   }
 }
 
-void apply_dense(
-    DType xd,
-    void* x,
-    DType dd,
-    const void* delta,
-    size_t n,
-    float lr,
-    float decay) {
+void apply_dense(DType xd, void* x, DType dd, const void* delta, size_t n, float lr, float decay) {
   switch (xd) {
     case DType::kFloat32:
       return apply_dense_param<DType::kFloat32>(x, dd, delta, n, lr, decay);
@@ -432,8 +393,7 @@ void apply_dense(
 } // namespace
 
 const LionKernels& table() {
-  static const LionKernels k{
-      bits::Isa::LIONBIT_OPTIM_ISA, &direction, &apply_dense};
+  static const LionKernels k{bits::Isa::LIONBIT_OPTIM_ISA, &direction, &apply_dense};
   return k;
 }
 

@@ -24,8 +24,7 @@ void copy_bits(uint64_t* dst, size_t dst_bit, const uint64_t* src, size_t src_bi
     const unsigned s = static_cast<unsigned>(dst_bit % kWordBits);
     const size_t take = std::min<size_t>(nbits, kWordBits - s); // fits in dst[w]
     const uint64_t v = read64(src, src_bit, take);
-    const uint64_t mask =
-        (take == kWordBits ? ~uint64_t{0} : ((uint64_t{1} << take) - 1)) << s;
+    const uint64_t mask = (take == kWordBits ? ~uint64_t{0} : ((uint64_t{1} << take) - 1)) << s;
     dst[w] = (dst[w] & ~mask) | ((v << s) & mask);
     dst_bit += take;
     src_bit += take;

@@ -9,23 +9,9 @@
 namespace lionbit::bits::detail {
 
 struct Kernels {
-  PackCounts (*pack)(
-      DType dtype,
-      const void* src,
-      size_t n,
-      uint64_t* sign,
-      uint64_t* zero);
-  void (*count_code)(
-      const Contribution* in,
-      int n,
-      size_t words,
-      uint64_t* out);
-  bool (*vote)(
-      const Contribution* in,
-      int n,
-      size_t words,
-      uint64_t* out_sign,
-      uint64_t* out_zero);
+  PackCounts (*pack)(DType dtype, const void* src, size_t n, uint64_t* sign, uint64_t* zero);
+  void (*count_code)(const Contribution* in, int n, size_t words, uint64_t* out);
+  bool (*vote)(const Contribution* in, int n, size_t words, uint64_t* out_sign, uint64_t* out_zero);
   void (*unpack)(
       size_t elem_size,
       const uint64_t* const* planes,

@@ -89,10 +89,10 @@ inline WordBits pack_word_vec(const typename Traits<D>::U* p, __m512i& mag2_max)
       s[k] = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(x, one), inf);
       mag2_max = _mm512_max_epu32(mag2_max, _mm512_slli_epi32(x, 1));
     }
-    r.zero = _cvtmask64_u64(_mm512_kunpackd(
-        _mm512_kunpackw(z[3], z[2]), _mm512_kunpackw(z[1], z[0])));
-    r.sign = _cvtmask64_u64(_mm512_kunpackd(
-        _mm512_kunpackw(s[3], s[2]), _mm512_kunpackw(s[1], s[0])));
+    r.zero = _cvtmask64_u64(
+        _mm512_kunpackd(_mm512_kunpackw(z[3], z[2]), _mm512_kunpackw(z[1], z[0])));
+    r.sign = _cvtmask64_u64(
+        _mm512_kunpackd(_mm512_kunpackw(s[3], s[2]), _mm512_kunpackw(s[1], s[0])));
   } else if constexpr (D == DType::kFloat64) {
     const __m512i mag_mask = _mm512_set1_epi64(0x7fffffffffffffffll);
     const __m512i inf = _mm512_set1_epi64(0x7ff0000000000000ll);
@@ -161,8 +161,7 @@ inline bool saw_nan(__m512i mag2_max) {
 inline uint32_t mask16x32(__m256i a, __m256i b) {
   // a, b: 16 lanes of 0 / 0xffff each -> 32 bits in element order.
   const __m256i packed = _mm256_packs_epi16(a, b); // lanes interleaved
-  return static_cast<uint32_t>(
-      _mm256_movemask_epi8(_mm256_permute4x64_epi64(packed, 0xD8)));
+  return static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_permute4x64_epi64(packed, 0xD8)));
 }
 
 template <DType D>
@@ -173,15 +172,13 @@ inline WordBits pack_word_vec(const typename Traits<D>::U* p) {
     const __m256i inf = _mm256_set1_epi32(0x7f800000);
     const __m256i zero = _mm256_setzero_si256();
     for (int k = 0; k < 8; ++k) {
-      const __m256i x =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * k));
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * k));
       const __m256i mag = _mm256_and_si256(x, mag_mask);
       const uint64_t z = static_cast<uint32_t>(
           _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, zero))));
       const uint64_t n = static_cast<uint32_t>(
           _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, inf))));
-      const uint64_t neg =
-          static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(x)));
+      const uint64_t neg = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(x)));
       r.zero |= z << (8 * k);
       r.nan |= n << (8 * k);
       r.sign |= (~(z | n | neg) & 0xffull) << (8 * k);
@@ -191,15 +188,13 @@ inline WordBits pack_word_vec(const typename Traits<D>::U* p) {
     const __m256i inf = _mm256_set1_epi64x(0x7ff0000000000000ll);
     const __m256i zero = _mm256_setzero_si256();
     for (int k = 0; k < 16; ++k) {
-      const __m256i x =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 4 * k));
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 4 * k));
       const __m256i mag = _mm256_and_si256(x, mag_mask);
       const uint64_t z = static_cast<uint32_t>(
           _mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpeq_epi64(mag, zero))));
       const uint64_t n = static_cast<uint32_t>(
           _mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(mag, inf))));
-      const uint64_t neg =
-          static_cast<uint32_t>(_mm256_movemask_pd(_mm256_castsi256_pd(x)));
+      const uint64_t neg = static_cast<uint32_t>(_mm256_movemask_pd(_mm256_castsi256_pd(x)));
       r.zero |= z << (4 * k);
       r.nan |= n << (4 * k);
       r.sign |= (~(z | n | neg) & 0xfull) << (4 * k);
@@ -209,18 +204,13 @@ inline WordBits pack_word_vec(const typename Traits<D>::U* p) {
     const __m256i inf = _mm256_set1_epi16(static_cast<short>(Traits<D>::kInf));
     const __m256i zero = _mm256_setzero_si256();
     for (int k = 0; k < 2; ++k) {
-      const __m256i x0 =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k));
-      const __m256i x1 =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k + 16));
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k + 16));
       const __m256i m0 = _mm256_and_si256(x0, mag_mask);
       const __m256i m1 = _mm256_and_si256(x1, mag_mask);
-      const uint64_t z = mask16x32(
-          _mm256_cmpeq_epi16(m0, zero), _mm256_cmpeq_epi16(m1, zero));
-      const uint64_t n =
-          mask16x32(_mm256_cmpgt_epi16(m0, inf), _mm256_cmpgt_epi16(m1, inf));
-      const uint64_t neg =
-          mask16x32(_mm256_srai_epi16(x0, 15), _mm256_srai_epi16(x1, 15));
+      const uint64_t z = mask16x32(_mm256_cmpeq_epi16(m0, zero), _mm256_cmpeq_epi16(m1, zero));
+      const uint64_t n = mask16x32(_mm256_cmpgt_epi16(m0, inf), _mm256_cmpgt_epi16(m1, inf));
+      const uint64_t neg = mask16x32(_mm256_srai_epi16(x0, 15), _mm256_srai_epi16(x1, 15));
       r.zero |= z << (32 * k);
       r.nan |= n << (32 * k);
       r.sign |= (~(z | n | neg) & 0xffffffffull) << (32 * k);
@@ -228,12 +218,9 @@ inline WordBits pack_word_vec(const typename Traits<D>::U* p) {
   } else {
     const __m256i zero = _mm256_setzero_si256();
     for (int k = 0; k < 2; ++k) {
-      const __m256i x =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k));
-      const uint64_t z = static_cast<uint32_t>(
-          _mm256_movemask_epi8(_mm256_cmpeq_epi8(x, zero)));
-      const uint64_t pos = static_cast<uint32_t>(
-          _mm256_movemask_epi8(_mm256_cmpgt_epi8(x, zero)));
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k));
+      const uint64_t z = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(x, zero)));
+      const uint64_t pos = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpgt_epi8(x, zero)));
       r.zero |= z << (32 * k);
       r.sign |= pos << (32 * k);
     }
@@ -283,8 +270,8 @@ PackCounts pack_typed(const void* src, size_t n, uint64_t* sign, uint64_t* zero)
   // the whole words only when the running max says there are some.
   if (saw_nan<D>(mag2_max)) {
     for (size_t w = 0; w < full; ++w) {
-      c.nans += static_cast<uint64_t>(__builtin_popcountll(
-          pack_word_scalar<D>(p + w * kWordBits, kWordBits).nan));
+      c.nans += static_cast<uint64_t>(
+          __builtin_popcountll(pack_word_scalar<D>(p + w * kWordBits, kWordBits).nan));
     }
   }
 #endif
@@ -299,12 +286,7 @@ PackCounts pack_typed(const void* src, size_t n, uint64_t* sign, uint64_t* zero)
   return c;
 }
 
-PackCounts pack(
-    DType dtype,
-    const void* src,
-    size_t n,
-    uint64_t* sign,
-    uint64_t* zero) {
+PackCounts pack(DType dtype, const void* src, size_t n, uint64_t* sign, uint64_t* zero) {
   switch (dtype) {
     case DType::kFloat32:
       return pack_typed<DType::kFloat32>(src, n, sign, zero);
@@ -402,11 +384,7 @@ constexpr int kPrefetchMaxStreams = 4;
 // The code planes of L words starting at word w0 (see count.h), into
 // code[0..code_planes_of<P, Z>(n)).
 template <int L, int P, bool Z>
-inline void count_block(
-    const Contribution* in,
-    int n,
-    size_t w0,
-    typename LaneType<L>::T* code) {
+inline void count_block(const Contribution* in, int n, size_t w0, typename LaneType<L>::T* code) {
   using T = typename LaneType<L>::T;
   constexpr int kCap = P > 0 ? P : kMaxPlanes;
   const int pos_planes = pos_planes_of<P>(n);
@@ -488,8 +466,8 @@ void count_code_fixed(const Contribution* in, int n, size_t words, uint64_t* out
 template <template <int, bool> class F, typename... A>
 inline auto dispatch_planes(int n, bool with_zeros, A... args) {
   const int p = bit_width(static_cast<uint64_t>(n));
-#define LIONBIT_PLANES_CASE(P)                                          \
-  case P:                                                              \
+#define LIONBIT_PLANES_CASE(P) \
+  case P:                      \
     return with_zeros ? F<P, true>::run(args...) : F<P, false>::run(args...);
   switch (p) {
     LIONBIT_PLANES_CASE(1)
@@ -517,13 +495,7 @@ void count_code(const Contribution* in, int n, size_t words, uint64_t* out) {
 // Compares v = code << shift with the constant n, plane by plane from the top:
 // gt where v > n, eq where v == n.
 template <class T>
-inline void compare_block(
-    const T* code,
-    int planes,
-    int shift,
-    uint64_t n,
-    T& gt,
-    T& eq) {
+inline void compare_block(const T* code, int planes, int shift, uint64_t n, T& gt, T& eq) {
   gt = T{};
   eq = ~T{};
   for (int b = planes + shift - 1; b >= 0; --b) {
@@ -550,9 +522,7 @@ inline uint64_t vote_block(
   count_block<L, P, Z>(in, n, w0, code);
   // Sum > 0  <=>  code > n (with zeros)  or  2 * code > n (without).
   T gt, eq;
-  compare_block<T>(
-      code, code_planes_of<P, Z>(n), Z ? 0 : 1, static_cast<uint64_t>(n), gt,
-      eq);
+  compare_block<T>(code, code_planes_of<P, Z>(n), Z ? 0 : 1, static_cast<uint64_t>(n), gt, eq);
   store_lanes(out_sign + w0, gt);
   store_lanes(out_zero + w0, eq);
   return or_lanes(eq);
@@ -578,14 +548,8 @@ struct VoteFn {
   }
 };
 
-bool vote(
-    const Contribution* in,
-    int n,
-    size_t words,
-    uint64_t* out_sign,
-    uint64_t* out_zero) {
-  return dispatch_planes<VoteFn>(
-      n, any_zero_plane(in, n), in, n, words, out_sign, out_zero);
+bool vote(const Contribution* in, int n, size_t words, uint64_t* out_sign, uint64_t* out_zero) {
+  return dispatch_planes<VoteFn>(n, any_zero_plane(in, n), in, n, words, out_sign, out_zero);
 }
 
 // -------------------------------------------------------------- unpack ----
@@ -680,8 +644,8 @@ inline __m256i lane_mask(uint64_t m) {
     // 32 bytes: replicate each of the 4 mask bytes over 8 lanes.
     const __m256i v = _mm256_set1_epi32(static_cast<int>(m & 0xffffffffu));
     const __m256i shuf = _mm256_setr_epi8(
-        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
-        3, 3, 3, 3, 3, 3, 3, 3);
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3,
+        3);
     const __m256i bytes = _mm256_shuffle_epi8(v, shuf);
     const __m256i bits = _mm256_set1_epi64x(0x8040201008040201ll);
     return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bits), bits);
@@ -721,11 +685,7 @@ inline __m256i pick(uint64_t word, int k, __m256i a, __m256i b) {
 // Whole words [0, full): per vector of lanes, a binary tree of blends; level
 // b picks, per lane, entry 2e or 2e + 1 by code bit b.
 template <typename U, int NP>
-inline void unpack_vec_words(
-    const uint64_t* const* planes,
-    size_t full,
-    const U* lut,
-    U* dst) {
+inline void unpack_vec_words(const uint64_t* const* planes, size_t full, const U* lut, U* dst) {
   constexpr int kLanes = static_cast<int>(kVecBytes / sizeof(U));
   constexpr int kVecsPerWord = 64 / kLanes;
   constexpr int kEntries = 1 << NP;
@@ -802,11 +762,7 @@ inline uint64_t spread4(uint64_t x) {
   return ((x & 0xFu) * 0x0000200040008001ull) & 0x0001000100010001ull;
 }
 
-inline void codes_of_word(
-    const uint64_t* const* planes,
-    int nplanes,
-    size_t w,
-    uint16_t* code) {
+inline void codes_of_word(const uint64_t* const* planes, int nplanes, size_t w, uint16_t* code) {
 #if defined(__AVX512BW__)
   __m512i lo = _mm512_setzero_si512();
   __m512i hi = lo;
@@ -821,7 +777,7 @@ inline void codes_of_word(
   _mm512_storeu_si512(code, lo);
   _mm512_storeu_si512(code + 32, hi);
 #else
-  uint64_t lanes[kWordBits / 4] = {};  // codes 4g..4g+3 in lane g, 16 bits each
+  uint64_t lanes[kWordBits / 4] = {}; // codes 4g..4g+3 in lane g, 16 bits each
   for (int b = 0; b < nplanes; ++b) {
     const uint64_t word = planes[b][w];
     for (size_t g = 0; g < kWordBits / 4; ++g) {
@@ -853,12 +809,9 @@ inline void unpack_code_words(
         // The masked forms with a zero source: the plain ones start from
         // _mm512_undefined_*, which GCC 12 flags as maybe-uninitialized.
         const __m512i idx = _mm512_maskz_cvtepu16_epi32(
-            0xFFFF,
-            _mm256_load_si256(reinterpret_cast<const __m256i*>(code + k)));
+            0xFFFF, _mm256_load_si256(reinterpret_cast<const __m256i*>(code + k)));
         _mm512_storeu_si512(
-            out + k,
-            _mm512_mask_i32gather_epi32(
-                _mm512_setzero_si512(), 0xFFFF, idx, lut, 4));
+            out + k, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), 0xFFFF, idx, lut, 4));
       }
       continue;
     }
@@ -867,9 +820,7 @@ inline void unpack_code_words(
         const __m256i idx = _mm256_cvtepu16_epi32(
             _mm_load_si128(reinterpret_cast<const __m128i*>(code + k)));
         _mm512_storeu_si512(
-            out + k,
-            _mm512_mask_i32gather_epi64(
-                _mm512_setzero_si512(), 0xFF, idx, lut, 8));
+            out + k, _mm512_mask_i32gather_epi64(_mm512_setzero_si512(), 0xFF, idx, lut, 8));
       }
       continue;
     }

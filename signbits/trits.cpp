@@ -98,13 +98,17 @@ void encode_trits(const uint64_t* sign, const uint64_t* tie, size_t words, uint8
 bool decode_trits(DType dtype, const uint8_t* trits, size_t n, const void* lut, void* dst) {
   switch (dtype_size(dtype)) {
     case 1:
-      return decode_typed<uint8_t>(trits, n, static_cast<const uint8_t*>(lut), static_cast<uint8_t*>(dst));
+      return decode_typed<uint8_t>(
+          trits, n, static_cast<const uint8_t*>(lut), static_cast<uint8_t*>(dst));
     case 2:
-      return decode_typed<uint16_t>(trits, n, static_cast<const uint16_t*>(lut), static_cast<uint16_t*>(dst));
+      return decode_typed<uint16_t>(
+          trits, n, static_cast<const uint16_t*>(lut), static_cast<uint16_t*>(dst));
     case 4:
-      return decode_typed<uint32_t>(trits, n, static_cast<const uint32_t*>(lut), static_cast<uint32_t*>(dst));
+      return decode_typed<uint32_t>(
+          trits, n, static_cast<const uint32_t*>(lut), static_cast<uint32_t*>(dst));
     default:
-      return decode_typed<uint64_t>(trits, n, static_cast<const uint64_t*>(lut), static_cast<uint64_t*>(dst));
+      return decode_typed<uint64_t>(
+          trits, n, static_cast<const uint64_t*>(lut), static_cast<uint64_t*>(dst));
   }
 }
 

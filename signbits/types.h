@@ -46,8 +46,7 @@ inline size_t padded_numel(size_t numel, int world_size) {
 }
 
 inline size_t shard_words(size_t numel, int world_size) {
-  return padded_numel(numel, world_size) / kWordBits /
-      static_cast<size_t>(world_size);
+  return padded_numel(numel, world_size) / kWordBits / static_cast<size_t>(world_size);
 }
 
 // Number of bits needed to hold every integer in [0, v].

@@ -16,8 +16,7 @@ void unpack(
   if (n == 0) {
     return;
   }
-  detail::kernels_for(isa).unpack(
-      dtype_size(dtype), planes, nplanes, n, lut, dst);
+  detail::kernels_for(isa).unpack(dtype_size(dtype), planes, nplanes, n, lut, dst);
 }
 
 void make_lut(DType dtype, const double* values, size_t count, void* lut) {
@@ -31,12 +30,10 @@ void make_lut(DType dtype, const double* values, size_t count, void* lut) {
         static_cast<float*>(lut)[i] = static_cast<float>(v);
         break;
       case DType::kFloat16:
-        static_cast<uint16_t*>(lut)[i] =
-            f32_to_f16(static_cast<float>(v));
+        static_cast<uint16_t*>(lut)[i] = f32_to_f16(static_cast<float>(v));
         break;
       case DType::kBFloat16:
-        static_cast<uint16_t*>(lut)[i] =
-            f32_to_bf16(static_cast<float>(v));
+        static_cast<uint16_t*>(lut)[i] = f32_to_bf16(static_cast<float>(v));
         break;
       case DType::kInt8:
         static_cast<int8_t*>(lut)[i] = static_cast<int8_t>(v);

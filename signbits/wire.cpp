@@ -74,13 +74,11 @@ bool known_dtype(uint8_t v) {
 }
 
 std::string op_text(uint8_t v) {
-  return known_op(v) ? sign_op_name(static_cast<SignOp>(v))
-                     : "op#" + std::to_string(v);
+  return known_op(v) ? sign_op_name(static_cast<SignOp>(v)) : "op#" + std::to_string(v);
 }
 
 std::string dtype_text(uint8_t v) {
-  return known_dtype(v) ? dtype_name(static_cast<DType>(v))
-                        : "dtype#" + std::to_string(v);
+  return known_dtype(v) ? dtype_name(static_cast<DType>(v)) : "dtype#" + std::to_string(v);
 }
 
 // The checks of check_headers, in order: the first that fails gives the
@@ -130,13 +128,11 @@ std::vector<int> ranks_with(const WireHeader* headers, int world_size, uint32_t 
 
 } // namespace
 
-HeaderSummary check_headers(
-    const WireHeader* headers,
-    int world_size,
-    const WireHeader& mine) {
+HeaderSummary check_headers(const WireHeader* headers, int world_size, const WireHeader& mine) {
   HeaderSummary s;
   Checks check(s);
-  constexpr uint32_t kKnownFlags = kHasZero | kHasNan | kRejected | kReduceScatter | kDevice | kTieHint;
+  constexpr uint32_t kKnownFlags = kHasZero | kHasNan | kRejected | kReduceScatter | kDevice |
+      kTieHint;
   // 1. Well-formed: magic, version, rank field, known enums, sane size.
   for (int r = 0; r < world_size; ++r) {
     const WireHeader& h = headers[r];
@@ -188,8 +184,8 @@ HeaderSummary check_headers(
             mine.numel, ", rank ", r, " has ", h.numel) ||
         check.fail(
             h.chunk_elems != mine.chunk_elems,
-            "pipeline chunk size differs across ranks (LIONBIT_CHUNK_ELEMS?): rank ", me,
-            " uses ", mine.chunk_elems, ", rank ", r, " uses ", h.chunk_elems)) {
+            "pipeline chunk size differs across ranks (LIONBIT_CHUNK_ELEMS?): rank ", me, " uses ",
+            mine.chunk_elems, ", rank ", r, " uses ", h.chunk_elems)) {
       return s;
     }
   }
@@ -201,8 +197,8 @@ HeaderSummary check_headers(
     return s;
   }
   // 5. Zero capacities: consistent with the flag, at most a shard's size.
-  const uint64_t largest_chunk =
-      mine.chunk_elems == 0 ? mine.numel : std::min(mine.numel, mine.chunk_elems);
+  const uint64_t largest_chunk = mine.chunk_elems == 0 ? mine.numel
+                                                       : std::min(mine.numel, mine.chunk_elems);
   const uint64_t shard_elems = shard_words(largest_chunk, world_size) * kWordBits;
   s.zero_capacity.resize(static_cast<size_t>(world_size));
   s.inline_ties = true;

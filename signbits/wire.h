@@ -100,9 +100,6 @@ uint64_t default_chunk_elems(int world_size);
 // Checks the headers of all world_size ranks (zero capacities against the
 // shard size of the largest chunk) (headers[r] came from rank r)
 // against each other and against this rank's own header `mine`.
-HeaderSummary check_headers(
-    const WireHeader* headers,
-    int world_size,
-    const WireHeader& mine);
+HeaderSummary check_headers(const WireHeader* headers, int world_size, const WireHeader& mine);
 
 } // namespace lionbit::bits

@@ -30,9 +30,7 @@ size_t zero_encoding_bytes(uint64_t capacity, size_t words) {
   if (capacity == 0) {
     return 0;
   }
-  return zeros_as_list(capacity, words)
-      ? static_cast<size_t>(list_slots(capacity)) * 4
-      : words * 8;
+  return zeros_as_list(capacity, words) ? static_cast<size_t>(list_slots(capacity)) * 4 : words * 8;
 }
 
 void encode_zeros(const uint64_t* plane, size_t words, uint64_t capacity, uint8_t* out) {
@@ -47,8 +45,8 @@ void encode_zeros(const uint64_t* plane, size_t words, uint64_t capacity, uint8_
   for (size_t w = 0; w < words && k < capacity; ++w) {
     uint64_t bits = plane[w];
     while (bits != 0 && k < capacity) {
-      const uint32_t idx =
-          static_cast<uint32_t>(w * kWordBits) + static_cast<uint32_t>(__builtin_ctzll(bits));
+      const uint32_t idx = static_cast<uint32_t>(w * kWordBits) +
+          static_cast<uint32_t>(__builtin_ctzll(bits));
       std::memcpy(out + 4 * k, &idx, 4);
       ++k;
       bits &= bits - 1;

@@ -23,8 +23,8 @@ __global__ void __launch_bounds__(kBlockThreads) count_code_kernel(
     int planes,
     uint64_t* __restrict__ out) {
   const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t w = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       w < words; w += step) {
+  for (size_t w = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < words;
+       w += step) {
     uint64_t code[P + 1];
     code_word<P>(sign, zero, stride, n, w, code);
 #pragma unroll
@@ -46,8 +46,8 @@ __global__ void __launch_bounds__(kBlockThreads) vote_kernel(
     uint64_t* __restrict__ out_sign,
     uint64_t* __restrict__ out_zero) {
   const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t w = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       w < words; w += step) {
+  for (size_t w = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < words;
+       w += step) {
     uint64_t s, z;
     vote_word<P>(sign, zero, stride, n, w, &s, &z);
     out_sign[w] = s;
@@ -58,8 +58,7 @@ __global__ void __launch_bounds__(kBlockThreads) vote_kernel(
 void check_n(int n, const char* what) {
   if (n < 1 || n > 1024) {
     throw std::invalid_argument(
-        std::string("lionbit: ") + what + ": n must be 1 .. 1024, got " +
-        std::to_string(n));
+        std::string("lionbit: ") + what + ": n must be 1 .. 1024, got " + std::to_string(n));
   }
 }
 
@@ -96,17 +95,26 @@ void launch_vote(
 }
 
 // Calls F<P>(args...) for the P that pick_planes(n) names.
-#define LIONBIT_DISPATCH_PLANES(n, FN, ...)      \
-  switch (pick_planes(n)) {                      \
-    case 1: return FN<1>(__VA_ARGS__);           \
-    case 2: return FN<2>(__VA_ARGS__);           \
-    case 3: return FN<3>(__VA_ARGS__);           \
-    case 4: return FN<4>(__VA_ARGS__);           \
-    case 5: return FN<5>(__VA_ARGS__);           \
-    case 6: return FN<6>(__VA_ARGS__);           \
-    case 7: return FN<7>(__VA_ARGS__);           \
-    case 8: return FN<8>(__VA_ARGS__);           \
-    default: return FN<11>(__VA_ARGS__);         \
+#define LIONBIT_DISPATCH_PLANES(n, FN, ...) \
+  switch (pick_planes(n)) {                 \
+    case 1:                                 \
+      return FN<1>(__VA_ARGS__);            \
+    case 2:                                 \
+      return FN<2>(__VA_ARGS__);            \
+    case 3:                                 \
+      return FN<3>(__VA_ARGS__);            \
+    case 4:                                 \
+      return FN<4>(__VA_ARGS__);            \
+    case 5:                                 \
+      return FN<5>(__VA_ARGS__);            \
+    case 6:                                 \
+      return FN<6>(__VA_ARGS__);            \
+    case 7:                                 \
+      return FN<7>(__VA_ARGS__);            \
+    case 8:                                 \
+      return FN<8>(__VA_ARGS__);            \
+    default:                                \
+      return FN<11>(__VA_ARGS__);           \
   }
 
 } // namespace

@@ -154,11 +154,7 @@ struct LionCoefs {
 };
 
 // One element of step 1: returns the flags of c and writes the new momentum.
-LIONBIT_HD unsigned lion_direction_math(
-    float g,
-    float m,
-    const LionCoefs& k,
-    float* m_new) {
+LIONBIT_HD unsigned lion_direction_math(float g, float m, const LionCoefs& k, float* m_new) {
   const float c = add_rn(mul_rn(k.b1, m), mul_rn(k.omb1, g));
   *m_new = add_rn(mul_rn(k.b2, m), mul_rn(k.omb2, g));
   return classify_float(c);
@@ -203,12 +199,7 @@ LIONBIT_HD uint64_t word_mask(size_t k, unsigned o, size_t n) {
 // Writes the bits of word k: a plain store where the whole word is the
 // launch's, a read-modify-write of the masked bits at the two ends. Each word
 // is written by exactly one thread of a launch.
-LIONBIT_HD void commit_word(
-    uint64_t* words,
-    size_t k,
-    unsigned o,
-    size_t n,
-    uint64_t v) {
+LIONBIT_HD void commit_word(uint64_t* words, size_t k, unsigned o, size_t n, uint64_t v) {
   const uint64_t mask = word_mask(k, o, n);
   if (mask == ~0ull) {
     words[k] = v;
@@ -277,8 +268,7 @@ LIONBIT_HD unsigned lion_direction_lane(
 // per-element bounds checks. Element of bit lane + 32 * i of the group:
 // k0 * 64 - o + lane + 32 * i.
 LIONBIT_HD bool group_full(size_t k0, unsigned o, size_t n) {
-  return (k0 > 0 || o == 0) &&
-      (k0 + kWordsPerWarpIter) * 64 <= static_cast<size_t>(o) + n;
+  return (k0 > 0 || o == 0) && (k0 + kWordsPerWarpIter) * 64 <= static_cast<size_t>(o) + n;
 }
 
 // pack: the lane's flags for the words k0 .. k0 + kWordsPerWarpIter - 1.
@@ -359,10 +349,7 @@ struct WordPair {
 };
 
 // Adds the zero and NaN flags of a lane's two elements to its tallies.
-LIONBIT_HD void tally_flags(
-    unsigned f,
-    unsigned long long* zeros,
-    unsigned long long* nans) {
+LIONBIT_HD void tally_flags(unsigned f, unsigned long long* zeros, unsigned long long* nans) {
   *zeros += ((f & kZero) != 0 ? 1u : 0u) + ((f & (kZero << 8)) != 0 ? 1u : 0u);
   *nans += ((f & kNan) != 0 ? 1u : 0u) + ((f & (kNan << 8)) != 0 ? 1u : 0u);
 }
@@ -399,12 +386,8 @@ LIONBIT_HD size_t sharded_first(size_t word, int nplanes, size_t shard_words) {
 }
 
 // Code of bit j of word W: bit b of the code is bit j of plane b.
-LIONBIT_HD uint32_t code_at(
-    const uint64_t* base,
-    int nplanes,
-    size_t shard_words,
-    size_t first,
-    unsigned j) {
+LIONBIT_HD uint32_t
+code_at(const uint64_t* base, int nplanes, size_t shard_words, size_t first, unsigned j) {
   uint32_t code = 0;
   for (int b = 0; b < nplanes; ++b) {
     const uint64_t word = base[first + static_cast<size_t>(b) * shard_words];
@@ -419,12 +402,8 @@ LIONBIT_HD uint32_t code_at(
 // NP: the number of planes when fixed at compile time (the loop unrolls and
 // the loads of several words can be issued together), -1: nplanes.
 template <int NP = -1>
-LIONBIT_HD uint32_t code_pair_at(
-    const uint64_t* base,
-    int nplanes,
-    size_t shard_words,
-    size_t first,
-    unsigned lane) {
+LIONBIT_HD uint32_t
+code_pair_at(const uint64_t* base, int nplanes, size_t shard_words, size_t first, unsigned lane) {
   const int np = NP >= 0 ? NP : nplanes;
   uint32_t lo = 0, hi = 0;
   for (int b = 0; b < np; ++b) {
@@ -451,8 +430,8 @@ LIONBIT_HD void unpack_lane(
   if (e0 >= n) {
     return;
   }
-  const uint32_t codes =
-      code_pair_at(base, nplanes, shard_words, sharded_first(k, nplanes, shard_words), lane);
+  const uint32_t codes = code_pair_at(
+      base, nplanes, shard_words, sharded_first(k, nplanes, shard_words), lane);
   dst[e0] = lut[codes & 0xffffu];
   if (e0 + 32 < n) {
     dst[e0 + 32] = lut[codes >> 16];
@@ -476,8 +455,8 @@ LIONBIT_HD void unpack_group(
     uint32_t codes[U];
     LIONBIT_UNROLL
     for (int u = 0; u < U; ++u) {
-      codes[u] = code_pair_at<NP>(base, nplanes, shard_words,
-                                  sharded_first(k0 + u, nplanes, shard_words), lane);
+      codes[u] = code_pair_at<NP>(
+          base, nplanes, shard_words, sharded_first(k0 + u, nplanes, shard_words), lane);
     }
     S* p = dst + (k0 * 64 + lane);
     LIONBIT_UNROLL
@@ -570,9 +549,7 @@ struct Counter {
       }
     }
   }
-  LIONBIT_HD void add1(uint64_t x) {
-    ripple(x, 0);
-  }
+  LIONBIT_HD void add1(uint64_t x) { ripple(x, 0); }
   LIONBIT_HD void add2(uint64_t x, uint64_t y) {
     const uint64_t s = c[0] ^ x ^ y;
     const uint64_t carry = (c[0] & x) | (c[0] & y) | (x & y);

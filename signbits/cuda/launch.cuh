@@ -39,8 +39,7 @@ int sm_count();
 template <typename Kernel>
 int resident_blocks(Kernel kernel) {
   int b = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, kBlockThreads, 0) !=
-          cudaSuccess ||
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, kBlockThreads, 0) != cudaSuccess ||
       b <= 0) {
     (void)cudaGetLastError();
     b = 4;

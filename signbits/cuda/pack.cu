@@ -60,8 +60,8 @@ void launch_pack(
   static const int resident = resident_blocks(pack_kernel<D>);
   const unsigned grid = grid_for(nwords, size_t{kWarpsPerBlock} * kPackUnroll, resident);
   pack_kernel<D><<<grid, kBlockThreads, 0, stream>>>(
-      static_cast<const typename Elem<D>::U*>(src), n, sign + first,
-      zero + first, o, nwords, counts);
+      static_cast<const typename Elem<D>::U*>(src), n, sign + first, zero + first, o, nwords,
+      counts);
   check_launch("pack_signs");
 }
 

@@ -41,8 +41,8 @@ void launch_unpack_np(
   static const int resident = resident_blocks(unpack_kernel<S, NP>);
   const unsigned grid = grid_for(nwords, size_t{kWarpsPerBlock} * kUnpackUnroll, resident);
   unpack_kernel<S, NP><<<grid, kBlockThreads, 0, stream>>>(
-      planes.base, planes.nplanes, planes.shard_words, n, nwords,
-      static_cast<const S*>(lut), static_cast<S*>(dst));
+      planes.base, planes.nplanes, planes.shard_words, n, nwords, static_cast<const S*>(lut),
+      static_cast<S*>(dst));
   check_launch("unpack");
 }
 
@@ -79,8 +79,7 @@ void unpack(
   }
   if (planes.nplanes < 0 || planes.nplanes > 16) {
     throw std::invalid_argument(
-        "lionbit: unpack: nplanes must be 0 .. 16, got " +
-        std::to_string(planes.nplanes));
+        "lionbit: unpack: nplanes must be 0 .. 16, got " + std::to_string(planes.nplanes));
   }
   switch (dtype) {
     case bits::DType::kInt8:

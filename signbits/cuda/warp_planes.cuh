@@ -12,8 +12,7 @@ namespace lionbit::cuda::detail {
 __device__ __forceinline__ WordPair ballot_planes(unsigned f) {
   WordPair r;
   r.sign = join_halves(
-      __ballot_sync(kFullMask, (f & kPos) != 0),
-      __ballot_sync(kFullMask, (f & (kPos << 8)) != 0));
+      __ballot_sync(kFullMask, (f & kPos) != 0), __ballot_sync(kFullMask, (f & (kPos << 8)) != 0));
   r.zero = join_halves(
       __ballot_sync(kFullMask, (f & kZero) != 0),
       __ballot_sync(kFullMask, (f & (kZero << 8)) != 0));

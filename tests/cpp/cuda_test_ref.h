@@ -30,11 +30,7 @@ inline void set_bit(uint64_t* w, size_t i, bool v) {
 }
 
 // Copies bits [0, n) of `src` to bits [offset, offset + n) of `dst`.
-inline void insert_bits(
-    const uint64_t* src,
-    size_t n,
-    uint64_t* dst,
-    size_t offset) {
+inline void insert_bits(const uint64_t* src, size_t n, uint64_t* dst, size_t offset) {
   for (size_t i = 0; i < n; ++i) {
     set_bit(dst, offset + i, get_bit(src, i));
   }
@@ -112,8 +108,9 @@ struct RanksData {
   std::vector<bits::Contribution> contributions() const {
     std::vector<bits::Contribution> c;
     for (int i = 0; i < n; ++i) {
-      c.push_back({sign.data() + static_cast<size_t>(i) * stride,
-                   zero.empty() ? nullptr : zero.data() + static_cast<size_t>(i) * stride});
+      c.push_back(
+          {sign.data() + static_cast<size_t>(i) * stride,
+           zero.empty() ? nullptr : zero.data() + static_cast<size_t>(i) * stride});
     }
     return c;
   }
@@ -132,11 +129,20 @@ inline RanksData make_ranks(int n, size_t words, int zero_mode, std::mt19937_64&
     for (size_t w = 0; w < d.stride; ++w) {
       uint64_t z = 0;
       switch (zero_mode) {
-        case 1: z = (i % 2 == 1) ? (rng() & rng() & rng()) : 0; break;
-        case 2: z = rng() & rng() & rng(); break;
-        case 3: z = ~0ull; break;
-        case 4: z = rng(); break;
-        default: break;
+        case 1:
+          z = (i % 2 == 1) ? (rng() & rng() & rng()) : 0;
+          break;
+        case 2:
+          z = rng() & rng() & rng();
+          break;
+        case 3:
+          z = ~0ull;
+          break;
+        case 4:
+          z = rng();
+          break;
+        default:
+          break;
       }
       const size_t at = static_cast<size_t>(i) * d.stride + w;
       d.sign[at] = rng() & ~z;
@@ -153,13 +159,11 @@ inline RanksData make_ranks(int n, size_t words, int zero_mode, std::mt19937_64&
 // values near the float16 / bfloat16 rounding and overflow thresholds.
 inline std::vector<uint32_t> special_f32() {
   std::vector<uint32_t> v = {
-      0x00000000u, 0x80000000u, 0x00000001u, 0x80000001u, 0x007fffffu,
-      0x807fffffu, 0x00800000u, 0x80800000u, 0x7f800000u, 0xff800000u,
-      0x7fc00000u, 0xffc00001u, 0x7f800001u, 0x7f7fffffu, 0xff7fffffu,
-      0x3f800000u, 0xbf800000u, 0x477fe000u, 0x477fefffu, 0x477ff000u,
-      0x477ff001u, 0xc77ff000u, 0x38800000u, 0x387fffffu, 0x33000000u,
-      0x33000001u, 0xb3000000u, 0x33800000u, 0x337fffffu, 0x3f801000u,
-      0x3f803000u, 0x3f808000u, 0x3f818000u, 0x7f7f8000u, 0x7f7f7fffu,
+      0x00000000u, 0x80000000u, 0x00000001u, 0x80000001u, 0x007fffffu, 0x807fffffu, 0x00800000u,
+      0x80800000u, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00001u, 0x7f800001u, 0x7f7fffffu,
+      0xff7fffffu, 0x3f800000u, 0xbf800000u, 0x477fe000u, 0x477fefffu, 0x477ff000u, 0x477ff001u,
+      0xc77ff000u, 0x38800000u, 0x387fffffu, 0x33000000u, 0x33000001u, 0xb3000000u, 0x33800000u,
+      0x337fffffu, 0x3f801000u, 0x3f803000u, 0x3f808000u, 0x3f818000u, 0x7f7f8000u, 0x7f7f7fffu,
   };
   return v;
 }

@@ -90,8 +90,7 @@ inline float widen(DType d, const uint8_t* p, size_t i) {
   }
   uint16_t h;
   std::memcpy(&h, p + 2 * i, 2);
-  return d == DType::kBFloat16 ? bits::test::bf16_to_float(h)
-                               : bits::test::f16_to_float(h);
+  return d == DType::kBFloat16 ? bits::test::bf16_to_float(h) : bits::test::f16_to_float(h);
 }
 
 // float -> bfloat16 / float16 bits, round to nearest even, worked out in
@@ -127,10 +126,8 @@ inline uint16_t ref_narrow(DType d, float f) {
   }
   int er;
   std::frexp(r, &er);
-  const auto mant = static_cast<uint32_t>(
-      (r / std::ldexp(1.0, er - 1) - 1.0) * (1 << (p - 1)));
-  return static_cast<uint16_t>(
-      sign | (static_cast<uint32_t>(er - 1 + bias) << (p - 1)) | mant);
+  const auto mant = static_cast<uint32_t>((r / std::ldexp(1.0, er - 1) - 1.0) * (1 << (p - 1)));
+  return static_cast<uint16_t>(sign | (static_cast<uint32_t>(er - 1 + bias) << (p - 1)) | mant);
 }
 
 // Stores v into element i of a raw buffer of dtype d (reference rounding).
@@ -169,9 +166,8 @@ inline std::string hex_at(DType d, const uint8_t* p, size_t i) {
 // negative), denormals, smallest normal, largest finite.
 inline std::vector<uint32_t> specials(DType d) {
   if (d == DType::kFloat32) {
-    return {0x00000000, 0x80000000, 0x7f800000, 0xff800000, 0x7fc00000,
-            0x7f800001, 0xffc00001, 0x00000001, 0x807fffff, 0x00800000,
-            0x7f7fffff, 0x00000003, 0x80000001};
+    return {0x00000000, 0x80000000, 0x7f800000, 0xff800000, 0x7fc00000, 0x7f800001, 0xffc00001,
+            0x00000001, 0x807fffff, 0x00800000, 0x7f7fffff, 0x00000003, 0x80000001};
   }
   if (d == DType::kBFloat16) {
     return {0x0000, 0x8000, 0x7f80, 0xff80, 0x7fc0, 0x7f81, 0xffff,
@@ -183,12 +179,7 @@ inline std::vector<uint32_t> specials(DType d) {
 
 // n values of dtype d as raw bytes: random sign, binade in [elo, ehi], random
 // significand (rounded to d), and ~6% specials.
-inline std::vector<uint8_t> make_values(
-    DType d,
-    size_t n,
-    std::mt19937_64& rng,
-    int elo,
-    int ehi) {
+inline std::vector<uint8_t> make_values(DType d, size_t n, std::mt19937_64& rng, int elo, int ehi) {
   std::vector<uint8_t> buf(n * esize(d));
   const auto sp = specials(d);
   std::uniform_int_distribution<int> ex(elo, ehi);
@@ -219,8 +210,7 @@ class Guarded {
   static constexpr size_t kGuard = 64;
   static constexpr uint8_t kPattern = 0xa5;
 
-  explicit Guarded(size_t bytes)
-      : bytes_(bytes), store_((bytes + kGuard + 7) / 8 + 1) {
+  explicit Guarded(size_t bytes) : bytes_(bytes), store_((bytes + kGuard + 7) / 8 + 1) {
     std::memset(guard(), kPattern, kGuard);
     LION_TEST_POISON(guard(), kGuard);
   }

@@ -59,12 +59,12 @@ int naive_sum(const Ranks& r, size_t i) {
   return sum;
 }
 
-class CountTest
-    : public ::testing::TestWithParam<std::tuple<int, size_t, int>> {};
+class CountTest : public ::testing::TestWithParam<std::tuple<int, size_t, int>> {};
 
 TEST_P(CountTest, VoteAndCodeMatchNaiveSumOnEveryIsa) {
   const auto [n, words, zero_mode] = GetParam();
-  std::mt19937_64 rng(static_cast<uint64_t>(n) * 1000003 + words * 7 + static_cast<uint64_t>(zero_mode));
+  std::mt19937_64 rng(
+      static_cast<uint64_t>(n) * 1000003 + words * 7 + static_cast<uint64_t>(zero_mode));
   const Ranks r = make_ranks(n, words, zero_mode, rng);
   bool with_zeros = false; // as the kernel decides: some rank sends zeros
   for (const auto& c : r.in) {
@@ -131,8 +131,7 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::Values(0, 1, 3)),
     [](const auto& info) {
       return "n" + std::to_string(std::get<0>(info.param)) + "_w" +
-          std::to_string(std::get<1>(info.param)) + "_z" +
-          std::to_string(std::get<2>(info.param));
+          std::to_string(std::get<1>(info.param)) + "_z" + std::to_string(std::get<2>(info.param));
     });
 
 // Large shards (10^6 elements) at a few N.
@@ -145,8 +144,7 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::Values(0, 2)),
     [](const auto& info) {
       return "n" + std::to_string(std::get<0>(info.param)) + "_w" +
-          std::to_string(std::get<1>(info.param)) + "_z" +
-          std::to_string(std::get<2>(info.param));
+          std::to_string(std::get<1>(info.param)) + "_z" + std::to_string(std::get<2>(info.param));
     });
 
 TEST(Count, CodePlanes) {

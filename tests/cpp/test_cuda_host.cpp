@@ -80,11 +80,16 @@ bits::PackCounts emu_pack_any(
     size_t bit_offset,
     size_t nwarps) {
   switch (d) {
-    case DType::kFloat32: return emu_pack<DType::kFloat32>(src, n, sign, zero, bit_offset, nwarps);
-    case DType::kFloat16: return emu_pack<DType::kFloat16>(src, n, sign, zero, bit_offset, nwarps);
-    case DType::kBFloat16: return emu_pack<DType::kBFloat16>(src, n, sign, zero, bit_offset, nwarps);
-    case DType::kFloat64: return emu_pack<DType::kFloat64>(src, n, sign, zero, bit_offset, nwarps);
-    case DType::kInt8: return emu_pack<DType::kInt8>(src, n, sign, zero, bit_offset, nwarps);
+    case DType::kFloat32:
+      return emu_pack<DType::kFloat32>(src, n, sign, zero, bit_offset, nwarps);
+    case DType::kFloat16:
+      return emu_pack<DType::kFloat16>(src, n, sign, zero, bit_offset, nwarps);
+    case DType::kBFloat16:
+      return emu_pack<DType::kBFloat16>(src, n, sign, zero, bit_offset, nwarps);
+    case DType::kFloat64:
+      return emu_pack<DType::kFloat64>(src, n, sign, zero, bit_offset, nwarps);
+    case DType::kInt8:
+      return emu_pack<DType::kInt8>(src, n, sign, zero, bit_offset, nwarps);
   }
   return {};
 }
@@ -114,18 +119,37 @@ void emu_vote(const RanksData& d, bool zeros, uint64_t* out_sign, uint64_t* out_
   }
 }
 
-#define LIONBIT_FOR_PLANES(P, FN, ...)          \
-  switch (P) {                                  \
-    case 1: FN<1>(__VA_ARGS__); break;          \
-    case 2: FN<2>(__VA_ARGS__); break;          \
-    case 3: FN<3>(__VA_ARGS__); break;          \
-    case 4: FN<4>(__VA_ARGS__); break;          \
-    case 5: FN<5>(__VA_ARGS__); break;          \
-    case 6: FN<6>(__VA_ARGS__); break;          \
-    case 7: FN<7>(__VA_ARGS__); break;          \
-    case 8: FN<8>(__VA_ARGS__); break;          \
-    case 11: FN<11>(__VA_ARGS__); break;        \
-    default: FAIL() << "no kernel for P=" << P; \
+#define LIONBIT_FOR_PLANES(P, FN, ...)   \
+  switch (P) {                           \
+    case 1:                              \
+      FN<1>(__VA_ARGS__);                \
+      break;                             \
+    case 2:                              \
+      FN<2>(__VA_ARGS__);                \
+      break;                             \
+    case 3:                              \
+      FN<3>(__VA_ARGS__);                \
+      break;                             \
+    case 4:                              \
+      FN<4>(__VA_ARGS__);                \
+      break;                             \
+    case 5:                              \
+      FN<5>(__VA_ARGS__);                \
+      break;                             \
+    case 6:                              \
+      FN<6>(__VA_ARGS__);                \
+      break;                             \
+    case 7:                              \
+      FN<7>(__VA_ARGS__);                \
+      break;                             \
+    case 8:                              \
+      FN<8>(__VA_ARGS__);                \
+      break;                             \
+    case 11:                             \
+      FN<11>(__VA_ARGS__);               \
+      break;                             \
+    default:                             \
+      FAIL() << "no kernel for P=" << P; \
   }
 
 // unpack_kernel of signbits/cuda/unpack.cu.
@@ -143,8 +167,9 @@ void emu_unpack(
   for (size_t warp = 0; warp < nwarps; ++warp) {
     for (size_t k0 = warp * U; k0 < nwords; k0 += nwarps * U) {
       for (unsigned lane = 0; lane < 32; ++lane) {
-        cd::unpack_group<S, NP>(base, nplanes, shard_words, n, k0, lane,
-                                static_cast<const S*>(lut), static_cast<S*>(dst));
+        cd::unpack_group<S, NP>(
+            base, nplanes, shard_words, n, k0, lane, static_cast<const S*>(lut),
+            static_cast<S*>(dst));
       }
     }
   }
@@ -197,13 +222,7 @@ bits::PackCounts emu_direction(
 // apply_dense_kernel of optimizer/lion_cuda.cu: its grid loop with a grid of
 // `threads` threads.
 template <DType X, DType Dl>
-void emu_apply_dense(
-    void* x,
-    const void* delta,
-    size_t n,
-    float lr,
-    float decay,
-    size_t threads) {
+void emu_apply_dense(void* x, const void* delta, size_t n, float lr, float decay, size_t threads) {
   for (size_t t = 0; t < threads; ++t) {
     for (size_t i0 = t; i0 < n; i0 += threads * cd::kApplyDenseUnroll) {
       cd::lion_apply_dense_group<X, Dl>(
@@ -287,9 +306,9 @@ TEST(CudaHostConvert, NarrowingMatchesReference) {
   using lionbit::optim::lion_test::ref_narrow;
   std::mt19937_64 rng(7);
   std::vector<uint32_t> pats = special_f32();
-  const uint32_t lows[] = {0x0, 0x1, 0xfff, 0x1000, 0x1001, 0x1fff, 0x2000,
-                           0x3000, 0x7fff, 0x8000, 0x8001, 0xffff, 0x10000,
-                           0x18000, 0x7fffff, 0x400000, 0x3ff000, 0x7fe000};
+  const uint32_t lows[] = {0x0,     0x1,     0xfff,    0x1000,   0x1001,   0x1fff,
+                           0x2000,  0x3000,  0x7fff,   0x8000,   0x8001,   0xffff,
+                           0x10000, 0x18000, 0x7fffff, 0x400000, 0x3ff000, 0x7fe000};
   for (uint32_t sign = 0; sign < 2; ++sign) {
     for (uint32_t e = 0; e < 256; ++e) {
       for (uint32_t lo : lows) {
@@ -551,7 +570,8 @@ void check_unpack(DType d, std::mt19937_64& rng) {
           } else {
             emu_unpack<S>(sharded.data(), nplanes, sw, n, lut.data(), got.data(), nwarps);
           }
-          ASSERT_EQ(got, ref) << dname(d) << " nplanes=" << nplanes << " shards=" << shards << " n=" << n;
+          ASSERT_EQ(got, ref) << dname(d) << " nplanes=" << nplanes << " shards=" << shards
+                              << " n=" << n;
         }
       }
     }
@@ -580,10 +600,18 @@ TEST(CudaHostUnpack, VoteLutAllDtypes) {
     std::vector<uint8_t> ref(n * 8), got(n * 8);
     bits::unpack(d, ptrs.data(), 2, n, lut.data(), ref.data());
     switch (bits::dtype_size(d)) {
-      case 1: emu_unpack<uint8_t, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2); break;
-      case 2: emu_unpack<uint16_t, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2); break;
-      case 4: emu_unpack<uint32_t, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2); break;
-      default: emu_unpack<unsigned long long, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2); break;
+      case 1:
+        emu_unpack<uint8_t, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2);
+        break;
+      case 2:
+        emu_unpack<uint16_t, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2);
+        break;
+      case 4:
+        emu_unpack<uint32_t, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2);
+        break;
+      default:
+        emu_unpack<unsigned long long, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2);
+        break;
     }
     ASSERT_EQ(got, ref) << dname(d);
   }
@@ -613,23 +641,25 @@ void check_direction(std::mt19937_64& rng, size_t& runs) {
     for (size_t n : small_sizes()) {
       const auto g = random_floats(G, n, rng);
       const auto m0 = random_floats(M, n, rng);
-      for (size_t off : {size_t{0}, size_t{1}, size_t{31}, size_t{32}, size_t{63}, size_t{64},
-                         size_t{65}, size_t{100}, size_t{127}, size_t{128}, size_t{130}}) {
+      for (size_t off :
+           {size_t{0}, size_t{1}, size_t{31}, size_t{32}, size_t{63}, size_t{64}, size_t{65},
+            size_t{100}, size_t{127}, size_t{128}, size_t{130}}) {
         const size_t words = (off + n) / 64 + 3;
         const auto s0 = random_words(words, rng);
         const auto z0 = random_words(words, rng);
         // CPU reference: words_for(n) words at offset 0, then inserted.
         auto mref = m0;
         std::vector<uint64_t> rs(n / 64 + 2), rz(n / 64 + 2);
-        const auto rc = optim::lion_direction(G, g.data(), M, mref.data(), n, cf.b1, cf.omb1,
-                                              cf.b2, cf.omb2, rs.data(), rz.data());
+        const auto rc = optim::lion_direction(
+            G, g.data(), M, mref.data(), n, cf.b1, cf.omb1, cf.b2, cf.omb2, rs.data(), rz.data());
         auto es = s0, ez = z0;
         insert_bits(rs.data(), n, es.data(), off);
         insert_bits(rz.data(), n, ez.data(), off);
         for (size_t nwarps : {size_t{1}, size_t{7}}) {
           auto m = m0;
           auto s = s0, z = z0;
-          const auto c = emu_direction<G, M>(g.data(), m.data(), n, k, s.data(), z.data(), off, nwarps);
+          const auto c = emu_direction<G, M>(
+              g.data(), m.data(), n, k, s.data(), z.data(), off, nwarps);
           ASSERT_EQ(s, es) << dname(G) << "/" << dname(M) << " n=" << n << " off=" << off;
           ASSERT_EQ(z, ez) << dname(G) << "/" << dname(M) << " n=" << n << " off=" << off;
           ASSERT_EQ(c.zeros, rc.zeros);
@@ -671,8 +701,9 @@ TEST(CudaHostLion, DirectionSpecialPairs) {
   for (const Coefs& cf : coef_sets()) {
     auto mref = m, mg = m;
     std::vector<uint64_t> rs(n / 64 + 1), rz(n / 64 + 1), s(n / 64 + 1), z(n / 64 + 1);
-    const auto rc = optim::lion_direction(DType::kFloat32, g.data(), DType::kFloat32, mref.data(), n,
-                                          cf.b1, cf.omb1, cf.b2, cf.omb2, rs.data(), rz.data());
+    const auto rc = optim::lion_direction(
+        DType::kFloat32, g.data(), DType::kFloat32, mref.data(), n, cf.b1, cf.omb1, cf.b2, cf.omb2,
+        rs.data(), rz.data());
     const auto c = emu_direction<DType::kFloat32, DType::kFloat32>(
         g.data(), mg.data(), n, {cf.b1, cf.omb1, cf.b2, cf.omb2}, s.data(), z.data(), 0, 3);
     EXPECT_EQ(s, rs);
@@ -680,8 +711,10 @@ TEST(CudaHostLion, DirectionSpecialPairs) {
     EXPECT_EQ(c.zeros, rc.zeros);
     EXPECT_EQ(c.nans, rc.nans);
     for (size_t i = 0; i < n; ++i) {
-      ASSERT_TRUE(same_at(DType::kFloat32, reinterpret_cast<const uint8_t*>(mg.data()),
-                          reinterpret_cast<const uint8_t*>(mref.data()), i)) << i;
+      ASSERT_TRUE(same_at(
+          DType::kFloat32, reinterpret_cast<const uint8_t*>(mg.data()),
+          reinterpret_cast<const uint8_t*>(mref.data()), i))
+          << i;
     }
   }
 }

@@ -1,7 +1,6 @@
-// The GPU kernels (lionbit_bits_cuda, lionbit_optim_cuda) against the CPU kernels, bit for bit, on a
-// CUDA device (CTest label "gpu"). Without a device every test is SKIPPED
-// with the CUDA error that says why. The logic inside the kernels is also
-// checked without a GPU by test_cuda_host.cpp.
+// The GPU kernels (lionbit_bits_cuda, lionbit_optim_cuda) against the CPU kernels, bit for bit, on
+// a CUDA device (CTest label "gpu"). Without a device every test is SKIPPED with the CUDA error
+// that says why. The logic inside the kernels is also checked without a GPU by test_cuda_host.cpp.
 #include "signbits/cuda/kernels.h"
 #include "optimizer/lion_cuda.h"
 
@@ -68,20 +67,24 @@ class Dev {
   ~Dev() { cudaFree(p_); }
   template <typename T>
   void upload(const std::vector<T>& v) {
-    if (!v.empty() && cudaMemcpy(p_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice) != cudaSuccess) {
+    if (!v.empty() &&
+        cudaMemcpy(p_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice) != cudaSuccess) {
       throw std::runtime_error("cudaMemcpy H2D failed");
     }
   }
   template <typename T>
   std::vector<T> download(size_t count) const {
     std::vector<T> v(count);
-    if (count != 0 && cudaMemcpy(v.data(), p_, count * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess) {
+    if (count != 0 &&
+        cudaMemcpy(v.data(), p_, count * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess) {
       throw std::runtime_error("cudaMemcpy D2H failed");
     }
     return v;
   }
   template <typename T>
-  T* as() const { return static_cast<T*>(p_); }
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
 
  private:
   void* p_ = nullptr;
@@ -136,11 +139,14 @@ TEST_F(CudaKernels, PackMatchesCpu) {
         const PackRef ref = ref_pack(d, src.data(), n, s0, z0, off);
         Dev ds(s0), dz(z0);
         Dev dc(std::vector<unsigned long long>{7, 9}); // counts are added to
-        cuda::pack_signs(d, dsrc.as<void>(), n, ds.as<uint64_t>(), dz.as<uint64_t>(), off,
-                         dc.as<cuda::Counts>(), stream_);
+        cuda::pack_signs(
+            d, dsrc.as<void>(), n, ds.as<uint64_t>(), dz.as<uint64_t>(), off, dc.as<cuda::Counts>(),
+            stream_);
         sync();
-        ASSERT_EQ(ds.download<uint64_t>(words), ref.sign) << dname(d) << " n=" << n << " off=" << off;
-        ASSERT_EQ(dz.download<uint64_t>(words), ref.zero) << dname(d) << " n=" << n << " off=" << off;
+        ASSERT_EQ(ds.download<uint64_t>(words), ref.sign)
+            << dname(d) << " n=" << n << " off=" << off;
+        ASSERT_EQ(dz.download<uint64_t>(words), ref.zero)
+            << dname(d) << " n=" << n << " off=" << off;
         const auto c = dc.download<unsigned long long>(2);
         ASSERT_EQ(c[0], 7 + ref.counts.zeros) << dname(d) << " n=" << n;
         ASSERT_EQ(c[1], 9 + ref.counts.nans) << dname(d) << " n=" << n;
@@ -156,14 +162,17 @@ TEST_F(CudaKernels, PackMatchesCpu) {
         const PackRef ref = ref_pack(d, src.data(), n, s0, z0, off);
         Dev ds(s0), dz(z0);
         Dev dc(std::vector<unsigned long long>{0, 0});
-        cuda::pack_signs(d, dsrc.as<void>(), n, ds.as<uint64_t>(), dz.as<uint64_t>(), off,
-                         dc.as<cuda::Counts>(), stream_);
+        cuda::pack_signs(
+            d, dsrc.as<void>(), n, ds.as<uint64_t>(), dz.as<uint64_t>(), off, dc.as<cuda::Counts>(),
+            stream_);
         // and once more without counts: the same bits
-        cuda::pack_signs(d, dsrc.as<void>(), n, ds.as<uint64_t>(), dz.as<uint64_t>(), off,
-                         nullptr, stream_);
+        cuda::pack_signs(
+            d, dsrc.as<void>(), n, ds.as<uint64_t>(), dz.as<uint64_t>(), off, nullptr, stream_);
         sync();
-        ASSERT_EQ(ds.download<uint64_t>(words), ref.sign) << dname(d) << " n=" << n << " off=" << off;
-        ASSERT_EQ(dz.download<uint64_t>(words), ref.zero) << dname(d) << " n=" << n << " off=" << off;
+        ASSERT_EQ(ds.download<uint64_t>(words), ref.sign)
+            << dname(d) << " n=" << n << " off=" << off;
+        ASSERT_EQ(dz.download<uint64_t>(words), ref.zero)
+            << dname(d) << " n=" << n << " off=" << off;
         const auto c = dc.download<unsigned long long>(2);
         ASSERT_EQ(c[0], ref.counts.zeros);
         ASSERT_EQ(c[1], ref.counts.nans);
@@ -186,8 +195,9 @@ TEST_F(CudaKernels, PackEndToEndIntoOneBuffer) {
     const auto b = bits::test::random_buffer(DType::kBFloat16, n, rng, false);
     all.insert(all.end(), b.begin(), b.begin() + 2 * n);
     keep.push_back(std::make_unique<Dev>(b));
-    cuda::pack_signs(DType::kBFloat16, keep.back()->as<void>(), n, ds.as<uint64_t>(),
-                     dz.as<uint64_t>(), off, nullptr, stream_);
+    cuda::pack_signs(
+        DType::kBFloat16, keep.back()->as<void>(), n, ds.as<uint64_t>(), dz.as<uint64_t>(), off,
+        nullptr, stream_);
     off += n;
   }
   sync();
@@ -226,9 +236,12 @@ TEST_F(CudaKernels, CountCodeAndVoteMatchCpu) {
         const uint64_t* zp = zeros ? dzr->as<uint64_t>() : nullptr;
         Dev dout(ref.size() * 8), dvs(words * 8), dvz(words * 8);
         cuda::count_code(dsg.as<uint64_t>(), zp, d.stride, n, words, dout.as<uint64_t>(), stream_);
-        cuda::vote(dsg.as<uint64_t>(), zp, d.stride, n, words, dvs.as<uint64_t>(), dvz.as<uint64_t>(), stream_);
+        cuda::vote(
+            dsg.as<uint64_t>(), zp, d.stride, n, words, dvs.as<uint64_t>(), dvz.as<uint64_t>(),
+            stream_);
         sync();
-        ASSERT_EQ(dout.download<uint64_t>(ref.size()), ref) << "n=" << n << " mode=" << mode << " words=" << words;
+        ASSERT_EQ(dout.download<uint64_t>(ref.size()), ref)
+            << "n=" << n << " mode=" << mode << " words=" << words;
         ASSERT_EQ(dvs.download<uint64_t>(words), rs) << "n=" << n << " mode=" << mode;
         ASSERT_EQ(dvz.download<uint64_t>(words), rz) << "n=" << n << " mode=" << mode;
       }
@@ -249,8 +262,9 @@ TEST_F(CudaKernels, VoteLarge) {
     std::unique_ptr<Dev> dzr;
     if (zeros) dzr = std::make_unique<Dev>(d.zero);
     Dev dvs(words * 8), dvz(words * 8);
-    cuda::vote(dsg.as<uint64_t>(), zeros ? dzr->as<uint64_t>() : nullptr, d.stride, n, words,
-               dvs.as<uint64_t>(), dvz.as<uint64_t>(), stream_);
+    cuda::vote(
+        dsg.as<uint64_t>(), zeros ? dzr->as<uint64_t>() : nullptr, d.stride, n, words,
+        dvs.as<uint64_t>(), dvz.as<uint64_t>(), stream_);
     sync();
     ASSERT_EQ(dvs.download<uint64_t>(words), rs) << n;
     ASSERT_EQ(dvz.download<uint64_t>(words), rz) << n;
@@ -259,8 +273,10 @@ TEST_F(CudaKernels, VoteLarge) {
 
 TEST(CudaKernelsArgs, CountRejectsBadN) {
   // Validated before anything is enqueued: no device needed.
-  EXPECT_THROW(cuda::count_code(nullptr, nullptr, 1, 0, 1, nullptr, nullptr), std::invalid_argument);
-  EXPECT_THROW(cuda::vote(nullptr, nullptr, 1, 1025, 1, nullptr, nullptr, nullptr), std::invalid_argument);
+  EXPECT_THROW(
+      cuda::count_code(nullptr, nullptr, 1, 0, 1, nullptr, nullptr), std::invalid_argument);
+  EXPECT_THROW(
+      cuda::vote(nullptr, nullptr, 1, 1025, 1, nullptr, nullptr, nullptr), std::invalid_argument);
 }
 
 TEST_F(CudaKernels, EmptyCallsEnqueueNothing) {
@@ -268,9 +284,11 @@ TEST_F(CudaKernels, EmptyCallsEnqueueNothing) {
   cuda::count_code(nullptr, nullptr, 0, 3, 0, nullptr, stream_);
   cuda::vote(nullptr, nullptr, 0, 3, 0, nullptr, nullptr, stream_);
   cuda::unpack(DType::kFloat32, {nullptr, 2, 0}, 0, nullptr, nullptr, stream_);
-  optim::cuda::lion_direction(DType::kFloat32, nullptr, DType::kFloat32, nullptr, 0, 0.9f, 0.1f,
-                              0.99f, 0.01f, nullptr, nullptr, 0, nullptr, stream_);
-  optim::cuda::lion_apply_dense(DType::kFloat32, nullptr, DType::kFloat32, nullptr, 0, 1, 1, stream_);
+  optim::cuda::lion_direction(
+      DType::kFloat32, nullptr, DType::kFloat32, nullptr, 0, 0.9f, 0.1f, 0.99f, 0.01f, nullptr,
+      nullptr, 0, nullptr, stream_);
+  optim::cuda::lion_apply_dense(
+      DType::kFloat32, nullptr, DType::kFloat32, nullptr, 0, 1, 1, stream_);
   sync();
 }
 
@@ -295,7 +313,8 @@ TEST_F(CudaKernels, UnpackMatchesCpu) {
           std::vector<uint8_t> ref(n * es + es, 0xa5);
           bits::unpack(d, ptrs.data(), nplanes, n, lut.data(), ref.data());
           Dev dp(sharded), dl(lut), dd(std::vector<uint8_t>(n * es + es, 0xa5));
-          cuda::unpack(d, {dp.as<uint64_t>(), nplanes, sw}, n, dl.as<void>(), dd.as<void>(), stream_);
+          cuda::unpack(
+              d, {dp.as<uint64_t>(), nplanes, sw}, n, dl.as<void>(), dd.as<void>(), stream_);
           sync();
           ASSERT_EQ(dd.download<uint8_t>(ref.size()), ref)
               << dname(d) << " nplanes=" << nplanes << " shards=" << shards << " n=" << n;
@@ -316,9 +335,9 @@ std::vector<uint8_t> lion_floats(DType d, size_t n, std::mt19937_64& rng) {
 }
 
 const std::pair<DType, DType> kDirPairs[] = {
-    {DType::kFloat32, DType::kFloat32},   {DType::kFloat32, DType::kBFloat16},
-    {DType::kBFloat16, DType::kFloat32},  {DType::kBFloat16, DType::kBFloat16},
-    {DType::kFloat16, DType::kFloat32},   {DType::kFloat16, DType::kBFloat16}};
+    {DType::kFloat32, DType::kFloat32},  {DType::kFloat32, DType::kBFloat16},
+    {DType::kBFloat16, DType::kFloat32}, {DType::kBFloat16, DType::kBFloat16},
+    {DType::kFloat16, DType::kFloat32},  {DType::kFloat16, DType::kBFloat16}};
 
 TEST_F(CudaKernels, LionDirectionMatchesCpu) {
   std::mt19937_64 rng(401);
@@ -332,9 +351,10 @@ TEST_F(CudaKernels, LionDirectionMatchesCpu) {
       const auto m0 = lion_floats(md, n, rng);
       auto mref = m0;
       std::vector<uint64_t> rs(n / 64 + 2), rz(n / 64 + 2);
-      const auto rc = optim::lion_direction(gd, g.data(), md, mref.data(), n, b1, omb1, b2, omb2,
-                                            rs.data(), rz.data());
-      for (size_t off : {size_t{0}, size_t{1}, size_t{33}, size_t{63}, size_t{64}, size_t{65}, size_t{130}}) {
+      const auto rc = optim::lion_direction(
+          gd, g.data(), md, mref.data(), n, b1, omb1, b2, omb2, rs.data(), rz.data());
+      for (size_t off :
+           {size_t{0}, size_t{1}, size_t{33}, size_t{63}, size_t{64}, size_t{65}, size_t{130}}) {
         if (n > 100000 && off % 64 != 0 && off != 1) continue;
         const size_t words = (off + n) / 64 + 2;
         const auto s0 = random_words(words, rng);
@@ -343,17 +363,21 @@ TEST_F(CudaKernels, LionDirectionMatchesCpu) {
         insert_bits(rs.data(), n, es.data(), off);
         insert_bits(rz.data(), n, ez.data(), off);
         Dev dg(g), dm(m0), ds(s0), dz(z0), dc(std::vector<unsigned long long>{0, 0});
-        optim::cuda::lion_direction(gd, dg.as<void>(), md, dm.as<void>(), n, b1, omb1, b2, omb2,
-                                    ds.as<uint64_t>(), dz.as<uint64_t>(), off, dc.as<cuda::Counts>(), stream_);
+        optim::cuda::lion_direction(
+            gd, dg.as<void>(), md, dm.as<void>(), n, b1, omb1, b2, omb2, ds.as<uint64_t>(),
+            dz.as<uint64_t>(), off, dc.as<cuda::Counts>(), stream_);
         sync();
-        ASSERT_EQ(ds.download<uint64_t>(words), es) << dname(gd) << "/" << dname(md) << " n=" << n << " off=" << off;
-        ASSERT_EQ(dz.download<uint64_t>(words), ez) << dname(gd) << "/" << dname(md) << " n=" << n << " off=" << off;
+        ASSERT_EQ(ds.download<uint64_t>(words), es)
+            << dname(gd) << "/" << dname(md) << " n=" << n << " off=" << off;
+        ASSERT_EQ(dz.download<uint64_t>(words), ez)
+            << dname(gd) << "/" << dname(md) << " n=" << n << " off=" << off;
         const auto c = dc.download<unsigned long long>(2);
         ASSERT_EQ(c[0], rc.zeros);
         ASSERT_EQ(c[1], rc.nans);
         const auto m = dm.download<uint8_t>(m0.size());
         for (size_t i = 0; i < n; ++i) {
-          ASSERT_TRUE(same_at(md, m.data(), mref.data(), i)) << dname(gd) << "/" << dname(md) << " i=" << i;
+          ASSERT_TRUE(same_at(md, m.data(), mref.data(), i))
+              << dname(gd) << "/" << dname(md) << " i=" << i;
         }
       }
     }
@@ -378,7 +402,8 @@ TEST_F(CudaKernels, LionApplyDenseMatchesCpu) {
         sync();
         const auto x = dx.download<uint8_t>(x0.size());
         for (size_t i = 0; i < n; ++i) {
-          ASSERT_TRUE(same_at(xd, x.data(), xr.data(), i)) << dname(xd) << "/" << dname(dd) << " i=" << i;
+          ASSERT_TRUE(same_at(xd, x.data(), xr.data(), i))
+              << dname(xd) << "/" << dname(dd) << " i=" << i;
         }
       }
     }
@@ -416,7 +441,8 @@ TEST_F(CudaKernels, LionApplyDenseVoteDeltasMatchesCpu) {
           auto xr = x0;
           optim::lion_apply_dense(xd, xr.data(), dd, delta.data(), n, lr, decay);
           Dev dx(x0), ddl(delta);
-          optim::cuda::lion_apply_dense(xd, dx.as<void>(), dd, ddl.as<void>(), n, lr, decay, stream_);
+          optim::cuda::lion_apply_dense(
+              xd, dx.as<void>(), dd, ddl.as<void>(), n, lr, decay, stream_);
           sync();
           const auto x = dx.download<uint8_t>(x0.size());
           for (size_t i = 0; i < n; ++i) {

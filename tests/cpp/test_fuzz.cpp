@@ -32,14 +32,16 @@ uint64_t scale() {
 // What must hold of headers that check_headers accepts, written from the
 // wire contract (wire.h), not from check_headers' code.
 bool acceptable(const std::vector<WireHeader>& h, int n, const WireHeader& mine) {
-  const uint64_t largest_chunk =
-      mine.chunk_elems == 0 ? mine.numel : std::min(mine.numel, mine.chunk_elems);
+  const uint64_t largest_chunk = mine.chunk_elems == 0 ? mine.numel
+                                                       : std::min(mine.numel, mine.chunk_elems);
   const uint64_t shard_elems = shard_words(largest_chunk, n) * kWordBits;
   for (int r = 0; r < n; ++r) {
     const WireHeader& x = h[static_cast<size_t>(r)];
-    if (x.magic != kWireMagic || x.version != kWireVersion || x.rank != static_cast<uint32_t>(r)) return false;
+    if (x.magic != kWireMagic || x.version != kWireVersion || x.rank != static_cast<uint32_t>(r))
+      return false;
     if (x.op < 1 || x.op > 3 || x.dtype < 1 || x.dtype > 5) return false;
-    if (x.flags & ~(kHasZero | kHasNan | kRejected | kReduceScatter | kDevice | kTieHint)) return false;
+    if (x.flags & ~(kHasZero | kHasNan | kRejected | kReduceScatter | kDevice | kTieHint))
+      return false;
     if (x.flags & (kRejected | kHasNan)) return false;
     // The kind of collective and the tensor's device type must match this rank's.
     if ((x.flags ^ mine.flags) & (kReduceScatter | kDevice)) return false;
@@ -99,7 +101,8 @@ void mutate(HeaderCase& c, std::mt19937_64& rng) {
         x.numel = std::vector<uint64_t>{0, 1, kMaxNumel, kMaxNumel + 1, ~0ull}[rng() % 5];
         break;
       case 4: // zero capacity at and past the shard, with or without the flag
-        x.zero_capacity = std::vector<uint64_t>{0, 1, x.numel, x.numel + 1, ~0ull, 1ull << 32}[rng() % 6];
+        x.zero_capacity = std::vector<uint64_t>{
+            0, 1, x.numel, x.numel + 1, ~0ull, 1ull << 32}[rng() % 6];
         if (rng() % 2) x.flags ^= kHasZero;
         break;
       case 5: // a peer's chunking
@@ -136,7 +139,8 @@ void check_one(const HeaderCase& c) {
     EXPECT_EQ(cap, c.h[static_cast<size_t>(r)].zero_capacity);
     any = any || cap > 0;
     if (mine.numel > 0) {
-      for (uint64_t len : {std::min(mine.numel, chunk), mine.numel % std::max<uint64_t>(chunk, 1), uint64_t{1}}) {
+      for (uint64_t len :
+           {std::min(mine.numel, chunk), mine.numel % std::max<uint64_t>(chunk, 1), uint64_t{1}}) {
         if (len == 0) continue;
         const size_t sw = shard_words(len, c.n);
         EXPECT_LE(zero_encoding_bytes(cap, sw), sw * 8) << "cap " << cap << " sw " << sw;
@@ -175,9 +179,11 @@ TEST(FuzzHeaders, RandomBytesAreRejected) {
     const int n = std::uniform_int_distribution<int>(1, 16)(rng);
     std::vector<WireHeader> h(static_cast<size_t>(n));
     auto* bytes = reinterpret_cast<uint8_t*>(h.data());
-    for (size_t b = 0; b < sizeof(WireHeader) * h.size(); ++b) bytes[b] = static_cast<uint8_t>(rng());
+    for (size_t b = 0; b < sizeof(WireHeader) * h.size(); ++b)
+      bytes[b] = static_cast<uint8_t>(rng());
     const int me = static_cast<int>(rng() % static_cast<uint64_t>(n));
-    WireHeader mine = make_header(SignOp::kVote, DType::kFloat32, me, 0, 0, 100, 0, chunk_elems_for(1 << 22, n));
+    WireHeader mine = make_header(
+        SignOp::kVote, DType::kFloat32, me, 0, 0, 100, 0, chunk_elems_for(1 << 22, n));
     h[static_cast<size_t>(me)] = mine;
     const HeaderSummary s = check_headers(h.data(), n, mine);
     if (n > 1) {
@@ -210,17 +216,22 @@ bool decode_and_check(const std::vector<uint8_t>& wire, size_t words, uint64_t c
   EXPECT_LE(count_bits(plane.get(), words), cap);
   std::vector<uint8_t> again(wire.size(), 0);
   encode_zeros(plane.get(), words, cap, again.data());
-  EXPECT_EQ(again, wire) << "accepted a non-canonical list (words " << words << ", cap " << cap << ")";
+  EXPECT_EQ(again, wire) << "accepted a non-canonical list (words " << words << ", cap " << cap
+                         << ")";
   return true;
 }
 
 uint64_t random_capacity(size_t words, std::mt19937_64& rng) {
   const uint64_t limit = words * kWordBits;
   switch (rng() % 4) {
-    case 0: return 1 + rng() % 4;
-    case 1: return 1 + rng() % std::max<uint64_t>(words, 1);
-    case 2: return 1 + rng() % (limit + 8); // past the plane too
-    default: return 1 + rng() % (2 * words + 2); // around the list/plane switch
+    case 0:
+      return 1 + rng() % 4;
+    case 1:
+      return 1 + rng() % std::max<uint64_t>(words, 1);
+    case 2:
+      return 1 + rng() % (limit + 8); // past the plane too
+    default:
+      return 1 + rng() % (2 * words + 2); // around the list/plane switch
   }
 }
 
@@ -277,7 +288,8 @@ TEST(FuzzZeros, MutatedValidListsDecodeCanonicallyOrFail) {
 TEST(FuzzZeros, HugePlanesNeverUseListsTheyCannotIndex) {
   // 32-bit offsets: a plane of 2^32 elements or more must go dense whatever
   // capacity a peer announces; the list size must never exceed the plane.
-  for (size_t words : {size_t{1} << 26, (size_t{1} << 26) - 1, (size_t{1} << 26) + 1, size_t{1} << 30}) {
+  for (size_t words :
+       {size_t{1} << 26, (size_t{1} << 26) - 1, (size_t{1} << 26) + 1, size_t{1} << 30}) {
     for (uint64_t cap : {uint64_t{1}, uint64_t{2}, uint64_t{1} << 20, uint64_t{words}}) {
       if (words * kWordBits >= kNoIndex) {
         EXPECT_FALSE(zeros_as_list(cap, words)) << words << " " << cap;

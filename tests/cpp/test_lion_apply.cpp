@@ -40,8 +40,8 @@ Step step_from(double lr, double wd) {
 // Typical; large (decay far from 1); lr = 2^-12 with decay 1, which puts
 // x -+ lr exactly halfway between two float16 / bfloat16 / float32 values in
 // some binades (ties to even); an odd lr without decay.
-const Step kSteps[] = {step_from(1e-4, 0.1), step_from(0.3, 1.5),
-                       step_from(1.0 / 4096, 0.0), step_from(0.01, 0.0)};
+const Step kSteps[] = {
+    step_from(1e-4, 0.1), step_from(0.3, 1.5), step_from(1.0 / 4096, 0.0), step_from(0.01, 0.0)};
 
 float ref_update(float x, const Step& s, float delta) {
   return ref_sub(ref_mul(x, s.decay), ref_mul(s.lr, delta));
@@ -70,8 +70,7 @@ std::vector<uint8_t> make_deltas(DType d, size_t n, std::mt19937_64& rng) {
       const int k = static_cast<int>(rng() % static_cast<uint64_t>(2 * nr + 1)) - nr;
       v = static_cast<float>(static_cast<double>(k) / nr);
     } else {
-      v = static_cast<float>(std::ldexp(1.0 + u01(rng), ex(rng)) *
-                             ((rng() & 1) != 0 ? -1 : 1));
+      v = static_cast<float>(std::ldexp(1.0 + u01(rng), ex(rng)) * ((rng() & 1) != 0 ? -1 : 1));
     }
     ref_store(d, buf.data(), i, v);
   }
@@ -87,8 +86,7 @@ std::vector<uint8_t> reference_dense(
     const Step& s) {
   std::vector<uint8_t> out(n * esize(xd));
   for (size_t i = 0; i < n; ++i) {
-    ref_store(xd, out.data(), i,
-              ref_update(widen(xd, x.data(), i), s, widen(dd, delta.data(), i)));
+    ref_store(xd, out.data(), i, ref_update(widen(xd, x.data(), i), s, widen(dd, delta.data(), i)));
   }
   return out;
 }
@@ -107,8 +105,7 @@ std::vector<uint8_t> run_dense(
   lion_apply_dense(xd, xb.bytes(), dd, db.bytes(), n, s.lr, s.decay, isa);
   EXPECT_TRUE(xb.guard_intact()) << "wrote past the end of x";
   EXPECT_TRUE(db.guard_intact()) << "wrote past the end of delta";
-  EXPECT_TRUE(equal_bytes(db.bytes(), delta.data(), delta.size()))
-      << "delta modified";
+  EXPECT_TRUE(equal_bytes(db.bytes(), delta.data(), delta.size())) << "delta modified";
   return std::vector<uint8_t>(xb.bytes(), xb.bytes() + n * esize(xd));
 }
 
@@ -119,8 +116,8 @@ void expect_same(
     size_t n) {
   for (size_t i = 0; i < n; ++i) {
     ASSERT_TRUE(same_at(xd, got.data(), want.data(), i))
-        << "element " << i << ": got " << hex_at(xd, got.data(), i)
-        << ", want " << hex_at(xd, want.data(), i);
+        << "element " << i << ": got " << hex_at(xd, got.data(), i) << ", want "
+        << hex_at(xd, want.data(), i);
   }
 }
 
@@ -137,8 +134,7 @@ std::string isa_check(Isa isa) {
   return "";
 }
 
-class LionApplyDense
-    : public ::testing::TestWithParam<std::tuple<int, int, size_t, Isa>> {};
+class LionApplyDense : public ::testing::TestWithParam<std::tuple<int, int, size_t, Isa>> {};
 
 TEST_P(LionApplyDense, MatchesNaiveReferenceBitForBit) {
   const auto [xi, di, n, isa] = GetParam();
@@ -168,10 +164,9 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::ValuesIn(kSizes),
         ::testing::ValuesIn(kIsas)),
     [](const auto& info) {
-      return std::string("x_") + bits::dtype_name(kParams[std::get<0>(info.param)]) +
-          "_delta_" + bits::dtype_name(kParams[std::get<1>(info.param)]) + "_n" +
-          std::to_string(std::get<2>(info.param)) + "_" +
-          bits::isa_name(std::get<3>(info.param));
+      return std::string("x_") + bits::dtype_name(kParams[std::get<0>(info.param)]) + "_delta_" +
+          bits::dtype_name(kParams[std::get<1>(info.param)]) + "_n" +
+          std::to_string(std::get<2>(info.param)) + "_" + bits::isa_name(std::get<3>(info.param));
     });
 
 std::vector<Isa> supported() {
@@ -191,12 +186,10 @@ struct Edge {
 const Edge kF16Edges[] = {
     {0x3f801000, 0x3c00}, // 1 + 2^-11: halfway, even below
     {0x3f803000, 0x3c02}, // halfway, odd below: up
-    {0x3f801001, 0x3c01},
-    {0x477fe000, 0x7bff}, // 65504, the largest float16
+    {0x3f801001, 0x3c01}, {0x477fe000, 0x7bff}, // 65504, the largest float16
     {0x477fefff, 0x7bff}, // just below 65520
     {0x477ff000, 0x7c00}, // 65520: halfway to 65536, ties to Inf
-    {0xc77ff000, 0xfc00},
-    {0x501502f9, 0x7c00}, // 1e10
+    {0xc77ff000, 0xfc00}, {0x501502f9, 0x7c00}, // 1e10
     {0x38800000, 0x0400}, // 2^-14, the smallest normal
     {0x387fe000, 0x0400}, // 1023.5 * 2^-24: tie, up to the smallest normal
     {0x387fa000, 0x03fe}, // 1022.5 * 2^-24: tie, even below
@@ -207,33 +200,20 @@ const Edge kF16Edges[] = {
     {0xb3400000, 0x8001}, // -0.75 * 2^-24
     {0xb2800000, 0x8000}, // -2^-26
     {0x00000001, 0x0000}, // float32 denormal
-    {0x80000001, 0x8000},
-    {0x7f800000, 0x7c00},
-    {0xff800000, 0xfc00},
-    {0x00000000, 0x0000},
-    {0x80000000, 0x8000},
-    {0x3dcccccd, 0x2e66}, // 0.1f
+    {0x80000001, 0x8000}, {0x7f800000, 0x7c00}, {0xff800000, 0xfc00},
+    {0x00000000, 0x0000}, {0x80000000, 0x8000}, {0x3dcccccd, 0x2e66}, // 0.1f
 };
 
 const Edge kBF16Edges[] = {
     {0x3f808000, 0x3f80}, // 1 + 2^-8: halfway, even below
     {0x3f818000, 0x3f82}, // halfway, odd below: up
-    {0x3f808001, 0x3f81},
-    {0x3f807fff, 0x3f80},
-    {0xbf818000, 0xbf82},
+    {0x3f808001, 0x3f81}, {0x3f807fff, 0x3f80}, {0xbf818000, 0xbf82},
     {0x7f7fffff, 0x7f80}, // the largest float32 rounds to Inf
-    {0x7f7f7fff, 0x7f7f},
-    {0x7f7f8000, 0x7f80}, // halfway to Inf, odd below: Inf
+    {0x7f7f7fff, 0x7f7f}, {0x7f7f8000, 0x7f80}, // halfway to Inf, odd below: Inf
     {0x00008000, 0x0000}, // denormal halfway: even 0
-    {0x00018000, 0x0002},
-    {0x80008001, 0x8001},
-    {0x00000001, 0x0000},
-    {0x80000001, 0x8000},
-    {0x7f800000, 0x7f80},
-    {0xff800000, 0xff80},
-    {0x00000000, 0x0000},
-    {0x80000000, 0x8000},
-    {0x3dcccccd, 0x3dcd}, // 0.1f
+    {0x00018000, 0x0002}, {0x80008001, 0x8001}, {0x00000001, 0x0000},
+    {0x80000001, 0x8000}, {0x7f800000, 0x7f80}, {0xff800000, 0xff80},
+    {0x00000000, 0x0000}, {0x80000000, 0x8000}, {0x3dcccccd, 0x3dcd}, // 0.1f
 };
 
 void check_edges(DType xd, const Edge* edges, size_t count) {
@@ -247,8 +227,7 @@ void check_edges(DType xd, const Edge* edges, size_t count) {
       std::vector<uint8_t> x(n * 2), delta(n * 4);
       for (size_t i = 0; i < n; ++i) {
         std::memcpy(x.data() + 2 * i, &minus_zero, 2);
-        const float v =
-            i >= base && i < base + count ? from_bits(edges[i - base].v) : 1.0f;
+        const float v = i >= base && i < base + count ? from_bits(edges[i - base].v) : 1.0f;
         const float minus_v = -v;
         std::memcpy(delta.data() + 4 * i, &minus_v, 4);
       }
@@ -285,8 +264,7 @@ TEST(LionApplyRounding, NanAndInf) {
         const float d = i % 5 == 1 ? NAN : (i % 5 == 2 ? INFINITY : 1.0f);
         std::memcpy(delta.data() + 4 * i, &d, 4);
       }
-      const auto got = run_dense(xd, x, DType::kFloat32, delta, n,
-                                 step_from(1e-3, 0.1), isa);
+      const auto got = run_dense(xd, x, DType::kFloat32, delta, n, step_from(1e-3, 0.1), isa);
       for (size_t i = 0; i < n; ++i) {
         const float v = widen(xd, got.data(), i);
         if (i % 5 <= 1) {
@@ -305,12 +283,10 @@ TEST(LionApplyRounding, NanAndInf) {
 
 TEST(LionApplyContract, DtypeSupport) {
   for (DType x : bits::test::all_dtypes()) {
-    const bool px =
-        x == DType::kFloat32 || x == DType::kBFloat16 || x == DType::kFloat16;
+    const bool px = x == DType::kFloat32 || x == DType::kBFloat16 || x == DType::kFloat16;
     EXPECT_EQ(lion_param_dtype_supported(x), px) << bits::dtype_name(x);
     for (DType d : bits::test::all_dtypes()) {
-      const bool pd =
-          d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat16;
+      const bool pd = d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat16;
       EXPECT_EQ(lion_apply_dtypes_supported(x, d), px && pd)
           << bits::dtype_name(x) << " " << bits::dtype_name(d);
     }
@@ -357,8 +333,9 @@ TEST(LionApplyContract, SplitAtWordsEqualsOneCall) {
   const auto isas = supported();
   for (DType xd : kParams) {
     for (DType dd : kParams) {
-      SCOPED_TRACE(::testing::Message() << "x " << bits::dtype_name(xd) << " delta "
-                                        << bits::dtype_name(dd));
+      SCOPED_TRACE(
+          ::testing::Message() << "x " << bits::dtype_name(xd) << " delta "
+                               << bits::dtype_name(dd));
       std::mt19937_64 rng(5);
       const auto x = make_values(xd, n, rng, -10, 4);
       const auto delta = make_deltas(dd, n, rng);
@@ -368,8 +345,9 @@ TEST(LionApplyContract, SplitAtWordsEqualsOneCall) {
       size_t i0 = 0;
       for (size_t part = 0; i0 < n; ++part) {
         const size_t len = std::min(n - i0, size_t{64} * (part % 4 + 1));
-        lion_apply_dense(xd, xx.data() + esize(xd) * i0, dd, delta.data() + esize(dd) * i0, len,
-                         s.lr, s.decay, isas[part % isas.size()]);
+        lion_apply_dense(
+            xd, xx.data() + esize(xd) * i0, dd, delta.data() + esize(dd) * i0, len, s.lr, s.decay,
+            isas[part % isas.size()]);
         i0 += len;
       }
       expect_same(xd, xx, whole, n);

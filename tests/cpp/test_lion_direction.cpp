@@ -32,8 +32,9 @@ struct Coefs {
 
 // As the caller computes them: in double, rounded once.
 Coefs coefs_from(double beta1, double beta2) {
-  return {static_cast<float>(beta1), static_cast<float>(1.0 - beta1),
-          static_cast<float>(beta2), static_cast<float>(1.0 - beta2)};
+  return {
+      static_cast<float>(beta1), static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
+      static_cast<float>(1.0 - beta2)};
 }
 
 struct Reference {
@@ -107,8 +108,7 @@ DirRun run_direction(
   }
   DirRun r;
   r.counts = lion_direction(
-      gd, gb.bytes(), md, mb.bytes(), n, k.b1, k.omb1, k.b2, k.omb2,
-      sb.words(), zb.words(), isa);
+      gd, gb.bytes(), md, mb.bytes(), n, k.b1, k.omb1, k.b2, k.omb2, sb.words(), zb.words(), isa);
   EXPECT_TRUE(gb.guard_intact()) << "wrote past the end of g";
   EXPECT_TRUE(mb.guard_intact()) << "wrote past the end of m";
   EXPECT_TRUE(sb.guard_intact()) << "wrote past the end of sign";
@@ -130,17 +130,15 @@ DirRun run_direction(
   EXPECT_EQ(c2.zeros, r.counts.zeros);
   EXPECT_EQ(c2.nans, r.counts.nans);
   EXPECT_EQ(c2.nonfinite, r.counts.nonfinite);
-  EXPECT_TRUE(n == 0 || equal_bytes(s2.bytes(), sb.bytes(), words * 8)) << "lion_direction_only sign bits differ";
-  EXPECT_TRUE(n == 0 || equal_bytes(z2.bytes(), zb.bytes(), words * 8)) << "lion_direction_only zero bits differ";
+  EXPECT_TRUE(n == 0 || equal_bytes(s2.bytes(), sb.bytes(), words * 8))
+      << "lion_direction_only sign bits differ";
+  EXPECT_TRUE(n == 0 || equal_bytes(z2.bytes(), zb.bytes(), words * 8))
+      << "lion_direction_only zero bits differ";
   return r;
 }
 
 // Compares a run with the reference; stops at the first difference.
-void expect_matches(
-    const Reference& ref,
-    const DirRun& run,
-    DType md,
-    size_t n) {
+void expect_matches(const Reference& ref, const DirRun& run, DType md, size_t n) {
   EXPECT_EQ(run.counts.zeros, ref.zeros);
   EXPECT_EQ(run.counts.nans, ref.nans);
   EXPECT_EQ(run.counts.nonfinite, ref.nonfinite);
@@ -150,8 +148,8 @@ void expect_matches(
     ASSERT_EQ(bit_of(run.zero.data(), i), ref.state[i] == 0)
         << "zero bit of element " << i << " (state " << ref.state[i] << ")";
     ASSERT_TRUE(same_at(md, run.m.data(), ref.m.data(), i))
-        << "momentum of element " << i << ": got " << hex_at(md, run.m.data(), i)
-        << ", want " << hex_at(md, ref.m.data(), i);
+        << "momentum of element " << i << ": got " << hex_at(md, run.m.data(), i) << ", want "
+        << hex_at(md, ref.m.data(), i);
   }
   for (size_t i = n; i < run.sign.size() * 64; ++i) {
     ASSERT_FALSE(bit_of(run.sign.data(), i)) << "tail bit " << i;
@@ -165,23 +163,22 @@ struct Combo {
   DType g, m;
 };
 const Combo kCombos[] = {
-    {DType::kFloat32, DType::kFloat32},  {DType::kBFloat16, DType::kFloat32},
-    {DType::kFloat16, DType::kFloat32},  {DType::kFloat32, DType::kBFloat16},
+    {DType::kFloat32, DType::kFloat32},   {DType::kBFloat16, DType::kFloat32},
+    {DType::kFloat16, DType::kFloat32},   {DType::kFloat32, DType::kBFloat16},
     {DType::kBFloat16, DType::kBFloat16}, {DType::kFloat16, DType::kBFloat16},
 };
 const size_t kSizes[] = {0, 1, 63, 64, 65, 1000, 4097, 100003, 1000000};
 const Isa kIsas[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512};
 
-class LionDirection
-    : public ::testing::TestWithParam<std::tuple<int, size_t, Isa>> {};
+class LionDirection : public ::testing::TestWithParam<std::tuple<int, size_t, Isa>> {};
 
 TEST_P(LionDirection, MatchesNaiveReferenceBitForBit) {
   const auto [ci, n, isa] = GetParam();
   if (!bits::isa_supported(isa)) {
     GTEST_SKIP() << bits::isa_name(isa) << " not supported on this CPU";
   }
-  ASSERT_EQ(lion_kernel_isa(isa), isa) << "the " << bits::isa_name(isa)
-                                       << " kernels are not the ones run";
+  ASSERT_EQ(lion_kernel_isa(isa), isa)
+      << "the " << bits::isa_name(isa) << " kernels are not the ones run";
   const Combo c = kCombos[ci];
   ASSERT_TRUE(lion_direction_dtypes_supported(c.g, c.m));
   std::mt19937_64 rng(1000003 * n + 17 * static_cast<uint64_t>(ci));
@@ -189,8 +186,8 @@ TEST_P(LionDirection, MatchesNaiveReferenceBitForBit) {
   const auto g = make_values(c.g, n, rng, -40, 8);
   const auto m = make_values(c.m, n, rng, -40, 8);
   // Typical betas, and ones whose complements are not short binary fractions.
-  for (const Coefs& k : {coefs_from(0.9, 0.99), coefs_from(0.95, 0.98),
-                         coefs_from(1.0 / 3.0, 0.7)}) {
+  for (const Coefs& k :
+       {coefs_from(0.9, 0.99), coefs_from(0.95, 0.98), coefs_from(1.0 / 3.0, 0.7)}) {
     SCOPED_TRACE(::testing::Message() << "b1 " << k.b1 << " b2 " << k.b2);
     const Reference ref = reference_direction(c.g, g, c.m, m, n, k);
     const DirRun run = run_direction(c.g, g, c.m, m, n, k, isa);
@@ -207,9 +204,8 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::ValuesIn(kIsas)),
     [](const auto& info) {
       const Combo c = kCombos[std::get<0>(info.param)];
-      return std::string("g_") + bits::dtype_name(c.g) + "_m_" +
-          bits::dtype_name(c.m) + "_n" + std::to_string(std::get<1>(info.param)) +
-          "_" + bits::isa_name(std::get<2>(info.param));
+      return std::string("g_") + bits::dtype_name(c.g) + "_m_" + bits::dtype_name(c.m) + "_n" +
+          std::to_string(std::get<1>(info.param)) + "_" + bits::isa_name(std::get<2>(info.param));
     });
 
 std::vector<Isa> supported() {
@@ -265,11 +261,9 @@ TEST(LionDirectionSpecial, HandWorkedSignsZerosNans) {
       std::vector<uint8_t> gb(n * 4), mb(n * 4);
       std::memcpy(gb.data(), g.data(), n * 4);
       std::memcpy(mb.data(), m.data(), n * 4);
-      const Reference ref =
-          reference_direction(DType::kFloat32, gb, DType::kFloat32, mb, n, k);
+      const Reference ref = reference_direction(DType::kFloat32, gb, DType::kFloat32, mb, n, k);
       ASSERT_EQ(ref.state, want) << "the reference itself";
-      const DirRun run =
-          run_direction(DType::kFloat32, gb, DType::kFloat32, mb, n, k, isa);
+      const DirRun run = run_direction(DType::kFloat32, gb, DType::kFloat32, mb, n, k, isa);
       expect_matches(ref, run, DType::kFloat32, n);
       for (size_t base : {size_t{5}, size_t{64} * 3}) {
         if (base + 2 < n) { // new m = 0.25 * 1 + 0.75 * -1 = -0.5
@@ -293,17 +287,13 @@ TEST(LionDirectionSpecial, BFloat16MomentumRounding) {
   const Case cases[] = {
       {0x3f808000, 0x3f80}, // 1 + 2^-8: halfway, even below
       {0x3f818000, 0x3f82}, // halfway, odd below: up
-      {0x3f808001, 0x3f81}, {0x3f807fff, 0x3f80},
-      {0xbf808000, 0xbf80}, {0xbf818000, 0xbf82},
-      {0x7f7fffff, 0x7f80}, // largest float rounds to +inf
+      {0x3f808001, 0x3f81}, {0x3f807fff, 0x3f80}, {0xbf808000, 0xbf80},
+      {0xbf818000, 0xbf82}, {0x7f7fffff, 0x7f80}, // largest float rounds to +inf
       {0x7f7f7fff, 0x7f7f}, {0x7f7f8000, 0x7f80}, // halfway to inf: even = inf
-      {0xff7f8000, 0xff80},
-      {0x00008000, 0x0000}, // denormal halfway: even 0
+      {0xff7f8000, 0xff80}, {0x00008000, 0x0000}, // denormal halfway: even 0
       {0x00018000, 0x0002}, {0x80008001, 0x8001}, {0x00000001, 0x0000},
-      {0x80000001, 0x8000},
-      {0x7f800000, 0x7f80}, {0xff800000, 0xff80},
-      {0x00000000, 0x0000}, {0x80000000, 0x8000},
-      {0x3dcccccd, 0x3dcd}, // 0.1f
+      {0x80000001, 0x8000}, {0x7f800000, 0x7f80}, {0xff800000, 0xff80},
+      {0x00000000, 0x0000}, {0x80000000, 0x8000}, {0x3dcccccd, 0x3dcd}, // 0.1f
   };
   const size_t ncase = std::size(cases);
   const Coefs k{0.5f, 0.5f, 0.0f, 1.0f};
@@ -318,10 +308,8 @@ TEST(LionDirectionSpecial, BFloat16MomentumRounding) {
         const uint16_t mi = 0xbf80; // -1
         std::memcpy(m.data() + 2 * i, &mi, 2);
       }
-      const Reference ref =
-          reference_direction(DType::kFloat32, g, DType::kBFloat16, m, n, k);
-      const DirRun run =
-          run_direction(DType::kFloat32, g, DType::kBFloat16, m, n, k, isa);
+      const Reference ref = reference_direction(DType::kFloat32, g, DType::kBFloat16, m, n, k);
+      const DirRun run = run_direction(DType::kFloat32, g, DType::kBFloat16, m, n, k, isa);
       expect_matches(ref, run, DType::kBFloat16, n);
       for (size_t j = 0; j < ncase; ++j) {
         uint16_t got, want_ref;
@@ -335,8 +323,7 @@ TEST(LionDirectionSpecial, BFloat16MomentumRounding) {
       const uint32_t qnan = 0x7fc12345u, snan = 0xff800001u;
       std::memcpy(g2.data() + 4 * base, &qnan, 4);
       std::memcpy(g2.data() + 4 * (n - 1), &snan, 4);
-      const DirRun r2 =
-          run_direction(DType::kFloat32, g2, DType::kBFloat16, m, n, k, isa);
+      const DirRun r2 = run_direction(DType::kFloat32, g2, DType::kBFloat16, m, n, k, isa);
       EXPECT_TRUE(is_nan_at(DType::kBFloat16, r2.m.data(), base));
       EXPECT_TRUE(is_nan_at(DType::kBFloat16, r2.m.data(), n - 1));
       EXPECT_EQ(r2.counts.nans, 2u);
@@ -372,8 +359,7 @@ TEST(LionDirectionSpecial, HalfGradientsWidenExactly) {
   const Coefs k{0.5f, 0.5f, 0.0f, 1.0f};
   for (DType d : {DType::kFloat16, DType::kBFloat16}) {
     for (Isa isa : supported()) {
-      SCOPED_TRACE(::testing::Message() << bits::isa_name(isa) << " "
-                                        << bits::dtype_name(d));
+      SCOPED_TRACE(::testing::Message() << bits::isa_name(isa) << " " << bits::dtype_name(d));
       // 64 cases in a whole word, repeated; then the same in a tail.
       std::vector<const Case*> mine;
       for (const Case& c : cases) {
@@ -389,8 +375,7 @@ TEST(LionDirectionSpecial, HalfGradientsWidenExactly) {
         std::memcpy(m.data() + 4 * i, &minus_one, 4);
       }
       const DirRun run = run_direction(d, g, DType::kFloat32, m, n, k, isa);
-      const Reference ref =
-          reference_direction(d, g, DType::kFloat32, m, n, k);
+      const Reference ref = reference_direction(d, g, DType::kFloat32, m, n, k);
       expect_matches(ref, run, DType::kFloat32, n);
       for (size_t i = 0; i < n; ++i) {
         uint32_t got;
@@ -424,8 +409,7 @@ TEST(LionDirectionSpecial, SeparateRoundingDecidesTheSign) {
     for (int d = 0; d < static_cast<int>(rng() % 3); ++d) {
       gf = std::nextafter(gf, (rng() & 1) != 0 ? INFINITY : -INFINITY);
     }
-    const int separate =
-        state(ref_add(ref_mul(k.b1, mf), ref_mul(k.omb1, gf)));
+    const int separate = state(ref_add(ref_mul(k.b1, mf), ref_mul(k.omb1, gf)));
     const int fused1 = state(std::fma(k.b1, mf, ref_mul(k.omb1, gf)));
     const int fused2 = state(std::fma(k.omb1, gf, ref_mul(k.b1, mf)));
     if (separate != fused1 || separate != fused2) {
@@ -438,12 +422,10 @@ TEST(LionDirectionSpecial, SeparateRoundingDecidesTheSign) {
   std::vector<uint8_t> g(n * 4), m(n * 4);
   std::memcpy(g.data(), gv.data(), n * 4);
   std::memcpy(m.data(), mv.data(), n * 4);
-  const Reference ref =
-      reference_direction(DType::kFloat32, g, DType::kFloat32, m, n, k);
+  const Reference ref = reference_direction(DType::kFloat32, g, DType::kFloat32, m, n, k);
   for (Isa isa : supported()) {
     SCOPED_TRACE(bits::isa_name(isa));
-    const DirRun run =
-        run_direction(DType::kFloat32, g, DType::kFloat32, m, n, k, isa);
+    const DirRun run = run_direction(DType::kFloat32, g, DType::kFloat32, m, n, k, isa);
     expect_matches(ref, run, DType::kFloat32, n);
   }
 }
@@ -481,8 +463,7 @@ TEST(LionDirectionIsa, VectorPathsAreExercised) {
 TEST(LionDirectionContract, DtypeSupport) {
   for (DType g : bits::test::all_dtypes()) {
     for (DType m : bits::test::all_dtypes()) {
-      const bool want =
-          (g == DType::kFloat32 || g == DType::kBFloat16 || g == DType::kFloat16) &&
+      const bool want = (g == DType::kFloat32 || g == DType::kBFloat16 || g == DType::kFloat16) &&
           (m == DType::kFloat32 || m == DType::kBFloat16);
       EXPECT_EQ(lion_direction_dtypes_supported(g, m), want)
           << bits::dtype_name(g) << " " << bits::dtype_name(m);
@@ -494,15 +475,13 @@ TEST(LionDirectionContract, DtypeSupport) {
 TEST(LionDirectionContract, UnsupportedDtypesTouchNothing) {
   const size_t n = 200;
   for (Isa isa : supported()) {
-    for (auto [gd, md] : {std::pair{DType::kFloat64, DType::kFloat32},
-                          std::pair{DType::kFloat32, DType::kFloat16},
-                          std::pair{DType::kInt8, DType::kFloat32},
-                          std::pair{DType::kFloat32, DType::kFloat64}}) {
+    for (auto [gd, md] :
+         {std::pair{DType::kFloat64, DType::kFloat32}, std::pair{DType::kFloat32, DType::kFloat16},
+          std::pair{DType::kInt8, DType::kFloat32}, std::pair{DType::kFloat32, DType::kFloat64}}) {
       std::vector<uint8_t> g(n * 8, 0x3f), m(n * 8, 0x41);
       std::vector<uint64_t> s(4, kPoisonWord), z(4, kPoisonWord);
       const auto c = lion_direction(
-          gd, g.data(), md, m.data(), n, 0.9f, 0.1f, 0.99f, 0.01f, s.data(),
-          z.data(), isa);
+          gd, g.data(), md, m.data(), n, 0.9f, 0.1f, 0.99f, 0.01f, s.data(), z.data(), isa);
       EXPECT_EQ(c.zeros, 0u);
       EXPECT_EQ(c.nans, 0u);
       EXPECT_TRUE(std::all_of(m.begin(), m.end(), [](uint8_t b) { return b == 0x41; }));
@@ -515,8 +494,8 @@ TEST(LionDirectionContract, UnsupportedDtypesTouchNothing) {
 TEST(LionDirectionContract, ZeroElementsTouchNothing) {
   for (Isa isa : supported()) {
     const auto c = lion_direction(
-        DType::kFloat32, nullptr, DType::kFloat32, nullptr, 0, 0.9f, 0.1f,
-        0.99f, 0.01f, nullptr, nullptr, isa);
+        DType::kFloat32, nullptr, DType::kFloat32, nullptr, 0, 0.9f, 0.1f, 0.99f, 0.01f, nullptr,
+        nullptr, isa);
     EXPECT_EQ(c.zeros, 0u);
     EXPECT_EQ(c.nans, 0u);
   }
@@ -530,8 +509,7 @@ TEST(LionDirectionContract, SplitAtWordsEqualsOneCall) {
   const auto g = make_values(DType::kBFloat16, n, rng, -20, 4);
   const auto m = make_values(DType::kFloat32, n, rng, -20, 4);
   const Coefs k = coefs_from(0.9, 0.99);
-  const DirRun whole =
-      run_direction(DType::kBFloat16, g, DType::kFloat32, m, n, k, Isa::kScalar);
+  const DirRun whole = run_direction(DType::kBFloat16, g, DType::kFloat32, m, n, k, Isa::kScalar);
   const auto isas = supported();
   std::vector<uint8_t> mm = m;
   std::vector<uint64_t> s(bits::words_for(n)), z(bits::words_for(n));
@@ -540,9 +518,8 @@ TEST(LionDirectionContract, SplitAtWordsEqualsOneCall) {
   for (size_t part = 0; i0 < n; ++part) {
     const size_t len = std::min(n - i0, size_t{64} * (part % 5 + 1));
     const auto c = lion_direction(
-        DType::kBFloat16, g.data() + 2 * i0, DType::kFloat32, mm.data() + 4 * i0,
-        len, k.b1, k.omb1, k.b2, k.omb2, s.data() + i0 / 64, z.data() + i0 / 64,
-        isas[part % isas.size()]);
+        DType::kBFloat16, g.data() + 2 * i0, DType::kFloat32, mm.data() + 4 * i0, len, k.b1, k.omb1,
+        k.b2, k.omb2, s.data() + i0 / 64, z.data() + i0 / 64, isas[part % isas.size()]);
     total.zeros += c.zeros;
     total.nans += c.nans;
     i0 += len;
@@ -571,8 +548,7 @@ TEST(LionDirectionContract, SameLayoutAsPackSigns) {
   const auto pc = bits::pack_signs(DType::kFloat32, g.data(), n, ps.data(), pz.data());
   for (Isa isa : supported()) {
     const DirRun run = run_direction(
-        DType::kFloat32, g, DType::kFloat32, m, n, Coefs{0.0f, 1.0f, 0.5f, 0.5f},
-        isa);
+        DType::kFloat32, g, DType::kFloat32, m, n, Coefs{0.0f, 1.0f, 0.5f, 0.5f}, isa);
     EXPECT_EQ(run.sign, ps) << bits::isa_name(isa);
     EXPECT_EQ(run.zero, pz) << bits::isa_name(isa);
     EXPECT_EQ(run.counts.zeros, pc.zeros);

@@ -13,8 +13,8 @@ namespace {
 using test::bit;
 
 // Sizes 0 ... 10^6, odd ones and word boundaries included.
-const size_t kSizes[] = {0, 1, 2, 7, 31, 63, 64, 65, 127, 128, 129, 1000,
-                         4097, 65535, 65536, 100003, 1000000, 1000003};
+const size_t kSizes[] = {0,   1,   2,    7,    31,    63,    64,     65,      127,
+                         128, 129, 1000, 4097, 65535, 65536, 100003, 1000000, 1000003};
 
 class PackTest : public ::testing::TestWithParam<std::tuple<DType, size_t>> {};
 
@@ -45,8 +45,7 @@ TEST_P(PackTest, MatchesNaiveReferenceOnEveryIsa) {
     // Poison the output: every word must be written.
     std::vector<uint64_t> sign(words + 1, 0xdeadbeefdeadbeefull);
     std::vector<uint64_t> zero(words + 1, 0xdeadbeefdeadbeefull);
-    const PackCounts c =
-        pack_signs(dtype, buf.data(), n, sign.data(), zero.data(), isa);
+    const PackCounts c = pack_signs(dtype, buf.data(), n, sign.data(), zero.data(), isa);
     EXPECT_EQ(c.zeros, ref_zeros);
     EXPECT_EQ(c.nans, ref_nans);
     for (size_t i = 0; i < n; ++i) {
@@ -65,17 +64,14 @@ TEST_P(PackTest, MatchesNaiveReferenceOnEveryIsa) {
 INSTANTIATE_TEST_SUITE_P(
     AllDtypesAndSizes,
     PackTest,
-    ::testing::Combine(
-        ::testing::ValuesIn(test::all_dtypes()),
-        ::testing::ValuesIn(kSizes)),
+    ::testing::Combine(::testing::ValuesIn(test::all_dtypes()), ::testing::ValuesIn(kSizes)),
     [](const auto& info) {
       return std::string(dtype_name(std::get<0>(info.param))) + "_n" +
           std::to_string(std::get<1>(info.param));
     });
 
 TEST(Pack, SpecialFloat32Values) {
-  const float v[] = {0.0f, -0.0f, 1e-45f, -1e-45f, INFINITY, -INFINITY,
-                     1.0f, -1.0f, NAN};
+  const float v[] = {0.0f, -0.0f, 1e-45f, -1e-45f, INFINITY, -INFINITY, 1.0f, -1.0f, NAN};
   for (Isa isa : test::supported_isas()) {
     // Put them at the end of a full word so the vector path sees them too.
     std::vector<float> x(64, 1.0f);

@@ -19,11 +19,13 @@ using test::bit;
 // and tie planes (code = sign + 2 * tie: -1, +1, 0, 0), ties of every density.
 TEST(Trits, DecodeMatchesThePlanesOnEveryDtypeAndSize) {
   for (DType dtype : test::all_dtypes()) {
-    for (size_t n : {size_t{0}, size_t{1}, size_t{4}, size_t{5}, size_t{59}, size_t{60}, size_t{63},
-                     size_t{64}, size_t{65}, size_t{1000}, size_t{4099}, size_t{100003}}) {
+    for (size_t n :
+         {size_t{0}, size_t{1}, size_t{4}, size_t{5}, size_t{59}, size_t{60}, size_t{63},
+          size_t{64}, size_t{65}, size_t{1000}, size_t{4099}, size_t{100003}}) {
       for (double tie_rate : {0.0, 0.1, 0.375, 1.0}) {
-        SCOPED_TRACE(std::string(dtype_name(dtype)) + " n " + std::to_string(n) + " ties " +
-                     std::to_string(tie_rate));
+        SCOPED_TRACE(
+            std::string(dtype_name(dtype)) + " n " + std::to_string(n) + " ties " +
+            std::to_string(tie_rate));
         std::mt19937_64 rng(n * 31 + static_cast<size_t>(tie_rate * 1000));
         std::bernoulli_distribution is_tie(tie_rate);
         const size_t words = words_for(n);
@@ -47,7 +49,8 @@ TEST(Trits, DecodeMatchesThePlanesOnEveryDtypeAndSize) {
         const uint64_t* planes[2] = {sign.data(), tie.data()};
         unpack(dtype, planes, 2, n, lut.data(), want.data());
         ASSERT_TRUE(decode_trits(dtype, trits.data(), n, lut.data(), got.data()));
-        ASSERT_EQ(0, std::memcmp(want.data(), got.data(), got.size())) << "differs (or wrote past the end)";
+        ASSERT_EQ(0, std::memcmp(want.data(), got.data(), got.size()))
+            << "differs (or wrote past the end)";
       }
     }
   }

@@ -13,15 +13,15 @@ using test::bit;
 
 const size_t kSizes[] = {0, 1, 63, 64, 65, 1000, 4099, 1000003};
 
-class UnpackTest
-    : public ::testing::TestWithParam<std::tuple<DType, int, size_t>> {};
+class UnpackTest : public ::testing::TestWithParam<std::tuple<DType, int, size_t>> {};
 
 TEST_P(UnpackTest, MatchesNaiveLookupOnEveryIsa) {
   const auto [dtype, nplanes, n] = GetParam();
   std::mt19937_64 rng(n * 13 + static_cast<size_t>(nplanes));
   const size_t words = words_for(n);
   const size_t es = dtype_size(dtype);
-  std::vector<std::vector<uint64_t>> planes(static_cast<size_t>(nplanes), std::vector<uint64_t>(words));
+  std::vector<std::vector<uint64_t>> planes(
+      static_cast<size_t>(nplanes), std::vector<uint64_t>(words));
   std::vector<const uint64_t*> ptrs;
   for (auto& p : planes) {
     for (auto& w : p) {
@@ -43,8 +43,7 @@ TEST_P(UnpackTest, MatchesNaiveLookupOnEveryIsa) {
       for (int b = 0; b < nplanes; ++b) {
         code |= static_cast<size_t>(bit(ptrs[static_cast<size_t>(b)], i)) << b;
       }
-      ASSERT_EQ(0, std::memcmp(dst.data() + i * es, lut.data() + code * es, es))
-          << "element " << i;
+      ASSERT_EQ(0, std::memcmp(dst.data() + i * es, lut.data() + code * es, es)) << "element " << i;
     }
     for (size_t k = n * es; k < dst.size(); ++k) {
       ASSERT_EQ(dst[k], 0x5a) << "wrote past the end";
@@ -61,8 +60,7 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::ValuesIn(kSizes)),
     [](const auto& info) {
       return std::string(dtype_name(std::get<0>(info.param))) + "_p" +
-          std::to_string(std::get<1>(info.param)) + "_n" +
-          std::to_string(std::get<2>(info.param));
+          std::to_string(std::get<1>(info.param)) + "_n" + std::to_string(std::get<2>(info.param));
     });
 
 TEST(MakeLut, Float16RoundTripsEveryFiniteValue) {

@@ -25,8 +25,7 @@ inline std::vector<Isa> supported_isas() {
 }
 
 inline std::vector<DType> all_dtypes() {
-  return {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64,
-          DType::kInt8};
+  return {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64, DType::kInt8};
 }
 
 inline float bf16_to_float(uint16_t h) {
@@ -97,11 +96,15 @@ inline std::vector<uint8_t> random_buffer(
     switch (dtype) {
       case DType::kFloat32: {
         float f = static_cast<float>(u(rng) * 8.0 - 4.0);
-        if (p < zero_rate) f = neg ? -0.0f : 0.0f;
-        else if (p < zero_rate + 0.01) f = neg ? -1e-42f : 1e-42f; // denormal
-        else if (p < zero_rate + 0.02) f = neg ? -INFINITY : INFINITY;
+        if (p < zero_rate)
+          f = neg ? -0.0f : 0.0f;
+        else if (p < zero_rate + 0.01)
+          f = neg ? -1e-42f : 1e-42f; // denormal
+        else if (p < zero_rate + 0.02)
+          f = neg ? -INFINITY : INFINITY;
         else if (with_nan && p > 0.995) {
-          const uint32_t nanb = 0x7f800001u | static_cast<uint32_t>(bits & 0x7fffff) | (neg ? 0x80000000u : 0);
+          const uint32_t nanb = 0x7f800001u | static_cast<uint32_t>(bits & 0x7fffff) |
+              (neg ? 0x80000000u : 0);
           std::memcpy(&f, &nanb, 4);
         }
         std::memcpy(buf.data() + 4 * i, &f, 4);
@@ -109,10 +112,14 @@ inline std::vector<uint8_t> random_buffer(
       }
       case DType::kFloat64: {
         double d = u(rng) * 8.0 - 4.0;
-        if (p < zero_rate) d = neg ? -0.0 : 0.0;
-        else if (p < zero_rate + 0.01) d = neg ? -4e-320 : 4e-320;
-        else if (p < zero_rate + 0.02) d = neg ? -INFINITY : INFINITY;
-        else if (with_nan && p > 0.995) d = std::nan("");
+        if (p < zero_rate)
+          d = neg ? -0.0 : 0.0;
+        else if (p < zero_rate + 0.01)
+          d = neg ? -4e-320 : 4e-320;
+        else if (p < zero_rate + 0.02)
+          d = neg ? -INFINITY : INFINITY;
+        else if (with_nan && p > 0.995)
+          d = std::nan("");
         std::memcpy(buf.data() + 8 * i, &d, 8);
         break;
       }
@@ -121,8 +128,10 @@ inline std::vector<uint8_t> random_buffer(
         const uint16_t inf = dtype == DType::kFloat16 ? 0x7c00 : 0x7f80;
         uint16_t h = static_cast<uint16_t>(bits);
         const uint16_t mag = h & 0x7fff;
-        if (p < zero_rate) h = neg ? 0x8000 : 0;
-        else if (!with_nan && mag > inf) h = static_cast<uint16_t>(h & 0x83ff); // make finite
+        if (p < zero_rate)
+          h = neg ? 0x8000 : 0;
+        else if (!with_nan && mag > inf)
+          h = static_cast<uint16_t>(h & 0x83ff); // make finite
         std::memcpy(buf.data() + 2 * i, &h, 2);
         break;
       }

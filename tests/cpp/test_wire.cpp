@@ -27,7 +27,8 @@ TEST(Wire, AgreeingHeadersPass) {
 
 TEST(Wire, ZeroCapacityIsCheckedAgainstTheShard) {
   // 1000 elements over 4 ranks: shards of 256 elements.
-  for (auto [flag, cap] : {std::pair{true, 0ull}, std::pair{false, 5ull}, std::pair{true, 257ull}}) {
+  for (auto [flag, cap] :
+       {std::pair{true, 0ull}, std::pair{false, 5ull}, std::pair{true, 257ull}}) {
     auto h = agreeing(4);
     if (flag) h[3].flags |= kHasZero;
     h[3].zero_capacity = cap;
@@ -52,11 +53,21 @@ TEST(Wire, CorruptFieldsAreCaughtBeforeUse) {
   for (int field = 0; field < 5; ++field) {
     auto h = agreeing(3);
     switch (field) {
-      case 0: h[1].rank = 9; break;
-      case 1: h[1].op = 77; break;
-      case 2: h[1].dtype = 0; break;
-      case 3: h[1].numel = ~0ull; break;
-      case 4: h[1].flags = 0x80000000u; break;
+      case 0:
+        h[1].rank = 9;
+        break;
+      case 1:
+        h[1].op = 77;
+        break;
+      case 2:
+        h[1].dtype = 0;
+        break;
+      case 3:
+        h[1].numel = ~0ull;
+        break;
+      case 4:
+        h[1].flags = 0x80000000u;
+        break;
     }
     const HeaderSummary s = check_headers(h.data(), 3, h[0]);
     EXPECT_NE(s.error.find("rank 1 sent a corrupt header"), std::string::npos)
@@ -75,7 +86,8 @@ TEST(Wire, MismatchesNameBothRanks) {
     auto h = agreeing(2);
     h[1].dtype = static_cast<uint8_t>(DType::kBFloat16);
     const auto s = check_headers(h.data(), 2, h[0]);
-    EXPECT_NE(s.error.find("rank 0 has float32, rank 1 has bfloat16"), std::string::npos) << s.error;
+    EXPECT_NE(s.error.find("rank 0 has float32, rank 1 has bfloat16"), std::string::npos)
+        << s.error;
   }
   {
     auto h = agreeing(2);
@@ -114,8 +126,11 @@ TEST(Wire, CudaAndCpuTensorsCannotMeet) {
   h[2].flags &= ~kDevice;
   h[2].chunk_elems = 4096;
   const auto s = check_headers(h.data(), 3, h[0]);
-  EXPECT_NE(s.error.find("device type differs across ranks: rank 0 has a CUDA tensor, rank 2 a CPU tensor"),
-            std::string::npos) << s.error;
+  EXPECT_NE(
+      s.error.find(
+          "device type differs across ranks: rank 0 has a CUDA tensor, rank 2 a CPU tensor"),
+      std::string::npos)
+      << s.error;
 }
 
 TEST(Wire, ChunkSizeMustAgreeAndBoundsTheZeroCapacity) {
@@ -162,7 +177,8 @@ TEST(Wire, ReduceScatterAndAllReduceAtTheSameCallDisagree) {
   h[2].flags &= ~kReduceScatter;
   for (int me = 0; me < 3; ++me) {
     const auto s = check_headers(h.data(), 3, h[static_cast<size_t>(me)]);
-    EXPECT_NE(s.error.find("collective differs across ranks at call #7"), std::string::npos) << s.error;
+    EXPECT_NE(s.error.find("collective differs across ranks at call #7"), std::string::npos)
+        << s.error;
   }
 }
 

@@ -22,7 +22,12 @@ struct Ranks {
   std::vector<Contribution> in;
 };
 
-Ranks make_ranks(int n, size_t words, const std::vector<int>& zeros_per_rank, int shared, std::mt19937_64& rng) {
+Ranks make_ranks(
+    int n,
+    size_t words,
+    const std::vector<int>& zeros_per_rank,
+    int shared,
+    std::mt19937_64& rng) {
   Ranks r;
   r.sign.resize(static_cast<size_t>(n));
   r.zero.resize(static_cast<size_t>(n));
@@ -115,7 +120,8 @@ Result round_trip(const Ranks& r, int n, size_t words, uint64_t cap, size_t elem
   for (size_t c = 0; c < zlut.size(); ++c) {
     zlut[c] = 1000 + static_cast<uint32_t>(c);
   }
-  res.applied = apply_zero_counts(list.data(), cap, ptrs.data(), P, elems, n, zlut.data(), 4, res.out.data());
+  res.applied = apply_zero_counts(
+      list.data(), cap, ptrs.data(), P, elems, n, zlut.data(), 4, res.out.data());
   return res;
 }
 
@@ -191,19 +197,20 @@ TEST(ZeroCounts, CorruptListsAreRefused) {
       list[1 + k] = entries[k];
     }
     return apply_zero_counts(
-        reinterpret_cast<const uint8_t*>(list.data()), cap, ptrs.data(), P, elems, n, zlut.data(), 4, dst.data());
+        reinterpret_cast<const uint8_t*>(list.data()), cap, ptrs.data(), P, elems, n, zlut.data(),
+        4, dst.data());
   };
   auto e = [](uint64_t off, uint64_t zeros) { return (off << 32) | zeros; };
   EXPECT_TRUE(apply({e(3, 1), e(70, 2)}, 4));
-  EXPECT_TRUE(apply({e(3, 3)}, 1));            // pos 1 + 3 zeros = N
-  EXPECT_FALSE(apply({e(3, 1), e(4, 1)}, 1));  // count above the capacity
-  EXPECT_FALSE(apply({e(5, 1), e(3, 1)}, 4));  // not ascending
-  EXPECT_FALSE(apply({e(5, 1), e(5, 1)}, 4));  // repeated
-  EXPECT_FALSE(apply({e(100, 1)}, 4));         // past the shard's elements
+  EXPECT_TRUE(apply({e(3, 3)}, 1)); // pos 1 + 3 zeros = N
+  EXPECT_FALSE(apply({e(3, 1), e(4, 1)}, 1)); // count above the capacity
+  EXPECT_FALSE(apply({e(5, 1), e(3, 1)}, 4)); // not ascending
+  EXPECT_FALSE(apply({e(5, 1), e(5, 1)}, 4)); // repeated
+  EXPECT_FALSE(apply({e(100, 1)}, 4)); // past the shard's elements
   EXPECT_FALSE(apply({e(~0ull >> 32, 1)}, 4)); // far past
-  EXPECT_FALSE(apply({e(3, 0)}, 4));           // an element with no zero
-  EXPECT_FALSE(apply({e(3, 4)}, 4));           // pos 1 + 4 zeros > N
-  EXPECT_FALSE(apply({e(70, 5)}, 4));          // 5 zeros > N
+  EXPECT_FALSE(apply({e(3, 0)}, 4)); // an element with no zero
+  EXPECT_FALSE(apply({e(3, 4)}, 4)); // pos 1 + 4 zeros > N
+  EXPECT_FALSE(apply({e(70, 5)}, 4)); // 5 zeros > N
 }
 
 TEST(ZeroCounts, RandomBytesNeverReadOrWriteOutOfBounds) {
@@ -230,7 +237,8 @@ TEST(ZeroCounts, RandomBytesNeverReadOrWriteOutOfBounds) {
       list[k] = ((rng() % 200) << 32) | (rng() % 8);
     }
     accepted += apply_zero_counts(
-        reinterpret_cast<const uint8_t*>(list.data()), cap, ptrs.data(), P, elems, n, zlut.data(), 4, dst.data());
+        reinterpret_cast<const uint8_t*>(list.data()), cap, ptrs.data(), P, elems, n, zlut.data(),
+        4, dst.data());
   }
   EXPECT_GT(accepted, 0); // some random lists are well formed
 }

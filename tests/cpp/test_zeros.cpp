@@ -70,8 +70,10 @@ TEST(Zeros, CorruptListsAreRejected) {
   EXPECT_FALSE(decode_zeros(make({3, 640}).data(), words, 2, plane.data())); // out of range
   EXPECT_FALSE(decode_zeros(make({9, 3}).data(), words, 2, plane.data())); // not ascending
   EXPECT_FALSE(decode_zeros(make({9, 9}).data(), words, 2, plane.data())); // repeated
-  EXPECT_FALSE(decode_zeros(make({kNoIndex, 4}).data(), words, 2, plane.data())); // data after padding
-  EXPECT_FALSE(decode_zeros(make({1, 2, 3, 4}).data(), words, 3, plane.data())); // more than the capacity
+  EXPECT_FALSE(
+      decode_zeros(make({kNoIndex, 4}).data(), words, 2, plane.data())); // data after padding
+  EXPECT_FALSE(
+      decode_zeros(make({1, 2, 3, 4}).data(), words, 3, plane.data())); // more than the capacity
 }
 
 } // namespace
