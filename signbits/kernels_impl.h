@@ -575,9 +575,8 @@ inline void unpack_scalar_range(
 
 // The vector paths take the plane count as a compile-time constant (1..4:
 // 2..16 table entries) so that the blend tree and the plane words live in
-// registers; left to a run-time count, GCC kept them on the stack and the
-// kernel ran at ~10 GB/s even in L2. (Streaming stores were tried for large
-// outputs: no faster on the test machine, alone or 4 processes on 2 cores.)
+// registers (with a run-time count GCC keeps them on the stack, several
+// times slower even in L2).
 #if defined(__AVX512BW__)
 template <typename U>
 inline __m512i broadcast_lut(U v) {
@@ -751,9 +750,8 @@ inline bool unpack_vec_dispatch(
 // the 64 codes are assembled first, 16 bits each, then looked up one by one.
 // Per element that is one table load (a gather of 16 or 8 on AVX-512 for
 // 4- and 8-byte types) and one store, against a shift, a mask and an or per
-// plane for the element-by-element path, which this replaces: 16M float32
-// with 5 planes, 54 -> 10 ms (BM_unpack_counts); it had made a 64M-element
-// average at N = 8 spend 0.7 s a call unpacking.
+// plane for an element-by-element loop (about 5x faster at 5 planes,
+// BM_unpack_counts).
 //
 // Bits 4g..4g+3 of a plane word, spread to bits 0, 16, 32, 48: the four
 // copies of x (at shifts 0, 15, 30, 45) do not overlap, so no carries, and

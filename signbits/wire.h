@@ -90,11 +90,10 @@ struct HeaderSummary {
 uint64_t chunk_elems_for(uint64_t requested, int world_size);
 
 // The chunk size asked for when LIONBIT_CHUNK_ELEMS is not set: 4M elements,
-// and at least 256K per rank's shard (so 4M up to N = 16). A fixed 4M left a
-// rank's shard at 1K elements (128 bytes a message) at N = 4096, and each
-// chunk pays two all-gathers of N - 1 steps: bench/cost_model.py put a
-// 7B-parameter vote at N = 4096 at ~700 s of latency that way, and a
-// 1.3B-parameter one at N = 64 on 10 Gbit/s at 3.7 s (2.1 s with 256K).
+// and at least 256K per rank's shard (so 4M up to N = 16). Each chunk pays
+// two all-gathers of N - 1 steps: with a fixed chunk, a large N would cut the
+// shards into messages so small that latency dominates (bench/cost_model.py
+// models it).
 uint64_t default_chunk_elems(int world_size);
 
 // Checks the headers of all world_size ranks (zero capacities against the
