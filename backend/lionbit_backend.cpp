@@ -293,7 +293,7 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
     Collective kind,
     bits::SignOp op,
     at::Tensor out,
-    std::function<void(const SignComm&, uint64_t)> body) {
+    SignJob body) {
   auto work = c10::make_intrusive<SignWork>(rank_, kind, std::vector<at::Tensor>{out});
   out = at::Tensor();
   // What the job holds that Python may own too (tensors, the inner Gloo
@@ -304,7 +304,7 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
   // with it: the job's steps show in a trace as part of the caller's step.
   struct Held {
     SignComm comm;
-    std::function<void(const SignComm&, uint64_t)> body;
+    SignJob body;
     at::ThreadLocalState caller_state;
   };
   auto held = std::make_shared<Held>(Held{signComm(), std::move(body), at::ThreadLocalState()});
@@ -344,12 +344,7 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSign(
   });
 #ifdef LIONBIT_WITH_CUDA
   if (tensor.is_cuda()) {
-    auto ready = cuda_mark_ready(tensor);
-    return enqueue(
-        Collective::kAllReduce, op, tensor,
-        [tensor, op, ready](const SignComm& comm, uint64_t seq) mutable {
-          sign_allreduce_cuda(comm, tensor, op, seq, ready);
-        });
+    return enqueue(Collective::kAllReduce, op, tensor, cuda_allreduce_job(tensor, op));
   }
 #endif
   return enqueue(
@@ -412,12 +407,9 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPackedDevice(
     });
   });
 #ifdef LIONBIT_WITH_CUDA
-  auto ready = cuda_mark_ready(out);
   return enqueue(
       Collective::kAllReduce, op, out,
-      [sign, zero, counts, numel, out, op, ready](const SignComm& comm, uint64_t seq) mutable {
-        sign_allreduce_cuda_packed(comm, sign, zero, counts, numel, out, op, seq, ready);
-      });
+      cuda_allreduce_packed_job(sign, zero, counts, numel, out, op));
 #else
   (void)op; // validate() refused the CUDA tensor: this build has no CUDA path
   TORCH_INTERNAL_ASSERT(false, "unreachable");

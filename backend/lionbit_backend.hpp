@@ -201,7 +201,7 @@ class LionBitBackend : public c10d::Backend {
       Collective kind,
       bits::SignOp op,
       at::Tensor out,
-      std::function<void(const SignComm&, uint64_t seq)> body);
+      SignJob body);
 
   c10::intrusive_ptr<c10d::Backend> forward_;
   c10::intrusive_ptr<c10d::Backend> sign_;

@@ -17,6 +17,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <atomic>
+#include <functional>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "signbits/wire.h"
@@ -37,6 +38,10 @@ struct SignComm {
   // plane inline in phase 2. Null: never offered. Worker thread only.
   std::atomic<bool>* tie_hint = nullptr;
 };
+
+// What the backend's worker runs for one call: the communicators and the
+// call's number in the order every rank runs them.
+using SignJob = std::function<void(const SignComm&, uint64_t seq)>;
 
 // Runs the whole collective on `tensor` (CPU, a supported dtype, no internal
 // overlap: the caller has checked) and writes the result into it. Throws

@@ -17,6 +17,9 @@
 
 namespace lionbit {
 
+namespace {
+
+// An event recorded on the current stream of a tensor's device.
 struct CudaReady {
   at::cuda::CUDAEvent event;
 };
@@ -26,8 +29,6 @@ std::shared_ptr<CudaReady> cuda_mark_ready(const at::Tensor& tensor) {
   ready->event.record(at::cuda::getCurrentCUDAStream(tensor.device().index()));
   return ready;
 }
-
-namespace {
 
 // The worker's stream on a device: one per device for the worker thread's
 // lifetime, so the worker's calls are ordered among themselves.
@@ -270,9 +271,7 @@ class OnWorkerStream {
   c10::cuda::CUDAStream stream_;
 };
 
-} // namespace
-
-void sign_allreduce_cuda(
+void run_allreduce(
     const SignComm& c,
     at::Tensor& tensor,
     bits::SignOp op,
@@ -289,7 +288,7 @@ void sign_allreduce_cuda(
   }
 }
 
-void sign_allreduce_cuda_packed(
+void run_allreduce_packed(
     const SignComm& c,
     const at::Tensor& sign,
     const at::Tensor& zero,
@@ -307,6 +306,28 @@ void sign_allreduce_cuda_packed(
   CudaRun r(c, op, seq, out.device());
   r.take_packed(*bits_dtype(out.scalar_type()), sign, zero, counts, static_cast<size_t>(numel));
   r.run(out);
+}
+
+} // namespace
+
+SignJob cuda_allreduce_job(at::Tensor tensor, bits::SignOp op) {
+  auto ready = cuda_mark_ready(tensor);
+  return [tensor, op, ready](const SignComm& comm, uint64_t seq) mutable {
+    run_allreduce(comm, tensor, op, seq, ready);
+  };
+}
+
+SignJob cuda_allreduce_packed_job(
+    at::Tensor sign,
+    at::Tensor zero,
+    at::Tensor counts,
+    int64_t numel,
+    at::Tensor out,
+    bits::SignOp op) {
+  auto ready = cuda_mark_ready(out);
+  return [sign, zero, counts, numel, out, op, ready](const SignComm& comm, uint64_t seq) mutable {
+    run_allreduce_packed(comm, sign, zero, counts, numel, out, op, seq, ready);
+  };
 }
 
 } // namespace lionbit

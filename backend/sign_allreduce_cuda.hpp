@@ -2,8 +2,8 @@
 //
 // The same two phases as the CPU path (sign_allreduce.hpp), with the kernels
 // of signbits/cuda on the GPU and the data on the device transport:
-//   0. the caller's thread records an event on its current stream
-//      (cuda_mark_ready); the worker's own stream waits for it, so the
+//   0. the caller's thread records an event on its current stream (when it
+//      makes the job); the worker's own stream waits for it, so the
 //      collective is ordered after everything the caller queued before it;
 //   1. pack on the GPU (zero and NaN tallies on the device; one small copy to
 //      the host feeds the header round, which runs over the CPU communicator
@@ -23,40 +23,29 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <memory>
 
 #include "signbits/wire.h"
 #include "backend/sign_allreduce.hpp"
 
 namespace lionbit {
 
-// An event recorded on the current stream of a tensor's device.
-struct CudaReady;
+// The worker's job for one call on CUDA tensors (checked by the caller).
+// Made on the caller's thread: it marks the caller's current stream there,
+// and the job orders the worker's stream after that mark.
 
-// Called on the caller's thread when a CUDA call is queued.
-std::shared_ptr<CudaReady> cuda_mark_ready(const at::Tensor& tensor);
-
-// The whole collective on a CUDA tensor (checked by the caller), in place.
-void sign_allreduce_cuda(
-    const SignComm& c,
-    at::Tensor& tensor,
-    bits::SignOp op,
-    uint64_t seq,
-    const std::shared_ptr<CudaReady>& ready);
+// The whole collective on a CUDA tensor, in place.
+SignJob cuda_allreduce_job(at::Tensor tensor, bits::SignOp op);
 
 // Direction bits packed on the GPU by the caller (the fused Lion kernel):
 // `sign` / `zero` hold at least words_for(numel) words (bits past numel are
 // ignored), `counts` two int64 {zeros, NaNs} on the same device. The result
 // goes into `out` (contiguous, numel elements, on the same device).
-void sign_allreduce_cuda_packed(
-    const SignComm& c,
-    const at::Tensor& sign,
-    const at::Tensor& zero,
-    const at::Tensor& counts,
+SignJob cuda_allreduce_packed_job(
+    at::Tensor sign,
+    at::Tensor zero,
+    at::Tensor counts,
     int64_t numel,
-    at::Tensor& out,
-    bits::SignOp op,
-    uint64_t seq,
-    const std::shared_ptr<CudaReady>& ready);
+    at::Tensor out,
+    bits::SignOp op);
 
 } // namespace lionbit
