@@ -424,6 +424,10 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterSignPacked(
     at::Tensor out,
     const std::string& op_name) {
   const bits::SignOp op = validate(Collective::kReduceScatter, op_name, [&](bits::SignOp op) {
+    // N shards, each starting on a word (checked once shard_numel is).
+    const auto plane_bits = 8 *
+        static_cast<int64_t>(reduce_scatter_plane_bytes(
+            static_cast<uint64_t>(std::max<int64_t>(shard_numel, 0)), size_));
     return first_problem({
         [&] { return result_problem(out, "out", op, size_); },
         [&] {
@@ -442,17 +446,8 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterSignPacked(
           return "";
         },
         [&] { return exact_size_problem(out, "shard_numel", shard_numel); },
-        [&] {
-          // N shards, each starting on a word.
-          const auto bytes = static_cast<int64_t>(
-              reduce_scatter_plane_bytes(static_cast<uint64_t>(shard_numel), size_));
-          return check_planes(sign, "sign", at::kCPU, 8 * bytes);
-        },
-        [&] {
-          const auto bytes = static_cast<int64_t>(
-              reduce_scatter_plane_bytes(static_cast<uint64_t>(shard_numel), size_));
-          return check_planes(zero, "zero", at::kCPU, 8 * bytes);
-        },
+        [&] { return check_planes(sign, "sign", at::kCPU, plane_bits); },
+        [&] { return check_planes(zero, "zero", at::kCPU, plane_bits); },
     });
   });
   return enqueue(

@@ -239,4 +239,16 @@ class Guarded {
   std::vector<uint64_t> store_;
 };
 
+// A Delta the sign collectives produce: with ranks == 1 one rank's sign or a
+// vote with a tie (-1, +1, 0, -0), else an average k / N of N ranks
+// (k = -N..N, float32 division).
+inline float vote_like_delta(std::mt19937_64& rng, int ranks) {
+  if (ranks == 1) {
+    const float votes[] = {-1.0f, 1.0f, 0.0f, -0.0f};
+    return votes[rng() % 4];
+  }
+  const int k = static_cast<int>(rng() % static_cast<uint64_t>(2 * ranks + 1)) - ranks;
+  return static_cast<float>(k) / static_cast<float>(ranks);
+}
+
 } // namespace lionbit::optim::lion_test

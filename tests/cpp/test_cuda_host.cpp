@@ -761,15 +761,7 @@ void check_apply_dense_votes(std::mt19937_64& rng) {
     for (size_t n : {size_t{1}, size_t{64}, size_t{65}, size_t{129}, size_t{1000}}) {
       std::vector<uint8_t> delta(n * bits::dtype_size(Dl) + 16);
       for (size_t i = 0; i < n; ++i) {
-        float v;
-        if (ranks == 1) {
-          const float votes[] = {-1.0f, 1.0f, 0.0f, -0.0f};
-          v = votes[rng() % 4];
-        } else {
-          const int k = static_cast<int>(rng() % static_cast<uint64_t>(2 * ranks + 1)) - ranks;
-          v = static_cast<float>(k) / static_cast<float>(ranks);
-        }
-        ref_store(Dl, delta.data(), i, v);
+        ref_store(Dl, delta.data(), i, lionbit::optim::lion_test::vote_like_delta(rng, ranks));
       }
       const auto x0 = random_floats(X, n, rng);
       for (float lr : {3e-4f, 0.1f}) {

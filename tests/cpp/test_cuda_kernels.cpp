@@ -426,15 +426,7 @@ TEST_F(CudaKernels, LionApplyDenseVoteDeltasMatchesCpu) {
           if (n > 100000 && ranks > 2) continue;
           std::vector<uint8_t> delta(n * bits::dtype_size(dd));
           for (size_t i = 0; i < n; ++i) {
-            float v;
-            if (ranks == 1) {
-              const float votes[] = {-1.0f, 1.0f, 0.0f, -0.0f};
-              v = votes[rng() % 4];
-            } else {
-              const int k = static_cast<int>(rng() % static_cast<uint64_t>(2 * ranks + 1)) - ranks;
-              v = static_cast<float>(k) / static_cast<float>(ranks);
-            }
-            ref_store(dd, delta.data(), i, v);
+            ref_store(dd, delta.data(), i, lionbit::optim::lion_test::vote_like_delta(rng, ranks));
           }
           const auto x0 = lion_floats(xd, n, rng);
           const float lr = 1e-3f, decay = static_cast<float>(1.0 - 1e-3 * 0.1);
