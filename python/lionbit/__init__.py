@@ -58,6 +58,7 @@ from ._backend import (  # noqa: E402
     stats,
 )
 from .fsdp import reduce_scatter_sign  # noqa: E402
+from .momentum_sync import ExponentialSync  # noqa: E402
 from .optim import DistributedLion  # noqa: E402
 
 _register()
@@ -76,6 +77,7 @@ __all__ = [
     "stats",
     "reset_stats",
     "DistributedLion",
+    "ExponentialSync",
     "built_with_cuda",
     "torch_version_built_against",
     "__version__",

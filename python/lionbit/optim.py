@@ -29,7 +29,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from . import _C, fsdp as _fsdp, fsdp1 as _fsdp1, lion_math, step_vote
+from . import _C, fsdp as _fsdp, fsdp1 as _fsdp1, lion_math, momentum_sync as _momentum_sync, step_vote
 from ._backend import _backend_for
 from .ddp import attach_ddp
 
@@ -40,7 +40,8 @@ log = logging.getLogger("lionbit")
 # rank's scaler back off alike), and the warning tells a user nothing to do.
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
-_AGGREGATIONS = ("vote", "avg")
+_AGGREGATIONS = ("vote", "avg", "l1")
+_TIE_BREAKS = ("zero", "alternate", "random")
 
 
 class DistributedLion(torch.optim.Optimizer):
@@ -53,8 +54,21 @@ class DistributedLion(torch.optim.Optimizer):
         betas: (b1, b2): b1 mixes the gradient into the update direction, b2
             is the momentum's decay.
         weight_decay: decoupled weight decay (x *= 1 - lr * wd each step).
-        aggregation: "vote" (sign of the sum of directions, 0 on a tie) or
-            "avg" (their mean).
+        aggregation: "vote" (sign of the sum of directions), "avg" (their
+            mean) or "l1" (Lion Cub's p-bit aggregation: each rank sends its
+            pre-sign update quantized to ``bits`` bits with L1 scaling per
+            parameter tensor; the update is the sign of their sum).
+        bits: with ``aggregation="l1"``, bits per value, 2 to 8 (default 4):
+            values in [-(2^(bits-1) - 1), 2^(bits-1) - 1] at any world size.
+        tie_break: what a vote (or "l1") gives where the ranks' sum is 0:
+            "zero" (default: 0, Distributed Lion's sign(0)), "alternate"
+            (+1 on even steps, -1 on odd ones, by the optimizer's step
+            counter) or "random" (a pseudo-random sign per element, the same
+            on every rank). Both non-zero rules keep phase 2 at exactly 1 bit.
+        momentum_sync: None (default: momenta stay local), an int k (every k
+            steps the ranks' momenta are averaged, in bfloat16 over the
+            forwarded transport) or a callable ``step -> bool`` (for example
+            :class:`lionbit.ExponentialSync`).
         group: the process group (a lionbit one); default: the default group,
             or the DDP model's group after :meth:`attach`.
         momentum_dtype: torch.float32 (default) or torch.bfloat16 (halves the
@@ -84,6 +98,10 @@ class DistributedLion(torch.optim.Optimizer):
         group: Optional[dist.ProcessGroup] = None,
         momentum_dtype: Optional[torch.dtype] = None,
         fused: Optional[bool] = None,
+        *,
+        bits: Optional[int] = None,
+        tie_break: str = "zero",
+        momentum_sync=None,
     ):
         if not lr >= 0.0:
             raise ValueError(f"DistributedLion: argument 'lr' must be >= 0, got {lr}")
@@ -92,14 +110,42 @@ class DistributedLion(torch.optim.Optimizer):
         if not weight_decay >= 0.0:
             raise ValueError(f"DistributedLion: argument 'weight_decay' must be >= 0, got {weight_decay}")
         if aggregation not in _AGGREGATIONS:
-            raise ValueError(f"DistributedLion: argument 'aggregation' must be 'vote' or 'avg', got {aggregation!r}")
+            raise ValueError(
+                f"DistributedLion: argument 'aggregation' must be 'vote', 'avg' or 'l1', got {aggregation!r}"
+            )
+        if bits is not None and aggregation != "l1":
+            raise ValueError(
+                f"DistributedLion: argument 'bits' applies to aggregation='l1' only (got bits={bits!r} with "
+                f"aggregation={aggregation!r})"
+            )
+        if aggregation == "l1":
+            bits = 4 if bits is None else bits
+            if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+                raise ValueError(f"DistributedLion: argument 'bits' must be an int from 2 to 8, got {bits!r}")
+        if tie_break not in _TIE_BREAKS:
+            raise ValueError(
+                f"DistributedLion: argument 'tie_break' must be 'zero', 'alternate' or 'random', got {tie_break!r}"
+            )
+        if tie_break != "zero" and aggregation == "avg":
+            raise ValueError(
+                f"DistributedLion: argument 'tie_break'={tie_break!r} applies to aggregation 'vote' or 'l1'; "
+                f"'avg' has no ties"
+            )
         if momentum_dtype not in (None, torch.float32, torch.bfloat16):
             raise ValueError(
                 f"DistributedLion: argument 'momentum_dtype' must be torch.float32 or torch.bfloat16, "
                 f"got {momentum_dtype}"
             )
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+        sync = _momentum_sync.schedule(momentum_sync)  # validates
+        # "step": the steps this optimizer applied (skipped ones not counted),
+        # kept in every parameter group so that it travels in every kind of
+        # checkpoint; the tie rule and the momentum sync follow it.
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, step=0))
         self.aggregation = aggregation
+        self.bits = bits
+        self.tie_break = tie_break
+        self.momentum_sync = momentum_sync
+        self._sync_schedule = sync
         self.group = group
         self.momentum_dtype = momentum_dtype or torch.float32
         self.fused = fused
@@ -108,6 +154,22 @@ class DistributedLion(torch.optim.Optimizer):
         self._fsdp_delta = {}  # sharded parameter -> Delta of the local shard, pending step()
         self._fsdp1_units = None  # FSDP1 comm-hook states (one per FSDP instance) after attach(fsdp1 model)
         self._fsdp1_delta = {}  # FSDP1 unit -> Delta of its local flat shard, pending step()
+
+    # -- the step counter ----------------------------------------------------
+    @property
+    def steps_taken(self) -> int:
+        """Steps applied so far (a skipped step is not counted); the same on
+        every rank. The "alternate" tie rule and the momentum sync follow it."""
+        return max((int(g.get("step", 0)) for g in self.param_groups), default=0)
+
+    def _advance(self) -> None:
+        """After a step was applied on every rank: count it, then synchronize
+        the momenta if the schedule says so."""
+        n = self.steps_taken + 1
+        for g in self.param_groups:
+            g["step"] = n
+        if self._sync_schedule is not None and self._sync_schedule(n):
+            _momentum_sync.synchronize(self)
 
     # -- state -------------------------------------------------------------
     def _momentum(self, p: torch.Tensor) -> torch.Tensor:
@@ -228,6 +290,7 @@ class DistributedLion(torch.optim.Optimizer):
         if self._fsdp1_units is not None or self._fsdp_params is not None:
             self._fsdp_step(grad_scaler)
             if self._fsdp_params is not None:
+                self._advance()
                 return loss
         found = None
         if grad_scaler is not None:
@@ -251,6 +314,7 @@ class DistributedLion(torch.optim.Optimizer):
             log.info("lionbit: DistributedLion skipped a step: inf/NaN gradient on rank(s) %s", bad.ranks)
             return loss
         step_vote.update(entries, deltas, scratch)
+        self._advance()
         return loss
 
     def _unscale(self, scaler) -> dict:
