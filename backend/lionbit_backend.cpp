@@ -14,6 +14,7 @@
 #include "backend/sign_work.hpp"
 #include "backend/torch_adapter.hpp"
 #include "signbits/count.h"
+#include "signbits/levels.h"
 #include "signbits/unpack.h"
 #ifdef LIONBIT_WITH_CUDA
 #include "backend/sign_allreduce_cuda.hpp"
@@ -136,7 +137,39 @@ std::optional<bits::SignOp> parse_op(const std::string& name) {
   if (name == "sum") {
     return bits::SignOp::kSum;
   }
+  if (name == "l1") { // the levels methods only
+    return bits::SignOp::kLevels;
+  }
   return std::nullopt;
+}
+
+std::optional<bits::TieBreak> parse_tie(const std::string& name) {
+  if (name == "zero") {
+    return bits::TieBreak::kZero;
+  }
+  if (name == "alternate") {
+    return bits::TieBreak::kAlternate;
+  }
+  if (name == "random") {
+    return bits::TieBreak::kRandom;
+  }
+  return std::nullopt;
+}
+
+// The op of a sign method (vote / avg / sum): "l1" is the levels methods'.
+std::string sign_op_problem(bits::SignOp op) {
+  return op == bits::SignOp::kLevels
+      ? "argument 'op' is 'l1'; expected 'vote', 'avg' or 'sum' (l1 takes packed levels)"
+      : "";
+}
+
+// The levels' bits p.
+std::string bits_problem(int64_t value_bits) {
+  if (value_bits < bits::kMinLevelBits || value_bits > bits::kMaxLevelBits) {
+    return "argument 'bits' must be " + std::to_string(bits::kMinLevelBits) + " to " +
+        std::to_string(bits::kMaxLevelBits) + ", got " + std::to_string(value_bits);
+  }
+  return "";
 }
 
 // Whether the elements of a strided tensor provably occupy distinct memory:
@@ -264,10 +297,29 @@ void LionBitBackend::shutdownAllWorkers() {
 bits::SignOp LionBitBackend::validate(
     Collective kind,
     const std::string& op_name,
+    const std::string& tie_break,
+    int64_t tie_seed,
+    TieSpec& tie,
     const std::function<std::string(bits::SignOp)>& problem) {
   const auto op = parse_op(op_name);
-  std::string reason = op ? problem(*op)
-                          : "argument 'op' is '" + op_name + "'; expected 'vote', 'avg' or 'sum'";
+  const auto mode = parse_tie(tie_break);
+  std::string reason;
+  if (!op) {
+    reason = "argument 'op' is '" + op_name + "'; expected 'vote', 'avg' or 'sum'";
+  } else if (!mode) {
+    reason = "argument 'tie_break' is '" + tie_break +
+        "'; expected 'zero', 'alternate' or 'random'";
+  } else if (
+      *mode != bits::TieBreak::kZero && *op != bits::SignOp::kVote &&
+      *op != bits::SignOp::kLevels) {
+    reason = "argument 'tie_break' is '" + tie_break + "', which applies to op 'vote' ('" +
+        op_name + "' has no ties)";
+  } else {
+    reason = problem(*op);
+  }
+  if (mode) {
+    tie = TieSpec{*mode, tie_seed};
+  }
   if (!reason.empty()) {
     // Tell the peers in the header round so they fail now, not at timeout.
     const SignComm comm = signComm();
@@ -338,18 +390,26 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSign(
     at::Tensor tensor,
-    const std::string& op_name) {
-  const bits::SignOp op = validate(Collective::kAllReduce, op_name, [&](bits::SignOp op) {
-    return result_problem(tensor, "tensor", op, size_);
-  });
+    const std::string& op_name,
+    const std::string& tie_break,
+    int64_t tie_seed) {
+  TieSpec tie;
+  const bits::SignOp op = validate(
+      Collective::kAllReduce, op_name, tie_break, tie_seed, tie, [&](bits::SignOp op) {
+        return first_problem({
+            [&] { return sign_op_problem(op); },
+            [&] { return result_problem(tensor, "tensor", op, size_); },
+        });
+      });
 #ifdef LIONBIT_WITH_CUDA
   if (tensor.is_cuda()) {
-    return enqueue(Collective::kAllReduce, op, tensor, cuda_allreduce_job(tensor, op));
+    return enqueue(Collective::kAllReduce, op, tensor, cuda_allreduce_job(tensor, op, tie));
   }
 #endif
   return enqueue(
-      Collective::kAllReduce, op, tensor, [tensor, op](const SignComm& comm, uint64_t seq) mutable {
-        sign_allreduce(comm, tensor, op, seq);
+      Collective::kAllReduce, op, tensor,
+      [tensor, op, tie](const SignComm& comm, uint64_t seq) mutable {
+        sign_allreduce(comm, tensor, op, bits::CallRule{tie.at(seq), 0}, seq);
       });
 }
 
@@ -359,28 +419,86 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPacked(
     int64_t numel,
     int64_t nans,
     at::Tensor out,
-    const std::string& op_name) {
-  const bits::SignOp op = validate(Collective::kAllReduce, op_name, [&](bits::SignOp op) {
-    const int64_t bits_needed = std::max<int64_t>(numel, 0);
-    return first_problem({
-        [&] { return result_problem(out, "out", op, size_); },
-        [&] { return numel < 0 || nans < 0 ? "arguments 'numel' and 'nans' must be >= 0" : ""; },
-        [&] {
-          return out.is_cpu() ? ""
-                              : "argument 'out' must be a CPU tensor (planes packed on the CPU)";
-        },
-        [&] { return exact_size_problem(out, "numel", numel); },
-        [&] { return check_planes(sign, "sign", at::kCPU, bits_needed); },
-        [&] { return check_planes(zero, "zero", at::kCPU, bits_needed); },
-    });
-  });
+    const std::string& op_name,
+    const std::string& tie_break,
+    int64_t tie_seed) {
+  TieSpec tie;
+  const bits::SignOp op = validate(
+      Collective::kAllReduce, op_name, tie_break, tie_seed, tie, [&](bits::SignOp op) {
+        const int64_t bits_needed = std::max<int64_t>(numel, 0);
+        return first_problem({
+            [&] { return sign_op_problem(op); },
+            [&] { return result_problem(out, "out", op, size_); },
+            [&] {
+              return numel < 0 || nans < 0 ? "arguments 'numel' and 'nans' must be >= 0" : "";
+            },
+            [&] {
+              return out.is_cpu()
+                  ? ""
+                  : "argument 'out' must be a CPU tensor (planes packed on the CPU)";
+            },
+            [&] { return exact_size_problem(out, "numel", numel); },
+            [&] { return check_planes(sign, "sign", at::kCPU, bits_needed); },
+            [&] { return check_planes(zero, "zero", at::kCPU, bits_needed); },
+        });
+      });
   return enqueue(
       Collective::kAllReduce, op, out,
-      [sign, zero, numel, nans, out, op](const SignComm& comm, uint64_t seq) mutable {
+      [sign, zero, numel, nans, out, op, tie](const SignComm& comm, uint64_t seq) mutable {
         const PackedSigns in{
             words_of(sign), words_of(zero), static_cast<uint64_t>(numel),
             static_cast<uint64_t>(nans)};
-        sign_allreduce_packed(comm, in, out, op, seq);
+        sign_allreduce_packed(comm, in, out, op, bits::CallRule{tie.at(seq), 0}, seq);
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceLevelsPacked(
+    at::Tensor planes,
+    int64_t value_bits,
+    int64_t numel,
+    int64_t nans,
+    at::Tensor out,
+    const std::string& tie_break,
+    int64_t tie_seed) {
+  TieSpec tie;
+  const bits::SignOp op = validate(
+      Collective::kAllReduce, "l1", tie_break, tie_seed, tie, [&](bits::SignOp op) {
+        const int64_t bits_needed = std::max<int64_t>(numel, 0);
+        return first_problem({
+            [&] { return bits_problem(value_bits); },
+            [&] { return result_problem(out, "out", op, size_); },
+            [&] {
+              return numel < 0 || nans < 0 ? "arguments 'numel' and 'nans' must be >= 0" : "";
+            },
+            [&] {
+              return out.is_cpu()
+                  ? ""
+                  : "argument 'out' must be a CPU tensor (levels packed on the CPU)";
+            },
+            [&] { return exact_size_problem(out, "numel", numel); },
+            [&]() -> std::string {
+              // `bits` planes of the same whole number of words, at least
+              // ceil(numel / 64) each.
+              const int64_t words = static_cast<int64_t>(bits::words_for(bits_needed));
+              std::string why = check_planes(planes, "planes", at::kCPU, 64 * words * value_bits);
+              if (why.empty() && planes.numel() % (8 * value_bits) != 0) {
+                why = "argument 'planes' must hold " + std::to_string(value_bits) +
+                    " planes of a whole number of 64-bit words, got " +
+                    std::to_string(planes.numel()) + " bytes";
+              }
+              return why;
+            },
+        });
+      });
+  return enqueue(
+      Collective::kAllReduce, op, out,
+      [planes, value_bits, numel, nans, out, tie](const SignComm& comm, uint64_t seq) mutable {
+        const size_t plane_words = static_cast<size_t>(planes.numel()) / 8 /
+            static_cast<size_t>(value_bits);
+        const PackedLevels in{
+            words_of(planes), plane_words, static_cast<int>(value_bits),
+            static_cast<uint64_t>(numel), static_cast<uint64_t>(nans)};
+        levels_allreduce_packed(comm, in, out, tie.at(seq), seq);
       });
 }
 
@@ -390,28 +508,35 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPackedDevice(
     at::Tensor counts,
     int64_t numel,
     at::Tensor out,
-    const std::string& op_name) {
-  const bits::SignOp op = validate(Collective::kAllReduce, op_name, [&](bits::SignOp op) {
-    const int64_t bits_needed = std::max<int64_t>(numel, 0);
-    return first_problem({
-        [&] { return result_problem(out, "out", op, size_); },
-        [&] {
-          return out.is_cuda() ? ""
-                               : "argument 'out' must be a CUDA tensor (planes packed on the GPU)";
-        },
-        [&] { return numel < 0 ? "argument 'numel' must be >= 0" : ""; },
-        [&] { return exact_size_problem(out, "numel", numel); },
-        [&] { return check_planes(sign, "sign", out.device(), bits_needed); },
-        [&] { return check_planes(zero, "zero", out.device(), bits_needed); },
-        [&] { return check_buffer(counts, "counts", at::kLong, out.device(), 2); },
-    });
-  });
+    const std::string& op_name,
+    const std::string& tie_break,
+    int64_t tie_seed) {
+  TieSpec tie;
+  const bits::SignOp op = validate(
+      Collective::kAllReduce, op_name, tie_break, tie_seed, tie, [&](bits::SignOp op) {
+        const int64_t bits_needed = std::max<int64_t>(numel, 0);
+        return first_problem({
+            [&] { return sign_op_problem(op); },
+            [&] { return result_problem(out, "out", op, size_); },
+            [&] {
+              return out.is_cuda()
+                  ? ""
+                  : "argument 'out' must be a CUDA tensor (planes packed on the GPU)";
+            },
+            [&] { return numel < 0 ? "argument 'numel' must be >= 0" : ""; },
+            [&] { return exact_size_problem(out, "numel", numel); },
+            [&] { return check_planes(sign, "sign", out.device(), bits_needed); },
+            [&] { return check_planes(zero, "zero", out.device(), bits_needed); },
+            [&] { return check_buffer(counts, "counts", at::kLong, out.device(), 2); },
+        });
+      });
 #ifdef LIONBIT_WITH_CUDA
   return enqueue(
       Collective::kAllReduce, op, out,
-      cuda_allreduce_packed_job(sign, zero, counts, numel, out, op));
+      cuda_allreduce_packed_job(sign, zero, counts, numel, out, op, tie));
 #else
   (void)op; // validate() refused the CUDA tensor: this build has no CUDA path
+  (void)tie;
   TORCH_INTERNAL_ASSERT(false, "unreachable");
 #endif
 }
@@ -422,41 +547,106 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterSignPacked(
     int64_t shard_numel,
     int64_t nans,
     at::Tensor out,
-    const std::string& op_name) {
-  const bits::SignOp op = validate(Collective::kReduceScatter, op_name, [&](bits::SignOp op) {
-    // N shards, each starting on a word (checked once shard_numel is).
-    const auto plane_bits = 8 *
-        static_cast<int64_t>(reduce_scatter_plane_bytes(
-            static_cast<uint64_t>(std::max<int64_t>(shard_numel, 0)), size_));
-    return first_problem({
-        [&] { return result_problem(out, "out", op, size_); },
-        [&] {
-          return out.is_cpu() ? ""
-                              : "argument 'out' must be a CPU tensor (planes packed on the CPU)";
-        },
-        [&] {
-          return shard_numel < 0 || nans < 0 ? "arguments 'shard_numel' and 'nans' must be >= 0"
-                                             : "";
-        },
-        [&]() -> std::string {
-          if (static_cast<uint64_t>(shard_numel) * static_cast<uint64_t>(size_) > bits::kMaxNumel) {
-            return "argument 'shard_numel' is too large (" + std::to_string(shard_numel) +
-                " per rank)";
-          }
-          return "";
-        },
-        [&] { return exact_size_problem(out, "shard_numel", shard_numel); },
-        [&] { return check_planes(sign, "sign", at::kCPU, plane_bits); },
-        [&] { return check_planes(zero, "zero", at::kCPU, plane_bits); },
-    });
-  });
+    const std::string& op_name,
+    const std::string& tie_break,
+    int64_t tie_seed) {
+  TieSpec tie;
+  const bits::SignOp op = validate(
+      Collective::kReduceScatter, op_name, tie_break, tie_seed, tie, [&](bits::SignOp op) {
+        // N shards, each starting on a word (checked once shard_numel is).
+        const auto plane_bits = 8 *
+            static_cast<int64_t>(reduce_scatter_plane_bytes(
+                static_cast<uint64_t>(std::max<int64_t>(shard_numel, 0)), size_));
+        return first_problem({
+            [&] { return sign_op_problem(op); },
+            [&] { return result_problem(out, "out", op, size_); },
+            [&] {
+              return out.is_cpu()
+                  ? ""
+                  : "argument 'out' must be a CPU tensor (planes packed on the CPU)";
+            },
+            [&] {
+              return shard_numel < 0 || nans < 0 ? "arguments 'shard_numel' and 'nans' must be >= 0"
+                                                 : "";
+            },
+            [&]() -> std::string {
+              if (static_cast<uint64_t>(shard_numel) * static_cast<uint64_t>(size_) >
+                  bits::kMaxNumel) {
+                return "argument 'shard_numel' is too large (" + std::to_string(shard_numel) +
+                    " per rank)";
+              }
+              return "";
+            },
+            [&] { return exact_size_problem(out, "shard_numel", shard_numel); },
+            [&] { return check_planes(sign, "sign", at::kCPU, plane_bits); },
+            [&] { return check_planes(zero, "zero", at::kCPU, plane_bits); },
+        });
+      });
   return enqueue(
       Collective::kReduceScatter, op, out,
-      [sign, zero, shard_numel, nans, out, op](const SignComm& comm, uint64_t seq) mutable {
+      [sign, zero, shard_numel, nans, out, op, tie](const SignComm& comm, uint64_t seq) mutable {
         const PackedShards in{
             words_of(sign), words_of(zero), static_cast<uint64_t>(shard_numel),
             static_cast<uint64_t>(nans)};
-        sign_reduce_scatter_packed(comm, in, out, op, seq);
+        sign_reduce_scatter_packed(comm, in, out, op, tie.at(seq), seq);
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterLevelsPacked(
+    at::Tensor planes,
+    int64_t value_bits,
+    int64_t shard_numel,
+    int64_t nans,
+    at::Tensor out,
+    const std::string& tie_break,
+    int64_t tie_seed) {
+  TieSpec tie;
+  const bits::SignOp op = validate(
+      Collective::kReduceScatter, "l1", tie_break, tie_seed, tie, [&](bits::SignOp op) {
+        const auto plane_bits = 8 *
+            static_cast<int64_t>(reduce_scatter_plane_bytes(
+                static_cast<uint64_t>(std::max<int64_t>(shard_numel, 0)), size_));
+        return first_problem({
+            [&] { return bits_problem(value_bits); },
+            [&] { return result_problem(out, "out", op, size_); },
+            [&] {
+              return out.is_cpu()
+                  ? ""
+                  : "argument 'out' must be a CPU tensor (levels packed on the CPU)";
+            },
+            [&] {
+              return shard_numel < 0 || nans < 0 ? "arguments 'shard_numel' and 'nans' must be >= 0"
+                                                 : "";
+            },
+            [&]() -> std::string {
+              if (static_cast<uint64_t>(shard_numel) * static_cast<uint64_t>(size_) >
+                  bits::kMaxNumel) {
+                return "argument 'shard_numel' is too large (" + std::to_string(shard_numel) +
+                    " per rank)";
+              }
+              return "";
+            },
+            [&] { return exact_size_problem(out, "shard_numel", shard_numel); },
+            [&]() -> std::string {
+              std::string why = check_planes(planes, "planes", at::kCPU, plane_bits * value_bits);
+              if (why.empty() && planes.numel() * 8 != plane_bits * value_bits) {
+                why = "argument 'planes' must hold exactly " + std::to_string(value_bits) +
+                    " planes of " + std::to_string(plane_bits / 8) + " bytes, got " +
+                    std::to_string(planes.numel()) + " bytes";
+              }
+              return why;
+            },
+        });
+      });
+  return enqueue(
+      Collective::kReduceScatter, op, out,
+      [planes, value_bits, shard_numel, nans, out, op, tie](
+          const SignComm& comm, uint64_t seq) mutable {
+        PackedShards in{
+            words_of(planes), nullptr, static_cast<uint64_t>(shard_numel),
+            static_cast<uint64_t>(nans)};
+        in.value_bits = static_cast<int>(value_bits);
+        sign_reduce_scatter_packed(comm, in, out, op, tie.at(seq), seq);
       });
 }
 

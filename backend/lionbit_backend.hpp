@@ -44,7 +44,14 @@ class LionBitBackend : public c10d::Backend {
   // In place; `op` is "vote", "avg" or "sum". Never blocks on communication:
   // the returned Work completes when the result is written. Bad arguments
   // raise here (and peers are told, so they fail at once rather than wait).
-  c10::intrusive_ptr<c10d::Work> allreduceSign(at::Tensor tensor, const std::string& op);
+  // Every sign call takes the vote's tie rule (signbits/ties.h): `tie_break`
+  // "zero", "alternate" or "random" (not "zero": vote / l1 only) and its
+  // seed, `tie_seed` < 0 for the call's number.
+  c10::intrusive_ptr<c10d::Work> allreduceSign(
+      at::Tensor tensor,
+      const std::string& op,
+      const std::string& tie_break = "zero",
+      int64_t tie_seed = -1);
 
   // allreduceSignPacked for planes packed on a GPU: `counts` is an int64
   // tensor {zeros, NaNs} on the same device as the planes and `out` (the
@@ -55,7 +62,9 @@ class LionBitBackend : public c10d::Backend {
       at::Tensor counts,
       int64_t numel,
       at::Tensor out,
-      const std::string& op);
+      const std::string& op,
+      const std::string& tie_break = "zero",
+      int64_t tie_seed = -1);
 
   // The same collective on direction bits packed by the caller (uint8
   // tensors `sign` and `zero` of at least ceil(numel / 64) * 8 bytes, laid
@@ -68,7 +77,23 @@ class LionBitBackend : public c10d::Backend {
       int64_t numel,
       int64_t nans,
       at::Tensor out,
-      const std::string& op);
+      const std::string& op,
+      const std::string& tie_break = "zero",
+      int64_t tie_seed = -1);
+
+  // Lion Cub's L1 aggregation (op "l1", backend/sign_allreduce.hpp
+  // levels_allreduce_packed): `planes` (uint8) holds `bits` planes of
+  // `plane_bytes` bytes each (at least ceil(numel / 64) * 8), the p-bit
+  // levels of signbits/levels.h; `nans` non-finite values seen while
+  // packing. The sign of the sum (ties by the tie rule) goes into `out`.
+  c10::intrusive_ptr<c10d::Work> allreduceLevelsPacked(
+      at::Tensor planes,
+      int64_t bits,
+      int64_t numel,
+      int64_t nans,
+      at::Tensor out,
+      const std::string& tie_break = "zero",
+      int64_t tie_seed = -1);
 
   // The sign reduce-scatter (phase 1 only; backend/sign_reduce_scatter.hpp):
   // `sign` / `zero` hold N shards of `shard_numel` elements, shard r starting
@@ -81,7 +106,20 @@ class LionBitBackend : public c10d::Backend {
       int64_t shard_numel,
       int64_t nans,
       at::Tensor out,
-      const std::string& op);
+      const std::string& op,
+      const std::string& tie_break = "zero",
+      int64_t tie_seed = -1);
+
+  // The reduce-scatter of L1 levels: `planes` holds `bits` planes, each laid
+  // out like reduceScatterSignPacked's sign plane.
+  c10::intrusive_ptr<c10d::Work> reduceScatterLevelsPacked(
+      at::Tensor planes,
+      int64_t bits,
+      int64_t shard_numel,
+      int64_t nans,
+      at::Tensor out,
+      const std::string& tie_break = "zero",
+      int64_t tie_seed = -1);
 
   // Stops the sign-path worker of every live backend (queued calls fail,
   // running ones finish) and releases its inner CPU backends, joining their
@@ -191,9 +229,13 @@ class LionBitBackend : public c10d::Backend {
   // call's arguments. Otherwise raises here, naming the collective, the op,
   // the rank and the argument, after queuing a header round that tells the
   // peers this rank rejected its call (they fail at once, not at timeout).
+  // `tie` receives the parsed tie rule (checked against the op).
   bits::SignOp validate(
       Collective kind,
       const std::string& op_name,
+      const std::string& tie_break,
+      int64_t tie_seed,
+      TieSpec& tie,
       const std::function<std::string(bits::SignOp)>& problem);
   // Queues `body` on the worker; the returned Work completes (or fails) when
   // it has run.

@@ -5,6 +5,8 @@
 
 #include "backend/sign_common.hpp"
 #include "signbits/count.h"
+#include "signbits/levels.h"
+#include "signbits/ties.h"
 #include "signbits/trits.h"
 #include "signbits/unpack.h"
 #include "signbits/zero_counts.h"
@@ -25,12 +27,21 @@ std::vector<uint8_t> lut_of(bits::DType dtype, const std::vector<double>& values
 
 Phase2 Phase2::choose(
     bits::SignOp op,
+    const bits::CallRule& rule,
     int N,
     size_t sw,
     bool inline_ties,
     const std::vector<uint64_t>& zero_capacity) {
-  if (op == bits::SignOp::kVote) {
-    return Phase2{inline_ties ? Phase2Format::kVoteTrits : Phase2Format::kVoteSigns, N, sw};
+  if (op == bits::SignOp::kVote || op == bits::SignOp::kLevels) {
+    Phase2 fmt{Phase2Format::kVoteSigns, N, sw};
+    if (rule.tie.mode != bits::TieBreak::kZero) {
+      fmt.format = Phase2Format::kVoteBits;
+    } else if (inline_ties) {
+      fmt.format = Phase2Format::kVoteTrits;
+    }
+    fmt.op = op;
+    fmt.rule = rule;
+    return fmt;
   }
   uint64_t zeros = 0; // no shard holds more elements with a zero than this
   for (const uint64_t z : zero_capacity) {
@@ -54,6 +65,8 @@ size_t Phase2::message_bytes() const {
       return kTieCountBytes + sb;
     case Phase2Format::kVoteTrits:
       return kTieCountBytes + (bits::kTritBytesPerWord * sw + 7) / 8 * 8;
+    case Phase2Format::kVoteBits:
+      return sb;
     case Phase2Format::kCounts:
       return static_cast<size_t>(planes) * sb;
     case Phase2Format::kCountsZeroList:
@@ -68,19 +81,48 @@ uint64_t Phase2::ties_in(const uint8_t* msg) {
   return ties;
 }
 
-std::string Phase2::encode(const bits::Contribution* in, uint8_t* msg, uint64_t* ties) const {
+void Phase2::vote_shard(
+    bits::SignOp op,
+    int value_bits,
+    const bits::Contribution* in,
+    int N,
+    size_t sw,
+    uint64_t* sign,
+    uint64_t* tie) {
+  if (op != bits::SignOp::kLevels) {
+    bits::vote(in, N, sw, sign, tie);
+    return;
+  }
+  std::vector<const uint64_t*> planes(static_cast<size_t>(N));
+  for (int j = 0; j < N; ++j) {
+    planes[static_cast<size_t>(j)] = in[j].sign; // [plane 0 | plane 1 | ...], sw words each
+  }
+  bits::vote_levels(planes.data(), N, value_bits, sw, sign, tie);
+}
+
+std::string Phase2::encode(
+    const bits::Contribution* in,
+    uint64_t first_word,
+    uint8_t* msg,
+    uint64_t* ties) const {
   const size_t sb = sw * 8;
   auto* words = reinterpret_cast<uint64_t*>(msg);
   switch (format) {
     case Phase2Format::kVoteSigns:
-      bits::vote(in, N, sw, words + 1, ties);
+      vote_shard(op, rule.value_bits, in, N, sw, words + 1, ties);
       words[0] = bits::count_bits(ties, sw);
       return "";
+    case Phase2Format::kVoteBits: {
+      std::vector<uint64_t> tie(sw);
+      vote_shard(op, rule.value_bits, in, N, sw, words, tie.data());
+      bits::break_ties(words, tie.data(), sw, rule.tie, first_word);
+      return "";
+    }
     case Phase2Format::kVoteTrits: {
       std::vector<uint64_t> planes(2 * sw);
       uint64_t* sign = planes.data();
       uint64_t* tie = sign + sw;
-      bits::vote(in, N, sw, sign, tie);
+      vote_shard(op, rule.value_bits, in, N, sw, sign, tie);
       words[0] = bits::count_bits(tie, sw);
       words[message_bytes() / 8 - 1] = 0; // the padding
       bits::encode_trits(sign, tie, sw, msg + kTieCountBytes);
@@ -114,6 +156,9 @@ Phase2Decoder::Phase2Decoder(const Phase2& fmt, bits::SignOp op, bits::DType dty
     case Phase2Format::kVoteTrits: // trit 0, 1, 2
       lut_ = lut_of(dtype, {-1, 1, 0});
       break;
+    case Phase2Format::kVoteBits:
+      lut_ = lut_of(dtype, {-1, 1});
+      break;
     case Phase2Format::kCounts:
       lut_ = lut_of(dtype, count_code_values(op, fmt.N, fmt.with_zeros, fmt.planes));
       break;
@@ -137,6 +182,9 @@ std::string Phase2Decoder::decode(
       bits::unpack(dtype_, planes, tie_planes_ ? 2 : 1, n, lut_.data(), dst);
       return "";
     }
+    case Phase2Format::kVoteBits:
+      bits::unpack(dtype_, &words, 1, n, lut_.data(), dst);
+      return "";
     case Phase2Format::kVoteTrits:
       return bits::decode_trits(dtype_, msg + kTieCountBytes, n, lut_.data(), dst)
           ? ""

@@ -9,6 +9,8 @@
 //   kVoteTrits       [ties: u64][results in base 3, 13 bytes a word, padded
 //                    to 8 bytes] (trits.h): every rank expects dense ties
 //                    (kTieHint), so they ride inline at 1.625 bits an element
+//   kVoteBits        [sign plane]: a tie rule other than "zero" (ties.h)
+//                    answered every tie with +1 or -1: exactly 1 bit
 //   kCounts          [P code planes] (count.h: code = #positive, or
 //                    2 * #positive + #zero when some rank sent a zero)
 //   kCountsZeroList  [P zero-free code planes][the elements with a zero, as
@@ -25,7 +27,7 @@
 
 namespace lionbit {
 
-enum class Phase2Format { kVoteSigns, kVoteTrits, kCounts, kCountsZeroList };
+enum class Phase2Format { kVoteSigns, kVoteTrits, kVoteBits, kCounts, kCountsZeroList };
 
 struct Phase2 {
   Phase2Format format;
@@ -34,12 +36,15 @@ struct Phase2 {
   int planes = 0; // count formats: the code planes P
   bool with_zeros = false; // kCounts: the zero-aware code
   uint64_t list_cap = 0; // kCountsZeroList: room of the list
+  bits::SignOp op = bits::SignOp::kVote;
+  bits::CallRule rule{}; // vote formats: the tie rule; kLevels: the bits
 
   // The format of one chunk of an all-reduce: `zero_capacity` the ranks'
   // announced zero capacities (the header round's), `inline_ties` whether
   // every rank expects dense ties.
   static Phase2 choose(
       bits::SignOp op,
+      const bits::CallRule& rule,
       int N,
       size_t sw,
       bool inline_ties,
@@ -47,12 +52,34 @@ struct Phase2 {
 
   size_t message_bytes() const;
 
-  // The owner's message about its shard, from the N contributions to it.
-  // kVoteSigns also writes the shard's tie plane (sw words) into `ties`.
-  // Returns "" or what went wrong (an internal inconsistency).
-  std::string encode(const bits::Contribution* in, uint8_t* msg, uint64_t* ties) const;
+  // The owner's vote of its shard from the N contributions to it (signs, or
+  // for kLevels p planes of levels each): the sign plane and the tie plane,
+  // sw words each, the tie rule not applied.
+  static void vote_shard(
+      bits::SignOp op,
+      int value_bits,
+      const bits::Contribution* in,
+      int N,
+      size_t sw,
+      uint64_t* sign,
+      uint64_t* tie);
 
-  // The number of ties a vote message announces (both vote formats).
+  // The owner's message about its shard, from the N contributions to it.
+  // `first_word`: the shard's first word in the call's tensor (the random
+  // tie rule's position). kVoteSigns also writes the shard's tie plane (sw
+  // words) into `ties`. Returns "" or what went wrong (an internal
+  // inconsistency).
+  std::string encode(
+      const bits::Contribution* in,
+      uint64_t first_word,
+      uint8_t* msg,
+      uint64_t* ties) const;
+
+  // Whether the message starts with the number of its shard's ties
+  // (kVoteSigns, kVoteTrits), and that number.
+  bool counts_ties() const {
+    return format == Phase2Format::kVoteSigns || format == Phase2Format::kVoteTrits;
+  }
   static uint64_t ties_in(const uint8_t* msg);
 };
 

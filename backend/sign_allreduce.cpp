@@ -48,14 +48,19 @@ class Run {
   Run(const SignComm& c,
       at::Tensor& tensor,
       bits::SignOp op,
+      const bits::CallRule& rule,
       uint64_t seq,
-      const PackedSigns* packed = nullptr)
+      const PackedSigns* packed = nullptr,
+      const PackedLevels* levels = nullptr)
       : c_(c),
         N_(c.world_size),
         op_(op),
+        votes_(op == bits::SignOp::kVote || op == bits::SignOp::kLevels),
+        rule_(rule),
         call_{c, op, Collective::kAllReduce, seq},
         tensor_(tensor),
         packed_(packed),
+        levels_(levels),
         trace_(
             c.rank,
             c.world_size,
@@ -70,6 +75,10 @@ class Run {
     buf_ = tensor.contiguous();
     n_ = static_cast<size_t>(buf_.numel());
     TORCH_CHECK(packed == nullptr || packed->numel == n_, where(call_), "packed size mismatch");
+    TORCH_CHECK(levels == nullptr || levels->numel == n_, where(call_), "packed size mismatch");
+    TORCH_CHECK(
+        (op == bits::SignOp::kLevels) == (levels != nullptr), where(call_),
+        "internal: levels without op l1");
     chunk_elems_ = bits::chunk_elems_for(requested_chunk_elems(N_), N_);
   }
 
@@ -95,7 +104,7 @@ class Run {
       }
     }
     finish(chunks_.size() - 1);
-    if (op_ == bits::SignOp::kVote && c_.tie_hint != nullptr) {
+    if (votes_ && rule_.tie.mode == bits::TieBreak::kZero && c_.tie_hint != nullptr) {
       // Same answer on every rank: every rank saw every shard's tie count.
       c_.tie_hint->store(dense_ties_);
     }
@@ -116,6 +125,11 @@ class Run {
       ch.len = std::min<size_t>(chunk_elems_, n_ - begin);
       ch.sw = bits::shard_words(ch.len, N_);
       ch.sb = ch.sw * 8;
+      if (levels_ != nullptr) {
+        pack_levels_chunk(ch);
+        chunks_.push_back(std::move(ch));
+        continue;
+      }
       const size_t total_words = ch.sw * N_;
       ch.sign_plane = byte_buffer(total_words * 8);
       ch.zero_plane = byte_buffer(total_words * 8);
@@ -144,17 +158,56 @@ class Run {
     }
   }
 
+  // Levels: the caller's p planes of the chunk, rearranged shard by shard
+  // ([shard k: plane 0 | plane 1 | ...], sw words each) so that phase 1
+  // sends each owner its shard's planes as one block. Padding elements hold
+  // level 0 (q = -s on every rank: never a tie; never unpacked).
+  void pack_levels_chunk(Chunk& ch) {
+    const int p = levels_->bits;
+    const size_t block = static_cast<size_t>(p) * ch.sw; // words per shard
+    ch.sign_plane = byte_buffer(block * N_ * 8);
+    uint64_t* dst = words_of(ch.sign_plane);
+    std::memset(dst, 0, block * N_ * 8);
+    const size_t first = ch.begin / bits::kWordBits;
+    const size_t used = bits::words_for(ch.begin + ch.len) - first;
+    for (int k = 0; k < N_; ++k) {
+      const size_t w0 = static_cast<size_t>(k) * ch.sw;
+      if (w0 >= used) {
+        break;
+      }
+      const size_t nw = std::min(ch.sw, used - w0);
+      for (int b = 0; b < p; ++b) {
+        std::memcpy(
+            dst + static_cast<size_t>(k) * block + static_cast<size_t>(b) * ch.sw,
+            levels_->planes + static_cast<size_t>(b) * levels_->plane_words + first + w0, nw * 8);
+      }
+    }
+    // Bits past the tensor's last element: level 0, whatever the caller left.
+    const unsigned tail = static_cast<unsigned>((ch.begin + ch.len) % bits::kWordBits);
+    if (tail != 0) {
+      const size_t last = used - 1;
+      const size_t k = last / ch.sw;
+      for (int b = 0; b < p; ++b) {
+        dst[k * block + static_cast<size_t>(b) * ch.sw + (last - k * ch.sw)] &=
+            (uint64_t{1} << tail) - 1;
+      }
+    }
+    if (ch.begin == 0) {
+      nans_ += levels_->nans;
+    }
+  }
+
   // Every rank learns every rank's size, dtype, op, order, chunking and
   // zero/NaN flags, and all raise together if they disagree.
   void header() {
     uint32_t flags = header_flags(zero_cap_, nans_);
-    if (op_ == bits::SignOp::kVote && c_.tie_hint != nullptr && c_.tie_hint->load()) {
+    if (votes_ && c_.tie_hint != nullptr && c_.tie_hint->load()) {
       flags |= bits::kTieHint;
     }
     const auto mine = bits::make_header(
-        op_, dtype_, c_.rank, flags, call_.seq, n_, zero_cap_, chunk_elems_);
+        op_, dtype_, c_.rank, flags, call_.seq, n_, zero_cap_, chunk_elems_, rule_);
     hs_ = header_round(call_, mine);
-    inline_ties_ = op_ == bits::SignOp::kVote && hs_.inline_ties;
+    inline_ties_ = votes_ && hs_.inline_ties;
     c_.stats->sign_allreduce_calls += 1;
     c_.stats->elements += n_;
   }
@@ -162,7 +215,9 @@ class Run {
   // Phase 1 (backend/phase1.hpp): rank k gets every rank's shard k.
   void issue_phase1(size_t idx) {
     Chunk& ch = chunks_[idx];
-    ch.p1 = send_shards(call_, hs_, ch.sign_plane, ch.zero_plane, ch.sw);
+    // Levels: a shard is p planes of sw words, and no rank sends zeros.
+    const size_t block = levels_ != nullptr ? static_cast<size_t>(levels_->bits) * ch.sw : ch.sw;
+    ch.p1 = send_shards(call_, hs_, ch.sign_plane, ch.zero_plane, block);
     trace_.mark("a2a_issued", static_cast<int64_t>(idx));
   }
 
@@ -171,7 +226,7 @@ class Run {
   void count_and_issue_phase2(size_t idx) {
     Chunk& ch = chunks_[idx];
     const std::vector<bits::Contribution> in = receive_shards(call_, hs_, ch.p1, ch.decoded);
-    ch.fmt = Phase2::choose(op_, N_, ch.sw, inline_ties_, hs_.zero_capacity);
+    ch.fmt = Phase2::choose(op_, rule_, N_, ch.sw, inline_ties_, hs_.zero_capacity);
     {
       ScopedTimer t(c_.stats->vote_ns, "lionbit::count");
       ch.msg = ch.fmt.message_bytes();
@@ -182,8 +237,10 @@ class Run {
       if (ch.fmt.format == Phase2Format::kVoteTrits) {
         c_.stats->inline_tie_chunks += 1;
       }
+      const uint64_t first_word = ch.begin / bits::kWordBits +
+          static_cast<uint64_t>(c_.rank) * ch.sw;
       const std::string error = ch.fmt.encode(
-          in.data(), bytes_of(ch.mine_msg),
+          in.data(), first_word, bytes_of(ch.mine_msg),
           ch.mine_zero.defined() ? words_of(ch.mine_zero) : nullptr);
       TORCH_CHECK(error.empty(), where(call_), error);
     }
@@ -203,7 +260,7 @@ class Run {
     wait_inner(call_, "all-gather of shard results (phase 2)", *c_.comm, ch.ag);
     trace_.mark("ag_done", static_cast<int64_t>(idx));
     uint64_t tie_cap = 0;
-    if (op_ == bits::SignOp::kVote) {
+    if (ch.fmt.counts_ties()) {
       for (int k = 0; k < N_; ++k) {
         const uint64_t ties = Phase2::ties_in(bytes_of(ch.gathered) + k * ch.msg);
         TORCH_CHECK_VALUE(
@@ -274,9 +331,12 @@ class Run {
   const SignComm& c_;
   const int N_;
   const bits::SignOp op_;
+  const bool votes_; // vote or levels: phase 2 is a vote's
+  const bits::CallRule rule_;
   const SignCall call_;
   at::Tensor& tensor_;
   const PackedSigns* packed_;
+  const PackedLevels* levels_;
   bits::DType dtype_;
   at::Tensor buf_;
   size_t n_ = 0;
@@ -292,8 +352,13 @@ class Run {
 
 } // namespace
 
-void sign_allreduce(const SignComm& c, at::Tensor& tensor, bits::SignOp op, uint64_t seq) {
-  Run(c, tensor, op, seq).run();
+void sign_allreduce(
+    const SignComm& c,
+    at::Tensor& tensor,
+    bits::SignOp op,
+    const bits::CallRule& rule,
+    uint64_t seq) {
+  Run(c, tensor, op, rule, seq).run();
 }
 
 void sign_allreduce_packed(
@@ -301,8 +366,18 @@ void sign_allreduce_packed(
     const PackedSigns& in,
     at::Tensor& out,
     bits::SignOp op,
+    const bits::CallRule& rule,
     uint64_t seq) {
-  Run(c, out, op, seq, &in).run();
+  Run(c, out, op, rule, seq, &in).run();
+}
+
+void levels_allreduce_packed(
+    const SignComm& c,
+    const PackedLevels& in,
+    at::Tensor& out,
+    const bits::TieRule& tie,
+    uint64_t seq) {
+  Run(c, out, bits::SignOp::kLevels, bits::CallRule{tie, in.bits}, seq, nullptr, &in).run();
 }
 
 } // namespace lionbit

@@ -1,5 +1,5 @@
 // The two-phase 1-bit sign all-reduce:
-//   0. header round: an all-gather of a 48-byte header per rank (order, op,
+//   0. header round: an all-gather of a 64-byte header per rank (order, op,
 //      dtype, size, NaN flag, zero capacity), checked before anything else
 //      is used;
 //   1. pack signs to bit-planes; all-to-all of packed shards (zero positions
@@ -39,14 +39,30 @@ struct SignComm {
   std::atomic<bool>* tie_hint = nullptr;
 };
 
+// The tie rule a caller asks for: its seed, or (seed < 0) the call's number
+// in the order every rank runs the calls (every rank agrees on it).
+struct TieSpec {
+  bits::TieBreak mode = bits::TieBreak::kZero;
+  int64_t seed = -1;
+  bits::TieRule at(uint64_t seq) const {
+    return bits::TieRule{mode, seed < 0 ? seq : static_cast<uint64_t>(seed)};
+  }
+};
+
 // What the backend's worker runs for one call: the communicators and the
 // call's number in the order every rank runs them.
 using SignJob = std::function<void(const SignComm&, uint64_t seq)>;
 
 // Runs the whole collective on `tensor` (CPU, a supported dtype, no internal
-// overlap: the caller has checked) and writes the result into it. Throws
-// c10::Error naming lionbit, the op and the rank on any failure.
-void sign_allreduce(const SignComm& c, at::Tensor& tensor, bits::SignOp op, uint64_t seq);
+// overlap: the caller has checked) and writes the result into it. `rule`:
+// the vote's tie rule (signbits/ties.h). Throws c10::Error naming lionbit,
+// the op and the rank on any failure.
+void sign_allreduce(
+    const SignComm& c,
+    at::Tensor& tensor,
+    bits::SignOp op,
+    const bits::CallRule& rule,
+    uint64_t seq);
 
 // Direction bits packed by the caller (the fused Lion kernel): planes of at
 // least words_for(numel) words laid out like bits::pack_signs; bits past
@@ -64,6 +80,28 @@ void sign_allreduce_packed(
     const PackedSigns& in,
     at::Tensor& out,
     bits::SignOp op,
+    const bits::CallRule& rule,
+    uint64_t seq);
+
+// Lion Cub's L1 aggregation: p-bit levels packed by the caller
+// (signbits/levels.h: plane b at planes + b * plane_words, at least
+// words_for(numel) words each; bits past numel ignored). Phase 1 sends each
+// owner its shard's p planes; the owner sums them exactly and votes
+// (bits::vote_levels); phase 2 is a vote's, with the tie rule `tie`. The
+// sign of the sum (or the tie rule's answer) is unpacked into `out`.
+struct PackedLevels {
+  const uint64_t* planes;
+  size_t plane_words;
+  int bits; // p
+  uint64_t numel;
+  uint64_t nans; // non-finite values the packer saw (an error on every rank if > 0)
+};
+
+void levels_allreduce_packed(
+    const SignComm& c,
+    const PackedLevels& in,
+    at::Tensor& out,
+    const bits::TieRule& tie,
     uint64_t seq);
 
 } // namespace lionbit

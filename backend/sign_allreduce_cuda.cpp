@@ -53,10 +53,16 @@ at::Tensor dev_bytes(size_t n, const at::Device& device) {
 // worker's stream current.
 class CudaRun {
  public:
-  CudaRun(const SignComm& c, bits::SignOp op, uint64_t seq, at::Device device)
+  CudaRun(
+      const SignComm& c,
+      bits::SignOp op,
+      const bits::TieRule& tie,
+      uint64_t seq,
+      at::Device device)
       : c_(c),
         N_(c.world_size),
         op_(op),
+        tie_(tie),
         call_{c, op, Collective::kAllReduce, seq},
         device_(device),
         stream_(c10::cuda::getCurrentCUDAStream(device.index())) {}
@@ -137,13 +143,20 @@ class CudaRun {
     {
       ScopedTimer t(c_.stats->vote_ns, "lionbit::count");
       if (op_ == bits::SignOp::kVote) {
-        // A tie is possible only with an even N or with zeros.
-        P = (N_ % 2 == 0 || any_zero) ? 2 : 1;
-        // [sign | tie]; with P == 1 the tie plane is scratch (all zero).
+        // A tie is possible only with an even N or with zeros; a tie rule
+        // other than "zero" answers it with a sign bit.
+        const bool breaks = tie_.mode != bits::TieBreak::kZero;
+        P = (!breaks && (N_ % 2 == 0 || any_zero)) ? 2 : 1;
+        // [sign | tie]; with P == 1 the tie plane is scratch.
         mine = dev_bytes(2 * sw_ * 8, device_);
         cuda::vote(
             in_sign, in_zero, per, N_, sw_, dev_words(mine), dev_words(mine) + sw_,
             stream_.stream());
+        if (breaks) {
+          cuda::break_ties(
+              dev_words(mine), dev_words(mine) + sw_, sw_, tie_,
+              static_cast<uint64_t>(c_.rank) * sw_, stream_.stream());
+        }
         if (P == 1) {
           mine = mine.narrow(0, 0, static_cast<int64_t>(sw_ * 8));
         }
@@ -193,7 +206,8 @@ class CudaRun {
     const uint64_t nans = static_cast<uint64_t>(host.data_ptr<int64_t>()[1]);
     const uint64_t cap = std::min<uint64_t>(zeros, sw_ * bits::kWordBits);
     const auto mine = bits::make_header(
-        op_, dtype_, c_.rank, bits::kDevice | header_flags(cap, nans), call_.seq, n_, cap, 0);
+        op_, dtype_, c_.rank, bits::kDevice | header_flags(cap, nans), call_.seq, n_, cap, 0,
+        bits::CallRule{tie_, 0});
     hs_ = header_round(call_, mine);
     c_.stats->sign_allreduce_calls += 1;
     c_.stats->elements += n_;
@@ -237,6 +251,7 @@ class CudaRun {
   const SignComm& c_;
   const int N_;
   const bits::SignOp op_;
+  const bits::TieRule tie_;
   const SignCall call_;
   const at::Device device_;
   c10::cuda::CUDAStream stream_;
@@ -275,12 +290,13 @@ void run_allreduce(
     const SignComm& c,
     at::Tensor& tensor,
     bits::SignOp op,
+    const TieSpec& tie,
     uint64_t seq,
     const std::shared_ptr<CudaReady>& ready) {
   OnWorkerStream on(tensor, ready);
   on.uses(tensor);
   at::Tensor buf = tensor.contiguous();
-  CudaRun r(c, op, seq, tensor.device());
+  CudaRun r(c, op, tie.at(seq), seq, tensor.device());
   r.pack(buf);
   r.run(buf);
   if (!buf.is_same(tensor)) {
@@ -296,6 +312,7 @@ void run_allreduce_packed(
     int64_t numel,
     at::Tensor& out,
     bits::SignOp op,
+    const TieSpec& tie,
     uint64_t seq,
     const std::shared_ptr<CudaReady>& ready) {
   OnWorkerStream on(out, ready);
@@ -303,17 +320,17 @@ void run_allreduce_packed(
   on.uses(sign);
   on.uses(zero);
   on.uses(counts);
-  CudaRun r(c, op, seq, out.device());
+  CudaRun r(c, op, tie.at(seq), seq, out.device());
   r.take_packed(*bits_dtype(out.scalar_type()), sign, zero, counts, static_cast<size_t>(numel));
   r.run(out);
 }
 
 } // namespace
 
-SignJob cuda_allreduce_job(at::Tensor tensor, bits::SignOp op) {
+SignJob cuda_allreduce_job(at::Tensor tensor, bits::SignOp op, const TieSpec& tie) {
   auto ready = cuda_mark_ready(tensor);
-  return [tensor, op, ready](const SignComm& comm, uint64_t seq) mutable {
-    run_allreduce(comm, tensor, op, seq, ready);
+  return [tensor, op, tie, ready](const SignComm& comm, uint64_t seq) mutable {
+    run_allreduce(comm, tensor, op, tie, seq, ready);
   };
 }
 
@@ -323,11 +340,13 @@ SignJob cuda_allreduce_packed_job(
     at::Tensor counts,
     int64_t numel,
     at::Tensor out,
-    bits::SignOp op) {
+    bits::SignOp op,
+    const TieSpec& tie) {
   auto ready = cuda_mark_ready(out);
-  return [sign, zero, counts, numel, out, op, ready](const SignComm& comm, uint64_t seq) mutable {
-    run_allreduce_packed(comm, sign, zero, counts, numel, out, op, seq, ready);
-  };
+  return
+      [sign, zero, counts, numel, out, op, tie, ready](const SignComm& comm, uint64_t seq) mutable {
+        run_allreduce_packed(comm, sign, zero, counts, numel, out, op, tie, seq, ready);
+      };
 }
 
 } // namespace lionbit

@@ -11,7 +11,8 @@
 //   2. all-to-all of packed shards, count / vote of the own shard on the GPU,
 //      all-gather of the shard results, unpack in place.
 // Planes are dense on the device: a zero plane travels only when some rank
-// holds a zero, a tie plane only when a tie is possible (even N, or zeros).
+// holds a zero, a tie plane only when a tie is possible (even N, or zeros)
+// and the tie rule is "zero" (the others answer ties with a sign bit).
 // The data moves over the inner NCCL communicator, or, when the CUDA
 // transport is Gloo (several ranks on one GPU), through host memory over the
 // CPU communicator.
@@ -34,7 +35,7 @@ namespace lionbit {
 // and the job orders the worker's stream after that mark.
 
 // The whole collective on a CUDA tensor, in place.
-SignJob cuda_allreduce_job(at::Tensor tensor, bits::SignOp op);
+SignJob cuda_allreduce_job(at::Tensor tensor, bits::SignOp op, const TieSpec& tie);
 
 // Direction bits packed on the GPU by the caller (the fused Lion kernel):
 // `sign` / `zero` hold at least words_for(numel) words (bits past numel are
@@ -46,6 +47,7 @@ SignJob cuda_allreduce_packed_job(
     at::Tensor counts,
     int64_t numel,
     at::Tensor out,
-    bits::SignOp op);
+    bits::SignOp op,
+    const TieSpec& tie);
 
 } // namespace lionbit

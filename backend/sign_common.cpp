@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "signbits/levels.h"
+
 namespace lionbit {
 
 const char* collective_name(Collective kind) {
@@ -82,8 +84,12 @@ void reject_round(const SignCall& call) {
   const uint64_t chunk = call.kind == Collective::kReduceScatter
       ? 0
       : bits::chunk_elems_for(requested_chunk_elems(call.c.world_size), call.c.world_size);
+  bits::CallRule rule; // well-formed for the op: peers read "rejected", not "corrupt"
+  if (call.op == bits::SignOp::kLevels) {
+    rule.value_bits = bits::kMinLevelBits;
+  }
   const auto mine = bits::make_header(
-      call.op, bits::DType::kFloat32, call.c.rank, flags, call.seq, 0, 0, chunk);
+      call.op, bits::DType::kFloat32, call.c.rank, flags, call.seq, 0, 0, chunk, rule);
   exchange_headers(call, mine); // its error is the caller's own: ignore it
 }
 

@@ -12,6 +12,7 @@
 #include "signbits/unpack.h"
 #include "signbits/zeros.h"
 #include "backend/phase1.hpp"
+#include "backend/phase2.hpp"
 #include "backend/sign_common.hpp"
 
 namespace lionbit {
@@ -19,8 +20,9 @@ namespace {
 
 // Per-element values of the result codes (bit b of the code = plane b).
 std::vector<double> code_values(bits::SignOp op, int N, bool with_zeros, int planes) {
-  if (op == bits::SignOp::kVote) {
-    return {-1, 1, 0, 0}; // sign bit + 2 * tie bit
+  if (op == bits::SignOp::kVote || op == bits::SignOp::kLevels) {
+    return planes == 1 ? std::vector<double>{-1, 1} // ties broken
+                       : std::vector<double>{-1, 1, 0, 0}; // sign bit + 2 * tie bit
   }
   return count_code_values(op, N, with_zeros, planes);
 }
@@ -32,8 +34,11 @@ void sign_reduce_scatter_packed(
     const PackedShards& in,
     at::Tensor& out,
     bits::SignOp op,
+    const bits::TieRule& tie,
     uint64_t seq) {
   const SignCall call{c, op, Collective::kReduceScatter, seq};
+  const bool levels = op == bits::SignOp::kLevels;
+  const int p = levels ? in.value_bits : 1; // planes per shard
   const int N = c.world_size;
   const auto dt = bits_dtype(out.scalar_type());
   TORCH_CHECK(dt.has_value(), where(call), "unsupported dtype ", out.scalar_type());
@@ -45,11 +50,25 @@ void sign_reduce_scatter_packed(
   const size_t sb = sw * 8;
 
   // This rank's planes, shard k at words [k * sw, (k + 1) * sw), cleaned
-  // shard by shard (backend/phase1.hpp).
-  at::Tensor sign = byte_buffer(N * sb);
-  at::Tensor zero = byte_buffer(N * sb);
+  // shard by shard (backend/phase1.hpp). Levels: shard k's p planes one
+  // after the other at words [k * p * sw, (k + 1) * p * sw), bits past the
+  // shard's end cleared (level 0).
+  at::Tensor sign = byte_buffer(N * sb * p);
+  at::Tensor zero = levels ? at::Tensor() : byte_buffer(N * sb);
   uint64_t zero_cap = 0;
-  if (sb > 0) {
+  if (levels && sb > 0) {
+    ScopedTimer t(c.stats->pack_ns, "lionbit::pack");
+    const unsigned tail = static_cast<unsigned>(S % bits::kWordBits);
+    for (int k = 0; k < N; ++k) {
+      for (int b = 0; b < p; ++b) {
+        uint64_t* dst = words_of(sign) + (static_cast<size_t>(k) * p + b) * sw;
+        std::memcpy(dst, in.sign + (static_cast<size_t>(b) * N + k) * sw, sb);
+        if (tail != 0) {
+          dst[sw - 1] &= (uint64_t{1} << tail) - 1;
+        }
+      }
+    }
+  } else if (sb > 0) {
     ScopedTimer t(c.stats->pack_ns, "lionbit::pack");
     std::memcpy(bytes_of(sign), in.sign, N * sb);
     std::memcpy(bytes_of(zero), in.zero, N * sb);
@@ -63,7 +82,7 @@ void sign_reduce_scatter_packed(
   //    local rejections raise on every rank.
   const auto mine = bits::make_header(
       op, *dt, c.rank, bits::kReduceScatter | header_flags(zero_cap, in.nans), seq,
-      static_cast<uint64_t>(S) * N, zero_cap, 0);
+      static_cast<uint64_t>(S) * N, zero_cap, 0, bits::CallRule{tie, levels ? p : 0});
   const bits::HeaderSummary hs = header_round(call, mine);
   c.stats->sign_reduce_scatter_calls += 1;
   c.stats->elements += static_cast<uint64_t>(S) * N;
@@ -72,7 +91,7 @@ void sign_reduce_scatter_packed(
   }
 
   // 1. All-to-all: rank k gets every rank's shard k.
-  Phase1 p1 = send_shards(call, hs, sign, zero, sw);
+  Phase1 p1 = send_shards(call, hs, sign, zero, sw * p);
   wait_shards(call, p1);
   sign = zero = at::Tensor();
   at::Tensor decoded;
@@ -83,10 +102,17 @@ void sign_reduce_scatter_packed(
   std::vector<const uint64_t*> planes;
   {
     ScopedTimer t(c.stats->vote_ns, "lionbit::count");
-    if (op == bits::SignOp::kVote) {
+    if (op == bits::SignOp::kVote || levels) {
       planes_buf = byte_buffer(2 * sb);
-      bits::vote(contrib.data(), N, sw, words_of(planes_buf), words_of(planes_buf) + sw);
-      planes = {words_of(planes_buf), words_of(planes_buf) + sw};
+      uint64_t* s_plane = words_of(planes_buf);
+      uint64_t* t_plane = s_plane + sw;
+      Phase2::vote_shard(op, p, contrib.data(), N, sw, s_plane, t_plane);
+      if (tie.mode == bits::TieBreak::kZero) {
+        planes = {s_plane, t_plane};
+      } else {
+        bits::break_ties(s_plane, t_plane, sw, tie, static_cast<uint64_t>(c.rank) * sw);
+        planes = {s_plane};
+      }
     } else {
       const int P = bits::code_planes(N, hs.any_zero);
       TORCH_CHECK(

@@ -1,7 +1,7 @@
 // The 1-bit sign reduce-scatter: phase 1 of the sign all-reduce alone, on a
 // shard layout given by the caller (FSDP's, not the all-reduce's 64·N
 // padding):
-//   0. header round (the all-reduce's 48-byte header, flag kReduceScatter,
+//   0. header round (the all-reduce's 64-byte header, flag kReduceScatter,
 //      numel = N · shard elements), checked before anything else moves;
 //   1. all-to-all of packed shards: rank k receives shard k of every rank's
 //      direction bits (zero positions only from ranks whose shard k holds a
@@ -22,11 +22,16 @@ namespace lionbit {
 // `shard_numel` elements each; shard r's bits start at bit r · 64 ·
 // words_for(shard_numel) of the planes (each shard starts on a word), laid out
 // like bits::pack_signs. Bits past a shard's end are ignored.
+//
+// Levels (op l1, signbits/levels.h): `sign` holds value_bits planes, plane
+// b at sign + b * N * words_for(shard_numel) words, each laid out like a
+// sign plane; `zero` is unused.
 struct PackedShards {
   const uint64_t* sign;
   const uint64_t* zero;
   uint64_t shard_numel;
   uint64_t nans; // NaNs the packer saw (an error on every rank if > 0)
+  int value_bits = 0; // levels: p
 };
 
 // Bytes each plane must hold for `shard_numel` elements per shard on `world`
@@ -35,14 +40,16 @@ inline size_t reduce_scatter_plane_bytes(uint64_t shard_numel, int world) {
   return bits::words_for(static_cast<size_t>(shard_numel)) * 8 * static_cast<size_t>(world);
 }
 
-// Writes this rank's shard of vote / avg / sum of the N ranks' directions
-// into `out` (contiguous, shard_numel elements, a supported dtype). Throws
-// c10::Error naming lionbit, the op and the rank on any failure.
+// Writes this rank's shard of vote / avg / sum / l1 of the N ranks'
+// directions into `out` (contiguous, shard_numel elements, a supported
+// dtype); a vote's or l1's ties follow `tie`. Throws c10::Error naming
+// lionbit, the op and the rank on any failure.
 void sign_reduce_scatter_packed(
     const SignComm& c,
     const PackedShards& in,
     at::Tensor& out,
     bits::SignOp op,
+    const bits::TieRule& tie,
     uint64_t seq);
 
 } // namespace lionbit

@@ -56,7 +56,7 @@ from netns import parse_rate  # noqa: E402  (standard library only)
 
 # --- constants of the wire format (signbits/, backend/) -------------------------
 WORD_BITS = 64                 # signbits/types.h kWordBits: shards are whole 64-bit words
-HEADER_BYTES = 48              # signbits/wire.h sizeof(WireHeader): the header round
+HEADER_BYTES = 64              # signbits/wire.h sizeof(WireHeader): the header round
 TIE_COUNT_BYTES = 8            # sign_allreduce.cpp: each vote message starts with its tie count
 TRIT_BYTES_PER_WORD = 13       # signbits/trits.h: 64 results in base 3 (inline ties)
 DEFAULT_CHUNK_ELEMS = 0  # 0: lionbit's default for N, bits::default_chunk_elems (max(4M, 256K N))
@@ -244,7 +244,7 @@ def lionbit_terms(op: str, n: int, d: int, link: Link, cpu: Cpu, tie_fraction: f
                   chunk_request: int = DEFAULT_CHUNK_ELEMS, log_allgather: bool = False) -> dict:
     """lionbit.all_reduce_sign (backend/sign_allreduce.cpp) for op "vote" or "avg":
 
-      header round   ring all-gather of 48 bytes                     (N-1) alpha
+      header round   ring all-gather of 64 bytes                     (N-1) alpha
       per chunk (4M elements by default, padded to 64 N):
         phase 1      all-to-all of the N packed shards (sb = shard bytes), all sends
                      posted at once                                  alpha + (N-1) o, (N-1) sb bytes

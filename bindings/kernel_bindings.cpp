@@ -6,6 +6,8 @@
 #include "backend/torch_adapter.hpp"
 #include "optimizer/lion.h"
 #include "signbits/copy_bits.h"
+#include "signbits/levels.h"
+#include "signbits/ties.h"
 #include "signbits/pack.h"
 
 namespace lionbit {
@@ -38,6 +40,60 @@ std::tuple<int64_t, int64_t> pack_signs_into(
   bits::copy_bits(
       words_of(zero), static_cast<size_t>(bit_offset), ts + w, 0, static_cast<size_t>(n));
   return {static_cast<int64_t>(c.zeros), static_cast<int64_t>(c.nans)};
+}
+
+int64_t pack_levels_into(
+    const at::Tensor& c,
+    double factor,
+    int64_t value_bits,
+    at::Tensor& planes,
+    int64_t bit_offset) {
+  const char* op = "pack_levels_into";
+  TORCH_CHECK_VALUE(
+      c.scalar_type() == at::kFloat && c.device().is_cpu() && c.is_contiguous(), "lionbit.", op,
+      ": argument 'c' must be a contiguous CPU float32 tensor, got ", describe(c));
+  TORCH_CHECK_VALUE(
+      value_bits >= bits::kMinLevelBits && value_bits <= bits::kMaxLevelBits, "lionbit.", op,
+      ": argument 'bits' must be ", bits::kMinLevelBits, " to ", bits::kMaxLevelBits, ", got ",
+      value_bits);
+  TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.", op, ": negative bit_offset");
+  const int64_t n = c.numel();
+  require(op, check_planes(planes, "planes", at::kCPU, 0));
+  const int64_t plane_bytes = planes.numel() / value_bits;
+  TORCH_CHECK_VALUE(
+      planes.numel() % value_bits == 0 && plane_bytes % 8 == 0 && plane_bytes * 8 >= bit_offset + n,
+      "lionbit.", op, ": argument 'planes' must hold ", value_bits,
+      " planes of a whole number of 64-bit words with room for ", bit_offset + n, " bits, got ",
+      planes.numel(), " bytes");
+  return static_cast<int64_t>(bits::pack_levels(
+      c.data_ptr<float>(), static_cast<size_t>(n), factor, static_cast<int>(value_bits),
+      words_of(planes), static_cast<size_t>(plane_bytes / 8), static_cast<size_t>(bit_offset)));
+}
+
+at::Tensor tie_words(
+    int64_t words,
+    const std::string& tie_break,
+    int64_t seed,
+    int64_t first_word) {
+  const char* op = "tie_words";
+  bits::TieRule rule;
+  if (tie_break == "alternate") {
+    rule.mode = bits::TieBreak::kAlternate;
+  } else if (tie_break == "random") {
+    rule.mode = bits::TieBreak::kRandom;
+  }
+  TORCH_CHECK_VALUE(
+      rule.mode != bits::TieBreak::kZero, "lionbit.", op,
+      ": argument 'tie_break' must be 'alternate' or 'random', got '", tie_break, "'");
+  TORCH_CHECK_VALUE(
+      words >= 0 && seed >= 0 && first_word >= 0, "lionbit.", op, ": negative argument");
+  rule.seed = static_cast<uint64_t>(seed);
+  at::Tensor out = at::empty({words}, at::kLong);
+  auto* w = reinterpret_cast<uint64_t*>(out.data_ptr<int64_t>());
+  for (int64_t i = 0; i < words; ++i) {
+    w[i] = bits::tie_word(rule, static_cast<uint64_t>(first_word + i));
+  }
+  return out;
 }
 
 bool lion_fused_supported(at::ScalarType param, at::ScalarType grad, at::ScalarType momentum) {

@@ -28,6 +28,23 @@ std::tuple<int64_t, int64_t> pack_signs_into(
     at::Tensor& zero,
     int64_t bit_offset);
 
+// Lion Cub's L1 levels (signbits/levels.h): quantizes `c` (contiguous CPU
+// float32) with q = clamp(rint(c * factor), -s, s) and ORs the p = `bits`
+// bit-planes of q + s into `planes` (uint8: `bits` planes of equal size,
+// plane b at byte b * planes.numel() / bits) at bit `bit_offset`. Returns
+// the number of non-finite values in `c`.
+int64_t pack_levels_into(
+    const at::Tensor& c,
+    double factor,
+    int64_t bits,
+    at::Tensor& planes,
+    int64_t bit_offset);
+
+// The signs the tie rule `tie_break` ("alternate" / "random") with `seed`
+// gives words [first_word, first_word + words) of a tensor
+// (signbits/ties.h), as int64 words (bit set: +1).
+at::Tensor tie_words(int64_t words, const std::string& tie_break, int64_t seed, int64_t first_word);
+
 // Fused Lion direction (optimizer/lion.h): reads g and m once, writes the new
 // m in place (unless update_momentum is false) and the direction's bits into
 // the planes at `bit_offset`. Returns the number of non-finite directions

@@ -81,20 +81,34 @@ PYBIND11_MODULE(_C, m) {
           py::arg("forward_cuda") = py::none(), py::arg("sign_cuda") = py::none())
       .def(
           "all_reduce_sign", &lionbit::LionBitBackend::allreduceSign, py::arg("tensor"),
-          py::arg("op") = "vote", py::call_guard<py::gil_scoped_release>())
+          py::arg("op") = "vote", py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
+          py::call_guard<py::gil_scoped_release>())
       .def(
           "all_reduce_sign_packed", &lionbit::LionBitBackend::allreduceSignPacked, py::arg("sign"),
           py::arg("zero"), py::arg("numel"), py::arg("nans"), py::arg("out"),
-          py::arg("op") = "vote", py::call_guard<py::gil_scoped_release>())
+          py::arg("op") = "vote", py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_reduce_levels_packed", &lionbit::LionBitBackend::allreduceLevelsPacked,
+          py::arg("planes"), py::arg("bits"), py::arg("numel"), py::arg("nans"), py::arg("out"),
+          py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
+          py::call_guard<py::gil_scoped_release>())
       .def(
           "all_reduce_sign_packed_device", &lionbit::LionBitBackend::allreduceSignPackedDevice,
           py::arg("sign"), py::arg("zero"), py::arg("counts"), py::arg("numel"), py::arg("out"),
-          py::arg("op") = "vote", py::call_guard<py::gil_scoped_release>())
+          py::arg("op") = "vote", py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
+          py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("cuda_transport", &lionbit::LionBitBackend::cudaTransport)
       .def(
           "reduce_scatter_sign_packed", &lionbit::LionBitBackend::reduceScatterSignPacked,
           py::arg("sign"), py::arg("zero"), py::arg("shard_numel"), py::arg("nans"), py::arg("out"),
-          py::arg("op") = "vote", py::call_guard<py::gil_scoped_release>())
+          py::arg("op") = "vote", py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "reduce_scatter_levels_packed", &lionbit::LionBitBackend::reduceScatterLevelsPacked,
+          py::arg("planes"), py::arg("bits"), py::arg("shard_numel"), py::arg("nans"),
+          py::arg("out"), py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
+          py::call_guard<py::gil_scoped_release>())
       .def("stats", [](lionbit::LionBitBackend& self) { return self.stats().snapshot(); })
       .def("reset_stats", [](lionbit::LionBitBackend& self) { self.stats().reset(); });
 
@@ -117,6 +131,13 @@ PYBIND11_MODULE(_C, m) {
       "lion_apply", &lionbit::lion_apply, py::arg("x"), py::arg("delta"), py::arg("lr"),
       py::arg("decay"), py::call_guard<py::gil_scoped_release>());
   m.def("lion_fused_supported", &lionbit::lion_fused_supported);
+  m.def(
+      "pack_levels_into", &lionbit::pack_levels_into, py::arg("c"), py::arg("factor"),
+      py::arg("bits"), py::arg("planes"), py::arg("bit_offset"),
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "tie_words", &lionbit::tie_words, py::arg("words"), py::arg("tie_break"), py::arg("seed"),
+      py::arg("first_word") = 0);
 #ifdef LIONBIT_WITH_CUDA
   m.def(
       "pack_signs_into_device", &lionbit::pack_signs_into_device, py::arg("t"), py::arg("sign"),

@@ -1,7 +1,10 @@
 #include "wire.h"
 
 #include <algorithm>
+#include <iterator>
 #include <sstream>
+
+#include "signbits/levels.h"
 
 namespace lionbit::bits {
 
@@ -13,6 +16,8 @@ const char* sign_op_name(SignOp op) {
       return "avg";
     case SignOp::kSum:
       return "sum";
+    case SignOp::kLevels:
+      return "l1";
   }
   return "unknown";
 }
@@ -25,7 +30,8 @@ WireHeader make_header(
     uint64_t seq,
     uint64_t numel,
     uint64_t zero_capacity,
-    uint64_t chunk_elems) {
+    uint64_t chunk_elems,
+    const CallRule& rule) {
   WireHeader h{};
   h.magic = kWireMagic;
   h.version = kWireVersion;
@@ -37,6 +43,9 @@ WireHeader make_header(
   h.numel = numel;
   h.zero_capacity = zero_capacity;
   h.chunk_elems = chunk_elems;
+  h.tie_seed = rule.tie.seed;
+  h.tie_break = static_cast<uint8_t>(rule.tie.mode);
+  h.value_bits = static_cast<uint8_t>(rule.value_bits);
   return h;
 }
 
@@ -66,7 +75,34 @@ std::string ranks_list(const std::vector<int>& ranks) {
 }
 
 bool known_op(uint8_t v) {
-  return v >= 1 && v <= 3;
+  return v >= 1 && v <= 4;
+}
+
+// The tie rule and the levels' bits fit the op: a tie rule other than zero
+// only where there are ties (vote, levels), bits only (and always) for
+// levels.
+bool known_rule(const WireHeader& h) {
+  const bool votes = h.op == static_cast<uint8_t>(SignOp::kVote) ||
+      h.op == static_cast<uint8_t>(SignOp::kLevels);
+  const bool levels = h.op == static_cast<uint8_t>(SignOp::kLevels);
+  const bool reserved_clear = std::all_of(
+      std::begin(h.reserved), std::end(h.reserved), [](uint8_t b) { return b == 0; });
+  return h.tie_break <= 2 && (votes || h.tie_break == 0) &&
+      (levels ? h.value_bits >= kMinLevelBits && h.value_bits <= kMaxLevelBits
+              : h.value_bits == 0) &&
+      reserved_clear;
+}
+
+std::string rule_text(const WireHeader& h) {
+  std::string t = std::string("tie_break=") +
+      (h.tie_break <= 2 ? tie_break_name(static_cast<TieBreak>(h.tie_break)) : "?");
+  if (h.tie_break != 0) {
+    t += " (seed " + std::to_string(h.tie_seed) + ")";
+  }
+  if (h.value_bits != 0) {
+    t += ", bits=" + std::to_string(h.value_bits);
+  }
+  return t;
 }
 
 bool known_dtype(uint8_t v) {
@@ -142,10 +178,11 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
             "): is every rank running the same lionbit version?") ||
         check.fail(
             h.rank != static_cast<uint32_t>(r) || !known_op(h.op) || !known_dtype(h.dtype) ||
-                h.numel > kMaxNumel || (h.flags & ~kKnownFlags) != 0,
+                h.numel > kMaxNumel || (h.flags & ~kKnownFlags) != 0 || !known_rule(h),
             "rank ", r, " sent a corrupt header (rank field ", h.rank, ", op ",
             static_cast<int>(h.op), ", dtype ", static_cast<int>(h.dtype), ", numel ", h.numel,
-            ", flags ", hex(h.flags), ")")) {
+            ", flags ", hex(h.flags), ", tie rule ", static_cast<int>(h.tie_break), ", bits ",
+            static_cast<int>(h.value_bits), ")")) {
       return s;
     }
   }
@@ -176,6 +213,11 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
         check.fail(
             h.op != mine.op, "op differs across ranks: rank ", me, " has ", op_text(mine.op),
             ", rank ", r, " has ", op_text(h.op)) ||
+        check.fail(
+            h.tie_break != mine.tie_break || h.tie_seed != mine.tie_seed ||
+                h.value_bits != mine.value_bits,
+            "the tie rule or the bits differ across ranks: rank ", me, " has ", rule_text(mine),
+            ", rank ", r, " has ", rule_text(h)) ||
         check.fail(
             h.dtype != mine.dtype, "dtype differs across ranks: rank ", me, " has ",
             dtype_text(mine.dtype), ", rank ", r, " has ", dtype_text(h.dtype)) ||

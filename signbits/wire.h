@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "signbits/ties.h"
 #include "types.h"
 
 namespace lionbit::bits {
@@ -18,6 +19,9 @@ enum class SignOp : uint8_t {
   kVote = 1,
   kAvg = 2,
   kSum = 3,
+  // Lion Cub's L1 aggregation: every rank sends p-bit values (levels.h),
+  // the owner votes their sum; phase 2 is a vote's.
+  kLevels = 4,
 };
 
 const char* sign_op_name(SignOp op);
@@ -25,8 +29,9 @@ const char* sign_op_name(SignOp op);
 constexpr uint32_t kWireMagic = 0x3153424cu; // "LBS1"
 // 5: a vote's inline-tie phase 2 in base 3 (trits.h). 6: avg / sum with a
 // few zeros send the zero-free count planes and a list of the elements with
-// a zero, not the zero-aware code's extra plane.
-constexpr uint16_t kWireVersion = 6;
+// a zero, not the zero-aware code's extra plane. 7: the tie rule and the
+// levels' bits in the header (64 bytes).
+constexpr uint16_t kWireVersion = 7;
 
 enum WireFlags : uint32_t {
   kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane
@@ -43,7 +48,7 @@ enum WireFlags : uint32_t {
   kTieHint = 1u << 5,
 };
 
-// 48 bytes, little-endian (x86-64 and aarch64 both are).
+// 64 bytes, little-endian (x86-64 and aarch64 both are).
 struct WireHeader {
   uint32_t magic;
   uint16_t version;
@@ -60,8 +65,20 @@ struct WireHeader {
   // Elements per pipelined chunk (a multiple of 64 * world size); every rank
   // must use the same.
   uint64_t chunk_elems;
+  // The tie rule (ties.h): every rank must use the same.
+  uint64_t tie_seed;
+  uint8_t tie_break;
+  uint8_t value_bits; // kLevels: p; otherwise 0
+  uint8_t reserved[6];
 };
-static_assert(sizeof(WireHeader) == 48, "WireHeader must be 48 bytes");
+static_assert(sizeof(WireHeader) == 64, "WireHeader must be 64 bytes");
+
+// What a call computes beyond its op: the tie rule (vote, levels) and the
+// levels' bits (kLevels).
+struct CallRule {
+  TieRule tie;
+  int value_bits = 0;
+};
 
 WireHeader make_header(
     SignOp op,
@@ -71,7 +88,8 @@ WireHeader make_header(
     uint64_t seq,
     uint64_t numel,
     uint64_t zero_capacity = 0,
-    uint64_t chunk_elems = 0);
+    uint64_t chunk_elems = 0,
+    const CallRule& rule = {});
 
 // Largest element count the sign path accepts (keeps all size arithmetic far
 // from overflow).

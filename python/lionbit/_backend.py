@@ -91,6 +91,9 @@ def all_reduce_sign(
     op: str = "vote",
     group: Optional[dist.ProcessGroup] = None,
     async_op: bool = False,
+    *,
+    tie_break: str = "zero",
+    tie_seed: Optional[int] = None,
 ):
     """In-place 1-bit sign all-reduce of ``tensor`` over ``group``.
 
@@ -101,6 +104,16 @@ def all_reduce_sign(
     - ``"vote"``: ``sign(sum_i sign(x_i))`` (0 on a tie or where all are 0),
     - ``"avg"``: ``sum_i sign(x_i) / N`` (floating dtypes),
     - ``"sum"``: ``sum_i sign(x_i)`` (int8 needs N <= 127).
+
+    ``tie_break`` (vote only) decides where the sum is 0 (an even split, or
+    every rank 0): ``"zero"`` (default) answers 0; ``"alternate"`` answers
+    +1 when ``tie_seed`` is even and -1 when it is odd; ``"random"`` answers
+    a pseudo-random sign per element drawn from ``tie_seed`` and the
+    element's position (the same on every rank, unbiased per element). Both
+    keep the vote's second phase at exactly 1 bit per element. ``tie_seed``
+    must be the same on every rank (checked); default: the call's number on
+    this group (pass your step counter for "alternate" when one step makes
+    several calls).
 
     Returns a ``Work`` when ``async_op`` is true (``wait()``, ``get_future()``),
     else None once the result is written. NaN input raises on every rank.
@@ -116,7 +129,14 @@ def all_reduce_sign(
             f"not {type(op).__name__}"
         )
     backend = _backend_for(group, tensor.device, "all_reduce_sign")
-    work = backend.all_reduce_sign(tensor, op)
+    if tie_seed is not None and (isinstance(tie_seed, bool) or not isinstance(tie_seed, int) or tie_seed < 0):
+        raise ValueError(f"lionbit.all_reduce_sign: argument 'tie_seed' must be an int >= 0 or None, got {tie_seed!r}")
+    if not isinstance(tie_break, str):
+        raise TypeError(
+            f"lionbit.all_reduce_sign: argument 'tie_break' must be a str ('zero', 'alternate' or 'random'), "
+            f"not {type(tie_break).__name__}"
+        )
+    work = backend.all_reduce_sign(tensor, op, tie_break, -1 if tie_seed is None else tie_seed)
     # The result replaces the data in place: bump the version counter so that
     # autograd raises if the tensor was saved for a backward pass (c10d's own
     # collectives do not; a silently wrong gradient is worse).

@@ -71,15 +71,20 @@ class DDPAttachment:
         buffer = bucket.buffer()
         params, grads = bucket.parameters(), bucket.gradients()
         total = buffer.numel()
-        if bv is None or bv.planes[0].numel() != lion_math.plane_bytes(total) or bv.planes[0].device != buffer.device:
+        bits = self.opt.bits
+        if (
+            bv is None
+            or bv.planes[0].numel() != lion_math.plane_bytes(total) * (bits or 1)
+            or bv.planes[0].device != buffer.device
+        ):
             # (DDP rebuilds its buckets after the first step: sizes change once.)
             bv = self.buckets[idx] = _BucketVote()
-            bv.planes = lion_math.planes(total, buffer.device)
-            delta_dtype = torch.bfloat16 if self.opt.aggregation == "vote" else torch.float32
-            bv.out = torch.empty(total, dtype=delta_dtype, device=buffer.device)
+            bv.planes = lion_math.planes(total, buffer.device, bits)
+            bv.out = torch.empty(total, dtype=self.opt._delta_dtype(), device=buffer.device)
         else:
-            bv.planes[0].zero_()
-            bv.planes[1].zero_()
+            for plane in bv.planes:
+                if plane is not None:
+                    plane.zero_()
         sign, zero = bv.planes
         groups = self.opt._group_of()
         counts = lion_math.device_counts(buffer.device)
@@ -88,7 +93,15 @@ class DDPAttachment:
         for p, g in zip(params, grads):
             self.opt._check_param(p, "attach (DDP hook)")
             bad += lion_math.pack_direction(
-                g, self.opt._momentum(p), lion_math.Coefs(groups[p]), sign, zero, off, self.opt._fused_for(p, g), counts
+                g,
+                self.opt._momentum(p),
+                lion_math.Coefs(groups[p]),
+                sign,
+                zero,
+                off,
+                self.opt._fused_for(p, g),
+                counts,
+                bits,
             )
             bv.sizes.append(g.numel())
             off += g.numel()

@@ -60,8 +60,12 @@ from ._backend import _backend_for
 _WHERE = "DistributedLion.attach (FSDP2)"
 
 
-def _planes(shards: int, shard_numel: int):
+def _planes(shards: int, shard_numel: int, bits=None):
+    """The reduce-scatter's sign and zero planes, or with ``bits`` ("l1")
+    its level planes and None."""
     nbytes = shards * ((shard_numel + 63) // 64) * 8
+    if bits:
+        return torch.zeros(bits * nbytes, dtype=torch.uint8), None
     return torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
 
 
@@ -70,12 +74,17 @@ def reduce_scatter_sign(
     input: torch.Tensor,
     op: str = "vote",
     group: Optional[dist.ProcessGroup] = None,
+    *,
+    tie_break: str = "zero",
+    tie_seed: Optional[int] = None,
 ) -> None:
     """1-bit sign reduce-scatter: ``input`` holds N * S elements (N chunks of S,
     chunk r for rank r); ``output`` (S elements) receives this rank's chunk of
     vote / avg / sum of ``sign(input)`` over the ranks (see
-    :func:`lionbit.all_reduce_sign`). Phase 1 of the sign all-reduce only:
-    (N - 1)/N * N*S/8 bytes per rank."""
+    :func:`lionbit.all_reduce_sign`, also for ``tie_break`` and
+    ``tie_seed``; the random rule's position of element i of chunk r is
+    r * 64 * ceil(S / 64) + i, each chunk starting on a 64-bit word). Phase 1
+    of the sign all-reduce only: (N - 1)/N * N*S/8 bytes per rank."""
     for name, t in (("output", output), ("input", input)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"lionbit.reduce_scatter_sign: argument '{name}' must be a torch.Tensor")
@@ -86,7 +95,7 @@ def reduce_scatter_sign(
         # Take part in the header round all the same (the backend rejects the
         # call and tells the peers, who then fail at once).
         try:
-            backend.reduce_scatter_sign_packed(*_planes(0, 0), -1, 0, output.view(-1), op)
+            backend.reduce_scatter_sign_packed(*_planes(0, 0), -1, 0, output.view(-1), op, tie_break)
         except (ValueError, RuntimeError):
             pass
         raise ValueError(
@@ -101,7 +110,8 @@ def reduce_scatter_sign(
         _, k = _C.pack_signs_into(flat[r * s : (r + 1) * s], sign, zero, r * words * 64)
         nans += k
     out = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
-    backend.reduce_scatter_sign_packed(sign, zero, s, nans, out.view(-1), op).wait()
+    seed = -1 if tie_seed is None else int(tie_seed)
+    backend.reduce_scatter_sign_packed(sign, zero, s, nans, out.view(-1), op, tie_break, seed).wait()
     if out is not output:
         output.copy_(out)
 
@@ -270,7 +280,7 @@ def full_momentum(opt, p: torch.Tensor, fp) -> torch.Tensor:
 def fsdp_reduce(opt, layout, inp, out, group, fqns, where) -> None:
     """Direction bits of the unit's local gradients -> sign reduce-scatter ->
     Delta of this rank's shard (into FSDP's output and kept for step())."""
-    from .lion_math import Coefs as _Coefs, direction_into
+    from .lion_math import Coefs as _Coefs, direction_into, levels_into
 
     fsdp_params, sizes = layout
     n, rank = group.size(), group.rank()
@@ -285,7 +295,7 @@ def fsdp_reduce(opt, layout, inp, out, group, fqns, where) -> None:
                 f"model.set_requires_gradient_sync(False) for all micro-batches but the last"
             )
     groups = opt._group_of()
-    sign, zero = _planes(n, s)
+    sign, zero = _planes(n, s, opt.bits)
     words = (s + 63) // 64
     gin = inp.view(n, s)
     nans = 0
@@ -305,16 +315,26 @@ def fsdp_reduce(opt, layout, inp, out, group, fqns, where) -> None:
         m = full_momentum(opt, p, fp).view(-1)
         dim0 = fp._orig_size[0]
         coefs = _Coefs(groups[p])
+        parts = []
         for r in range(n):
             valid = max(0, min(rows, dim0 - r * rows)) * row
             if valid == 0:
                 continue
             g = gin[r, off : off + valid]
             mr = m[r * rows * row : r * rows * row + valid]
-            nans += direction_into(g, mr, coefs, sign, zero, r * words * 64 + off, opt._fused_for(mr, g))
-    delta = torch.empty(s, dtype=torch.bfloat16 if opt.aggregation == "vote" else torch.float32)
+            if opt.bits:
+                parts.append((g, mr, r * words * 64 + off))
+            else:
+                nans += direction_into(g, mr, coefs, sign, zero, r * words * 64 + off, opt._fused_for(mr, g))
+        if parts:
+            nans += levels_into(parts, coefs, opt.bits, sign)
+    delta = torch.empty(s, dtype=opt._delta_dtype())
     backend = _backend_for(group, torch.device("cpu"), "attach (FSDP2 reduce-scatter)")
-    backend.reduce_scatter_sign_packed(sign, zero, s, nans, delta, opt.aggregation).wait()
+    seed = opt._next_tie_seed()
+    if opt.bits:
+        backend.reduce_scatter_levels_packed(sign, opt.bits, s, nans, delta, opt.tie_break, seed).wait()
+    else:
+        backend.reduce_scatter_sign_packed(sign, zero, s, nans, delta, opt.aggregation, opt.tie_break, seed).wait()
     for fp, off, rows, row in pieces:
         p = fp.sharded_param
         valid = max(0, min(rows, fp._orig_size[0] - rank * rows)) * row

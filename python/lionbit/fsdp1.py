@@ -103,29 +103,39 @@ def _check_grad(unit: _Unit, grad: torch.Tensor, expect: int) -> None:
 def _pack(unit: _Unit, grad: torch.Tensor, shard: int, shards: int):
     """Direction bits of the unit's local gradient: chunk r of `shard`
     elements at bit r * 64 * ceil(shard / 64). Returns (sign, zero, nans)."""
-    from .lion_math import Coefs as _Coefs, direction_into
+    from .lion_math import Coefs as _Coefs, direction_into, levels_into
 
     opt = unit.opt
     words = (shard + 63) // 64
     nbytes = shards * words * 8
-    sign = torch.zeros(nbytes, dtype=torch.uint8)
-    zero = torch.zeros(nbytes, dtype=torch.uint8)
+    if opt.bits:  # "l1": the level planes, one tensor; zero unused
+        sign, zero = torch.zeros(opt.bits * nbytes, dtype=torch.uint8), None
+    else:
+        sign = torch.zeros(nbytes, dtype=torch.uint8)
+        zero = torch.zeros(nbytes, dtype=torch.uint8)
     m = unit.momentum_tensor()
     nans = 0
     for off, numel, group, _ in unit.segments:
         coefs = _Coefs(group)
         lo, end = off, off + numel
+        parts = []
         while lo < end:
             r = lo // shard
             hi = min(end, (r + 1) * shard)
             g, mr = grad[lo:hi], m[lo:hi]
-            nans += direction_into(g, mr, coefs, sign, zero, r * words * 64 + (lo - r * shard), opt._fused_for(mr, g))
+            bit = r * words * 64 + (lo - r * shard)
+            if opt.bits:
+                parts.append((g, mr, bit))
+            else:
+                nans += direction_into(g, mr, coefs, sign, zero, bit, opt._fused_for(mr, g))
             lo = hi
+        if parts:  # one parameter's pieces: its L1 scale over all of them
+            nans += levels_into(parts, coefs, opt.bits, sign)
     return sign, zero, nans
 
 
 def _delta_dtype(opt):
-    return torch.bfloat16 if opt.aggregation == "vote" else torch.float32
+    return opt._delta_dtype()
 
 
 def _zero_padding(unit: _Unit, delta: torch.Tensor, base: int) -> None:
@@ -148,7 +158,12 @@ def _reduce_sharded(unit: _Unit, grad: torch.Tensor, output: torch.Tensor) -> No
     sign, zero, nans = _pack(unit, grad, s, n)
     delta = torch.empty(s, dtype=_delta_dtype(unit.opt))
     backend = _backend_for(unit.group, torch.device("cpu"), "attach (FSDP1 comm hook)")
-    backend.reduce_scatter_sign_packed(sign, zero, s, nans, delta, unit.opt.aggregation).wait()
+    opt = unit.opt
+    seed = opt._next_tie_seed()
+    if opt.bits:
+        backend.reduce_scatter_levels_packed(sign, opt.bits, s, nans, delta, opt.tie_break, seed).wait()
+    else:
+        backend.reduce_scatter_sign_packed(sign, zero, s, nans, delta, opt.aggregation, opt.tie_break, seed).wait()
     _zero_padding(unit, delta, rank * s)
     unit.opt._fsdp1_delta[unit] = delta
     output.copy_(delta)

@@ -40,12 +40,38 @@ def plane_bytes(numel: int) -> int:
     return (numel + 63) // 64 * 8
 
 
-def planes(numel: int, device=None):
+def planes(numel: int, device=None, bits=None):
+    """Buffers for the packed directions of ``numel`` elements: the sign and
+    zero planes, or with ``bits`` (aggregation "l1") ``bits`` planes of
+    levels in one buffer and None."""
     nbytes = plane_bytes(numel)
+    if bits:
+        return torch.zeros(bits * nbytes, dtype=torch.uint8, device=device), None
     return (
         torch.zeros(nbytes, dtype=torch.uint8, device=device),
         torch.zeros(nbytes, dtype=torch.uint8, device=device),
     )
+
+
+def level_factor(cs, bits: int) -> float:
+    """The L1 scale of one parameter tensor's pre-sign update c (given as
+    the pieces ``cs``): q = clamp(rint(c * factor), -s, s) with
+    factor = s / (2 * mean|c|), s = 2^(bits-1) - 1, mean|c| summed in float64
+    (Lion Cub's q = clip(round(c / mean|c| * s/2), -s, s)). 0 when c is all
+    zero (every q is 0) or not finite (the step is refused anyway)."""
+    total = sum(c.numel() for c in cs)
+    if total == 0:
+        return 0.0
+    mean = sum(float(c.abs().sum(dtype=torch.float64)) for c in cs) / total
+    if not (mean > 0.0 and mean < float("inf")):
+        return 0.0
+    return ((1 << (bits - 1)) - 1) / (2.0 * mean)
+
+
+def pack_levels(c, factor: float, bits: int, levels, bit_offset: int) -> int:
+    """ORs the ``bits``-bit levels of c (float32, CPU) into the planes of
+    ``levels`` at bit_offset; returns the number of non-finite values."""
+    return _C.pack_levels_into(c.reshape(-1).contiguous(), factor, bits, levels, bit_offset)
 
 
 def device_counts(device):
@@ -57,12 +83,36 @@ def _direction_torch(g, m, k: Coefs):
     return torch.add(torch.mul(m.float(), k.b1), torch.mul(g.float(), k.omb1))
 
 
-def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, counts=None) -> int:
+def direction(g, m, k: Coefs) -> torch.Tensor:
+    """c = fl(fl(b1 m) + fl((1 - b1) g)) in float32 (a new tensor)."""
+    return _direction_torch(g.reshape(-1), m.reshape(-1), k)
+
+
+def levels_into(pieces, k: Coefs, bits: int, levels) -> int:
+    """The FSDP reduce-scatters' "l1" packing of one parameter tensor given
+    as pieces (g, m, bit_offset): c of every piece first (the L1 scale is
+    the whole tensor's mean |c|), then each piece's levels packed at its
+    offset and its momentum updated. Returns the non-finite count."""
+    cs = [direction(g, m, k) for g, m, _ in pieces]
+    factor = level_factor(cs, bits)
+    bad = 0
+    for c, (g, m, off) in zip(cs, pieces):
+        bad += pack_levels(c, factor, bits, levels, off)
+        update_momentum(g, m, k, False, None)
+    return bad
+
+
+def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, counts=None, bits=None) -> int:
     """ORs the bits of sign(b1 m + (1 - b1) g) into the uint8 planes at
     bit_offset; m is only read. Returns the number of non-finite directions
     (NaN or +-Inf: a non-finite g or m); on CUDA 0, the count is added to
-    ``counts[1]`` on the device instead (no host synchronisation)."""
+    ``counts[1]`` on the device instead (no host synchronisation). With
+    ``bits`` (aggregation "l1"): the levels of c = b1 m + (1 - b1) g, scaled
+    by this tensor's mean |c|, into the level planes ``sign`` (zero: None)."""
     g = g.reshape(-1)
+    if bits:
+        c = _direction_torch(g, m.reshape(-1), k)
+        return pack_levels(c, level_factor([c], bits), bits, sign, bit_offset)
     if g.is_cuda:
         c = _direction_torch(g, m.reshape(-1), k)
         _C.pack_signs_into_device(c, sign, zero, counts, bit_offset)  # counts[1] += NaNs
@@ -112,12 +162,24 @@ def direction_into(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, cou
     return bad
 
 
-def local_vote(sign, zero, numel: int) -> torch.Tensor:
-    """Delta of a single rank (no process group): its own direction."""
+def local_vote(sign, zero, numel: int, bits=None, tie_break: str = "zero", tie_seed: int = 0) -> torch.Tensor:
+    """Delta of a single rank (no process group): its own direction (with
+    ``bits``: the sign of its own level), ties (0) answered by the tie rule
+    as the collective's owner would."""
     shifts = torch.arange(64, dtype=torch.int64, device=sign.device)
 
-    def bits(plane):
+    def unpacked(plane):
         return ((plane.view(torch.int64).unsqueeze(1) >> shifts) & 1).reshape(-1)[:numel]
 
-    s, z = bits(sign), bits(zero)
-    return (s - (1 - s) * (1 - z)).to(torch.bfloat16)
+    if bits:
+        plane = sign.numel() // bits
+        u = sum(unpacked(sign[b * plane : (b + 1) * plane]) << b for b in range(bits))
+        delta = torch.sign(u - ((1 << (bits - 1)) - 1))
+    else:
+        s, z = unpacked(sign), unpacked(zero)
+        delta = s - (1 - s) * (1 - z)
+    if tie_break != "zero":
+        words = _C.tie_words((numel + 63) // 64, tie_break, tie_seed).to(sign.device)
+        plus = unpacked(words.view(torch.uint8))
+        delta = torch.where(delta == 0, 2 * plus - 1, delta)
+    return delta.to(torch.bfloat16)

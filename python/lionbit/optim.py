@@ -168,6 +168,7 @@ class DistributedLion(torch.optim.Optimizer):
         n = self.steps_taken + 1
         for g in self.param_groups:
             g["step"] = n
+        self._tie_calls = 0
         if self._sync_schedule is not None and self._sync_schedule(n):
             _momentum_sync.synchronize(self)
 
@@ -238,13 +239,38 @@ class DistributedLion(torch.optim.Optimizer):
                 f"DistributedLion.{where}: parameters on {p.device}, but this build of lionbit has no CUDA path "
                 f"(rebuild it where nvcc and a CUDA build of torch are present)"
             )
+        if p.device.type == "cuda" and self.aggregation == "l1":
+            raise RuntimeError(
+                f"DistributedLion.{where}: aggregation='l1' runs on CPU parameters in this release (its level "
+                f"kernels have no CUDA version yet); use aggregation='vote' (tie_break='alternate' or 'random' keep "
+                f"it at 1 bit) on the GPU"
+            )
         if p.device.type not in ("cpu", "cuda"):
             raise RuntimeError(
                 f"DistributedLion.{where}: parameters on {p.device} are not supported (CPU and CUDA are)"
             )
 
     # -- the collective ------------------------------------------------------
+    def _delta_dtype(self) -> torch.dtype:
+        """Delta's dtype: bfloat16 holds -1, 0, +1 exactly; avg needs more."""
+        return torch.float32 if self.aggregation == "avg" else torch.bfloat16
+
+    def _next_tie_seed(self) -> int:
+        """The tie rule's seed of the step's next collective: "alternate"
+        follows the step counter; "random" draws from the step and the
+        collective's number within the step (both the same on every rank:
+        every rank issues the same collectives in the same order; the number
+        restarts at every step, so a resumed run draws the same signs)."""
+        index = getattr(self, "_tie_calls", 0)
+        self._tie_calls = index + 1
+        if self.tie_break == "alternate":
+            return self.steps_taken
+        if self.tie_break == "random":
+            return (self.steps_taken << 20) + index
+        return -1
+
     def _vote(self, sign, zero, numel: int, nans: int, out: torch.Tensor, group, where: str, counts=None):
+        seed = self._next_tie_seed()
         if group is None and not dist.is_initialized():
             if counts is not None:
                 nans = int(counts[1].item())
@@ -253,14 +279,18 @@ class DistributedLion(torch.optim.Optimizer):
                 # The same words as the header round's, so that callers treat both alike.
                 fut.set_exception(ValueError(f"DistributedLion.{where}: input contains NaN on rank(s) [0]"))
                 return fut
-            out.copy_(lion_math.local_vote(sign, zero, numel))
+            out.copy_(lion_math.local_vote(sign, zero, numel, self.bits, self.tie_break, max(seed, 0)))
             fut.set_result([out])
             return fut
         backend = _backend_for(group, out.device, where)
-        if out.is_cuda:
-            work = backend.all_reduce_sign_packed_device(sign, zero, counts, numel, out, self.aggregation)
+        if self.aggregation == "l1":
+            work = backend.all_reduce_levels_packed(sign, self.bits, numel, nans, out, self.tie_break, seed)
+        elif out.is_cuda:
+            work = backend.all_reduce_sign_packed_device(
+                sign, zero, counts, numel, out, self.aggregation, self.tie_break, seed
+            )
         else:
-            work = backend.all_reduce_sign_packed(sign, zero, numel, nans, out, self.aggregation)
+            work = backend.all_reduce_sign_packed(sign, zero, numel, nans, out, self.aggregation, self.tie_break, seed)
         return work.get_future()
 
     # -- step ----------------------------------------------------------------
@@ -311,6 +341,7 @@ class DistributedLion(torch.optim.Optimizer):
                 ) from None
             for t in found.values():
                 t.fill_(1.0)  # every rank's scaler backs off alike
+            self._tie_calls = 0
             log.info("lionbit: DistributedLion skipped a step: inf/NaN gradient on rank(s) %s", bad.ranks)
             return loss
         step_vote.update(entries, deltas, scratch)

@@ -15,7 +15,7 @@ import torch
 
 from . import lion_math
 
-# Elements per vote: big enough that a vote's fixed costs (a 48-byte header
+# Elements per vote: big enough that a vote's fixed costs (a 64-byte header
 # round, the all-to-all's set-up) are small against its bytes, small enough
 # that a model has several chunks to pipeline.
 CHUNK_ELEMENTS = 1 << 22
@@ -62,12 +62,13 @@ class VoteBuffers:
         self.outs = []
         self.scratch = None
 
-    def prepare(self, sizes: Sequence[int], device, delta_dtype):
-        key = (tuple(sizes), str(device), delta_dtype)
+    def prepare(self, sizes: Sequence[int], device, delta_dtype, bits=None):
+        key = (tuple(sizes), str(device), delta_dtype, bits)
         if key == self.key:
             for sign, zero in self.planes:
                 sign.zero_()
-                zero.zero_()
+                if zero is not None:
+                    zero.zero_()
             return
         chunks, start, total = [], 0, 0
         for i, n in enumerate(sizes):
@@ -78,7 +79,7 @@ class VoteBuffers:
         if start < len(sizes):
             chunks.append((start, len(sizes), total))
         self.key, self.chunks = key, chunks
-        self.planes = [lion_math.planes(t, device) for _, _, t in chunks]
+        self.planes = [lion_math.planes(t, device, bits) for _, _, t in chunks]
         self.outs = [torch.empty(t, dtype=delta_dtype, device=device) for _, _, t in chunks]
         biggest = max(sizes, default=0)
         self.scratch = lion_math.planes(biggest, device) if biggest else None
@@ -89,14 +90,13 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
     views (one per entry); raises :class:`NonFinite` (on every rank alike)
     if any rank had a non-finite direction. Changes no state."""
     device = entries[0].param.device
-    delta_dtype = torch.bfloat16 if opt.aggregation == "vote" else torch.float32
-    buffers.prepare([e.grad.numel() for e in entries], device, delta_dtype)
+    buffers.prepare([e.grad.numel() for e in entries], device, opt._delta_dtype(), opt.bits)
     works = []
     for (first, end, total), (sign, zero), out in zip(buffers.chunks, buffers.planes, buffers.outs):
         counts = lion_math.device_counts(device)
         bad, off = 0, 0
         for e in entries[first:end]:
-            bad += lion_math.pack_direction(e.grad, e.momentum, e.coefs, sign, zero, off, e.fused, counts)
+            bad += lion_math.pack_direction(e.grad, e.momentum, e.coefs, sign, zero, off, e.fused, counts, opt.bits)
             off += e.grad.numel()
         works.append(opt._vote(sign, zero, total, bad, out, group, where, counts))
     bad_ranks: List[int] = []

@@ -5,6 +5,7 @@
 // of contributions plus a ripple of the carry) and writes the code planes or
 // the vote. The kernels are compiled for a few counter widths P; a call uses
 // the smallest P >= bit_width(n).
+#include "signbits/ties.h"
 #include "signbits/cuda/element.cuh"
 #include "signbits/cuda/kernels.h"
 #include "signbits/cuda/launch.cuh"
@@ -52,6 +53,22 @@ __global__ void __launch_bounds__(kBlockThreads) vote_kernel(
     vote_word<P>(sign, zero, stride, n, w, &s, &z);
     out_sign[w] = s;
     out_zero[w] = z;
+  }
+}
+
+__global__ void __launch_bounds__(kBlockThreads) break_ties_kernel(
+    uint64_t* __restrict__ sign,
+    const uint64_t* __restrict__ tie,
+    size_t words,
+    bits::TieRule rule,
+    uint64_t first_word) {
+  const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t w = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < words;
+       w += step) {
+    const uint64_t t = tie[w];
+    if (t != 0) {
+      sign[w] |= t & bits::tie_word(rule, first_word + w);
+    }
   }
 }
 
@@ -151,6 +168,23 @@ void vote(
   }
   using namespace detail;
   LIONBIT_DISPATCH_PLANES(n, launch_vote, sign, zero, stride, n, words, out_sign, out_zero, stream)
+}
+
+void break_ties(
+    uint64_t* sign,
+    const uint64_t* tie,
+    size_t words,
+    const bits::TieRule& rule,
+    uint64_t first_word,
+    cudaStream_t stream) {
+  if (words == 0 || rule.mode == bits::TieBreak::kZero) {
+    return;
+  }
+  using namespace detail;
+  static const int resident = resident_blocks(break_ties_kernel);
+  break_ties_kernel<<<grid_for(words, kBlockThreads, resident), kBlockThreads, 0, stream>>>(
+      sign, tie, words, rule, first_word);
+  check_launch("break_ties");
 }
 
 } // namespace lionbit::cuda

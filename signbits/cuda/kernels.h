@@ -14,6 +14,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "signbits/ties.h"
 #include "signbits/types.h"
 
 namespace lionbit::cuda {
@@ -80,6 +81,15 @@ void vote(
     size_t words,
     uint64_t* out_sign,
     uint64_t* out_zero,
+    cudaStream_t stream);
+
+// bits::break_ties on the GPU: sign |= tie & tie_word(rule, first_word + w).
+void break_ties(
+    uint64_t* sign,
+    const uint64_t* tie,
+    size_t words,
+    const bits::TieRule& rule,
+    uint64_t first_word,
     cudaStream_t stream);
 
 // dst[i] = lut[code_i] for i < n (contiguous, `dtype`), where bit b of

@@ -1,4 +1,4 @@
-// Fuzz tests of everything a peer sends that lionbit parses: the 48-byte
+// Fuzz tests of everything a peer sends that lionbit parses: the 64-byte
 // headers of the header round (bits::check_headers) and the encoded zero /
 // tie positions (bits::decode_zeros). Random and corrupted inputs must give
 // an error (or `false`) or a result that satisfies every invariant the sign
@@ -39,7 +39,17 @@ bool acceptable(const std::vector<WireHeader>& h, int n, const WireHeader& mine)
     const WireHeader& x = h[static_cast<size_t>(r)];
     if (x.magic != kWireMagic || x.version != kWireVersion || x.rank != static_cast<uint32_t>(r))
       return false;
-    if (x.op < 1 || x.op > 3 || x.dtype < 1 || x.dtype > 5) return false;
+    if (x.op < 1 || x.op > 4 || x.dtype < 1 || x.dtype > 5) return false;
+    // The tie rule: 0..2, not zero only for vote (1) and l1 (4); the bits:
+    // 2..8 for l1, 0 otherwise; the reserved bytes clear; all as this rank's.
+    const bool votes = x.op == 1 || x.op == 4;
+    if (x.tie_break > 2 || (!votes && x.tie_break != 0)) return false;
+    if (x.op == 4 ? (x.value_bits < 2 || x.value_bits > 8) : x.value_bits != 0) return false;
+    for (uint8_t b : x.reserved)
+      if (b != 0) return false;
+    if (x.tie_break != mine.tie_break || x.tie_seed != mine.tie_seed ||
+        x.value_bits != mine.value_bits)
+      return false;
     if (x.flags & ~(kHasZero | kHasNan | kRejected | kReduceScatter | kDevice | kTieHint))
       return false;
     if (x.flags & (kRejected | kHasNan)) return false;
@@ -64,7 +74,15 @@ HeaderCase agreeing_case(std::mt19937_64& rng) {
   HeaderCase c;
   c.n = std::uniform_int_distribution<int>(1, 64)(rng);
   c.me = std::uniform_int_distribution<int>(0, c.n - 1)(rng);
-  const auto op = static_cast<SignOp>(std::uniform_int_distribution<int>(1, 3)(rng));
+  const auto op = static_cast<SignOp>(std::uniform_int_distribution<int>(1, 4)(rng));
+  CallRule rule;
+  if (op == SignOp::kVote || op == SignOp::kLevels) {
+    rule.tie.mode = static_cast<TieBreak>(rng() % 3);
+    rule.tie.seed = rng() % 2 ? rng() % 100 : rng();
+  }
+  if (op == SignOp::kLevels) {
+    rule.value_bits = std::uniform_int_distribution<int>(2, 8)(rng);
+  }
   const auto dtype = static_cast<DType>(std::uniform_int_distribution<int>(1, 5)(rng));
   const uint64_t seq = rng() % 1000;
   const uint64_t numel = rng() % 4 == 0 ? rng() % 200 : rng() % 20000000;
@@ -77,7 +95,8 @@ HeaderCase agreeing_case(std::mt19937_64& rng) {
       cap = 1 + rng() % shard_elems;
     }
     const uint32_t hint = rng() % 2 ? kTieHint : 0u; // a rank's own expectation
-    c.h.push_back(make_header(op, dtype, r, (cap ? kHasZero : 0u) | hint, seq, numel, cap, chunk));
+    c.h.push_back(
+        make_header(op, dtype, r, (cap ? kHasZero : 0u) | hint, seq, numel, cap, chunk, rule));
   }
   return c;
 }
@@ -105,8 +124,14 @@ void mutate(HeaderCase& c, std::mt19937_64& rng) {
             0, 1, x.numel, x.numel + 1, ~0ull, 1ull << 32}[rng() % 6];
         if (rng() % 2) x.flags ^= kHasZero;
         break;
-      case 5: // a peer's chunking
-        x.chunk_elems = rng() % 2 ? 0 : rng();
+      case 5: // a peer's chunking, or its tie rule and bits
+        if (rng() % 2) {
+          x.chunk_elems = rng() % 2 ? 0 : rng();
+        } else {
+          x.tie_break = static_cast<uint8_t>(rng() % 4);
+          x.value_bits = static_cast<uint8_t>(rng() % 10);
+          if (rng() % 2) x.tie_seed ^= 1;
+        }
         break;
       case 6: // all-ones or all-zero header
         std::memset(bytes, rng() % 2 ? 0xff : 0x00, sizeof x);

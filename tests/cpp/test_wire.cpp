@@ -182,5 +182,38 @@ TEST(Wire, ReduceScatterAndAllReduceAtTheSameCallDisagree) {
   }
 }
 
+TEST(Wire, TheTieRuleAndTheBitsMustAgree) {
+  auto h = agreeing(4);
+  for (auto& x : h) {
+    x.tie_break = static_cast<uint8_t>(TieBreak::kAlternate);
+    x.tie_seed = 5;
+  }
+  EXPECT_EQ(check_headers(h.data(), 4, h[0]).error, "");
+  h[3].tie_seed = 6;
+  const std::string e = check_headers(h.data(), 4, h[0]).error;
+  EXPECT_NE(e.find("the tie rule or the bits differ across ranks"), std::string::npos) << e;
+  EXPECT_NE(e.find("rank 3 has tie_break=alternate (seed 6)"), std::string::npos) << e;
+}
+
+TEST(Wire, LevelsNeedTheirBitsAndOnlyVotesBreakTies) {
+  std::vector<WireHeader> h;
+  for (int r = 0; r < 2; ++r) {
+    h.push_back(make_header(
+        SignOp::kLevels, DType::kBFloat16, r, 0, 1, 1000, 0, 0,
+        CallRule{TieRule{TieBreak::kRandom, 9}, 4}));
+  }
+  EXPECT_EQ(check_headers(h.data(), 2, h[0]).error, "");
+  auto bad = h;
+  bad[1].value_bits = 9; // past kMaxLevelBits
+  EXPECT_NE(check_headers(bad.data(), 2, bad[0]).error.find("corrupt header"), std::string::npos);
+  bad = h;
+  bad[0].value_bits = bad[1].value_bits = 0; // l1 without bits
+  EXPECT_NE(check_headers(bad.data(), 2, bad[0]).error.find("corrupt header"), std::string::npos);
+  auto avg = agreeing(2);
+  avg[0].op = avg[1].op = static_cast<uint8_t>(SignOp::kAvg);
+  avg[0].tie_break = avg[1].tie_break = static_cast<uint8_t>(TieBreak::kAlternate);
+  EXPECT_NE(check_headers(avg.data(), 2, avg[0]).error.find("corrupt header"), std::string::npos);
+}
+
 } // namespace
 } // namespace lionbit::bits

@@ -69,13 +69,27 @@ def _shard(model, nested=True, **kw):
 LION = dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)
 
 
+def _agg(aggregation: str) -> dict:
+    """DistributedLion's aggregation arguments from "vote", "avg",
+    "vote+alternate" or "l1:4+alternate" (bits after the colon, tie rule
+    after the plus)."""
+    name, _, tie = aggregation.partition("+")
+    name, _, bits = name.partition(":")
+    kw = {"aggregation": name}
+    if bits:
+        kw["bits"] = int(bits)
+    if tie:
+        kw["tie_break"] = tie
+    return kw
+
+
 def _train_ddp(rank, steps, accumulate, aggregation, momentum_dtype=None):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import lionbit
 
     model = DDP(_net())
-    opt = lionbit.DistributedLion(model.parameters(), aggregation=aggregation, momentum_dtype=momentum_dtype, **LION)
+    opt = lionbit.DistributedLion(model.parameters(), **_agg(aggregation), momentum_dtype=momentum_dtype, **LION)
     opt.attach(model)
     for step in range(steps):
         for micro in range(accumulate):
@@ -98,7 +112,7 @@ def _train_fsdp(rank, steps, accumulate, aggregation, nested=True, momentum_dtyp
 
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp)
     model = _shard(_net(), nested, **kw)
-    opt = lionbit.DistributedLion(model.parameters(), aggregation=aggregation, momentum_dtype=momentum_dtype, **LION)
+    opt = lionbit.DistributedLion(model.parameters(), **_agg(aggregation), momentum_dtype=momentum_dtype, **LION)
     opt.attach(model)
     losses = []
     for step in range(steps):
@@ -124,7 +138,14 @@ def fsdp_vs_ddp(rank, world_size, steps, accumulate, aggregation, momentum_dtype
 
 @pytest.mark.parametrize(
     "world_size,accumulate,aggregation,momentum_dtype",
-    [(2, 1, "vote", None), (3, 2, "avg", None), (4, 1, "vote", "bfloat16")],
+    [
+        (2, 1, "vote", None),
+        (3, 2, "avg", None),
+        (4, 1, "vote", "bfloat16"),
+        (4, 1, "vote+alternate", None),
+        (3, 1, "l1:4+alternate", None),
+        (2, 2, "l1:8", None),
+    ],
 )
 def test_fsdp2_equals_ddp_bitwise(world_size, accumulate, aggregation, momentum_dtype):
     res = values(
@@ -175,7 +196,7 @@ def test_fsdp2_bytes_per_step_are_the_phase1_figure(world_size):
         assert st["sign_reduce_scatter_calls"] == steps * len(units)
         assert st["sign_allreduce_calls"] == 0
         payload = sum((n - 1) * 8 * -(-s // 64) for s in units)  # (N-1)/N of the N shards' packed bits
-        header = len(units) * 48 * (n - 1)
+        header = len(units) * 64 * (n - 1)
         # zero-free directions: exactly the formula, nothing else
         assert st["bytes_sent"] == steps * (payload + header), (st, units)
         d = sum(units) * n

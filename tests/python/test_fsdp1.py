@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import run_ranks, values
-from test_fsdp import LION, _digest, _loss, _net, _train_ddp
+from test_fsdp import LION, _agg, _digest, _loss, _net, _train_ddp
 
 CPU = torch.device("cpu")
 
@@ -37,7 +37,7 @@ def _train_fsdp1(rank, steps, accumulate, aggregation, strategy, use_orig_params
     import lionbit
 
     model = model or _wrap(_net(seed), strategy, use_orig_params)
-    opt = lionbit.DistributedLion(model.parameters(), aggregation=aggregation, momentum_dtype=momentum_dtype, **LION)
+    opt = lionbit.DistributedLion(model.parameters(), **_agg(aggregation), momentum_dtype=momentum_dtype, **LION)
     opt.attach(model)
     for step in range(steps):
         for micro in range(accumulate):
@@ -75,6 +75,8 @@ def fsdp1_vs_ddp(rank, world_size, configs, steps):
         (2, [("FULL_SHARD", False, 1, "vote", None), ("NO_SHARD", False, 2, "avg", None)]),
         (3, [("SHARD_GRAD_OP", True, 2, "avg", None), ("NO_SHARD", True, 1, "vote", "bfloat16")]),
         (4, [("FULL_SHARD", True, 1, "vote", "bfloat16")]),
+        (4, [("FULL_SHARD", False, 1, "l1:4+alternate", None), ("NO_SHARD", False, 1, "l1:4", None)]),
+        (3, [("SHARD_GRAD_OP", True, 2, "vote+alternate", None)]),
     ],
 )
 def test_fsdp1_equals_ddp_bitwise(world_size, configs):
@@ -111,7 +113,7 @@ def test_fsdp1_bytes_per_step_are_the_phase1_figure():
         assert st["sign_allreduce_calls"] == 0
         shards = [-(-d // n) for d in units]  # FSDP pads each flat parameter to a multiple of N
         payload = sum((n - 1) * 8 * -(-s // 64) for s in shards)
-        header = len(units) * 48 * (n - 1)
+        header = len(units) * 64 * (n - 1)
         # zero-free directions: exactly the formula, nothing else
         assert st["bytes_sent"] == steps * (payload + header), (st, shards)
         assert payload <= (n - 1) / n * sum(units) / 8 + len(units) * (n - 1) * 8
