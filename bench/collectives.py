@@ -16,6 +16,9 @@ tensor of d float32 values:
     lionbit_vote_tiefree  the same on input whose signs agree on every rank (zero-free, no
                      ties: the condition of the 1.05x bytes goal; at even N real data has ties,
                      whose positions lionbit sends as an extra bit-plane)
+    lionbit_vote_alternate  all_reduce_sign(t, "vote", tie_break="alternate"): ties answered +1 / -1
+                     by the call's number, so phase 2 is exactly 1 bit (Lion Cub's rule)
+    lionbit_vote_random     the same with tie_break="random" (a pseudo-random sign per element)
     lionbit_avg      lionbit.all_reduce_sign(t, "avg")    sum of signs / N (bit-planes of counts)
     gloo_fp32        dist.all_reduce(float32)             what DDP does
     gloo_bf16        dist.all_reduce(bfloat16)            the bf16 compression hook's collective
@@ -52,8 +55,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-IMPLS = ["lionbit_vote", "lionbit_vote_tiefree", "lionbit_avg", "gloo_fp32", "gloo_bf16", "allgather_bits",
-         "int8_counts"]
+IMPLS = ["lionbit_vote", "lionbit_vote_tiefree", "lionbit_vote_alternate", "lionbit_vote_random", "lionbit_avg",
+         "gloo_fp32", "gloo_bf16", "allgather_bits", "int8_counts"]
 
 
 def parse_numel(s: str) -> int:
@@ -171,6 +174,10 @@ def worker(args) -> None:
                 op = impl.split("_")[1]
                 prep = lambda: buf.copy_(x)
                 run = lambda: lionbit.all_reduce_sign(buf, op)
+            elif impl in ("lionbit_vote_alternate", "lionbit_vote_random"):
+                rule = impl.rsplit("_", 1)[1]
+                prep = lambda: buf.copy_(x)
+                run = lambda: lionbit.all_reduce_sign(buf, "vote", tie_break=rule)
             elif impl == "lionbit_vote_tiefree":
                 same = torch.randn(d, generator=torch.Generator().manual_seed(777))
                 prep = lambda: buf.copy_(same)
