@@ -288,9 +288,10 @@ class DistributedLion(torch.optim.Optimizer):
                 "gradients)"
             )
         if self._fsdp1_units is not None or self._fsdp_params is not None:
-            self._fsdp_step(grad_scaler)
+            applied = self._fsdp_step(grad_scaler)
             if self._fsdp_params is not None:
-                self._advance()
+                if applied:
+                    self._advance()
                 return loss
         found = None
         if grad_scaler is not None:
@@ -381,8 +382,8 @@ class DistributedLion(torch.optim.Optimizer):
             )
         if self._fsdp1_units is not None:
             _fsdp1.fsdp1_step(self)
-        else:
-            _fsdp.fsdp_step(self)
+            return True
+        return _fsdp.fsdp_step(self)
 
     # -- DDP ----------------------------------------------------------------
     def attach(self, model, overlap: bool = True):
