@@ -1,6 +1,7 @@
 """Registration of the "lionbit" backend and the Python face of its collectives."""
 
 import os
+import weakref
 from datetime import timedelta
 from typing import Optional
 
@@ -159,20 +160,90 @@ def _lionbit_backend_any_device(group, what: str):
         return _backend_for(group, torch.device("cuda"), what)
 
 
-def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
-    """Counters of the group's lionbit backend (sign path only).
+# Momentum-synchronization counters (lionbit.momentum_sync), kept here on the
+# Python side, per lionbit backend object: its collectives are standard ones,
+# forwarded, which the C++ counters do not see. A backend's Python object
+# lives as long as someone holds it; each process group that recorded into it
+# holds it (weakly keyed: nothing outlives the group).
+_MOMENTUM_SYNC_KEYS = (
+    "momentum_sync_calls",
+    "momentum_sync_steps",
+    "momentum_sync_elements",
+    "momentum_sync_bytes_sent",
+    "momentum_sync_bytes_received",
+)
+_momentum_sync_counters = weakref.WeakKeyDictionary()  # lionbit backend -> its counters
+_backends_of_groups = weakref.WeakKeyDictionary()  # process group -> {its lionbit backends}
 
-    ``bytes_sent`` / ``bytes_received`` (payload bytes of this rank, headers
-    included), ``sign_allreduce_calls``, ``elements``, seconds spent in
-    ``pack_seconds``, ``comm_seconds``, ``vote_seconds``, ``unpack_seconds``,
-    and for votes at even N ``tie_rounds`` (chunks whose tie positions took a
-    round of their own) and ``inline_tie_chunks`` (chunks whose tie plane
-    rode in phase 2 because the previous vote had dense ties).
+
+def _momentum_sync_counters_of(backend, group: Optional[dist.ProcessGroup] = None) -> dict:
+    counters = _momentum_sync_counters.get(backend)
+    if counters is None:
+        counters = _momentum_sync_counters[backend] = dict.fromkeys(_MOMENTUM_SYNC_KEYS, 0)
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    _backends_of_groups.setdefault(pg, set()).add(backend)
+    return counters
+
+
+def record_momentum_sync(group, device: torch.device, elements: int, sent: int, received: int, call: bool) -> None:
+    """Adds one momentum synchronization's figures to the counters of the
+    group's lionbit backend for ``device``."""
+    counters = _momentum_sync_counters_of(_backend_for(group, device, "stats"), group)
+    counters["momentum_sync_calls"] += int(call)
+    counters["momentum_sync_elements"] += elements
+    counters["momentum_sync_bytes_sent"] += sent
+    counters["momentum_sync_bytes_received"] += received
+
+
+def record_momentum_sync_step(group) -> None:
+    """Counts a step of an optimizer with momentum_sync on (the denominator
+    of ``momentum_sync_bytes_per_step``). Nothing without a lionbit group."""
+    if not dist.is_initialized():
+        return
+    try:
+        backend = _lionbit_backend_any_device(group, "stats")
+    except RuntimeError:
+        return
+    _momentum_sync_counters_of(backend, group)["momentum_sync_steps"] += 1
+
+
+def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
+    """Counters of the group's lionbit backend.
+
+    The sign path: ``bytes_sent`` / ``bytes_received`` (payload bytes of this
+    rank, headers included), ``sign_allreduce_calls``, ``elements``, seconds
+    spent in ``pack_seconds``, ``comm_seconds``, ``vote_seconds``,
+    ``unpack_seconds``, and for votes at even N ``tie_rounds`` (chunks whose
+    tie positions took a round of their own) and ``inline_tie_chunks``
+    (chunks whose tie plane rode in phase 2 because the previous vote had
+    dense ties).
+
+    Momentum synchronization (``DistributedLion(momentum_sync=...)``; not in
+    the figures above): ``momentum_sync_calls`` (synchronizations),
+    ``momentum_sync_elements`` (momentum elements averaged, summed over the
+    calls), ``momentum_sync_bytes_sent`` / ``momentum_sync_bytes_received``
+    (payload bytes this rank sent / received: the bfloat16 all-to-all and
+    all-gather send and receive (N - 1)/N of the padded buffer each, so
+    2 (N - 1)/N * 2 bytes per element per call, a ring all-reduce's figure),
+    ``momentum_sync_steps`` (steps applied by optimizers with momentum_sync
+    on) and ``momentum_sync_bytes_per_step`` (bytes sent per such step,
+    amortized: sent / steps, 0.0 before the first).
     """
-    raw = _lionbit_backend_any_device(group, "stats").stats()
-    return {k: (int(v) if not k.endswith("_seconds") else v) for k, v in raw.items()}
+    backend = _lionbit_backend_any_device(group, "stats")
+    out = {k: (int(v) if not k.endswith("_seconds") else v) for k, v in backend.stats().items()}
+    sync = _momentum_sync_counters.get(backend) or dict.fromkeys(_MOMENTUM_SYNC_KEYS, 0)
+    out.update(sync)
+    steps = sync["momentum_sync_steps"]
+    out["momentum_sync_bytes_per_step"] = sync["momentum_sync_bytes_sent"] / steps if steps else 0.0
+    return out
 
 
 def reset_stats(group: Optional[dist.ProcessGroup] = None) -> None:
-    """Zero the counters of the group's lionbit backend."""
-    _lionbit_backend_any_device(group, "reset_stats").reset_stats()
+    """Zero the counters of the group's lionbit backend (the momentum
+    synchronization's too)."""
+    backend = _lionbit_backend_any_device(group, "reset_stats")
+    backend.reset_stats()
+    counters = _momentum_sync_counters.get(backend)
+    if counters is not None:
+        for k in counters:
+            counters[k] = 0

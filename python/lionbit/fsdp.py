@@ -348,12 +348,16 @@ def fsdp_reduce(opt, layout, inp, out, group, fqns, where) -> None:
     out.copy_(delta)
 
 
-def fsdp_step(opt) -> None:
+def fsdp_step(opt) -> bool:
+    """Applies the pending updates. Returns False for torch's
+    ``_init_optim_state`` call (no update pending, no state yet), which is
+    not a step: the step counter (and the momentum sync) ignore it."""
     from .lion_math import Coefs as _Coefs, apply_update
 
     pending, opt._fsdp_delta = opt._fsdp_delta, {}
     if not pending and not opt.state:
         init_momentum(opt)  # torch's _init_optim_state: step() with zero gradients on a fresh optimizer
+        return False
 
     def grad_of(p):
         g = p.grad
@@ -369,6 +373,7 @@ def fsdp_step(opt) -> None:
             coefs = coefs or _Coefs(group)
             local = p.to_local()
             apply_update(local, delta, coefs, opt._fused_for(local, delta))
+    return True
 
 
 def check_grads_untouched(opt, pending: dict, grad_of, kind: str) -> None:

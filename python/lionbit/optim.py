@@ -65,10 +65,14 @@ class DistributedLion(torch.optim.Optimizer):
             (+1 on even steps, -1 on odd ones, by the optimizer's step
             counter) or "random" (a pseudo-random sign per element, the same
             on every rank). Both non-zero rules keep phase 2 at exactly 1 bit.
-        momentum_sync: None (default: momenta stay local), an int k (every k
-            steps the ranks' momenta are averaged, in bfloat16 over the
-            forwarded transport) or a callable ``step -> bool`` (for example
-            :class:`lionbit.ExponentialSync`).
+        momentum_sync: None (default: momenta stay local), an int k (after
+            every k-th step the ranks' momenta are averaged, bitwise the same
+            on every rank: an all-to-all and an all-gather in bfloat16 over
+            the forwarded transport, 2 (N - 1)/N * 2 bytes per momentum
+            element and rank; see lionbit.momentum_sync) or a callable
+            ``step -> bool``, the same on every rank (for example
+            :class:`lionbit.ExponentialSync`). ``lionbit.stats()`` counts
+            the bytes (``momentum_sync_*``).
         group: the process group (a lionbit one); default: the default group,
             or the DDP model's group after :meth:`attach`.
         momentum_dtype: torch.float32 (default) or torch.bfloat16 (halves the
@@ -169,8 +173,7 @@ class DistributedLion(torch.optim.Optimizer):
         for g in self.param_groups:
             g["step"] = n
         self._tie_calls = 0
-        if self._sync_schedule is not None and self._sync_schedule(n):
-            _momentum_sync.synchronize(self)
+        _momentum_sync.after_step(self, n)
 
     # -- state -------------------------------------------------------------
     def _momentum(self, p: torch.Tensor) -> torch.Tensor:
@@ -318,9 +321,10 @@ class DistributedLion(torch.optim.Optimizer):
                 "gradients)"
             )
         if self._fsdp1_units is not None or self._fsdp_params is not None:
-            self._fsdp_step(grad_scaler)
+            applied = self._fsdp_step(grad_scaler)
             if self._fsdp_params is not None:
-                self._advance()
+                if applied:
+                    self._advance()
                 return loss
         found = None
         if grad_scaler is not None:
@@ -412,8 +416,8 @@ class DistributedLion(torch.optim.Optimizer):
             )
         if self._fsdp1_units is not None:
             _fsdp1.fsdp1_step(self)
-        else:
-            _fsdp.fsdp_step(self)
+            return True
+        return _fsdp.fsdp_step(self)
 
     # -- DDP ----------------------------------------------------------------
     def attach(self, model, overlap: bool = True):
