@@ -14,7 +14,10 @@ Single process; DistributedLion vote and avg reuse Lion's choice.
 
 --batch and --steps tune for the levers experiment's grid instead (the same
 grids, folds and scoring, training each fold for exactly that many steps at
-that global batch); the choices go into convergence_digits.TUNED.
+that global batch); the choices go into convergence_digits.TUNED. --extend
+up (or down) adds one lr beyond each grid's top (bottom), the next of its
+~3.3x steps, for both optimizers alike (the levers protocol's rule when a
+best lr lands on an edge).
 """
 
 import argparse
@@ -60,15 +63,28 @@ def cross_validate(name, lr, wd, betas, batch=cd.BATCH, steps=None):
     return sum(accs) / FOLDS, sum(losses) / FOLDS, accs
 
 
+def extended(lrs, where):
+    """The lr grid with one more rung of its 1-3-10 ladder above ("up") or below ("down")."""
+    lead = lambda x: f"{x:.0e}"[0]  # the mantissa's digit: 1 or 3
+    if where == "up":
+        return lrs + [float(f"{lrs[-1] * (10 / 3 if lead(lrs[-1]) == '3' else 3):.0e}")]
+    if where == "down":
+        return [float(f"{lrs[0] / (10 / 3 if lead(lrs[0]) == '1' else 3):.0e}")] + lrs
+    return lrs
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
     parser.add_argument("--batch", type=int, default=cd.BATCH, help="global batch (default: the example's)")
     parser.add_argument("--steps", type=int, default=None, help="steps per fold (default: the example's epochs)")
+    parser.add_argument("--extend", choices=("up", "down"), default=None,
+                        help="one more lr beyond the top (bottom) of both grids")
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = {}
     for name, g in GRIDS.items():
+        g = dict(g, lr=extended(g["lr"], args.extend))
         rows = []
         for lr, wd in itertools.product(g["lr"], g["weight_decay"]):
             acc, loss, per = cross_validate(name, lr, wd, g["betas"], args.batch, args.steps)
@@ -78,7 +94,7 @@ def main():
         best = max(rows, key=lambda r: (r["val_accuracy"], -r["val_loss"]))
         print(f"{name} best: lr {best['lr']:g} wd {best['weight_decay']:g} "
               f"val acc {best['val_accuracy']:.2f} val loss {best['val_loss']:.4f}\n", flush=True)
-        results[name] = dict(grid=rows, best=best, batch=args.batch, steps=args.steps)
+        results[name] = dict(grid=rows, best=best, batch=args.batch, steps=args.steps, extend=args.extend)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
