@@ -4,6 +4,10 @@
 #   make demo-fsdp     4 ranks: FSDP2 (fully_shard) + DistributedLion, 1-bit reduce-scatter
 #   make demo-sign     4 ranks: the sign all-reduce vs an fp32 all-reduce, 16M elements
 #   make convergence   DistributedLion vs Lion vs AdamW on the bundled digits
+#   make convergence-levers  Lion Cub's levers (tie break, l1 p-bit, momentum sync) against vote, avg,
+#                      Lion and AdamW: digits and a byte-level LM, N 4 and 8, two batches each, seeds
+#                      0-2 (tools/convergence_levers.py; ~35 min on 2 cores):
+#                      docs/benchmarks/convergence_levers.{json,md}
 #   make test          C++ tests (ctest) and Python tests (pytest)
 #   make lint          ruff over the Python files (tools/lint.sh; .ci/run runs it before make test)
 #   make lint-cpp      the C++ format check: clang-format --dry-run --Werror with .clang-format
@@ -39,7 +43,7 @@ export CUDACXX := /usr/local/cuda/bin/nvcc
 endif
 endif
 
-.PHONY: all setup build lint lint-cpp format-cpp test test-cpp test-python test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence bench bench-full bench-setup bench-kernels bench-training bench-model clean
+.PHONY: all setup build lint lint-cpp format-cpp test test-cpp test-python test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence convergence-levers bench bench-full bench-setup bench-kernels bench-training bench-model clean
 
 all: build
 
@@ -111,6 +115,11 @@ demo-sign: build
 
 convergence: build
 	@$(TORCHRUN) examples/convergence_digits.py
+
+# One torchrun per (task, N, batch), each under env -u LOCAL_WORLD_SIZE OMP_NUM_THREADS=1;
+# LEVERS_ARGS passes options through (e.g. LEVERS_ARGS=--resume after an interruption).
+convergence-levers: build
+	@$(PY) tools/convergence_levers.py $(LEVERS_ARGS)
 
 bench-setup: build
 	@tools/setup_bench.sh

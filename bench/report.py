@@ -172,9 +172,10 @@ def training(path: str, md: str | None = None, png: str | None = None) -> str:
     res = doc["results"]
     base = os.path.splitext(path)[0]
     md, png = md or base + ".md", png or base + ".png"
-    lines = ["| impl | link | N | median step ms | fwd+bwd ms | opt ms | exposed comm ms | comm-alone ms | hidden % "
-             "| vs floor | vs fused-Lion floor | vs lion_fp32 | payload MB/rank | wire MB/rank |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| impl | link | N | median step ms | mean step ms | fwd+bwd ms | opt ms | exposed comm ms "
+             "| comm-alone ms | hidden % | vs floor | vs fused-Lion floor | vs lion_fp32 | payload MB/rank "
+             "| wire MB/rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     links = sorted({r["link"] for r in res}, key=lambda lk: (lk != "1gbit", lk))
     order = list(dict.fromkeys(r["impl"] for r in res))
     for link in links:
@@ -182,7 +183,8 @@ def training(path: str, md: str | None = None, png: str | None = None) -> str:
             h, vf, vl = r.get("hidden_fraction"), r.get("vs_floor"), r.get("speedup_vs_lion_fp32")
             vff = r.get("vs_floor_fused_lion")
             lines.append(
-                f"| {r['impl']} | {link} | {r['world_size']} | {_ms(r['median_s'])} | {_ms(r['fwd_bwd_s'])} | "
+                f"| {r['impl']} | {link} | {r['world_size']} | {_ms(r['median_s'])} | {_ms(r.get('mean_s'))} | "
+                f"{_ms(r['fwd_bwd_s'])} | "
                 f"{_ms(r['opt_s'])} | {_ms(r.get('exposed_comm_s')) if r['impl'] != 'no_comm' else '(floor)'} | "
                 f"{_ms(r.get('comm_alone_s')) if r.get('comm_alone_s') is not None else '-'} | "
                 f"{'-' if h is None else format(100 * h, '.0f')} | "

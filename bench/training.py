@@ -34,6 +34,24 @@ Implementations (all optimizers: lr 1e-4, weight decay 0.1; Lion betas 0.9, 0.99
     no_comm        the floor: the same model, forward, backward and Lion step on each
                    rank, no DDP and no collective (only the per-step barrier)
 
+Lion Cub's levers (not in the default list; name them with --impls), each
+distlion_vote (attach, overlap) with one DistributedLion option (DISTLION):
+
+    distlion_alt    tie_break="alternate"        distlion_rand   tie_break="random"
+    distlion_avg    aggregation="avg"
+    distlion_l1p4   aggregation="l1", bits=4     distlion_l1p8   aggregation="l1", bits=8
+    distlion_ms10   momentum_sync=10             distlion_ms100  momentum_sync=100
+
+    python bench/training.py --links 1gbit --steps 100 \
+        --impls distlion_vote,distlion_alt,distlion_avg,distlion_l1p4,distlion_l1p8,distlion_ms10,distlion_ms100,no_comm
+
+A momentum sync lands on one step in k: the median step hides it, so every
+config also records mean_s (each rank's mean over the timed steps, slowest
+rank), the amortized figure to read for distlion_ms*, and momentum_syncs_timed
+(how many syncs fell in the timed steps; the optimizer counts the warm-up
+steps too). With --steps 100 any k dividing 100 lands exactly 100/k times;
+with the default 20 timed steps (steps 6-25) k = 100 never does.
+
 "Lion" in the baselines and the floor is a plain single-process Lion in torch
 ops (make_lion: lerp, sign, in place, a persistent direction buffer), the
 same in all four, so those configs differ only in their communication.
@@ -91,6 +109,20 @@ sys.path.insert(0, HERE)
 from collectives import choose_mode, gather_rows, launch, new_meta, run_cases, tx_bytes  # noqa: E402
 
 IMPLS = ["adamw_fp32", "lion_fp32", "lion_bf16", "lion_powersgd", "distlion_vote", "distlion_vote_step", "no_comm"]
+# DistributedLion's configs: the keyword arguments each one adds (lr, betas,
+# weight decay are everyone's). All attach with overlap but distlion_vote_step.
+DISTLION = {
+    "distlion_vote": {},
+    "distlion_vote_step": {},
+    "distlion_alt": dict(tie_break="alternate"),
+    "distlion_rand": dict(tie_break="random"),
+    "distlion_avg": dict(aggregation="avg"),
+    "distlion_l1p4": dict(aggregation="l1", bits=4),
+    "distlion_l1p8": dict(aggregation="l1", bits=8),
+    "distlion_ms10": dict(momentum_sync=10),
+    "distlion_ms100": dict(momentum_sync=100),
+}
+KNOWN = IMPLS + [k for k in DISTLION if k not in IMPLS]
 
 MODEL = dict(vocab=16384, d_model=512, layers=3, heads=8, ffn=2048, seq=32, batch=4)
 LR, WD, BETAS = 1e-4, 0.1, (0.9, 0.99)
@@ -280,6 +312,7 @@ def worker(args) -> None:
             print(f"  model: transformer LM, {d:,} parameters ({d * 4 / 1e6:.1f} MB fp32), "
                   f"{cfg['batch']}x{cfg['seq']} tokens per rank per step", flush=True)
         psgd = None
+        overlap = impl in DISTLION and impl != "distlion_vote_step"
         if impl == "no_comm":
             net = model
         else:
@@ -290,10 +323,10 @@ def worker(args) -> None:
                 opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, fused=True)
             except (RuntimeError, TypeError):
                 opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
-        elif impl.startswith("distlion"):
-            opt = lionbit.DistributedLion(net.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+        elif impl in DISTLION:
+            opt = lionbit.DistributedLion(net.parameters(), lr=LR, betas=BETAS, weight_decay=WD, **DISTLION[impl])
             with traced_hook(lionbit.ddp, clock) as trace:
-                opt.attach(net, overlap=impl == "distlion_vote")
+                opt.attach(net, overlap=overlap)
         else:
             opt = make_lion(net.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
         if impl == "lion_bf16":
@@ -302,7 +335,7 @@ def worker(args) -> None:
             psgd = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
                                                start_powerSGD_iter=POWERSGD_START, random_seed=0)
             net.register_comm_hook(psgd, serialized(powerSGD_hook.powerSGD_hook))
-        elif impl not in ("adamw_fp32", "lion_fp32", "distlion_vote", "distlion_vote_step", "no_comm"):
+        elif impl not in ("adamw_fp32", "lion_fp32", "no_comm") and impl not in DISTLION:
             raise ValueError(impl)
 
         def step(i):
@@ -327,6 +360,7 @@ def worker(args) -> None:
         lionbit.reset_stats()
         times = []
         trace.clear()
+        synced0 = opt.steps_taken if impl in DISTLION else 0
         dist.barrier()
         w0 = wire_bytes()
         c0, u0, t_0 = time.process_time(), busy_seconds(), time.perf_counter()
@@ -341,6 +375,10 @@ def worker(args) -> None:
             dist.barrier()
         w2 = wire_bytes()
         st = lionbit.stats()
+        # The momentum sync's bytes, where lionbit counts them apart from the sign path's.
+        sync_bytes = sum(v for k, v in st.items() if k.startswith("momentum_sync_bytes") and "recv" not in k)
+        schedule = getattr(opt, "_sync_schedule", None) if impl in DISTLION else None
+        syncs = sum(bool(schedule(k)) for k in range(synced0 + 1, opt.steps_taken + 1)) if schedule else 0
         psgd_numel = (psgd.total_numel_after_compression - psgd_after0) / args.steps if psgd is not None else 0
 
         # DistributedLion's buckets: per bucket, the median over the timed steps of when its
@@ -371,7 +409,7 @@ def worker(args) -> None:
                 futs = [net.reducer._run_comm_hook(b) for b in buckets]
                 for f in futs:
                     f.wait()
-                if impl == "distlion_vote":     # the votes the hooks started
+                if overlap:                     # the votes the hooks started
                     started, opt._ddp.started = opt._ddp.started, []
                     for bv in started:
                         bv.work.wait()
@@ -417,7 +455,8 @@ def worker(args) -> None:
                              float(st["bytes_sent"]),
                              st["pack_seconds"], st["comm_seconds"], st["vote_seconds"], st["unpack_seconds"],
                              float(st["sign_allreduce_calls"]),
-                             c1 - c0, u1[0] - u0[0], t_1 - t_0, u1[1] - u0[1]], dtype=torch.float64)
+                             c1 - c0, u1[0] - u0[0], t_1 - t_0, u1[1] - u0[1],
+                             statistics.fmean(t[0] for t in times), float(sync_bytes)], dtype=torch.float64)
         every = gather_rows(mine)
 
         slow = int(every[:, 0].argmax())
@@ -428,8 +467,8 @@ def worker(args) -> None:
             payload = f * 2 * d
         elif impl == "lion_powersgd":
             payload = f * 4 * psgd_numel
-        elif impl.startswith("distlion"):
-            payload = every[:, 5].max().item() / args.steps
+        elif impl in DISTLION:
+            payload = (every[:, 5] + every[:, 16]).max().item() / args.steps
         else:
             payload = 0.0
         wire = every[:, 4].max().item() / args.steps if every[0, 4] >= 0 else None
@@ -438,6 +477,8 @@ def worker(args) -> None:
         rec = {
             "suite": "training", "impl": impl, "world_size": n, "numel": d, "link": args.link,
             "median_s": every[:, 0].max().item(), "bytes_per_rank": payload,
+            # Each rank's mean step, slowest rank: the amortized figure (momentum syncs included).
+            "mean_s": every[:, 15].max().item(),
             "wire_bytes_per_rank": wire,
             # The split is the slowest rank's (the one whose median step is median_s).
             "fwd_bwd_s": every[slow, 1].item(), "opt_s": every[slow, 2].item(),
@@ -463,7 +504,12 @@ def worker(args) -> None:
                  **{key: 1e3 * rows[slow].view(-1, 3)[b, j].item()
                     for j, key in enumerate(("hook", "hook_return", "done"))}}
                 for b, (idx, k) in enumerate(buckets_seen)]
-        if impl.startswith("distlion"):
+        if impl in DISTLION:
+            rec["distlion_kwargs"] = DISTLION[impl]
+            rec["momentum_sync_bytes_per_rank"] = every[:, 16].max().item() / args.steps
+            rec["momentum_syncs_timed"] = syncs
+            if schedule and not syncs and rank == 0:
+                print(f"  {impl}: no momentum sync fell in the timed steps (use --steps 100)", flush=True)
             calls = every[:, 10].max().item()
             rec["lionbit_split_s"] = {k: every[:, 6 + j].max().item() / args.steps
                                       for j, k in enumerate(("pack", "comm", "vote", "unpack"))}
@@ -569,9 +615,9 @@ def main() -> None:
     steps = a.steps or (8 if a.quick else 20)
     comm_repeats = a.comm_repeats or (3 if a.quick else 5)
     impls = a.impls.split(",")
-    unknown = [i for i in impls if i not in IMPLS]
+    unknown = [i for i in impls if i not in KNOWN]
     if unknown:
-        p.error(f"unknown impl(s) {unknown}; known: {IMPLS}")
+        p.error(f"unknown impl(s) {unknown}; known: {KNOWN}")
     if "lion_powersgd" in impls and warmup <= POWERSGD_START:
         p.error(f"--warmup must be > {POWERSGD_START} so that PowerSGD compresses in the timed steps")
     links = a.links.split(",")

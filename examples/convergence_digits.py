@@ -12,11 +12,27 @@ the single-process runs see the whole batch. Rank 0 prints the table (and
 writes it as JSON with --json). The protocol, fixed before any run, is in
 docs/convergence_protocol.md; the hyperparameters come from
 examples/tune_digits.py (cross-validation on the training images only).
+
+The levers experiment (Lion Cub's options, docs/convergence_protocol.md):
+--variants runs a list of variants from VARIANTS below in one invocation,
+at a chosen global batch (--batch) and length (--steps), for the given seeds,
+and --json writes per-variant, per-seed test accuracy, test loss and bytes
+sent per rank per step:
+
+    torchrun --standalone --nproc-per-node 4 examples/convergence_digits.py \
+        --variants vote,vote_alt,avg,lion,adamw --batch 64 --steps 200 --seeds 0,1,2 --json out.json
+
+Without --variants it runs exactly what it always ran (vote, avg, Lion,
+AdamW at batch 128, 60 epochs; tests/python/test_training_quality.py).
+The run loop of --variants (run_levers) is shared with
+examples/convergence_text.py.
 """
 
 import argparse
+import itertools
 import json
 import math
+import statistics
 import time
 
 import torch
@@ -32,6 +48,39 @@ import lionbit
 # 98.82 % (lr 3e-3, wd 1e-3). Full grid in docs/convergence.md.
 LION = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=1.0)
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.999), weight_decay=1e-3)
+
+# The levers experiment's variants: name -> the keyword arguments that
+# DistributedLion gets on top of Lion's tuned config (every Lion-family
+# variant shares that config: the same tuning budget for all of them), or
+# None for the single-process baselines (Lion with Lion's config, AdamW with
+# its own), which see the whole global batch.
+VARIANTS = {
+    "vote": dict(aggregation="vote"),
+    "vote_alt": dict(aggregation="vote", tie_break="alternate"),
+    "vote_rand": dict(aggregation="vote", tie_break="random"),
+    "avg": dict(aggregation="avg"),
+    "l1_p4": dict(aggregation="l1", bits=4),
+    "l1_p8": dict(aggregation="l1", bits=8),
+    "vote_ms10": dict(aggregation="vote", momentum_sync=10),
+    "vote_ms100": dict(aggregation="vote", momentum_sync=100),
+    "lion": None,
+    "adamw": None,
+}
+
+# Lion's and AdamW's configs for the levers grid, tuned per (global batch,
+# steps) by examples/tune_digits.py --batch B --steps T --extend up (the same
+# cross-validation as above, training images only, 6 lr x 3 wd = 18 configs
+# each; grids in docs/convergence.md). Batch 64: Lion 98.19 % (lr 3e-3, wd 1
+# by loss over wd 0.01), AdamW 98.40 % (lr 3e-2, the extended top, ahead of
+# lr 1e-2 by 0.0004 points with the same 1,414 images right). Batch 256: Lion
+# 98.05 %, AdamW 98.54 %. A (batch, steps) not listed falls back to LION /
+# ADAMW (tuned at batch 128, 60 epochs), and the JSON says so.
+TUNED = {
+    (64, 150): dict(lion=dict(lr=3e-3, betas=(0.9, 0.99), weight_decay=1.0),
+                    adamw=dict(lr=3e-2, betas=(0.9, 0.999), weight_decay=1e-2)),
+    (256, 150): dict(lion=dict(lr=3e-3, betas=(0.9, 0.99), weight_decay=1.0),
+                     adamw=dict(lr=1e-2, betas=(0.9, 0.999), weight_decay=1e-2)),
+}
 
 BATCH = 128  # global batch (split across ranks)
 EPOCHS = 60
@@ -98,16 +147,22 @@ def lr_factor(total_steps, warmup=WARMUP):
     return f
 
 
-def train(net, opt, x, y, seed, rank=0, world=1, batch=BATCH, epochs=EPOCHS):
-    total = steps_per_epoch(len(x), batch) * epochs
+def train(net, opt, x, y, seed, rank=0, world=1, batch=BATCH, epochs=EPOCHS, steps=None):
+    """Train for `epochs` epochs, or for exactly `steps` steps (the same batch
+    sequence, cut or continued epoch by epoch); returns the steps taken."""
+    per_epoch = steps_per_epoch(len(x), batch)
+    if steps is not None:
+        epochs = -(-steps // per_epoch)
+    total = per_epoch * epochs if steps is None else steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(total))
-    for idx in batches(len(x), batch, epochs, seed):
+    for idx in itertools.islice(batches(len(x), batch, epochs, seed), total):
         local = idx.view(world, -1)[rank]  # this rank's share of the global batch
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(net(x[local]), y[local], label_smoothing=LABEL_SMOOTHING)
         loss.backward()
         opt.step()
         sched.step()
+    return total
 
 
 class _SingleProcessLion(lionbit.DistributedLion):
@@ -133,19 +188,209 @@ def correct(net, x, y):
     return int((net(x).argmax(1) == y).sum())
 
 
+# ---------------------------------------------------------------------------
+# The levers experiment: several variants in one invocation (also used by
+# examples/convergence_text.py)
+# ---------------------------------------------------------------------------
+
+
+def parse_seeds(text, first=0):
+    """'4' -> 4 seeds from `first` on (the old meaning of --seeds); '0,1,2',
+    '0-2' or '3-3' -> exactly those."""
+    text = str(text)
+    if "," in text or "-" in text:
+        seeds = []
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            seeds += list(range(int(lo), int(hi or lo) + 1))
+    else:
+        seeds = list(range(first, first + int(text)))
+    if not seeds:
+        raise SystemExit(f"--seeds {text}: no seeds (a bare number is a count; seed 0 alone is '0-0')")
+    return seeds
+
+
+def parse_variants(text):
+    names = [v for v in text.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or not names:
+        raise SystemExit(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
+    return names
+
+
+def make_single(name, params, lion, adamw):
+    """A single-process baseline of VARIANTS ('lion' or 'adamw')."""
+    if name == "lion":
+        return _SingleProcessLion(params, **lion)
+    return torch.optim.AdamW(params, **adamw)
+
+
+def sent_counters(stats):
+    """This rank's bytes-sent counters in lionbit.stats(): the sign path's
+    bytes_sent, and every momentum-sync byte counter (a key starting with
+    momentum_sync_bytes) except one of received bytes."""
+    return {k: int(v) for k, v in stats.items()
+            if k == "bytes_sent" or (k.startswith("momentum_sync_bytes") and "recv" not in k)}
+
+
+def spread(values):
+    """Mean, sample standard deviation, min and max over the seeds."""
+    return dict(mean=statistics.fmean(values), std=statistics.stdev(values) if len(values) > 1 else 0.0,
+                min=min(values), max=max(values), n=len(values))
+
+
+def run_levers(task, names, seeds, json_path=None):
+    """Run every variant in `names` for every seed on `task`; rank 0 prints a
+    table and writes the JSON. The distributed variants run one after another
+    on all ranks (DDP + DistributedLion(**task.lion, **VARIANTS[v]).attach);
+    the single-process ones (independent) are spread over the ranks.
+
+    `task` has: name; lion, adamw (the optimizer configs); batch (global),
+    steps; metrics (names of evaluate()'s results, the headline first) and
+    higher_is_better (for the headline); model(seed); train(net, opt, seed,
+    rank, world) -> steps taken; evaluate(net, rank, world) -> dict (called
+    on every rank after a distributed run, with rank 0, world 1 after a
+    single-process one); describe() -> dict.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if task.batch % world:
+        raise SystemExit(f"global batch {task.batch} is not a multiple of N = {world}")
+    mine = []  # (variant, seed, result) computed by this rank
+    distributed = [v for v in names if VARIANTS[v] is not None]
+    for seed in seeds:
+        for v in distributed:
+            net = task.model(seed)
+            ddp = DDP(net)
+            opt = lionbit.DistributedLion(net.parameters(), **task.lion, **VARIANTS[v]).attach(ddp)
+            before = sent_counters(lionbit.stats())
+            t0 = time.perf_counter()
+            steps = task.train(ddp, opt, seed, rank, world)
+            seconds = time.perf_counter() - t0
+            after = sent_counters(lionbit.stats())
+            counters = [None] * world
+            dist.all_gather_object(counters, {k: after[k] - before.get(k, 0) for k in after})
+            result = task.evaluate(net, rank, world)  # on every rank: a task may share the work out
+            if rank == 0:
+                keys = sorted({k for c in counters for k in c})
+                by_key = {k: statistics.fmean(c.get(k, 0) for c in counters) / steps for k in keys}
+                per_rank = [sum(c.values()) / steps for c in counters]
+                mine.append((v, seed, dict(result, seed=seed, steps=steps, seconds=seconds,
+                                           bytes_per_step=statistics.fmean(per_rank),
+                                           bytes_per_step_max_rank=max(per_rank),
+                                           bytes_per_step_by_key=by_key)))
+            del net, ddp, opt
+    jobs = [(v, seed) for seed in seeds for v in names if VARIANTS[v] is None]
+    for v, seed in jobs[rank::world]:
+        net = task.model(seed)
+        t0 = time.perf_counter()
+        steps = task.train(net, make_single(v, net.parameters(), task.lion, task.adamw), seed)
+        mine.append((v, seed, dict(task.evaluate(net), seed=seed, steps=steps, seconds=time.perf_counter() - t0,
+                                   bytes_per_step=0.0, bytes_per_step_max_rank=0.0, bytes_per_step_by_key={})))
+    everything = [None] * world
+    dist.all_gather_object(everything, mine)
+    if rank != 0:
+        return None
+
+    got = {}
+    for v, _seed, r in sorted((t for part in everything for t in part), key=lambda t: t[1]):
+        got.setdefault(v, []).append(r)
+    head = task.metrics[0]
+    doc = dict(task=task.name, world_size=world, global_batch=task.batch, steps=task.steps, seeds=seeds,
+               params=sum(p.numel() for p in task.model(0).parameters()), headline=head,
+               higher_is_better=task.higher_is_better, setup=task.describe(), lion=task.lion, adamw=task.adamw,
+               torch=torch.__version__, lionbit=lionbit.__version__, variants={})
+    print(f"\n{task.name}, N = {world}, global batch {task.batch}, {task.steps} steps, seeds {seeds}; "
+          f"Lion {task.lion}, AdamW {task.adamw}")
+    print(f"{'variant':12}{head + ' mean [min, max]':>34}  {'per seed':<{8 * len(seeds)}}"
+          f"{task.metrics[1] + ' mean':>18}{'bytes/step/rank':>17}{'s/run':>8}")
+    for v in names:
+        rs = got[v]
+        summary = {m: spread([r[m] for r in rs]) for m in task.metrics}
+        summary["bytes_per_step"] = statistics.fmean(r["bytes_per_step"] for r in rs)
+        summary["seconds"] = statistics.fmean(r["seconds"] for r in rs)
+        kwargs = VARIANTS[v]
+        doc["variants"][v] = dict(kind="single process" if kwargs is None else f"DistributedLion, N = {world}",
+                                  kwargs=kwargs, runs=rs, summary=summary)
+        h = summary[head]
+        per = " ".join(f"{r[head]:7.3f}" for r in rs)
+        print(f"{v:12}{h['mean']:>16.3f} [{h['min']:7.3f}, {h['max']:7.3f}]  {per:<{8 * len(seeds)}}"
+              f"{summary[task.metrics[1]]['mean']:>18.4f}{summary['bytes_per_step']:>17,.0f}"
+              f"{summary['seconds']:>8.1f}", flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+    return doc
+
+
+class DigitsTask:
+    """The digits setup of this file at a chosen global batch and length."""
+
+    name = "digits"
+    metrics = ("test_accuracy", "test_loss")
+    higher_is_better = True
+
+    def __init__(self, batch=BATCH, steps=None):
+        self.x, self.y, self.xte, self.yte = data()
+        self.batch = batch
+        self.steps = steps or steps_per_epoch(len(self.x), batch) * EPOCHS
+        tuned = TUNED.get((batch, self.steps))
+        self.lion, self.adamw = (tuned["lion"], tuned["adamw"]) if tuned else (LION, ADAMW)
+        self.hparams = (f"TUNED[({batch}, {self.steps})]" if tuned
+                        else "LION / ADAMW (tuned at batch 128, 60 epochs; none tuned for this batch and length)")
+
+    def model(self, seed):
+        return model(seed)
+
+    def train(self, net, opt, seed, rank=0, world=1):
+        return train(net, opt, self.x, self.y, seed, rank, world, batch=self.batch, steps=self.steps)
+
+    @torch.no_grad()
+    def evaluate(self, net, rank=0, world=1):
+        out = net(self.xte)
+        right = int((out.argmax(1) == self.yte).sum())
+        return dict(test_accuracy=100.0 * right / len(self.yte), test_correct=right,
+                    test_loss=torch.nn.functional.cross_entropy(out, self.yte).item())
+
+    def describe(self):
+        return dict(data=f"scikit-learn digits, {len(self.x)} train / {len(self.yte)} test images",
+                    model="MLP 64-128-128-10 (ReLU)", epochs=self.steps / steps_per_epoch(len(self.x), self.batch),
+                    schedule=f"linear warm-up {WARMUP:.0%} + cosine to 0", label_smoothing=LABEL_SMOOTHING,
+                    test_loss="cross-entropy on the test images, no label smoothing", hparams=self.hparams)
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seeds", type=int, default=4, help="runs per optimizer (init and batch order)")
+    parser.add_argument("--seeds", default="4",
+                        help="runs per optimizer (init and batch order): a count from --first-seed, or a list "
+                             "'0,1,2' / '0-2'")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--variants", default=None,
+                        help=f"the levers experiment: a comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--batch", type=int, default=None, help=f"global batch (with --variants; default {BATCH})")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"steps (with --variants; default {EPOCHS} epochs' worth)")
     args = parser.parse_args()
+    if args.variants is None and (args.batch is not None or args.steps is not None):
+        parser.error("--batch and --steps go with --variants")
 
     torch.set_num_threads(1)
     dist.init_process_group("lionbit")
+    if args.variants is not None:
+        names = parse_variants(args.variants)
+        run_levers(DigitsTask(args.batch or BATCH, args.steps), names, parse_seeds(args.seeds, args.first_seed),
+                   args.json)
+    else:
+        legacy(args)
+    dist.destroy_process_group()
+
+
+def legacy(args):
+    """vote, avg, Lion and AdamW at batch 128, 60 epochs: the acceptance run."""
     rank, world = dist.get_rank(), dist.get_world_size()
     assert BATCH % world == 0
     xtr, ytr, xte, yte = data()
-    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    seeds = parse_seeds(args.seeds, args.first_seed)
     mine = []  # (name, seed, result) computed by this rank
 
     for seed in seeds:
@@ -194,7 +439,6 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(summary, f, indent=1)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
