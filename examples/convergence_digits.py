@@ -227,10 +227,9 @@ def make_single(name, params, lion, adamw):
 
 def sent_counters(stats):
     """This rank's bytes-sent counters in lionbit.stats(): the sign path's
-    bytes_sent, and every momentum-sync byte counter (a key starting with
-    momentum_sync_bytes) except one of received bytes."""
-    return {k: int(v) for k, v in stats.items()
-            if k == "bytes_sent" or (k.startswith("momentum_sync_bytes") and "recv" not in k)}
+    bytes_sent and the momentum sync's momentum_sync_bytes_sent (absent
+    without a sync)."""
+    return {k: int(v) for k, v in stats.items() if k in ("bytes_sent", "momentum_sync_bytes_sent")}
 
 
 def spread(values):
