@@ -201,6 +201,31 @@ def test_sign_allreduce_cuda_several_ranks_one_gpu_gloo(n):
     assert got == [[]] * n
 
 
+def _ties_cuda(rank, world_size):
+    """The CUDA vote with each tie rule against the CPU path (whose bits
+    tests/python/test_lion_cub.py checks against a numpy reference)."""
+    from test_lion_cub import _inputs
+
+    dev = _device(rank)
+    bad = []
+    for rule in ("alternate", "random"):
+        for numel, seed in ((10_000, 4), ((1 << 20) + 13, 7)):
+            x = _inputs(rank, world_size, numel, seed)
+            cpu, gpu = x.clone(), x.to(dev)
+            lionbit.all_reduce_sign(cpu, "vote", tie_break=rule, tie_seed=seed)
+            lionbit.all_reduce_sign(gpu, "vote", tie_break=rule, tie_seed=seed)
+            if not torch.equal(gpu.cpu(), cpu) or (cpu == 0).any():
+                bad.append(f"{rule} {numel}")
+    return bad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_tie_rules_on_cuda_equal_cpu_gloo(n):
+    _skip_without_gpu()
+    assert values(run_ranks("test_cuda:_ties_cuda", n, env=GLOO, timeout=600)) == [[]] * n
+
+
 @pytest.mark.gpu
 def test_sign_allreduce_cuda_nccl_several_gpus():
     _skip_without_gpu()
