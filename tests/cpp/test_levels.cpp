@@ -59,7 +59,8 @@ TEST(Levels, PackMatchesTheContractAtEveryOffsetAndWidth) {
             planes[b * plane_words] |= 1; // element 0 of each plane set
           }
         }
-        const uint64_t bad = pack_levels(c.data(), n, factor, p, planes.data(), plane_words, offset);
+        const uint64_t bad = pack_levels(
+            c.data(), n, factor, p, planes.data(), plane_words, offset);
         EXPECT_EQ(bad, n > 5 ? 2u : 0u);
         for (size_t i = 0; i < n; ++i) {
           ASSERT_EQ(level_at(planes, plane_words, p, offset + i), naive_q(c[i], factor, s) + s)
