@@ -263,6 +263,47 @@ std::string first_problem(std::initializer_list<std::function<std::string()>> ch
   return "";
 }
 
+// The checks every packed CPU call makes of its result buffer and counts, in
+// order: `out` can hold op's result, the counts are >= 0 (`what` names the
+// element count), `out` is a CPU tensor, N * numel is in range (a
+// reduce-scatter's per-rank count), `out` has exactly numel contiguous
+// elements. `packed`: what the caller packed ("planes", "levels").
+std::string packed_out_problem(
+    const at::Tensor& out,
+    bits::SignOp op,
+    int world,
+    const char* what,
+    int64_t numel,
+    int64_t nans,
+    bool per_rank,
+    const char* packed) {
+  return first_problem({
+      [&] { return result_problem(out, "out", op, world); },
+      [&]() -> std::string {
+        if (numel < 0 || nans < 0) {
+          return std::string("arguments '") + what + "' and 'nans' must be >= 0";
+        }
+        return "";
+      },
+      [&]() -> std::string {
+        if (!out.is_cpu()) {
+          return std::string("argument 'out' must be a CPU tensor (") + packed +
+              " packed on the CPU)";
+        }
+        return "";
+      },
+      [&]() -> std::string {
+        if (per_rank &&
+            static_cast<uint64_t>(numel) * static_cast<uint64_t>(world) > bits::kMaxNumel) {
+          return "argument '" + std::string(what) + "' is too large (" + std::to_string(numel) +
+              " per rank)";
+        }
+        return "";
+      },
+      [&] { return exact_size_problem(out, what, numel); },
+  });
+}
+
 } // namespace
 
 // The inner Gloo backends' worker threads hold each finished collective until
@@ -428,16 +469,9 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPacked(
         const int64_t bits_needed = std::max<int64_t>(numel, 0);
         return first_problem({
             [&] { return sign_op_problem(op); },
-            [&] { return result_problem(out, "out", op, size_); },
             [&] {
-              return numel < 0 || nans < 0 ? "arguments 'numel' and 'nans' must be >= 0" : "";
+              return packed_out_problem(out, op, size_, "numel", numel, nans, false, "planes");
             },
-            [&] {
-              return out.is_cpu()
-                  ? ""
-                  : "argument 'out' must be a CPU tensor (planes packed on the CPU)";
-            },
-            [&] { return exact_size_problem(out, "numel", numel); },
             [&] { return check_planes(sign, "sign", at::kCPU, bits_needed); },
             [&] { return check_planes(zero, "zero", at::kCPU, bits_needed); },
         });
@@ -466,16 +500,9 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceLevelsPacked(
         const int64_t bits_needed = std::max<int64_t>(numel, 0);
         return first_problem({
             [&] { return bits_problem(value_bits); },
-            [&] { return result_problem(out, "out", op, size_); },
             [&] {
-              return numel < 0 || nans < 0 ? "arguments 'numel' and 'nans' must be >= 0" : "";
+              return packed_out_problem(out, op, size_, "numel", numel, nans, false, "levels");
             },
-            [&] {
-              return out.is_cpu()
-                  ? ""
-                  : "argument 'out' must be a CPU tensor (levels packed on the CPU)";
-            },
-            [&] { return exact_size_problem(out, "numel", numel); },
             [&]() -> std::string {
               // `bits` planes of the same whole number of words, at least
               // ceil(numel / 64) each.
@@ -559,25 +586,10 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterSignPacked(
                 static_cast<uint64_t>(std::max<int64_t>(shard_numel, 0)), size_));
         return first_problem({
             [&] { return sign_op_problem(op); },
-            [&] { return result_problem(out, "out", op, size_); },
             [&] {
-              return out.is_cpu()
-                  ? ""
-                  : "argument 'out' must be a CPU tensor (planes packed on the CPU)";
+              return packed_out_problem(
+                  out, op, size_, "shard_numel", shard_numel, nans, true, "planes");
             },
-            [&] {
-              return shard_numel < 0 || nans < 0 ? "arguments 'shard_numel' and 'nans' must be >= 0"
-                                                 : "";
-            },
-            [&]() -> std::string {
-              if (static_cast<uint64_t>(shard_numel) * static_cast<uint64_t>(size_) >
-                  bits::kMaxNumel) {
-                return "argument 'shard_numel' is too large (" + std::to_string(shard_numel) +
-                    " per rank)";
-              }
-              return "";
-            },
-            [&] { return exact_size_problem(out, "shard_numel", shard_numel); },
             [&] { return check_planes(sign, "sign", at::kCPU, plane_bits); },
             [&] { return check_planes(zero, "zero", at::kCPU, plane_bits); },
         });
@@ -608,25 +620,10 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterLevelsPacked(
                 static_cast<uint64_t>(std::max<int64_t>(shard_numel, 0)), size_));
         return first_problem({
             [&] { return bits_problem(value_bits); },
-            [&] { return result_problem(out, "out", op, size_); },
             [&] {
-              return out.is_cpu()
-                  ? ""
-                  : "argument 'out' must be a CPU tensor (levels packed on the CPU)";
+              return packed_out_problem(
+                  out, op, size_, "shard_numel", shard_numel, nans, true, "levels");
             },
-            [&] {
-              return shard_numel < 0 || nans < 0 ? "arguments 'shard_numel' and 'nans' must be >= 0"
-                                                 : "";
-            },
-            [&]() -> std::string {
-              if (static_cast<uint64_t>(shard_numel) * static_cast<uint64_t>(size_) >
-                  bits::kMaxNumel) {
-                return "argument 'shard_numel' is too large (" + std::to_string(shard_numel) +
-                    " per rank)";
-              }
-              return "";
-            },
-            [&] { return exact_size_problem(out, "shard_numel", shard_numel); },
             [&]() -> std::string {
               std::string why = check_planes(planes, "planes", at::kCPU, plane_bits * value_bits);
               if (why.empty() && planes.numel() * 8 != plane_bits * value_bits) {

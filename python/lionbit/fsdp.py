@@ -330,11 +330,7 @@ def fsdp_reduce(opt, layout, inp, out, group, fqns, where) -> None:
             nans += levels_into(parts, coefs, opt.bits, sign)
     delta = torch.empty(s, dtype=opt._delta_dtype())
     backend = _backend_for(group, torch.device("cpu"), "attach (FSDP2 reduce-scatter)")
-    seed = opt._next_tie_seed()
-    if opt.bits:
-        backend.reduce_scatter_levels_packed(sign, opt.bits, s, nans, delta, opt.tie_break, seed).wait()
-    else:
-        backend.reduce_scatter_sign_packed(sign, zero, s, nans, delta, opt.aggregation, opt.tie_break, seed).wait()
+    opt._reduce_scatter(backend, sign, zero, s, nans, delta)
     for fp, off, rows, row in pieces:
         p = fp.sharded_param
         valid = max(0, min(rows, fp._orig_size[0] - rank * rows)) * row

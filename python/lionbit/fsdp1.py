@@ -103,16 +103,12 @@ def _check_grad(unit: _Unit, grad: torch.Tensor, expect: int) -> None:
 def _pack(unit: _Unit, grad: torch.Tensor, shard: int, shards: int):
     """Direction bits of the unit's local gradient: chunk r of `shard`
     elements at bit r * 64 * ceil(shard / 64). Returns (sign, zero, nans)."""
+    from .fsdp import _planes
     from .lion_math import Coefs as _Coefs, direction_into, levels_into
 
     opt = unit.opt
     words = (shard + 63) // 64
-    nbytes = shards * words * 8
-    if opt.bits:  # "l1": the level planes, one tensor; zero unused
-        sign, zero = torch.zeros(opt.bits * nbytes, dtype=torch.uint8), None
-    else:
-        sign = torch.zeros(nbytes, dtype=torch.uint8)
-        zero = torch.zeros(nbytes, dtype=torch.uint8)
+    sign, zero = _planes(shards, shard, opt.bits)  # "l1": the level planes and None
     m = unit.momentum_tensor()
     nans = 0
     for off, numel, group, _ in unit.segments:
@@ -134,10 +130,6 @@ def _pack(unit: _Unit, grad: torch.Tensor, shard: int, shards: int):
     return sign, zero, nans
 
 
-def _delta_dtype(opt):
-    return opt._delta_dtype()
-
-
 def _zero_padding(unit: _Unit, delta: torch.Tensor, base: int) -> None:
     """Zeroes Delta wherever the flat elements [base, base + len) are padding."""
     keep = torch.zeros(delta.numel(), dtype=torch.bool)
@@ -156,14 +148,9 @@ def _reduce_sharded(unit: _Unit, grad: torch.Tensor, output: torch.Tensor) -> No
         raise RuntimeError(f"{unit.where()}: {unit.numel} flat elements do not fit {n} shards of {s}")
     _check_pending(unit)
     sign, zero, nans = _pack(unit, grad, s, n)
-    delta = torch.empty(s, dtype=_delta_dtype(unit.opt))
+    delta = torch.empty(s, dtype=unit.opt._delta_dtype())
     backend = _backend_for(unit.group, torch.device("cpu"), "attach (FSDP1 comm hook)")
-    opt = unit.opt
-    seed = opt._next_tie_seed()
-    if opt.bits:
-        backend.reduce_scatter_levels_packed(sign, opt.bits, s, nans, delta, opt.tie_break, seed).wait()
-    else:
-        backend.reduce_scatter_sign_packed(sign, zero, s, nans, delta, opt.aggregation, opt.tie_break, seed).wait()
+    unit.opt._reduce_scatter(backend, sign, zero, s, nans, delta)
     _zero_padding(unit, delta, rank * s)
     unit.opt._fsdp1_delta[unit] = delta
     output.copy_(delta)

@@ -272,6 +272,18 @@ class DistributedLion(torch.optim.Optimizer):
             return (self.steps_taken << 20) + index
         return -1
 
+    def _reduce_scatter(self, backend, sign, zero, shard_numel: int, nans: int, delta: torch.Tensor) -> None:
+        """The FSDP2 / FSDP1 reduce-scatter of this optimizer's aggregation
+        (``zero`` is None for "l1"), its tie rule's seed drawn here; waits."""
+        seed = self._next_tie_seed()
+        if self.bits:
+            work = backend.reduce_scatter_levels_packed(sign, self.bits, shard_numel, nans, delta, self.tie_break, seed)
+        else:
+            work = backend.reduce_scatter_sign_packed(
+                sign, zero, shard_numel, nans, delta, self.aggregation, self.tie_break, seed
+            )
+        work.wait()
+
     def _vote(self, sign, zero, numel: int, nans: int, out: torch.Tensor, group, where: str, counts=None):
         seed = self._next_tie_seed()
         if group is None and not dist.is_initialized():
