@@ -223,7 +223,11 @@ def simulate(logs, kwargs, steps):
     xs = [np.array(x, dtype=np.float32) for x in logs[0]["x0"]]
     ms = [[np.zeros_like(x) for x in xs] for _ in range(n)]
     out = []
+    applied = 0  # the optimizer's step counter: skipped steps do not count
     for step in range(steps):
+        if any(not np.isfinite(np.concatenate(logs[r]["grads"][step])).all() for r in range(n)):
+            out.append([x.copy() for x in xs])  # an inf/NaN on any rank: every rank skips
+            continue
         call = 0  # one collective per DDP bucket; this model fits one bucket
         flat_sum = []
         for i in range(len(xs)):
@@ -244,15 +248,18 @@ def simulate(logs, kwargs, steps):
         total = np.concatenate(flat_sum)
         delta = np.sign(total)
         if rule != "zero":
-            seed = step if rule == "alternate" else (step << 20) + call
+            seed = applied if rule == "alternate" else (applied << 20) + call
             ties = np.nonzero(total == 0)[0]
-            delta[ties] = tie_signs(rule, seed, _bucket_positions(xs, ties, logs[0]["order"][step]))
+            # ("alternate" is the same sign everywhere: positions matter to "random" only)
+            where = _bucket_positions(xs, ties, logs[0]["order"][step]) if rule == "random" else ties
+            delta[ties] = tie_signs(rule, seed, where)
         off = 0
         for i, x in enumerate(xs):
             d = delta[off : off + x.size].astype(np.float32)
             xs[i] = (x * decay) - (clr * d)
             off += x.size
         out.append([x.copy() for x in xs])
+        applied += 1
     return out
 
 
@@ -316,6 +323,58 @@ def test_resume_from_each_ranks_state_dict_is_bitwise(kwargs, overlap, tmp_path)
     )
     assert resumed[0]["params"] == straight[0]["params"]
     assert resumed[0]["steps_taken"] == steps
+
+
+def ddp_habits(rank, n, steps, kwargs):
+    """The habits of real scripts with the levers on: gradient accumulation
+    under no_sync, a float loss scaled by GradScaler with an overflow on
+    rank 1 at step 2, unscale_ then clip_grad_norm_ before step. Logs the
+    gradients step() acts on (after unscaling and clipping)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
+
+    model = DDP(_net())
+    opt = lionbit.DistributedLion(model.parameters(), **LION, **kwargs).attach(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    log = {"x0": [p.detach().reshape(-1).tolist() for p in model.parameters()], "grads": [], "params": []}
+    for step in range(steps):
+        for micro in range(2):
+            x, y = _batch(rank, 10 * step + micro)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            if step == 2 and rank == 1:
+                loss = loss * float("inf")
+            if micro == 0:
+                with model.no_sync():
+                    scaler.scale(loss).backward()
+            else:
+                scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        log["grads"].append([p.grad.reshape(-1).tolist() for p in model.parameters()])
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        log["params"].append([p.detach().reshape(-1).tolist() for p in model.parameters()])
+    log["steps_taken"] = opt.steps_taken
+    return log
+
+
+@pytest.mark.parametrize(
+    "n,kwargs", [(4, dict(tie_break="alternate")), (3, dict(aggregation="l1", bits=4, tie_break="alternate"))]
+)
+def test_levers_inside_a_loop_with_accumulation_scaler_and_clipping(n, kwargs):
+    steps = 5
+    logs = values(run_ranks("test_lion_cub:ddp_habits", n, kwargs={"steps": steps, "kwargs": kwargs}))
+    for r in range(1, n):
+        assert logs[r]["params"] == logs[0]["params"], "replicas differ"
+    assert logs[0]["steps_taken"] == steps - 1  # the overflow step was skipped and not counted
+    assert logs[0]["params"][2] == logs[0]["params"][1]  # ... and changed nothing
+    want = simulate(logs, kwargs, steps)
+    for step in range(steps):
+        for i, x in enumerate(want[step]):
+            got = np.array(logs[0]["params"][step][i], dtype=np.float32)
+            assert np.array_equal(got, x), f"step {step} param {i}: {np.abs(got - x).max()}"
 
 
 def l1_bytes(rank, n, bits):
