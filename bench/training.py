@@ -410,7 +410,7 @@ def worker(args) -> None:
                 for f in futs:
                     f.wait()
                 if overlap:                     # the votes the hooks started
-                    started, opt._ddp.started = opt._ddp.started, []
+                    started, opt.attachment.started = opt.attachment.started, []
                     for bv in started:
                         bv.work.wait()
                         bv.work = None

@@ -122,7 +122,7 @@ def main():
     # Padded elements FSDP reduce-scatters per step (each parameter's dim 0
     # padded to a multiple of N).
     if args.fsdp1:  # each FlatParameter padded to a multiple of N
-        padded = sum(-(-u.numel // world) * world for u in opt._fsdp1_units)
+        padded = sum(-(-u.numel // world) * world for u in opt.attachment.units)
     else:
         padded = sum(-(-p.shape[0] // world) * world * (p.numel() // p.shape[0]) for p in opt.param_groups[0]["params"])
     one_bit = (world - 1) / world * padded / 8 * step
@@ -132,7 +132,7 @@ def main():
     ag = (world - 1) / world * 4 * padded * step * 2
     params = opt.param_groups[0]["params"]  # the sharded DTensors (FSDP1: FlatParameters)
     if args.fsdp1:
-        mom_bytes = sum(u.momentum.numel() * u.momentum.element_size() for u in opt._fsdp1_units)
+        mom_bytes = sum(u.momentum.numel() * u.momentum.element_size() for u in opt.attachment.units)
         shard_bytes = sum(p.numel() * 4 for p in params)
     else:
         mom_bytes = sum(opt.state[p]["exp_avg"].numel() * opt.state[p]["exp_avg"].element_size() for p in params)

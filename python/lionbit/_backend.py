@@ -61,7 +61,7 @@ def register() -> None:
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=["cpu", "cuda"])
 
 
-def _backend_for(group: Optional[dist.ProcessGroup], device: torch.device, what: str):
+def backend_for(group: Optional[dist.ProcessGroup], device: torch.device, what: str):
     if not dist.is_initialized():
         raise RuntimeError(
             f"lionbit.{what}: the default process group is not initialized; call "
@@ -129,7 +129,7 @@ def all_reduce_sign(
             f"lionbit.all_reduce_sign: argument 'op' must be a str ('vote', 'avg' or 'sum'), "
             f"not {type(op).__name__}"
         )
-    backend = _backend_for(group, tensor.device, "all_reduce_sign")
+    backend = backend_for(group, tensor.device, "all_reduce_sign")
     if tie_seed is not None and (isinstance(tie_seed, bool) or not isinstance(tie_seed, int) or tie_seed < 0):
         raise ValueError(f"lionbit.all_reduce_sign: argument 'tie_seed' must be an int >= 0 or None, got {tie_seed!r}")
     if not isinstance(tie_break, str):
@@ -153,11 +153,11 @@ def _lionbit_backend_any_device(group, what: str):
     """The group's lionbit backend: the CPU one, or, for a group made with
     "cpu:gloo,cuda:lionbit", the CUDA one."""
     try:
-        return _backend_for(group, torch.device("cpu"), what)
+        return backend_for(group, torch.device("cpu"), what)
     except RuntimeError:
         if not torch.cuda.is_available():
             raise
-        return _backend_for(group, torch.device("cuda"), what)
+        return backend_for(group, torch.device("cuda"), what)
 
 
 # Momentum-synchronization counters (lionbit.momentum_sync), kept here on the
@@ -188,7 +188,7 @@ def _momentum_sync_counters_of(backend, group: Optional[dist.ProcessGroup] = Non
 def record_momentum_sync(group, device: torch.device, elements: int, sent: int, received: int, call: bool) -> None:
     """Adds one momentum synchronization's figures to the counters of the
     group's lionbit backend for ``device``."""
-    counters = _momentum_sync_counters_of(_backend_for(group, device, "stats"), group)
+    counters = _momentum_sync_counters_of(backend_for(group, device, "stats"), group)
     counters["momentum_sync_calls"] += int(call)
     counters["momentum_sync_elements"] += elements
     counters["momentum_sync_bytes_sent"] += sent

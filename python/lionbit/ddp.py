@@ -24,13 +24,16 @@ the step is done and no rank had a non-finite direction.
 """
 
 import logging
+import weakref
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import lion_math, step_vote
-from ._backend import _backend_for
+from ._backend import backend_for
+from .attachment import HOOKED_DDP_MODELS, Attachment
 
 log = logging.getLogger("lionbit")
 
@@ -44,20 +47,63 @@ class _BucketVote:
         self.params, self.sizes, self.planes, self.out, self.work = [], [], None, None, None
 
 
-class DDPAttachment:
+class _HookSlot:
+    """The state DDP hands lionbit's comm hook: the attachment it serves, or
+    None once detached (DDP takes one comm hook per model, for good, so the
+    hook stays and leaves the local gradients)."""
+
+    def __init__(self):
+        self.attachment: Optional["DDPAttachment"] = None
+
+
+_slots: "weakref.WeakKeyDictionary[DDP, _HookSlot]" = weakref.WeakKeyDictionary()
+
+
+class DDPAttachment(Attachment):
     """The comm-hook state of one DDP model."""
 
+    kind = "DDP"
+
+    @staticmethod
+    def accepts(model) -> bool:
+        return isinstance(model, DDP)
+
     def __init__(self, opt, model, overlap: bool):
-        self.opt = opt
+        super().__init__(opt, opt.group if opt.group is not None else model.process_group)
+        known = opt.param_group_of()
+        missing = [n for n, p in model.module.named_parameters() if p.requires_grad and p not in known]
+        if missing:
+            raise ValueError(
+                f"DistributedLion.attach: the DDP model's parameters {missing[:5]} are not in this optimizer; "
+                f"DDP would vote them with no momentum or hyperparameters"
+            )
+        backend_for(self.group, next(model.parameters()).device, "attach")  # a lionbit group, or a clear error
+        slot = _slots.get(model)
+        if slot is not None and slot.attachment is not None:
+            raise RuntimeError(
+                "DistributedLion.attach: this DDP model is already attached to another DistributedLion; "
+                "call detach() on that optimizer first"
+            )
         self.model = model
-        self.group = opt.group
         self.overlap = overlap
         self.buckets: Dict[int, _BucketVote] = {}  # bucket index -> its vote, kept across steps
         self.started: List[_BucketVote] = []  # votes started in this backward
         self.versions: Optional[dict] = None  # p -> (id(p.grad), version) after DDP wrote the grads
-        self.step_buffers = step_vote.VoteBuffers()
         self.fallbacks = 0
-        model.register_comm_hook(self, _hook)
+        if slot is None:
+            slot = _slots[model] = _HookSlot()
+            model.register_comm_hook(slot, _hook)
+            HOOKED_DDP_MODELS.add(model)
+        slot.attachment = self
+        self.slot = slot
+
+    def is_attached_to(self, model) -> bool:
+        return model is self.model
+
+    def detach(self) -> None:
+        _drain(self.started)
+        self.started = []
+        self.slot.attachment = None
 
     # -- backward -------------------------------------------------------------
     def start_bucket(self, bucket) -> None:
@@ -71,7 +117,7 @@ class DDPAttachment:
         buffer = bucket.buffer()
         params, grads = bucket.parameters(), bucket.gradients()
         total = buffer.numel()
-        bits = self.opt.bits
+        bits = self.opt.voter.bits
         if (
             bv is None
             or bv.planes[0].numel() != lion_math.plane_bytes(total) * (bits or 1)
@@ -79,27 +125,27 @@ class DDPAttachment:
         ):
             # (DDP rebuilds its buckets after the first step: sizes change once.)
             bv = self.buckets[idx] = _BucketVote()
-            bv.planes = lion_math.planes(total, buffer.device, bits)
-            bv.out = torch.empty(total, dtype=self.opt._delta_dtype(), device=buffer.device)
+            bv.planes = self.opt.voter.planes(total, buffer.device)
+            bv.out = torch.empty(total, dtype=self.opt.voter.delta_dtype, device=buffer.device)
         else:
             for plane in bv.planes:
                 if plane is not None:
                     plane.zero_()
         sign, zero = bv.planes
-        groups = self.opt._group_of()
+        groups = self.opt.param_group_of()
         counts = lion_math.device_counts(buffer.device)
         bad, off = 0, 0
         bv.params, bv.sizes = list(params), []
         for p, g in zip(params, grads):
-            self.opt._check_param(p, "attach (DDP hook)")
+            self.opt.check_param(p, "attach (DDP hook)")
             bad += lion_math.pack_direction(
                 g,
-                self.opt._momentum(p),
+                self.opt.momentum_of(p),
                 lion_math.Coefs(groups[p]),
                 sign,
                 zero,
                 off,
-                self.opt._fused_for(p, g),
+                self.opt.fused_for(p, g),
                 counts,
                 bits,
             )
@@ -107,7 +153,7 @@ class DDPAttachment:
             off += g.numel()
         if off != total:
             raise RuntimeError(f"{_WHERE}: DDP bucket holds {total} elements, its gradients {off}")
-        bv.work = self.opt._vote(sign, zero, total, bad, bv.out, self.group, "attach (DDP hook)", counts)
+        bv.work = self.opt.voter.all_reduce(sign, zero, total, bad, bv.out, self.group, "attach (DDP hook)", counts)
         self.started = [b for b in self.started if b is not bv] + [bv]
         if bucket.is_last():
             _after_ddp_finalize(self._record_versions)
@@ -120,9 +166,13 @@ class DDPAttachment:
                 self.versions[p] = None if g is None else (id(g), g._version)
 
     # -- step -----------------------------------------------------------------
-    def step(self, where: str, scaled: bool = False):
-        """Returns (entries, deltas, scratch) of the step, or raises
-        step_vote.NonFinite. Changes no state. ``scaled``: a GradScaler
+    def step(self, grad_scaler=None, abstain: bool = False) -> bool:
+        scaled = grad_scaler is not None
+        return step_vote.voted_step(self.opt, grad_scaler, lambda: self.vote_step(scaled), self.group, abstain)
+
+    def vote_step(self, scaled: bool):
+        """Votes the step (changing no state) and returns the function that
+        applies it; raises step_vote.NonFinite. ``scaled``: a GradScaler
         scaled the gradients the hooks saw (its unscaling does not bump
         version counters)."""
         started, self.started = self.started, []
@@ -140,7 +190,7 @@ class DDPAttachment:
             # that it queues behind the hooks' votes and fails, if a peer is
             # gone, with lionbit's error like they do.
             flag = torch.tensor([1.0 if changed else -1.0])
-            _backend_for(self.group, flag.device, "step").all_reduce_sign(flag, "sum").wait()
+            backend_for(self.group, flag.device, "step").all_reduce_sign(flag, "sum").wait()
             if flag.item() == -float(self.group.size() if self.group is not None else dist.get_world_size()):
                 return self._overlapped(started)
             _drain(started)
@@ -152,11 +202,7 @@ class DDPAttachment:
                 "backward were dropped and this step voted the changed gradients; from now on this model votes at "
                 "step() (attach(model, overlap=False) says so from the start)"
             )
-        entries = step_vote.step_entries(self.opt, self.opt.param_groups)
-        if not entries:
-            return [], [], None
-        deltas = step_vote.vote_chunks(self.opt, entries, self.group, where, self.step_buffers)
-        return entries, deltas, self.step_buffers.scratch
+        return self.vote(self.entries(False))
 
     def _overlapped(self, started):
         bad_ranks, first_error = [], None
@@ -174,7 +220,7 @@ class DDPAttachment:
             raise first_error
         if bad_ranks:
             raise step_vote.NonFinite(bad_ranks)
-        groups = self.opt._group_of()
+        groups = self.opt.param_group_of()
         entries, deltas, biggest = [], [], 0
         for bv in started:
             off = 0
@@ -186,12 +232,12 @@ class DDPAttachment:
                     off += n
                     continue
                 coefs = lion_math.Coefs(groups[p])
-                entries.append(step_vote.Entry(p, g, self.opt._momentum(p), coefs, self.opt._fused_for(p, g)))
+                entries.append(step_vote.Entry(p, g, self.opt.momentum_of(p), coefs, self.opt.fused_for(p, g)))
                 deltas.append(bv.out[off : off + n])
                 biggest = max(biggest, n)
                 off += n
         scratch = lion_math.planes(biggest, entries[0].param.device) if entries else None
-        return entries, deltas, scratch
+        return lambda: step_vote.update(entries, deltas, scratch)
 
 
 def _drain(votes) -> None:
@@ -217,26 +263,13 @@ def _after_ddp_finalize(fn) -> None:
         fn()
 
 
-def _hook(att: DDPAttachment, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _hook(slot: _HookSlot, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's local gradients go back to p.grad as they
     are; with overlap, their directions' vote starts now."""
-    if att.overlap:
+    att = slot.attachment
+    if att is not None and att.overlap:
         with torch.no_grad():
             att.start_bucket(bucket)
     fut = torch.futures.Future(devices=[bucket.buffer().device] if bucket.buffer().is_cuda else None)
     fut.set_result(bucket.buffer())
     return fut
-
-
-def attach_ddp(opt, model, overlap: bool) -> DDPAttachment:
-    known = opt._group_of()
-    missing = [n for n, p in model.module.named_parameters() if p.requires_grad and p not in known]
-    if missing:
-        raise ValueError(
-            f"DistributedLion.attach: the DDP model's parameters {missing[:5]} are not in this optimizer; "
-            f"DDP would vote them with no momentum or hyperparameters"
-        )
-    if opt.group is None:
-        opt.group = model.process_group
-    _backend_for(opt.group, next(model.parameters()).device, "attach")  # a lionbit group, or a clear error
-    return DDPAttachment(opt, model, overlap)

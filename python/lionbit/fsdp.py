@@ -53,20 +53,23 @@ from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
-from . import _C
-from ._backend import _backend_for
+from . import _C, lion_math
+from ._backend import backend_for
+from .attachment import Attachment
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - optional: a torch without FSDP2
+    FSDPModule = None
 
 _WHERE = "DistributedLion.attach (FSDP2)"
 
 
-def _planes(shards: int, shard_numel: int, bits=None):
-    """The reduce-scatter's sign and zero planes, or with ``bits`` ("l1")
-    its level planes and None."""
-    nbytes = shards * ((shard_numel + 63) // 64) * 8
-    if bits:
-        return torch.zeros(bits * nbytes, dtype=torch.uint8), None
-    return torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+def _planes(shards: int, shard_numel: int):
+    """The reduce-scatter's sign and zero planes: chunk r at bit r * 64 * ceil(shard_numel / 64)."""
+    return lion_math.planes(shards * 64 * ((shard_numel + 63) // 64))
 
 
 def reduce_scatter_sign(
@@ -88,7 +91,7 @@ def reduce_scatter_sign(
     for name, t in (("output", output), ("input", input)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"lionbit.reduce_scatter_sign: argument '{name}' must be a torch.Tensor")
-    backend = _backend_for(group, output.device, "reduce_scatter_sign")
+    backend = backend_for(group, output.device, "reduce_scatter_sign")
     n = group.size() if group is not None else dist.get_world_size()
     s = output.numel()
     if input.numel() != n * s:
@@ -120,19 +123,22 @@ def reduce_scatter_sign(
 
 
 def _fsdp2_modules(model) -> list:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
+    if FSDPModule is None:  # pragma: no cover
         return []
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def is_fsdp2(model) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(model, FSDPModule)
+    return FSDPModule is not None and isinstance(model, FSDPModule)
+
+
+def check_not_partly_sharded(model) -> None:
+    """attach() of a model that is no FSDP2 root but holds fully_shard-ed parts: say so."""
+    if _fsdp2_modules(model):
+        raise ValueError(
+            "DistributedLion.attach: the model contains fully_shard-ed submodules but is not itself "
+            "fully_shard-ed; call fully_shard on the root module too and attach the root"
+        )
 
 
 def _param_groups_of(module) -> list:
@@ -148,12 +154,12 @@ def _param_groups_of(module) -> list:
 class _SignReduceScatter:
     """The custom reduce-scatter of one FSDP parameter group."""
 
-    def __init__(self, opt, param_group, fqns: Dict[torch.Tensor, str]):
-        self.opt = opt
+    def __init__(self, att, param_group):
+        self.att = att
         self.pg = param_group
-        self.fqns = fqns
         self.layout = None  # (fsdp_params, padded unsharded sizes) of the pending call
-        default_prepare = param_group._prepare_reduce_scatter_inputs
+        self.default_comm = param_group._reduce_scatter_comm
+        self.default_prepare = default_prepare = param_group._prepare_reduce_scatter_inputs
 
         def prepare(fsdp_params, unsharded_grads, world_size):
             sizes = default_prepare(fsdp_params, unsharded_grads, world_size)
@@ -161,6 +167,11 @@ class _SignReduceScatter:
             return sizes
 
         param_group._prepare_reduce_scatter_inputs = prepare
+
+    def uninstall(self) -> None:
+        """Gives FSDP its own reduce-scatter back."""
+        self.pg._prepare_reduce_scatter_inputs = self.default_prepare
+        self.pg._reduce_scatter_comm = self.default_comm
 
     # FSDP's Comm interface
     def allocate(self, size, *, dtype, device):
@@ -179,16 +190,86 @@ class _SignReduceScatter:
                 f"(float16 reduce_dtype, set_gradient_divide_factor or set_force_sum_reduction_for_comms), "
                 f"which would change the momentum; use float32 or bfloat16 gradients and no divide factor"
             )
-        self.opt._fsdp_reduce(layout, input_tensor, output_tensor, group, self.fqns, where)
+        self.att.reduce(layout, input_tensor, output_tensor, group, where)
         return None
 
 
-def attach_fsdp2(opt, model) -> None:
-    from torch.distributed.tensor import DTensor, Shard
+class FSDP2Attachment(Attachment):
+    """An FSDP2 model's attachment: lionbit's reduce-scatter on every FSDP
+    parameter group, each parameter's full-size momentum, the pending
+    updates of the local shards."""
 
+    kind = "FSDP2"
+
+    @staticmethod
+    def accepts(model) -> bool:
+        return is_fsdp2(model)
+
+    def __init__(self, opt, model, overlap: bool = True):
+        self.managed, self.fqns, installs, group = _managed(opt, model)
+        super().__init__(opt, opt.group if opt.group is not None else group)
+        self.model = model
+        self.mesh = next(iter(self.managed)).device_mesh
+        self.pending: Dict[torch.Tensor, torch.Tensor] = {}  # sharded parameter -> Delta of its local shard
+        self.comms = []
+        for module, pg in installs:
+            comm = _SignReduceScatter(self, pg)
+            module.set_custom_reduce_scatter(comm)
+            self.comms.append(comm)
+
+    def is_attached_to(self, model) -> bool:
+        return model is self.model
+
+    def detach(self) -> None:
+        for comm in self.comms:
+            comm.uninstall()
+        self.comms = []
+        self.pending = {}
+
+    def reduce(self, layout, inp, out, group, where) -> None:
+        fsdp_reduce(self, layout, inp, out, group, where)
+
+    def step(self, grad_scaler=None, abstain: bool = False) -> bool:
+        if grad_scaler is not None:
+            raise RuntimeError(
+                "DistributedLion.step (FSDP2): GradScaler is not supported with FSDP: the 1-bit reduce-scatter "
+                "computes the Lion update during backward, from the still-scaled gradients. Use bfloat16 mixed "
+                "precision instead (FSDP2: MixedPrecisionPolicy(param_dtype=torch.bfloat16); or torch.autocast "
+                "with dtype=torch.bfloat16), which needs no loss scaling"
+            )
+        return fsdp_step(self)
+
+    def momenta(self):
+        return [
+            self.full_momentum(p) for g in self.opt.param_groups for p in g["params"]
+            if p in self.managed and p.requires_grad
+        ]
+
+    def full_momentum(self, p: torch.Tensor) -> torch.Tensor:
+        return self.opt.momentum_of(p, self.managed[p]._orig_size)
+
+    def marker(self):
+        return {"rank": self.mesh.get_local_rank(), "world_size": self.mesh.size()}
+
+    def state_dict(self) -> dict:
+        return state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        load_state_dict(self, state_dict)
+
+    def sharded_state_dict(self) -> dict:
+        return sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state_dict: dict) -> None:
+        load_sharded_state_dict(self, state_dict)
+
+
+def _managed(opt, model):
+    """Checks an FSDP2 model; returns (sharded parameter -> FSDPParam,
+    parameter -> name, [(module, FSDP parameter group)], its process group)."""
     modules = _fsdp2_modules(model)
     fqns = {p: n for n, p in model.named_parameters()}
-    known = opt._group_of()
+    known = opt.param_group_of()
     managed = {}
     installs = []
     groups = set()
@@ -257,45 +338,28 @@ def attach_fsdp2(opt, model) -> None:
             f"call fully_shard on the root module too"
         )
     pg0 = next(iter(managed)).device_mesh.get_group()
-    if opt.group is None:
-        opt.group = pg0
-    _backend_for(pg0, torch.device("cpu"), "attach (FSDP2)")  # a lionbit group, or a clear error
-    for module, pg in installs:
-        comm = _SignReduceScatter(opt, pg, fqns)
-        module.set_custom_reduce_scatter(comm)
-    opt._fsdp_params = managed
-    opt._fsdp_fqns = fqns
-    opt._fsdp_mesh = next(iter(managed)).device_mesh
+    backend_for(pg0, torch.device("cpu"), "attach (FSDP2)")  # a lionbit group, or a clear error
+    return managed, fqns, installs, pg0
 
 
-def full_momentum(opt, p: torch.Tensor, fp) -> torch.Tensor:
-    state = opt.state[p]
-    m = state.get("exp_avg")
-    if m is None:
-        m = torch.zeros(fp._orig_size, dtype=opt.momentum_dtype)
-        state["exp_avg"] = m
-    return m
-
-
-def fsdp_reduce(opt, layout, inp, out, group, fqns, where) -> None:
+def fsdp_reduce(att, layout, inp, out, group, where) -> None:
     """Direction bits of the unit's local gradients -> sign reduce-scatter ->
     Delta of this rank's shard (into FSDP's output and kept for step())."""
-    from .lion_math import Coefs as _Coefs, direction_into, levels_into
-
+    opt, fqns = att.opt, att.fqns
     fsdp_params, sizes = layout
     n, rank = group.size(), group.rank()
     s = out.numel()
     if inp.numel() != n * s or len(fsdp_params) != len(sizes):
         raise RuntimeError(f"{where}: input of {inp.numel()} elements for an output of {s} on {n} ranks")
     for fp in fsdp_params:
-        if fp.sharded_param in opt._fsdp_delta:
+        if fp.sharded_param in att.pending:
             raise RuntimeError(
                 f"{where}: parameter '{fqns.get(fp.sharded_param, '?')}' was reduced twice before step(): a second "
                 f"synchronized backward would advance the momentum twice; for gradient accumulation call "
                 f"model.set_requires_gradient_sync(False) for all micro-batches but the last"
             )
-    groups = opt._group_of()
-    sign, zero = _planes(n, s, opt.bits)
+    groups = opt.param_group_of()
+    sign, zero = opt.voter.shard_planes(n, s)
     words = (s + 63) // 64
     gin = inp.view(n, s)
     nans = 0
@@ -312,9 +376,9 @@ def fsdp_reduce(opt, layout, inp, out, group, fqns, where) -> None:
         raise RuntimeError(f"{where}: FSDP's layout covers {off} elements per rank, the output {s}")
     for fp, off, rows, row in pieces:
         p = fp.sharded_param
-        m = full_momentum(opt, p, fp).view(-1)
+        m = att.full_momentum(p).view(-1)
         dim0 = fp._orig_size[0]
-        coefs = _Coefs(groups[p])
+        coefs = lion_math.Coefs(groups[p])
         parts = []
         for r in range(n):
             valid = max(0, min(rows, dim0 - r * rows)) * row
@@ -325,12 +389,11 @@ def fsdp_reduce(opt, layout, inp, out, group, fqns, where) -> None:
             if opt.bits:
                 parts.append((g, mr, r * words * 64 + off))
             else:
-                nans += direction_into(g, mr, coefs, sign, zero, r * words * 64 + off, opt._fused_for(mr, g))
+                nans += lion_math.direction_into(g, mr, coefs, sign, zero, r * words * 64 + off, opt.fused_for(mr, g))
         if parts:
-            nans += levels_into(parts, coefs, opt.bits, sign)
-    delta = torch.empty(s, dtype=opt._delta_dtype())
-    backend = _backend_for(group, torch.device("cpu"), "attach (FSDP2 reduce-scatter)")
-    opt._reduce_scatter(backend, sign, zero, s, nans, delta)
+            nans += lion_math.levels_into(parts, coefs, opt.bits, sign)
+    delta = torch.empty(s, dtype=opt.voter.delta_dtype)
+    opt.voter.reduce_scatter(sign, zero, s, nans, delta, group, "attach (FSDP2 reduce-scatter)")
     for fp, off, rows, row in pieces:
         p = fp.sharded_param
         valid = max(0, min(rows, fp._orig_size[0] - rank * rows)) * row
@@ -340,39 +403,38 @@ def fsdp_reduce(opt, layout, inp, out, group, fqns, where) -> None:
             raise RuntimeError(
                 f"{where}: parameter '{fqns.get(p, '?')}' has {local.numel()} local elements, FSDP's layout {valid}"
             )
-        opt._fsdp_delta[p] = delta[off : off + valid]
+        att.pending[p] = delta[off : off + valid]
     out.copy_(delta)
 
 
-def fsdp_step(opt) -> bool:
+def fsdp_step(att) -> bool:
     """Applies the pending updates. Returns False for torch's
     ``_init_optim_state`` call (no update pending, no state yet), which is
     not a step: the step counter (and the momentum sync) ignore it."""
-    from .lion_math import Coefs as _Coefs, apply_update
-
-    pending, opt._fsdp_delta = opt._fsdp_delta, {}
+    opt = att.opt
+    pending, att.pending = att.pending, {}
     if not pending and not opt.state:
-        init_momentum(opt)  # torch's _init_optim_state: step() with zero gradients on a fresh optimizer
+        init_momentum(att)  # torch's _init_optim_state: step() with zero gradients on a fresh optimizer
         return False
 
     def grad_of(p):
         g = p.grad
         return None if g is None else (g.to_local() if hasattr(g, "to_local") else g)
 
-    check_grads_untouched(opt, pending, grad_of, "FSDP2")
+    check_grads_untouched(pending, grad_of, "FSDP2")
     for group in opt.param_groups:
         coefs = None
         for p in group["params"]:
             delta = pending.pop(p, None)
             if delta is None or delta.numel() == 0:
                 continue
-            coefs = coefs or _Coefs(group)
+            coefs = coefs or lion_math.Coefs(group)
             local = p.to_local()
-            apply_update(local, delta, coefs, opt._fused_for(local, delta))
+            lion_math.apply_update(local, delta, coefs, opt.fused_for(local, delta))
     return True
 
 
-def check_grads_untouched(opt, pending: dict, grad_of, kind: str) -> None:
+def check_grads_untouched(pending: dict, grad_of, kind: str) -> None:
     """Under FSDP the update is voted during backward and the gradient is
     gone; p.grad holds the voted update Delta. If something changed it before
     step() (clip_grad_norm_, an unscale, any in-place edit), the user asked for
@@ -405,10 +467,8 @@ def check_grads_untouched(opt, pending: dict, grad_of, kind: str) -> None:
 # momenta stacked. Loading needs the same number of ranks.
 
 
-def _check_attached(opt, where: str, pending_ok: bool = False) -> None:
-    if getattr(opt, "_fsdp_params", None) is None:
-        raise RuntimeError(f"DistributedLion.{where}: attach(model) to an FSDP2 model first")
-    if opt._fsdp_delta and not pending_ok:
+def _check_attached(att, where: str, pending_ok: bool = False) -> None:
+    if att.pending and not pending_ok:
         raise RuntimeError(
             f"DistributedLion.{where}: an update is pending (backward ran, step() did not); "
             f"save and load checkpoints after step() (or before backward())"
@@ -417,21 +477,17 @@ def _check_attached(opt, where: str, pending_ok: bool = False) -> None:
 
 def _rows(p: torch.Tensor, m: torch.Tensor):
     """Rank r's momentum m as row r of an (N, *shape) DTensor (sharing m's memory)."""
-    from torch.distributed.tensor import DTensor, Shard
-
     return DTensor.from_local(m.unsqueeze(0), p.device_mesh, [Shard(0)], run_check=False)
 
 
-def _own_row(opt, p: torch.Tensor, value, name: str, where: str, unsure: Optional[list] = None) -> torch.Tensor:
+def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optional[list] = None) -> torch.Tensor:
     """This rank's momentum (the parameter's full shape) out of a loaded value:
     the (N, *shape) DTensor of :func:`state_dict`, or a plain (N, *shape)
     tensor (a consolidated checkpoint given to load_state_dict as it is): row
     rank; a plain tensor of the parameter's shape (what torch's default
     state_dict held before): taken as it is, its name added to ``unsure``
     (see :func:`_warn_unsure`)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    shape = tuple(opt._fsdp_params[p]._orig_size)
+    shape = tuple(att.managed[p]._orig_size)
     mesh = p.device_mesh
     n, rank = mesh.size(), mesh.get_local_rank()
     rows = (n, *shape)
@@ -462,10 +518,10 @@ def _own_row(opt, p: torch.Tensor, value, name: str, where: str, unsure: Optiona
     )
 
 
-def _warn_unsure(opt, names: list, where: str) -> None:
+def _warn_unsure(att, names: list, where: str) -> None:
     if names:
         warnings.warn(
-            f"{where} on rank {opt._fsdp_mesh.get_local_rank()}: the momentum of {len(names)} parameter(s) "
+            f"{where} on rank {att.mesh.get_local_rank()}: the momentum of {len(names)} parameter(s) "
             f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) is one tensor of the parameter's shape, "
             f"not one per rank, so whose it is cannot be told: this rank continues from it. A per-rank file of "
             f"this rank resumes exactly; a checkpoint of single-process Lion, another rank's file, or a DCP "
@@ -475,19 +531,19 @@ def _warn_unsure(opt, names: list, where: str) -> None:
         )
 
 
-def init_momentum(opt) -> None:
+def init_momentum(att) -> None:
     """Zero momentum for every trainable parameter that has none yet (what
     the first reduce-scatter would create). :func:`fsdp_step` calls it when
     step() finds no update pending and the state empty: torch's
     ``_init_optim_state`` (get/set_optimizer_state_dict on a fresh optimizer)
     calls step() with zero gradients and lr 0 on each rank on its own, and
     then reads the state. No collective runs and no parameter changes."""
-    for p, fp in opt._fsdp_params.items():
+    for p in att.managed:
         if p.requires_grad:
-            full_momentum(opt, p, fp)
+            att.full_momentum(p)
 
 
-def state_dict(opt) -> dict:
+def state_dict(att) -> dict:
     """``DistributedLion.state_dict()`` under FSDP2 (after attach): torch's
     layout (``{"state": {index: {"exp_avg": ...}}, "param_groups": [...]}``,
     parameters numbered in param_groups order, the state-dict hooks run), each
@@ -501,10 +557,11 @@ def state_dict(opt) -> dict:
     tensor per parameter (``cpu_offload=True``: on rank 0 only), a
     consolidated checkpoint of every rank's momentum, N times a parameter's
     size."""
-    _check_attached(opt, "state_dict")
+    opt = att.opt
+    _check_attached(att, "state_dict")
     for hook in getattr(opt, "_optimizer_state_dict_pre_hooks", {}).values():
         hook(opt)
-    init_momentum(opt)
+    init_momentum(att)
     index: Dict[int, int] = {}
     groups = []
     for g in opt.param_groups:
@@ -518,7 +575,7 @@ def state_dict(opt) -> dict:
             if not st:
                 continue
             state[index[id(p)]] = {
-                k: (_rows(p, v) if k == "exp_avg" and p in opt._fsdp_params else v) for k, v in st.items()
+                k: (_rows(p, v) if k == "exp_avg" and p in att.managed else v) for k, v in st.items()
             }
     sd = {"state": state, "param_groups": groups}
     for hook in getattr(opt, "_optimizer_state_dict_post_hooks", {}).values():
@@ -528,7 +585,7 @@ def state_dict(opt) -> dict:
     return sd
 
 
-def load_state_dict(opt, state_dict: dict) -> None:
+def load_state_dict(att, state_dict: dict) -> None:
     """``DistributedLion.load_state_dict()`` under FSDP2 (after attach): what
     :func:`state_dict` gave (after dcp.load into it), or the same with keys
     renamed (torch's get/set_optimizer_state_dict use parameter names), or a
@@ -539,7 +596,8 @@ def load_state_dict(opt, state_dict: dict) -> None:
     it to the parameter's dtype). Everything is checked before anything
     changes."""
     where = "DistributedLion.load_state_dict (FSDP2)"
-    _check_attached(opt, "load_state_dict")
+    opt = att.opt
+    _check_attached(att, "load_state_dict")
     sd = dict(state_dict)
     for hook in getattr(opt, "_optimizer_load_state_dict_pre_hooks", {}).values():
         out = hook(opt, sd)
@@ -557,7 +615,7 @@ def load_state_dict(opt, state_dict: dict) -> None:
             )
         ids.update(zip(saved["params"], mine["params"]))
     marker = sd.get("lionbit")  # optim.py's {"rank", "world_size"} of a per-rank state dict
-    mesh = opt._fsdp_mesh
+    mesh = att.mesh
     own_file = isinstance(marker, dict) and (marker.get("rank"), marker.get("world_size")) == (
         mesh.get_local_rank(),
         mesh.size(),
@@ -568,10 +626,10 @@ def load_state_dict(opt, state_dict: dict) -> None:
         p = ids.get(key)
         if p is None:
             raise ValueError(f"{where}: the state dict has state for parameter {key!r}, which no parameter group lists")
-        name = opt._fsdp_fqns.get(p, str(key))
-        loaded[p] = {k: (_own_row(opt, p, v, name, where, unsure) if k == "exp_avg" else v) for k, v in st.items()}
+        name = att.fqns.get(p, str(key))
+        loaded[p] = {k: (_own_row(att, p, v, name, where, unsure) if k == "exp_avg" else v) for k, v in st.items()}
     if not own_file:
-        _warn_unsure(opt, unsure, where)
+        _warn_unsure(att, unsure, where)
     # Checked: now change the optimizer. Its state becomes the state dict's.
     for p in [p for p in opt.state if p not in loaded]:
         del opt.state[p]
@@ -596,26 +654,28 @@ def load_state_dict(opt, state_dict: dict) -> None:
         hook(opt)
 
 
-def sharded_state_dict(opt) -> dict:
+def sharded_state_dict(att) -> dict:
     """The optimizer's state for ``torch.distributed.checkpoint`` used
     directly (without torch's state_dict helpers): each parameter's momentum
     as the (N, *param_shape) DTensor above, keyed by the parameter's name;
     the hyperparameters of every parameter group as plain values. Its
     DTensors share memory with the momentum: ``dcp.load`` into it restores
     in place; call :func:`load_sharded_state_dict` afterwards."""
-    _check_attached(opt, "sharded_state_dict")
+    opt = att.opt
+    _check_attached(att, "sharded_state_dict")
     momentum = {}
-    for p, fp in opt._fsdp_params.items():
+    for p in att.managed:
         if not p.requires_grad:
             continue
-        momentum[opt._fsdp_fqns[p]] = _rows(p, full_momentum(opt, p, fp))
+        momentum[att.fqns[p]] = _rows(p, att.full_momentum(p))
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return {"momentum": momentum, "param_groups": hyper, "aggregation": opt.aggregation}
 
 
-def load_sharded_state_dict(opt, sd: dict) -> None:
+def load_sharded_state_dict(att, sd: dict) -> None:
     where = "DistributedLion.load_sharded_state_dict"
-    _check_attached(opt, "load_sharded_state_dict", pending_ok=True)
+    opt = att.opt
+    _check_attached(att, "load_sharded_state_dict", pending_ok=True)
     if sd.get("aggregation", opt.aggregation) != opt.aggregation:
         raise ValueError(
             f"{where}: the checkpoint used aggregation={sd['aggregation']!r}, this optimizer {opt.aggregation!r}"
@@ -625,19 +685,19 @@ def load_sharded_state_dict(opt, sd: dict) -> None:
         raise ValueError(
             f"{where}: the checkpoint has {len(groups)} parameter groups, this optimizer {len(opt.param_groups)}"
         )
-    by_name = {n: p for p, n in opt._fsdp_fqns.items()}
+    by_name = {n: p for p, n in att.fqns.items()}
     rows, unsure = {}, []
     for name, value in sd["momentum"].items():
         p = by_name.get(name)
-        if p is None or p not in opt._fsdp_params:
+        if p is None or p not in att.managed:
             raise ValueError(f"{where}: unknown parameter '{name}' in the checkpoint")
-        rows[p] = _own_row(opt, p, value, name, where, unsure)
-    _warn_unsure(opt, unsure, where)
+        rows[p] = _own_row(att, p, value, name, where, unsure)
+    _warn_unsure(att, unsure, where)
     for p, row in rows.items():
-        m = full_momentum(opt, p, opt._fsdp_params[p])
+        m = att.full_momentum(p)
         if row.data_ptr() != m.data_ptr():
             m.copy_(row)
     for mine, saved in zip(opt.param_groups, groups):
         for k, v in saved.items():
             mine[k] = tuple(v) if k == "betas" else v
-    opt._fsdp_delta = {}
+    att.pending = {}

@@ -27,32 +27,38 @@ all-gather spreads the update.
 
 Momentum: one flat full-size tensor per FSDP instance, in FlatParameter
 order (alignment padding included, never touched), kept on the optimizer
-(``opt._fsdp1_units``), not in ``opt.state``; see :func:`local_state_dict`.
+(``opt.attachment.units``), not in ``opt.state``; see :func:`local_state_dict`.
 """
 
 from typing import List, Optional
 
 import torch
 
-from ._backend import _backend_for
+from . import lion_math, step_vote
+from ._backend import backend_for
+from .attachment import Attachment
+from .fsdp import check_grads_untouched
+
+try:
+    import torch.distributed.fsdp._traversal_utils as traversal_utils
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+except ImportError:  # pragma: no cover - optional: a torch without FSDP1
+    FSDP = ShardingStrategy = traversal_utils = None
 
 _WHERE = "DistributedLion.attach (FSDP1)"
 
 
 def is_fsdp1(model) -> bool:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(model, FullyShardedDataParallel)
+    return FSDP is not None and isinstance(model, FSDP)
 
 
 class _Unit:
     """The comm-hook state of one FSDP instance: its FlatParameter's layout,
     hyperparameter groups per original parameter and local momentum."""
 
-    def __init__(self, opt, module, name: str, segments, numel: int, sharded: bool, group):
-        self.opt = opt
+    def __init__(self, att, module, name: str, segments, numel: int, sharded: bool, group):
+        self.att = att
+        self.opt = att.opt
         self.module = module
         self.name = name
         self.handle = module._handle
@@ -80,7 +86,7 @@ def _fsdp1_hook(unit: _Unit, grad: torch.Tensor, output: Optional[torch.Tensor] 
 
 
 def _check_pending(unit: _Unit) -> None:
-    if unit in unit.opt._fsdp1_delta:
+    if unit in unit.att.pending:
         raise RuntimeError(
             f"{unit.where()}: the unit was reduced twice before step(): a second synchronized backward would "
             f"advance the momentum twice; for gradient accumulation run all micro-batches but the last "
@@ -103,16 +109,13 @@ def _check_grad(unit: _Unit, grad: torch.Tensor, expect: int) -> None:
 def _pack(unit: _Unit, grad: torch.Tensor, shard: int, shards: int):
     """Direction bits of the unit's local gradient: chunk r of `shard`
     elements at bit r * 64 * ceil(shard / 64). Returns (sign, zero, nans)."""
-    from .fsdp import _planes
-    from .lion_math import Coefs as _Coefs, direction_into, levels_into
-
     opt = unit.opt
     words = (shard + 63) // 64
-    sign, zero = _planes(shards, shard, opt.bits)  # "l1": the level planes and None
+    sign, zero = opt.voter.shard_planes(shards, shard)  # "l1": the level planes and None
     m = unit.momentum_tensor()
     nans = 0
     for off, numel, group, _ in unit.segments:
-        coefs = _Coefs(group)
+        coefs = lion_math.Coefs(group)
         lo, end = off, off + numel
         parts = []
         while lo < end:
@@ -123,10 +126,10 @@ def _pack(unit: _Unit, grad: torch.Tensor, shard: int, shards: int):
             if opt.bits:
                 parts.append((g, mr, bit))
             else:
-                nans += direction_into(g, mr, coefs, sign, zero, bit, opt._fused_for(mr, g))
+                nans += lion_math.direction_into(g, mr, coefs, sign, zero, bit, opt.fused_for(mr, g))
             lo = hi
         if parts:  # one parameter's pieces: its L1 scale over all of them
-            nans += levels_into(parts, coefs, opt.bits, sign)
+            nans += lion_math.levels_into(parts, coefs, opt.bits, sign)
     return sign, zero, nans
 
 
@@ -148,11 +151,10 @@ def _reduce_sharded(unit: _Unit, grad: torch.Tensor, output: torch.Tensor) -> No
         raise RuntimeError(f"{unit.where()}: {unit.numel} flat elements do not fit {n} shards of {s}")
     _check_pending(unit)
     sign, zero, nans = _pack(unit, grad, s, n)
-    delta = torch.empty(s, dtype=unit.opt._delta_dtype())
-    backend = _backend_for(unit.group, torch.device("cpu"), "attach (FSDP1 comm hook)")
-    unit.opt._reduce_scatter(backend, sign, zero, s, nans, delta)
+    delta = torch.empty(s, dtype=unit.opt.voter.delta_dtype)
+    unit.opt.voter.reduce_scatter(sign, zero, s, nans, delta, unit.group, "attach (FSDP1 comm hook)")
     _zero_padding(unit, delta, rank * s)
-    unit.opt._fsdp1_delta[unit] = delta
+    unit.att.pending[unit] = delta
     output.copy_(delta)
 
 
@@ -163,14 +165,12 @@ def _reduce_no_shard(unit: _Unit, grad: torch.Tensor) -> None:
     _check_grad(unit, grad, unit.numel)
 
 
-def no_shard_entries(opt) -> list:
+def no_shard_entries(att) -> list:
     """The step_vote entries of every NO_SHARD unit with a gradient: one per
     original parameter's segment of the flat parameter."""
-    from .lion_math import Coefs
-    from .step_vote import Entry
-
+    opt = att.opt
     entries = []
-    for unit in opt._fsdp1_units:
+    for unit in att.units:
         fp = unit.handle.flat_param
         if unit.sharded or fp.grad is None:
             continue
@@ -181,16 +181,15 @@ def no_shard_entries(opt) -> list:
             )
         for off, numel, group, _ in unit.segments:
             gs, xs, ms = g[off : off + numel], x[off : off + numel], m[off : off + numel]
-            entries.append(Entry(xs, gs, ms, Coefs(group), opt._fused_for(xs, gs)))
+            entries.append(step_vote.Entry(xs, gs, ms, lion_math.Coefs(group), opt.fused_for(xs, gs)))
     return entries
 
 
-def fsdp1_step(opt) -> None:
-    from .fsdp import check_grads_untouched
-    from .lion_math import Coefs as _Coefs, apply_update
-
-    pending, opt._fsdp1_delta = opt._fsdp1_delta, {}
-    check_grads_untouched(opt, pending, lambda unit: unit.handle.flat_param.grad, "FSDP1")
+def fsdp1_step(att) -> None:
+    """Applies the sharded units' pending updates."""
+    opt = att.opt
+    pending, att.pending = att.pending, {}
+    check_grads_untouched(pending, lambda unit: unit.handle.flat_param.grad, "FSDP1")
     for unit, delta in pending.items():
         local = unit.handle.flat_param.data
         base = unit.group.rank() * delta.numel() if unit.sharded else 0
@@ -204,15 +203,69 @@ def fsdp1_step(opt) -> None:
             if lo >= hi:
                 continue
             x, d = local[lo - base : hi - base], delta[lo - base : hi - base]
-            apply_update(x, d, _Coefs(group), opt._fused_for(x, d))
+            lion_math.apply_update(x, d, lion_math.Coefs(group), opt.fused_for(x, d))
 
 
-def attach_fsdp1(opt, model) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+class FSDP1Attachment(Attachment):
+    """An FSDP1 model's attachment: a comm hook with one :class:`_Unit` per
+    FSDP instance; the sharded units' pending updates."""
 
+    kind = "FSDP1"
+
+    @staticmethod
+    def accepts(model) -> bool:
+        return is_fsdp1(model)
+
+    def __init__(self, opt, model, overlap: bool = True):
+        super().__init__(opt, None)
+        self.model = model
+        self.pending = {}  # sharded unit -> Delta of its local flat shard, pending step()
+        self.units, self.states, group = _units(self, opt, model)
+        self.group = opt.group if opt.group is not None else group
+        # torch's own checks (root, hybrid, one hook), then one state object per instance.
+        model.register_comm_hook(self.units[0], _fsdp1_hook)
+        by_module = {u.module: u for u in self.units}
+        for state in self.states:
+            if state._comm_hook is not _fsdp1_hook:
+                raise RuntimeError(f"{_WHERE}: register_comm_hook did not reach every FSDP instance")
+            state._comm_hook_state = by_module.get(state)
+
+    def is_attached_to(self, model) -> bool:
+        return model is self.model
+
+    def detach(self) -> None:
+        for state in self.states:
+            state._comm_hook = state._comm_hook_state = None  # FSDP's own reduce-scatter again
+        self.pending = {}
+
+    def step(self, grad_scaler=None, abstain: bool = False) -> bool:
+        if grad_scaler is not None:
+            raise RuntimeError(
+                "DistributedLion.step (FSDP1): GradScaler is not supported with FSDP: the 1-bit reduce-scatter "
+                "computes the Lion update during backward, from the still-scaled gradients. Use bfloat16 mixed "
+                "precision instead (torch.autocast with dtype=torch.bfloat16), which needs no loss scaling"
+            )
+        fsdp1_step(self)
+        entries = no_shard_entries(self)
+        return step_vote.voted_step(self.opt, None, lambda: self.vote(entries), self.group, abstain)
+
+    def momenta(self):
+        out = []
+        for unit in self.units:
+            m = unit.momentum_tensor()
+            out += [m[off : off + numel] for off, numel, _, _ in unit.segments]
+        return out
+
+    def local_state_dict(self) -> dict:
+        return local_state_dict(self)
+
+    def load_local_state_dict(self, state_dict: dict) -> None:
+        load_local_state_dict(self, state_dict)
+
+
+def _units(att, opt, model):
+    """Checks an FSDP1 model; returns (its units, its FSDP states, its process group)."""
     try:
-        import torch.distributed.fsdp._traversal_utils as traversal_utils
-
         states = traversal_utils._get_fsdp_states(model)
     except (ImportError, AttributeError) as err:
         raise NotImplementedError(
@@ -225,7 +278,7 @@ def attach_fsdp1(opt, model) -> None:
     names = {
         m: n.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "") for n, m in model.named_modules()
     }
-    known = opt._group_of()
+    known = opt.param_group_of()
     units: List[_Unit] = []
     covered = set()
     group0 = None
@@ -298,7 +351,7 @@ def attach_fsdp1(opt, model) -> None:
                 f"{_WHERE}: {label}: FlatParameter layout covers {off} elements, "
                 f"its size is {fp._unpadded_unsharded_size}"
             )
-        units.append(_Unit(opt, state, name, segments, off, strategy != ShardingStrategy.NO_SHARD, state.process_group))
+        units.append(_Unit(att, state, name, segments, off, strategy != ShardingStrategy.NO_SHARD, state.process_group))
     if not units:
         raise ValueError(f"{_WHERE}: the model has no parameters managed by FSDP")
     stray = [p for p in known if p not in covered]
@@ -307,36 +360,26 @@ def attach_fsdp1(opt, model) -> None:
             f"{_WHERE}: {len(stray)} of this optimizer's parameters are not managed by the FSDP model "
             f"(with use_orig_params=False pass model.parameters(), the FlatParameters)"
         )
-    _backend_for(group0, torch.device("cpu"), "attach (FSDP1)")  # a lionbit group, or a clear error
-    if opt.group is None:
-        opt.group = group0
-    # torch's own checks (root, hybrid, one hook), then one state object per instance.
-    model.register_comm_hook(units[0], _fsdp1_hook)
-    by_module = {u.module: u for u in units}
-    for state in states:
-        if state._comm_hook is not _fsdp1_hook:
-            raise RuntimeError(f"{_WHERE}: register_comm_hook did not reach every FSDP instance")
-        state._comm_hook_state = by_module.get(state)
-    opt._fsdp1_units = units
+    backend_for(group0, torch.device("cpu"), "attach (FSDP1)")  # a lionbit group, or a clear error
+    return units, states, group0
 
 
 # -- checkpoints --------------------------------------------------------------
 
 
-def local_state_dict(opt) -> dict:
+def local_state_dict(att) -> dict:
     """This rank's optimizer state for a per-rank file: the momentum of each
     FSDP instance (flat, full-size), keyed by the instance's module name,
     and the hyperparameters of every group."""
-    if getattr(opt, "_fsdp1_units", None) is None:
-        raise RuntimeError("DistributedLion.local_state_dict: attach(model) to an FSDP1 model first")
-    if opt._fsdp1_delta:
+    opt = att.opt
+    if att.pending:
         raise RuntimeError(
             "DistributedLion.local_state_dict: an update is pending (backward ran, step() did not); "
             "checkpoint after step()"
         )
-    g = opt._fsdp1_units[0].group
+    g = att.units[0].group
     return {
-        "momentum": {u.name: u.momentum_tensor().clone() for u in opt._fsdp1_units},
+        "momentum": {u.name: u.momentum_tensor().clone() for u in att.units},
         "param_groups": [{k: v for k, v in grp.items() if k != "params"} for grp in opt.param_groups],
         "aggregation": opt.aggregation,
         "rank": g.rank(),
@@ -344,11 +387,10 @@ def local_state_dict(opt) -> dict:
     }
 
 
-def load_local_state_dict(opt, sd: dict) -> None:
+def load_local_state_dict(att, sd: dict) -> None:
     where = "DistributedLion.load_local_state_dict"
-    if getattr(opt, "_fsdp1_units", None) is None:
-        raise RuntimeError(f"{where}: attach(model) to an FSDP1 model first")
-    g = opt._fsdp1_units[0].group
+    opt = att.opt
+    g = att.units[0].group
     if (sd.get("rank"), sd.get("world_size")) != (g.rank(), g.size()):
         raise ValueError(
             f"{where} on rank {g.rank()}: the file holds rank {sd.get('rank')} of {sd.get('world_size')}, "
@@ -363,7 +405,7 @@ def load_local_state_dict(opt, sd: dict) -> None:
             f"{where}: the checkpoint has {len(sd['param_groups'])} parameter groups, "
             f"this optimizer {len(opt.param_groups)}"
         )
-    units = {u.name: u for u in opt._fsdp1_units}
+    units = {u.name: u for u in att.units}
     if set(sd["momentum"]) != set(units):
         raise ValueError(
             f"{where}: the checkpoint's FSDP instances {sorted(sd['momentum'])} "
@@ -379,4 +421,4 @@ def load_local_state_dict(opt, sd: dict) -> None:
     for mine, saved in zip(opt.param_groups, sd["param_groups"]):
         for k, v in saved.items():
             mine[k] = tuple(v) if k == "betas" else v
-    opt._fsdp1_delta = {}
+    att.pending = {}

@@ -18,7 +18,7 @@ so a callback needs the Trainer to reach the DDP model::
 
 PyTorch Lightning and ``accelerate.Accelerator`` need no helper (see README):
 Lightning calls ``configure_optimizers`` after wrapping the model in DDP, so
-``return lionbit.DistributedLion(...).attach(self.trainer.model)`` works
+``return lionbit.DistributedLion(...).attach(self.trainer.model, overlap=False)`` works
 there; with accelerate, attach the optimizer you created (not the
 ``AcceleratedOptimizer``) to the model ``accelerator.prepare`` returned.
 """
@@ -26,6 +26,10 @@ there; with accelerate, attach the optimizer you created (not the
 import weakref
 
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from . import fsdp, fsdp1
+from .optim import DistributedLion
 
 __all__ = ["HFAttachCallback", "distributed_lions"]  # noqa: F822  (HFAttachCallback: module __getattr__)
 
@@ -34,8 +38,6 @@ def distributed_lions(optimizer) -> list:
     """The DistributedLion optimizers inside ``optimizer``, looking through
     the wrappers frameworks put around an optimizer (accelerate's
     ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``)."""
-    from .optim import DistributedLion
-
     found, todo, seen = [], [optimizer], set()
     while todo:
         opt = todo.pop()
@@ -58,15 +60,12 @@ def _unwrap_compiled(model):
 
 
 def _is_data_parallel(model) -> bool:
-    from torch.nn.parallel import DistributedDataParallel
-
-    from . import fsdp, fsdp1
-
     return isinstance(model, DistributedDataParallel) or fsdp.is_fsdp2(model) or fsdp1.is_fsdp1(model)
 
 
 def _make_hf_callback():
-    import transformers
+    import transformers  # optional: lionbit depends on no framework
+
 
     class HFAttachCallback(transformers.TrainerCallback):
         """Attaches the Trainer's DistributedLion to the model the Trainer

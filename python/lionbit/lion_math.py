@@ -126,6 +126,18 @@ def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, cou
     return int((~torch.isfinite(c)).sum())
 
 
+def pack_abstain(numel: int, sign, zero, bit_offset: int, bits=None) -> None:
+    """Packs direction 0 for ``numel`` elements at bit_offset: the vote of a
+    rank that has run out of data (it abstains; its momentum stays)."""
+    c = torch.zeros(numel, dtype=torch.float32, device=sign.device)
+    if bits:
+        pack_levels(c, 0.0, bits, sign, bit_offset)
+    elif c.is_cuda:
+        _C.pack_signs_into_device(c, sign, zero, device_counts(c.device), bit_offset)
+    else:
+        _C.pack_signs_into(c, sign, zero, bit_offset)
+
+
 def update_momentum(g, m, k: Coefs, fused: bool, scratch) -> None:
     """m = fl(fl(b2 m) + fl((1 - b2) g)) in place. ``scratch``: two uint8
     planes of at least plane_bytes(m.numel()) bytes for the fused kernel's

@@ -75,7 +75,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ._backend import _backend_for, record_momentum_sync, record_momentum_sync_step
+from ._backend import backend_for, record_momentum_sync, record_momentum_sync_step
 
 #: Momentum elements per piece of a synchronization (2 collectives each):
 #: big enough that a model of up to 64 Mi parameters goes in one piece,
@@ -139,56 +139,32 @@ def schedule(momentum_sync) -> Optional[Callable[[int], bool]]:
                      f"got {type(momentum_sync).__name__}")
 
 
-def after_step(opt, step: int) -> None:
+def after_step(schedule, step: int, attachment) -> None:
     """Called by the optimizer after step number ``step`` was applied on
-    every rank: counts it (for the amortized bytes in lionbit.stats) and
-    synchronizes if the schedule says so."""
-    if opt._sync_schedule is None:
+    every rank: counts it (for the amortized bytes in lionbit.stats) and, if
+    the schedule says so, averages the attachment's momenta across its group."""
+    if schedule is None:
         return
-    record_momentum_sync_step(opt.group)
-    if opt._sync_schedule(step):
-        synchronize(opt)
+    record_momentum_sync_step(attachment.group)
+    if schedule(step):
+        synchronize(attachment.momenta(), attachment.group)
 
 
-def momenta(opt) -> List[torch.Tensor]:
-    """Every momentum tensor a synchronization averages, in an order that is
-    the same on every rank."""
-    if opt._fsdp_params is not None:
-        from .fsdp import full_momentum
-
-        managed = opt._fsdp_params
-        return [
-            full_momentum(opt, p, managed[p])
-            for g in opt.param_groups
-            for p in g["params"]
-            if p in managed and p.requires_grad
-        ]
-    if opt._fsdp1_units is not None:
-        out = []
-        for unit in opt._fsdp1_units:
-            m = unit.momentum_tensor()
-            out += [m[off : off + numel] for off, numel, _, _ in unit.segments]
-        return out
-    # Every trainable parameter's, created (zero) where a parameter has had
-    # no step yet: the layout must not depend on which gradients a rank saw.
-    return [opt._momentum(p) for g in opt.param_groups for p in g["params"] if p.requires_grad]
-
-
-def synchronize(opt) -> None:
-    """Average the momenta of ``opt`` across the ranks of ``opt.group`` (see
-    the module's docstring). Every rank must call it at the same point."""
+def synchronize(momenta: List[torch.Tensor], group) -> None:
+    """Average ``momenta`` (the same layout on every rank) across the ranks
+    of ``group`` (see the module's docstring). Every rank must call it at
+    the same point."""
     if not dist.is_initialized():
         return
-    group = opt.group
     n = dist.get_world_size(group)
     if n == 1:
         return
     by_device: Dict[torch.device, List[torch.Tensor]] = {}
-    for m in momenta(opt):
+    for m in momenta:
         by_device.setdefault(m.device, []).append(m)
     counted = set()
     for device, ms in by_device.items():
-        backend = _backend_for(group, device, "DistributedLion (momentum sync)")  # lionbit, or a clear error
+        backend = backend_for(group, device, "DistributedLion (momentum sync)")  # lionbit, or a clear error
         elements, sent = _average(ms, n, group, device)
         record_momentum_sync(group, device, elements, sent, sent, call=id(backend) not in counted)
         counted.add(id(backend))

@@ -8,12 +8,17 @@ as it was. Used by a plain module, by DDP (when the votes did not start in
 backward) and by FSDP1 ``NO_SHARD``.
 """
 
+import logging
 import re
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
+from torch.amp.grad_scaler import OptState
 
 from . import lion_math
+
+log = logging.getLogger("lionbit")
 
 # Elements per vote: big enough that a vote's fixed costs (a 64-byte header
 # round, the all-to-all's set-up) are small against its bytes, small enough
@@ -44,10 +49,12 @@ class Entry:
     """One tensor of a step: its parameter (to update), gradient, momentum,
     hyperparameters and whether the fused kernels serve it."""
 
-    __slots__ = ("param", "grad", "momentum", "coefs", "fused")
+    __slots__ = ("param", "grad", "momentum", "coefs", "fused", "abstain")
 
-    def __init__(self, param, grad, momentum, coefs, fused):
+    def __init__(self, param, grad, momentum, coefs, fused, abstain=False):
         self.param, self.grad, self.momentum, self.coefs, self.fused = param, grad, momentum, coefs, fused
+        # A rank that ran out of data (Join) votes 0 and keeps its momentum.
+        self.abstain = abstain
 
 
 class VoteBuffers:
@@ -90,15 +97,21 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
     views (one per entry); raises :class:`NonFinite` (on every rank alike)
     if any rank had a non-finite direction. Changes no state."""
     device = entries[0].param.device
-    buffers.prepare([e.grad.numel() for e in entries], device, opt._delta_dtype(), opt.bits)
+    voter = opt.voter
+    buffers.prepare([e.grad.numel() for e in entries], device, voter.delta_dtype, voter.bits)
     works = []
     for (first, end, total), (sign, zero), out in zip(buffers.chunks, buffers.planes, buffers.outs):
         counts = lion_math.device_counts(device)
         bad, off = 0, 0
         for e in entries[first:end]:
-            bad += lion_math.pack_direction(e.grad, e.momentum, e.coefs, sign, zero, off, e.fused, counts, opt.bits)
+            if e.abstain:
+                lion_math.pack_abstain(e.grad.numel(), sign, zero, off, voter.bits)
+            else:
+                bad += lion_math.pack_direction(
+                    e.grad, e.momentum, e.coefs, sign, zero, off, e.fused, counts, voter.bits
+                )
             off += e.grad.numel()
-        works.append(opt._vote(sign, zero, total, bad, out, group, where, counts))
+        works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, counts))
     bad_ranks: List[int] = []
     first_error = None
     for fut in works:
@@ -131,7 +144,8 @@ def update(entries: Sequence[Entry], deltas, scratch) -> None:
             scratch[0][: lion_math.plane_bytes(n)],
             scratch[1][: lion_math.plane_bytes(n)],
         )
-        lion_math.update_momentum(e.grad, e.momentum, e.coefs, e.fused, sc)
+        if not e.abstain:
+            lion_math.update_momentum(e.grad, e.momentum, e.coefs, e.fused, sc)
         lion_math.apply_update(e.param, d, e.coefs, e.fused)
 
 
@@ -144,8 +158,47 @@ def step_entries(opt, params_groups) -> List[Entry]:
         for p in group["params"]:
             if p.grad is None:
                 continue
-            opt._check_param(p, "step")
+            opt.check_param(p, "step")
             coefs = coefs or lion_math.Coefs(group)
             g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-            entries.append(Entry(p, g, opt._momentum(p), coefs, opt._fused_for(p, g)))
+            entries.append(Entry(p, g, opt.momentum_of(p), coefs, opt.fused_for(p, g)))
     return entries
+
+
+def rank_of(group) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def unscale(opt, scaler) -> dict:
+    """Unscales the gradients in place (as GradScaler.unscale_ does) unless
+    the user already did; returns the scaler's per-device found_inf
+    tensors, which its update() reads."""
+    state = scaler._per_optimizer_states[id(opt)]
+    if state["stage"] is OptState.READY:
+        scaler.unscale_(opt)
+    return scaler._found_inf_per_device(opt)
+
+
+def voted_step(opt, grad_scaler, vote: Callable[[], Callable[[], None]], group, abstain: bool = False) -> bool:
+    """One step of an integration: ``vote()`` votes the step's directions
+    (changing nothing) and returns the function that applies them. With a
+    GradScaler the gradients are unscaled first. A non-finite direction on
+    any rank (:class:`NonFinite`) changes nothing anywhere: with a scaler
+    every rank skips the step and its scaler backs off; without one every
+    rank raises. Returns whether the step was applied."""
+    found = unscale(opt, grad_scaler) if grad_scaler is not None else None
+    try:
+        apply = vote()
+    except NonFinite as bad:
+        if found is None and not abstain:
+            raise RuntimeError(
+                f"DistributedLion.step on rank {rank_of(group)}: non-finite gradient (inf or NaN) on rank(s) "
+                f"{bad.ranks}; no parameter or momentum changed on any rank. With float16 autocast use "
+                f"torch.amp.GradScaler, which skips such steps"
+            ) from None
+        for t in (found or {}).values():
+            t.fill_(1.0)  # every rank's scaler backs off alike
+        log.info("lionbit: DistributedLion skipped a step: inf/NaN gradient on rank(s) %s", bad.ranks)
+        return False
+    apply()
+    return True

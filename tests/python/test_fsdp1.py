@@ -147,7 +147,7 @@ def fsdp1_checkpoint(rank, world_size, path):
             opt.zero_grad()
 
     def digests(model, opt):
-        return {"params": _digest(_params(model)), "momentum": _digest([u.momentum for u in opt._fsdp1_units])}
+        return {"params": _digest(_params(model)), "momentum": _digest([u.momentum for u in opt.attachment.units])}
 
     out = {}
     for md in (torch.float32, torch.bfloat16):

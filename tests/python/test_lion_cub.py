@@ -199,7 +199,7 @@ def ddp_levers(rank, n, steps, kwargs, overlap=True, resume_at=None, ckpt=None):
         # positions): this model fits one bucket, whose order DDP rebuilds
         # after the first step.
         index = {id(p): i for i, p in enumerate(model.parameters())}
-        buckets = list(opt._ddp.buckets.values())
+        buckets = list(opt.attachment.buckets.values())
         log.setdefault("order", []).append([index[id(p)] for p in buckets[0].params] if overlap else None)
         opt.step()
         opt.zero_grad()

@@ -353,7 +353,7 @@ def case_fsdp1(rank, n):
             assert all(torch.equal(a, b) for a, b in zip(params, want_params)), (strategy, it)
             flats = opt.local_state_dict()["momentum"]
             seen = set()
-            for unit in opt._fsdp1_units:
+            for unit in opt.attachment.units:
                 for off, numel, _, fqn in unit.segments:
                     got = flats[unit.name][off : off + numel]
                     assert torch.equal(got, want_m[fqn].reshape(-1)), (strategy, it, fqn)

@@ -199,8 +199,8 @@ def ddp_loop(rank, n, loop, overlap, compiled=False):
     assert all(math.isfinite(v) for i, v in enumerate(norms) if not (loop == "grad_scaler" and i == OVERFLOW_STEP))
     return {
         "digest": _digest(model.parameters()),
-        "fallbacks": opt._ddp.fallbacks,
-        "overlap_now": opt._ddp.overlap,
+        "fallbacks": opt.attachment.fallbacks,
+        "overlap_now": opt.attachment.overlap,
         "scale": scaler.get_scale() if scaler else None,
     }
 

@@ -1,0 +1,180 @@
+"""What DistributedLion asks of the model it is attached to.
+
+The optimizer holds one attachment and never asks which kind it is: a plain
+module (this file's :class:`Attachment`), DDP (lionbit.ddp), FSDP2
+(lionbit.fsdp) or FSDP1 (lionbit.fsdp1). An attachment owns where the
+step's directions come from and how they travel; it uses the optimizer only
+through its package surface (``momentum_of``, ``coefs_of``, ``fused_for``,
+``check_param``, ``voter``, ``param_groups``, ``state``) and never through
+its private names.
+
+A plain module's attachment votes at ``step()``: the directions of every
+parameter with a gradient, chunk by chunk (lionbit.step_vote).
+"""
+
+import gc
+import warnings
+import weakref
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import step_vote
+
+#: DDP models that carry lionbit's comm hook (lionbit.ddp): they all-reduce
+#: no gradient, attached or not.
+HOOKED_DDP_MODELS: "weakref.WeakSet[DDP]" = weakref.WeakSet()
+
+
+def _registered(group) -> bool:
+    """Whether ``group`` (None: the default group) can still be used: false
+    after destroy_process_group()."""
+    if not dist.is_initialized():
+        return False
+    try:
+        dist.get_rank(group)
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
+class Attachment:
+    """The interface, and a plain module's (or no model's) attachment."""
+
+    kind = "a plain module"
+
+    def __init__(self, opt, group: Optional[dist.ProcessGroup] = None):
+        self.opt = opt
+        self.group = group  # None: the default group at each call
+        self.buffers = step_vote.VoteBuffers()
+        self.layout: Optional[list] = None  # the parameters of the last applied step (Join)
+        self.checked_ddp = False
+
+    # -- the step ---------------------------------------------------------------
+    def step(self, grad_scaler=None, abstain: bool = False) -> bool:
+        """Votes and applies one step; returns whether it was applied (a
+        GradScaler may skip it). ``abstain``: this rank has run out of data
+        (torch's Join): it votes 0, keeps its momentum and applies the
+        voted update like every rank."""
+        if not abstain and not self.checked_ddp:
+            self.checked_ddp = True
+            self.warn_if_ddp_unattached()
+        entries = self.entries(abstain)
+        return step_vote.voted_step(self.opt, grad_scaler, lambda: self.vote(entries), self.group, abstain)
+
+    def entries(self, abstain: bool) -> List[step_vote.Entry]:
+        if not abstain:
+            entries = step_vote.step_entries(self.opt, self.opt.param_groups)
+            self.layout = [e.param for e in entries]
+            return entries
+        # The parameters this rank stepped last (its peers' step has the same
+        # layout while the gradients that exist stay the same; a mismatch is
+        # a clear error of the vote's header round, never a hang).
+        groups = self.opt.param_groups
+        params = self.layout or [p for g in groups for p in g["params"] if p.requires_grad]
+        entries = []
+        for p in params:
+            zero = torch.zeros(1, device=p.device).expand(p.numel())
+            entries.append(step_vote.Entry(p, zero, None, self.opt.coefs_of(p), self.opt.fused_for(p, p), True))
+        return entries
+
+    def vote(self, entries):
+        """Votes ``entries`` at step(); returns the function that applies them."""
+        if not entries:
+            return lambda: None
+        device = entries[0].param.device
+        if any(e.param.device != device for e in entries):
+            devices = sorted({str(e.param.device) for e in entries})
+            raise RuntimeError(
+                f"DistributedLion.step: parameters on several devices ({', '.join(devices)}); one step votes "
+                f"all of them together, so they must share a device (use one optimizer per device)"
+            )
+        deltas = step_vote.vote_chunks(self.opt, entries, self.group, "step", self.buffers)
+        return lambda: step_vote.update(entries, deltas, self.buffers.scratch)
+
+    def warn_if_ddp_unattached(self) -> None:
+        """Once, at the first step: a DDP model holding these parameters but
+        not attached all-reduces every gradient in fp32 before the vote."""
+        if not _registered(self.group) or dist.get_world_size(self.group) == 1:
+            return
+        mine = {id(p) for g in self.opt.param_groups for p in g["params"]}
+        for obj in gc.get_objects():
+            if isinstance(obj, DDP) and any(id(p) in mine for p in obj.parameters()):
+                if obj in HOOKED_DDP_MODELS:
+                    continue  # lionbit's hook (of a detached optimizer): no all-reduce
+                warnings.warn(
+                    f"DistributedLion.step on rank {dist.get_rank(self.group)}: these parameters belong to a "
+                    f"DistributedDataParallel model that was not attached, so DDP all-reduces every gradient in "
+                    f"fp32 and the 1-bit vote runs on top of it: all the cost, none of the saving. Call "
+                    f"opt.attach(ddp_model) once after creating both",
+                    stacklevel=4,
+                )
+                return
+
+    # -- momentum synchronization -------------------------------------------------
+    def momenta(self) -> List[torch.Tensor]:
+        """Every momentum a synchronization averages, in the same order on
+        every rank: every trainable parameter's, created (zero) where a
+        parameter has had no step yet (the layout must not depend on which
+        gradients a rank saw)."""
+        return [self.opt.momentum_of(p) for g in self.opt.param_groups for p in g["params"] if p.requires_grad]
+
+    # -- checkpoints -----------------------------------------------------------
+    def marker(self) -> Optional[dict]:
+        """Whose momentum a state dict holds: ``{"rank", "world_size"}``, or
+        None without a (live) process group."""
+        if not _registered(self.group):
+            return None
+        return {"rank": dist.get_rank(self.group), "world_size": dist.get_world_size(self.group)}
+
+    def state_dict(self) -> dict:
+        sd = torch.optim.Optimizer.state_dict(self.opt)
+        marker = self.marker()
+        if marker is not None:
+            sd["lionbit"] = marker
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("lionbit", None)
+        mine = self.marker()
+        if saved is not None and mine is not None and (saved.get("rank"), saved.get("world_size")) != (
+            mine["rank"],
+            mine["world_size"],
+        ):
+            warnings.warn(
+                f"DistributedLion.load_state_dict on rank {mine['rank']}: this state dict holds the momentum of "
+                f"rank {saved.get('rank')} of {saved.get('world_size')}, so this rank continues from that rank's "
+                f"momentum, not its own (when every rank loads rank 0's file, every rank starts with the same "
+                f"momentum: a momentum synchronization; training goes on, but not bitwise as without the "
+                f"restart). For an exact resume save each rank's own: torch.save(opt.state_dict(), "
+                f"f'opt.rank{{dist.get_rank()}}.pt') on every rank, and load each rank's file",
+                stacklevel=3,
+            )
+        torch.optim.Optimizer.load_state_dict(self.opt, state_dict)
+        # torch casts loaded state to each parameter's dtype; the momentum keeps its own.
+        for state in self.opt.state.values():
+            if "exp_avg" in state and state["exp_avg"].dtype != self.opt.momentum_dtype:
+                state["exp_avg"] = state["exp_avg"].to(self.opt.momentum_dtype)
+
+    def sharded_state_dict(self) -> dict:
+        raise RuntimeError("DistributedLion.sharded_state_dict: attach(model) to an FSDP2 model first")
+
+    def load_sharded_state_dict(self, state_dict: dict) -> None:
+        raise RuntimeError("DistributedLion.load_sharded_state_dict: attach(model) to an FSDP2 model first")
+
+    def local_state_dict(self) -> dict:
+        raise RuntimeError("DistributedLion.local_state_dict: attach(model) to an FSDP1 model first")
+
+    def load_local_state_dict(self, state_dict: dict) -> None:
+        raise RuntimeError("DistributedLion.load_local_state_dict: attach(model) to an FSDP1 model first")
+
+    # -- lifetime ----------------------------------------------------------------
+    def is_attached_to(self, model) -> bool:
+        return False
+
+    def detach(self) -> None:
+        """Hands the model back: its communication is torch's (or, for a DDP
+        model, a hook that leaves the local gradients) again."""
