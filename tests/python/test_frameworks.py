@@ -167,7 +167,7 @@ def _lightning(rec, attach, outdir):
             # The README recipe: Lightning has wrapped the model in DDP by now.
             opt = lionbit.DistributedLion(self.parameters(), lr=LR, weight_decay=WD)
             rec["wrapped"] = type(self.trainer.model).__name__
-            return opt.attach(self.trainer.model) if attach else opt
+            return opt.attach(self.trainer.model, overlap=False) if attach else opt
 
     module = Module()
     rec["start"] = _eval_loss(module.net)
@@ -236,7 +236,7 @@ def _accelerate(rec, attach, outdir):
     model, opt, loader = accelerator.prepare(model, lion, loader)
     rec["wrapped"] = type(model).__name__
     if attach:
-        lion.attach(model)
+        lion.attach(model, overlap=False)
     step = 0
     with _Logging():
         while step < STEPS:
