@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import step_vote
+from . import lion_math, step_vote
 
 #: DDP models that carry lionbit's comm hook (lionbit.ddp): they all-reduce
 #: no gradient, attached or not.
@@ -72,13 +72,9 @@ class Attachment:
         # The parameters this rank stepped last (its peers' step has the same
         # layout while the gradients that exist stay the same; a mismatch is
         # a clear error of the vote's header round, never a hang).
-        groups = self.opt.param_groups
-        params = self.layout or [p for g in groups for p in g["params"] if p.requires_grad]
-        entries = []
-        for p in params:
-            zero = torch.zeros(1, device=p.device).expand(p.numel())
-            entries.append(step_vote.Entry(p, zero, None, self.opt.coefs_of(p), self.opt.fused_for(p, p), True))
-        return entries
+        groups = self.opt.param_group_of()
+        params = self.layout if self.layout is not None else [p for p in groups if p.requires_grad]
+        return [step_vote.abstaining(self.opt, p, lion_math.Coefs(groups[p])) for p in params]
 
     def vote(self, entries):
         """Votes ``entries`` at step(); returns the function that applies them."""
@@ -178,3 +174,17 @@ class Attachment:
     def detach(self) -> None:
         """Hands the model back: its communication is torch's (or, for a DDP
         model, a hook that leaves the local gradients) again."""
+
+    # -- torch's Join (lionbit.join) ---------------------------------------------
+    def join_hook_made(self) -> None:
+        """A Join holding the optimizer is being made (its hooks first, then
+        each joinable's config, in the Join's order)."""
+
+    def join_configured(self, config) -> None:
+        """That Join set the optimizer's config (torch's _JoinConfig)."""
+
+    def join_step_due(self) -> bool:
+        """On a rank that has joined, at each of the Join's rounds: whether
+        its peers take a step in this round (a plain module: the optimizer
+        is the Join's first joinable, so every round is one step())."""
+        return True

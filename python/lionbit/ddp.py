@@ -20,7 +20,20 @@ averaged). ``step()`` uses the gradients as they stand then:
   (lionbit.step_vote).
 
 Either way the momentum and parameters change only after every vote of
-the step is done and no rank had a non-finite direction.
+the step is done and no rank had a non-finite direction. A parameter with a
+gradient that is in none of DDP's buckets (unfrozen after DDP wrapped the
+model) is voted at ``step()`` in both modes, after the buckets' votes.
+
+Uneven inputs, ``with Join([model, opt]):`` (torch.distributed.algorithms.join):
+a rank that has run out of data runs DDP's join hook, which calls this comm
+hook on zero buckets outside any backward pass. There the hook abstains: it
+packs direction 0 and starts the same votes as its peers' hooks (with
+overlap). The optimizer's join hook, which follows DDP's in the same round,
+then runs the step its peers run, abstaining: it says "unchanged" in the
+agreement round, keeps its momentum and applies the voted update to the
+parameters it stepped last. Without the optimizer in the Join the hook
+refuses at once: it takes part in its peers' calls of the step with a
+rejected header (they fail at once, naming join) and raises, naming the fix.
 """
 
 import logging
@@ -31,13 +44,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import lion_math, step_vote
+from . import join, lion_math, step_vote
 from ._backend import backend_for
 from .attachment import HOOKED_DDP_MODELS, Attachment
 
 log = logging.getLogger("lionbit")
 
 _WHERE = "DistributedLion (DDP comm hook)"
+
+_JOIN_FIX = "`with Join([model, opt]):` (from torch.distributed.algorithms.join import Join; the DDP model first)"
 
 
 class _BucketVote:
@@ -90,6 +105,8 @@ class DDPAttachment(Attachment):
         self.started: List[_BucketVote] = []  # votes started in this backward
         self.versions: Optional[dict] = None  # p -> (id(p.grad), version) after DDP wrote the grads
         self.fallbacks = 0
+        self.join = join.ModelJoin(model)  # torch's Join: is the optimizer in the model's current one?
+        self.join_due = False  # a joined rank shadowed a synchronized backward: its step is due
         if slot is None:
             slot = _slots[model] = _HookSlot()
             model.register_comm_hook(slot, _hook)
@@ -106,7 +123,9 @@ class DDPAttachment(Attachment):
         self.slot.attachment = None
 
     # -- backward -------------------------------------------------------------
-    def start_bucket(self, bucket) -> None:
+    def start_bucket(self, bucket, abstain: bool = False) -> None:
+        """Packs the bucket's directions (``abstain``: direction 0, a joined
+        rank's) and starts their vote."""
         idx = bucket.index()
         bv = self.buckets.get(idx)
         if bv is not None and bv.work is not None:
@@ -138,6 +157,11 @@ class DDPAttachment(Attachment):
         bv.params, bv.sizes = list(params), []
         for p, g in zip(params, grads):
             self.opt.check_param(p, "attach (DDP hook)")
+            if abstain:
+                lion_math.pack_abstain(g.numel(), sign, zero, off, bits)
+                bv.sizes.append(g.numel())
+                off += g.numel()
+                continue
             bad += lion_math.pack_direction(
                 g,
                 self.opt.momentum_of(p),
@@ -155,8 +179,51 @@ class DDPAttachment(Attachment):
             raise RuntimeError(f"{_WHERE}: DDP bucket holds {total} elements, its gradients {off}")
         bv.work = self.opt.voter.all_reduce(sign, zero, total, bad, bv.out, self.group, "attach (DDP hook)", counts)
         self.started = [b for b in self.started if b is not bv] + [bv]
-        if bucket.is_last():
+        if bucket.is_last() and not abstain:
             _after_ddp_finalize(self._record_versions)
+
+    def shadow_bucket(self, bucket) -> None:
+        """The hook as DDP's join hook runs it on a rank that has run out of
+        data (zero gradients, outside any backward): abstain from the vote
+        its peers' hooks start; the optimizer's join hook runs the step."""
+        if not self.join.includes_optimizer():
+            self.refuse_shadow(bucket)
+        if self.overlap:
+            self.start_bucket(bucket, abstain=True)
+        if bucket.is_last():
+            self.join_due = True
+
+    def refuse_shadow(self, bucket) -> None:
+        """The optimizer is not in the Join: this rank cannot take its peers'
+        step. It takes part in each lionbit call of their step with a header
+        the backend rejects (their calls fail at once, not at the group's
+        timeout: one per bucket and the agreement round with overlap, else
+        one per vote at step()) and raises at the last bucket."""
+        calls = 1 if self.overlap else 0
+        if bucket.is_last() and not self.overlap:
+            params = self.layout if self.layout is not None else [p for p in self.model.parameters() if p.requires_grad]
+            calls = len(step_vote.chunking([p.numel() for p in params]))
+        elif bucket.is_last():
+            calls += 1
+        for _ in range(calls):
+            _reject_call(self.group, bucket.buffer().device)
+        if bucket.is_last():
+            raise RuntimeError(
+                f"{_WHERE} on rank {dist.get_rank(self.group)}: this rank ran out of data and shadows its peers' "
+                f"backward (DDP's model.join() or Join([model])), but the DistributedLion attached to the model is "
+                f"not part of that Join, so this rank cannot take the steps its peers take (they would wait for it "
+                f"until the group's timeout; their step() fails now instead). Use {_JOIN_FIX}"
+            )
+
+    def join_hook_made(self) -> None:
+        self.join.hook_made()
+
+    def join_configured(self, config) -> None:
+        self.join.configured(config)
+
+    def join_step_due(self) -> bool:
+        due, self.join_due = self.join_due, False
+        return due
 
     def _record_versions(self) -> None:
         self.versions = {}
@@ -168,23 +235,36 @@ class DDPAttachment(Attachment):
     # -- step -----------------------------------------------------------------
     def step(self, grad_scaler=None, abstain: bool = False) -> bool:
         scaled = grad_scaler is not None
-        return step_vote.voted_step(self.opt, grad_scaler, lambda: self.vote_step(scaled), self.group, abstain)
+        try:
+            return step_vote.voted_step(
+                self.opt, grad_scaler, lambda: self.vote_step(scaled, abstain), self.group, abstain
+            )
+        except (RuntimeError, ValueError) as err:
+            if "rejected their input" not in str(err):
+                raise
+            raise RuntimeError(
+                f"{err}. If that rank ran out of data under DDP's model.join() or Join([model]) without the "
+                f"optimizer (its own error says so): use {_JOIN_FIX}"
+            ) from err
 
-    def vote_step(self, scaled: bool):
+    def vote_step(self, scaled: bool, abstain: bool = False):
         """Votes the step (changing no state) and returns the function that
         applies it; raises step_vote.NonFinite. ``scaled``: a GradScaler
         scaled the gradients the hooks saw (its unscaling does not bump
-        version counters)."""
+        version counters). ``abstain``: this rank has joined (Join): its
+        votes are 0 and its gradients count as unchanged."""
         started, self.started = self.started, []
         versions, self.versions = self.versions, None
         if started:
             # Under a TorchDispatchMode (FlopCounterMode, ...) in-place ops do
             # not bump version counters: nothing can be told, so vote again.
             dispatch_mode = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)() > 0
-            changed = scaled or dispatch_mode or versions is None or any(bv.work is None for bv in started) or any(
-                versions.get(p, False) != (None if p.grad is None else (id(p.grad), p.grad._version))
-                for bv in started
-                for p in bv.params
+            changed = not abstain and (
+                scaled or dispatch_mode or versions is None or any(bv.work is None for bv in started) or any(
+                    versions.get(p, False) != (None if p.grad is None else (id(p.grad), p.grad._version))
+                    for bv in started
+                    for p in bv.params
+                )
             )
             # Agree: a sign "sum" of +1 (changed) / -1 on lionbit's own path, so
             # that it queues behind the hooks' votes and fails, if a peer is
@@ -192,7 +272,7 @@ class DDPAttachment(Attachment):
             flag = torch.tensor([1.0 if changed else -1.0])
             backend_for(self.group, flag.device, "step").all_reduce_sign(flag, "sum").wait()
             if flag.item() == -float(self.group.size() if self.group is not None else dist.get_world_size()):
-                return self._overlapped(started)
+                return self._overlapped(started, abstain)
             _drain(started)
             self.overlap = False
             self.fallbacks += 1
@@ -202,9 +282,9 @@ class DDPAttachment(Attachment):
                 "backward were dropped and this step voted the changed gradients; from now on this model votes at "
                 "step() (attach(model, overlap=False) says so from the start)"
             )
-        return self.vote(self.entries(False))
+        return self.vote(self.entries(abstain))
 
-    def _overlapped(self, started):
+    def _overlapped(self, started, abstain: bool):
         bad_ranks, first_error = [], None
         for bv in started:
             try:
@@ -221,23 +301,41 @@ class DDPAttachment(Attachment):
         if bad_ranks:
             raise step_vote.NonFinite(bad_ranks)
         groups = self.opt.param_group_of()
+        # A joined rank steps the parameters it stepped last (its peers'
+        # gradients decide theirs; with the same gradients present, the same).
+        stepped = None if self.layout is None else set(self.layout)
         entries, deltas, biggest = [], [], 0
         for bv in started:
             off = 0
             for p, n in zip(bv.params, bv.sizes):
                 g = p.grad
-                if g is None:
+                coefs = lion_math.Coefs(groups[p])
+                if abstain and (stepped is None or p in stepped):
+                    entries.append(step_vote.abstaining(self.opt, p, coefs))
+                elif not abstain and g is not None:
+                    entries.append(step_vote.Entry(p, g, self.opt.momentum_of(p), coefs, self.opt.fused_for(p, g)))
+                else:
                     # Unused on every rank (find_unused_parameters): DDP left no
                     # gradient, and the parameter is not stepped, as at step().
                     off += n
                     continue
-                coefs = lion_math.Coefs(groups[p])
-                entries.append(step_vote.Entry(p, g, self.opt.momentum_of(p), coefs, self.opt.fused_for(p, g)))
                 deltas.append(bv.out[off : off + n])
                 biggest = max(biggest, n)
                 off += n
+        # Parameters with a gradient in none of the buckets (unfrozen after
+        # DDP wrapped the model): voted now, in the optimizer's order, as at
+        # step() (entries(False) also records this step's layout; a joined
+        # rank that never stepped knows of none).
+        in_buckets = {p for bv in started for p in bv.params}
+        rest = [] if abstain and self.layout is None else self.entries(abstain)
+        apply_rest = self.vote([e for e in rest if e.param not in in_buckets])
         scratch = lion_math.planes(biggest, entries[0].param.device) if entries else None
-        return lambda: step_vote.update(entries, deltas, scratch)
+
+        def apply():
+            step_vote.update(entries, deltas, scratch)
+            apply_rest()
+
+        return apply
 
 
 def _drain(votes) -> None:
@@ -248,6 +346,18 @@ def _drain(votes) -> None:
             except (RuntimeError, ValueError):
                 pass  # every rank saw the same header; the vote is dropped
             bv.work = None
+
+
+def _reject_call(group, device) -> None:
+    """Takes part in the peers' next lionbit call with an argument the
+    backend rejects: its header round tells them (their call fails at once,
+    "rank(s) [r] rejected their input to this call")."""
+    sign, zero = lion_math.planes(0, device)
+    out = torch.empty(0, dtype=torch.bfloat16, device=device)
+    try:
+        backend_for(group, device, "step").all_reduce_sign_packed(sign, zero, -1, 0, out, "vote", "zero", -1)
+    except (RuntimeError, ValueError):
+        pass  # expected: the backend refused it (and told the peers)
 
 
 def _after_ddp_finalize(fn) -> None:
@@ -267,7 +377,12 @@ def _hook(slot: _HookSlot, bucket: dist.GradBucket) -> torch.futures.Future[torc
     """DDP comm hook: the bucket's local gradients go back to p.grad as they
     are; with overlap, their directions' vote starts now."""
     att = slot.attachment
-    if att is not None and att.overlap:
+    if att is not None and torch._C._current_graph_task_id() == -1:
+        # Outside any backward pass: DDP's join hook shadowing the peers'
+        # backward on a rank that has run out of data (torch's Join).
+        with torch.no_grad():
+            att.shadow_bucket(bucket)
+    elif att is not None and att.overlap:
         with torch.no_grad():
             att.start_bucket(bucket)
     fut = torch.futures.Future(devices=[bucket.buffer().device] if bucket.buffer().is_cuda else None)

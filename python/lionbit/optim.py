@@ -86,7 +86,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
     With DDP, FSDP2 or FSDP1 call ``attach(model)`` once. ``p.grad`` after backward is each rank's
     own gradient; ``step()`` votes the directions of the gradients as they stand (after clipping or
     unscaling). ``torch.amp.GradScaler`` is supported (DDP, plain): an inf/NaN on any rank skips the
-    step on every rank. With uneven inputs, ``with Join([model, opt]):`` (a rank out of data abstains).
+    step on every rank. Uneven inputs: ``with Join([model, opt]):``, the model first (a rank out of data abstains).
     """
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0,
@@ -98,7 +98,6 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
         # "step": the steps applied (skipped ones not counted), kept in every
         # parameter group so that it travels in every kind of checkpoint.
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, step=0))
-        Joinable.__init__(self)
         self.aggregation, self.bits, self.tie_break = aggregation, bits, tie_break
         self.momentum_sync, self._sync_schedule = momentum_sync, schedule
         self.group = group
@@ -106,6 +105,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
         self.fused = fused
         self.voter = Voter(aggregation, bits, tie_break, self)
         self._attachment: Attachment = Attachment(self, group)
+        Joinable.__init__(self)
 
     @property
     def steps_taken(self) -> int:
@@ -240,7 +240,17 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
 
     # -- torch's Join (uneven inputs) ---------------------------------------------
     def join_hook(self, **kwargs):
+        self._attachment.join_hook_made()
         return join.LionJoinHook(self, lambda: self._take_step(None, abstain=True))
+
+    @property
+    def _join_config(self):  # torch's Joinable field: a Join sets it on each of its joinables, in order
+        return self._join_cfg
+
+    @_join_config.setter
+    def _join_config(self, config) -> None:
+        self._attachment.join_configured(config)  # may refuse the Join's order: then stay out of it
+        self._join_cfg = config
 
     @property
     def join_device(self) -> torch.device:

@@ -77,19 +77,26 @@ class VoteBuffers:
                 if zero is not None:
                     zero.zero_()
             return
-        chunks, start, total = [], 0, 0
-        for i, n in enumerate(sizes):
-            if total and total + n > CHUNK_ELEMENTS:
-                chunks.append((start, i, total))
-                start, total = i, 0
-            total += n
-        if start < len(sizes):
-            chunks.append((start, len(sizes), total))
+        chunks = chunking(sizes)
         self.key, self.chunks = key, chunks
         self.planes = [lion_math.planes(t, device, bits) for _, _, t in chunks]
         self.outs = [torch.empty(t, dtype=delta_dtype, device=device) for _, _, t in chunks]
         biggest = max(sizes, default=0)
         self.scratch = lion_math.planes(biggest, device) if biggest else None
+
+
+def chunking(sizes: Sequence[int]) -> List[Tuple[int, int, int]]:
+    """How a step of tensors of ``sizes`` elements is split into votes:
+    (first entry, end entry, elements) per vote."""
+    chunks, start, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        if total and total + n > CHUNK_ELEMENTS:
+            chunks.append((start, i, total))
+            start, total = i, 0
+        total += n
+    if start < len(sizes):
+        chunks.append((start, len(sizes), total))
+    return chunks
 
 
 def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteBuffers):
@@ -147,6 +154,14 @@ def update(entries: Sequence[Entry], deltas, scratch) -> None:
         if not e.abstain:
             lion_math.update_momentum(e.grad, e.momentum, e.coefs, e.fused, sc)
         lion_math.apply_update(e.param, d, e.coefs, e.fused)
+
+
+def abstaining(opt, p, coefs) -> Entry:
+    """The entry of a parameter on a rank that has run out of data (torch's
+    Join): it votes direction 0, keeps its momentum and applies the voted
+    update like every rank."""
+    zero = torch.zeros(1, device=p.device).expand(p.numel())
+    return Entry(p, zero, None, coefs, opt.fused_for(p, p), True)
 
 
 def step_entries(opt, params_groups) -> List[Entry]:

@@ -1,0 +1,297 @@
+"""More of a training script's habits around DistributedLion under DDP, each
+as the user's script on N = 2 and 3 real processes:
+
+- uneven inputs under torch's Join: ``with Join([model, opt]):`` trains to
+  the end (bare, clipping, accumulation, votes at ``step()``), and
+  ``model.join()`` / ``Join([model])`` without the optimizer fails at once on
+  every rank, naming the fix (never waits for the group's timeout);
+- a parameter unfrozen after DDP wrapped the model is trained, alike with
+  and without overlap;
+- re-wrapping: ``opt.detach()`` then ``opt.attach(new_ddp)``, or a direct
+  ``opt.attach(new_ddp)``, keeps the momentum; a new process group after
+  ``destroy_process_group()``.
+
+Where they train, every rank compares its parameters bitwise with
+``simulate``: Distributed Lion on N simulated ranks in one process, written
+from the paper's rule and the float contract of lionbit.lion_math (plain torch
+ops), in which a rank that has run out of data abstains: its direction
+counts as 0 in the vote, its momentum stays as it is, and it applies the
+voted update like every rank.
+"""
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks, values
+from test_training_loops import LION, _digest, _loss, _net
+
+# Batches per rank: the issue's 8 and 13, and a third rank that runs out first.
+BATCHES = {2: [8, 13], 3: [8, 13, 5]}
+STEPS = 6
+UNFREEZE_STEP = 2  # the unfrozen-parameter case: "head" trains from this step on
+HEAD = ("head.weight", "head.bias")
+
+
+def _f32(v):
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def simulate(batches, loop="bare", frozen=(), unfreeze_at=0):
+    """Distributed Lion on len(batches) simulated ranks; rank r has
+    batches[r] batches and abstains after them. ``loop``: "bare", "clip"
+    (each rank clips its own gradients to norm 1) or "accumulate" (two
+    micro-batches summed). Parameters named in ``frozen`` have no gradient
+    (and are not stepped) before step ``unfreeze_at``. Returns the
+    parameters after max(batches) steps."""
+    b1, b2 = LION["betas"]
+    lr, wd = LION["lr"], LION["weight_decay"]
+    cb1, comb1, cb2, comb2, clr, cdecay = (_f32(v) for v in (b1, 1 - b1, b2, 1 - b2, lr, 1 - lr * wd))
+    model = _net()
+    names = [name for name, _ in model.named_parameters()]
+    replicas = [copy.deepcopy(model) for _ in batches]
+    momenta = [{name: torch.zeros_like(p) for name, p in model.named_parameters()} for _ in batches]
+    for step in range(max(batches)):
+        trained = [name for name in names if name not in frozen or step >= unfreeze_at]
+        directions = []  # per rank: {name: sign(c)}, or None when it has run out of data
+        for r, rep in enumerate(replicas):
+            if step >= batches[r]:
+                directions.append(None)  # abstains; its momentum stays
+                continue
+            for (name, p), q in zip(rep.named_parameters(), model.parameters()):
+                p.data.copy_(q.data)
+                p.grad = None
+                p.requires_grad_(name in trained)
+            for micro in range(2 if loop == "accumulate" else 1):
+                _loss(rep, r, step, micro, "bare").backward()
+            if loop == "clip":
+                torch.nn.utils.clip_grad_norm_([p for p in rep.parameters() if p.grad is not None], 1.0)
+            dirs = {}
+            for name, p in rep.named_parameters():
+                if p.grad is None:
+                    continue
+                g, m = p.grad, momenta[r][name]
+                dirs[name] = torch.sign(torch.add(torch.mul(m, cb1), torch.mul(g, comb1)))
+                momenta[r][name] = torch.add(torch.mul(m, cb2), torch.mul(g, comb2))
+            directions.append(dirs)
+        for name, p in model.named_parameters():
+            if name not in trained:
+                continue  # no gradient anywhere: not stepped (no decay either)
+            total = sum((d[name] for d in directions if d is not None), torch.zeros_like(p))
+            p.data.copy_(torch.sub(torch.mul(p.data, cdecay), torch.mul(torch.sign(total), clr)))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _ddp(model):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, bucket_cap_mb=0.001)  # several buckets
+
+
+def _train(ddp, opt, rank, steps, loop="bare"):
+    for step in steps:
+        opt.zero_grad()
+        if loop == "accumulate":
+            with ddp.no_sync():
+                _loss(ddp, rank, step, 0, "bare").backward()
+            _loss(ddp, rank, step, 1, "bare").backward()
+        else:
+            _loss(ddp, rank, step, 0, "bare").backward()
+        if loop == "clip":
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        opt.step()
+
+
+def _same(model, want, what):
+    for (name, got), w in zip(model.named_parameters(), want):
+        assert torch.equal(got.detach(), w), f"{what}: {name} differs from the simulation"
+
+
+# -- 1. uneven inputs: torch's Join ---------------------------------------------
+
+
+def join_loop(rank, n, loop, overlap):
+    """The user's loop over this rank's own number of batches, inside
+    ``with Join([model, opt]):``."""
+    from torch.distributed.algorithms.join import Join
+
+    import lionbit
+
+    torch.set_num_threads(1)
+    batches = BATCHES[n]
+    model = _net()
+    ddp = _ddp(model)
+    opt = lionbit.DistributedLion(ddp.parameters(), **LION)
+    opt.attach(ddp, overlap=overlap)
+    with Join([ddp, opt]):
+        _train(ddp, opt, rank, range(batches[rank]), loop)
+    _same(model, simulate(batches, loop), f"Join {loop} (overlap={overlap})")
+    return {"digest": _digest(model.parameters()), "steps": opt.steps_taken, "overlap_now": opt.attachment.overlap}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize(
+    "loop,overlap", [("bare", True), ("bare", False), ("clip", True), ("accumulate", True)],
+    ids=["bare", "at_step", "clip", "accumulate"],
+)
+def test_join_with_uneven_inputs_trains_to_the_end(loop, overlap, n):
+    res = values(run_ranks("test_habits:join_loop", n, kwargs={"loop": loop, "overlap": overlap},
+                           pg_timeout=30, timeout=180))
+    assert len({r["digest"] for r in res}) == 1, "replicas differ"
+    assert all(r["steps"] == max(BATCHES[n]) for r in res), res
+    # Clipping falls back to votes at step() on every rank alike, the joined ones too.
+    assert all(r["overlap_now"] == (overlap and loop != "clip") for r in res), res
+
+
+def join_without_the_optimizer(rank, n, how, overlap):
+    """``model.join()`` / ``Join([model])`` without the optimizer: every
+    rank fails at once with an error that names the fix. First, a Join that
+    puts the optimizer before the model (or holds it alone) is refused when
+    it is made, on every rank, before any collective."""
+    from torch.distributed.algorithms.join import Join
+
+    import lionbit
+
+    torch.set_num_threads(1)
+    batches = BATCHES[n]
+    model = _net()
+    ddp = _ddp(model)
+    opt = lionbit.DistributedLion(ddp.parameters(), **LION)
+    opt.attach(ddp, overlap=overlap)
+    for joinables in ([opt, ddp], [opt]):
+        with pytest.raises(ValueError, match=r"Join\(\[model, opt\]\)"):
+            Join(joinables)
+    ctx = ddp.join() if how == "model.join" else Join([ddp])
+    start = time.monotonic()
+    try:
+        with ctx:
+            _train(ddp, opt, rank, range(batches[rank]))
+    except RuntimeError as err:
+        error = str(err)
+    else:
+        raise AssertionError("the Join without the optimizer trained on")
+    seconds = time.monotonic() - start
+    dist.barrier()  # the standard path still works (and no rank leaves before its peers have their error)
+    return {"error": error, "seconds": seconds, "joined": batches[rank] == min(batches)}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("how,overlap", [("model.join", True), ("Join([model])", False)])
+def test_join_without_the_optimizer_fails_fast_naming_the_fix(how, overlap, n):
+    # pg_timeout: a hang would end in a timeout error (not the one asserted) after 30 s.
+    res = values(run_ranks("test_habits:join_without_the_optimizer", n, kwargs={"how": how, "overlap": overlap},
+                           pg_timeout=30, timeout=120))
+    for r in res:
+        assert "`with Join([model, opt]):`" in r["error"], r
+        if r["joined"]:
+            assert "not part of that Join" in r["error"], r
+        else:
+            assert "rejected their input" in r["error"] and "join" in r["error"], r
+        assert r["seconds"] < 20, r  # the whole loop, well inside the group's timeout
+
+
+# -- 2. a parameter unfrozen after DDP wrapped the model -------------------------
+
+
+def unfrozen_after_wrapping(rank, n):
+    """``head`` is frozen when DDP wraps the model (so it is in none of DDP's
+    buckets) and unfrozen at UNFREEZE_STEP: trained from then on, with votes
+    in backward and at step() alike."""
+    import lionbit
+
+    torch.set_num_threads(1)
+    want = simulate([STEPS] * n, frozen=HEAD, unfreeze_at=UNFREEZE_STEP)
+    digests = {}
+    for overlap in (True, False):
+        model = _net()
+        model.head.requires_grad_(False)
+        ddp = _ddp(model)
+        opt = lionbit.DistributedLion(ddp.parameters(), **LION)
+        opt.attach(ddp, overlap=overlap)
+        _train(ddp, opt, rank, range(UNFREEZE_STEP))
+        before = model.head.weight.detach().clone()
+        model.head.requires_grad_(True)
+        _train(ddp, opt, rank, range(UNFREEZE_STEP, STEPS))
+        assert not torch.equal(model.head.weight.detach(), before), f"overlap={overlap}: head was not trained"
+        _same(model, want, f"unfrozen after wrapping (overlap={overlap})")
+        assert opt.attachment.fallbacks == 0
+        digests[str(overlap)] = _digest(model.parameters())
+    assert digests["True"] == digests["False"]
+    return digests["True"]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_parameter_unfrozen_after_wrapping_is_trained_in_both_modes(n):
+    res = values(run_ranks("test_habits:unfrozen_after_wrapping", n))
+    assert len(set(res)) == 1, "replicas differ"
+
+
+# -- 3. re-wrapping the model ----------------------------------------------------
+
+
+def rewrap(rank, n, how):
+    """Train on one DDP wrapper, wrap the same module in a new DDP and attach
+    the optimizer to it (after ``detach()``, or directly), then back to the
+    first wrapper: bitwise an uninterrupted run (the momentum is kept)."""
+    import lionbit
+
+    torch.set_num_threads(1)
+    model = _net()
+    first = _ddp(model)
+    opt = lionbit.DistributedLion(first.parameters(), **LION)
+    opt.attach(first)
+    with pytest.raises(RuntimeError, match="already attached"):
+        opt.attach(first)
+    _train(first, opt, rank, range(0, 3))
+    second = _ddp(model)  # the first stays alive, its hook leaving the local gradients
+    if how == "detach":
+        opt.detach()
+    opt.attach(second)
+    _train(second, opt, rank, range(3, 6))
+    if how == "detach":
+        opt.detach()
+    opt.attach(first)  # back: the first wrapper's hook slot serves again
+    _train(first, opt, rank, range(6, 8))
+    _same(model, simulate([8] * n), f"re-wrapped ({how})")
+    return _digest(model.parameters())
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("how", ["detach", "direct"])
+def test_rewrapping_keeps_the_momentum(how, n):
+    res = values(run_ranks("test_habits:rewrap", n, kwargs={"how": how}))
+    assert len(set(res)) == 1, "replicas differ"
+
+
+def new_process_group(rank, n, workdir):
+    """destroy_process_group(), a new init_process_group, a new DDP wrapper:
+    opt.state_dict() works throughout and training goes on, bitwise."""
+    import lionbit
+
+    torch.set_num_threads(1)
+    model = _net()
+    ddp = _ddp(model)
+    opt = lionbit.DistributedLion(ddp.parameters(), **LION)
+    opt.attach(ddp)
+    _train(ddp, opt, rank, range(0, 3))
+    assert opt.state_dict()["lionbit"] == {"rank": rank, "world_size": n}
+    dist.destroy_process_group()
+    sd = opt.state_dict()  # no process group: no marker, no error
+    assert "lionbit" not in sd and len(sd["state"]) == len(list(model.parameters()))
+    dist.init_process_group("lionbit", init_method=f"file://{workdir}/store-again", rank=rank, world_size=n)
+    opt.state_dict()  # still attached to the destroyed group's model: no error either
+    ddp = _ddp(model)
+    opt.attach(ddp)
+    assert opt.state_dict()["lionbit"] == {"rank": rank, "world_size": n}
+    _train(ddp, opt, rank, range(3, 6))
+    _same(model, simulate([6] * n), "after a new process group")
+    return _digest(model.parameters())
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_new_process_group_after_destroy(n, tmp_path):
+    res = values(run_ranks("test_habits:new_process_group", n, kwargs={"workdir": str(tmp_path)}))
+    assert len(set(res)) == 1, "replicas differ"
