@@ -85,7 +85,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
     Without a process group it is single-process Lion; with a plain module ``step()`` votes.
     With DDP, FSDP2 or FSDP1 call ``attach(model)`` once. ``p.grad`` after backward is each rank's
     own gradient; ``step()`` votes the directions of the gradients as they stand (after clipping or
-    unscaling). ``torch.amp.GradScaler`` is supported (DDP, plain): an inf/NaN on any rank skips the
+    unscaling). ``torch.amp.GradScaler`` is supported (DDP, FSDP2, plain): an inf/NaN on any rank skips the
     step on every rank. With uneven inputs, ``with Join([model, opt]):`` (a rank out of data abstains).
     """
 
