@@ -1,41 +1,61 @@
-"""DistributedLion on FSDP2 (``fully_shard``) models: a 1-bit sign
-reduce-scatter in place of FSDP's gradient reduce-scatter.
+"""DistributedLion on FSDP2 (``fully_shard``) models: each rank's own local
+gradient in ``p.grad`` after backward, and a 1-bit sign reduce-scatter of
+the Lion directions at ``step()`` in place of FSDP's gradient reduce-scatter.
 
 ``opt.attach(model)`` installs, on every FSDP unit of the model, a custom
-reduce-scatter (FSDP2's ``set_custom_reduce_scatter``). FSDP hands it the
-local unsharded gradients of the unit, laid out as N per-rank chunks (each
-parameter's dim 0 padded to a multiple of N and cut into N rows-blocks). The
-reduce-scatter
+reduce-scatter (FSDP2's ``set_custom_reduce_scatter``) and, on every sharded
+parameter, a post-accumulate-grad hook. In backward FSDP hands the custom
+reduce-scatter the unit's local unsharded gradients, laid out as N per-rank
+chunks (each parameter's dim 0 padded to a multiple of N and cut into N
+rows-blocks). It reduces nothing: it copies each parameter's full local
+gradient out of that layout (padding dropped, in the dtype FSDP gives the
+sharded gradient) and writes zeros into FSDP's output; the hook, which FSDP
+calls right after it assigns the sharded gradient, replaces ``p.grad`` by
+that local gradient as a DTensor of the parameter's global shape placed
+``Replicate()`` (its local tensor is this rank's own gradient; no collective
+ever makes it so). (On one rank FSDP calls no reduce-scatter: its own
+sharded gradient is then the whole local gradient, and step() reads it
+alike.) So, as under DDP, ``p.grad`` after backward is this rank's local
+gradient, and ``clip_grad_norm_(model.parameters(), ...)``,
+``get_total_norm`` and ``GradScaler.unscale_`` work on it per rank, with no
+collective: each rank clips its own gradient by its own norm.
 
-1. updates each parameter's full-size local momentum and packs the Lion
-   direction ``sign(b1 m + (1 - b1) g)`` of every element into bit-planes,
-   chunk r of FSDP's layout at word r * ceil(S / 64) (S = elements per chunk,
-   padding included; padding elements get no momentum and their results are
-   discarded);
+``step()`` (:func:`fsdp_step`) then, for every unit in the order FSDP
+reduced them in backward (the same on every rank):
+
+1. packs the Lion direction ``sign(b1 m + (1 - b1) g)`` of every element of
+   the gradients as they stand (``p.grad.to_local()``, after any clipping or
+   unscaling) into bit-planes, chunk r of FSDP's layout at word
+   r * ceil(S / 64) (S = elements per chunk, padding included; padding
+   elements are not packed and their results are discarded); the momentum
+   is only read;
 2. runs lionbit's sign reduce-scatter (phase 1 of the sign all-reduce only:
    an all-to-all of packed shards, then a count / vote of the own shard):
-   (N - 1)/N * S*N/8 bytes per rank;
-3. writes Delta for this rank's shard into FSDP's output (so ``p.grad`` of
-   the sharded parameter holds Delta, for logging) and keeps it for
-   ``step()``, which applies ``x = x * (1 - lr * wd) - lr * Delta`` to the
-   local shard of each DTensor parameter. The next all-gather of parameters
-   spreads the update; no phase 2 is needed.
+   (N - 1)/N * S*N/8 bytes per rank; it gives Delta of this rank's shard;
+3. only after every unit's collective succeeded (a NaN/Inf direction on any
+   rank is reported to every rank by the header round: with a GradScaler
+   every rank skips the step and backs off, without one every rank raises,
+   nothing changed anywhere), updates each parameter's full-size momentum
+   from its local gradient and applies ``x = x * (1 - lr * wd) - lr * Delta``
+   to the local shard of each DTensor parameter. The next all-gather of
+   parameters spreads the update; no phase 2 is needed.
 
 Semantics (the same as DDP + DistributedLion, so both give bitwise the same
-parameters from the same seed in float32):
+parameters from the same seed in float32, with or without clipping):
 
-- one Lion step per synchronized backward of a unit; gradient accumulation
-  with ``model.set_requires_gradient_sync(False)`` on all micro-batches but
-  the last accumulates the local gradients (as DDP's ``no_sync``), and the
-  last backward's reduce-scatter takes one Lion step on their sum;
-- a second synchronized backward of a unit before ``step()`` is an error (it
-  would advance the momentum twice and vote twice);
-- a parameter that got no gradient this step (unused) is not reduced by FSDP
-  and is not updated (no weight decay either); DDP with
+- ``p.grad`` lives until the user clears it (``zero_grad``), as under DDP;
+  a backward without ``zero_grad`` before it adds to it (the custom
+  reduce-scatter takes the old local gradient out of FSDP's way and adds
+  it to the new one), so gradients accumulate across backward calls,
+  synchronized or not; ``model.set_requires_gradient_sync(False)`` on all
+  micro-batches but the last accumulates inside FSDP (as DDP's ``no_sync``);
+- a parameter whose ``p.grad`` is None at ``step()`` (unused: FSDP did not
+  reduce it) is not updated (no weight decay either); DDP with
   ``find_unused_parameters=True`` votes a zero gradient instead: call
-  ``model.set_reduce_scatter_unused_params(True)`` for that behaviour.
-- the momentum is full-size on every rank (it follows the local gradient,
-  which FSDP computes unsharded): memory is documented in docs/fsdp.md.
+  ``model.set_reduce_scatter_unused_params(True)`` for that behaviour;
+- memory: the full-size local gradient of every parameter lives from its
+  backward until it is cleared (as under DDP), beside the full-size per-rank
+  momentum (it follows the local gradient): docs/fsdp.md has the figures.
 
 Checkpoints: ``opt.state_dict()`` (:func:`state_dict`, so also torch's
 ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``) and
@@ -49,13 +69,13 @@ Resuming needs the same number of ranks.
 
 import copy
 import warnings
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import _C, lion_math
+from . import _C, lion_math, step_vote
 from ._backend import backend_for
 from .attachment import Attachment
 
@@ -152,18 +172,25 @@ def _param_groups_of(module) -> list:
 
 
 class _SignReduceScatter:
-    """The custom reduce-scatter of one FSDP parameter group."""
+    """The custom reduce-scatter of one FSDP parameter group: it takes the
+    unit's local gradients for ``step()`` and reduces nothing."""
 
     def __init__(self, att, param_group):
         self.att = att
         self.pg = param_group
         self.layout = None  # (fsdp_params, padded unsharded sizes) of the pending call
+        self.params: List = []  # the FSDPParams of the last reduce-scatter, in FSDP's layout order
+        self.group = None  # its process group
         self.default_comm = param_group._reduce_scatter_comm
         self.default_prepare = default_prepare = param_group._prepare_reduce_scatter_inputs
 
         def prepare(fsdp_params, unsharded_grads, world_size):
+            # (FSDP calls this on every reduction, the custom reduce-scatter
+            # only on more than one rank: on one, p.grad is FSDP's own, whole.)
             sizes = default_prepare(fsdp_params, unsharded_grads, world_size)
             self.layout = (list(fsdp_params), tuple(sizes))
+            self.params = self.layout[0]
+            att.reduced(self)
             return sizes
 
         param_group._prepare_reduce_scatter_inputs = prepare
@@ -182,22 +209,24 @@ class _SignReduceScatter:
         where = f"DistributedLion (FSDP2 reduce-scatter) on rank {group.rank()}"
         if layout is None:
             raise RuntimeError(f"{where}: called without FSDP's gradient layout (an unsupported FSDP code path)")
-        if async_op:  # before anything is reduced: no momentum advanced, no update stored
+        if async_op:
             raise NotImplementedError(f"{where}: async_op=True is not supported")
         if op != dist.ReduceOp.AVG:
             raise RuntimeError(
                 f"{where}: FSDP asked for reduce op {op}, not AVG: it scales gradients itself "
                 f"(float16 reduce_dtype, set_gradient_divide_factor or set_force_sum_reduction_for_comms), "
-                f"which would change the momentum; use float32 or bfloat16 gradients and no divide factor"
+                f"which would change the local gradient; use float32 or bfloat16 gradients and no divide factor"
             )
-        self.att.reduce(layout, input_tensor, output_tensor, group, where)
+        fsdp_capture(self.att, layout, input_tensor, output_tensor, group, where)
+        self.group = group
         return None
 
 
 class FSDP2Attachment(Attachment):
     """An FSDP2 model's attachment: lionbit's reduce-scatter on every FSDP
-    parameter group, each parameter's full-size momentum, the pending
-    updates of the local shards."""
+    parameter group (it keeps each rank's local gradients for ``p.grad``),
+    the hooks that put them there, each parameter's full-size momentum, and
+    the order of the units' votes at ``step()``."""
 
     kind = "FSDP2"
 
@@ -210,12 +239,17 @@ class FSDP2Attachment(Attachment):
         super().__init__(opt, opt.group if opt.group is not None else group)
         self.model = model
         self.mesh = next(iter(self.managed)).device_mesh
-        self.pending: Dict[torch.Tensor, torch.Tensor] = {}  # sharded parameter -> Delta of its local shard
+        # sharded parameter -> its local gradient, from the reduce-scatter
+        # until FSDP's grad hook puts it into p.grad
+        self.captured: Dict[torch.Tensor, torch.Tensor] = {}
+        self.order: List[_SignReduceScatter] = []  # units in the order of their last reduce-scatters
+        self.stepped = True  # a step() came after the last reduce-scatter (the next one starts a new order)
         self.comms = []
         for module, pg in installs:
             comm = _SignReduceScatter(self, pg)
             module.set_custom_reduce_scatter(comm)
             self.comms.append(comm)
+        self.hooks = [p.register_post_accumulate_grad_hook(self.grad_hook) for p in self.managed]
 
     def is_attached_to(self, model) -> bool:
         return model is self.model
@@ -223,21 +257,25 @@ class FSDP2Attachment(Attachment):
     def detach(self) -> None:
         for comm in self.comms:
             comm.uninstall()
-        self.comms = []
-        self.pending = {}
+        for h in self.hooks:
+            h.remove()
+        self.comms, self.hooks, self.order, self.captured = [], [], [], {}
 
-    def reduce(self, layout, inp, out, group, where) -> None:
-        fsdp_reduce(self, layout, inp, out, group, where)
+    def reduced(self, comm: _SignReduceScatter) -> None:
+        """A unit's reduce-scatter ran: note its place in the order of votes."""
+        if self.stepped:
+            self.order, self.stepped = [], False
+        if comm not in self.order:
+            self.order.append(comm)
+
+    def grad_hook(self, p: torch.Tensor) -> None:
+        """FSDP assigned p's sharded gradient (zeros): put the local one in its place."""
+        full = self.captured.pop(p, None)
+        if full is not None:
+            p.grad = DTensor.from_local(full, p.device_mesh, [Replicate()], run_check=False)
 
     def step(self, grad_scaler=None, abstain: bool = False) -> bool:
-        if grad_scaler is not None:
-            raise RuntimeError(
-                "DistributedLion.step (FSDP2): GradScaler is not supported with FSDP: the 1-bit reduce-scatter "
-                "computes the Lion update during backward, from the still-scaled gradients. Use bfloat16 mixed "
-                "precision instead (FSDP2: MixedPrecisionPolicy(param_dtype=torch.bfloat16); or torch.autocast "
-                "with dtype=torch.bfloat16), which needs no loss scaling"
-            )
-        return fsdp_step(self)
+        return fsdp_step(self, grad_scaler)
 
     def momenta(self):
         return [
@@ -342,96 +380,178 @@ def _managed(opt, model):
     return managed, fqns, installs, pg0
 
 
-def fsdp_reduce(att, layout, inp, out, group, where) -> None:
-    """Direction bits of the unit's local gradients -> sign reduce-scatter ->
-    Delta of this rank's shard (into FSDP's output and kept for step())."""
-    opt, fqns = att.opt, att.fqns
-    fsdp_params, sizes = layout
-    n, rank = group.size(), group.rank()
-    s = out.numel()
-    if inp.numel() != n * s or len(fsdp_params) != len(sizes):
-        raise RuntimeError(f"{where}: input of {inp.numel()} elements for an output of {s} on {n} ranks")
+def _pieces(fsdp_params, n: int):
+    """FSDP's layout of a unit on n ranks: per parameter (FSDPParam, offset
+    in the chunk, rows per chunk, elements per row); and the chunk's size."""
+    pieces, off = [], 0
     for fp in fsdp_params:
-        if fp.sharded_param in att.pending:
-            raise RuntimeError(
-                f"{where}: parameter '{fqns.get(fp.sharded_param, '?')}' was reduced twice before step(): a second "
-                f"synchronized backward would advance the momentum twice; for gradient accumulation call "
-                f"model.set_requires_gradient_sync(False) for all micro-batches but the last"
-            )
-    groups = opt.param_group_of()
-    sign, zero = opt.voter.shard_planes(n, s)
-    words = (s + 63) // 64
-    gin = inp.view(n, s)
-    nans = 0
-    pieces = []  # (param, offset in shard, elements per shard, full first-dim, row size, rows per shard)
-    off = 0
-    for fp, size in zip(fsdp_params, sizes):
-        rows = size[0] // n
+        size = fp._orig_size
+        rows = -(-size[0] // n)  # dim 0 padded to a multiple of n
         row = 1
         for d in size[1:]:
             row *= d
         pieces.append((fp, off, rows, row))
         off += rows * row
-    if off != s:
-        raise RuntimeError(f"{where}: FSDP's layout covers {off} elements per rank, the output {s}")
+    return pieces, off
+
+
+def _valid(dim0: int, rows: int, r: int) -> int:
+    """Rows of chunk r that are the parameter's, not padding."""
+    return max(0, min(rows, dim0 - r * rows))
+
+
+def fsdp_capture(att, layout, inp, out, group, where) -> None:
+    """The custom reduce-scatter's work in backward: each parameter's full
+    local gradient out of FSDP's chunk layout (plus the local gradient that
+    p.grad still held: DDP's accumulation), kept for the grad hook; zeros
+    into FSDP's output. No collective."""
+    fsdp_params, sizes = layout
+    n = group.size()
+    s = out.numel()
+    pieces, total = _pieces(fsdp_params, n)
+    if inp.numel() != n * s or total != s or [rows * n for _, _, rows, _ in pieces] != [z[0] for z in sizes]:
+        raise RuntimeError(
+            f"{where}: FSDP's layout ({inp.numel()} elements in, {s} out, padded sizes {[tuple(z) for z in sizes]}) "
+            f"is not the one lionbit expects ({n} chunks of {total})"
+        )
+    gin = inp.view(n, s)
     for fp, off, rows, row in pieces:
         p = fp.sharded_param
-        m = att.full_momentum(p).view(-1)
-        dim0 = fp._orig_size[0]
-        coefs = lion_math.Coefs(groups[p])
-        parts = []
+        old = p.grad
+        if isinstance(old, DTensor) and tuple(old.placements) == (Replicate(),):
+            # This rank's local gradient from an earlier backward (no
+            # zero_grad since): FSDP would add its sharded gradient into it.
+            old = old.to_local()
+            p.grad = None
+        else:
+            old = None
+        dtype = getattr(fp, "sharded_grad_dtype", None) or p.dtype  # the dtype FSDP gives p.grad
+        full = torch.empty(fp._orig_size, dtype=dtype, device=inp.device)
+        flat = full.view(-1)
         for r in range(n):
-            valid = max(0, min(rows, dim0 - r * rows)) * row
-            if valid == 0:
-                continue
-            g = gin[r, off : off + valid]
-            mr = m[r * rows * row : r * rows * row + valid]
-            if opt.bits:
-                parts.append((g, mr, r * words * 64 + off))
-            else:
-                nans += lion_math.direction_into(g, mr, coefs, sign, zero, r * words * 64 + off, opt.fused_for(mr, g))
-        if parts:
-            nans += lion_math.levels_into(parts, coefs, opt.bits, sign)
-    delta = torch.empty(s, dtype=opt.voter.delta_dtype)
-    opt.voter.reduce_scatter(sign, zero, s, nans, delta, group, "attach (FSDP2 reduce-scatter)")
-    for fp, off, rows, row in pieces:
-        p = fp.sharded_param
-        valid = max(0, min(rows, fp._orig_size[0] - rank * rows)) * row
-        delta[off + valid : off + rows * row] = 0  # padding
-        local = p.to_local()
-        if local.numel() != valid:
-            raise RuntimeError(
-                f"{where}: parameter '{fqns.get(p, '?')}' has {local.numel()} local elements, FSDP's layout {valid}"
-            )
-        att.pending[p] = delta[off : off + valid]
-    out.copy_(delta)
+            valid = _valid(fp._orig_size[0], rows, r) * row
+            if valid:
+                flat[r * rows * row : r * rows * row + valid].copy_(gin[r, off : off + valid])
+        if old is not None:
+            full.add_(old.reshape(full.shape))
+        att.captured[p] = full
+    out.zero_()
 
 
-def fsdp_step(att) -> bool:
-    """Applies the pending updates. Returns False for torch's
-    ``_init_optim_state`` call (no update pending, no state yet), which is
-    not a step: the step counter (and the momentum sync) ignore it."""
+def _local_grad(att, p: torch.Tensor) -> Optional[torch.Tensor]:
+    """p's local gradient as step() reads it: the local tensor of p.grad
+    (None: no gradient)."""
+    g = p.grad
+    if g is None:
+        return None
+    if isinstance(g, DTensor) and (tuple(g.placements) == (Replicate(),) or g.device_mesh.size() == 1):
+        local = g.to_local()
+        if tuple(local.shape) == tuple(p.shape):
+            return local
+    what = (
+        f"a DTensor placed {tuple(g.placements)} with local shape {tuple(g.to_local().shape)}"
+        if isinstance(g, DTensor) else f"a {type(g).__name__} of shape {tuple(g.shape)}"
+    )
+    raise RuntimeError(
+        f"DistributedLion.step (FSDP2) on rank {att.mesh.get_local_rank()}: p.grad of '{att.fqns.get(p, '?')}' is "
+        f"{what}; after backward it is this rank's local gradient, a DTensor of the parameter's shape "
+        f"{tuple(p.shape)} placed Replicate(). Change it in place (clipping, unscaling) or with DTensor ops, "
+        f"or set it to None, but do not replace it by a sharded gradient"
+    )
+
+
+def fsdp_vote(att):
+    """Votes the step (changing no state): per unit in the order of its
+    reduce-scatter in backward, the directions of the parameters that have
+    a gradient, packed in FSDP's chunk layout, and the sign reduce-scatter.
+    Returns the function that updates the momenta and applies Delta to the
+    local shards; raises step_vote.NonFinite (on every rank alike)."""
     opt = att.opt
-    pending, att.pending = att.pending, {}
-    if not pending and not opt.state:
+    att.stepped = True
+    voter = opt.voter
+    groups = opt.param_group_of()
+    todo = []  # (local gradient, full momentum, coefs, local shard, Delta of the shard)
+    biggest = 0
+    for comm in att.order:
+        group = comm.group if comm.group is not None else att.mesh.get_group()
+        n, rank = group.size(), group.rank()
+        params = []
+        for fp in comm.params:
+            p = fp.sharded_param
+            g = _local_grad(att, p) if p.requires_grad else None
+            if g is not None:
+                params.append((fp, g.reshape(-1) if g.is_contiguous() else g.contiguous().reshape(-1)))
+        if not params:
+            continue
+        pieces, s = _pieces([fp for fp, _ in params], n)
+        sign, zero = voter.shard_planes(n, s)
+        words = (s + 63) // 64
+        nans = 0
+        unit = []
+        for (fp, off, rows, row), (_, g) in zip(pieces, params):
+            p = fp.sharded_param
+            m = att.full_momentum(p).view(-1)
+            coefs = lion_math.Coefs(groups[p])
+            dim0 = fp._orig_size[0]
+            parts = []
+            for r in range(n):
+                valid = _valid(dim0, rows, r) * row
+                if valid == 0:
+                    continue
+                at = r * rows * row
+                gr, mr = g[at : at + valid], m[at : at + valid]
+                if voter.bits:
+                    parts.append((gr, mr, r * words * 64 + off))
+                else:
+                    nans += lion_math.pack_direction(
+                        gr, mr, coefs, sign, zero, r * words * 64 + off, opt.fused_for(mr, gr)
+                    )
+            if parts:
+                nans += lion_math.pack_levels_pieces(parts, coefs, voter.bits, sign)
+            local = p.to_local()
+            own = _valid(dim0, rows, rank) * row
+            if local.numel() != own:
+                raise RuntimeError(
+                    f"DistributedLion.step (FSDP2) on rank {rank}: parameter '{att.fqns.get(p, '?')}' has "
+                    f"{local.numel()} local elements, FSDP's layout {own}"
+                )
+            unit.append((g, m, coefs, local, off, own))
+            biggest = max(biggest, g.numel())
+        delta = torch.empty(s, dtype=voter.delta_dtype)
+        try:
+            voter.reduce_scatter(sign, zero, s, nans, delta, group, "step (FSDP2 reduce-scatter)")
+        except (RuntimeError, ValueError) as err:
+            ranks = step_vote.nonfinite_ranks(err)
+            if ranks is None:
+                raise
+            raise step_vote.NonFinite(ranks) from None
+        todo += [(g, m, coefs, local, delta[off : off + own]) for g, m, coefs, local, off, own in unit]
+
+    def apply() -> None:
+        scratch = lion_math.planes(biggest) if biggest else None
+        for g, m, coefs, local, d in todo:
+            fused = opt.fused_for(m, g)
+            nb = lion_math.plane_bytes(g.numel())
+            lion_math.update_momentum(g, m, coefs, fused, (scratch[0][:nb], scratch[1][:nb]))
+            if d.numel():
+                lion_math.apply_update(local, d, coefs, opt.fused_for(local, d))
+
+    return apply
+
+
+def fsdp_step(att, grad_scaler=None) -> bool:
+    """``step()`` under FSDP2: the vote of :func:`fsdp_vote` through
+    step_vote.voted_step (GradScaler: unscaled first; a non-finite direction
+    on any rank skips the step everywhere). Returns False for torch's
+    ``_init_optim_state`` call (no reduce-scatter since the last step, no
+    state yet), which is not a step: the step counter (and the momentum
+    sync) ignore it."""
+    for p in list(att.captured):  # a grad hook FSDP did not call
+        att.grad_hook(p)
+    if not att.opt.state and (att.stepped or not att.order):
         init_momentum(att)  # torch's _init_optim_state: step() with zero gradients on a fresh optimizer
         return False
-
-    def grad_of(p):
-        g = p.grad
-        return None if g is None else (g.to_local() if hasattr(g, "to_local") else g)
-
-    check_grads_untouched(pending, grad_of, "FSDP2")
-    for group in opt.param_groups:
-        coefs = None
-        for p in group["params"]:
-            delta = pending.pop(p, None)
-            if delta is None or delta.numel() == 0:
-                continue
-            coefs = coefs or lion_math.Coefs(group)
-            local = p.to_local()
-            lion_math.apply_update(local, delta, coefs, opt.fused_for(local, delta))
-    return True
+    return step_vote.voted_step(att.opt, grad_scaler, lambda: fsdp_vote(att), att.group)
 
 
 def check_grads_untouched(pending: dict, grad_of, kind: str) -> None:
@@ -465,14 +585,6 @@ def check_grads_untouched(pending: dict, grad_of, kind: str) -> None:
 # de-duplication balances the write onto, parameter by parameter), and
 # full_state_dict=True gathers the rows: a consolidated checkpoint holds all N
 # momenta stacked. Loading needs the same number of ranks.
-
-
-def _check_attached(att, where: str, pending_ok: bool = False) -> None:
-    if att.pending and not pending_ok:
-        raise RuntimeError(
-            f"DistributedLion.{where}: an update is pending (backward ran, step() did not); "
-            f"save and load checkpoints after step() (or before backward())"
-        )
 
 
 def _rows(p: torch.Tensor, m: torch.Tensor):
@@ -533,8 +645,8 @@ def _warn_unsure(att, names: list, where: str) -> None:
 
 def init_momentum(att) -> None:
     """Zero momentum for every trainable parameter that has none yet (what
-    the first reduce-scatter would create). :func:`fsdp_step` calls it when
-    step() finds no update pending and the state empty: torch's
+    the first step would create). :func:`fsdp_step` calls it when step()
+    finds no reduce-scatter since the last step and the state empty: torch's
     ``_init_optim_state`` (get/set_optimizer_state_dict on a fresh optimizer)
     calls step() with zero gradients and lr 0 on each rank on its own, and
     then reads the state. No collective runs and no parameter changes."""
@@ -558,7 +670,6 @@ def state_dict(att) -> dict:
     consolidated checkpoint of every rank's momentum, N times a parameter's
     size."""
     opt = att.opt
-    _check_attached(att, "state_dict")
     for hook in getattr(opt, "_optimizer_state_dict_pre_hooks", {}).values():
         hook(opt)
     init_momentum(att)
@@ -597,7 +708,6 @@ def load_state_dict(att, state_dict: dict) -> None:
     changes."""
     where = "DistributedLion.load_state_dict (FSDP2)"
     opt = att.opt
-    _check_attached(att, "load_state_dict")
     sd = dict(state_dict)
     for hook in getattr(opt, "_optimizer_load_state_dict_pre_hooks", {}).values():
         out = hook(opt, sd)
@@ -662,7 +772,6 @@ def sharded_state_dict(att) -> dict:
     DTensors share memory with the momentum: ``dcp.load`` into it restores
     in place; call :func:`load_sharded_state_dict` afterwards."""
     opt = att.opt
-    _check_attached(att, "sharded_state_dict")
     momentum = {}
     for p in att.managed:
         if not p.requires_grad:
@@ -675,7 +784,6 @@ def sharded_state_dict(att) -> dict:
 def load_sharded_state_dict(att, sd: dict) -> None:
     where = "DistributedLion.load_sharded_state_dict"
     opt = att.opt
-    _check_attached(att, "load_sharded_state_dict", pending_ok=True)
     if sd.get("aggregation", opt.aggregation) != opt.aggregation:
         raise ValueError(
             f"{where}: the checkpoint used aggregation={sd['aggregation']!r}, this optimizer {opt.aggregation!r}"
@@ -700,4 +808,3 @@ def load_sharded_state_dict(att, sd: dict) -> None:
     for mine, saved in zip(opt.param_groups, groups):
         for k, v in saved.items():
             mine[k] = tuple(v) if k == "betas" else v
-    att.pending = {}

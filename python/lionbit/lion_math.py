@@ -88,16 +88,22 @@ def direction(g, m, k: Coefs) -> torch.Tensor:
     return _direction_torch(g.reshape(-1), m.reshape(-1), k)
 
 
-def levels_into(pieces, k: Coefs, bits: int, levels) -> int:
+def pack_levels_pieces(pieces, k: Coefs, bits: int, levels) -> int:
     """The FSDP reduce-scatters' "l1" packing of one parameter tensor given
     as pieces (g, m, bit_offset): c of every piece first (the L1 scale is
-    the whole tensor's mean |c|), then each piece's levels packed at its
-    offset and its momentum updated. Returns the non-finite count."""
+    the whole tensor's mean |c|, summed piece by piece), then each piece's
+    levels packed at its offset; m is only read. Returns the non-finite
+    count."""
     cs = [direction(g, m, k) for g, m, _ in pieces]
     factor = level_factor(cs, bits)
-    bad = 0
-    for c, (g, m, off) in zip(cs, pieces):
-        bad += pack_levels(c, factor, bits, levels, off)
+    return sum(pack_levels(c, factor, bits, levels, off) for c, (_, _, off) in zip(cs, pieces))
+
+
+def levels_into(pieces, k: Coefs, bits: int, levels) -> int:
+    """:func:`pack_levels_pieces`, then each piece's momentum updated (for
+    a reduce-scatter that runs in backward and keeps no gradient)."""
+    bad = pack_levels_pieces(pieces, k, bits, levels)
+    for g, m, _ in pieces:
         update_momentum(g, m, k, False, None)
     return bad
 

@@ -85,8 +85,9 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
     Without a process group it is single-process Lion; with a plain module ``step()`` votes.
     With DDP, FSDP2 or FSDP1 call ``attach(model)`` once. ``p.grad`` after backward is each rank's
     own gradient; ``step()`` votes the directions of the gradients as they stand (after clipping or
-    unscaling). ``torch.amp.GradScaler`` is supported (DDP, plain): an inf/NaN on any rank skips the
-    step on every rank. Uneven inputs: ``with Join([model, opt]):``, the model first (a rank out of data abstains).
+    unscaling). ``torch.amp.GradScaler`` is supported (DDP, FSDP2, plain): an inf/NaN on any rank skips
+    the step on every rank. Uneven inputs: ``with Join([model, opt]):``, the model first (a rank out of
+    data abstains).
     """
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0,

@@ -139,6 +139,7 @@ def fsdp_vs_ddp(rank, world_size, steps, accumulate, aggregation, momentum_dtype
 @pytest.mark.parametrize(
     "world_size,accumulate,aggregation,momentum_dtype",
     [
+        (1, 2, "vote", None),
         (2, 1, "vote", None),
         (3, 2, "avg", None),
         (4, 1, "vote", "bfloat16"),
@@ -159,6 +160,146 @@ def test_fsdp2_equals_ddp_bitwise(world_size, accumulate, aggregation, momentum_
         assert all(r["same"]), r["same"]
         assert r["moved"] > 0.1  # the parameters did change
     assert len({r["digest"] for r in res}) == 1
+
+
+def accumulate_like_ddp(rank, world_size, habit, steps=4):
+    """Gradients accumulate across backward calls as under DDP: two
+    synchronized backwards before a step ("two_syncs"), no zero_grad at all
+    ("keep"), zero_grad(set_to_none=False) ("zeros"). p.grad (its local
+    tensor) equals DDP's before every step; the parameters stay bitwise
+    DDP's."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
+
+    ddp = DDP(_net())
+    dopt = lionbit.DistributedLion(ddp.parameters(), **LION).attach(ddp)
+    model = _shard(_net())
+    opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
+    same_grads = []
+    for step in range(steps):
+        for k in range(2 if habit == "two_syncs" else 1):
+            _loss(ddp, rank, step, k).backward()
+            _loss(model, rank, step, k).backward()
+        same_grads.append(all(torch.equal(p.grad.to_local(), q.grad)
+                              for p, q in zip(model.parameters(), ddp.module.parameters())))
+        dopt.step()
+        opt.step()
+        if habit != "keep":
+            dopt.zero_grad(set_to_none=habit == "two_syncs")
+            opt.zero_grad(set_to_none=habit == "two_syncs")
+    same = [bool(torch.equal(a, b.detach())) for a, b in zip(_full_params(model), ddp.module.parameters())]
+    return {"grads": same_grads, "params": same, "digest": _digest(_full_params(model))}
+
+
+@pytest.mark.parametrize("habit", ["two_syncs", "keep", "zeros"])
+def test_fsdp2_gradients_accumulate_like_ddp(habit):
+    res = values(run_ranks("test_fsdp:accumulate_like_ddp", 3, kwargs=dict(habit=habit)))
+    for r in res:
+        assert all(r["grads"]) and all(r["params"]), r
+    assert len({r["digest"] for r in res}) == 1
+
+
+def step_cases(rank, world_size):
+    """What step() does with the gradients as they stand: a NaN on rank 1
+    only (every rank raises naming it, nothing changed anywhere), a p.grad
+    set to None (that parameter is not stepped: no update, no decay, its
+    momentum kept), a p.grad replaced by a sharded gradient (a clear error);
+    training goes on after each."""
+    import lionbit
+
+    model = _shard(_net())
+    opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
+    params = list(model.parameters())
+
+    def state():
+        return _digest([p.to_local() for p in params] + [opt.state[p]["exp_avg"] for p in params])
+
+    def step_error():
+        try:
+            opt.step()
+        except RuntimeError as err:
+            return str(err)
+        return "no error"
+
+    _loss(model, rank, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    out = {}
+    before = state()
+    _loss(model, rank, 1).backward()
+    if rank == 1:
+        model.b.weight.grad.to_local()[0, 0] = float("nan")
+    out["nan"] = step_error()
+    out["nan_changed_nothing"] = state() == before
+    opt.zero_grad()
+
+    _loss(model, rank, 2).backward()
+    w = model.head.weight
+    kept = [w.to_local().clone(), opt.state[w]["exp_avg"].clone(), model.a.weight.to_local().clone()]
+    w.grad = None
+    opt.step()
+    opt.zero_grad()
+    out["none_kept"] = torch.equal(w.to_local(), kept[0]) and torch.equal(opt.state[w]["exp_avg"], kept[1])
+    out["others_moved"] = not torch.equal(model.a.weight.to_local(), kept[2])
+
+    _loss(model, rank, 3).backward()
+    model.a.weight.grad = torch.zeros_like(model.a.weight)  # a Shard(0) DTensor
+    out["sharded"] = step_error()
+    opt.zero_grad()
+    _loss(model, rank, 4).backward()
+    opt.step()
+    out["steps"] = opt.steps_taken
+    out["digest"] = _digest(_full_params(model))
+    return out
+
+
+def test_fsdp2_step_takes_the_gradients_as_they_stand():
+    res = values(run_ranks("test_fsdp:step_cases", 3))
+    for r in res:
+        assert "non-finite gradient (inf or NaN) on rank(s) [1]" in r["nan"], r["nan"]
+        assert "no parameter or momentum changed on any rank" in r["nan"], r["nan"]
+        assert r["nan_changed_nothing"] and r["none_kept"] and r["others_moved"], r
+        assert "p.grad of 'a.weight' is a DTensor placed (Shard(dim=0),)" in r["sharded"], r["sharded"]
+        assert r["steps"] == 3, r
+    assert len({r["digest"] for r in res}) == 1
+
+
+def scaler_clip_like_ddp(rank, world_size):
+    """GradScaler with the user's unscale_, clip_grad_norm_ and an overflow
+    on rank 0 at step 2 (every rank skips it and backs off): DDP, FSDP2, and
+    FSDP2 with manual backward finalization end bitwise alike."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
+
+    out = []
+    for kind in ("ddp", "fsdp2", "fsdp2_manual"):
+        model = DDP(_net()) if kind == "ddp" else _shard(_net())
+        if kind == "fsdp2_manual":
+            model.set_manual_backward_finalization(True)
+        opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for step in range(4):
+            loss = _loss(model, rank, step)
+            scaler.scale(loss * 1e38 if (step, rank) == (2, 0) else loss).backward()
+            if kind == "fsdp2_manual":
+                model.finalize_backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        params = [p.detach() for p in model.module.parameters()] if kind == "ddp" else _full_params(model)
+        out.append([_digest(params), scaler.get_scale(), opt.steps_taken])
+    return out
+
+
+def test_fsdp2_grad_scaler_unscale_and_clip_equal_ddp():
+    res = values(run_ranks("test_fsdp:scaler_clip_like_ddp", 2))
+    for r in res:
+        assert r[0] == r[1] == r[2] == res[0][0], r
+        assert r[0][1:] == [512.0, 3], r  # one skipped step, one back-off
 
 
 def fsdp_bytes(rank, world_size, steps):
@@ -336,7 +477,6 @@ ATTACH_CASES = {
     "offload": "CPUOffloadPolicy is not supported",
     "missing_param": "is not in this optimizer",
     "fp16_reduce": "not AVG",
-    "two_syncs": "was reduced twice before step()",
     "not_root": "call fully_shard on the root module too",
 }
 
@@ -402,12 +542,6 @@ def _error_case(rank, world_size, case):
         opt = lionbit.DistributedLion(model.parameters())
         opt.attach(model)
         _loss(model, rank, 0).backward()
-    elif case == "two_syncs":
-        model = _shard(_net())
-        opt = lionbit.DistributedLion(model.parameters())
-        opt.attach(model)
-        _loss(model, rank, 0).backward()
-        _loss(model, rank, 1).backward()
     elif case == "not_root":
         model = _net()
         fully_shard(model.a)

@@ -9,9 +9,10 @@ float contract in lionbit.lion_math, not from lionbit's code): N model copies,
 each with its own momentum, the same loop operation applied on every
 simulated rank, the vote as sign(sum of signs). DDP must equal it bitwise;
 so must FSDP wherever FSDP computes the same local gradients (bare,
-accumulation, bf16 autocast: the tests compare bitwise). Clipping and
-GradScaler under FSDP raise a clear error at the first step (their update is
-voted during backward; README "Training loops").
+accumulation, bf16 autocast, and under FSDP2, which votes at step(), clipping
+and GradScaler too: the tests compare bitwise). Clipping and GradScaler under
+FSDP1's sharded strategies raise a clear error at the first step (their
+update is voted during backward; README "Training loops").
 """
 
 import copy
@@ -254,10 +255,11 @@ def fsdp_loop(rank, n, kind, loop):
     opt = lionbit.DistributedLion(model.parameters(), **LION)
     opt.attach(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=65536.0) if loop == "grad_scaler" else None
-    # Which loops raise: GradScaler under FSDP; clipping where the update is
-    # voted in backward (sharded strategies). NO_SHARD is DDP's contract.
-    raises = loop == "grad_scaler" or (loop == "clip" and kind != "fsdp1_no_shard")
-    ref_params, _, ref_grads = simulate(n, loop) if not raises else (None, None, None)
+    # Which loops raise: GradScaler under FSDP1; clipping where the update is
+    # voted in backward (FSDP1's sharded strategies). NO_SHARD is DDP's
+    # contract; so is FSDP2's (p.grad is the local gradient, voted at step()).
+    raises = kind != "fsdp2" and (loop == "grad_scaler" or (loop == "clip" and kind != "fsdp1_no_shard"))
+    ref_params, ref_scale, ref_grads = simulate(n, loop) if not raises else (None, None, None)
     for step in range(STEPS):
         opt.zero_grad()
         for micro in range(_micro_batches(loop)):
@@ -280,10 +282,12 @@ def fsdp_loop(rank, n, kind, loop):
             else:
                 model.clip_grad_norm_(1.0)
 
-        if kind == "fsdp1_no_shard" and step == 0 and ref_grads is not None:
-            # The contract: p.grad is this rank's own local gradient.
+        if kind in ("fsdp1_no_shard", "fsdp2") and step == 0 and ref_grads is not None:
+            # The contract: p.grad is this rank's own local gradient (FSDP2:
+            # its DTensor of the parameter's shape, placed Replicate()).
             for p, want in zip(model.parameters(), ref_grads[rank]):
-                assert torch.equal(p.grad, want), "p.grad after backward is not the local gradient"
+                got = p.grad.to_local() if kind == "fsdp2" else p.grad
+                assert torch.equal(got, want), "p.grad after backward is not the local gradient"
         if raises:
             with pytest.raises(RuntimeError) as err:
                 _user_step(opt, model, loop, scaler, clip)
@@ -299,6 +303,8 @@ def fsdp_loop(rank, n, kind, loop):
             full = [p.detach().clone() for p in model.parameters()]
     for got, want in zip(full, ref_params):
         assert torch.equal(got, want), f"{kind} {loop} differs from the simulation"
+    if scaler is not None:
+        assert scaler.get_scale() == ref_scale, (scaler.get_scale(), ref_scale)
     return {"digest": _digest(full)}
 
 
