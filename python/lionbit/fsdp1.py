@@ -7,23 +7,42 @@ own state object (a :class:`_Unit`) that knows the instance's
 
 - sharded strategies (``FULL_SHARD``, ``SHARD_GRAD_OP``): FSDP calls
   ``hook(unit, padded_unsharded_grad, sharded_output)``. The padded gradient
-  is the local gradient of the flat parameter, padded at the end to N * S
-  elements, chunk r (S elements) being rank r's shard. The hook updates the
-  unit's full-size local momentum and packs the Lion direction of chunk r at
-  bit r * 64 * ceil(S / 64) (padding elements are skipped: no momentum, no
-  vote that counts), runs lionbit's sign reduce-scatter (phase 1 of the sign
-  all-reduce only: (N - 1)/N * N*S/8 bytes per rank) and keeps Delta of the
-  own shard for ``step()`` (and writes it into FSDP's output, so the sharded
-  gradient holds Delta, for logging);
+  is this rank's local gradient of the flat parameter, padded at the end to
+  N * S elements, chunk r (S elements) being rank r's shard. The hook keeps a
+  copy of it, unpadded (the unit's *kept gradient*, this rank's full local
+  gradient: DDP's ``p.grad``), and writes chunk r of it into FSDP's output,
+  so the sharded ``p.grad`` after backward is this rank's shard of its own
+  local gradient. Nothing is communicated in backward.
 - ``NO_SHARD``: FSDP calls ``hook(unit, grad)`` with the whole local
-  gradient; the hook runs the sign all-reduce (DDP's path) and keeps Delta
-  (also written into the gradient).
+  gradient, which stays in ``p.grad`` as under DDP.
 
-``step()`` applies ``x = x * (1 - lr * wd) - lr * Delta`` to each unit's
-local flat-parameter shard, parameter by parameter (each original
-parameter's hyperparameters come from its optimizer group; with
-``use_orig_params=False`` the groups hold the FlatParameters). FSDP's next
-all-gather spreads the update.
+``step()`` votes: for each sharded unit with a kept gradient (in the order
+their hooks first ran, the same on every rank) it packs the Lion direction
+of chunk r at bit r * 64 * ceil(S / 64) (padding skipped: no momentum, no
+vote that counts) and runs lionbit's sign reduce-scatter (phase 1 of the
+sign all-reduce only: (N - 1)/N * N*S/8 bytes per rank), which gives this
+rank's shard of Delta; the NO_SHARD units are voted like DDP's parameters
+(lionbit.step_vote). Only once every collective has succeeded (a
+non-finite direction on any rank raises on every rank before anything
+changed, lionbit.step_vote.NonFinite) is each unit's momentum updated from
+its kept gradient and ``x = x * (1 - lr * wd) - lr * Delta`` applied to its
+local flat-parameter shard, parameter by parameter (each original parameter's
+hyperparameters come from its optimizer group; with ``use_orig_params=False``
+the groups hold the FlatParameters). FSDP's next all-gather spreads the
+update.
+
+The kept gradient follows DDP's ``p.grad``: it accumulates over synchronized
+backwards until the gradients are zeroed (``zero_grad()`` to None or to
+zeros, seen through the sharded ``p.grad`` and its version counter), and
+``model.clip_grad_norm_(max_norm, norm_type)`` (replaced on the root at
+attach, restored at detach) clips the kept gradients of this rank by this
+rank's own norm, computed as ``torch.nn.utils.clip_grad_norm_`` computes it on
+DDP's per-parameter gradients. Any other edit of the sharded gradients
+(``torch.nn.utils.clip_grad_norm_(model.parameters())``, which only sees
+shards, an unscale, ...) cannot reach the kept gradient: ``step()`` raises.
+Memory: the kept gradient is full-size, like the momentum (4 bytes per
+parameter per rank in float32); after ``zero_grad()`` to None it is freed at
+the next forward (a forward pre-hook on the root), before the activations.
 
 Momentum: one flat full-size tensor per FSDP instance, in FlatParameter
 order (alignment padding included, never touched), kept on the optimizer
@@ -37,7 +56,6 @@ import torch
 from . import lion_math, step_vote
 from ._backend import backend_for
 from .attachment import Attachment
-from .fsdp import check_grads_untouched
 
 try:
     import torch.distributed.fsdp._traversal_utils as traversal_utils
@@ -46,15 +64,22 @@ except ImportError:  # pragma: no cover - optional: a torch without FSDP1
     FSDP = ShardingStrategy = traversal_utils = None
 
 _WHERE = "DistributedLion.attach (FSDP1)"
+_FSDP_PREFIX = "_fsdp_wrapped_module"
 
 
 def is_fsdp1(model) -> bool:
     return FSDP is not None and isinstance(model, FSDP)
 
 
+def _clean(name: str) -> str:
+    """A module or parameter name without FSDP's wrapper prefixes ("b", not "_fsdp_wrapped_module.b")."""
+    return name.replace(_FSDP_PREFIX + ".", "").replace(_FSDP_PREFIX, "")
+
+
 class _Unit:
     """The comm-hook state of one FSDP instance: its FlatParameter's layout,
-    hyperparameter groups per original parameter and local momentum."""
+    hyperparameter groups per original parameter, local momentum and (sharded
+    strategies) this rank's kept local gradient."""
 
     def __init__(self, att, module, name: str, segments, numel: int, sharded: bool, group):
         self.att = att
@@ -67,6 +92,17 @@ class _Unit:
         self.sharded = sharded
         self.group = group
         self.momentum: Optional[torch.Tensor] = None
+        fp = self.handle.flat_param
+        self.shard_numel = fp.numel()  # S: FSDP shards at construction (padding included)
+        # use_orig_params=True: the original parameters, whose .grad (views of
+        # the sharded flat gradient) are what the user sets to None
+        self.orig = fp._params if self.handle._use_orig_params else None
+        # Sharded strategies: this rank's full local flat gradient (unpadded),
+        # kept from backward for step() and clipping; and the sharded gradient
+        # tensor FSDP holds, with its version, as lionbit last saw it.
+        self.kept: Optional[torch.Tensor] = None
+        self.shown: Optional[torch.Tensor] = None
+        self.shown_version = -1
 
     def momentum_tensor(self) -> torch.Tensor:
         if self.momentum is None:
@@ -74,7 +110,11 @@ class _Unit:
         return self.momentum
 
     def where(self) -> str:
-        return f"DistributedLion (FSDP1 comm hook of '{self.name or '<root>'}') on rank {self.group.rank()}"
+        return f"DistributedLion (FSDP1 instance '{self.name or '<root>'}') on rank {self.group.rank()}"
+
+    def see(self, g: Optional[torch.Tensor]) -> None:
+        """Records the sharded gradient as it stands now: lionbit's own state."""
+        self.shown, self.shown_version = g, (-1 if g is None else g._version)
 
 
 def _fsdp1_hook(unit: _Unit, grad: torch.Tensor, output: Optional[torch.Tensor] = None) -> None:
@@ -82,16 +122,7 @@ def _fsdp1_hook(unit: _Unit, grad: torch.Tensor, output: Optional[torch.Tensor] 
         if output is None:
             _reduce_no_shard(unit, grad)
         else:
-            _reduce_sharded(unit, grad, output)
-
-
-def _check_pending(unit: _Unit) -> None:
-    if unit in unit.att.pending:
-        raise RuntimeError(
-            f"{unit.where()}: the unit was reduced twice before step(): a second synchronized backward would "
-            f"advance the momentum twice; for gradient accumulation run all micro-batches but the last "
-            f"under model.no_sync()"
-        )
+            _keep_sharded(unit, grad, output)
 
 
 def _check_grad(unit: _Unit, grad: torch.Tensor, expect: int) -> None:
@@ -106,9 +137,144 @@ def _check_grad(unit: _Unit, grad: torch.Tensor, expect: int) -> None:
         raise RuntimeError(f"{unit.where()}: gradient on {grad.device}; the FSDP1 path supports CPU only")
 
 
+# -- the kept gradient follows the user's sharded gradient -----------------------
+
+
+def _edited(unit: _Unit, when: str) -> RuntimeError:
+    if when in ("step", "clip"):
+        return RuntimeError(
+            f"{unit.where()}: the sharded gradients (p.grad) were changed between backward() and "
+            f"{'step()' if when == 'step' else 'model.clip_grad_norm_()'} by something other than "
+            f"model.clip_grad_norm_: torch.nn.utils.clip_grad_norm_(model.parameters(), ...), GradScaler.unscale_ "
+            f"or another in-place edit. Under sharded FSDP1 p.grad is only this rank's shard of its local "
+            f"gradient; the Lion update uses this rank's full local gradient, which lionbit keeps until step(), so "
+            f"an edit of the shard cannot reach it (and torch.nn.utils.clip_grad_norm_ would clip by the norm of "
+            f"the shards). To clip, call model.clip_grad_norm_(max_norm) on the root FSDP module: attach() "
+            f"replaced it with a per-rank clip of the full local gradients (DDP's semantics)"
+        )
+    return RuntimeError(
+        f"{unit.where()}: the sharded gradient (p.grad) was changed after step() and before the next "
+        f"{'forward' if when == 'forward' else 'backward'} other than by zeroing it: lionbit keeps this rank's "
+        f"full local gradient (it accumulates until the gradients are zeroed, as under DDP) and cannot follow "
+        f"an edit of the shard. Zero the gradients (opt.zero_grad() or model.zero_grad(), to None or to zeros) "
+        f"or leave them alone"
+    )
+
+
+def _orig_grads_dropped(unit: _Unit) -> bool:
+    """use_orig_params=True: whether every trainable original parameter with
+    elements in this rank's shard has .grad None (FSDP then drops the flat
+    gradient at the next forward)."""
+    held = [p for p in unit.orig if p.requires_grad and p.numel() > 0]
+    return bool(held) and all(p.grad is None for p in held)
+
+
+def _reconcile(unit: _Unit, when: str) -> None:
+    """Brings the unit's kept gradient in line with what the user did to the
+    sharded gradient since lionbit last saw it, DDP's ``p.grad`` semantics:
+    left alone, it stays (and accumulates); set to None, it is dropped; zeroed
+    in place, it is zeroed. Any other edit raises. ``when``: "forward" (the
+    root's forward pre-hook), "backward" (the unit's comm hook), "clip" or
+    "step"."""
+    if unit.kept is None:
+        return
+    fp = unit.handle.flat_param
+    # FSDP moves the sharded gradient there before a backward; it stays there
+    # during no_sync() accumulation.
+    g = getattr(fp, "_saved_grad_shard", None)
+    if g is None and when != "backward":  # (in the hook, FSDP has cleared .grad)
+        g = fp.grad
+        if g is not None and g.numel() != unit.shard_numel:  # only the unsharded gradient of no_sync()
+            g = None
+        elif g is not None and unit.orig is not None and _orig_grads_dropped(unit):
+            g = None
+    if g is None:  # set to None: gone, as DDP's p.grad
+        unit.kept = None
+        unit.see(None)
+        unit.att.order.remove(unit)
+        return
+    if unit.shown is not None and g.data_ptr() == unit.shown.data_ptr() and unit.shown._version == unit.shown_version:
+        return  # untouched
+    if g.numel() != unit.shard_numel or bool(g.any()):
+        raise _edited(unit, when)
+    unit.kept.zero_()  # zeroed in place
+    unit.see(g)
+
+
+def _check_synchronized(units, what: str) -> None:
+    """step() and clipping need the gradients of a synchronized backward: not
+    an unsharded no_sync() gradient (the kept gradient has not got it yet)."""
+    for unit in units:
+        g = unit.handle.flat_param.grad
+        if unit.sharded and g is not None and g.numel() != unit.shard_numel:
+            raise RuntimeError(
+                f"{unit.where()}: {what} during no_sync() gradient accumulation (the last backward ran under "
+                f"model.no_sync()); run the last micro-batch's backward outside no_sync() first"
+            )
+
+
+def _fold_no_sync(unit: _Unit) -> None:
+    """Before the next forward: a kept gradient (the user did not zero it)
+    and a no_sync() backward's unsharded gradient g beside it, as FSDP holds
+    them. DDP's p.grad adds micro-batch by micro-batch ((kept + g0) + g1 ...),
+    FSDP would add their sum (kept + (g0 + g1 ...)) at the synchronized
+    backward: so g goes into the kept gradient now (and its shard into FSDP's
+    sharded gradient), and FSDP's unsharded one starts again from zeros."""
+    fp = unit.handle.flat_param
+    saved = getattr(fp, "_saved_grad_shard", None)
+    g = fp.grad
+    if saved is None or g is None or g.numel() == unit.shard_numel:
+        return
+    s, rank = unit.shard_numel, unit.group.rank()
+    flat = g.view(-1)
+    unit.kept.add_(flat[: unit.numel])
+    mine = flat[rank * s : (rank + 1) * s]
+    saved[: mine.numel()].add_(mine)
+    g.zero_()
+
+
+def _keep_sharded(unit: _Unit, grad: torch.Tensor, output: torch.Tensor) -> None:
+    """The sharded comm hook: keeps this rank's local gradient (accumulating
+    onto a kept one the user did not zero) and writes its shard into FSDP's
+    output, which FSDP adds to the sharded gradient it kept likewise."""
+    att = unit.att
+    n, rank = unit.group.size(), unit.group.rank()
+    s = output.numel()
+    _check_grad(unit, grad, n * s)
+    if unit.numel > n * s or s != unit.shard_numel:
+        raise RuntimeError(
+            f"{unit.where()}: {unit.numel} flat elements in {n} shards of {s} (expected {unit.shard_numel})"
+        )
+    _reconcile(unit, "backward")
+    local = grad[: unit.numel]
+    if unit.kept is None:
+        unit.kept = local.clone()  # (a copy: FSDP's buffer is its own)
+        att.order.append(unit)
+    else:
+        unit.kept.add_(local)
+    output.copy_(grad[rank * s : (rank + 1) * s])
+    att.hooked.append(unit)
+    # FSDP's end-of-backward callback (queued by the root's pre-backward hook,
+    # so it runs before ours) moves the sharded gradient into .grad; ours
+    # records that tensor and its version (one per hook: the first records
+    # them all, the others find nothing left).
+    torch.autograd.Variable._execution_engine.queue_callback(att.record_grads)
+
+
+def _reduce_no_shard(unit: _Unit, grad: torch.Tensor) -> None:
+    """NO_SHARD is DDP's case: the gradient stays this rank's own (p.grad
+    after backward is the local gradient, clipping and logging see it), and
+    step() votes the directions of the gradients as they stand then."""
+    _check_grad(unit, grad, unit.numel)
+
+
+# -- step ----------------------------------------------------------------------
+
+
 def _pack(unit: _Unit, grad: torch.Tensor, shard: int, shards: int):
-    """Direction bits of the unit's local gradient: chunk r of `shard`
-    elements at bit r * 64 * ceil(shard / 64). Returns (sign, zero, nans)."""
+    """Direction bits of the unit's local gradient (the momentum is only
+    read): chunk r of `shard` elements at bit r * 64 * ceil(shard / 64).
+    Returns (sign, zero, nans)."""
     opt = unit.opt
     words = (shard + 63) // 64
     sign, zero = opt.voter.shard_planes(shards, shard)  # "l1": the level planes and None
@@ -126,10 +292,13 @@ def _pack(unit: _Unit, grad: torch.Tensor, shard: int, shards: int):
             if opt.bits:
                 parts.append((g, mr, bit))
             else:
-                nans += lion_math.direction_into(g, mr, coefs, sign, zero, bit, opt.fused_for(mr, g))
+                nans += lion_math.pack_direction(g, mr, coefs, sign, zero, bit, opt.fused_for(mr, g))
             lo = hi
         if parts:  # one parameter's pieces: its L1 scale over all of them
-            nans += lion_math.levels_into(parts, coefs, opt.bits, sign)
+            cs = [lion_math.direction(g, mr, coefs) for g, mr, _ in parts]
+            factor = lion_math.level_factor(cs, opt.bits)
+            for c, (_, _, bit) in zip(cs, parts):
+                nans += lion_math.pack_levels(c, factor, opt.bits, sign, bit)
     return sign, zero, nans
 
 
@@ -143,26 +312,50 @@ def _zero_padding(unit: _Unit, delta: torch.Tensor, base: int) -> None:
     delta.masked_fill_(~keep, 0)
 
 
-def _reduce_sharded(unit: _Unit, grad: torch.Tensor, output: torch.Tensor) -> None:
-    n, rank = unit.group.size(), unit.group.rank()
-    s = output.numel()
-    _check_grad(unit, grad, n * s)
-    if unit.numel > n * s:
-        raise RuntimeError(f"{unit.where()}: {unit.numel} flat elements do not fit {n} shards of {s}")
-    _check_pending(unit)
-    sign, zero, nans = _pack(unit, grad, s, n)
+def _local_shard(unit: _Unit) -> torch.Tensor:
+    local = unit.handle.flat_param.data
+    if local.numel() != unit.shard_numel or not local.is_contiguous():
+        raise RuntimeError(
+            f"{unit.where()}: step() found the local FlatParameter with {local.numel()} elements, its shard has "
+            f"{unit.shard_numel} (is the model still unsharded, e.g. inside summon_full_params?)"
+        )
+    return local
+
+
+def _vote_sharded(unit: _Unit) -> torch.Tensor:
+    """The sign reduce-scatter of the unit's kept gradient's directions:
+    this rank's shard of Delta. Changes no state; raises
+    step_vote.NonFinite if any rank had a non-finite direction."""
+    n, rank, s = unit.group.size(), unit.group.rank(), unit.shard_numel
+    sign, zero, nans = _pack(unit, unit.kept, s, n)
     delta = torch.empty(s, dtype=unit.opt.voter.delta_dtype)
-    unit.opt.voter.reduce_scatter(sign, zero, s, nans, delta, unit.group, "attach (FSDP1 comm hook)")
+    try:
+        unit.opt.voter.reduce_scatter(sign, zero, s, nans, delta, unit.group, "step (FSDP1)")
+    except (RuntimeError, ValueError) as err:
+        ranks = step_vote.nonfinite_ranks(err)
+        if ranks is None:
+            raise
+        raise step_vote.NonFinite(ranks) from None
     _zero_padding(unit, delta, rank * s)
-    unit.att.pending[unit] = delta
-    output.copy_(delta)
+    return delta
 
 
-def _reduce_no_shard(unit: _Unit, grad: torch.Tensor) -> None:
-    """NO_SHARD is DDP's case: the gradient stays this rank's own (p.grad
-    after backward is the local gradient, clipping and logging see it), and
-    step() votes the directions of the gradients as they stand then."""
-    _check_grad(unit, grad, unit.numel)
+def _update_sharded(unit: _Unit, delta: torch.Tensor, scratch) -> None:
+    """The state change: the full-size momentum from the kept gradient, then
+    the local shard of the parameters, original parameter by parameter."""
+    opt = unit.opt
+    g, m, x = unit.kept, unit.momentum_tensor(), _local_shard(unit)
+    s = unit.shard_numel
+    base = unit.group.rank() * s
+    for off, numel, group, _ in unit.segments:
+        coefs = lion_math.Coefs(group)
+        gs, ms = g[off : off + numel], m[off : off + numel]
+        nbytes = lion_math.plane_bytes(numel)
+        lion_math.update_momentum(gs, ms, coefs, opt.fused_for(ms, gs), (scratch[0][:nbytes], scratch[1][:nbytes]))
+        lo, hi = max(off, base), min(off + numel, base + s)
+        if lo < hi:
+            xs, ds = x[lo - base : hi - base], delta[lo - base : hi - base]
+            lion_math.apply_update(xs, ds, coefs, opt.fused_for(xs, ds))
 
 
 def no_shard_entries(att) -> list:
@@ -185,30 +378,10 @@ def no_shard_entries(att) -> list:
     return entries
 
 
-def fsdp1_step(att) -> None:
-    """Applies the sharded units' pending updates."""
-    opt = att.opt
-    pending, att.pending = att.pending, {}
-    check_grads_untouched(pending, lambda unit: unit.handle.flat_param.grad, "FSDP1")
-    for unit, delta in pending.items():
-        local = unit.handle.flat_param.data
-        base = unit.group.rank() * delta.numel() if unit.sharded else 0
-        if local.numel() != delta.numel() or not local.is_contiguous():
-            raise RuntimeError(
-                f"{unit.where()}: step() found the local FlatParameter with {local.numel()} elements, Delta has "
-                f"{delta.numel()} (is the model still unsharded, e.g. inside summon_full_params?)"
-            )
-        for off, numel, group, _ in unit.segments:
-            lo, hi = max(off, base), min(off + numel, base + delta.numel())
-            if lo >= hi:
-                continue
-            x, d = local[lo - base : hi - base], delta[lo - base : hi - base]
-            lion_math.apply_update(x, d, lion_math.Coefs(group), opt.fused_for(x, d))
-
-
 class FSDP1Attachment(Attachment):
     """An FSDP1 model's attachment: a comm hook with one :class:`_Unit` per
-    FSDP instance; the sharded units' pending updates."""
+    FSDP instance, the sharded units' kept gradients and the root's
+    ``clip_grad_norm_``."""
 
     kind = "FSDP1"
 
@@ -219,9 +392,11 @@ class FSDP1Attachment(Attachment):
     def __init__(self, opt, model, overlap: bool = True):
         super().__init__(opt, None)
         self.model = model
-        self.pending = {}  # sharded unit -> Delta of its local flat shard, pending step()
+        self.order: List[_Unit] = []  # sharded units with a kept gradient, in the order their hooks first ran
+        self.hooked: List[_Unit] = []  # sharded units whose hook ran in the current backward
         self.units, self.states, group = _units(self, opt, model)
         self.group = opt.group if opt.group is not None else group
+        self.norm_order = _norm_order(model, self.units)
         # torch's own checks (root, hybrid, one hook), then one state object per instance.
         model.register_comm_hook(self.units[0], _fsdp1_hook)
         by_module = {u.module: u for u in self.units}
@@ -229,6 +404,11 @@ class FSDP1Attachment(Attachment):
             if state._comm_hook is not _fsdp1_hook:
                 raise RuntimeError(f"{_WHERE}: register_comm_hook did not reach every FSDP instance")
             state._comm_hook_state = by_module.get(state)
+        # FSDP1's clipping API, on this model only (an instance attribute: not
+        # in its state_dict; detach() restores FSDP's method).
+        self.users_clip = vars(model).get("clip_grad_norm_")
+        model.clip_grad_norm_ = self.clip_grad_norm_
+        self.forward_hook = model.register_forward_pre_hook(self._before_forward)
 
     def is_attached_to(self, model) -> bool:
         return model is self.model
@@ -236,18 +416,108 @@ class FSDP1Attachment(Attachment):
     def detach(self) -> None:
         for state in self.states:
             state._comm_hook = state._comm_hook_state = None  # FSDP's own reduce-scatter again
-        self.pending = {}
+        self.forward_hook.remove()
+        if vars(self.model).get("clip_grad_norm_") == self.clip_grad_norm_:
+            if self.users_clip is None:
+                del self.model.clip_grad_norm_
+            else:
+                self.model.clip_grad_norm_ = self.users_clip
+        for unit in self.units:
+            unit.kept = None
+            unit.see(None)
+        self.order, self.hooked = [], []
 
+    # -- backward ---------------------------------------------------------------
+    def record_grads(self) -> None:
+        """At the end of a backward: the sharded gradients FSDP set, as lionbit's state."""
+        hooked, self.hooked = self.hooked, []
+        for unit in hooked:
+            unit.see(unit.handle.flat_param.grad)
+
+    def _before_forward(self, module, args) -> None:
+        """Frees the kept gradients the user dropped (zero_grad(set_to_none=True))
+        before the forward, whose activations need the memory, and adds the
+        gradient of a no_sync() backward to a kept one."""
+        for unit in list(self.order):
+            _reconcile(unit, "forward")
+            if unit.kept is not None:
+                _fold_no_sync(unit)
+
+    # -- clipping -----------------------------------------------------------------
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """FSDP1's ``model.clip_grad_norm_``, per rank as under DDP: clips this
+        rank's local gradients (the kept full gradients of the sharded
+        instances, the gradients of NO_SHARD ones) by this rank's own norm, as
+        ``torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm,
+        norm_type)`` does with DistributedLion: the norms per original
+        parameter in the unwrapped module's parameter order, their norm,
+        coefficient min(max_norm / (total + 1e-6), 1). Runs no collective.
+        Returns this rank's total norm (0 without gradients)."""
+        _check_synchronized(self.units, "model.clip_grad_norm_()")
+        for unit in list(self.order):
+            _reconcile(unit, "clip")
+        grads, whole = [], []
+        for unit, index, param in self.norm_order:
+            if unit is None:
+                g = param.grad
+            else:
+                off, numel, _, _ = unit.segments[index]
+                flat = unit.kept if unit.sharded else unit.handle.flat_param.grad
+                g = None if flat is None else flat.view(-1)[off : off + numel]
+            if g is not None:
+                grads.append(g)
+        for unit in self.units:
+            fp = unit.handle.flat_param
+            if unit.sharded and unit.kept is not None:
+                whole += [unit.kept] + ([fp.grad] if fp.grad is not None else [])
+            elif not unit.sharded and fp.grad is not None:
+                whole.append(fp.grad)
+        whole += [param.grad for unit, _, param in self.norm_order if unit is None and param.grad is not None]
+        # torch's own computation of the total norm (per-tensor norms, then their norm)
+        total = torch.nn.utils.get_total_norm(grads, norm_type)
+        if grads:
+            coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+            for g in whole:  # elementwise: the same products as per parameter
+                g.mul_(coef.to(g.device))
+            for unit in self.order:
+                unit.see(unit.handle.flat_param.grad)
+        return total
+
+    # -- step -----------------------------------------------------------------------
     def step(self, grad_scaler=None, abstain: bool = False) -> bool:
         if grad_scaler is not None:
             raise RuntimeError(
-                "DistributedLion.step (FSDP1): GradScaler is not supported with FSDP: the 1-bit reduce-scatter "
-                "computes the Lion update during backward, from the still-scaled gradients. Use bfloat16 mixed "
+                "DistributedLion.step (FSDP1): GradScaler is not supported with FSDP: its unscale_ and inf checks "
+                "see the sharded p.grad, not the full local gradients lionbit votes from. Use bfloat16 mixed "
                 "precision instead (torch.autocast with dtype=torch.bfloat16), which needs no loss scaling"
             )
-        fsdp1_step(self)
-        entries = no_shard_entries(self)
-        return step_vote.voted_step(self.opt, None, lambda: self.vote(entries), self.group, abstain)
+        return step_vote.voted_step(self.opt, None, lambda: self.vote_step(abstain), self.group, abstain)
+
+    def vote_step(self, abstain: bool):
+        """Votes every sharded unit with a kept gradient (in self.order, the
+        same on every rank) and the NO_SHARD units, changing nothing; returns
+        the function that applies the step. A rank that abstains (Join) has
+        no sharded vote to give."""
+        units = []
+        _check_synchronized(self.units, "step()")
+        if not abstain:
+            for unit in list(self.order):
+                _reconcile(unit, "step")
+            units = list(self.order)
+        for unit in units:
+            _local_shard(unit)  # before any collective
+        deltas = [_vote_sharded(unit) for unit in units]
+        no_shard = self.vote(no_shard_entries(self))
+        biggest = max((numel for unit in units for _, numel, _, _ in unit.segments), default=0)
+        scratch = lion_math.planes(biggest)
+
+        def apply():
+            for unit, delta in zip(units, deltas):
+                _update_sharded(unit, delta, scratch)
+            no_shard()
+
+        return apply
 
     def momenta(self):
         out = []
@@ -263,6 +533,33 @@ class FSDP1Attachment(Attachment):
         load_local_state_dict(self, state_dict)
 
 
+def _norm_order(model, units) -> list:
+    """(unit, segment index, None) per original parameter of the units and
+    (None, None, parameter) per trainable parameter FSDP does not manage, in
+    the order of the unwrapped module's named_parameters(): the order in
+    which DDP's clip_grad_norm_(model.parameters()) stacks the norms (their
+    norm's rounding depends on it). A module's parameters lie in one unit, in
+    their order; modules are ordered as in the module tree."""
+    position = {}
+    for name, _ in model.named_modules():
+        position.setdefault(_clean(name), len(position))
+    managed = set()
+    keyed = []
+    for u, unit in enumerate(units):
+        fp = unit.handle.flat_param
+        managed.add(fp)
+        managed.update(unit.orig or [])
+        for i, (_, _, _, fqn) in enumerate(unit.segments):
+            module = fqn.rpartition(".")[0]
+            keyed.append(((position.get(module, len(position)), u, i), (unit, i, None)))
+    for name, p in model.named_parameters():
+        if p.requires_grad and p not in managed:
+            module = _clean(name).rpartition(".")[0]
+            keyed.append(((position.get(module, len(position)), len(units), len(keyed)), (None, None, p)))
+    keyed.sort(key=lambda kv: kv[0])
+    return [v for _, v in keyed]
+
+
 def _units(att, opt, model):
     """Checks an FSDP1 model; returns (its units, its FSDP states, its process group)."""
     try:
@@ -275,9 +572,7 @@ def _units(att, opt, model):
     if not model.check_is_root():
         raise ValueError(f"{_WHERE}: attach the root FullyShardedDataParallel instance, not a nested one")
     # module names without FSDP's wrapper prefixes ("b", not "_fsdp_wrapped_module.b")
-    names = {
-        m: n.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "") for n, m in model.named_modules()
-    }
+    names = {m: _clean(n) for n, m in model.named_modules()}
     known = opt.param_group_of()
     units: List[_Unit] = []
     covered = set()
@@ -372,11 +667,6 @@ def local_state_dict(att) -> dict:
     FSDP instance (flat, full-size), keyed by the instance's module name,
     and the hyperparameters of every group."""
     opt = att.opt
-    if att.pending:
-        raise RuntimeError(
-            "DistributedLion.local_state_dict: an update is pending (backward ran, step() did not); "
-            "checkpoint after step()"
-        )
     g = att.units[0].group
     return {
         "momentum": {u.name: u.momentum_tensor().clone() for u in att.units},
@@ -421,4 +711,3 @@ def load_local_state_dict(att, sd: dict) -> None:
     for mine, saved in zip(opt.param_groups, sd["param_groups"]):
         for k, v in saved.items():
             mine[k] = tuple(v) if k == "betas" else v
-    att.pending = {}

@@ -188,7 +188,6 @@ ERRORS = {
     "mixed_precision": "MixedPrecision is not supported",
     "missing_param": "is not in this optimizer",
     "missing_orig_param": "'b.weight' is not in this optimizer",
-    "two_syncs": "reduced twice before step()",
     "nested": "attach the root FullyShardedDataParallel",
     "twice": "already attached",
 }
@@ -227,11 +226,6 @@ def _error_case(rank, world_size, case):
     elif case == "missing_orig_param":
         model = _wrap(_net(), use_orig_params=True)
         attach(model, [p for p in model.parameters() if p is not model.b.module.weight])
-    elif case == "two_syncs":
-        model = _wrap(_net())
-        attach(model)
-        _loss(model, rank, 0).backward()
-        _loss(model, rank, 1).backward()
     elif case == "nested":
         model = _wrap(_net())
         model(torch.zeros(1, 12))  # lazy init: model.a is no root now

@@ -9,10 +9,10 @@ float contract in lionbit.lion_math, not from lionbit's code): N model copies,
 each with its own momentum, the same loop operation applied on every
 simulated rank, the vote as sign(sum of signs). DDP must equal it bitwise;
 so must FSDP wherever FSDP computes the same local gradients (bare,
-accumulation, bf16 autocast, and under FSDP2, which votes at step(), clipping
-and GradScaler too: the tests compare bitwise). Clipping and GradScaler under
-FSDP1's sharded strategies raise a clear error at the first step (their
-update is voted during backward; README "Training loops").
+accumulation, bf16 autocast, and clipping: FSDP2 with
+torch.nn.utils.clip_grad_norm_, FSDP1 with model.clip_grad_norm_; GradScaler
+under FSDP2 too: the tests compare bitwise). GradScaler under FSDP1 raises a
+clear error at the first step (README "Training loops").
 """
 
 import copy
@@ -255,10 +255,10 @@ def fsdp_loop(rank, n, kind, loop):
     opt = lionbit.DistributedLion(model.parameters(), **LION)
     opt.attach(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=65536.0) if loop == "grad_scaler" else None
-    # Which loops raise: GradScaler under FSDP1; clipping where the update is
-    # voted in backward (FSDP1's sharded strategies). NO_SHARD is DDP's
-    # contract; so is FSDP2's (p.grad is the local gradient, voted at step()).
-    raises = kind != "fsdp2" and (loop == "grad_scaler" or (loop == "clip" and kind != "fsdp1_no_shard"))
+    # Which loops raise: GradScaler under FSDP1. Clipping works everywhere:
+    # FSDP2 and NO_SHARD keep DDP's contract (p.grad is the local gradient,
+    # voted at step()); sharded FSDP1 clips per rank with model.clip_grad_norm_.
+    raises = kind != "fsdp2" and loop == "grad_scaler"
     ref_params, ref_scale, ref_grads = simulate(n, loop) if not raises else (None, None, None)
     for step in range(STEPS):
         opt.zero_grad()
