@@ -41,6 +41,8 @@ from sklearn.datasets import load_digits
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lionbit
+from lionbit.lion_math import local_vote
+from lionbit.voter import Voter
 
 # Chosen by examples/tune_digits.py: 4-fold cross-validation on the 1,437
 # training images (never the test set), 15 configs per optimizer: Lion
@@ -165,16 +167,22 @@ def train(net, opt, x, y, seed, rank=0, world=1, batch=BATCH, epochs=EPOCHS, ste
     return total
 
 
-class _SingleProcessLion(lionbit.DistributedLion):
-    """DistributedLion that never touches the process group: plain Lion."""
+class _LocalVoter(Voter):
+    """Each rank's own vote, no collective: what single-process Lion applies."""
 
-    def _vote(self, sign, zero, numel, nans, out, group, where, counts=None):
-        from lionbit.lion_math import local_vote
-
+    def all_reduce(self, sign, zero, numel, nans, out, group, where, counts=None):
         out.copy_(local_vote(sign, zero, numel))
         fut = torch.futures.Future()
         fut.set_result([out])
         return fut
+
+
+class _SingleProcessLion(lionbit.DistributedLion):
+    """DistributedLion that never touches the process group: plain Lion."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.voter = _LocalVoter(self.aggregation, self.bits, self.tie_break, self)
 
 
 SINGLE = {

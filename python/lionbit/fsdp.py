@@ -554,25 +554,6 @@ def fsdp_step(att, grad_scaler=None) -> bool:
     return step_vote.voted_step(att.opt, grad_scaler, lambda: fsdp_vote(att), att.group)
 
 
-def check_grads_untouched(pending: dict, grad_of, kind: str) -> None:
-    """Under FSDP the update is voted during backward and the gradient is
-    gone; p.grad holds the voted update Delta. If something changed it before
-    step() (clip_grad_norm_, an unscale, any in-place edit), the user asked for
-    something this step cannot do: say so instead of ignoring it."""
-    for key, delta in pending.items():
-        g = grad_of(key)
-        if g is not None and delta.numel() and not torch.equal(g.reshape(-1), delta.reshape(-1).to(g.dtype)):
-            raise RuntimeError(
-                f"DistributedLion.step ({kind}): the gradients were changed between backward() and step() "
-                f"(gradient clipping, GradScaler.unscale_ or another in-place edit). Under {kind} lionbit's 1-bit "
-                f"reduce-scatter computes the Lion update during backward, so such a change cannot reach it, and "
-                f"p.grad holds the voted update (+-1/0 per element), not a gradient. Lion's update has size lr "
-                f"per element whatever the gradient's norm, so clipping is rarely needed: remove the call (with "
-                f"Lightning: gradient_clip_val=None; Hugging Face: max_grad_norm=0), or use DDP, where "
-                f"p.grad is the local gradient and clipping works per rank"
-            )
-
-
 # -- checkpoints --------------------------------------------------------------
 #
 # Each rank's momentum is full-size and its own (it follows the rank's local
