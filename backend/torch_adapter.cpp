@@ -22,6 +22,22 @@ std::optional<bits::DType> bits_dtype(at::ScalarType t) {
   }
 }
 
+at::ScalarType torch_dtype(bits::DType t) {
+  switch (t) {
+    case bits::DType::kFloat32:
+      return at::kFloat;
+    case bits::DType::kFloat16:
+      return at::kHalf;
+    case bits::DType::kBFloat16:
+      return at::kBFloat16;
+    case bits::DType::kFloat64:
+      return at::kDouble;
+    case bits::DType::kInt8:
+      return at::kChar;
+  }
+  return at::kByte;
+}
+
 std::optional<bits::DType> float_dtype(at::ScalarType t) {
   const auto d = bits_dtype(t);
   if (d && bits::dtype_is_floating(*d) && *d != bits::DType::kFloat64) {

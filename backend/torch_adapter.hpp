@@ -18,6 +18,9 @@ namespace lionbit {
 // float16, bfloat16, float64 and int8); nullopt for any other.
 std::optional<bits::DType> bits_dtype(at::ScalarType t);
 
+// The torch dtype of a kernels' dtype (the inverse of bits_dtype).
+at::ScalarType torch_dtype(bits::DType t);
+
 // The dtypes the fused Lion kernels take (float32, bfloat16, float16).
 std::optional<bits::DType> float_dtype(at::ScalarType t);
 
