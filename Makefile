@@ -14,6 +14,10 @@
 #   make format-cpp    reformat every tracked C++ file in place with .clang-format
 #   make build         (re)build and install the package into the venv
 #   make test-cpp / test-python
+#   make test-aten     the Python tests again with LIONBIT_KERNELS=aten: the sign collectives and
+#                      DistributedLion through the device-generic ATen kernel set (the one a GPU
+#                      falls back to), bitwise the same results; convergence, forwarding-only and
+#                      stress tests left out (they test no kernel). CI runs it after make test
 #   make test-gpu      the GPU tests (ctest -L gpu, pytest -m gpu); they skip, saying
 #                      why, where there is no GPU
 #   make test-sanitize C++ tests built with ASan + UBSan (build/sanitize), fuzz tests scaled up
@@ -43,7 +47,7 @@ export CUDACXX := /usr/local/cuda/bin/nvcc
 endif
 endif
 
-.PHONY: all setup build lint lint-cpp format-cpp test test-cpp test-python test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence convergence-levers bench bench-full bench-setup bench-kernels bench-training bench-model clean
+.PHONY: all setup build lint lint-cpp format-cpp test test-cpp test-python test-aten test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence convergence-levers bench bench-full bench-setup bench-kernels bench-training bench-model clean
 
 all: build
 
@@ -95,6 +99,11 @@ test-valgrind:
 
 test-python: build
 	@$(PY) -m pytest tests/python -q -ra
+
+ATEN_SKIP := --ignore=tests/python/test_training_quality.py --ignore=tests/python/test_forwarded.py \
+  --ignore=tests/python/test_stress.py --ignore=tests/python/test_readme.py
+test-aten: build
+	@LIONBIT_KERNELS=aten $(PY) -m pytest tests/python -q -ra $(ATEN_SKIP)
 
 test-gpu: build
 	@cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release -DLIONBIT_BUILD_TESTS=ON >/dev/null

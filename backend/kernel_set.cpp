@@ -64,8 +64,7 @@ KernelChoice requested_kernels() {
   if (s == "aten") {
     return KernelChoice::kAten;
   }
-  TORCH_CHECK_VALUE(
-      false, "lionbit: LIONBIT_KERNELS must be auto, custom or aten, got '", s, "'");
+  TORCH_CHECK_VALUE(false, "lionbit: LIONBIT_KERNELS must be auto, custom or aten, got '", s, "'");
   return KernelChoice::kAuto;
 }
 
@@ -86,8 +85,7 @@ const KernelSet& kernels_for(const c10::Device& device) {
 }
 
 at::Tensor device_bytes(size_t n, const c10::Device& device) {
-  return at::empty(
-      {static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte).device(device));
+  return at::empty({static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte).device(device));
 }
 
 at::Tensor lut_tensor(

@@ -188,7 +188,10 @@ const KernelSet& aten_kernels();
 const KernelSet& simd_kernels();
 
 // A table of `values` as `dtype` (bits::make_lut's rounding) on `device`.
-at::Tensor lut_tensor(bits::DType dtype, const std::vector<double>& values, const c10::Device& device);
+at::Tensor lut_tensor(
+    bits::DType dtype,
+    const std::vector<double>& values,
+    const c10::Device& device);
 
 // A uint8 tensor of n bytes on `device` (uninitialised).
 at::Tensor device_bytes(size_t n, const c10::Device& device);

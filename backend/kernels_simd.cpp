@@ -63,8 +63,8 @@ class SimdKernelSet final : public KernelSet {
       return c;
     }
     std::vector<uint64_t> tmp(2 * w);
-    const bits::PackCounts c =
-        bits::pack_signs(dtype_of(src), src.data_ptr(), n, tmp.data(), tmp.data() + w);
+    const bits::PackCounts c = bits::pack_signs(
+        dtype_of(src), src.data_ptr(), n, tmp.data(), tmp.data() + w);
     bits::copy_bits(words_of(sign), off, tmp.data(), 0, n);
     bits::copy_bits(words_of(zero), off, tmp.data() + w, 0, n);
     return c;
@@ -147,8 +147,7 @@ class SimdKernelSet final : public KernelSet {
     bits::break_ties(words_of(sign), words_of(tie), words_in(sign), rule, first_word);
   }
 
-  void encode_trits(const at::Tensor& sign, const at::Tensor& tie, at::Tensor& out)
-      const override {
+  void encode_trits(const at::Tensor& sign, const at::Tensor& tie, at::Tensor& out) const override {
     bits::encode_trits(words_of(sign), words_of(tie), words_in(sign), bytes_of(out));
   }
 
@@ -178,9 +177,8 @@ class SimdKernelSet final : public KernelSet {
       p[b] = words_of(planes[b]);
     }
     return bits::apply_zero_counts(
-        bytes_of(list), cap, p.data(), static_cast<int>(p.size()),
-        static_cast<size_t>(dst.numel()), N, zlut.data_ptr(), bits::dtype_size(dtype_of(dst)),
-        dst.data_ptr());
+        bytes_of(list), cap, p.data(), static_cast<int>(p.size()), static_cast<size_t>(dst.numel()),
+        N, zlut.data_ptr(), bits::dtype_size(dtype_of(dst)), dst.data_ptr());
   }
 
   void unpack(const std::vector<at::Tensor>& planes, const at::Tensor& lut, at::Tensor& dst)

@@ -17,7 +17,7 @@
 #include "signbits/levels.h"
 #include "signbits/unpack.h"
 #ifdef LIONBIT_WITH_CUDA
-#include "backend/sign_allreduce_cuda.hpp"
+#include "backend/cuda_stream.hpp"
 #endif
 
 namespace lionbit {
@@ -263,11 +263,11 @@ std::string first_problem(std::initializer_list<std::function<std::string()>> ch
   return "";
 }
 
-// The checks every packed CPU call makes of its result buffer and counts, in
+// The checks every packed call makes of its result buffer and counts, in
 // order: `out` can hold op's result, the counts are >= 0 (`what` names the
-// element count), `out` is a CPU tensor, N * numel is in range (a
-// reduce-scatter's per-rank count), `out` has exactly numel contiguous
-// elements. `packed`: what the caller packed ("planes", "levels").
+// element count), N * numel is in range (a reduce-scatter's per-rank count),
+// `out` has exactly numel contiguous elements. The planes must then be on
+// out's device (the callers check them).
 std::string packed_out_problem(
     const at::Tensor& out,
     bits::SignOp op,
@@ -275,20 +275,12 @@ std::string packed_out_problem(
     const char* what,
     int64_t numel,
     int64_t nans,
-    bool per_rank,
-    const char* packed) {
+    bool per_rank) {
   return first_problem({
       [&] { return result_problem(out, "out", op, world); },
       [&]() -> std::string {
         if (numel < 0 || nans < 0) {
           return std::string("arguments '") + what + "' and 'nans' must be >= 0";
-        }
-        return "";
-      },
-      [&]() -> std::string {
-        if (!out.is_cpu()) {
-          return std::string("argument 'out' must be a CPU tensor (") + packed +
-              " packed on the CPU)";
         }
         return "";
       },
@@ -302,6 +294,17 @@ std::string packed_out_problem(
       },
       [&] { return exact_size_problem(out, what, numel); },
   });
+}
+
+// `body` as the worker runs it for tensors on the device of uses[0]: as it
+// is on CPU; on CUDA ordered after the caller's stream (cuda_stream.hpp).
+SignJob on_device(std::vector<at::Tensor> uses, SignJob body) {
+#ifdef LIONBIT_WITH_CUDA
+  if (uses.at(0).is_cuda()) {
+    return cuda_ordered_job(std::move(uses), std::move(body));
+  }
+#endif
+  return body;
 }
 
 } // namespace
@@ -442,16 +445,11 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSign(
             [&] { return result_problem(tensor, "tensor", op, size_); },
         });
       });
-#ifdef LIONBIT_WITH_CUDA
-  if (tensor.is_cuda()) {
-    return enqueue(Collective::kAllReduce, op, tensor, cuda_allreduce_job(tensor, op, tie));
-  }
-#endif
   return enqueue(
       Collective::kAllReduce, op, tensor,
-      [tensor, op, tie](const SignComm& comm, uint64_t seq) mutable {
+      on_device({tensor}, [tensor, op, tie](const SignComm& comm, uint64_t seq) mutable {
         sign_allreduce(comm, tensor, op, bits::CallRule{tie.at(seq), 0}, seq);
-      });
+      }));
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPacked(
@@ -469,21 +467,20 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPacked(
         const int64_t bits_needed = std::max<int64_t>(numel, 0);
         return first_problem({
             [&] { return sign_op_problem(op); },
-            [&] {
-              return packed_out_problem(out, op, size_, "numel", numel, nans, false, "planes");
-            },
-            [&] { return check_planes(sign, "sign", at::kCPU, bits_needed); },
-            [&] { return check_planes(zero, "zero", at::kCPU, bits_needed); },
+            [&] { return packed_out_problem(out, op, size_, "numel", numel, nans, false); },
+            [&] { return check_planes(sign, "sign", out.device(), bits_needed); },
+            [&] { return check_planes(zero, "zero", out.device(), bits_needed); },
         });
       });
   return enqueue(
       Collective::kAllReduce, op, out,
-      [sign, zero, numel, nans, out, op, tie](const SignComm& comm, uint64_t seq) mutable {
-        const PackedSigns in{
-            words_of(sign), words_of(zero), static_cast<uint64_t>(numel),
-            static_cast<uint64_t>(nans)};
-        sign_allreduce_packed(comm, in, out, op, bits::CallRule{tie.at(seq), 0}, seq);
-      });
+      on_device(
+          {out, sign, zero},
+          [sign, zero, numel, nans, out, op, tie](const SignComm& comm, uint64_t seq) mutable {
+            const PackedSigns in{
+                sign, zero, static_cast<uint64_t>(numel), static_cast<uint64_t>(nans)};
+            sign_allreduce_packed(comm, in, out, op, bits::CallRule{tie.at(seq), 0}, seq);
+          }));
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceLevelsPacked(
@@ -500,14 +497,13 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceLevelsPacked(
         const int64_t bits_needed = std::max<int64_t>(numel, 0);
         return first_problem({
             [&] { return bits_problem(value_bits); },
-            [&] {
-              return packed_out_problem(out, op, size_, "numel", numel, nans, false, "levels");
-            },
+            [&] { return packed_out_problem(out, op, size_, "numel", numel, nans, false); },
             [&]() -> std::string {
               // `bits` planes of the same whole number of words, at least
               // ceil(numel / 64) each.
               const int64_t words = static_cast<int64_t>(bits::words_for(bits_needed));
-              std::string why = check_planes(planes, "planes", at::kCPU, 64 * words * value_bits);
+              std::string why = check_planes(
+                  planes, "planes", out.device(), 64 * words * value_bits);
               if (why.empty() && planes.numel() % (8 * value_bits) != 0) {
                 why = "argument 'planes' must hold " + std::to_string(value_bits) +
                     " planes of a whole number of 64-bit words, got " +
@@ -519,53 +515,16 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceLevelsPacked(
       });
   return enqueue(
       Collective::kAllReduce, op, out,
-      [planes, value_bits, numel, nans, out, tie](const SignComm& comm, uint64_t seq) mutable {
-        const size_t plane_words = static_cast<size_t>(planes.numel()) / 8 /
-            static_cast<size_t>(value_bits);
-        const PackedLevels in{
-            words_of(planes), plane_words, static_cast<int>(value_bits),
-            static_cast<uint64_t>(numel), static_cast<uint64_t>(nans)};
-        levels_allreduce_packed(comm, in, out, tie.at(seq), seq);
-      });
-}
-
-c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPackedDevice(
-    at::Tensor sign,
-    at::Tensor zero,
-    at::Tensor counts,
-    int64_t numel,
-    at::Tensor out,
-    const std::string& op_name,
-    const std::string& tie_break,
-    int64_t tie_seed) {
-  TieSpec tie;
-  const bits::SignOp op = validate(
-      Collective::kAllReduce, op_name, tie_break, tie_seed, tie, [&](bits::SignOp op) {
-        const int64_t bits_needed = std::max<int64_t>(numel, 0);
-        return first_problem({
-            [&] { return sign_op_problem(op); },
-            [&] { return result_problem(out, "out", op, size_); },
-            [&] {
-              return out.is_cuda()
-                  ? ""
-                  : "argument 'out' must be a CUDA tensor (planes packed on the GPU)";
-            },
-            [&] { return numel < 0 ? "argument 'numel' must be >= 0" : ""; },
-            [&] { return exact_size_problem(out, "numel", numel); },
-            [&] { return check_planes(sign, "sign", out.device(), bits_needed); },
-            [&] { return check_planes(zero, "zero", out.device(), bits_needed); },
-            [&] { return check_buffer(counts, "counts", at::kLong, out.device(), 2); },
-        });
-      });
-#ifdef LIONBIT_WITH_CUDA
-  return enqueue(
-      Collective::kAllReduce, op, out,
-      cuda_allreduce_packed_job(sign, zero, counts, numel, out, op, tie));
-#else
-  (void)op; // validate() refused the CUDA tensor: this build has no CUDA path
-  (void)tie;
-  TORCH_INTERNAL_ASSERT(false, "unreachable");
-#endif
+      on_device(
+          {out, planes},
+          [planes, value_bits, numel, nans, out, tie](const SignComm& comm, uint64_t seq) mutable {
+            const size_t plane_words = static_cast<size_t>(planes.numel()) / 8 /
+                static_cast<size_t>(value_bits);
+            const PackedLevels in{
+                planes, plane_words, static_cast<int>(value_bits), static_cast<uint64_t>(numel),
+                static_cast<uint64_t>(nans)};
+            levels_allreduce_packed(comm, in, out, tie.at(seq), seq);
+          }));
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterSignPacked(
@@ -587,21 +546,22 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterSignPacked(
         return first_problem({
             [&] { return sign_op_problem(op); },
             [&] {
-              return packed_out_problem(
-                  out, op, size_, "shard_numel", shard_numel, nans, true, "planes");
+              return packed_out_problem(out, op, size_, "shard_numel", shard_numel, nans, true);
             },
-            [&] { return check_planes(sign, "sign", at::kCPU, plane_bits); },
-            [&] { return check_planes(zero, "zero", at::kCPU, plane_bits); },
+            [&] { return check_planes(sign, "sign", out.device(), plane_bits); },
+            [&] { return check_planes(zero, "zero", out.device(), plane_bits); },
         });
       });
   return enqueue(
       Collective::kReduceScatter, op, out,
-      [sign, zero, shard_numel, nans, out, op, tie](const SignComm& comm, uint64_t seq) mutable {
-        const PackedShards in{
-            words_of(sign), words_of(zero), static_cast<uint64_t>(shard_numel),
-            static_cast<uint64_t>(nans)};
-        sign_reduce_scatter_packed(comm, in, out, op, tie.at(seq), seq);
-      });
+      on_device(
+          {out, sign, zero},
+          [sign, zero, shard_numel, nans, out, op, tie](
+              const SignComm& comm, uint64_t seq) mutable {
+            const PackedShards in{
+                sign, zero, static_cast<uint64_t>(shard_numel), static_cast<uint64_t>(nans)};
+            sign_reduce_scatter_packed(comm, in, out, op, tie.at(seq), seq);
+          }));
 }
 
 c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterLevelsPacked(
@@ -621,11 +581,11 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterLevelsPacked(
         return first_problem({
             [&] { return bits_problem(value_bits); },
             [&] {
-              return packed_out_problem(
-                  out, op, size_, "shard_numel", shard_numel, nans, true, "levels");
+              return packed_out_problem(out, op, size_, "shard_numel", shard_numel, nans, true);
             },
             [&]() -> std::string {
-              std::string why = check_planes(planes, "planes", at::kCPU, plane_bits * value_bits);
+              std::string why = check_planes(
+                  planes, "planes", out.device(), plane_bits * value_bits);
               if (why.empty() && planes.numel() * 8 != plane_bits * value_bits) {
                 why = "argument 'planes' must hold exactly " + std::to_string(value_bits) +
                     " planes of " + std::to_string(plane_bits / 8) + " bytes, got " +
@@ -637,14 +597,16 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterLevelsPacked(
       });
   return enqueue(
       Collective::kReduceScatter, op, out,
-      [planes, value_bits, shard_numel, nans, out, op, tie](
-          const SignComm& comm, uint64_t seq) mutable {
-        PackedShards in{
-            words_of(planes), nullptr, static_cast<uint64_t>(shard_numel),
-            static_cast<uint64_t>(nans)};
-        in.value_bits = static_cast<int>(value_bits);
-        sign_reduce_scatter_packed(comm, in, out, op, tie.at(seq), seq);
-      });
+      on_device(
+          {out, planes},
+          [planes, value_bits, shard_numel, nans, out, op, tie](
+              const SignComm& comm, uint64_t seq) mutable {
+            PackedShards in{
+                planes, at::Tensor(), static_cast<uint64_t>(shard_numel),
+                static_cast<uint64_t>(nans)};
+            in.value_bits = static_cast<int>(value_bits);
+            sign_reduce_scatter_packed(comm, in, out, op, tie.at(seq), seq);
+          }));
 }
 
 // --- forwarding ------------------------------------------------------------

@@ -53,24 +53,12 @@ class LionBitBackend : public c10d::Backend {
       const std::string& tie_break = "zero",
       int64_t tie_seed = -1);
 
-  // allreduceSignPacked for planes packed on a GPU: `counts` is an int64
-  // tensor {zeros, NaNs} on the same device as the planes and `out` (the
-  // fused Lion kernel tallies them there; no host synchronisation).
-  c10::intrusive_ptr<c10d::Work> allreduceSignPackedDevice(
-      at::Tensor sign,
-      at::Tensor zero,
-      at::Tensor counts,
-      int64_t numel,
-      at::Tensor out,
-      const std::string& op,
-      const std::string& tie_break = "zero",
-      int64_t tie_seed = -1);
-
   // The same collective on direction bits packed by the caller (uint8
   // tensors `sign` and `zero` of at least ceil(numel / 64) * 8 bytes, laid
   // out like bits::pack_signs), `nans` NaNs seen while packing; the result
-  // is written into `out` (contiguous, numel elements). The planes must stay
-  // unchanged until the Work completes.
+  // is written into `out` (contiguous, numel elements). Every tensor on one
+  // device, CPU or CUDA. The planes must stay unchanged until the Work
+  // completes.
   c10::intrusive_ptr<c10d::Work> allreduceSignPacked(
       at::Tensor sign,
       at::Tensor zero,

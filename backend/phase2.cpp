@@ -1,9 +1,12 @@
 #include "backend/phase2.hpp"
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
 #include <cstring>
 
 #include "backend/sign_common.hpp"
+#include "backend/torch_adapter.hpp"
 #include "signbits/count.h"
 #include "signbits/levels.h"
 #include "signbits/ties.h"
@@ -16,12 +19,6 @@ namespace lionbit {
 namespace {
 
 constexpr size_t kTieCountBytes = 8; // the u64 ahead of a vote message
-
-std::vector<uint8_t> lut_of(bits::DType dtype, const std::vector<double>& values) {
-  std::vector<uint8_t> lut(values.size() * bits::dtype_size(dtype));
-  bits::make_lut(dtype, values.data(), values.size(), lut.data());
-  return lut;
-}
 
 } // namespace
 
@@ -75,70 +72,94 @@ size_t Phase2::message_bytes() const {
   return 0;
 }
 
-uint64_t Phase2::ties_in(const uint8_t* msg) {
-  uint64_t ties;
-  std::memcpy(&ties, msg, sizeof ties);
+namespace {
+
+// Writes a host value into the first 8 bytes of a message on any device.
+void put_word(at::Tensor& msg, uint64_t value) {
+  at::Tensor host = byte_buffer(8);
+  std::memcpy(bytes_of(host), &value, 8);
+  msg.narrow(0, 0, 8).copy_(host);
+}
+
+} // namespace
+
+std::vector<uint64_t> Phase2::ties_in(const at::Tensor& gathered) const {
+  const int64_t msg = static_cast<int64_t>(message_bytes());
+  const at::Tensor heads =
+      gathered.narrow(0, 0, msg * N).view({N, msg}).narrow(1, 0, 8).contiguous().cpu();
+  std::vector<uint64_t> ties(static_cast<size_t>(N));
+  std::memcpy(ties.data(), bytes_of(heads), 8 * static_cast<size_t>(N));
   return ties;
 }
 
 void Phase2::vote_shard(
+    const KernelSet& k,
     bits::SignOp op,
     int value_bits,
-    const bits::Contribution* in,
-    int N,
-    size_t sw,
-    uint64_t* sign,
-    uint64_t* tie) {
+    const std::vector<PlaneIn>& in,
+    at::Tensor& sign,
+    at::Tensor& tie) {
   if (op != bits::SignOp::kLevels) {
-    bits::vote(in, N, sw, sign, tie);
+    k.vote(in, sign, tie);
     return;
   }
-  std::vector<const uint64_t*> planes(static_cast<size_t>(N));
-  for (int j = 0; j < N; ++j) {
-    planes[static_cast<size_t>(j)] = in[j].sign; // [plane 0 | plane 1 | ...], sw words each
+  std::vector<at::Tensor> planes(in.size());
+  for (size_t j = 0; j < in.size(); ++j) {
+    planes[j] = in[j].sign; // [plane 0 | plane 1 | ...], sw words each
   }
-  bits::vote_levels(planes.data(), N, value_bits, sw, sign, tie);
+  k.vote_levels(planes, value_bits, sign, tie);
 }
 
 std::string Phase2::encode(
-    const bits::Contribution* in,
+    const KernelSet& k,
+    const std::vector<PlaneIn>& in,
     uint64_t first_word,
-    uint8_t* msg,
-    uint64_t* ties) const {
-  const size_t sb = sw * 8;
-  auto* words = reinterpret_cast<uint64_t*>(msg);
+    at::Tensor& msg,
+    at::Tensor& ties) const {
+  const int64_t sb = static_cast<int64_t>(sw * 8);
+  const int64_t head = static_cast<int64_t>(kTieCountBytes);
   switch (format) {
-    case Phase2Format::kVoteSigns:
-      vote_shard(op, rule.value_bits, in, N, sw, words + 1, ties);
-      words[0] = bits::count_bits(ties, sw);
+    case Phase2Format::kVoteSigns: {
+      at::Tensor sign = msg.narrow(0, head, sb);
+      vote_shard(k, op, rule.value_bits, in, sign, ties);
+      put_word(msg, k.count_bits(ties, sw).at(0));
       return "";
+    }
     case Phase2Format::kVoteBits: {
-      std::vector<uint64_t> tie(sw);
-      vote_shard(op, rule.value_bits, in, N, sw, words, tie.data());
-      bits::break_ties(words, tie.data(), sw, rule.tie, first_word);
+      at::Tensor sign = msg.narrow(0, 0, sb);
+      at::Tensor tie = at::empty_like(sign);
+      vote_shard(k, op, rule.value_bits, in, sign, tie);
+      k.break_ties(sign, tie, rule.tie, first_word);
       return "";
     }
     case Phase2Format::kVoteTrits: {
-      std::vector<uint64_t> planes(2 * sw);
-      uint64_t* sign = planes.data();
-      uint64_t* tie = sign + sw;
-      vote_shard(op, rule.value_bits, in, N, sw, sign, tie);
-      words[0] = bits::count_bits(tie, sw);
-      words[message_bytes() / 8 - 1] = 0; // the padding
-      bits::encode_trits(sign, tie, sw, msg + kTieCountBytes);
+      at::Tensor planes = at::empty({2 * sb}, msg.options());
+      at::Tensor sign = planes.narrow(0, 0, sb);
+      at::Tensor tie = planes.narrow(0, sb, sb);
+      vote_shard(k, op, rule.value_bits, in, sign, tie);
+      put_word(msg, k.count_bits(tie, sw).at(0));
+      msg.narrow(0, static_cast<int64_t>(message_bytes()) - 8, 8).zero_(); // the padding
+      at::Tensor trits = msg.narrow(0, head, static_cast<int64_t>(bits::kTritBytesPerWord * sw));
+      k.encode_trits(sign, tie, trits);
       return "";
     }
-    case Phase2Format::kCounts:
-      bits::count_code(in, N, sw, words);
+    case Phase2Format::kCounts: {
+      at::Tensor out = msg.narrow(0, 0, static_cast<int64_t>(planes) * sb);
+      k.count_code(in, out);
       return "";
+    }
     case Phase2Format::kCountsZeroList: {
-      std::vector<bits::Contribution> signs(in, in + N);
-      for (auto& c : signs) {
-        c.zero = nullptr; // a zero's sign bit is 0: counted as not positive
+      std::vector<PlaneIn> signs(in.size());
+      for (size_t j = 0; j < in.size(); ++j) {
+        signs[j].sign = in[j].sign; // a zero's sign bit is 0: counted as not positive
       }
-      bits::count_code(signs.data(), N, sw, words);
+      at::Tensor out = msg.narrow(0, 0, static_cast<int64_t>(planes) * sb);
+      k.count_code(signs, out);
       // list_cap bounds this shard's zeros summed over the senders.
-      return bits::encode_zero_counts(in, N, sw, list_cap, msg + planes * sb)
+      at::Tensor list = msg.narrow(
+          0, static_cast<int64_t>(planes) * sb,
+          static_cast<int64_t>(bits::zero_count_list_bytes(list_cap)));
+      return k.encode_zero_counts(in, list_cap, list)
           ? ""
           : "internal: more elements with a zero than announced";
     }
@@ -146,63 +167,75 @@ std::string Phase2::encode(
   return "internal: unknown phase-2 format";
 }
 
-Phase2Decoder::Phase2Decoder(const Phase2& fmt, bits::SignOp op, bits::DType dtype, bool tie_planes)
-    : fmt_(fmt), dtype_(dtype), tie_planes_(tie_planes) {
+Phase2Decoder::Phase2Decoder(
+    const Phase2& fmt,
+    bits::SignOp op,
+    bits::DType dtype,
+    bool tie_planes,
+    const c10::Device& device)
+    : fmt_(fmt), tie_planes_(tie_planes) {
   switch (fmt.format) {
     case Phase2Format::kVoteSigns: // code = sign bit + 2 * tie bit
-      lut_ = lut_of(
-          dtype, tie_planes ? std::vector<double>{-1, 1, 0, 0} : std::vector<double>{-1, 1});
+      lut_ = lut_tensor(
+          dtype, tie_planes ? std::vector<double>{-1, 1, 0, 0} : std::vector<double>{-1, 1},
+          device);
       break;
     case Phase2Format::kVoteTrits: // trit 0, 1, 2
-      lut_ = lut_of(dtype, {-1, 1, 0});
+      lut_ = lut_tensor(dtype, {-1, 1, 0}, device);
       break;
     case Phase2Format::kVoteBits:
-      lut_ = lut_of(dtype, {-1, 1});
+      lut_ = lut_tensor(dtype, {-1, 1}, device);
       break;
     case Phase2Format::kCounts:
-      lut_ = lut_of(dtype, count_code_values(op, fmt.N, fmt.with_zeros, fmt.planes));
+      lut_ = lut_tensor(dtype, count_code_values(op, fmt.N, fmt.with_zeros, fmt.planes), device);
       break;
     case Phase2Format::kCountsZeroList:
-      lut_ = lut_of(dtype, count_code_values(op, fmt.N, false, fmt.planes));
-      zero_lut_ = lut_of(dtype, count_code_values(op, fmt.N, true, fmt.planes + 1));
+      lut_ = lut_tensor(dtype, count_code_values(op, fmt.N, false, fmt.planes), device);
+      zero_lut_ = lut_tensor(dtype, count_code_values(op, fmt.N, true, fmt.planes + 1), device);
       break;
   }
 }
 
 std::string Phase2Decoder::decode(
-    const uint8_t* msg,
-    const uint64_t* tie_plane,
-    size_t n,
-    void* dst) const {
-  const size_t sw = fmt_.sw;
-  const auto* words = reinterpret_cast<const uint64_t*>(msg);
+    const KernelSet& k,
+    const at::Tensor& msg,
+    const at::Tensor& tie_plane,
+    at::Tensor& dst) const {
+  const int64_t sb = static_cast<int64_t>(fmt_.sw * 8);
+  const int64_t head = static_cast<int64_t>(kTieCountBytes);
   switch (fmt_.format) {
     case Phase2Format::kVoteSigns: {
-      const uint64_t* planes[2] = {words + 1, tie_plane};
-      bits::unpack(dtype_, planes, tie_planes_ ? 2 : 1, n, lut_.data(), dst);
+      std::vector<at::Tensor> planes{msg.narrow(0, head, sb)};
+      if (tie_planes_) {
+        planes.push_back(tie_plane);
+      }
+      k.unpack(planes, lut_, dst);
       return "";
     }
     case Phase2Format::kVoteBits:
-      bits::unpack(dtype_, &words, 1, n, lut_.data(), dst);
+      k.unpack({msg.narrow(0, 0, sb)}, lut_, dst);
       return "";
-    case Phase2Format::kVoteTrits:
-      return bits::decode_trits(dtype_, msg + kTieCountBytes, n, lut_.data(), dst)
-          ? ""
-          : "a corrupt vote message (a base-3 code above 242)";
+    case Phase2Format::kVoteTrits: {
+      const at::Tensor trits = msg.narrow(
+          0, head, static_cast<int64_t>(bits::kTritBytesPerWord * bits::words_for(dst.numel())));
+      return k.decode_trits(trits, lut_, dst) ? ""
+                                              : "a corrupt vote message (a base-3 code above 242)";
+    }
     case Phase2Format::kCounts:
     case Phase2Format::kCountsZeroList: {
-      std::vector<const uint64_t*> planes(static_cast<size_t>(fmt_.planes));
+      std::vector<at::Tensor> planes(static_cast<size_t>(fmt_.planes));
       for (int b = 0; b < fmt_.planes; ++b) {
-        planes[b] = words + static_cast<size_t>(b) * sw;
+        planes[b] = msg.narrow(0, b * sb, sb);
       }
-      bits::unpack(dtype_, planes.data(), fmt_.planes, n, lut_.data(), dst);
+      k.unpack(planes, lut_, dst);
       // The listed elements (a zero somewhere) rewritten from the zero-aware
       // code 2 * positives + zeros.
-      if (fmt_.format == Phase2Format::kCountsZeroList &&
-          !bits::apply_zero_counts(
-              msg + fmt_.planes * sw * 8, fmt_.list_cap, planes.data(), fmt_.planes, n, fmt_.N,
-              zero_lut_.data(), bits::dtype_size(dtype_), dst)) {
-        return "a corrupt count message (its list of elements with a zero)";
+      if (fmt_.format == Phase2Format::kCountsZeroList) {
+        const at::Tensor list = msg.narrow(
+            0, fmt_.planes * sb, static_cast<int64_t>(bits::zero_count_list_bytes(fmt_.list_cap)));
+        if (!k.apply_zero_counts(list, fmt_.list_cap, planes, fmt_.N, zero_lut_, dst)) {
+          return "a corrupt count message (its list of elements with a zero)";
+        }
       }
       return "";
     }

@@ -1,4 +1,5 @@
-// Phase 2 of the CPU sign all-reduce: the owner of each shard sends every
+// Phase 2 of the sign all-reduce (every device: the buffers live on the
+// call's device, its kernel set does the work): the owner of each shard sends every
 // rank its shard's result in one all-gather message. One format per case,
 // each with its size, its encoder (run by the owner) and its decoder (run by
 // every rank for every shard) side by side in phase2.cpp, so that a change
@@ -17,11 +18,14 @@
 //                    a list] (zero_counts.h): avg / sum with a few zeros
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "backend/kernel_set.hpp"
 #include "signbits/types.h"
 #include "signbits/wire.h"
 
@@ -56,50 +60,62 @@ struct Phase2 {
   // for kLevels p planes of levels each): the sign plane and the tie plane,
   // sw words each, the tie rule not applied.
   static void vote_shard(
+      const KernelSet& k,
       bits::SignOp op,
       int value_bits,
-      const bits::Contribution* in,
-      int N,
-      size_t sw,
-      uint64_t* sign,
-      uint64_t* tie);
+      const std::vector<PlaneIn>& in,
+      at::Tensor& sign,
+      at::Tensor& tie);
 
-  // The owner's message about its shard, from the N contributions to it.
-  // `first_word`: the shard's first word in the call's tensor (the random
-  // tie rule's position). kVoteSigns also writes the shard's tie plane (sw
-  // words) into `ties`. Returns "" or what went wrong (an internal
-  // inconsistency).
+  // The owner's message about its shard (msg: message_bytes() bytes), from
+  // the N contributions to it. `first_word`: the shard's first word in the
+  // call's tensor (the random tie rule's position). kVoteSigns also writes
+  // the shard's tie plane (sw words) into `ties`. Returns "" or what went
+  // wrong (an internal inconsistency).
   std::string encode(
-      const bits::Contribution* in,
+      const KernelSet& k,
+      const std::vector<PlaneIn>& in,
       uint64_t first_word,
-      uint8_t* msg,
-      uint64_t* ties) const;
+      at::Tensor& msg,
+      at::Tensor& ties) const;
 
   // Whether the message starts with the number of its shard's ties
-  // (kVoteSigns, kVoteTrits), and that number.
+  // (kVoteSigns, kVoteTrits).
   bool counts_ties() const {
     return format == Phase2Format::kVoteSigns || format == Phase2Format::kVoteTrits;
   }
-  static uint64_t ties_in(const uint8_t* msg);
+  // The number of ties each of the N messages of `gathered` announces (read
+  // on the host).
+  std::vector<uint64_t> ties_in(const at::Tensor& gathered) const;
 };
 
 // Decodes the messages of one chunk, shard by shard, into values of `dtype`.
 class Phase2Decoder {
  public:
   // `tie_planes`: kVoteSigns when some shard has ties (they were fetched).
-  Phase2Decoder(const Phase2& fmt, bits::SignOp op, bits::DType dtype, bool tie_planes);
+  // The tables are built for `device`.
+  Phase2Decoder(
+      const Phase2& fmt,
+      bits::SignOp op,
+      bits::DType dtype,
+      bool tie_planes,
+      const c10::Device& device);
 
-  // Writes the n results of one shard into dst. `tie_plane`: that shard's
-  // tie plane (kVoteSigns with tie planes), else null. Returns "" or what is
-  // corrupt in the message (named in the caller's error with the sender).
-  std::string decode(const uint8_t* msg, const uint64_t* tie_plane, size_t n, void* dst) const;
+  // Writes the results of one shard into dst (n = dst.numel() elements).
+  // `tie_plane`: that shard's tie plane (kVoteSigns with tie planes), else
+  // undefined. Returns "" or what is corrupt in the message (named in the
+  // caller's error with the sender).
+  std::string decode(
+      const KernelSet& k,
+      const at::Tensor& msg,
+      const at::Tensor& tie_plane,
+      at::Tensor& dst) const;
 
  private:
   Phase2 fmt_;
-  bits::DType dtype_;
   bool tie_planes_;
-  std::vector<uint8_t> lut_; // the message's codes as dtype_
-  std::vector<uint8_t> zero_lut_; // kCountsZeroList: the zero-aware code's
+  at::Tensor lut_; // the message's codes as values of the dtype
+  at::Tensor zero_lut_; // kCountsZeroList: the zero-aware code's
 };
 
 } // namespace lionbit

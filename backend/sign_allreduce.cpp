@@ -36,7 +36,7 @@ struct Chunk {
   Phase2 fmt{};
   size_t msg = 0; // bytes each rank contributes to the all-gather
   at::Tensor mine_msg, mine_zero, gathered, tie_planes;
-  c10::intrusive_ptr<c10d::Work> ag;
+  Inflight ag;
 };
 
 // The whole collective on one tensor. The methods run in this order on every
@@ -57,7 +57,7 @@ class Run {
         op_(op),
         votes_(op == bits::SignOp::kVote || op == bits::SignOp::kLevels),
         rule_(rule),
-        call_{c, op, Collective::kAllReduce, seq},
+        call_{c, op, Collective::kAllReduce, seq, tensor.device()},
         tensor_(tensor),
         packed_(packed),
         levels_(levels),
@@ -70,9 +70,9 @@ class Run {
     const auto d = bits_dtype(tensor.scalar_type());
     TORCH_CHECK(d.has_value(), where(call_), "unsupported dtype ", tensor.scalar_type());
     dtype_ = *d;
-    // Work on a contiguous buffer; for a non-contiguous input it is a copy
-    // and the result is copied back at the end.
-    buf_ = tensor.contiguous();
+    // Work on a contiguous 1-D buffer; for a non-contiguous input it is a
+    // copy and the result is copied back at the end.
+    buf_ = tensor.contiguous().view({-1});
     n_ = static_cast<size_t>(buf_.numel());
     TORCH_CHECK(packed == nullptr || packed->numel == n_, where(call_), "packed size mismatch");
     TORCH_CHECK(levels == nullptr || levels->numel == n_, where(call_), "packed size mismatch");
@@ -108,17 +108,16 @@ class Run {
       // Same answer on every rank: every rank saw every shard's tie count.
       c_.tie_hint->store(dense_ties_);
     }
-    if (!buf_.is_same(tensor_)) {
+    if (buf_.data_ptr() != tensor_.data_ptr() || !tensor_.is_contiguous()) {
       ScopedTimer t(c_.stats->unpack_ns, "lionbit::unpack");
-      tensor_.copy_(buf_);
+      tensor_.copy_(buf_.view(tensor_.sizes()));
     }
   }
 
  private:
   void pack_all() {
     ScopedTimer t(c_.stats->pack_ns, "lionbit::pack");
-    const size_t esize = bits::dtype_size(dtype_);
-    const uint8_t* src = static_cast<const uint8_t*>(buf_.data_ptr());
+    const KernelSet& k = *call_.k;
     for (size_t begin = 0; begin < n_; begin += chunk_elems_) {
       Chunk ch;
       ch.begin = begin;
@@ -130,29 +129,30 @@ class Run {
         chunks_.push_back(std::move(ch));
         continue;
       }
-      const size_t total_words = ch.sw * N_;
-      ch.sign_plane = byte_buffer(total_words * 8);
-      ch.zero_plane = byte_buffer(total_words * 8);
-      const size_t used = bits::words_for(ch.len);
-      bits::PackCounts pc;
-      if (packed_ == nullptr) {
-        pc = bits::pack_signs(
-            dtype_, src + begin * esize, ch.len, words_of(ch.sign_plane), words_of(ch.zero_plane));
-      } else {
-        // Chunks start on word boundaries (a multiple of 64 * N elements).
-        std::memcpy(words_of(ch.sign_plane), packed_->sign + begin / 64, used * 8);
-        std::memcpy(words_of(ch.zero_plane), packed_->zero + begin / 64, used * 8);
-        clean_planes(words_of(ch.sign_plane), words_of(ch.zero_plane), used, ch.len);
-        pc.zeros = bits::count_bits(words_of(ch.zero_plane), used);
-        pc.nans = begin == 0 ? packed_->nans : 0;
-      }
       // Padding elements: sign 0, zero 0 (they vote -1 on every rank; their
       // results are never unpacked).
-      std::memset(words_of(ch.sign_plane) + used, 0, (total_words - used) * 8);
-      std::memset(words_of(ch.zero_plane) + used, 0, (total_words - used) * 8);
+      const int64_t total = static_cast<int64_t>(ch.sw * N_ * 8);
+      at::Tensor planes = at::zeros({2 * total}, buf_.options().dtype(at::kByte));
+      ch.sign_plane = planes.narrow(0, 0, total);
+      ch.zero_plane = planes.narrow(0, total, total);
+      bits::PackCounts pc;
+      if (packed_ == nullptr) {
+        pc = k.pack(
+            buf_.narrow(0, static_cast<int64_t>(begin), static_cast<int64_t>(ch.len)),
+            ch.sign_plane, ch.zero_plane, 0);
+      } else {
+        // Chunks start on word boundaries (a multiple of 64 * N elements).
+        const int64_t used = static_cast<int64_t>(bits::words_for(ch.len) * 8);
+        const int64_t from = static_cast<int64_t>(begin / 8);
+        ch.sign_plane.narrow(0, 0, used).copy_(packed_->sign.narrow(0, from, used));
+        ch.zero_plane.narrow(0, 0, used).copy_(packed_->zero.narrow(0, from, used));
+        k.clean(ch.sign_plane, ch.zero_plane, ch.len);
+        pc.zeros = k.count_bits(ch.zero_plane, ch.sw * N_).at(0);
+        pc.nans = begin == 0 ? packed_->nans : 0;
+      }
       nans_ += pc.nans;
       if (pc.zeros > 0) {
-        zero_cap_ = std::max(zero_cap_, max_shard_zeros(words_of(ch.zero_plane), N_, ch.sw));
+        zero_cap_ = std::max(zero_cap_, max_shard_zeros(call_, ch.zero_plane, ch.sw));
       }
       chunks_.push_back(std::move(ch));
     }
@@ -164,32 +164,29 @@ class Run {
   // level 0 (q = -s on every rank: never a tie; never unpacked).
   void pack_levels_chunk(Chunk& ch) {
     const int p = levels_->bits;
-    const size_t block = static_cast<size_t>(p) * ch.sw; // words per shard
-    ch.sign_plane = byte_buffer(block * N_ * 8);
-    uint64_t* dst = words_of(ch.sign_plane);
-    std::memset(dst, 0, block * N_ * 8);
-    const size_t first = ch.begin / bits::kWordBits;
-    const size_t used = bits::words_for(ch.begin + ch.len) - first;
-    for (int k = 0; k < N_; ++k) {
-      const size_t w0 = static_cast<size_t>(k) * ch.sw;
-      if (w0 >= used) {
-        break;
-      }
-      const size_t nw = std::min(ch.sw, used - w0);
+    const int64_t sw = static_cast<int64_t>(ch.sw);
+    const int64_t block = p * sw; // words per shard
+    ch.sign_plane = at::zeros({block * N_ * 8}, buf_.options().dtype(at::kByte));
+    const int64_t first = static_cast<int64_t>(ch.begin / bits::kWordBits);
+    const int64_t used = static_cast<int64_t>(bits::words_for(ch.begin + ch.len)) - first;
+    const int64_t plane_words = static_cast<int64_t>(levels_->plane_words);
+    // [shard k][plane b] <- plane b's words [first + k * sw, + sw), as bytes.
+    for (int64_t k = 0; k < N_ && k * sw < used; ++k) {
+      const int64_t nw = std::min(sw, used - k * sw);
       for (int b = 0; b < p; ++b) {
-        std::memcpy(
-            dst + static_cast<size_t>(k) * block + static_cast<size_t>(b) * ch.sw,
-            levels_->planes + static_cast<size_t>(b) * levels_->plane_words + first + w0, nw * 8);
+        ch.sign_plane.narrow(0, (k * block + b * sw) * 8, nw * 8)
+            .copy_(levels_->planes.narrow(0, (b * plane_words + first + k * sw) * 8, nw * 8));
       }
     }
     // Bits past the tensor's last element: level 0, whatever the caller left.
     const unsigned tail = static_cast<unsigned>((ch.begin + ch.len) % bits::kWordBits);
     if (tail != 0) {
-      const size_t last = used - 1;
-      const size_t k = last / ch.sw;
+      const int64_t last = used - 1;
+      const int64_t k = last / sw;
+      const int64_t mask = static_cast<int64_t>((uint64_t{1} << tail) - 1);
+      at::Tensor words = ch.sign_plane.view(at::kLong);
       for (int b = 0; b < p; ++b) {
-        dst[k * block + static_cast<size_t>(b) * ch.sw + (last - k * ch.sw)] &=
-            (uint64_t{1} << tail) - 1;
+        words.narrow(0, k * block + b * sw + (last - k * sw), 1).bitwise_and_(mask);
       }
     }
     if (ch.begin == 0) {
@@ -200,7 +197,7 @@ class Run {
   // Every rank learns every rank's size, dtype, op, order, chunking and
   // zero/NaN flags, and all raise together if they disagree.
   void header() {
-    uint32_t flags = header_flags(zero_cap_, nans_);
+    uint32_t flags = header_flags(call_, zero_cap_, nans_);
     if (votes_ && c_.tie_hint != nullptr && c_.tie_hint->load()) {
       flags |= bits::kTieHint;
     }
@@ -225,49 +222,45 @@ class Run {
   // all-gather of every shard's result.
   void count_and_issue_phase2(size_t idx) {
     Chunk& ch = chunks_[idx];
-    const std::vector<bits::Contribution> in = receive_shards(call_, hs_, ch.p1, ch.decoded);
+    const std::vector<PlaneIn> in = receive_shards(call_, hs_, ch.p1, ch.decoded);
     ch.fmt = Phase2::choose(op_, rule_, N_, ch.sw, inline_ties_, hs_.zero_capacity);
     {
       ScopedTimer t(c_.stats->vote_ns, "lionbit::count");
       ch.msg = ch.fmt.message_bytes();
-      ch.mine_msg = byte_buffer(ch.msg);
+      ch.mine_msg = call_.bytes(ch.msg);
       if (ch.fmt.format == Phase2Format::kVoteSigns) {
-        ch.mine_zero = byte_buffer(ch.sb);
+        ch.mine_zero = call_.bytes(ch.sb);
       }
       if (ch.fmt.format == Phase2Format::kVoteTrits) {
         c_.stats->inline_tie_chunks += 1;
       }
       const uint64_t first_word = ch.begin / bits::kWordBits +
           static_cast<uint64_t>(c_.rank) * ch.sw;
-      const std::string error = ch.fmt.encode(
-          in.data(), first_word, bytes_of(ch.mine_msg),
-          ch.mine_zero.defined() ? words_of(ch.mine_zero) : nullptr);
+      const std::string error = ch.fmt.encode(*call_.k, in, first_word, ch.mine_msg, ch.mine_zero);
       TORCH_CHECK(error.empty(), where(call_), error);
     }
     trace_.mark("counted", static_cast<int64_t>(idx));
     ch.p1 = Phase1(); // phase-1 buffers are no longer needed
     ch.decoded = at::Tensor();
-    ch.gathered = byte_buffer(ch.msg * N_);
     count_allgather(c_, ch.msg);
-    ScopedTimer t(c_.stats->comm_ns, "lionbit::issue");
-    ch.ag = c_.comm->_allgather_base(ch.gathered, ch.mine_msg);
+    ch.ag = issue_allgather(call_, call_.bytes(ch.msg * N_), ch.mine_msg);
   }
 
   // Waits for the chunk's all-gather (and, for a vote with ties, fetches the
   // tie positions), then unpacks every shard into the buffer.
   void finish(size_t idx) {
     Chunk& ch = chunks_[idx];
-    wait_inner(call_, "all-gather of shard results (phase 2)", *c_.comm, ch.ag);
+    ch.gathered = wait_data(call_, "all-gather of shard results (phase 2)", ch.ag);
     trace_.mark("ag_done", static_cast<int64_t>(idx));
     uint64_t tie_cap = 0;
     if (ch.fmt.counts_ties()) {
+      const std::vector<uint64_t> ties = ch.fmt.ties_in(ch.gathered);
       for (int k = 0; k < N_; ++k) {
-        const uint64_t ties = Phase2::ties_in(bytes_of(ch.gathered) + k * ch.msg);
         TORCH_CHECK_VALUE(
-            ties <= ch.sw * bits::kWordBits, where(call_), "rank ", k,
-            " sent a corrupt vote message (", ties, " ties in a shard of ", ch.sw * bits::kWordBits,
-            " elements)");
-        tie_cap = std::max(tie_cap, ties);
+            ties[k] <= ch.sw * bits::kWordBits, where(call_), "rank ", k,
+            " sent a corrupt vote message (", ties[k], " ties in a shard of ",
+            ch.sw * bits::kWordBits, " elements)");
+        tie_cap = std::max(tie_cap, ties[k]);
       }
       // A tie plane is the cheapest encoding of these ties: worth carrying
       // inline next time (kTieHint).
@@ -283,16 +276,18 @@ class Run {
     {
       ScopedTimer t(c_.stats->unpack_ns, "lionbit::unpack");
       const bool tie_planes = ch.tie_planes.defined();
-      const Phase2Decoder decoder(ch.fmt, op_, dtype_, tie_planes);
+      const Phase2Decoder decoder(ch.fmt, op_, dtype_, tie_planes, call_.device);
       const size_t per_shard = ch.sw * bits::kWordBits;
-      const size_t esize = bits::dtype_size(dtype_);
-      uint8_t* dst = static_cast<uint8_t*>(buf_.data_ptr()) + ch.begin * esize;
+      const int64_t msg = static_cast<int64_t>(ch.msg);
+      const int64_t sb = static_cast<int64_t>(ch.sb);
       for (int k = 0; k < N_ && static_cast<size_t>(k) * per_shard < ch.len; ++k) {
         const size_t begin = static_cast<size_t>(k) * per_shard;
+        at::Tensor dst = buf_.narrow(
+            0, static_cast<int64_t>(ch.begin + begin),
+            static_cast<int64_t>(std::min(per_shard, ch.len - begin)));
         const std::string corrupt = decoder.decode(
-            bytes_of(ch.gathered) + k * ch.msg,
-            tie_planes ? words_of(ch.tie_planes) + k * ch.sw : nullptr,
-            std::min(per_shard, ch.len - begin), dst + begin * esize);
+            *call_.k, ch.gathered.narrow(0, k * msg, msg),
+            tie_planes ? ch.tie_planes.narrow(0, k * sb, sb) : at::Tensor(), dst);
         TORCH_CHECK_VALUE(corrupt.empty(), where(call_), "rank ", k, " sent ", corrupt);
       }
     }
@@ -305,26 +300,24 @@ class Run {
   // round paid.
   void fetch_ties(Chunk& ch, uint64_t tie_cap) {
     c_.stats->tie_rounds += 1;
-    const size_t zb = bits::zero_encoding_bytes(tie_cap, ch.sw);
-    at::Tensor mine_enc = byte_buffer(zb);
-    bits::encode_zeros(words_of(ch.mine_zero), ch.sw, tie_cap, bytes_of(mine_enc));
-    at::Tensor gathered_zero = byte_buffer(zb * N_);
-    wait_inner(
-        call_, "all-gather of tie positions (phase 2)", *c_.comm,
-        c_.comm->_allgather_base(gathered_zero, mine_enc));
-    count_allgather(c_, zb);
+    const int64_t zb = static_cast<int64_t>(bits::zero_encoding_bytes(tie_cap, ch.sw));
+    at::Tensor mine_enc = call_.bytes(static_cast<size_t>(zb));
+    call_.k->encode_zeros(ch.mine_zero, tie_cap, mine_enc);
+    Inflight f = issue_allgather(call_, call_.bytes(static_cast<size_t>(zb * N_)), mine_enc);
+    at::Tensor gathered_zero = wait_data(call_, "all-gather of tie positions (phase 2)", f);
+    count_allgather(c_, static_cast<size_t>(zb));
     if (!bits::zeros_as_list(tie_cap, ch.sw)) {
       ch.tie_planes = gathered_zero;
       return;
     }
     ScopedTimer t(c_.stats->unpack_ns, "lionbit::unpack");
-    ch.tie_planes = byte_buffer(ch.sb * N_);
+    const int64_t sb = static_cast<int64_t>(ch.sb);
+    ch.tie_planes = call_.bytes(ch.sb * N_);
     for (int k = 0; k < N_; ++k) {
+      at::Tensor plane = ch.tie_planes.narrow(0, k * sb, sb);
       TORCH_CHECK_VALUE(
-          bits::decode_zeros(
-              bytes_of(gathered_zero) + k * zb, ch.sw, tie_cap,
-              words_of(ch.tie_planes) + k * ch.sw),
-          where(call_), "rank ", k, " sent a corrupt list of tie positions");
+          call_.k->decode_zeros(gathered_zero.narrow(0, k * zb, zb), tie_cap, plane), where(call_),
+          "rank ", k, " sent a corrupt list of tie positions");
     }
   }
 

@@ -53,8 +53,9 @@ struct TieSpec {
 // call's number in the order every rank runs them.
 using SignJob = std::function<void(const SignComm&, uint64_t seq)>;
 
-// Runs the whole collective on `tensor` (CPU, a supported dtype, no internal
-// overlap: the caller has checked) and writes the result into it. `rule`:
+// Runs the whole collective on `tensor` (CPU or CUDA, a supported dtype, no
+// internal overlap: the caller has checked; on CUDA the worker's stream is
+// current and ordered after the caller's work) and writes the result into it. `rule`:
 // the vote's tie rule (signbits/ties.h). Throws c10::Error naming lionbit,
 // the op and the rank on any failure.
 void sign_allreduce(
@@ -64,13 +65,13 @@ void sign_allreduce(
     const bits::CallRule& rule,
     uint64_t seq);
 
-// Direction bits packed by the caller (the fused Lion kernel): planes of at
-// least words_for(numel) words laid out like bits::pack_signs; bits past
-// numel are ignored. The result is unpacked into `out` (contiguous, numel
-// elements, a supported dtype).
+// Direction bits packed by the caller (the fused Lion kernel): uint8 planes
+// of at least words_for(numel) words laid out like bits::pack_signs, on the
+// device of `out`; bits past numel are ignored. The result is unpacked into
+// `out` (contiguous, numel elements, a supported dtype).
 struct PackedSigns {
-  const uint64_t* sign;
-  const uint64_t* zero;
+  at::Tensor sign;
+  at::Tensor zero;
   uint64_t numel;
   uint64_t nans; // NaNs the packer saw (an error on every rank if > 0)
 };
@@ -84,13 +85,13 @@ void sign_allreduce_packed(
     uint64_t seq);
 
 // Lion Cub's L1 aggregation: p-bit levels packed by the caller
-// (signbits/levels.h: plane b at planes + b * plane_words, at least
+// (signbits/levels.h: plane b at word b * plane_words, at least
 // words_for(numel) words each; bits past numel ignored). Phase 1 sends each
 // owner its shard's p planes; the owner sums them exactly and votes
 // (bits::vote_levels); phase 2 is a vote's, with the tie rule `tie`. The
 // sign of the sum (or the tie rule's answer) is unpacked into `out`.
 struct PackedLevels {
-  const uint64_t* planes;
+  at::Tensor planes; // uint8, on the device of `out`
   size_t plane_words;
   int bits; // p
   uint64_t numel;

@@ -55,8 +55,68 @@ void count_allgather(const SignComm& c, size_t chunk) {
   c.stats->bytes_received += b;
 }
 
-uint32_t header_flags(uint64_t zero_capacity, uint64_t nans) {
-  return (zero_capacity > 0 ? bits::kHasZero : 0u) | (nans > 0 ? bits::kHasNan : 0u);
+namespace {
+// The communicator that carries the call's data, and whether it is staged.
+const c10d::Backend& data_comm(const SignCall& call, bool& staged) {
+  staged = !call.device.is_cpu() && !call.c.device_comm.defined();
+  return staged || call.device.is_cpu() ? *call.c.comm : *call.c.device_comm;
+}
+} // namespace
+
+Inflight issue_alltoall(
+    const SignCall& call,
+    at::Tensor out,
+    const at::Tensor& in,
+    std::vector<int64_t> out_splits,
+    std::vector<int64_t> in_splits) {
+  bool staged = false;
+  auto& via = const_cast<c10d::Backend&>(data_comm(call, staged));
+  Inflight f;
+  f.via = &via;
+  f.out = std::move(out);
+  ScopedTimer t(call.c.stats->comm_ns, "lionbit::issue");
+  if (staged) {
+    at::Tensor host_in = in.cpu();
+    f.host_out = byte_buffer(static_cast<size_t>(f.out.numel()));
+    f.work = via.alltoall_base(f.host_out, host_in, out_splits, in_splits);
+  } else {
+    at::Tensor send = in;
+    f.work = via.alltoall_base(f.out, send, out_splits, in_splits);
+  }
+  return f;
+}
+
+Inflight issue_allgather(const SignCall& call, at::Tensor out, const at::Tensor& in) {
+  bool staged = false;
+  auto& via = const_cast<c10d::Backend&>(data_comm(call, staged));
+  Inflight f;
+  f.via = &via;
+  f.out = std::move(out);
+  ScopedTimer t(call.c.stats->comm_ns, "lionbit::issue");
+  if (staged) {
+    at::Tensor host_in = in.cpu();
+    f.host_out = byte_buffer(static_cast<size_t>(f.out.numel()));
+    f.work = via._allgather_base(f.host_out, host_in);
+  } else {
+    at::Tensor send = in;
+    f.work = via._allgather_base(f.out, send);
+  }
+  return f;
+}
+
+at::Tensor wait_data(const SignCall& call, const char* step, Inflight& f) {
+  wait_inner(call, step, *f.via, f.work);
+  f.work = {};
+  if (f.host_out.defined()) {
+    f.out.copy_(f.host_out);
+    f.host_out = at::Tensor();
+  }
+  return f.out;
+}
+
+uint32_t header_flags(const SignCall& call, uint64_t zero_capacity, uint64_t nans) {
+  return (zero_capacity > 0 ? bits::kHasZero : 0u) | (nans > 0 ? bits::kHasNan : 0u) |
+      (call.device.is_cpu() ? 0u : bits::kDevice);
 }
 
 namespace {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/kernel_set.hpp"
 #include "backend/sign_allreduce.hpp"
 #include "backend/torch_adapter.hpp"
 #include "signbits/wire.h"
@@ -24,13 +25,50 @@ enum class Collective { kAllReduce, kReduceScatter };
 const char* collective_name(Collective kind);
 
 // One sign call as its steps see it: the communicators, the op, which
-// collective, and its number in the order every rank runs the calls.
+// collective, its number in the order every rank runs the calls, the device
+// its data lives on and that device's kernels.
 struct SignCall {
   const SignComm& c;
   bits::SignOp op;
   Collective kind;
   uint64_t seq;
+  c10::Device device = c10::Device(c10::kCPU);
+  const KernelSet* k = nullptr; // kernels_for(device)
+
+  SignCall(const SignComm& comm, bits::SignOp o, Collective kd, uint64_t s)
+      : c(comm), op(o), kind(kd), seq(s) {}
+  SignCall(const SignComm& comm, bits::SignOp o, Collective kd, uint64_t s, c10::Device d)
+      : c(comm), op(o), kind(kd), seq(s), device(d), k(&kernels_for(d)) {}
+
+  // A buffer of n bytes on the call's device (uninitialised).
+  at::Tensor bytes(size_t n) const { return device_bytes(n, device); }
 };
+
+// An inner collective on the call's data in flight. The data moves over the
+// communicator of its device (SignComm): the CPU one for CPU tensors; for
+// CUDA tensors the NCCL one, or, without it (several ranks on one GPU, the
+// Gloo CUDA transport), the CPU one through host copies.
+struct Inflight {
+  c10::intrusive_ptr<c10d::Work> work;
+  const c10d::Backend* via = nullptr;
+  at::Tensor out; // where the result must end up, on the call's device
+  at::Tensor host_out; // staged through host memory: where it lands first
+};
+
+// All-to-all of `in` into `out` with per-rank byte splits (empty: equal).
+Inflight issue_alltoall(
+    const SignCall& call,
+    at::Tensor out,
+    const at::Tensor& in,
+    std::vector<int64_t> out_splits,
+    std::vector<int64_t> in_splits);
+
+// All-gather of `in` (the same size on every rank) into `out`.
+Inflight issue_allgather(const SignCall& call, at::Tensor out, const at::Tensor& in);
+
+// Waits for the collective (a failure raises naming `step`, see wait_inner)
+// and returns its output on the call's device.
+at::Tensor wait_data(const SignCall& call, const char* step, Inflight& f);
 
 // "lionbit reduce_scatter_sign(op=vote) on rank 3: "
 std::string where(const SignCall& call);
@@ -84,8 +122,10 @@ void count_allgather(const SignComm& c, size_t chunk);
 // "avg", 0 for codes that cannot occur. unpack's table is built from it.
 std::vector<double> count_code_values(bits::SignOp op, int N, bool with_zeros, int planes);
 
-// The header flags every call sets from what this rank holds.
-uint32_t header_flags(uint64_t zero_capacity, uint64_t nans);
+// The header flags every call sets from what this rank holds (its zeros,
+// NaNs and device: a call whose ranks hold tensors on different device types
+// fails on every rank, bits::kDevice).
+uint32_t header_flags(const SignCall& call, uint64_t zero_capacity, uint64_t nans);
 
 // All-gathers every rank's header over c.comm (CPU) and checks them all;
 // raises the call's error on every rank when they disagree (or a rank

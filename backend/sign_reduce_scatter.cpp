@@ -4,7 +4,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -36,7 +35,8 @@ void sign_reduce_scatter_packed(
     bits::SignOp op,
     const bits::TieRule& tie,
     uint64_t seq) {
-  const SignCall call{c, op, Collective::kReduceScatter, seq};
+  const SignCall call{c, op, Collective::kReduceScatter, seq, out.device()};
+  const KernelSet& k = *call.k;
   const bool levels = op == bits::SignOp::kLevels;
   const int p = levels ? in.value_bits : 1; // planes per shard
   const int N = c.world_size;
@@ -47,41 +47,44 @@ void sign_reduce_scatter_packed(
       static_cast<size_t>(out.numel()) == S && out.is_contiguous(), where(call),
       "output must be contiguous with ", S, " elements");
   const size_t sw = bits::words_for(S);
-  const size_t sb = sw * 8;
+  const int64_t sb = static_cast<int64_t>(sw * 8);
 
   // This rank's planes, shard k at words [k * sw, (k + 1) * sw), cleaned
-  // shard by shard (backend/phase1.hpp). Levels: shard k's p planes one
-  // after the other at words [k * p * sw, (k + 1) * p * sw), bits past the
-  // shard's end cleared (level 0).
-  at::Tensor sign = byte_buffer(N * sb * p);
-  at::Tensor zero = levels ? at::Tensor() : byte_buffer(N * sb);
+  // shard by shard (KernelSet::clean). Levels: shard k's p planes one after
+  // the other at words [k * p * sw, (k + 1) * p * sw), bits past the shard's
+  // end cleared (level 0).
+  at::Tensor sign = call.bytes(static_cast<size_t>(N * sb * p));
+  at::Tensor zero = levels ? at::Tensor() : call.bytes(static_cast<size_t>(N * sb));
   uint64_t zero_cap = 0;
   if (levels && sb > 0) {
     ScopedTimer t(c.stats->pack_ns, "lionbit::pack");
     const unsigned tail = static_cast<unsigned>(S % bits::kWordBits);
-    for (int k = 0; k < N; ++k) {
+    const int64_t mask = static_cast<int64_t>((uint64_t{1} << tail) - 1);
+    for (int r = 0; r < N; ++r) {
       for (int b = 0; b < p; ++b) {
-        uint64_t* dst = words_of(sign) + (static_cast<size_t>(k) * p + b) * sw;
-        std::memcpy(dst, in.sign + (static_cast<size_t>(b) * N + k) * sw, sb);
+        at::Tensor dst = sign.narrow(0, (static_cast<int64_t>(r) * p + b) * sb, sb);
+        dst.copy_(in.sign.narrow(0, (static_cast<int64_t>(b) * N + r) * sb, sb));
         if (tail != 0) {
-          dst[sw - 1] &= (uint64_t{1} << tail) - 1;
+          dst.view(at::kLong).narrow(0, static_cast<int64_t>(sw) - 1, 1).bitwise_and_(mask);
         }
       }
     }
   } else if (sb > 0) {
     ScopedTimer t(c.stats->pack_ns, "lionbit::pack");
-    std::memcpy(bytes_of(sign), in.sign, N * sb);
-    std::memcpy(bytes_of(zero), in.zero, N * sb);
-    for (int k = 0; k < N; ++k) {
-      clean_planes(words_of(sign) + k * sw, words_of(zero) + k * sw, sw, S);
+    sign.copy_(in.sign.narrow(0, 0, N * sb));
+    zero.copy_(in.zero.narrow(0, 0, N * sb));
+    for (int r = 0; r < N; ++r) {
+      at::Tensor s = sign.narrow(0, r * sb, sb);
+      at::Tensor z = zero.narrow(0, r * sb, sb);
+      k.clean(s, z, S);
     }
-    zero_cap = max_shard_zeros(words_of(zero), N, sw);
+    zero_cap = max_shard_zeros(call, zero, sw);
   }
 
   // 0. Header round: same call, op, dtype and shard size everywhere; NaN and
   //    local rejections raise on every rank.
   const auto mine = bits::make_header(
-      op, *dt, c.rank, bits::kReduceScatter | header_flags(zero_cap, in.nans), seq,
+      op, *dt, c.rank, bits::kReduceScatter | header_flags(call, zero_cap, in.nans), seq,
       static_cast<uint64_t>(S) * N, zero_cap, 0, bits::CallRule{tie, levels ? p : 0});
   const bits::HeaderSummary hs = header_round(call, mine);
   c.stats->sign_reduce_scatter_calls += 1;
@@ -95,22 +98,20 @@ void sign_reduce_scatter_packed(
   wait_shards(call, p1);
   sign = zero = at::Tensor();
   at::Tensor decoded;
-  const std::vector<bits::Contribution> contrib = receive_shards(call, hs, p1, decoded);
+  const std::vector<PlaneIn> contrib = receive_shards(call, hs, p1, decoded);
 
   // 2. Count / vote the own shard.
-  at::Tensor planes_buf;
-  std::vector<const uint64_t*> planes;
+  std::vector<at::Tensor> planes;
   {
     ScopedTimer t(c.stats->vote_ns, "lionbit::count");
     if (op == bits::SignOp::kVote || levels) {
-      planes_buf = byte_buffer(2 * sb);
-      uint64_t* s_plane = words_of(planes_buf);
-      uint64_t* t_plane = s_plane + sw;
-      Phase2::vote_shard(op, p, contrib.data(), N, sw, s_plane, t_plane);
+      at::Tensor s_plane = call.bytes(static_cast<size_t>(sb));
+      at::Tensor t_plane = call.bytes(static_cast<size_t>(sb));
+      Phase2::vote_shard(k, op, p, contrib, s_plane, t_plane);
       if (tie.mode == bits::TieBreak::kZero) {
         planes = {s_plane, t_plane};
       } else {
-        bits::break_ties(s_plane, t_plane, sw, tie, static_cast<uint64_t>(c.rank) * sw);
+        k.break_ties(s_plane, t_plane, tie, static_cast<uint64_t>(c.rank) * sw);
         planes = {s_plane};
       }
     } else {
@@ -118,10 +119,10 @@ void sign_reduce_scatter_packed(
       TORCH_CHECK(
           P <= bits::kMaxUnpackPlanes, where(call), "world size ", N, " is too large for op ",
           bits::sign_op_name(op));
-      planes_buf = byte_buffer(static_cast<size_t>(P) * sb);
-      bits::count_code(contrib.data(), N, sw, words_of(planes_buf));
+      at::Tensor codes = call.bytes(static_cast<size_t>(P * sb));
+      k.count_code(contrib, codes);
       for (int b = 0; b < P; ++b) {
-        planes.push_back(words_of(planes_buf) + static_cast<size_t>(b) * sw);
+        planes.push_back(codes.narrow(0, b * sb, sb));
       }
     }
   }
@@ -131,9 +132,8 @@ void sign_reduce_scatter_packed(
   // 3. Unpack the own shard's result into the output.
   ScopedTimer t(c.stats->unpack_ns, "lionbit::unpack");
   const auto values = code_values(op, N, hs.any_zero, static_cast<int>(planes.size()));
-  std::vector<uint8_t> lut(values.size() * bits::dtype_size(*dt));
-  bits::make_lut(*dt, values.data(), values.size(), lut.data());
-  bits::unpack(*dt, planes.data(), static_cast<int>(planes.size()), S, lut.data(), out.data_ptr());
+  at::Tensor flat = out.view({-1});
+  k.unpack(planes, lut_tensor(*dt, values, call.device), flat);
 }
 
 } // namespace lionbit

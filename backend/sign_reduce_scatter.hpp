@@ -24,11 +24,11 @@ namespace lionbit {
 // like bits::pack_signs. Bits past a shard's end are ignored.
 //
 // Levels (op l1, signbits/levels.h): `sign` holds value_bits planes, plane
-// b at sign + b * N * words_for(shard_numel) words, each laid out like a
+// b at word b * N * words_for(shard_numel), each laid out like a
 // sign plane; `zero` is unused.
 struct PackedShards {
-  const uint64_t* sign;
-  const uint64_t* zero;
+  at::Tensor sign; // uint8 planes on the device of the output
+  at::Tensor zero; // undefined for levels
   uint64_t shard_numel;
   uint64_t nans; // NaNs the packer saw (an error on every rank if > 0)
   int value_bits = 0; // levels: p

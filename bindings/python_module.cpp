@@ -93,11 +93,6 @@ PYBIND11_MODULE(_C, m) {
           py::arg("planes"), py::arg("bits"), py::arg("numel"), py::arg("nans"), py::arg("out"),
           py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
           py::call_guard<py::gil_scoped_release>())
-      .def(
-          "all_reduce_sign_packed_device", &lionbit::LionBitBackend::allreduceSignPackedDevice,
-          py::arg("sign"), py::arg("zero"), py::arg("counts"), py::arg("numel"), py::arg("out"),
-          py::arg("op") = "vote", py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
-          py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("cuda_transport", &lionbit::LionBitBackend::cudaTransport)
       .def(
           "reduce_scatter_sign_packed", &lionbit::LionBitBackend::reduceScatterSignPacked,

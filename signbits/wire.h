@@ -40,8 +40,8 @@ enum WireFlags : uint32_t {
   // The call is a sign reduce-scatter (phase 1 only: each rank gets its own
   // shard's result), not an all-reduce; numel is then N * the shard size.
   kReduceScatter = 1u << 3,
-  kDevice = 1u << 4, // this rank's tensor is on a GPU: dense planes over the
-                     // device transport (every rank must agree)
+  kDevice = 1u << 4, // this rank's tensor is on a GPU: its data moves over
+                     // the device transport (every rank must agree)
   // Vote: this rank expects ties (its last vote had a dense tie plane). The
   // phase-2 messages carry the tie plane inline, saving the separate tie
   // round, iff every rank sets it (HeaderSummary::inline_ties).

@@ -1,0 +1,257 @@
+// The CUDA kernel set: the custom kernels of signbits/cuda where there is one
+// (pack, count_code, vote, break_ties, unpack), the ATen set for the rest
+// (lists, base 3, levels: small or rare work), all on the current stream.
+// In checked mode the first use on a device runs every custom kernel against
+// the ATen set (kernel_check.hpp) and keeps the ATen kernel for any that
+// disagrees.
+#include "backend/kernels_cuda.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "backend/kernel_check.hpp"
+#include "backend/torch_adapter.hpp"
+#include "signbits/count.h"
+#include "signbits/cuda/kernels.h"
+
+namespace lionbit {
+namespace {
+
+cudaStream_t current_stream(const at::Tensor& t) {
+  return at::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+
+const uint64_t* cwords(const at::Tensor& t) {
+  return reinterpret_cast<const uint64_t*>(t.data_ptr<uint8_t>());
+}
+
+uint64_t* mwords(const at::Tensor& t) {
+  return reinterpret_cast<uint64_t*>(t.data_ptr<uint8_t>());
+}
+
+// The contributions as the strided layout the CUDA count kernels read:
+// rank j's plane at word j * words of one buffer (zeros: undefined when no
+// rank holds one; a rank without zeros gets an all-zero plane).
+struct Strided {
+  at::Tensor sign, zero;
+};
+
+Strided stride_of(const std::vector<PlaneIn>& in) {
+  std::vector<at::Tensor> signs, zeros;
+  bool any_zero = false;
+  for (const PlaneIn& c : in) {
+    signs.push_back(c.sign);
+    any_zero = any_zero || c.zero.defined();
+  }
+  Strided s{at::cat(signs), at::Tensor()};
+  if (any_zero) {
+    for (const PlaneIn& c : in) {
+      zeros.push_back(c.zero.defined() ? c.zero : at::zeros_like(c.sign));
+    }
+    s.zero = at::cat(zeros);
+  }
+  return s;
+}
+
+class CudaKernelSet final : public KernelSet {
+ public:
+  CudaKernelSet() { custom_.fill(true); }
+
+  // Uses the ATen kernel for `k` from now on.
+  void fall_back(Kernel k) { custom_[static_cast<size_t>(k)] = false; }
+
+  std::string name() const override {
+    std::string fallen;
+    for (size_t i = 0; i < custom_.size(); ++i) {
+      if (has_custom(static_cast<Kernel>(i)) && !custom_[i]) {
+        fallen += (fallen.empty() ? "" : ", ") + std::string(kernel_name(static_cast<Kernel>(i)));
+      }
+    }
+    return fallen.empty() ? "cuda" : "cuda (aten for " + fallen + ")";
+  }
+
+  bits::PackCounts pack(const at::Tensor& src, at::Tensor& sign, at::Tensor& zero, uint64_t off)
+      const override {
+    if (!use(Kernel::kPack)) {
+      return aten_kernels().pack(src, sign, zero, off);
+    }
+    at::Tensor counts = at::zeros({2}, src.options().dtype(at::kLong));
+    cuda::pack_signs(
+        *bits_dtype(src.scalar_type()), src.data_ptr(), static_cast<size_t>(src.numel()),
+        mwords(sign), mwords(zero), off, reinterpret_cast<cuda::Counts*>(counts.data_ptr()),
+        current_stream(src));
+    const at::Tensor host = counts.cpu();
+    bits::PackCounts c;
+    c.zeros = static_cast<uint64_t>(host.data_ptr<int64_t>()[0]);
+    c.nans = static_cast<uint64_t>(host.data_ptr<int64_t>()[1]);
+    return c;
+  }
+
+  uint64_t pack_levels(
+      const at::Tensor& c,
+      double factor,
+      int p,
+      at::Tensor& planes,
+      size_t plane_words,
+      uint64_t off) const override {
+    return aten_kernels().pack_levels(c, factor, p, planes, plane_words, off);
+  }
+
+  void clean(at::Tensor& sign, at::Tensor& zero, size_t n) const override {
+    aten_kernels().clean(sign, zero, n);
+  }
+
+  std::vector<uint64_t> count_bits(const at::Tensor& plane, size_t block) const override {
+    return aten_kernels().count_bits(plane, block);
+  }
+
+  void encode_zeros(const at::Tensor& plane, uint64_t cap, at::Tensor& out) const override {
+    aten_kernels().encode_zeros(plane, cap, out);
+  }
+
+  bool decode_zeros(const at::Tensor& in, uint64_t cap, at::Tensor& plane) const override {
+    return aten_kernels().decode_zeros(in, cap, plane);
+  }
+
+  void count_code(const std::vector<PlaneIn>& in, at::Tensor& out) const override {
+    if (!use(Kernel::kCountCode)) {
+      return aten_kernels().count_code(in, out);
+    }
+    const Strided s = stride_of(in);
+    const size_t words = static_cast<size_t>(in[0].sign.numel()) / 8;
+    cuda::count_code(
+        cwords(s.sign), s.zero.defined() ? cwords(s.zero) : nullptr, words,
+        static_cast<int>(in.size()), words, mwords(out), current_stream(out));
+  }
+
+  void vote(const std::vector<PlaneIn>& in, at::Tensor& sign, at::Tensor& tie) const override {
+    if (!use(Kernel::kVote)) {
+      return aten_kernels().vote(in, sign, tie);
+    }
+    const Strided s = stride_of(in);
+    const size_t words = static_cast<size_t>(sign.numel()) / 8;
+    cuda::vote(
+        cwords(s.sign), s.zero.defined() ? cwords(s.zero) : nullptr, words,
+        static_cast<int>(in.size()), words, mwords(sign), mwords(tie), current_stream(sign));
+  }
+
+  void vote_levels(const std::vector<at::Tensor>& in, int p, at::Tensor& sign, at::Tensor& tie)
+      const override {
+    aten_kernels().vote_levels(in, p, sign, tie);
+  }
+
+  void break_ties(
+      at::Tensor& sign,
+      const at::Tensor& tie,
+      const bits::TieRule& rule,
+      uint64_t first_word) const override {
+    if (!use(Kernel::kBreakTies)) {
+      return aten_kernels().break_ties(sign, tie, rule, first_word);
+    }
+    cuda::break_ties(
+        mwords(sign), cwords(tie), static_cast<size_t>(sign.numel()) / 8, rule, first_word,
+        current_stream(sign));
+  }
+
+  void encode_trits(const at::Tensor& sign, const at::Tensor& tie, at::Tensor& out) const override {
+    aten_kernels().encode_trits(sign, tie, out);
+  }
+
+  bool decode_trits(const at::Tensor& trits, const at::Tensor& lut, at::Tensor& dst)
+      const override {
+    return aten_kernels().decode_trits(trits, lut, dst);
+  }
+
+  bool encode_zero_counts(const std::vector<PlaneIn>& in, uint64_t cap, at::Tensor& out)
+      const override {
+    return aten_kernels().encode_zero_counts(in, cap, out);
+  }
+
+  bool apply_zero_counts(
+      const at::Tensor& list,
+      uint64_t cap,
+      const std::vector<at::Tensor>& planes,
+      int N,
+      const at::Tensor& zlut,
+      at::Tensor& dst) const override {
+    return aten_kernels().apply_zero_counts(list, cap, planes, N, zlut, dst);
+  }
+
+  void unpack(const std::vector<at::Tensor>& planes, const at::Tensor& lut, at::Tensor& dst)
+      const override {
+    if (!use(Kernel::kUnpack)) {
+      return aten_kernels().unpack(planes, lut, dst);
+    }
+    // The kernel reads plane b at base + b * words: make them so.
+    const int64_t bytes = planes.empty() ? 0 : planes[0].numel();
+    bool consecutive = true;
+    for (size_t b = 1; b < planes.size(); ++b) {
+      consecutive = consecutive &&
+          planes[b].data_ptr<uint8_t>() ==
+              planes[0].data_ptr<uint8_t>() + static_cast<int64_t>(b) * bytes;
+    }
+    const at::Tensor base = planes.empty() ? at::Tensor()
+        : consecutive                      ? planes[0]
+                                           : at::cat(planes);
+    cuda::unpack(
+        *bits_dtype(dst.scalar_type()),
+        cuda::ShardedPlanes{
+            base.defined() ? cwords(base) : nullptr, static_cast<int>(planes.size()),
+            static_cast<size_t>(bytes) / 8},
+        static_cast<size_t>(dst.numel()), lut.data_ptr(), dst.data_ptr(), current_stream(dst));
+  }
+
+ private:
+  static bool has_custom(Kernel k) {
+    return k == Kernel::kPack || k == Kernel::kCountCode || k == Kernel::kVote ||
+        k == Kernel::kBreakTies || k == Kernel::kUnpack;
+  }
+  bool use(Kernel k) const { return custom_[static_cast<size_t>(k)]; }
+
+  std::array<bool, static_cast<size_t>(Kernel::kCount)> custom_{};
+};
+
+// The first use on a device: every custom kernel against the ATen set.
+void check_once(CudaKernelSet& set, const c10::Device& device) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<KernelMismatch> bad = check_kernels(set, aten_kernels(), device, 0);
+  for (const KernelMismatch& m : bad) {
+    TORCH_WARN(
+        "lionbit: the custom CUDA kernel '", kernel_name(m.kernel), "' on ", device.str(),
+        " disagrees with the ATen kernels (", m.case_,
+        "); lionbit uses the ATen kernel for it on this device");
+    set.fall_back(m.kernel);
+  }
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  TORCH_WARN_ONCE(
+      "lionbit: sign collectives on ", device.str(), " run with kernels '", set.name(),
+      "' (custom CUDA kernels checked against ATen in ", ms,
+      " ms; LIONBIT_KERNELS=custom|aten forces a choice)");
+}
+
+} // namespace
+
+const KernelSet& cuda_kernels(const c10::Device& device, bool checked) {
+  static std::mutex mutex;
+  static std::map<std::pair<c10::DeviceIndex, bool>, std::unique_ptr<CudaKernelSet>> sets;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto& set = sets[{device.index(), checked}];
+  if (!set) {
+    auto fresh = std::make_unique<CudaKernelSet>();
+    if (checked) {
+      check_once(*fresh, device);
+    }
+    set = std::move(fresh);
+  }
+  return *set;
+}
+
+} // namespace lionbit
