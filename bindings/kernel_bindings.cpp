@@ -1,7 +1,10 @@
 #include "bindings/kernel_bindings.hpp"
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
+
+#include <optional>
 
 #include "backend/kernel_check.hpp"
 #include "backend/kernel_set.hpp"
@@ -10,11 +13,35 @@
 #include "signbits/copy_bits.h"
 #include "signbits/count.h"
 #include "signbits/levels.h"
-#include "signbits/ties.h"
 #include "signbits/pack.h"
+#include "signbits/ties.h"
 #include "signbits/unpack.h"
 
 namespace lionbit {
+
+namespace {
+
+// The tensors of one call live on one device: `t`'s. Raises ValueError naming
+// the argument that is elsewhere.
+void require_device_of(
+    const char* op,
+    const at::Tensor& t,
+    const char* name,
+    const at::Tensor& ref,
+    const char* ref_name) {
+  TORCH_CHECK_VALUE(
+      !t.defined() || t.device() == ref.device(), "lionbit.", op, ": argument '", name, "' is on ",
+      t.device(), " but argument '", ref_name, "' is on ", ref.device(),
+      "; every tensor of the call must be on one device");
+}
+
+// The device to make current for a call on `device` (a GPU's kernels run on
+// its current stream): none on the CPU.
+std::optional<c10::Device> current_for(const c10::Device& device) {
+  return device.is_cpu() ? std::nullopt : std::optional<c10::Device>(device);
+}
+
+} // namespace
 
 std::tuple<int64_t, int64_t> pack_signs_into(
     const at::Tensor& t,
@@ -22,27 +49,24 @@ std::tuple<int64_t, int64_t> pack_signs_into(
     at::Tensor& zero,
     int64_t bit_offset) {
   const char* op = "pack_signs_into";
-  const auto dtype = bits_dtype(t.scalar_type());
+  const auto dtype = t.defined() ? bits_dtype(t.scalar_type()) : std::nullopt;
   TORCH_CHECK_VALUE(
-      dtype.has_value() && t.device().is_cpu() && t.is_contiguous(), "lionbit.", op,
-      ": argument 't' must be a contiguous CPU tensor of "
+      dtype.has_value() && t.is_contiguous(), "lionbit.", op,
+      ": argument 't' must be a contiguous tensor of "
       "float32, float16, bfloat16, float64 or int8, got ",
       describe(t));
   TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.", op, ": negative bit_offset");
+  require_device_of(op, sign, "sign", t, "t");
+  require_device_of(op, zero, "zero", t, "t");
   const int64_t n = t.numel();
-  require(op, check_planes(sign, "sign", at::kCPU, bit_offset + n));
-  require(op, check_planes(zero, "zero", at::kCPU, bit_offset + n));
+  require(op, check_planes(sign, "sign", t.device(), bit_offset + n));
+  require(op, check_planes(zero, "zero", t.device(), bit_offset + n));
   if (n == 0) {
     return {0, 0};
   }
-  const size_t w = bits::words_for(static_cast<size_t>(n));
-  at::Tensor tmp = at::empty({static_cast<int64_t>(2 * w * 8)}, at::kByte);
-  uint64_t* ts = words_of(tmp);
-  const bits::PackCounts c = bits::pack_signs(
-      *dtype, t.data_ptr(), static_cast<size_t>(n), ts, ts + w);
-  bits::copy_bits(words_of(sign), static_cast<size_t>(bit_offset), ts, 0, static_cast<size_t>(n));
-  bits::copy_bits(
-      words_of(zero), static_cast<size_t>(bit_offset), ts + w, 0, static_cast<size_t>(n));
+  const c10::OptionalDeviceGuard guard(current_for(t.device()));
+  const bits::PackCounts c =
+      kernels_for(t.device()).pack(t.view({-1}), sign, zero, static_cast<uint64_t>(bit_offset));
   return {static_cast<int64_t>(c.zeros), static_cast<int64_t>(c.nans)};
 }
 
@@ -54,24 +78,32 @@ int64_t pack_levels_into(
     int64_t bit_offset) {
   const char* op = "pack_levels_into";
   TORCH_CHECK_VALUE(
-      c.scalar_type() == at::kFloat && c.device().is_cpu() && c.is_contiguous(), "lionbit.", op,
-      ": argument 'c' must be a contiguous CPU float32 tensor, got ", describe(c));
+      c.defined() && c.scalar_type() == at::kFloat && c.is_contiguous(), "lionbit.", op,
+      ": argument 'c' must be a contiguous float32 tensor, got ", describe(c));
   TORCH_CHECK_VALUE(
       value_bits >= bits::kMinLevelBits && value_bits <= bits::kMaxLevelBits, "lionbit.", op,
       ": argument 'bits' must be ", bits::kMinLevelBits, " to ", bits::kMaxLevelBits, ", got ",
       value_bits);
   TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.", op, ": negative bit_offset");
+  require_device_of(op, planes, "planes", c, "c");
   const int64_t n = c.numel();
-  require(op, check_planes(planes, "planes", at::kCPU, 0));
+  require(op, check_planes(planes, "planes", c.device(), 0));
   const int64_t plane_bytes = planes.numel() / value_bits;
   TORCH_CHECK_VALUE(
       planes.numel() % value_bits == 0 && plane_bytes % 8 == 0 && plane_bytes * 8 >= bit_offset + n,
       "lionbit.", op, ": argument 'planes' must hold ", value_bits,
       " planes of a whole number of 64-bit words with room for ", bit_offset + n, " bits, got ",
       planes.numel(), " bytes");
-  return static_cast<int64_t>(bits::pack_levels(
-      c.data_ptr<float>(), static_cast<size_t>(n), factor, static_cast<int>(value_bits),
-      words_of(planes), static_cast<size_t>(plane_bytes / 8), static_cast<size_t>(bit_offset)));
+  if (n == 0) {
+    return 0;
+  }
+  const c10::OptionalDeviceGuard guard(current_for(c.device()));
+  const uint64_t bad = kernels_for(c.device())
+                           .pack_levels(
+                               c.view({-1}), factor, static_cast<int>(value_bits), planes,
+                               static_cast<size_t>(plane_bytes / 8),
+                               static_cast<uint64_t>(bit_offset));
+  return static_cast<int64_t>(bad);
 }
 
 at::Tensor tie_words(

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/util/Exception.h>
 
 #include <optional>
@@ -21,20 +22,23 @@ inline void require(const char* op, const std::string& problem) {
   TORCH_CHECK_VALUE(problem.empty(), "lionbit.", op, ": ", problem);
 }
 
-// Packs the signs of `t` (contiguous CPU, a sign all-reduce dtype) into the
-// uint8 planes `sign` / `zero` at bit offset `bit_offset`. Returns
-// (zeros, nans) counted in `t`.
+// Packs the signs of `t` (contiguous, a sign all-reduce dtype) into the uint8
+// planes `sign` / `zero` at bit offset `bit_offset`, with the kernel set of
+// t's device (backend/kernel_set.hpp: kernels_for); the planes must be on the
+// same device. Returns (zeros, nans) counted in `t`, on the host (on a GPU:
+// after the kernel ran on the device's current stream).
 std::tuple<int64_t, int64_t> pack_signs_into(
     const at::Tensor& t,
     at::Tensor& sign,
     at::Tensor& zero,
     int64_t bit_offset);
 
-// Lion Cub's L1 levels (signbits/levels.h): quantizes `c` (contiguous CPU
+// Lion Cub's L1 levels (signbits/levels.h): quantizes `c` (contiguous
 // float32) with q = clamp(rint(c * factor), -s, s) and ORs the p = `bits`
-// bit-planes of q + s into `planes` (uint8: `bits` planes of equal size,
-// plane b at byte b * planes.numel() / bits) at bit `bit_offset`. Returns
-// the number of non-finite values in `c`.
+// bit-planes of q + s into `planes` (uint8 on c's device: `bits` planes of
+// equal size, plane b at byte b * planes.numel() / bits) at bit
+// `bit_offset`, with the kernel set of c's device. Returns the number of
+// non-finite values in `c` (on the host).
 int64_t pack_levels_into(
     const at::Tensor& c,
     double factor,

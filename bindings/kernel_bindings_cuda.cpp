@@ -22,30 +22,6 @@ cuda::Counts* counts_of(at::Tensor& c) {
 
 } // namespace
 
-void pack_signs_into_device(
-    const at::Tensor& t,
-    at::Tensor& sign,
-    at::Tensor& zero,
-    at::Tensor& counts,
-    int64_t bit_offset) {
-  const auto dtype = bits_dtype(t.scalar_type());
-  TORCH_CHECK_VALUE(
-      dtype.has_value() && t.is_cuda() && t.is_contiguous(),
-      "lionbit.pack_signs_into_device: argument 't' must be a contiguous CUDA tensor of "
-      "float32, float16, bfloat16, float64 or int8, got ",
-      describe(t));
-  TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.pack_signs_into_device: negative bit_offset");
-  const char* op = "pack_signs_into_device";
-  require(op, check_planes(sign, "sign", t.device(), bit_offset + t.numel()));
-  require(op, check_planes(zero, "zero", t.device(), bit_offset + t.numel()));
-  require(op, check_buffer(counts, "counts", at::kLong, t.device(), 2));
-  c10::cuda::CUDAGuard guard(t.device());
-  cuda::pack_signs(
-      *dtype, t.data_ptr(), static_cast<size_t>(t.numel()), words_of(sign), words_of(zero),
-      static_cast<size_t>(bit_offset), counts_of(counts),
-      c10::cuda::getCurrentCUDAStream(t.device().index()).stream());
-}
-
 void lion_direction_into_device(
     const at::Tensor& g,
     at::Tensor& m,

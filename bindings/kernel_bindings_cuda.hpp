@@ -1,20 +1,14 @@
-// The tensor-level kernel entry points of kernel_bindings.hpp for CUDA
-// tensors (built with the CUDA path). Each enqueues on the current stream of
-// the tensors' device and returns: no host synchronisation. Zero and NaN
-// tallies go into an int64 tensor `counts` {zeros, NaNs} on the same device
-// (added to; the caller zeroes it), which all_reduce_sign_packed_device takes.
+// The fused Lion kernels of kernel_bindings.hpp for CUDA tensors (built with
+// the CUDA path). Each enqueues on the current stream of the tensors' device
+// and returns: no host synchronisation. lion_direction_into_device adds its
+// zero and NaN tallies to an int64 tensor `counts` {zeros, NaNs} on the same
+// device (the caller zeroes it). (Packing signs and levels goes through the
+// kernel sets on every device: pack_signs_into, pack_levels_into.)
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 namespace lionbit {
-
-void pack_signs_into_device(
-    const at::Tensor& t,
-    at::Tensor& sign,
-    at::Tensor& zero,
-    at::Tensor& counts,
-    int64_t bit_offset);
 
 void lion_direction_into_device(
     const at::Tensor& g,

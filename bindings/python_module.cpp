@@ -116,7 +116,7 @@ PYBIND11_MODULE(_C, m) {
 #endif
   m.def(
       "pack_signs_into", &lionbit::pack_signs_into, py::arg("t"), py::arg("sign"), py::arg("zero"),
-      py::arg("bit_offset"));
+      py::arg("bit_offset"), py::call_guard<py::gil_scoped_release>());
   m.def(
       "lion_direction_into", &lionbit::lion_direction_into, py::arg("g"), py::arg("m"),
       py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("sign"),
@@ -134,9 +134,6 @@ PYBIND11_MODULE(_C, m) {
       "tie_words", &lionbit::tie_words, py::arg("words"), py::arg("tie_break"), py::arg("seed"),
       py::arg("first_word") = 0);
 #ifdef LIONBIT_WITH_CUDA
-  m.def(
-      "pack_signs_into_device", &lionbit::pack_signs_into_device, py::arg("t"), py::arg("sign"),
-      py::arg("zero"), py::arg("counts"), py::arg("bit_offset"));
   m.def(
       "lion_direction_into_device", &lionbit::lion_direction_into_device, py::arg("g"),
       py::arg("m"), py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("sign"),

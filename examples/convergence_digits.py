@@ -170,7 +170,7 @@ def train(net, opt, x, y, seed, rank=0, world=1, batch=BATCH, epochs=EPOCHS, ste
 class _LocalVoter(Voter):
     """Each rank's own vote, no collective: what single-process Lion applies."""
 
-    def all_reduce(self, sign, zero, numel, nans, out, group, where, counts=None):
+    def all_reduce(self, sign, zero, numel, nans, out, group, where):
         out.copy_(local_vote(sign, zero, numel))
         fut = torch.futures.Future()
         fut.set_result([out])

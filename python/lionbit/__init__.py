@@ -58,6 +58,7 @@ from ._backend import (  # noqa: E402
     stats,
 )
 from .fsdp import reduce_scatter_sign  # noqa: E402
+from .kernel_choice import kernels  # noqa: E402
 from .momentum_sync import ExponentialSync  # noqa: E402
 from .optim import DistributedLion  # noqa: E402
 
@@ -76,6 +77,7 @@ __all__ = [
     "reduce_scatter_sign",
     "stats",
     "reset_stats",
+    "kernels",
     "DistributedLion",
     "ExponentialSync",
     "built_with_cuda",

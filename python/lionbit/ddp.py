@@ -152,7 +152,6 @@ class DDPAttachment(Attachment):
                     plane.zero_()
         sign, zero = bv.planes
         groups = self.opt.param_group_of()
-        counts = lion_math.device_counts(buffer.device)
         bad, off = 0, 0
         bv.params, bv.sizes = list(params), []
         for p, g in zip(params, grads):
@@ -170,14 +169,13 @@ class DDPAttachment(Attachment):
                 zero,
                 off,
                 self.opt.fused_for(p, g),
-                counts,
                 bits,
             )
             bv.sizes.append(g.numel())
             off += g.numel()
         if off != total:
             raise RuntimeError(f"{_WHERE}: DDP bucket holds {total} elements, its gradients {off}")
-        bv.work = self.opt.voter.all_reduce(sign, zero, total, bad, bv.out, self.group, "attach (DDP hook)", counts)
+        bv.work = self.opt.voter.all_reduce(sign, zero, total, bad, bv.out, self.group, "attach (DDP hook)")
         self.started = [b for b in self.started if b is not bv] + [bv]
         if bucket.is_last() and not abstain:
             _after_ddp_finalize(self._record_versions)

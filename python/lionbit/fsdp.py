@@ -87,9 +87,9 @@ except ImportError:  # pragma: no cover - optional: a torch without FSDP2
 _WHERE = "DistributedLion.attach (FSDP2)"
 
 
-def _planes(shards: int, shard_numel: int):
-    """The reduce-scatter's sign and zero planes: chunk r at bit r * 64 * ceil(shard_numel / 64)."""
-    return lion_math.planes(shards * 64 * ((shard_numel + 63) // 64))
+def _planes(shards: int, shard_numel: int, device):
+    """The reduce-scatter's sign and zero planes on ``device``: chunk r at bit r * 64 * ceil(shard_numel / 64)."""
+    return lion_math.planes(shards * 64 * ((shard_numel + 63) // 64), device)
 
 
 def reduce_scatter_sign(
@@ -118,14 +118,14 @@ def reduce_scatter_sign(
         # Take part in the header round all the same (the backend rejects the
         # call and tells the peers, who then fail at once).
         try:
-            backend.reduce_scatter_sign_packed(*_planes(0, 0), -1, 0, output.view(-1), op, tie_break)
+            backend.reduce_scatter_sign_packed(*_planes(0, 0, output.device), -1, 0, output.view(-1), op, tie_break)
         except (ValueError, RuntimeError):
             pass
         raise ValueError(
             f"lionbit.reduce_scatter_sign on rank {dist.get_rank(group)}: argument 'input' has {input.numel()} "
             f"elements; expected world size * output.numel() = {n} * {s}"
         )
-    sign, zero = _planes(n, s)
+    sign, zero = _planes(n, s, output.device)
     flat = input.contiguous().view(-1)
     nans = 0
     words = (s + 63) // 64
@@ -352,11 +352,7 @@ def _managed(opt, model):
                     )
                 if fp.offload_to_cpu:
                     raise NotImplementedError(f"{_WHERE}: CPUOffloadPolicy is not supported (parameter '{name}')")
-                if p.device.type != "cpu":
-                    raise NotImplementedError(
-                        f"{_WHERE}: parameter '{name}' is on {p.device}; DistributedLion's FSDP2 path "
-                        f"runs on CPU parameters only so far (use DDP for CUDA models; see docs/fsdp.md)"
-                    )
+                opt.check_param(p, "attach (FSDP2)")  # CPU, or CUDA where this build has the CUDA path
                 if len(fp._orig_size) == 0:
                     raise NotImplementedError(f"{_WHERE}: 0-dim parameter '{name}' is not supported")
                 if p.requires_grad and p not in known:
@@ -375,8 +371,9 @@ def _managed(opt, model):
             f"{_WHERE}: this optimizer's parameters {stray[:5]} are not managed by any fully_shard unit of the model; "
             f"call fully_shard on the root module too"
         )
-    pg0 = next(iter(managed)).device_mesh.get_group()
-    backend_for(pg0, torch.device("cpu"), "attach (FSDP2)")  # a lionbit group, or a clear error
+    first = next(iter(managed))
+    pg0 = first.device_mesh.get_group()
+    backend_for(pg0, first.device, "attach (FSDP2)")  # a lionbit group, or a clear error
     return managed, fqns, installs, pg0
 
 
@@ -471,7 +468,7 @@ def fsdp_vote(att):
     voter = opt.voter
     groups = opt.param_group_of()
     todo = []  # (local gradient, full momentum, coefs, local shard, Delta of the shard)
-    biggest = 0
+    biggest, device = 0, None
     for comm in att.order:
         group = comm.group if comm.group is not None else att.mesh.get_group()
         n, rank = group.size(), group.rank()
@@ -484,7 +481,8 @@ def fsdp_vote(att):
         if not params:
             continue
         pieces, s = _pieces([fp for fp, _ in params], n)
-        sign, zero = voter.shard_planes(n, s)
+        device = params[0][0].sharded_param.device  # every buffer of the vote lives on the parameters' device
+        sign, zero = voter.shard_planes(n, s, device)
         words = (s + 63) // 64
         nans = 0
         unit = []
@@ -517,7 +515,7 @@ def fsdp_vote(att):
                 )
             unit.append((g, m, coefs, local, off, own))
             biggest = max(biggest, g.numel())
-        delta = torch.empty(s, dtype=voter.delta_dtype)
+        delta = torch.empty(s, dtype=voter.delta_dtype, device=device)
         try:
             voter.reduce_scatter(sign, zero, s, nans, delta, group, "step (FSDP2 reduce-scatter)")
         except (RuntimeError, ValueError) as err:
@@ -528,7 +526,7 @@ def fsdp_vote(att):
         todo += [(g, m, coefs, local, delta[off : off + own]) for g, m, coefs, local, off, own in unit]
 
     def apply() -> None:
-        scratch = lion_math.planes(biggest) if biggest else None
+        scratch = lion_math.planes(biggest, device) if biggest else None
         for g, m, coefs, local, d in todo:
             fused = opt.fused_for(m, g)
             nb = lion_math.plane_bytes(g.numel())
@@ -733,7 +731,7 @@ def load_state_dict(att, state_dict: dict) -> None:
         if row is None:
             continue
         if old is None or old.dtype != opt.momentum_dtype or old.shape != row.shape:
-            old = torch.zeros(row.shape, dtype=opt.momentum_dtype)
+            old = torch.zeros(row.shape, dtype=opt.momentum_dtype, device=p.device)
         if not (row.data_ptr() == old.data_ptr() and row.dtype == old.dtype and row.stride() == old.stride()):
             old.copy_(row)
         st["exp_avg"] = old

@@ -93,6 +93,7 @@ class _Unit:
         self.group = group
         self.momentum: Optional[torch.Tensor] = None
         fp = self.handle.flat_param
+        self.device = fp.device  # where every buffer of the unit lives (its momentum, planes, Delta)
         self.shard_numel = fp.numel()  # S: FSDP shards at construction (padding included)
         # use_orig_params=True: the original parameters, whose .grad (views of
         # the sharded flat gradient) are what the user sets to None
@@ -106,7 +107,7 @@ class _Unit:
 
     def momentum_tensor(self) -> torch.Tensor:
         if self.momentum is None:
-            self.momentum = torch.zeros(self.numel, dtype=self.opt.momentum_dtype)
+            self.momentum = torch.zeros(self.numel, dtype=self.opt.momentum_dtype, device=self.device)
         return self.momentum
 
     def where(self) -> str:
@@ -133,8 +134,6 @@ def _check_grad(unit: _Unit, grad: torch.Tensor, expect: int) -> None:
             f"this unit's FlatParameter ({fp._unpadded_unsharded_size.numel()} unpadded): an unsupported FSDP code "
             f"path or torch version (lionbit is tested with torch 2.15)"
         )
-    if grad.device.type != "cpu":
-        raise RuntimeError(f"{unit.where()}: gradient on {grad.device}; the FSDP1 path supports CPU only")
 
 
 # -- the kept gradient follows the user's sharded gradient -----------------------
@@ -277,7 +276,7 @@ def _pack(unit: _Unit, grad: torch.Tensor, shard: int, shards: int):
     Returns (sign, zero, nans)."""
     opt = unit.opt
     words = (shard + 63) // 64
-    sign, zero = opt.voter.shard_planes(shards, shard)  # "l1": the level planes and None
+    sign, zero = opt.voter.shard_planes(shards, shard, unit.device)  # "l1": the level planes and None
     m = unit.momentum_tensor()
     nans = 0
     for off, numel, group, _ in unit.segments:
@@ -304,7 +303,7 @@ def _pack(unit: _Unit, grad: torch.Tensor, shard: int, shards: int):
 
 def _zero_padding(unit: _Unit, delta: torch.Tensor, base: int) -> None:
     """Zeroes Delta wherever the flat elements [base, base + len) are padding."""
-    keep = torch.zeros(delta.numel(), dtype=torch.bool)
+    keep = torch.zeros(delta.numel(), dtype=torch.bool, device=delta.device)
     for off, numel, _, _ in unit.segments:
         lo, hi = max(off, base), min(off + numel, base + delta.numel())
         if lo < hi:
@@ -328,7 +327,7 @@ def _vote_sharded(unit: _Unit) -> torch.Tensor:
     step_vote.NonFinite if any rank had a non-finite direction."""
     n, rank, s = unit.group.size(), unit.group.rank(), unit.shard_numel
     sign, zero, nans = _pack(unit, unit.kept, s, n)
-    delta = torch.empty(s, dtype=unit.opt.voter.delta_dtype)
+    delta = torch.empty(s, dtype=unit.opt.voter.delta_dtype, device=unit.device)
     try:
         unit.opt.voter.reduce_scatter(sign, zero, s, nans, delta, unit.group, "step (FSDP1)")
     except (RuntimeError, ValueError) as err:
@@ -510,7 +509,7 @@ class FSDP1Attachment(Attachment):
         deltas = [_vote_sharded(unit) for unit in units]
         no_shard = self.vote(no_shard_entries(self))
         biggest = max((numel for unit in units for _, numel, _, _ in unit.segments), default=0)
-        scratch = lion_math.planes(biggest)
+        scratch = lion_math.planes(biggest, units[0].device if units else None)
 
         def apply():
             for unit, delta in zip(units, deltas):
@@ -613,10 +612,7 @@ def _units(att, opt, model):
         if handle is None:
             continue
         fp = handle.flat_param
-        if fp.device.type != "cpu":
-            raise NotImplementedError(
-                f"{_WHERE}: {label} has parameters on {fp.device}; the FSDP1 path supports CPU only"
-            )
+        opt.check_param(fp, "attach (FSDP1)")  # CPU, or CUDA where this build has the CUDA path
         use_orig = handle._use_orig_params
         if use_orig and fp._params is None:
             raise RuntimeError(
@@ -655,7 +651,7 @@ def _units(att, opt, model):
             f"{_WHERE}: {len(stray)} of this optimizer's parameters are not managed by the FSDP model "
             f"(with use_orig_params=False pass model.parameters(), the FlatParameters)"
         )
-    backend_for(group0, torch.device("cpu"), "attach (FSDP1)")  # a lionbit group, or a clear error
+    backend_for(group0, units[0].device, "attach (FSDP1)")  # a lionbit group, or a clear error
     return units, states, group0
 
 

@@ -69,14 +69,10 @@ def level_factor(cs, bits: int) -> float:
 
 
 def pack_levels(c, factor: float, bits: int, levels, bit_offset: int) -> int:
-    """ORs the ``bits``-bit levels of c (float32, CPU) into the planes of
-    ``levels`` at bit_offset; returns the number of non-finite values."""
+    """ORs the ``bits``-bit levels of c (float32, on the planes' device) into
+    the planes of ``levels`` at bit_offset; returns the number of non-finite
+    values."""
     return _C.pack_levels_into(c.reshape(-1).contiguous(), factor, bits, levels, bit_offset)
-
-
-def device_counts(device):
-    """{zeros, non-finite} tallied on a CUDA device by the packing kernels."""
-    return torch.zeros(2, dtype=torch.int64, device=device) if device.type == "cuda" else None
 
 
 def _direction_torch(g, m, k: Coefs):
@@ -108,28 +104,22 @@ def levels_into(pieces, k: Coefs, bits: int, levels) -> int:
     return bad
 
 
-def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, counts=None, bits=None) -> int:
+def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, bits=None) -> int:
     """ORs the bits of sign(b1 m + (1 - b1) g) into the uint8 planes at
-    bit_offset; m is only read. Returns the number of non-finite directions
-    (NaN or +-Inf: a non-finite g or m); on CUDA 0, the count is added to
-    ``counts[1]`` on the device instead (no host synchronisation). With
-    ``bits`` (aggregation "l1"): the levels of c = b1 m + (1 - b1) g, scaled
-    by this tensor's mean |c|, into the level planes ``sign`` (zero: None)."""
+    bit_offset (on g's device); m is only read. Returns the number of
+    non-finite directions (NaN or +-Inf: a non-finite g or m). With ``bits``
+    (aggregation "l1"): the levels of c = b1 m + (1 - b1) g, scaled by this
+    tensor's mean |c|, into the level planes ``sign`` (zero: None)."""
     g = g.reshape(-1)
     if bits:
         c = _direction_torch(g, m.reshape(-1), k)
         return pack_levels(c, level_factor([c], bits), bits, sign, bit_offset)
-    if g.is_cuda:
-        c = _direction_torch(g, m.reshape(-1), k)
-        _C.pack_signs_into_device(c, sign, zero, counts, bit_offset)  # counts[1] += NaNs
-        counts[1].add_(torch.isinf(c).sum())
-        return 0
-    if fused:
+    if fused and not g.is_cuda:
         b1, omb1, b2, omb2, _, _ = k.values
         return _C.lion_direction_into(g, m.view(-1), b1, omb1, b2, omb2, sign, zero, bit_offset, update_momentum=False)
     c = _direction_torch(g, m.reshape(-1), k)
-    _C.pack_signs_into(c, sign, zero, bit_offset)
-    return int((~torch.isfinite(c)).sum())
+    _, nans = _C.pack_signs_into(c, sign, zero, bit_offset)
+    return nans + int(torch.isinf(c).sum())
 
 
 def pack_abstain(numel: int, sign, zero, bit_offset: int, bits=None) -> None:
@@ -138,8 +128,6 @@ def pack_abstain(numel: int, sign, zero, bit_offset: int, bits=None) -> None:
     c = torch.zeros(numel, dtype=torch.float32, device=sign.device)
     if bits:
         pack_levels(c, 0.0, bits, sign, bit_offset)
-    elif c.is_cuda:
-        _C.pack_signs_into_device(c, sign, zero, device_counts(c.device), bit_offset)
     else:
         _C.pack_signs_into(c, sign, zero, bit_offset)
 
@@ -168,14 +156,14 @@ def apply_update(p, delta, k: Coefs, fused: bool) -> None:
     p.copy_(torch.sub(torch.mul(xf, k.decay), torch.mul(delta.reshape(p.shape).float(), k.lr)))
 
 
-def direction_into(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, counts=None) -> int:
+def direction_into(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool) -> int:
     """Both at once, for the FSDP reduce-scatters (which run in backward and
     keep no gradient for later): packs the direction and updates m. Returns
-    the number of non-finite directions (CUDA: added to counts[1])."""
+    the number of non-finite directions."""
     if fused and not g.is_cuda:
         b1, omb1, b2, omb2, _, _ = k.values
         return _C.lion_direction_into(g.reshape(-1), m.view(-1), b1, omb1, b2, omb2, sign, zero, bit_offset)
-    bad = pack_direction(g, m, k, sign, zero, bit_offset, False, counts)
+    bad = pack_direction(g, m, k, sign, zero, bit_offset, False)
     update_momentum(g, m, k, False, None)
     return bad
 

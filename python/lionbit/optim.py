@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
-from . import _C, ddp, fsdp, fsdp1, join, lion_math, momentum_sync as msync
+from . import _C, ddp, fsdp, fsdp1, join, kernel_choice, lion_math, momentum_sync as msync
 from .attachment import Attachment
 from .voter import Voter
 
@@ -80,7 +80,8 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
         group: the process group (a lionbit one); default: the default group, or the attached model's.
         momentum_dtype: torch.float32 (default) or torch.bfloat16.
         fused: the fused C++ kernels: None (default) wherever the dtypes allow, True, or False
-            (plain torch ops). All give bitwise the same result.
+            (plain torch ops). All give bitwise the same result. ``LIONBIT_KERNELS=aten`` turns them
+            off everywhere (lionbit.kernel_choice; ``lionbit.kernels(device)`` says which run).
 
     Without a process group it is single-process Lion; with a plain module ``step()`` votes.
     With DDP, FSDP2 or FSDP1 call ``attach(model)`` once. ``p.grad`` after backward is each rank's
@@ -140,7 +141,8 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
                 f"DistributedLion(fused=True): no fused kernel for parameter {p.dtype}, gradient {g.dtype}, "
                 f"momentum {self.momentum_dtype} (contiguous float32/bfloat16/float16 parameters and gradients, "
                 f"float32/bfloat16 momentum)")
-        return ok if self.fused is None else bool(self.fused)
+        use = ok if self.fused is None else bool(self.fused)
+        return use and kernel_choice.fused_lion_allowed(p.device)  # LIONBIT_KERNELS, the first-use check
 
     def check_param(self, p: torch.Tensor, where: str) -> None:
         if p.grad is not None and p.grad.is_sparse:
@@ -149,11 +151,6 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
             raise RuntimeError(
                 f"DistributedLion.{where}: parameters on {p.device}, but this build of lionbit has no CUDA path "
                 f"(rebuild it where nvcc and a CUDA build of torch are present)")
-        if p.device.type == "cuda" and self.aggregation == "l1":
-            raise RuntimeError(
-                f"DistributedLion.{where}: aggregation='l1' runs on CPU parameters in this release (its level "
-                f"kernels have no CUDA version yet); use aggregation='vote' (tie_break='alternate' or 'random' keep "
-                f"it at 1 bit) on the GPU")
         if p.device.type not in ("cpu", "cuda"):
             raise RuntimeError(
                 f"DistributedLion.{where}: parameters on {p.device} are not supported (CPU and CUDA are)")

@@ -108,17 +108,14 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
     buffers.prepare([e.grad.numel() for e in entries], device, voter.delta_dtype, voter.bits)
     works = []
     for (first, end, total), (sign, zero), out in zip(buffers.chunks, buffers.planes, buffers.outs):
-        counts = lion_math.device_counts(device)
         bad, off = 0, 0
         for e in entries[first:end]:
             if e.abstain:
                 lion_math.pack_abstain(e.grad.numel(), sign, zero, off, voter.bits)
             else:
-                bad += lion_math.pack_direction(
-                    e.grad, e.momentum, e.coefs, sign, zero, off, e.fused, counts, voter.bits
-                )
+                bad += lion_math.pack_direction(e.grad, e.momentum, e.coefs, sign, zero, off, e.fused, voter.bits)
             off += e.grad.numel()
-        works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, counts))
+        works.append(voter.all_reduce(sign, zero, total, bad, out, group, where))
     bad_ranks: List[int] = []
     first_error = None
     for fut in works:

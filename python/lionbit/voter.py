@@ -59,13 +59,13 @@ class Voter:
             return (self._counter.steps_taken << 20) + index
         return -1
 
-    def all_reduce(self, sign, zero, numel: int, nans: int, out: torch.Tensor, group, where: str, counts=None):
-        """Starts the all-reduce of packed directions into ``out`` (Delta);
-        returns its future. Without a process group: this rank's own vote."""
+    def all_reduce(self, sign, zero, numel: int, nans: int, out: torch.Tensor, group, where: str):
+        """Starts the all-reduce of packed directions (planes and ``out`` on
+        one device, CPU or CUDA; ``nans``: this rank's non-finite count) into
+        ``out`` (Delta); returns its future. Without a process group: this
+        rank's own vote."""
         seed = self._seed()
         if group is None and not dist.is_initialized():
-            if counts is not None:
-                nans = int(counts[1].item())
             fut = torch.futures.Future(devices=[out.device] if out.is_cuda else None)
             if nans:
                 # The same words as the header round's, so that callers treat both alike.
@@ -77,10 +77,6 @@ class Voter:
         backend = backend_for(group, out.device, where)
         if self.aggregation == "l1":
             work = backend.all_reduce_levels_packed(sign, self.bits, numel, nans, out, self.tie_break, seed)
-        elif out.is_cuda:
-            work = backend.all_reduce_sign_packed_device(
-                sign, zero, counts, numel, out, self.aggregation, self.tie_break, seed
-            )
         else:
             work = backend.all_reduce_sign_packed(sign, zero, numel, nans, out, self.aggregation, self.tie_break, seed)
         return work.get_future()

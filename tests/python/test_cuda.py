@@ -1,7 +1,9 @@
 """The CUDA path: GPU kernels against the CPU kernels, the sign all-reduce on
 CUDA tensors (NCCL at world size 1, several ranks on one GPU over Gloo),
-standard collectives routed by device, and DistributedLion + DDP on CUDA
-tensors against the same run on CPU tensors.
+standard collectives routed by device, DistributedLion + DDP on CUDA
+tensors against the same run on CPU tensors, FSDP2 and FSDP1 on CUDA
+parameters against DDP on CUDA parameters, and LIONBIT_KERNELS=custom
+against aten.
 
 Marked ``gpu``: ``make test-gpu`` runs them; without a GPU (or without the
 CUDA build) each test is skipped with the reason. The tests that need no GPU
@@ -10,6 +12,7 @@ CUDA build) each test is skipped with the reason. The tests that need no GPU
 
 import os
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ import torch.distributed as dist
 
 import lionbit
 from harness import run_ranks, values
-from lionbit import _C
+from lionbit import _C, kernel_choice
 
 HAVE_GPU = torch.cuda.is_available()
 if not lionbit.built_with_cuda:
@@ -39,7 +42,7 @@ def test_built_with_cuda_where_nvcc_and_cuda_torch_are():
         pytest.skip("LIONBIT_EXPECT_CUDA=0")
     if can and torch.version.cuda:
         assert lionbit.built_with_cuda, "nvcc and a CUDA build of torch are present, but the CUDA path was not built"
-        for name in ("pack_signs_into_device", "lion_direction_into_device", "lion_apply_device"):
+        for name in ("lion_direction_into_device", "lion_apply_device"):
             assert hasattr(_C, name)
     else:
         assert not lionbit.built_with_cuda or torch.version.cuda
@@ -113,11 +116,46 @@ def test_pack_kernel_equals_cpu(dtype):
             z_cpu = torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8)
             s_gpu, z_gpu = s_cpu.cuda(), z_cpu.cuda()
             zeros, nans = _C.pack_signs_into(x, s_cpu, z_cpu, off)
-            counts = torch.zeros(2, dtype=torch.int64, device="cuda")
-            _C.pack_signs_into_device(x.cuda(), s_gpu, z_gpu, counts, off)
+            counts = _C.pack_signs_into(x.cuda(), s_gpu, z_gpu, off)  # the kernel set of the GPU, host counts
             assert torch.equal(s_gpu.cpu(), s_cpu), (dtype, n, off)
             assert torch.equal(z_gpu.cpu(), z_cpu), (dtype, n, off)
-            assert counts.tolist() == [zeros, nans], (dtype, n, off)
+            assert counts == (zeros, nans), (dtype, n, off)
+
+
+@pytest.mark.gpu
+def test_pack_levels_on_cuda_equals_cpu():
+    _skip_without_gpu()
+    gen = torch.Generator().manual_seed(4)
+    for bits in (2, 4, 8):
+        for n in SIZES:
+            for off in (0, 3, 64):
+                c = _special(n, torch.float32, gen)
+                plane = (off + n + 63) // 64 * 8 + 8
+                cpu = torch.randint(0, 256, (bits * plane,), generator=gen, dtype=torch.uint8)
+                gpu = cpu.cuda()
+                want = _C.pack_levels_into(c, 0.37, bits, cpu, off)
+                got = _C.pack_levels_into(c.cuda(), 0.37, bits, gpu, off)
+                assert got == want and torch.equal(gpu.cpu(), cpu), (bits, n, off)
+
+
+@pytest.mark.gpu
+def test_packers_refuse_planes_on_another_device():
+    _skip_without_gpu()
+    cpu = torch.zeros(16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="argument 'sign' is on cpu but argument 't' is on cuda"):
+        _C.pack_signs_into(torch.ones(5, device="cuda"), cpu, cpu.cuda(), 0)
+    with pytest.raises(ValueError, match="argument 'planes' is on cuda:0 but argument 'c' is on cpu"):
+        _C.pack_levels_into(torch.ones(5), 1.0, 2, cpu.cuda(), 0)
+
+
+@pytest.mark.gpu
+def test_fused_apply_passes_its_first_use_check():
+    _skip_without_gpu()
+    assert kernel_choice.check_apply(_C.lion_apply_device, "cuda") is None
+    if kernel_choice.requested() == "auto":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert lionbit.kernels("cuda")["lion"] == "fused"
 
 
 @pytest.mark.gpu
@@ -352,3 +390,95 @@ def test_distributed_lion_ddp_cuda_matches_cpu(aggregation, fused):
                            env=GLOO, timeout=600))
     assert all(v["equal"] for v in got), got
     assert len({v["hash"] for v in got}) == 1, "replicas differ across ranks"
+
+
+# --- FSDP2 and FSDP1 on CUDA parameters; the kernel choice ------------------------------
+
+# Several ranks on one GPU, and cuBLAS deterministic for a given shape: DDP
+# and FSDP compute the same gradients bit for bit.
+GLOO_DETERMINISTIC = {**GLOO, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def _fsdp_cuda_vs_ddp(rank, world_size, kind, configs, steps):
+    """FSDP2 (kind "fsdp2") or FSDP1 on CUDA parameters against DDP +
+    DistributedLion on CUDA parameters: the same model, seeds and batches as
+    tests/python/test_fsdp.py's CPU parity tests. configs: (accumulate,
+    aggregation, FSDP1 (strategy, use_orig_params) or None)."""
+    from test_fsdp import _digest, _full_params, _net, _train_ddp, _train_fsdp
+    from test_fsdp1 import _params, _train_fsdp1, _wrap
+
+    dev = _device(rank)
+    out = []
+    for accumulate, aggregation, fsdp1 in configs:
+        ddp = _train_ddp(rank, steps, accumulate, aggregation, device=dev)
+        if kind == "fsdp2":
+            model, _, _ = _train_fsdp(rank, steps, accumulate, aggregation, device=dev)
+            full = _full_params(model)
+        else:
+            strategy, use_orig = fsdp1
+            model = _wrap(_net(), strategy, use_orig, device=dev)
+            model, _ = _train_fsdp1(rank, steps, accumulate, aggregation, strategy, use_orig, model=model)
+            full = _params(model)
+        out.append(
+            {
+                "same": [bool(torch.equal(a, b)) for a, b in zip(ddp, full)],
+                "cuda": all(t.is_cuda for t in full),
+                "digest": _digest(full),
+            }
+        )
+    return out
+
+
+FSDP2_CUDA = [(1, "vote", None), (2, "avg", None), (1, "l1:4+alternate", None), (1, "vote+random", None)]
+FSDP1_CUDA = [
+    (1, "vote", ("FULL_SHARD", False)),
+    (2, "avg", ("SHARD_GRAD_OP", True)),
+    (1, "vote", ("NO_SHARD", False)),
+    (1, "l1:4", ("FULL_SHARD", True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,configs", [("fsdp2", FSDP2_CUDA), ("fsdp1", FSDP1_CUDA)])
+def test_fsdp_on_cuda_parameters_equals_ddp_bitwise(kind, configs):
+    _skip_without_gpu()
+    got = values(
+        run_ranks(
+            "test_cuda:_fsdp_cuda_vs_ddp",
+            3,
+            kwargs={"kind": kind, "configs": configs, "steps": 8},
+            env=GLOO_DETERMINISTIC,
+            timeout=600,
+        )
+    )
+    for i, cfg in enumerate(configs):
+        for r in got:
+            assert r[i]["cuda"] and all(r[i]["same"]), (kind, cfg, r[i])
+        assert len({r[i]["digest"] for r in got}) == 1, (kind, cfg)
+
+
+def _kernels_ddp(rank, world_size, steps):
+    dev = _device(rank)
+    runs = {agg: _ddp_linear(rank, world_size, "cuda", steps, agg, None) for agg in ("vote", "avg")}
+    return {"params": runs, "kernels": lionbit.kernels(dev)}
+
+
+@pytest.mark.gpu
+def test_custom_and_aten_kernels_give_the_same_ddp_run_on_cuda():
+    _skip_without_gpu()
+    runs = {
+        choice: values(
+            run_ranks(
+                "test_cuda:_kernels_ddp",
+                2,
+                kwargs={"steps": 10},
+                env={**GLOO, "LIONBIT_KERNELS": choice},
+                timeout=600,
+            )
+        )
+        for choice in ("custom", "aten")
+    }
+    assert [r["kernels"] for r in runs["aten"]] == [{"sign": "aten", "lion": "torch"}] * 2
+    assert all(r["kernels"]["lion"] == "fused" and r["kernels"]["sign"] != "aten" for r in runs["custom"])
+    for custom, aten in zip(runs["custom"], runs["aten"]):
+        assert custom["params"] == aten["params"]

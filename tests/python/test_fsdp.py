@@ -38,14 +38,15 @@ def _batch(rank, step, micro=0):
 
 
 def _loss(model, rank, step, micro=0):
-    x, y = _batch(rank, step, micro)
+    device = next(model.parameters()).device  # the same batch on the model's device
+    x, y = (t.to(device) for t in _batch(rank, step, micro))
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
 def _digest(tensors):
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().float().numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().float().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -56,9 +57,14 @@ def _full_params(model):
     return out
 
 
-def _shard(model, nested=True, **kw):
+def _shard(model, nested=True, device=None, **kw):
     from torch.distributed.fsdp import fully_shard
 
+    if device is not None:  # a 1-D mesh of that device type (default: torch's, CUDA where there is one)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        model = model.to(device)
+        kw["mesh"] = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
     if nested:
         fully_shard(model.a, **kw)
         fully_shard(model.b, **kw)
@@ -83,12 +89,12 @@ def _agg(aggregation: str) -> dict:
     return kw
 
 
-def _train_ddp(rank, steps, accumulate, aggregation, momentum_dtype=None):
+def _train_ddp(rank, steps, accumulate, aggregation, momentum_dtype=None, device=None):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import lionbit
 
-    model = DDP(_net())
+    model = DDP(_net().to(device or "cpu"))
     opt = lionbit.DistributedLion(model.parameters(), **_agg(aggregation), momentum_dtype=momentum_dtype, **LION)
     opt.attach(model)
     for step in range(steps):
@@ -103,7 +109,8 @@ def _train_ddp(rank, steps, accumulate, aggregation, momentum_dtype=None):
     return [p.detach().clone() for p in model.module.parameters()]
 
 
-def _train_fsdp(rank, steps, accumulate, aggregation, nested=True, momentum_dtype=None, mp=None, fixed_batch=False):
+def _train_fsdp(rank, steps, accumulate, aggregation, nested=True, momentum_dtype=None, mp=None, fixed_batch=False,
+                device=None):
     import lionbit
 
     kw = {}
@@ -111,7 +118,7 @@ def _train_fsdp(rank, steps, accumulate, aggregation, nested=True, momentum_dtyp
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp)
-    model = _shard(_net(), nested, **kw)
+    model = _shard(_net(), nested, device=device, **kw)
     opt = lionbit.DistributedLion(model.parameters(), **_agg(aggregation), momentum_dtype=momentum_dtype, **LION)
     opt.attach(model)
     losses = []

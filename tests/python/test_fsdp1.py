@@ -14,11 +14,11 @@ from test_fsdp import LION, _agg, _digest, _loss, _net, _train_ddp
 CPU = torch.device("cpu")
 
 
-def _wrap(model, strategy="FULL_SHARD", use_orig_params=False, **kw):
+def _wrap(model, strategy="FULL_SHARD", use_orig_params=False, device=CPU, **kw):
     """Three FSDP instances, as the FSDP2 tests: a, b and the root (head)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 
-    kw = dict(device_id=CPU, sharding_strategy=getattr(ShardingStrategy, strategy), use_orig_params=use_orig_params,
+    kw = dict(device_id=device, sharding_strategy=getattr(ShardingStrategy, strategy), use_orig_params=use_orig_params,
               **kw)
     model.a = FSDP(model.a, **kw)
     model.b = FSDP(model.b, **kw)

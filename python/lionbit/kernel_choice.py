@@ -1,0 +1,158 @@
+"""Which kernels run DistributedLion's arithmetic on a device, and the check
+of a device's fused Lion kernel at its first use.
+
+``LIONBIT_KERNELS`` (read at every use, as the C++ side reads it):
+
+- ``auto`` (default): the fused Lion kernels wherever the dtypes allow. On
+  CUDA the fused apply kernel (``_C.lion_apply_device``) is first checked on
+  each device against the torch path of lionbit.lion_math on small random
+  inputs (float32, bfloat16 and float16 parameters and deltas, weight decay
+  on and off, sizes that are not whole vectors); a mismatch warns once,
+  naming the kernel and the case, and that device uses the torch path from
+  then on. (The CPU's fused kernels are checked by the test suite.)
+- ``custom``: the fused kernels, unchecked.
+- ``aten``: never the fused kernels (CPU or CUDA): the plain-torch path,
+  which gives the same bits by lion_math's contract.
+
+The sign collectives and the packers make the same choice in C++
+(backend/kernel_set.hpp); :func:`kernels` reports both.
+"""
+
+import os
+import warnings
+from typing import Callable, Dict, Optional
+
+import torch
+
+from . import _C, lion_math
+
+ENV = "LIONBIT_KERNELS"
+CHOICES = ("auto", "custom", "aten")
+
+#: Parameter and delta dtypes, sizes (not whole vectors or words) and weight
+#: decays the first-use check runs.
+CHECK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CHECK_SIZES = (1, 7, 67, 1029)
+CHECK_DECAYS = (0.0, 0.1)
+CHECK_LR = 3e-3
+
+
+def requested() -> str:
+    """The value of LIONBIT_KERNELS ("auto" when unset); raises ValueError
+    naming the variable for any other value."""
+    value = os.environ.get(ENV, "").strip()
+    if value == "":
+        return "auto"
+    if value not in CHOICES:
+        raise ValueError(f"lionbit: {ENV} must be one of {', '.join(CHOICES)} (or unset), got {value!r}")
+    return value
+
+
+def _inputs(n: int, pdt: torch.dtype, ddt: torch.dtype, gen: torch.Generator):
+    """A parameter and a delta of n elements: random magnitudes over several
+    octaves, some exact zeros and +-1 in the delta (what a vote gives)."""
+    x = torch.randn(n, generator=gen, dtype=torch.float64) * torch.exp2(torch.randint(-8, 9, (n,), generator=gen))
+    d = torch.randn(n, generator=gen, dtype=torch.float64)
+    pick = torch.randint(0, 4, (n,), generator=gen)
+    d = torch.where(pick == 0, torch.zeros_like(d), torch.where(pick == 1, d.sign(), d))
+    return x.to(pdt), d.to(ddt)
+
+
+def check_apply(candidate: Callable, device, seed: int = 0) -> Optional[str]:
+    """Runs ``candidate(x, delta, lr, decay)`` (an in-place fused Lion apply:
+    x = fl(fl(x * decay) - fl(lr * delta))) and the torch path of
+    lionbit.lion_math on the same small random inputs on ``device``; returns
+    the first case where their bits differ ("bfloat16 parameter, float16
+    delta, n=67, weight_decay=0.1"), or None when every case agrees. Changes
+    no global random state."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    cases, same = [], []
+    with torch.no_grad():
+        for pdt in CHECK_DTYPES:
+            for ddt in CHECK_DTYPES:
+                for wd in CHECK_DECAYS:
+                    coefs = lion_math.Coefs({"betas": (0.9, 0.99), "lr": CHECK_LR, "weight_decay": wd})
+                    for n in CHECK_SIZES:
+                        x, d = (t.to(device) for t in _inputs(n, pdt, ddt, gen))
+                        got, want = x.clone(), x.clone()
+                        candidate(got, d, coefs.values[4], coefs.values[5])
+                        lion_math.apply_update(want, d, coefs, False)
+                        bits = torch.int32 if pdt == torch.float32 else torch.int16
+                        same.append(torch.equal(got.view(bits), want.view(bits)))
+                        cases.append(f"{_name(pdt)} parameter, {_name(ddt)} delta, n={n}, weight_decay={wd}")
+    for case, ok in zip(cases, same):
+        if not ok:
+            return case
+    return None
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class FirstUseCheck:
+    """A fused kernel checked on each device at its first use there:
+    :meth:`ok` runs :func:`check_apply` once per device and remembers the
+    verdict; a mismatch warns once (naming the kernel, the device and the
+    case) and the device's verdict stays False."""
+
+    def __init__(self, name: str, candidate: Callable):
+        self.name = name
+        self.candidate = candidate
+        self.verdicts: Dict[torch.device, bool] = {}
+
+    def ok(self, device) -> bool:
+        device = torch.device(device)
+        verdict = self.verdicts.get(device)
+        if verdict is None:
+            case = check_apply(self.candidate, device)
+            verdict = self.verdicts[device] = case is None
+            if case is not None:
+                warnings.warn(
+                    f"lionbit: the fused Lion kernel {self.name} on {device} does not match the torch path "
+                    f"bit for bit ({case}); DistributedLion uses the torch path on {device} from now on "
+                    f"({ENV}=aten chooses it everywhere, {ENV}=custom skips this check)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return verdict
+
+
+def _lion_apply_device(x, delta, lr, decay) -> None:
+    _C.lion_apply_device(x, delta, lr, decay)
+
+
+#: The first-use checks of ``auto``, by device type (tests add one for "cpu").
+CHECKS: Dict[str, FirstUseCheck] = {"cuda": FirstUseCheck("lion_apply_device", _lion_apply_device)}
+
+
+def fused_lion_allowed(device) -> bool:
+    """Whether DistributedLion may run its fused Lion kernels on ``device``
+    (where the dtypes allow): not with ``aten``; with ``auto`` where the
+    device's first-use check passed (it runs now if it has not)."""
+    choice = requested()
+    if choice == "aten":
+        return False
+    check = CHECKS.get(torch.device(device).type)
+    return choice == "custom" or check is None or check.ok(device)
+
+
+def has_fused_lion(device) -> bool:
+    """Whether this build has fused Lion kernels for ``device``."""
+    kind = torch.device(device).type
+    return kind == "cpu" or (kind == "cuda" and bool(_C.built_with_cuda))
+
+
+def kernels(device="cpu") -> dict:
+    """Which kernels lionbit runs on ``device`` (a torch.device or a string):
+    ``"sign"``, the kernel set of the sign collectives and the packers
+    ("simd (avx2)", "aten", "cuda"), and ``"lion"``, DistributedLion's
+    arithmetic: "fused" (lionbit's fused kernels, where the dtypes allow)
+    or "torch" (plain torch ops). Both follow ``LIONBIT_KERNELS``; on CUDA
+    with ``auto`` this runs the device's first-use checks if they have not
+    run yet. E.g. ``{"sign": "simd (avx2)", "lion": "fused"}``."""
+    device = torch.device(device)
+    sign = _C.kernel_set_name(str(device))
+    fused = has_fused_lion(device) and fused_lion_allowed(device)
+    return {"sign": sign, "lion": "fused" if fused else "torch"}

@@ -1,0 +1,228 @@
+"""LIONBIT_KERNELS and the first-use check of the fused Lion kernels
+(lionbit.kernel_choice), on CPU: a wrong candidate kernel is caught, warned
+about once and replaced by the torch path; ``aten`` turns the fused kernels
+off and changes no bit of a run; the packers' device checks."""
+
+import hashlib
+import warnings
+
+import pytest
+import torch
+
+import lionbit
+from harness import run_ranks, values
+from lionbit import _C, kernel_choice
+
+# -- candidates for the check ------------------------------------------------------
+
+
+def _right(x, delta, lr, decay):
+    _C.lion_apply(x, delta, lr, decay)
+
+
+def _off_by_one_ulp_in_float16(x, delta, lr, decay):
+    """Right except for the last element of float16 parameters of more than a vector."""
+    _C.lion_apply(x, delta, lr, decay)
+    if x.dtype == torch.float16 and x.numel() > 64:
+        x.view(torch.int16)[-1] += 1
+
+
+def _one_rounding(x, delta, lr, decay):
+    """x * decay - lr * delta rounded once (what an FMA gives), not per operation."""
+    x.copy_((x.double() * decay - lr * delta.double()).to(x.dtype))
+
+
+def _ignores_weight_decay(x, delta, lr, decay):
+    _C.lion_apply(x, delta, lr, 1.0)
+
+
+def _drops_the_tail(x, delta, lr, decay):
+    """A vector kernel that forgets the elements past the last whole vector of 8."""
+    whole = x.numel() // 8 * 8
+    if whole:
+        _C.lion_apply(x[:whole], delta[:whole], lr, decay)
+
+
+WRONG = [_off_by_one_ulp_in_float16, _one_rounding, _ignores_weight_decay, _drops_the_tail]
+
+
+def test_the_right_kernel_passes():
+    assert kernel_choice.check_apply(_right, "cpu") is None
+    check = kernel_choice.FirstUseCheck("lion_apply", _right)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check.ok("cpu") and check.ok(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("candidate", WRONG, ids=lambda f: f.__name__)
+def test_a_wrong_kernel_is_caught_and_named(candidate):
+    case = kernel_choice.check_apply(candidate, "cpu")
+    assert case is not None and "parameter" in case and "n=" in case
+    check = kernel_choice.FirstUseCheck(candidate.__name__, candidate)
+    with pytest.warns(RuntimeWarning, match=f"fused Lion kernel {candidate.__name__} on cpu .*{case}") as got:
+        assert not check.ok("cpu")
+    assert len(got) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the verdict is remembered
+        assert not check.ok("cpu")
+
+
+def test_the_check_leaves_the_global_random_state_alone():
+    torch.manual_seed(5)
+    want = torch.rand(3)
+    torch.manual_seed(5)
+    kernel_choice.check_apply(_right, "cpu")
+    assert torch.equal(torch.rand(3), want)
+
+
+# -- DistributedLion (single process: no process group) ----------------------------
+
+
+def _lion_run(steps=5, dtype=torch.float32, momentum_dtype=None):
+    """A small model's parameters' bits after ``steps`` single-process steps
+    (weight decay on), and whether the fused kernels served its parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(13, 67), torch.nn.Tanh(), torch.nn.Linear(67, 5)).to(dtype)
+    opt = lionbit.DistributedLion(model.parameters(), lr=0.01, weight_decay=0.1, momentum_dtype=momentum_dtype)
+    gen = torch.Generator().manual_seed(1)
+    fused = []
+    for _ in range(steps):
+        x = torch.randn(16, 13, generator=gen).to(dtype)
+        y = torch.randint(0, 5, (16,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x).float(), y).backward()
+        fused = [opt.fused_for(p, p.grad) for p in model.parameters()]
+        opt.step()
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().view(torch.int16 if dtype != torch.float32 else torch.int32).numpy().tobytes())
+    return h.hexdigest(), fused
+
+
+@pytest.mark.parametrize("dtype,momentum_dtype", [(torch.float32, None), (torch.bfloat16, torch.bfloat16)])
+def test_aten_uses_the_torch_path_and_changes_no_bit(monkeypatch, dtype, momentum_dtype):
+    monkeypatch.delenv(kernel_choice.ENV, raising=False)
+    assert lionbit.kernels() == {"sign": _C.kernel_set_name("cpu"), "lion": "fused"}
+    assert lionbit.kernels()["sign"].startswith("simd")
+    fused, used = _lion_run(dtype=dtype, momentum_dtype=momentum_dtype)
+    assert all(used)
+    monkeypatch.setenv(kernel_choice.ENV, "aten")
+    assert lionbit.kernels("cpu") == {"sign": "aten", "lion": "torch"}
+    plain, used = _lion_run(dtype=dtype, momentum_dtype=momentum_dtype)
+    assert not any(used)
+    assert plain == fused
+    monkeypatch.setenv(kernel_choice.ENV, "custom")
+    assert lionbit.kernels(torch.device("cpu"))["lion"] == "fused"
+
+
+def test_a_failed_check_falls_back_to_the_torch_path(monkeypatch):
+    """``auto`` with a (deliberately wrong) first-use check on the CPU: the
+    first fused call warns once, names the kernel, and from then on the
+    device runs the torch path, bitwise as the fused run; ``custom`` skips
+    the check."""
+    monkeypatch.delenv(kernel_choice.ENV, raising=False)
+    want, _ = _lion_run()
+    check = kernel_choice.FirstUseCheck("broken_apply", _drops_the_tail)
+    monkeypatch.setitem(kernel_choice.CHECKS, "cpu", check)
+    monkeypatch.setenv(kernel_choice.ENV, "custom")
+    assert lionbit.kernels()["lion"] == "fused" and check.verdicts == {}
+    monkeypatch.setenv(kernel_choice.ENV, "auto")
+    with pytest.warns(RuntimeWarning, match="broken_apply on cpu") as got:
+        digest, used = _lion_run()
+    assert len(got) == 1, [str(w.message) for w in got]
+    assert not any(used) and digest == want
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lionbit.kernels() == {"sign": _C.kernel_set_name("cpu"), "lion": "torch"}
+    # fused=True asks for the fused kernels; a failed check still wins
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(10))
+    assert not lionbit.DistributedLion([p], fused=True).fused_for(p, p)
+
+
+def test_a_passed_check_keeps_the_fused_kernels(monkeypatch):
+    monkeypatch.delenv(kernel_choice.ENV, raising=False)
+    monkeypatch.setitem(kernel_choice.CHECKS, "cpu", kernel_choice.FirstUseCheck("lion_apply", _right))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, used = _lion_run(steps=2)
+    assert all(used)
+    assert kernel_choice.CHECKS["cpu"].verdicts == {torch.device("cpu"): True}
+
+
+def test_an_invalid_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv(kernel_choice.ENV, "fastest")
+    with pytest.raises(ValueError, match="LIONBIT_KERNELS.*'fastest'"):
+        lionbit.kernels()
+    with pytest.raises(ValueError, match="LIONBIT_KERNELS"):
+        kernel_choice.requested()
+    with pytest.raises(ValueError, match="LIONBIT_KERNELS"):
+        _lion_run(steps=1)
+
+
+def test_kernels_is_exported():
+    assert "kernels" in lionbit.__all__ and lionbit.kernels is kernel_choice.kernels
+
+
+# -- DDP on 2 ranks: aten against the default ----------------------------------------
+
+
+def _ddp_digest(rank, world_size, aggregation):
+    from test_fsdp import _digest, _train_ddp
+
+    params = _train_ddp(rank, 6, 1, aggregation)
+    return {"digest": _digest(params), "kernels": lionbit.kernels()}
+
+
+@pytest.mark.parametrize("aggregation", ["vote", "avg", "l1:4+random"])
+def test_aten_ddp_run_is_bitwise_the_fused_run(aggregation):
+    runs = {
+        choice: values(
+            run_ranks(
+                "test_kernel_choice:_ddp_digest",
+                2,
+                kwargs={"aggregation": aggregation},
+                env={kernel_choice.ENV: choice},
+            )
+        )
+        for choice in ("auto", "aten")
+    }
+    assert [r["kernels"]["lion"] for r in runs["auto"]] == ["fused", "fused"]
+    assert [r["kernels"] for r in runs["aten"]] == [{"sign": "aten", "lion": "torch"}] * 2
+    assert [r["digest"] for r in runs["auto"]] == [r["digest"] for r in runs["aten"]]
+    assert len({r["digest"] for r in runs["auto"]}) == 1
+
+
+# -- the packers: one device per call ------------------------------------------------
+
+
+def test_packers_name_the_argument_on_another_device():
+    meta = torch.empty(16, dtype=torch.uint8, device="meta")
+    cpu = torch.zeros(16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="pack_signs_into: argument 'sign' is on meta but argument 't' is on cpu"):
+        _C.pack_signs_into(torch.ones(5), meta, cpu, 0)
+    with pytest.raises(ValueError, match="pack_signs_into: argument 'zero' is on meta"):
+        _C.pack_signs_into(torch.ones(5), cpu, meta, 0)
+    with pytest.raises(ValueError, match="pack_levels_into: argument 'planes' is on meta but argument 'c' is on cpu"):
+        _C.pack_levels_into(torch.ones(5), 1.0, 4, torch.empty(32, dtype=torch.uint8, device="meta"), 0)
+    with pytest.raises(ValueError, match="argument 't' must be a contiguous tensor of float32"):
+        _C.pack_signs_into(torch.ones(4, 4).t(), cpu, cpu, 0)
+
+
+def test_packers_keep_the_other_bits_and_count():
+    gen = torch.Generator().manual_seed(3)
+    for n, off in ((1, 0), (70, 3), (130, 64), (5, 123)):
+        x = torch.randn(n, generator=gen)
+        x[::7] = 0.0
+        x[1::11] = float("nan")
+        sign = torch.randint(0, 256, (32,), generator=gen, dtype=torch.uint8)
+        zero = torch.randint(0, 256, (32,), generator=gen, dtype=torch.uint8)
+        s0, z0 = sign.clone(), zero.clone()
+        zeros, nans = _C.pack_signs_into(x, sign, zero, off)
+        assert (zeros, nans) == (int((x == 0).sum()), int(x.isnan().sum()))
+        bits = lambda t: ((t.view(torch.int64).unsqueeze(1) >> torch.arange(64)) & 1).reshape(-1)
+        inside = torch.zeros(256, dtype=torch.bool)
+        inside[off : off + n] = True
+        assert torch.equal(bits(sign)[~inside], bits(s0)[~inside])
+        assert torch.equal(bits(zero)[~inside], bits(z0)[~inside])
+        assert torch.equal(bits(sign)[inside].bool(), x > 0) and torch.equal(bits(zero)[inside].bool(), x == 0)
