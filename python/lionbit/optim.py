@@ -178,6 +178,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
         self._take_step(grad_scaler, abstain=False)
         return loss
 
+    @torch.no_grad()  # also when a join hook runs it, outside step()
     def _take_step(self, grad_scaler, abstain: bool) -> None:
         try:
             applied = self._attachment.step(grad_scaler, abstain)
