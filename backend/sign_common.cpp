@@ -56,10 +56,26 @@ void count_allgather(const SignComm& c, size_t chunk) {
 }
 
 namespace {
-// The communicator that carries the call's data, and whether it is staged.
-const c10d::Backend& data_comm(const SignCall& call, bool& staged) {
-  staged = !call.device.is_cpu() && !call.c.device_comm.defined();
-  return staged || call.device.is_cpu() ? *call.c.comm : *call.c.device_comm;
+// Issues `start(via, dst, src)` on the communicator that carries the call's
+// data: the CPU one for CPU tensors; for CUDA tensors the device one, or,
+// without it, the CPU one with the data staged through host memory.
+template <typename Start>
+Inflight issue_data(const SignCall& call, at::Tensor out, const at::Tensor& in, Start start) {
+  const bool staged = !call.device.is_cpu() && !call.c.device_comm.defined();
+  c10d::Backend& via = staged || call.device.is_cpu() ? *call.c.comm : *call.c.device_comm;
+  Inflight f;
+  f.via = &via;
+  f.out = std::move(out);
+  ScopedTimer t(call.c.stats->comm_ns, "lionbit::issue");
+  if (staged) {
+    at::Tensor host_in = in.cpu();
+    f.host_out = byte_buffer(static_cast<size_t>(f.out.numel()));
+    f.work = start(via, f.host_out, host_in);
+  } else {
+    at::Tensor send = in;
+    f.work = start(via, f.out, send);
+  }
+  return f;
 }
 } // namespace
 
@@ -69,39 +85,17 @@ Inflight issue_alltoall(
     const at::Tensor& in,
     std::vector<int64_t> out_splits,
     std::vector<int64_t> in_splits) {
-  bool staged = false;
-  auto& via = const_cast<c10d::Backend&>(data_comm(call, staged));
-  Inflight f;
-  f.via = &via;
-  f.out = std::move(out);
-  ScopedTimer t(call.c.stats->comm_ns, "lionbit::issue");
-  if (staged) {
-    at::Tensor host_in = in.cpu();
-    f.host_out = byte_buffer(static_cast<size_t>(f.out.numel()));
-    f.work = via.alltoall_base(f.host_out, host_in, out_splits, in_splits);
-  } else {
-    at::Tensor send = in;
-    f.work = via.alltoall_base(f.out, send, out_splits, in_splits);
-  }
-  return f;
+  return issue_data(
+      call, std::move(out), in, [&](c10d::Backend& via, at::Tensor& dst, at::Tensor& src) {
+        return via.alltoall_base(dst, src, out_splits, in_splits);
+      });
 }
 
 Inflight issue_allgather(const SignCall& call, at::Tensor out, const at::Tensor& in) {
-  bool staged = false;
-  auto& via = const_cast<c10d::Backend&>(data_comm(call, staged));
-  Inflight f;
-  f.via = &via;
-  f.out = std::move(out);
-  ScopedTimer t(call.c.stats->comm_ns, "lionbit::issue");
-  if (staged) {
-    at::Tensor host_in = in.cpu();
-    f.host_out = byte_buffer(static_cast<size_t>(f.out.numel()));
-    f.work = via._allgather_base(f.host_out, host_in);
-  } else {
-    at::Tensor send = in;
-    f.work = via._allgather_base(f.out, send);
-  }
-  return f;
+  return issue_data(
+      call, std::move(out), in, [](c10d::Backend& via, at::Tensor& dst, at::Tensor& src) {
+        return via._allgather_base(dst, src);
+      });
 }
 
 at::Tensor wait_data(const SignCall& call, const char* step, Inflight& f) {

@@ -91,6 +91,17 @@ def _ddp(model):
     return DDP(model, bucket_cap_mb=0.001)  # several buckets
 
 
+def _attached(overlap):
+    """A fresh model, its DDP wrapper and a DistributedLion attached to it."""
+    import lionbit
+
+    model = _net()
+    ddp = _ddp(model)
+    opt = lionbit.DistributedLion(ddp.parameters(), **LION)
+    opt.attach(ddp, overlap=overlap)
+    return model, ddp, opt
+
+
 def _train(ddp, opt, rank, steps, loop="bare"):
     for step in steps:
         opt.zero_grad()
@@ -118,14 +129,10 @@ def join_loop(rank, n, loop, overlap):
     ``with Join([model, opt]):``."""
     from torch.distributed.algorithms.join import Join
 
-    import lionbit
 
     torch.set_num_threads(1)
     batches = BATCHES[n]
-    model = _net()
-    ddp = _ddp(model)
-    opt = lionbit.DistributedLion(ddp.parameters(), **LION)
-    opt.attach(ddp, overlap=overlap)
+    model, ddp, opt = _attached(overlap)
     with Join([ddp, opt]):
         _train(ddp, opt, rank, range(batches[rank]), loop)
     _same(model, simulate(batches, loop), f"Join {loop} (overlap={overlap})")
@@ -153,14 +160,10 @@ def join_without_the_optimizer(rank, n, how, overlap):
     it is made, on every rank, before any collective."""
     from torch.distributed.algorithms.join import Join
 
-    import lionbit
 
     torch.set_num_threads(1)
     batches = BATCHES[n]
-    model = _net()
-    ddp = _ddp(model)
-    opt = lionbit.DistributedLion(ddp.parameters(), **LION)
-    opt.attach(ddp, overlap=overlap)
+    model, ddp, opt = _attached(overlap)
     for joinables in ([opt, ddp], [opt]):
         with pytest.raises(ValueError, match=r"Join\(\[model, opt\]\)"):
             Join(joinables)
