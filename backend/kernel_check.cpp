@@ -622,6 +622,82 @@ void check_vote_levels(Checker& ck) {
   }
 }
 
+// Planes of N ranks in which about half the elements are voted 0 (signs: a
+// zero bit; levels: u = s) on every rank and the rest at random, some of
+// those 0 on some ranks only. Signs (p == 0): per rank [sign | zero], and
+// with `no_zero_rank` rank N - 1 sends no zero plane. Levels: p planes.
+std::vector<PlaneIn> still_votes(
+    Checker& ck,
+    Rng& rng,
+    int N,
+    int p,
+    size_t words,
+    bool no_zero_rank) {
+  const size_t bytes = words * 8, elems = words * 64;
+  const int per_rank = p == 0 ? 2 : p;
+  const uint64_t s = p == 0 ? 0 : static_cast<uint64_t>(bits::level_span(p));
+  std::vector<Bytes> planes(static_cast<size_t>(N), Bytes(per_rank * bytes, 0));
+  for (size_t e = 0; e < elems; ++e) {
+    const bool still = rng.chance(50);
+    for (int r = 0; r < N; ++r) {
+      const bool zero = still || rng.chance(30);
+      if (p == 0) {
+        if (zero) {
+          set_bit(planes[r], elems + e); // the zero plane
+        } else if (rng.chance(50)) {
+          set_bit(planes[r], e);
+        }
+        continue;
+      }
+      const uint64_t u = zero ? s : rng.below(2 * s + 1);
+      for (int b = 0; b < p; ++b) {
+        if ((u >> b) & 1u) {
+          set_bit(planes[r], b * elems + e);
+        }
+      }
+    }
+  }
+  std::vector<PlaneIn> in(static_cast<size_t>(N));
+  for (int r = 0; r < N; ++r) {
+    const Tensor t = ck.bytes(planes[r]);
+    if (p != 0) {
+      in[r].sign = t;
+      continue;
+    }
+    in[r].sign = t.narrow(0, 0, static_cast<int64_t>(bytes));
+    if (!(no_zero_rank && r == N - 1)) {
+      in[r].zero = t.narrow(0, static_cast<int64_t>(bytes), static_cast<int64_t>(bytes));
+    }
+  }
+  return in;
+}
+
+void check_all_zero(Checker& ck) {
+  size_t i = 0;
+  for (int N : {1, 2, 3, 8}) {
+    for (int p : {0, 2, 3, 8}) {
+      for (bool no_zero_rank : {false, true}) {
+        if (p != 0 && no_zero_rank) {
+          continue;
+        }
+        const size_t words = i++ % 2 == 0 ? 1 : 5;
+        ck.run(
+            Kernel::kAllZero,
+            c10::str(
+                "N=", N, ", p=", p, ", words=", words, ", a rank without zeros: ", no_zero_rank),
+            [&](Rng& rng) {
+              const auto in = still_votes(ck, rng, N, p, words, no_zero_rank);
+              const Bytes init = random_bytes(rng, words * 8);
+              Tensor a = ck.bytes(init), b = ck.bytes(init);
+              ck.cand.all_zero(in, p, a);
+              ck.ref.all_zero(in, p, b);
+              return same("still", a, b);
+            });
+      }
+    }
+  }
+}
+
 void check_break_ties(Checker& ck) {
   struct Rule {
     bits::TieBreak mode;
@@ -653,13 +729,16 @@ void check_break_ties(Checker& ck) {
           [&](Rng& rng) {
             Bytes s = random_bytes(rng, words * 8);
             const Bytes t = random_bytes(rng, words * 8);
+            Bytes z = random_bytes(rng, words * 8);
             for (size_t j = 0; j < s.size(); ++j) {
               s[j] &= static_cast<uint8_t>(~t[j]); // a tie's sign bit is 0
+              z[j] &= t[j]; // every still element is a tie
             }
             const bits::TieRule rule{r.mode, r.seed};
             Tensor s1 = ck.bytes(s), t1 = ck.bytes(t), s2 = ck.bytes(s), t2 = ck.bytes(t);
-            ck.cand.break_ties(s1, t1, rule, first);
-            ck.ref.break_ties(s2, t2, rule, first);
+            const Tensor still = ck.bytes(z);
+            ck.cand.break_ties(s1, t1, still, rule, first);
+            ck.ref.break_ties(s2, t2, still, rule, first);
             return first_of({same("sign", s1, s2), same("tie", t1, t2)});
           });
     }
@@ -904,6 +983,7 @@ std::vector<KernelMismatch> check_kernels(
   check_decode_zeros(ck);
   check_count_and_vote(ck);
   check_vote_levels(ck);
+  check_all_zero(ck);
   check_break_ties(ck);
   check_encode_trits(ck);
   check_decode_trits(ck);

@@ -34,6 +34,8 @@ const char* kernel_name(Kernel k) {
       return "vote";
     case Kernel::kVoteLevels:
       return "vote_levels";
+    case Kernel::kAllZero:
+      return "all_zero";
     case Kernel::kBreakTies:
       return "break_ties";
     case Kernel::kEncodeTrits:

@@ -56,6 +56,7 @@ enum class Kernel : int {
   kCountCode,
   kVote,
   kVoteLevels,
+  kAllZero,
   kBreakTies,
   kEncodeTrits,
   kDecodeTrits,
@@ -129,10 +130,16 @@ class KernelSet {
       at::Tensor& sign,
       at::Tensor& tie) const = 0;
 
-  // bits::break_ties: sign |= tie & tie_word(rule, first_word + w).
+  // Where every contribution votes 0 (value_bits 0: bits::all_zero of the
+  // zero planes; p: bits::all_zero_levels, in[i].sign holding rank i's p
+  // planes one after the other) into `out` (out.numel() / 8 words a plane).
+  virtual void all_zero(const std::vector<PlaneIn>& in, int value_bits, at::Tensor& out) const = 0;
+
+  // bits::break_ties: sign |= tie & ~still & tie_word(rule, first_word + w).
   virtual void break_ties(
       at::Tensor& sign,
       const at::Tensor& tie,
+      const at::Tensor& still,
       const bits::TieRule& rule,
       uint64_t first_word) const = 0;
 

@@ -475,15 +475,42 @@ class AtenKernelSet final : public KernelSet {
     tie.copy_(eq);
   }
 
+  // all_zero: the zero planes ANDed (a rank without one: none), or every
+  // rank's level planes compared with u = s (bit p - 1 clear, the rest set).
+  void all_zero(const std::vector<PlaneIn>& in, int value_bits, Tensor& out) const override {
+    const int64_t bytes = out.numel();
+    Tensor acc = at::full({bytes}, in.empty() ? 0 : 0xff, opts(out, at::kByte));
+    for (const PlaneIn& rank : in) {
+      if (value_bits == 0) {
+        if (!rank.zero.defined()) {
+          acc.zero_();
+          break;
+        }
+        acc.bitwise_and_(rank.zero.narrow(0, 0, bytes));
+        continue;
+      }
+      for (int b = 0; b < value_bits; ++b) {
+        const Tensor x = rank.sign.narrow(0, static_cast<int64_t>(b) * bytes, bytes);
+        acc.bitwise_and_(b < value_bits - 1 ? x : x.bitwise_not());
+      }
+    }
+    out.copy_(acc);
+  }
+
   // break_ties: the rule's words computed on the host (a function of the
   // rule and the word's position only) and sent over once.
-  void break_ties(Tensor& sign, const Tensor& tie, const bits::TieRule& rule, uint64_t first_word)
-      const override {
+  void break_ties(
+      Tensor& sign,
+      const Tensor& tie,
+      const Tensor& still,
+      const bits::TieRule& rule,
+      uint64_t first_word) const override {
     const int64_t words = words_in(sign);
     if (rule.mode == bits::TieBreak::kZero || words == 0) {
       return;
     }
-    const Tensor t = tie.narrow(0, 0, words * 8);
+    const Tensor t =
+        tie.narrow(0, 0, words * 8).bitwise_and(still.narrow(0, 0, words * 8).bitwise_not());
     if (rule.mode == bits::TieBreak::kAlternate) {
       if (bits::tie_word(rule, first_word) != 0) {
         sign.bitwise_or_(t);

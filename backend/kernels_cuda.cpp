@@ -147,17 +147,22 @@ class CudaKernelSet final : public KernelSet {
     aten_kernels().vote_levels(in, p, sign, tie);
   }
 
+  void all_zero(const std::vector<PlaneIn>& in, int value_bits, at::Tensor& out) const override {
+    aten_kernels().all_zero(in, value_bits, out);
+  }
+
   void break_ties(
       at::Tensor& sign,
       const at::Tensor& tie,
+      const at::Tensor& still,
       const bits::TieRule& rule,
       uint64_t first_word) const override {
     if (!use(Kernel::kBreakTies)) {
-      return aten_kernels().break_ties(sign, tie, rule, first_word);
+      return aten_kernels().break_ties(sign, tie, still, rule, first_word);
     }
     cuda::break_ties(
-        mwords(sign), cwords(tie), static_cast<size_t>(sign.numel()) / 8, rule, first_word,
-        current_stream(sign));
+        mwords(sign), cwords(tie), cwords(still), static_cast<size_t>(sign.numel()) / 8, rule,
+        first_word, current_stream(sign));
   }
 
   void encode_trits(const at::Tensor& sign, const at::Tensor& tie, at::Tensor& out) const override {

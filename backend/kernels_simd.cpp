@@ -139,12 +139,28 @@ class SimdKernelSet final : public KernelSet {
         words_of(tie));
   }
 
+  void all_zero(const std::vector<PlaneIn>& in, int value_bits, at::Tensor& out) const override {
+    if (value_bits == 0) {
+      const auto r = raw(in);
+      bits::all_zero(r.data(), static_cast<int>(r.size()), words_in(out), words_of(out));
+      return;
+    }
+    std::vector<const uint64_t*> planes(in.size());
+    for (size_t j = 0; j < in.size(); ++j) {
+      planes[j] = words_of(in[j].sign);
+    }
+    bits::all_zero_levels(
+        planes.data(), static_cast<int>(in.size()), value_bits, words_in(out), words_of(out));
+  }
+
   void break_ties(
       at::Tensor& sign,
       const at::Tensor& tie,
+      const at::Tensor& still,
       const bits::TieRule& rule,
       uint64_t first_word) const override {
-    bits::break_ties(words_of(sign), words_of(tie), words_in(sign), rule, first_word);
+    bits::break_ties(
+        words_of(sign), words_of(tie), words_of(still), words_in(sign), rule, first_word);
   }
 
   void encode_trits(const at::Tensor& sign, const at::Tensor& tie, at::Tensor& out) const override {

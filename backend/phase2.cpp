@@ -30,12 +30,7 @@ Phase2 Phase2::choose(
     bool inline_ties,
     const std::vector<uint64_t>& zero_capacity) {
   if (op == bits::SignOp::kVote || op == bits::SignOp::kLevels) {
-    Phase2 fmt{Phase2Format::kVoteSigns, N, sw};
-    if (rule.tie.mode != bits::TieBreak::kZero) {
-      fmt.format = Phase2Format::kVoteBits;
-    } else if (inline_ties) {
-      fmt.format = Phase2Format::kVoteTrits;
-    }
+    Phase2 fmt{inline_ties ? Phase2Format::kVoteTrits : Phase2Format::kVoteSigns, N, sw};
     fmt.op = op;
     fmt.rule = rule;
     return fmt;
@@ -62,8 +57,6 @@ size_t Phase2::message_bytes() const {
       return kTieCountBytes + sb;
     case Phase2Format::kVoteTrits:
       return kTieCountBytes + (bits::kTritBytesPerWord * sw + 7) / 8 * 8;
-    case Phase2Format::kVoteBits:
-      return sb;
     case Phase2Format::kCounts:
       return static_cast<size_t>(planes) * sb;
     case Phase2Format::kCountsZeroList:
@@ -95,19 +88,26 @@ std::vector<uint64_t> Phase2::ties_in(const at::Tensor& gathered) const {
 void Phase2::vote_shard(
     const KernelSet& k,
     bits::SignOp op,
-    int value_bits,
+    const bits::CallRule& rule,
     const std::vector<PlaneIn>& in,
+    uint64_t first_word,
     at::Tensor& sign,
-    at::Tensor& tie) {
+    at::Tensor& zeros) {
+  const bool breaks = rule.tie.mode != bits::TieBreak::kZero;
+  at::Tensor tie = breaks ? at::empty_like(zeros) : zeros;
   if (op != bits::SignOp::kLevels) {
     k.vote(in, sign, tie);
-    return;
+  } else {
+    std::vector<at::Tensor> planes(in.size());
+    for (size_t j = 0; j < in.size(); ++j) {
+      planes[j] = in[j].sign; // [plane 0 | plane 1 | ...], sw words each
+    }
+    k.vote_levels(planes, rule.value_bits, sign, tie);
   }
-  std::vector<at::Tensor> planes(in.size());
-  for (size_t j = 0; j < in.size(); ++j) {
-    planes[j] = in[j].sign; // [plane 0 | plane 1 | ...], sw words each
+  if (breaks) {
+    k.all_zero(in, op == bits::SignOp::kLevels ? rule.value_bits : 0, zeros);
+    k.break_ties(sign, tie, zeros, rule.tie, first_word);
   }
-  k.vote_levels(planes, value_bits, sign, tie);
 }
 
 std::string Phase2::encode(
@@ -121,26 +121,19 @@ std::string Phase2::encode(
   switch (format) {
     case Phase2Format::kVoteSigns: {
       at::Tensor sign = msg.narrow(0, head, sb);
-      vote_shard(k, op, rule.value_bits, in, sign, ties);
+      vote_shard(k, op, rule, in, first_word, sign, ties);
       put_word(msg, k.count_bits(ties, sw).at(0));
-      return "";
-    }
-    case Phase2Format::kVoteBits: {
-      at::Tensor sign = msg.narrow(0, 0, sb);
-      at::Tensor tie = at::empty_like(sign);
-      vote_shard(k, op, rule.value_bits, in, sign, tie);
-      k.break_ties(sign, tie, rule.tie, first_word);
       return "";
     }
     case Phase2Format::kVoteTrits: {
       at::Tensor planes = at::empty({2 * sb}, msg.options());
       at::Tensor sign = planes.narrow(0, 0, sb);
-      at::Tensor tie = planes.narrow(0, sb, sb);
-      vote_shard(k, op, rule.value_bits, in, sign, tie);
-      put_word(msg, k.count_bits(tie, sw).at(0));
+      at::Tensor zeros = planes.narrow(0, sb, sb);
+      vote_shard(k, op, rule, in, first_word, sign, zeros);
+      put_word(msg, k.count_bits(zeros, sw).at(0));
       msg.narrow(0, static_cast<int64_t>(message_bytes()) - 8, 8).zero_(); // the padding
       at::Tensor trits = msg.narrow(0, head, static_cast<int64_t>(bits::kTritBytesPerWord * sw));
-      k.encode_trits(sign, tie, trits);
+      k.encode_trits(sign, zeros, trits);
       return "";
     }
     case Phase2Format::kCounts: {
@@ -183,9 +176,6 @@ Phase2Decoder::Phase2Decoder(
     case Phase2Format::kVoteTrits: // trit 0, 1, 2
       lut_ = lut_tensor(dtype, {-1, 1, 0}, device);
       break;
-    case Phase2Format::kVoteBits:
-      lut_ = lut_tensor(dtype, {-1, 1}, device);
-      break;
     case Phase2Format::kCounts:
       lut_ = lut_tensor(dtype, count_code_values(op, fmt.N, fmt.with_zeros, fmt.planes), device);
       break;
@@ -212,9 +202,6 @@ std::string Phase2Decoder::decode(
       k.unpack(planes, lut_, dst);
       return "";
     }
-    case Phase2Format::kVoteBits:
-      k.unpack({msg.narrow(0, 0, sb)}, lut_, dst);
-      return "";
     case Phase2Format::kVoteTrits: {
       const at::Tensor trits = msg.narrow(
           0, head, static_cast<int64_t>(bits::kTritBytesPerWord * bits::words_for(dst.numel())));

@@ -5,13 +5,13 @@
 // every rank for every shard) side by side in phase2.cpp, so that a change
 // of the wire touches one place:
 //
-//   kVoteSigns       [ties: u64][sign plane]; the tie positions, when some
-//                    shard has any, follow in a round of their own (zeros.h)
-//   kVoteTrits       [ties: u64][results in base 3, 13 bytes a word, padded
-//                    to 8 bytes] (trits.h): every rank expects dense ties
+//   kVoteSigns       [zeros: u64][sign plane]; the positions of the result's
+//                    zeros (ties under the "zero" rule, elements every rank
+//                    voted 0 for under every rule: ties.h), when some shard
+//                    has any, follow in a round of their own (zeros.h)
+//   kVoteTrits       [zeros: u64][results in base 3, 13 bytes a word, padded
+//                    to 8 bytes] (trits.h): every rank expects dense zeros
 //                    (kTieHint), so they ride inline at 1.625 bits an element
-//   kVoteBits        [sign plane]: a tie rule other than "zero" (ties.h)
-//                    answered every tie with +1 or -1: exactly 1 bit
 //   kCounts          [P code planes] (count.h: code = #positive, or
 //                    2 * #positive + #zero when some rank sent a zero)
 //   kCountsZeroList  [P zero-free code planes][the elements with a zero, as
@@ -31,7 +31,7 @@
 
 namespace lionbit {
 
-enum class Phase2Format { kVoteSigns, kVoteTrits, kVoteBits, kCounts, kCountsZeroList };
+enum class Phase2Format { kVoteSigns, kVoteTrits, kCounts, kCountsZeroList };
 
 struct Phase2 {
   Phase2Format format;
@@ -57,20 +57,24 @@ struct Phase2 {
   size_t message_bytes() const;
 
   // The owner's vote of its shard from the N contributions to it (signs, or
-  // for kLevels p planes of levels each): the sign plane and the tie plane,
-  // sw words each, the tie rule not applied.
+  // for kLevels p planes of levels each), the tie rule applied: the sign
+  // plane and the plane of the result's zeros (ties under "zero"; under the
+  // other rules the elements every rank voted 0 for), sw words each.
+  // `first_word`: the shard's first word in the call's tensor (the random
+  // rule's position).
   static void vote_shard(
       const KernelSet& k,
       bits::SignOp op,
-      int value_bits,
+      const bits::CallRule& rule,
       const std::vector<PlaneIn>& in,
+      uint64_t first_word,
       at::Tensor& sign,
-      at::Tensor& tie);
+      at::Tensor& zeros);
 
   // The owner's message about its shard (msg: message_bytes() bytes), from
   // the N contributions to it. `first_word`: the shard's first word in the
   // call's tensor (the random tie rule's position). kVoteSigns also writes
-  // the shard's tie plane (sw words) into `ties`. Returns "" or what went
+  // the shard's plane of zeros (sw words) into `ties`. Returns "" or what went
   // wrong (an internal inconsistency).
   std::string encode(
       const KernelSet& k,

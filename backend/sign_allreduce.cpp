@@ -104,7 +104,7 @@ class Run {
       }
     }
     finish(chunks_.size() - 1);
-    if (votes_ && rule_.tie.mode == bits::TieBreak::kZero && c_.tie_hint != nullptr) {
+    if (votes_ && c_.tie_hint != nullptr) {
       // Same answer on every rank: every rank saw every shard's tie count.
       c_.tie_hint->store(dense_ties_);
     }

@@ -20,8 +20,7 @@ namespace {
 // Per-element values of the result codes (bit b of the code = plane b).
 std::vector<double> code_values(bits::SignOp op, int N, bool with_zeros, int planes) {
   if (op == bits::SignOp::kVote || op == bits::SignOp::kLevels) {
-    return planes == 1 ? std::vector<double>{-1, 1} // ties broken
-                       : std::vector<double>{-1, 1, 0, 0}; // sign bit + 2 * tie bit
+    return {-1, 1, 0, 0}; // sign bit + 2 * zero bit (Phase2::vote_shard)
   }
   return count_code_values(op, N, with_zeros, planes);
 }
@@ -106,14 +105,11 @@ void sign_reduce_scatter_packed(
     ScopedTimer t(c.stats->vote_ns, "lionbit::count");
     if (op == bits::SignOp::kVote || levels) {
       at::Tensor s_plane = call.bytes(static_cast<size_t>(sb));
-      at::Tensor t_plane = call.bytes(static_cast<size_t>(sb));
-      Phase2::vote_shard(k, op, p, contrib, s_plane, t_plane);
-      if (tie.mode == bits::TieBreak::kZero) {
-        planes = {s_plane, t_plane};
-      } else {
-        k.break_ties(s_plane, t_plane, tie, static_cast<uint64_t>(c.rank) * sw);
-        planes = {s_plane};
-      }
+      at::Tensor z_plane = call.bytes(static_cast<size_t>(sb));
+      Phase2::vote_shard(
+          k, op, bits::CallRule{tie, levels ? p : 0}, contrib, static_cast<uint64_t>(c.rank) * sw,
+          s_plane, z_plane);
+      planes = {s_plane, z_plane};
     } else {
       const int P = bits::code_planes(N, hs.any_zero);
       TORCH_CHECK(

@@ -17,7 +17,7 @@ tensor of d float32 values:
                      ties: the condition of the 1.05x bytes goal; at even N real data has ties,
                      whose positions lionbit sends as an extra bit-plane)
     lionbit_vote_alternate  all_reduce_sign(t, "vote", tie_break="alternate"): ties answered +1 / -1
-                     by the call's number, so phase 2 is exactly 1 bit (Lion Cub's rule)
+                     by the call's number, so phase 2 is 1 bit an element (Lion Cub's rule)
     lionbit_vote_random     the same with tie_break="random" (a pseudo-random sign per element)
     lionbit_avg      lionbit.all_reduce_sign(t, "avg")    sum of signs / N (bit-planes of counts)
     gloo_fp32        dist.all_reduce(float32)             what DDP does

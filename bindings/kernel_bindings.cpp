@@ -307,12 +307,20 @@ class FaultySet final : public KernelSet {
     }
   }
 
+  void all_zero(const std::vector<PlaneIn>& in, int value_bits, at::Tensor& out) const override {
+    base_.all_zero(in, value_bits, out);
+    if (is(Kernel::kAllZero)) {
+      flip(out);
+    }
+  }
+
   void break_ties(
       at::Tensor& sign,
       const at::Tensor& tie,
+      const at::Tensor& still,
       const bits::TieRule& rule,
       uint64_t first_word) const override {
-    base_.break_ties(sign, tie, rule, first_word);
+    base_.break_ties(sign, tie, still, rule, first_word);
     if (is(Kernel::kBreakTies)) {
       flip(sign);
     }

@@ -30,8 +30,10 @@ constexpr uint32_t kWireMagic = 0x3153424cu; // "LBS1"
 // 5: a vote's inline-tie phase 2 in base 3 (trits.h). 6: avg / sum with a
 // few zeros send the zero-free count planes and a list of the elements with
 // a zero, not the zero-aware code's extra plane. 7: the tie rule and the
-// levels' bits in the header (64 bytes).
-constexpr uint16_t kWireVersion = 7;
+// levels' bits in the header (64 bytes). 8: a vote's phase 2 carries the
+// result's zeros under every tie rule (elements every rank voted 0 for stay
+// 0, ties.h); the sign-plane-only format of version 7 is gone.
+constexpr uint16_t kWireVersion = 8;
 
 enum WireFlags : uint32_t {
   kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane

@@ -106,12 +106,14 @@ def all_reduce_sign(
     - ``"avg"``: ``sum_i sign(x_i) / N`` (floating dtypes),
     - ``"sum"``: ``sum_i sign(x_i)`` (int8 needs N <= 127).
 
-    ``tie_break`` (vote only) decides where the sum is 0 (an even split, or
-    every rank 0): ``"zero"`` (default) answers 0; ``"alternate"`` answers
+    ``tie_break`` (vote only) decides where the sum of non-zero signs is 0
+    (an even split): ``"zero"`` (default) answers 0; ``"alternate"`` answers
     +1 when ``tie_seed`` is even and -1 when it is odd; ``"random"`` answers
     a pseudo-random sign per element drawn from ``tie_seed`` and the
-    element's position (the same on every rank, unbiased per element). Both
-    keep the vote's second phase at exactly 1 bit per element. ``tie_seed``
+    element's position (the same on every rank, unbiased per element). An
+    element that is 0 on every rank is 0 under every rule. Both keep the
+    vote's second phase at 1 bit per element (plus the positions of the
+    all-zero elements, when there are any). ``tie_seed``
     must be the same on every rank (checked); default: the call's number on
     this group (pass your step counter for "alternate" when one step makes
     several calls).

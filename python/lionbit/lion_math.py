@@ -168,10 +168,11 @@ def direction_into(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool) -> 
     return bad
 
 
-def local_vote(sign, zero, numel: int, bits=None, tie_break: str = "zero", tie_seed: int = 0) -> torch.Tensor:
+def local_vote(sign, zero, numel: int, bits=None) -> torch.Tensor:
     """Delta of a single rank (no process group): its own direction (with
-    ``bits``: the sign of its own level), ties (0) answered by the tie rule
-    as the collective's owner would."""
+    ``bits``: the sign of its own level). Its zeros stay 0 under every tie
+    rule, as the collective's owner keeps an element every rank voted 0 for
+    (signbits/ties.h): with one rank there is no other kind of tie."""
     shifts = torch.arange(64, dtype=torch.int64, device=sign.device)
 
     def unpacked(plane):
@@ -184,8 +185,4 @@ def local_vote(sign, zero, numel: int, bits=None, tie_break: str = "zero", tie_s
     else:
         s, z = unpacked(sign), unpacked(zero)
         delta = s - (1 - s) * (1 - z)
-    if tie_break != "zero":
-        words = _C.tie_words((numel + 63) // 64, tie_break, tie_seed).to(sign.device)
-        plus = unpacked(words.view(torch.uint8))
-        delta = torch.where(delta == 0, 2 * plus - 1, delta)
     return delta.to(torch.bfloat16)

@@ -71,7 +71,7 @@ class Voter:
                 # The same words as the header round's, so that callers treat both alike.
                 fut.set_exception(ValueError(f"DistributedLion.{where}: input contains NaN on rank(s) [0]"))
                 return fut
-            out.copy_(lion_math.local_vote(sign, zero, numel, self.bits, self.tie_break, max(seed, 0)))
+            out.copy_(lion_math.local_vote(sign, zero, numel, self.bits))
             fut.set_result([out])
             return fut
         backend = backend_for(group, out.device, where)

@@ -59,13 +59,14 @@ __global__ void __launch_bounds__(kBlockThreads) vote_kernel(
 __global__ void __launch_bounds__(kBlockThreads) break_ties_kernel(
     uint64_t* __restrict__ sign,
     const uint64_t* __restrict__ tie,
+    const uint64_t* __restrict__ still,
     size_t words,
     bits::TieRule rule,
     uint64_t first_word) {
   const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t w = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < words;
        w += step) {
-    const uint64_t t = tie[w];
+    const uint64_t t = tie[w] & ~still[w];
     if (t != 0) {
       sign[w] |= t & bits::tie_word(rule, first_word + w);
     }
@@ -173,6 +174,7 @@ void vote(
 void break_ties(
     uint64_t* sign,
     const uint64_t* tie,
+    const uint64_t* still,
     size_t words,
     const bits::TieRule& rule,
     uint64_t first_word,
@@ -183,7 +185,7 @@ void break_ties(
   using namespace detail;
   static const int resident = resident_blocks(break_ties_kernel);
   break_ties_kernel<<<grid_for(words, kBlockThreads, resident), kBlockThreads, 0, stream>>>(
-      sign, tie, words, rule, first_word);
+      sign, tie, still, words, rule, first_word);
   check_launch("break_ties");
 }
 

@@ -83,10 +83,11 @@ void vote(
     uint64_t* out_zero,
     cudaStream_t stream);
 
-// bits::break_ties on the GPU: sign |= tie & tie_word(rule, first_word + w).
+// bits::break_ties on the GPU: sign |= tie & ~still & tie_word(rule, first_word + w).
 void break_ties(
     uint64_t* sign,
     const uint64_t* tie,
+    const uint64_t* still,
     size_t words,
     const bits::TieRule& rule,
     uint64_t first_word,

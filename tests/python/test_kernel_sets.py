@@ -29,6 +29,7 @@ KERNELS = [
     "count_code",
     "vote",
     "vote_levels",
+    "all_zero",
     "break_ties",
     "encode_trits",
     "decode_trits",

@@ -3,8 +3,11 @@ against a reference written here in numpy from the definitions:
 
 - tie rules: ``all_reduce_sign`` / ``reduce_scatter_sign`` with
   ``tie_break="alternate"`` / ``"random"`` give sign(sum) where the sum is
-  not 0 and the rule's sign where it is, bitwise the same on every rank, at
-  1 bit a element in phase 2 (bytes <= 1.01x the 1-bit figure);
+  not 0, 0 where every rank sent 0, and the rule's sign at the other ties,
+  bitwise the same on every rank, at 1 bit a element in phase 2 (bytes <=
+  1.01x the 1-bit figure);
+- an embedding whose rows no rank uses stays still (only weight decay moves
+  it) under every tie rule, with the vote and with l1;
 - ``DistributedLion(aggregation="l1", bits=p)``: a training loop under DDP
   whose parameters follow, bit for bit, a numpy simulation of every rank's
   Lion step with L1-quantized levels summed across ranks;
@@ -46,16 +49,19 @@ def ref_vote(xs, rule, seed):
     s = np.sum([np.sign(x) for x in xs], axis=0).astype(np.int64)
     out = np.sign(s)
     if rule != "zero":
-        ties = np.nonzero(s == 0)[0]
+        still = np.all([x == 0 for x in xs], axis=0)  # every rank sent 0: stays 0
+        ties = np.nonzero((s == 0) & ~still)[0]
         out[ties] = tie_signs(rule, seed, ties)
     return out
 
 
 def _inputs(rank, n, numel, seed=0):
-    """Rank r's input: mostly +-1 (even splits at even N), some zeros."""
+    """Rank r's input: mostly +-1 (even splits at even N), some zeros, and
+    every 97th element 0 on every rank (a row no rank used)."""
     g = torch.Generator().manual_seed(1000 * seed + rank)
     x = torch.randint(0, 2, (numel,), generator=g).float() * 2 - 1
     x[torch.rand(numel, generator=g) < 0.05] = 0.0
+    x[::97] = 0.0
     return x
 
 
@@ -91,14 +97,16 @@ def test_tie_rules_are_exact_and_identical_on_every_rank(n, rule, chunk):
         xs = [_inputs(r, n, numel, call).numpy() for r in range(n)]
         want = ref_vote(xs, rule, seed)
         assert np.array_equal(np.array(res[0][call]), want), f"call {call}"
-        assert (want == 0).sum() == 0
+        still = np.all([x == 0 for x in xs], axis=0)
+        assert np.array_equal(want == 0, still) and still.sum() >= numel // 97
     s = numel // n
     ys = [_inputs(r, n, n * s, 9).numpy() for r in range(n)]
     plain = ref_vote(ys, "zero", 0)
+    still = np.all([y == 0 for y in ys], axis=0)
     words = (s + 63) // 64
     for r in range(n):
         want = plain[r * s : (r + 1) * s].copy()
-        ties = np.nonzero(want == 0)[0]
+        ties = np.nonzero((want == 0) & ~still[r * s : (r + 1) * s])[0]
         # Positions in the reduce-scatter's layout: shard r starts at word r * ceil(S / 64).
         want[ties] = tie_signs(rule, 11, r * words * 64 + ties)
         assert np.array_equal(np.array(res[r][3]), want), f"shard {r}"
@@ -160,17 +168,37 @@ def test_bad_tie_arguments_raise_on_every_rank():
 LION = dict(lr=0.02, betas=(0.9, 0.99), weight_decay=0.1)
 
 
-def _net():
+class _TinyLM(torch.nn.Module):
+    """A vocabulary of 64 tokens, of which the data uses only the first 40:
+    rows 40..63 of the embedding get a zero gradient on every rank, every
+    step (a large vocabulary's rare tokens, padding)."""
+
+    VOCAB, USED = 64, 40
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(self.VOCAB, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens).mean(1))
+
+
+def _net(kind="mlp"):
     torch.manual_seed(0)
+    if kind == "lm":
+        return _TinyLM()
     return torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
 
 
-def _batch(rank, step):
+def _batch(rank, step, kind="mlp"):
     g = torch.Generator().manual_seed(100 * step + rank)
+    if kind == "lm":
+        return torch.randint(0, _TinyLM.USED, (8, 5), generator=g), torch.randint(0, 3, (8,), generator=g)
     return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
 
 
-def ddp_levers(rank, n, steps, kwargs, overlap=True, resume_at=None, ckpt=None):
+def ddp_levers(rank, n, steps, kwargs, overlap=True, resume_at=None, ckpt=None, net="mlp"):
     """A user's loop: DDP + DistributedLion(**kwargs).attach; per step every
     rank's local gradients (p.grad after backward) and the parameters after
     step(). With resume_at: save each rank's state dict there, rebuild the
@@ -180,7 +208,7 @@ def ddp_levers(rank, n, steps, kwargs, overlap=True, resume_at=None, ckpt=None):
 
     import lionbit
 
-    model = DDP(_net())
+    model = DDP(_net(net))
     opt = lionbit.DistributedLion(model.parameters(), **LION, **kwargs).attach(model, overlap=overlap)
     log = {"x0": [p.detach().reshape(-1).tolist() for p in model.parameters()], "grads": [], "params": []}
     for step in range(steps):
@@ -188,11 +216,11 @@ def ddp_levers(rank, n, steps, kwargs, overlap=True, resume_at=None, ckpt=None):
             path = f"{ckpt}/rank{dist.get_rank()}.pt"
             torch.save({"model": model.module.state_dict(), "opt": opt.state_dict()}, path)
             saved = torch.load(path)
-            model = DDP(_net())
+            model = DDP(_net(net))
             model.module.load_state_dict(saved["model"])
             opt = lionbit.DistributedLion(model.parameters(), **LION, **kwargs).attach(model, overlap=overlap)
             opt.load_state_dict(saved["opt"])
-        x, y = _batch(rank, step)
+        x, y = _batch(rank, step, net)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         log["grads"].append([p.grad.reshape(-1).tolist() for p in model.parameters()])
         # Where DDP put each parameter in its bucket (the random tie rule's
@@ -229,7 +257,7 @@ def simulate(logs, kwargs, steps):
             out.append([x.copy() for x in xs])  # an inf/NaN on any rank: every rank skips
             continue
         call = 0  # one collective per DDP bucket; this model fits one bucket
-        flat_sum = []
+        flat_sum, flat_still = [], []
         for i in range(len(xs)):
             contrib = []
             for r in range(n):
@@ -245,11 +273,14 @@ def simulate(logs, kwargs, steps):
                 contrib.append(q)
                 ms[r][i] = (cb2 * ms[r][i]) + (comb2 * g)
             flat_sum.append(np.sum(contrib, axis=0))
+            flat_still.append(np.all([q == 0 for q in contrib], axis=0))
         total = np.concatenate(flat_sum)
         delta = np.sign(total)
         if rule != "zero":
             seed = applied if rule == "alternate" else (applied << 20) + call
-            ties = np.nonzero(total == 0)[0]
+            # A tie among non-zero votes takes the rule's sign; an element
+            # every rank voted 0 for (level 0 with l1) stays 0.
+            ties = np.nonzero((total == 0) & ~np.concatenate(flat_still))[0]
             # ("alternate" is the same sign everywhere: positions matter to "random" only)
             where = _bucket_positions(xs, ties, logs[0]["order"][step]) if rule == "random" else ties
             delta[ties] = tie_signs(rule, seed, where)
@@ -300,6 +331,41 @@ def test_ddp_training_follows_the_numpy_reference(n, kwargs):
             got = np.array(logs[0]["params"][step][i], dtype=np.float32)
             assert np.array_equal(got, x), f"step {step} param {i}: {np.abs(got - x).max()}"
     assert logs[0]["steps_taken"] == steps
+
+
+@pytest.mark.parametrize(
+    "n,kwargs",
+    [
+        (2, dict(tie_break="zero")),
+        (2, dict(tie_break="alternate")),
+        (3, dict(tie_break="random")),
+        (2, dict(aggregation="l1", bits=4, tie_break="alternate")),
+        (3, dict(aggregation="l1", bits=2, tie_break="random")),
+    ],
+)
+def test_unused_embedding_rows_stay_still_under_every_tie_rule(n, kwargs):
+    """A token no rank sees has a zero gradient and momentum on every rank:
+    its row moves by weight decay only, never by +-lr, whatever the tie
+    rule, and the run follows the numpy reference."""
+    steps = 6
+    logs = values(run_ranks("test_lion_cub:ddp_levers", n, kwargs={"steps": steps, "kwargs": kwargs, "net": "lm"}))
+    for r in range(1, n):
+        assert logs[r]["params"] == logs[0]["params"], "replicas differ"
+    want = simulate(logs, kwargs, steps)
+    for step in range(steps):
+        for i, x in enumerate(want[step]):
+            got = np.array(logs[0]["params"][step][i], dtype=np.float32)
+            assert np.array_equal(got, x), f"step {step} param {i}: {np.abs(got - x).max()}"
+    dim = 8
+    x0 = np.array(logs[0]["x0"][0], dtype=np.float32).reshape(_TinyLM.VOCAB, dim)
+    decay = _f32(1 - LION["lr"] * LION["weight_decay"])
+    unused = x0[_TinyLM.USED :]
+    for step in range(steps):
+        unused = unused * decay
+        got = np.array(logs[0]["params"][step][0], dtype=np.float32).reshape(_TinyLM.VOCAB, dim)
+        assert np.array_equal(got[_TinyLM.USED :], unused), f"step {step}: an unused row moved"
+        used = got[: _TinyLM.USED] - x0[: _TinyLM.USED] * decay ** (step + 1)
+        assert np.abs(used).max() > LION["lr"] / 2  # the used rows train
 
 
 # "random" draws its signs from positions in the collective's tensor: with
@@ -425,7 +491,9 @@ def test_single_process_l1_is_the_sign_of_its_own_level():
     opt.step()
     c = (torch.tensor(0.1, dtype=torch.float32) * g).numpy()  # b1 m + (1 - b1) g with m = 0
     q = np.clip(np.rint(c.astype(np.float64) * (1 / (2 * np.abs(c.astype(np.float64)).mean()))), -1, 1)
-    delta = np.where(q == 0, 1.0, np.sign(q))  # step 0: ties to +1
+    # One rank: a level 0 is every rank's level 0, so it stays still under
+    # "alternate" too (which would answer +1 at step 0).
+    delta = np.sign(q)
     want = (x0.numpy() * np.float32(1.0)) - np.float32(0.1) * delta.astype(np.float32)
     assert np.array_equal(p.detach().numpy(), want)
-    assert (q == 0).mean() > 0.3  # bits=2: small |c| quantize to 0 and take the tie rule
+    assert (q == 0).mean() > 0.3  # bits=2: small |c| quantize to 0
