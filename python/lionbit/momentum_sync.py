@@ -12,32 +12,41 @@ and a resumed run synchronizes at the same steps as an uninterrupted one.
 
 What travels, and how it is rounded
 -----------------------------------
-All momenta of the optimizer on one device are laid out in one flat
-bfloat16 buffer (in parameter order; padded with zeros to N * S elements,
-S = ceil(d / N)), and then, over lionbit's forwarded transport (Gloo for CPU
-tensors, NCCL or Gloo for CUDA ones), in the caller's order:
+``momentum_sync_dtype`` (T below) is torch.bfloat16 (the default) or
+torch.float32. All momenta of the optimizer on one device are laid out in
+one flat buffer of T (in parameter order; padded with zeros to N * S
+elements, S = ceil(d / N)), and then, over lionbit's forwarded transport
+(Gloo for CPU tensors, NCCL or Gloo for CUDA ones), in the caller's order:
 
-1. an all-to-all of the bfloat16 buffer: rank r receives chunk r (S
-   elements) of every rank's momenta;
+1. an all-to-all of the buffer: rank r receives chunk r (S elements) of
+   every rank's momenta;
 2. rank r sums its N chunks in float64 (in rank order 0, 1, ..., N - 1;
-   exact for bfloat16 values whose magnitudes are within 2^45 of each other),
-   divides by N in float64 and rounds the mean to bfloat16 (torch's
-   float64 -> bfloat16 conversion, which passes through float32);
+   exact for bfloat16 values whose magnitudes are within 2^45 of each other,
+   float32 ones within 2^29), divides by N in float64 and rounds the mean to
+   T (torch's float64 -> bfloat16 conversion passes through float32);
 3. an all-gather of the rounded chunks: every rank receives every chunk's
-   mean, and copies it into its momenta (exactly, bfloat16 fits both
-   momentum dtypes).
+   mean, and copies it into its momenta (exactly, unless T is float32 and
+   the momenta bfloat16: then rounded once more).
 
 After a synchronization every rank's momentum is bitwise the same:
-``bf16(mean_float64(bf16(m_0), ..., bf16(m_{N-1})))`` -- each chunk's mean
-is computed once, by its owner, and copied to the others, so the result does
+``T(mean_float64(T(m_0), ..., T(m_{N-1})))`` -- each chunk's mean is
+computed once, by its owner, and copied to the others, so the result does
 not depend on how a transport orders a reduction. Bytes per rank and
-synchronization: (N - 1) * S * 2 in each collective, 2 (N - 1)/N * 2 * N*S in
-all -- a ring all-reduce's figure for the bfloat16 buffer, half that of
-float32. Buffers: two of N*S bfloat16, one of S float64 and one of S
-bfloat16 (4 + 10/N bytes per momentum element) per piece; a
-model of more than ``PIECE_ELEMENTS`` momentum elements goes in pieces of
-that size (2 collectives each), which bounds the memory a synchronization
-borrows.
+synchronization: (N - 1) * S * size(T) in each collective, 2 (N - 1)/N *
+size(T) * N*S in all -- a ring all-reduce's figure for the buffer: 4 (N -
+1)/N bytes per momentum element in bfloat16, 8 (N - 1)/N in float32 (the
+Lion Cub authors' choice). Buffers: two of N*S of T, one of S float64 and
+one of S of T per piece (4 + 10/N bytes per momentum element in bfloat16,
+8 + 12/N in float32); a model of more than ``PIECE_ELEMENTS`` momentum
+elements goes in pieces of that size (2 collectives each), which bounds the
+memory a synchronization borrows.
+
+Why bfloat16 by default: a synchronization is a dense exchange, 16 times
+(bfloat16) or 32 times (float32) the bytes of a step's 1-bit vote, and what
+the momentum decides is a sign; the error below (under 1 % of the ranks'
+mean |m|) moves the sign of only the elements that were already at about 0.
+Choose float32 for the authors' exact setting, or when the momenta are
+float32 and the sync is rare enough that its bytes do not matter.
 
 Why this and not a bfloat16 all-reduce (pre-divided by N, or divided
 after): a transport's bfloat16 SUM rounds every partial sum to bfloat16
@@ -70,7 +79,7 @@ or without a process group, a synchronization does nothing. The counters
 import bisect
 import math
 import numbers
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -121,8 +130,24 @@ class ExponentialSync:
         return f"ExponentialSync(first={self.first}, factor={self.factor})"
 
 
-def schedule(momentum_sync) -> Optional[Callable[[int], bool]]:
-    """The schedule of a ``momentum_sync`` argument (None: never)."""
+class Sync(NamedTuple):
+    """When to synchronize (``step -> bool``) and in which dtype."""
+
+    when: Callable[[int], bool]
+    dtype: torch.dtype
+
+
+def schedule(momentum_sync, dtype=torch.bfloat16) -> Optional[Sync]:
+    """The synchronization of a ``momentum_sync`` argument, in ``dtype``
+    (the ``momentum_sync_dtype`` argument); None: never."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"DistributedLion: argument 'momentum_sync_dtype' must be torch.bfloat16 or torch.float32, "
+                         f"got {dtype!r}")
+    when = _when(momentum_sync)
+    return None if when is None else Sync(when, dtype)
+
+
+def _when(momentum_sync) -> Optional[Callable[[int], bool]]:
     if momentum_sync is None:
         return None
     if isinstance(momentum_sync, bool):
@@ -139,21 +164,21 @@ def schedule(momentum_sync) -> Optional[Callable[[int], bool]]:
                      f"got {type(momentum_sync).__name__}")
 
 
-def after_step(schedule, step: int, attachment) -> None:
+def after_step(sync: Optional[Sync], step: int, attachment) -> None:
     """Called by the optimizer after step number ``step`` was applied on
     every rank: counts it (for the amortized bytes in lionbit.stats) and, if
     the schedule says so, averages the attachment's momenta across its group."""
-    if schedule is None:
+    if sync is None:
         return
     record_momentum_sync_step(attachment.group)
-    if schedule(step):
-        synchronize(attachment.momenta(), attachment.group)
+    if sync.when(step):
+        synchronize(attachment.momenta(), attachment.group, sync.dtype)
 
 
-def synchronize(momenta: List[torch.Tensor], group) -> None:
+def synchronize(momenta: List[torch.Tensor], group, dtype=torch.bfloat16) -> None:
     """Average ``momenta`` (the same layout on every rank) across the ranks
-    of ``group`` (see the module's docstring). Every rank must call it at
-    the same point."""
+    of ``group``, through buffers of ``dtype`` (see the module's docstring).
+    Every rank must call it at the same point."""
     if not dist.is_initialized():
         return
     n = dist.get_world_size(group)
@@ -165,14 +190,15 @@ def synchronize(momenta: List[torch.Tensor], group) -> None:
     counted = set()
     for device, ms in by_device.items():
         backend = backend_for(group, device, "DistributedLion (momentum sync)")  # lionbit, or a clear error
-        elements, sent = _average(ms, n, group, device)
+        elements, sent = _average(ms, n, group, device, dtype)
         record_momentum_sync(group, device, elements, sent, sent, call=id(backend) not in counted)
         counted.add(id(backend))
 
 
-def _average(ms: List[torch.Tensor], n: int, group, device) -> tuple:
-    """Averages the tensors ``ms`` (one device) across the ranks in place.
-    Returns (elements, bytes this rank sent = bytes it received)."""
+def _average(ms: List[torch.Tensor], n: int, group, device, dtype) -> tuple:
+    """Averages the tensors ``ms`` (one device) across the ranks in place,
+    through buffers of ``dtype``. Returns (elements, bytes this rank sent =
+    bytes it received)."""
     flats = []
     copies = []  # (momentum, contiguous copy) of non-contiguous momenta, written back at the end
     for m in ms:
@@ -190,17 +216,17 @@ def _average(ms: List[torch.Tensor], n: int, group, device) -> tuple:
     for lo in range(0, total, PIECE_ELEMENTS):
         hi = min(total, lo + PIECE_ELEMENTS)
         s = -(-(hi - lo) // n)
-        buf = torch.empty(n * s, dtype=torch.bfloat16, device=device)
+        buf = torch.empty(n * s, dtype=dtype, device=device)
         buf[hi - lo :].zero_()
         for f, a, b, at in _spans(flats, starts, lo, hi):
-            buf[at : at + b - a].copy_(f[a:b])  # float32 -> bfloat16: round to nearest even
+            buf[at : at + b - a].copy_(f[a:b])  # round to nearest even where dtype is narrower
         got = torch.empty_like(buf)
         dist.all_to_all_single(got, buf, group=group)
         parts = got.view(n, s)
         acc = parts[0].to(torch.float64)
         for r in range(1, n):
             acc.add_(parts[r])
-        mean = acc.div_(n).to(torch.bfloat16)
+        mean = acc.div_(n).to(dtype)
         dist.all_gather_into_tensor(buf, mean, group=group)
         for f, a, b, at in _spans(flats, starts, lo, hi):
             f[a:b].copy_(buf[at : at + b - a])

@@ -77,6 +77,8 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
             on odd ones) or "random" (a pseudo-random sign per element, the same on every rank).
         momentum_sync: None (default), an int k (average the ranks' momenta after every k-th
             step; lionbit.momentum_sync) or a callable ``step -> bool``, e.g. lionbit.ExponentialSync.
+        momentum_sync_dtype: what the momenta travel and are averaged as: torch.bfloat16 (default,
+            4 (N-1)/N bytes per element and sync) or torch.float32 (8 (N-1)/N, the Lion Cub code's).
         group: the process group (a lionbit one); default: the default group, or the attached model's.
         momentum_dtype: torch.float32 (default) or torch.bfloat16.
         fused: the fused C++ kernels: None (default) wherever the dtypes allow, True, or False
@@ -94,14 +96,14 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0,
                  aggregation: str = "vote", group: Optional[dist.ProcessGroup] = None,
                  momentum_dtype: Optional[torch.dtype] = None, fused: Optional[bool] = None, *,
-                 bits: Optional[int] = None, tie_break: str = "zero", momentum_sync=None):
+                 bits: Optional[int] = None, tie_break: str = "zero", momentum_sync=None,
+                 momentum_sync_dtype: torch.dtype = torch.bfloat16):
         bits = _checked_bits(lr, betas, weight_decay, aggregation, bits, tie_break, momentum_dtype)
-        schedule = msync.schedule(momentum_sync)  # checks it
+        self.momentum_sync, self._sync = momentum_sync, msync.schedule(momentum_sync, momentum_sync_dtype)
         # "step": the steps applied (skipped ones not counted), kept in every
         # parameter group so that it travels in every kind of checkpoint.
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, step=0))
         self.aggregation, self.bits, self.tie_break = aggregation, bits, tie_break
-        self.momentum_sync, self._sync_schedule = momentum_sync, schedule
         self.group = group
         self.momentum_dtype = momentum_dtype or torch.float32
         self.fused = fused
@@ -188,7 +190,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
             n = self.steps_taken + 1
             for g in self.param_groups:
                 g["step"] = n
-            msync.after_step(self._sync_schedule, n, self._attachment)
+            msync.after_step(self._sync, n, self._attachment)
 
     # -- attaching -----------------------------------------------------------------
     def attach(self, model, overlap: bool = True):

@@ -10,7 +10,8 @@ all-gathered (float32, through a plain all_gather), every rank's Lion step
 is recomputed from the paper's update rule and the float contract of
 lionbit.lion_math, and on a synchronization step every rank's new momentum
 becomes the float64 mean of the ranks' momenta each rounded to bfloat16,
-rounded to bfloat16 (the transport's rounding, lionbit.momentum_sync). After
+rounded to bfloat16 (the transport's rounding, lionbit.momentum_sync), or
+with ``momentum_sync_dtype=torch.float32`` the same in float32. After
 ``step()`` the parameters and this rank's momentum must equal it bitwise.
 FSDP runs must equal DDP's (checked against the reference) bitwise.
 
@@ -59,10 +60,11 @@ def _digest(tensors):
     return h.hexdigest()
 
 
-def _transport_mean(momenta, dtype):
+def _transport_mean(momenta, dtype, sync_dtype=BF16):
     """The synchronized momentum: the float64 mean of the ranks' momenta
-    each rounded to bfloat16, rounded to bfloat16, stored as ``dtype``."""
-    return torch.stack([m.to(BF16).double() for m in momenta]).mean(0).to(BF16).to(dtype)
+    each rounded to ``sync_dtype``, rounded to ``sync_dtype``, stored as
+    ``dtype``."""
+    return torch.stack([m.to(sync_dtype).double() for m in momenta]).mean(0).to(sync_dtype).to(dtype)
 
 
 class Reference:
@@ -70,9 +72,9 @@ class Reference:
     gradient (gathered before step()): the parameters and every rank's
     momentum after it. Plain module and DDP (p.grad is the local gradient)."""
 
-    def __init__(self, opt, params):
+    def __init__(self, opt, params, sync_dtype=BF16):
         self.opt, self.params = opt, list(params)
-        self.dtype = opt.momentum_dtype
+        self.dtype, self.sync_dtype = opt.momentum_dtype, sync_dtype
 
     def momenta(self):
         return [self.opt.state[p]["exp_avg"] if "exp_avg" in self.opt.state[p] else torch.zeros_like(p)
@@ -92,7 +94,7 @@ class Reference:
         self.want_x = torch.sub(torch.mul(self.x, _f32(1 - lr * wd)), torch.mul(delta, _f32(lr)))
         new = [torch.add(torch.mul(m, CB2), torch.mul(g, COMB2)).to(self.dtype) for m, g in zip(ms, gs)]
         if sync:
-            new = [_transport_mean(new, self.dtype)] * len(new)
+            new = [_transport_mean(new, self.dtype, self.sync_dtype)] * len(new)
         else:
             assert len({_digest([m]) for m in new}) == len(new), "the ranks' momenta should differ between syncs"
         self.want_m = [m.float() for m in new]
@@ -110,7 +112,7 @@ class Reference:
 
 
 def ddp_training(rank, n, momentum_sync, sync_steps, steps=6, momentum_dtype=None, overflow=None, piece=None,
-                 stats=False):
+                 stats=False, sync_dtype=BF16):
     """A DDP training loop with momentum_sync, every step checked against the
     Reference. ``sync_steps``: the (1-based) applied steps after which the
     momenta must be synchronized. ``overflow``: (step, rank) whose loss
@@ -125,10 +127,11 @@ def ddp_training(rank, n, momentum_sync, sync_steps, steps=6, momentum_dtype=Non
     model = _net()
     ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets
     md = getattr(torch, momentum_dtype) if momentum_dtype else None
-    opt = lionbit.DistributedLion(ddp.parameters(), momentum_sync=momentum_sync, momentum_dtype=md, **LION)
+    opt = lionbit.DistributedLion(ddp.parameters(), momentum_sync=momentum_sync, momentum_dtype=md,
+                                  momentum_sync_dtype=sync_dtype, **LION)
     opt.attach(ddp)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if overflow else None
-    ref = Reference(opt, model.parameters())
+    ref = Reference(opt, model.parameters(), sync_dtype)
     history = []
     if stats:
         lionbit.reset_stats()
@@ -173,6 +176,16 @@ def case_ddp_bfloat16_momentum(rank, n):
     ddp_training(rank, n, 2, {2, 4}, steps=5, momentum_dtype="bfloat16")
 
 
+def case_ddp_float32_sync(rank, n):
+    # float32 momenta averaged in float32: the reference rounds the float64
+    # mean once, to float32 (a bfloat16 sync would differ in almost every element)
+    ddp_training(rank, n, 2, {2, 4}, steps=5, sync_dtype=torch.float32, piece=300)
+
+
+def case_ddp_float32_sync_bfloat16_momentum(rank, n):
+    ddp_training(rank, n, 2, {2}, steps=3, momentum_dtype="bfloat16", sync_dtype=torch.float32)
+
+
 def case_ddp_in_pieces(rank, n):
     # 691 momentum elements in pieces of 100: 7 pieces, each padded to a multiple of N
     ddp_training(rank, n, 3, {3, 6}, steps=6, piece=100)
@@ -207,13 +220,14 @@ def case_plain_module(rank, n):
         ref.after_step(rank)
 
 
-def case_stats(rank, n):
+def case_stats(rank, n, sync_dtype=BF16):
     import lionbit
 
     d = sum(p.numel() for p in _net().parameters())  # 691: padded to a multiple of N
-    opt, _ = ddp_training(rank, n, 2, {2, 4}, steps=5, stats=True)
+    opt, _ = ddp_training(rank, n, 2, {2, 4}, steps=5, stats=True, sync_dtype=sync_dtype)
     st = lionbit.stats()
-    sent = 2 * 2 * (n - 1) * -(-d // n) * 2  # two syncs; all-to-all + all-gather, (N-1) chunks of 2 bytes each
+    size = 2 if sync_dtype == BF16 else 4
+    sent = 2 * 2 * (n - 1) * -(-d // n) * size  # two syncs; all-to-all + all-gather, (N-1) chunks each
     want = {
         "momentum_sync_calls": 2,
         "momentum_sync_steps": 5,
@@ -223,11 +237,15 @@ def case_stats(rank, n):
     }
     assert {k: st[k] for k in want} == want, st
     assert st["momentum_sync_bytes_per_step"] == sent / 5
-    assert sent / 2 <= 2 * (n - 1) / n * 2 * (d + n)  # a ring all-reduce of the bfloat16 buffer
+    assert sent / 2 <= 2 * (n - 1) / n * size * (d + n)  # a ring all-reduce of the buffer
     assert st["sign_allreduce_calls"] > 0 and st["bytes_sent"] > 0  # the sign path's own counters go on
     lionbit.reset_stats()
     st = lionbit.stats()
     assert all(st[k] == 0 for k in want) and st["momentum_sync_bytes_per_step"] == 0.0, st
+
+
+def case_stats_float32(rank, n):
+    case_stats(rank, n, torch.float32)
 
 
 def case_world_of_one(rank, n):
@@ -365,8 +383,9 @@ def case_fsdp1(rank, n):
 
 CASES = {
     2: ["ddp_every_2_steps", "plain_module", "grad_scaler_skip_does_not_count", "stats", "world_of_one",
-        "checkpoint_resume"],
-    3: ["ddp_every_2_steps", "ddp_bfloat16_momentum", "exponential_schedule", "fsdp2"],
+        "checkpoint_resume", "ddp_float32_sync", "stats_float32"],
+    3: ["ddp_every_2_steps", "ddp_bfloat16_momentum", "exponential_schedule", "fsdp2", "ddp_float32_sync",
+        "ddp_float32_sync_bfloat16_momentum"],
     4: ["ddp_every_2_steps", "ddp_in_pieces", "stats", "fsdp1"],
 }
 
@@ -447,6 +466,8 @@ def test_exponential_schedule_steps():
         ("DistributedLion", dict(momentum_sync=True), r"'momentum_sync'.*got True"),
         ("DistributedLion", dict(momentum_sync=2.5), r"'momentum_sync'.*got float"),
         ("DistributedLion", dict(momentum_sync="4"), r"'momentum_sync'.*got str"),
+        ("DistributedLion", dict(momentum_sync=2, momentum_sync_dtype=torch.float16),
+         r"argument 'momentum_sync_dtype' must be torch.bfloat16 or torch.float32, got torch.float16"),
         ("ExponentialSync", dict(first=0), r"argument 'first' must be an int >= 1, got 0"),
         ("ExponentialSync", dict(first=2.0), r"argument 'first'.*got 2.0"),
         ("ExponentialSync", dict(factor=0.5), r"argument 'factor' must be a finite number >= 1, got 0.5"),
