@@ -219,7 +219,8 @@ class traced_hook:
             rec = [bucket.index(), bucket.buffer().numel(), time.perf_counter() - clock[0], 0.0, float("nan")]
             fut = inner(state, bucket)
             rec[3] = time.perf_counter() - clock[0]
-            vote = state.buckets[bucket.index()].work if state.overlap else None
+            att = state.attachment  # the DDP attachment the hook serves (None once detached)
+            vote = att.buckets[bucket.index()].work if att is not None and att.overlap else None
             (vote or fut).add_done_callback(lambda _: rec.__setitem__(4, time.perf_counter() - clock[0]))
             if trace:
                 trace[-1].append(rec)
@@ -406,7 +407,17 @@ def worker(args) -> None:
                     b.buffer().copy_(s)
                 dist.barrier()
                 t0 = time.perf_counter()
-                futs = [net.reducer._run_comm_hook(b) for b in buckets]
+                if impl in DISTLION:
+                    # lionbit's hook hands back the local gradient at once and starts the
+                    # bucket's vote; run by hand outside backward it would read as a
+                    # Join's shadow, so the votes are started as the hook starts them.
+                    futs = []
+                    if overlap:
+                        with torch.no_grad():
+                            for b in buckets:
+                                opt.attachment.start_bucket(b)
+                else:
+                    futs = [net.reducer._run_comm_hook(b) for b in buckets]
                 for f in futs:
                     f.wait()
                 if overlap:                     # the votes the hooks started
