@@ -74,14 +74,19 @@ TEST(Ties, StillElementsStayZeroUnderEveryRule) {
   }
 }
 
+// A small deterministic generator for the references below.
+struct Lcg {
+  uint64_t state;
+  uint64_t operator()() {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return state >> 11;
+  }
+};
+
 // The reference: element by element, every rank's value 0.
 TEST(Ties, AllZeroIsTheElementsEveryRankVotedZeroFor) {
   const size_t words = 3;
-  uint64_t state = 12345;
-  auto next = [&state]() {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    return state >> 11;
-  };
+  Lcg next{12345};
   for (int n : {1, 2, 3, 7}) {
     for (bool one_without_zeros : {false, true}) {
       std::vector<std::vector<uint64_t>> sign(n, std::vector<uint64_t>(words, 0));
@@ -118,11 +123,7 @@ TEST(Ties, AllZeroIsTheElementsEveryRankVotedZeroFor) {
 
 TEST(Ties, AllZeroLevelsIsLevelZeroOnEveryRank) {
   const size_t words = 2;
-  uint64_t state = 777;
-  auto next = [&state]() {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    return state >> 11;
-  };
+  Lcg next{777};
   for (int p : {2, 3, 4, 8}) {
     const uint64_t s = (uint64_t{1} << (p - 1)) - 1;
     for (int n : {1, 2, 5}) {

@@ -294,6 +294,18 @@ def simulate(logs, kwargs, steps):
     return out
 
 
+def _assert_follows_simulation(logs, kwargs, steps):
+    """Every rank's parameters equal rank 0's and, step by step, bitwise the
+    numpy simulation's."""
+    for r in range(1, len(logs)):
+        assert logs[r]["params"] == logs[0]["params"], "replicas differ"
+    want = simulate(logs, kwargs, steps)
+    for step in range(steps):
+        for i, x in enumerate(want[step]):
+            got = np.array(logs[0]["params"][step][i], dtype=np.float32)
+            assert np.array_equal(got, x), f"step {step} param {i}: {np.abs(got - x).max()}"
+
+
 def _bucket_positions(xs, flat_positions, order):
     """Positions in DDP's bucket, which holds the parameters in ``order``."""
     sizes = [x.size for x in xs]
@@ -323,13 +335,7 @@ CASES = [
 def test_ddp_training_follows_the_numpy_reference(n, kwargs):
     steps = 5
     logs = values(run_ranks("test_lion_cub:ddp_levers", n, kwargs={"steps": steps, "kwargs": kwargs}))
-    for r in range(1, n):
-        assert logs[r]["params"] == logs[0]["params"], "replicas differ"
-    want = simulate(logs, kwargs, steps)
-    for step in range(steps):
-        for i, x in enumerate(want[step]):
-            got = np.array(logs[0]["params"][step][i], dtype=np.float32)
-            assert np.array_equal(got, x), f"step {step} param {i}: {np.abs(got - x).max()}"
+    _assert_follows_simulation(logs, kwargs, steps)
     assert logs[0]["steps_taken"] == steps
 
 
@@ -349,13 +355,7 @@ def test_unused_embedding_rows_stay_still_under_every_tie_rule(n, kwargs):
     rule, and the run follows the numpy reference."""
     steps = 6
     logs = values(run_ranks("test_lion_cub:ddp_levers", n, kwargs={"steps": steps, "kwargs": kwargs, "net": "lm"}))
-    for r in range(1, n):
-        assert logs[r]["params"] == logs[0]["params"], "replicas differ"
-    want = simulate(logs, kwargs, steps)
-    for step in range(steps):
-        for i, x in enumerate(want[step]):
-            got = np.array(logs[0]["params"][step][i], dtype=np.float32)
-            assert np.array_equal(got, x), f"step {step} param {i}: {np.abs(got - x).max()}"
+    _assert_follows_simulation(logs, kwargs, steps)
     dim = 8
     x0 = np.array(logs[0]["x0"][0], dtype=np.float32).reshape(_TinyLM.VOCAB, dim)
     decay = _f32(1 - LION["lr"] * LION["weight_decay"])
@@ -432,15 +432,9 @@ def ddp_habits(rank, n, steps, kwargs):
 def test_levers_inside_a_loop_with_accumulation_scaler_and_clipping(n, kwargs):
     steps = 5
     logs = values(run_ranks("test_lion_cub:ddp_habits", n, kwargs={"steps": steps, "kwargs": kwargs}))
-    for r in range(1, n):
-        assert logs[r]["params"] == logs[0]["params"], "replicas differ"
     assert logs[0]["steps_taken"] == steps - 1  # the overflow step was skipped and not counted
     assert logs[0]["params"][2] == logs[0]["params"][1]  # ... and changed nothing
-    want = simulate(logs, kwargs, steps)
-    for step in range(steps):
-        for i, x in enumerate(want[step]):
-            got = np.array(logs[0]["params"][step][i], dtype=np.float32)
-            assert np.array_equal(got, x), f"step {step} param {i}: {np.abs(got - x).max()}"
+    _assert_follows_simulation(logs, kwargs, steps)
 
 
 def l1_bytes(rank, n, bits):
