@@ -10,17 +10,23 @@ averaged). ``step()`` uses the gradients as they stand then:
   local gradients and the momentum (read only) and starts their vote at
   once, overlapping the rest of backward. After DDP has written the
   gradients back, the version counter of every ``p.grad`` is recorded.
-  ``step()`` checks them; the ranks agree (one 1-element all-reduce) and,
-  if no rank's gradients changed, the votes started in backward are the
-  step's. If any rank's gradients changed (clipping, unscaling, any in-place
+  ``step()`` checks them and the ranks agree (one small all-reduce on the
+  group's standard path, beside the votes still moving): if no rank's
+  gradients changed and no rank had a non-finite direction, the votes
+  started in backward are the step's, and each bucket's parameters are
+  updated as soon as its vote is in, while the last buckets' votes still
+  move. If any rank's gradients changed (clipping, unscaling, any in-place
   edit), those votes are dropped, ``step()`` votes the directions of the
   changed gradients, logs once why, and votes at ``step()`` from then on.
 - at step (``attach(model, overlap=False)``, or after a fallback): the hook
   returns the bucket untouched; ``step()`` votes chunk by chunk
   (lionbit.step_vote).
 
-Either way the momentum and parameters change only after every vote of
-the step is done and no rank had a non-finite direction. A parameter with a
+Either way the momentum and parameters change only once every rank knows
+that no rank had a non-finite direction (with overlap, from the agreement;
+at step(), from every vote's header round). A vote that fails after that
+(a peer lost mid-step: the group is unusable from then on) leaves the
+buckets before it stepped. A parameter with a
 gradient that is in none of DDP's buckets (unfrozen after DDP wrapped the
 model) is voted at ``step()`` in both modes, after the buckets' votes.
 
@@ -33,12 +39,13 @@ then runs the step its peers run, abstaining: it says "unchanged" in the
 agreement round, keeps its momentum and applies the voted update to the
 parameters it stepped last. Without the optimizer in the Join the hook
 refuses at once: it takes part in its peers' calls of the step with a
-rejected header (they fail at once, naming join) and raises, naming the fix.
+rejected header and says so in their agreement round (they fail at once,
+naming join) and raises, naming the fix.
 """
 
 import logging
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -56,10 +63,11 @@ _JOIN_FIX = "`with Join([model, opt]):` (from torch.distributed.algorithms.join 
 
 
 class _BucketVote:
-    __slots__ = ("params", "sizes", "planes", "out", "work")
+    __slots__ = ("params", "sizes", "planes", "out", "work", "bad")
 
     def __init__(self):
         self.params, self.sizes, self.planes, self.out, self.work = [], [], None, None, None
+        self.bad = 0  # this rank's non-finite directions in the bucket
 
 
 class _HookSlot:
@@ -175,6 +183,7 @@ class DDPAttachment(Attachment):
             off += g.numel()
         if off != total:
             raise RuntimeError(f"{_WHERE}: DDP bucket holds {total} elements, its gradients {off}")
+        bv.bad = bad
         bv.work = self.opt.voter.all_reduce(sign, zero, total, bad, bv.out, self.group, "attach (DDP hook)")
         self.started = [b for b in self.started if b is not bv] + [bv]
         if bucket.is_last() and not abstain:
@@ -195,17 +204,21 @@ class DDPAttachment(Attachment):
         """The optimizer is not in the Join: this rank cannot take its peers'
         step. It takes part in each lionbit call of their step with a header
         the backend rejects (their calls fail at once, not at the group's
-        timeout: one per bucket and the agreement round with overlap, else
-        one per vote at step()) and raises at the last bucket."""
+        timeout: one per bucket with overlap, and a refusal in their step()'s
+        agreement round; else one per vote at step()) and raises at the
+        last bucket."""
         calls = 1 if self.overlap else 0
         if bucket.is_last() and not self.overlap:
             params = self.layout if self.layout is not None else [p for p in self.model.parameters() if p.requires_grad]
             calls = len(step_vote.chunking([p.numel() for p in params]))
-        elif bucket.is_last():
-            calls += 1
         for _ in range(calls):
             _reject_call(self.group, bucket.buffer().device)
         if bucket.is_last():
+            if self.overlap:  # the peers' step() agrees with this rank first: it says it refused
+                try:
+                    _agree(self.group, changed=False, bad=0, refused=True)
+                except RuntimeError:
+                    pass
             raise RuntimeError(
                 f"{_WHERE} on rank {dist.get_rank(self.group)}: this rank ran out of data and shadows its peers' "
                 f"backward (DDP's model.join() or Join([model])), but the DistributedLion attached to the model is "
@@ -264,12 +277,18 @@ class DDPAttachment(Attachment):
                     for p in bv.params
                 )
             )
-            # Agree: a sign "sum" of +1 (changed) / -1 on lionbit's own path, so
-            # that it queues behind the hooks' votes and fails, if a peer is
-            # gone, with lionbit's error like they do.
-            flag = torch.tensor([1.0 if changed else -1.0])
-            backend_for(self.group, flag.device, "step").all_reduce_sign(flag, "sum").wait()
-            if flag.item() == -float(self.group.size() if self.group is not None else dist.get_world_size()):
+            changed, bad_ranks, refused = _agree(self.group, changed, sum(bv.bad for bv in started))
+            if refused:
+                # Their hooks' calls were rejected: the votes fail with the backend's error, naming them.
+                err = _drain(started)
+                raise err or RuntimeError(
+                    f"{_WHERE} on rank {dist.get_rank(self.group)}: rank(s) {refused} rejected their input to this "
+                    f"call"
+                )
+            if not changed:
+                if bad_ranks:
+                    _drain(started)
+                    raise step_vote.NonFinite(bad_ranks)
                 return self._overlapped(started, abstain)
             _drain(started)
             self.overlap = False
@@ -283,28 +302,17 @@ class DDPAttachment(Attachment):
         return self.vote(self.entries(abstain))
 
     def _overlapped(self, started, abstain: bool):
-        bad_ranks, first_error = [], None
-        for bv in started:
-            try:
-                bv.work.wait()
-            except (RuntimeError, ValueError) as err:
-                ranks = step_vote.nonfinite_ranks(err)
-                if ranks is None:
-                    first_error = first_error or err
-                else:
-                    bad_ranks += ranks
-            bv.work = None
-        if first_error is not None:
-            raise first_error
-        if bad_ranks:
-            raise step_vote.NonFinite(bad_ranks)
+        """The step of the votes started in backward. Every rank has said
+        its directions are finite, so each bucket's parameters are updated
+        as soon as its vote is in: the last buckets' bits still move while
+        the first buckets' parameters change."""
         groups = self.opt.param_group_of()
         # A joined rank steps the parameters it stepped last (its peers'
         # gradients decide theirs; with the same gradients present, the same).
         stepped = None if self.layout is None else set(self.layout)
-        entries, deltas, biggest = [], [], 0
+        plan, biggest, device = [], 0, None
         for bv in started:
-            off = 0
+            entries, deltas, off = [], [], 0
             for p, n in zip(bv.params, bv.sizes):
                 g = p.grad
                 coefs = lion_math.Coefs(groups[p])
@@ -318,32 +326,72 @@ class DDPAttachment(Attachment):
                     off += n
                     continue
                 deltas.append(bv.out[off : off + n])
-                biggest = max(biggest, n)
+                biggest, device = max(biggest, n), p.device
                 off += n
+            plan.append((bv, entries, deltas))
         # Parameters with a gradient in none of the buckets (unfrozen after
         # DDP wrapped the model): voted now, in the optimizer's order, as at
         # step() (entries(False) also records this step's layout; a joined
-        # rank that never stepped knows of none).
+        # rank that never stepped knows of none). Their vote queues behind
+        # the buckets' and can still find a non-finite direction: it is done
+        # before anything changes.
         in_buckets = {p for bv in started for p in bv.params}
         rest = [] if abstain and self.layout is None else self.entries(abstain)
         apply_rest = self.vote([e for e in rest if e.param not in in_buckets])
-        scratch = lion_math.planes(biggest, entries[0].param.device) if entries else None
+        scratch = lion_math.planes(biggest, device) if biggest else None
 
         def apply():
-            step_vote.update(entries, deltas, scratch)
+            for i, (bv, entries, deltas) in enumerate(plan):
+                try:
+                    bv.work.wait()
+                except (RuntimeError, ValueError):
+                    # Not a non-finite direction (every rank said so): a lost
+                    # peer. The buckets before this one are stepped.
+                    _drain([b for b, _, _ in plan[i + 1 :]])
+                    raise
+                finally:
+                    bv.work = None
+                step_vote.update(entries, deltas, scratch)
             apply_rest()
 
         return apply
 
 
-def _drain(votes) -> None:
+def _drain(votes) -> Optional[BaseException]:
+    """Waits for ``votes`` and drops them; returns the first error one
+    raised (every rank saw the same header; the vote is dropped)."""
+    first = None
     for bv in votes:
         if bv.work is not None:
             try:
                 bv.work.wait()
-            except (RuntimeError, ValueError):
-                pass  # every rank saw the same header; the vote is dropped
+            except (RuntimeError, ValueError) as err:
+                first = first or err
             bv.work = None
+    return first
+
+
+def _agree(group, changed: bool, bad: int, refused: bool = False) -> Tuple[bool, List[int], List[int]]:
+    """The round by which every rank's step() agrees on the votes its hooks
+    started: whether any rank's gradients changed since (then every rank
+    drops them), which ranks had a non-finite direction (then no rank
+    changes anything) and which ranks refused (a joined rank whose Join
+    lacks the optimizer). A CPU all-reduce on the group's standard path,
+    beside the sign path: it does not queue behind the votes still moving,
+    so the step knows at once that it will be applied. Returns (changed,
+    bad ranks, refused ranks)."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    flags = torch.zeros(1 + 2 * n, dtype=torch.float64)
+    flags[0], flags[1 + rank], flags[1 + n + rank] = float(changed), float(bad), float(refused)
+    try:
+        dist.all_reduce(flags, group=group)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"lionbit {_WHERE} on rank {rank}: step()'s agreement round over the inner gloo communicator failed: {err}"
+        ) from err
+    bad_ranks = [r for r in range(n) if flags[1 + r] > 0]
+    refused_ranks = [r for r in range(n) if flags[1 + n + r] > 0]
+    return bool(flags[0] > 0), bad_ranks, refused_ranks
 
 
 def _reject_call(group, device) -> None:

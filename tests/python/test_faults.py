@@ -127,9 +127,9 @@ SCENARIOS = {
 # What a survivor's error must name, per scenario.
 EXPECTED = {
     "sign": r"lionbit all_reduce_sign\(op=(vote|avg|sum)\) on rank \d+",
-    # (a bucket's vote, or the 1-element sign sum by which step() agrees
-    # whether the votes started in backward still hold)
-    "ddp": r"lionbit all_reduce_sign\(op=(vote|sum)\) on rank \d+",
+    # (a bucket's vote, or the all-reduce by which step() agrees whether
+    # the votes started in backward still hold)
+    "ddp": r"lionbit (all_reduce_sign\(op=vote\)|DistributedLion \(DDP comm hook\)) on rank \d+",
 }
 
 

@@ -225,6 +225,59 @@ def test_ddp_loop_equals_simulation(loop, overlap, n):
         assert len({r["scale"] for r in res}) == 1
 
 
+def ddp_nonfinite_in_the_last_bucket(rank, n):
+    """DDP with overlap and one bucket per parameter; at step 2 the last
+    rank's gradient of the first layer's weight (the last bucket DDP
+    fills) holds a NaN. Every bucket's parameters are updated as soon as
+    its vote is in, so the step must know before the first update that a
+    later bucket is bad: every rank raises naming that rank, and no
+    parameter or momentum changes on any rank. Training then goes on with
+    the votes still started in backward."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
+
+    torch.set_num_threads(1)
+    model = _net()
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    opt = lionbit.DistributedLion(ddp.parameters(), **LION)
+    opt.attach(ddp)
+    bad_step, bad_rank, now = 2, n - 1, [0]
+
+    def poison(g):
+        if rank == bad_rank and now[0] == bad_step:
+            g = g.clone()
+            g[0, 0] = float("nan")
+        return g
+
+    model.a.weight.register_hook(poison)
+    errors = []
+    for step in range(5):
+        now[0] = step
+        opt.zero_grad()
+        _loss(ddp, rank, step, 0, "bare").backward()
+        before = [t.detach().clone() for t in model.parameters()] + [s["exp_avg"].clone() for s in opt.state.values()]
+        try:
+            opt.step()
+        except RuntimeError as err:
+            errors.append((step, str(err)))
+            after = [t.detach() for t in model.parameters()] + [s["exp_avg"] for s in opt.state.values()]
+            assert all(torch.equal(a, b) for a, b in zip(before, after)), "a refused step changed state"
+    return {"errors": errors, "digest": _digest(model.parameters()), "steps": opt.steps_taken,
+            "overlap": opt.attachment.overlap, "fallbacks": opt.attachment.fallbacks}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ddp_overlap_nonfinite_in_the_last_bucket_changes_nothing(n):
+    res = values(run_ranks("test_training_loops:ddp_nonfinite_in_the_last_bucket", n))
+    for r in res:
+        assert [step for step, _ in r["errors"]] == [2], r
+        assert f"non-finite gradient (inf or NaN) on rank(s) [{n - 1}]" in r["errors"][0][1], r
+        assert "no parameter or momentum changed on any rank" in r["errors"][0][1], r
+        assert r["steps"] == 4 and r["overlap"] and r["fallbacks"] == 0, r
+    assert len({r["digest"] for r in res}) == 1, "replicas differ"
+
+
 def test_ddp_torch_compile_equals_simulation():
     res = values(run_ranks("test_training_loops:ddp_loop", 2,
                            kwargs={"loop": "clip", "overlap": True, "compiled": True}))
