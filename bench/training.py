@@ -276,6 +276,79 @@ def serialized(hook):
 # worker: one rank
 # ---------------------------------------------------------------------------
 
+def step_timeline(folder: str, rank: int, n: int, times, steps_seen, trace, gather_rows) -> dict | None:
+    """--timeline: the median timed step (by its slowest rank's time), every rank's view, in ms from
+    rank 0's start of that step: when backward and step() ended, and per bucket when its hook ran,
+    and when its vote (the LIONBIT_TRACE line of the sign call that started within the step, in hook
+    order) started on the worker, finished its header round, its last all-to-all and all-gather, and
+    ended, and when the hook's future saw it done. Collective: every rank calls it."""
+    import torch
+
+    slowest = gather_rows(torch.tensor([t[0] for t in times], dtype=torch.float64)).max(dim=0).values
+    k = int(slowest.argsort()[len(times) // 2])
+    unix0, bwd, end = steps_seen[k]
+    lines = []
+    try:
+        with open(os.path.join(folder, f"sign.rank{rank}.jsonl")) as f:
+            lines = [json.loads(x) for x in f]
+    except OSError:
+        pass
+    calls = [c for c in lines if unix0 * 1e6 <= c["start_unix_us"] <= (unix0 + end) * 1e6]
+    calls.sort(key=lambda c: c["start_unix_us"])
+    buckets = []
+    for idx, numel, called, returned, done in trace[k]:
+        b = {"bucket": idx, "numel": numel, "hook": called * 1e3, "hook_return": returned * 1e3, "done": done * 1e3}
+        mine = [c for c in calls if c["numel"] == numel]
+        if mine:
+            c = mine.pop(0)
+            calls.remove(c)
+            at = c["start_unix_us"] / 1e3 - unix0 * 1e3
+            ev = c["events"]
+
+            def last(name):
+                ts = [e[2] for e in ev if e[0] == name]
+                return at + max(ts) if ts else None
+
+            b.update(call=at, header=last("header"), a2a=last("a2a_done"), allgather=last("ag_done"),
+                     end=last("end"))
+        buckets.append(b)
+    mine = {"rank": rank, "unix0": unix0, "backward_end": bwd * 1e3, "step_end": end * 1e3, "buckets": buckets}
+    path = os.path.join(folder, f"step.rank{rank}.json")
+    with open(path, "w") as f:
+        json.dump(mine, f)
+    gather_rows(torch.zeros(1, dtype=torch.float64))   # every rank's file is written
+    if rank != 0:
+        return None
+    ranks = []
+    for r in range(n):
+        with open(os.path.join(folder, f"step.rank{r}.json")) as f:
+            ranks.append(json.load(f))
+    base = ranks[0]["unix0"] * 1e3
+    for r in ranks:
+        shift = r.pop("unix0") * 1e3 - base
+        r["backward_end"] += shift
+        r["step_end"] += shift
+        for b in r["buckets"]:
+            for key in ("hook", "hook_return", "done", "call", "header", "a2a", "allgather", "end"):
+                if b.get(key) is not None:
+                    b[key] += shift
+    return {"step": k, "ranks": ranks}
+
+
+def print_timeline(tl: dict) -> None:
+    def ms(v):
+        return "   -  " if v is None else f"{v:6.1f}"
+
+    print(f"  timeline of the median step ({tl['step']}), ms from rank 0's start of it:", flush=True)
+    for r in tl["ranks"]:
+        print(f"    rank {r['rank']}: backward ends {r['backward_end']:.1f}, step() ends {r['step_end']:.1f}")
+        for b in r["buckets"]:
+            print(f"      bucket {b['bucket']} {b['numel'] / 1e6:5.1f}M  hook {ms(b['hook'])} -{ms(b['hook_return'])}"
+                  f"  vote starts {ms(b.get('call'))}  header {ms(b.get('header'))}  all-to-all {ms(b.get('a2a'))}"
+                  f"  all-gather {ms(b.get('allgather'))}  ends {ms(b.get('end'))}  done {ms(b['done'])}",
+                  flush=True)
+
+
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -339,16 +412,20 @@ def worker(args) -> None:
         elif impl not in ("adamw_fp32", "lion_fp32", "no_comm") and impl not in DISTLION:
             raise ValueError(impl)
 
+        steps_seen = []   # --timeline: (unix start, backward end, step end) of each step, s
+
         def step(i):
             opt.zero_grad(set_to_none=True)
             if impl.startswith("distlion"):
                 trace.append([])
+            unix0 = time.time()
             t0 = clock[0] = time.perf_counter()
             loss = loss_of(net, i)
             loss.backward()
             t1 = time.perf_counter()
             opt.step()
             t2 = time.perf_counter()
+            steps_seen.append((unix0, t1 - t0, t2 - t0))
             return t2 - t0, t1 - t0, t2 - t1
 
         for i in range(args.warmup):
@@ -361,6 +438,7 @@ def worker(args) -> None:
         lionbit.reset_stats()
         times = []
         trace.clear()
+        steps_seen.clear()
         synced0 = opt.steps_taken if impl in DISTLION else 0
         dist.barrier()
         w0 = wire_bytes()
@@ -385,6 +463,9 @@ def worker(args) -> None:
         # DistributedLion's buckets: per bucket, the median over the timed steps of when its
         # hook was called, when it returned and when its vote was done (s from the step's start).
         rows = buckets_seen = None
+        timeline = None
+        if args.timeline and trace and impl in DISTLION and overlap:
+            timeline = step_timeline(args.timeline, rank, n, times, steps_seen, trace, gather_rows)
         if trace and trace[0] and all(len(t) == len(trace[0]) for t in trace):
             med = torch.tensor([[statistics.median(t[b][k] for t in trace) for k in range(2, 5)]
                                 for b in range(len(trace[0]))], dtype=torch.float64).view(-1)
@@ -515,6 +596,8 @@ def worker(args) -> None:
                  **{key: 1e3 * rows[slow].view(-1, 3)[b, j].item()
                     for j, key in enumerate(("hook", "hook_return", "done"))}}
                 for b, (idx, k) in enumerate(buckets_seen)]
+        if timeline is not None:
+            rec["timeline_ms"] = timeline
         if impl in DISTLION:
             rec["distlion_kwargs"] = DISTLION[impl]
             rec["momentum_sync_bytes_per_rank"] = every[:, 16].max().item() / args.steps
@@ -532,6 +615,8 @@ def worker(args) -> None:
         if rank == 0 and "bucket_trace_ms" in rec:
             print("  " + " ".join(f"[bucket {b['bucket']}: {b['numel'] / 1e6:.1f}M, hook at {b['hook']:.0f} ms, "
                                   f"voted at {b['done']:.0f} ms]" for b in rec["bucket_trace_ms"]), flush=True)
+        if rank == 0 and timeline is not None:
+            print_timeline(timeline)
         if rank == 0:
             ca = rec["comm_alone_s"]
             print(f"  {args.link:>9} N={n} {impl:<14} step {rec['median_s'] * 1e3:8.1f} ms  "
@@ -590,10 +675,12 @@ def git_commit() -> str:
 
 
 def run_ranks(cluster, n: int, link: str, impls, warmup: int, steps: int, comm_repeats: int,
-              out: str, timeout: float) -> list:
+              out: str, timeout: float, timeline: str | None = None) -> list:
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--link", link,
             "--impls", ",".join(impls), "--warmup", str(warmup), "--steps", str(steps),
             "--comm-repeats", str(comm_repeats), "--out", out]
+    if timeline:
+        argv += ["--timeline", timeline]
     return launch(cluster, n, argv, out, timeout)
 
 
@@ -614,6 +701,10 @@ def main() -> None:
     p.add_argument("--md", default=None, help="Markdown table (default: the JSON's name with .md)")
     p.add_argument("--png", default=None, help="plot (default: the JSON's name with .png)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per (link, N) run")
+    p.add_argument("--timeline", default=None, metavar="DIR",
+                   help="DistributedLion with overlap: print one step's timeline per rank (the median step: "
+                        "each bucket's hook, its vote's header round, all-to-all, all-gather and end from "
+                        "LIONBIT_TRACE, the step's end), traces kept in DIR")
     a = p.parse_args()
 
     if a.worker:
@@ -640,8 +731,17 @@ def main() -> None:
     print(f"training: {meta['machine']['cores']} cores ({meta['machine']['cpu']}), "
           f"torch {meta['machine']['torch']}, lionbit {meta['machine']['lionbit']}; N {ranks}, links {links}, "
           f"impls {impls}; {warmup} warm-up + {steps} timed steps, comm alone x{comm_repeats}", flush=True)
+    if a.timeline:
+        # Read by each rank's first sign call: every call of the run appends its events there.
+        a.timeline = os.path.abspath(a.timeline)
+        os.makedirs(a.timeline, exist_ok=True)
+        for f in os.listdir(a.timeline):
+            if f.startswith("sign.rank"):
+                os.remove(os.path.join(a.timeline, f))
+        os.environ["LIONBIT_TRACE"] = os.path.join(a.timeline, "sign")
     run_cases("training", use_ns, links, ranks, a.json, meta,
-              lambda c, n, link, tmp: run_ranks(c, n, link, impls, warmup, steps, comm_repeats, tmp, a.timeout))
+              lambda c, n, link, tmp: run_ranks(c, n, link, impls, warmup, steps, comm_repeats, tmp, a.timeout,
+                                                a.timeline))
     import report
     report.training(a.json, md=a.md, png=a.png)
 
