@@ -1,10 +1,11 @@
 """The benchmark scripts still run against the package as it is: suite 3
 (bench/training.py) reaches into DistributedLion's DDP attachment to trace
 each bucket's vote and to time the communication alone, and a refactor once
-broke both without any test noticing. Loopback (no namespaces, no root), two
-ranks, one timed step: checked for running to the end and reporting what
-the docs read from it (bytes, the bucket trace, identical replicas), never
-for speed."""
+broke both without any test noticing; suite 5 (bench/time_to_target.py)
+trains every method to a target. Loopback (no namespaces, no root), two
+ranks, a few steps: checked for running to the end and reporting what the
+docs read from it (bytes, the bucket trace and timeline, identical replicas,
+steps to target), never for speed."""
 
 import json
 import os
@@ -21,7 +22,7 @@ def test_training_suite_runs_and_reports_the_vote(tmp_path):
     r = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "training.py"), "--loopback", "--ranks", "2",
          "--impls", "no_comm,distlion_vote,distlion_vote_step", "--warmup", "3", "--steps", "1",
-         "--comm-repeats", "1", "--json", str(out)],
+         "--comm-repeats", "1", "--json", str(out), "--timeline", str(tmp_path / "timeline")],
         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -38,3 +39,37 @@ def test_training_suite_runs_and_reports_the_vote(tmp_path):
     trace = rows["distlion_vote"]["bucket_trace_ms"]
     assert trace and sum(b["numel"] for b in trace) == d
     assert all(b["hook"] <= b["hook_return"] <= b["done"] for b in trace), trace
+    # --timeline: every rank's view of one step, each bucket's vote found in LIONBIT_TRACE.
+    tl = rows["distlion_vote"]["timeline_ms"]
+    assert [r["rank"] for r in tl["ranks"]] == [0, 1]
+    for r in tl["ranks"]:
+        assert sum(b["numel"] for b in r["buckets"]) == d
+        for b in r["buckets"]:
+            assert b["hook"] <= b["call"] <= b["header"] <= b["end"] <= r["step_end"], b
+        assert r["backward_end"] <= r["step_end"]
+
+
+def _time_to_target(tmp_path, methods, target):
+    out = tmp_path / "ttt.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("LOCAL_WORLD_SIZE", None)
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "time_to_target.py"), "--loopback", "--ranks", "2",
+         "--seeds", "0", "--steps", "20", "--methods", methods, "--target", str(target), "--json", str(out)],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (tmp_path / "ttt.md").exists()
+    return json.loads(out.read_text())["results"]
+
+
+def test_time_to_target_suite_runs_every_method(tmp_path):
+    # A target every method meets at the first evaluation (step 10), then one none meets.
+    res = _time_to_target(tmp_path, "adamw_fp32,adamw_powersgd,lion_bf16,distlion_vote,distlion_l1p4", 100.0)
+    assert [r["method"] for r in res] == ["adamw_fp32", "adamw_powersgd", "lion_bf16", "distlion_vote",
+                                          "distlion_l1p4"]
+    for r in res:
+        assert r["reached"]["steps"] == 10 and r["reached"]["seconds"] > 0, r
+        assert r["curve"][0][0] == 10 and 3.0 < r["curve"][0][3] < 8.0, r  # bits per byte after 10 steps
+    never = _time_to_target(tmp_path, "distlion_vote", 0.0)
+    assert never[0]["reached"] is None and never[0]["steps_run"] == 20
