@@ -363,6 +363,10 @@ def worker(args) -> None:
     torch.set_num_threads(1)          # N ranks share few cores; no oversubscription
     dist.init_process_group("lionbit")
     rank, n = dist.get_rank(), dist.get_world_size()
+    if args.pin and n <= len(os.sched_getaffinity(0)):
+        # A core per rank, literally: every thread of this rank (autograd, lionbit's worker, Gloo's)
+        # runs on its own core and takes time from no other rank.
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
     wire_bytes = lambda: tx_bytes(os.environ.get("LIONBIT_BENCH_IF", ""))
 
     cfg = MODEL
@@ -675,10 +679,10 @@ def git_commit() -> str:
 
 
 def run_ranks(cluster, n: int, link: str, impls, warmup: int, steps: int, comm_repeats: int,
-              out: str, timeout: float, timeline: str | None = None) -> list:
+              out: str, timeout: float, timeline: str | None = None, pin: bool = True) -> list:
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--link", link,
             "--impls", ",".join(impls), "--warmup", str(warmup), "--steps", str(steps),
-            "--comm-repeats", str(comm_repeats), "--out", out]
+            "--comm-repeats", str(comm_repeats), "--out", out, "--pin" if pin else "--no-pin"]
     if timeline:
         argv += ["--timeline", timeline]
     return launch(cluster, n, argv, out, timeout)
@@ -701,6 +705,8 @@ def main() -> None:
     p.add_argument("--md", default=None, help="Markdown table (default: the JSON's name with .md)")
     p.add_argument("--png", default=None, help="plot (default: the JSON's name with .png)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per (link, N) run")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                   help="with N <= cores, pin rank r (all its threads) to core r (default on)")
     p.add_argument("--timeline", default=None, metavar="DIR",
                    help="DistributedLion with overlap: print one step's timeline per rank (the median step: "
                         "each bucket's hook, its vote's header round, all-to-all, all-gather and end from "
@@ -727,10 +733,12 @@ def main() -> None:
     use_ns = choose_mode("training", a.loopback)
     if not use_ns:
         links = ["loopback"]
-    meta = dict(new_meta(use_ns), model=MODEL, lr=LR, weight_decay=WD, betas=BETAS, git=git_commit())
+    meta = dict(new_meta(use_ns), model=MODEL, lr=LR, weight_decay=WD, betas=BETAS, git=git_commit(),
+                pinned=a.pin)
     print(f"training: {meta['machine']['cores']} cores ({meta['machine']['cpu']}), "
           f"torch {meta['machine']['torch']}, lionbit {meta['machine']['lionbit']}; N {ranks}, links {links}, "
-          f"impls {impls}; {warmup} warm-up + {steps} timed steps, comm alone x{comm_repeats}", flush=True)
+          f"impls {impls}; {warmup} warm-up + {steps} timed steps, comm alone x{comm_repeats}; "
+          f"{'a core per rank (pinned) where N <= cores' if a.pin else 'not pinned'}", flush=True)
     if a.timeline:
         # Read by each rank's first sign call: every call of the run appends its events there.
         a.timeline = os.path.abspath(a.timeline)
@@ -741,7 +749,7 @@ def main() -> None:
         os.environ["LIONBIT_TRACE"] = os.path.join(a.timeline, "sign")
     run_cases("training", use_ns, links, ranks, a.json, meta,
               lambda c, n, link, tmp: run_ranks(c, n, link, impls, warmup, steps, comm_repeats, tmp, a.timeout,
-                                                a.timeline))
+                                                a.timeline, a.pin))
     import report
     report.training(a.json, md=a.md, png=a.png)
 
