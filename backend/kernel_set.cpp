@@ -14,6 +14,46 @@
 
 namespace lionbit {
 
+namespace {
+// c = fl(fl(b1 m) + fl(omb1 g)) in float32 (optimizer/lion.h): separate
+// float32 operations with float32 scalars.
+at::Tensor lion_direction_tensor(
+    const at::Tensor& g,
+    const at::Tensor& m,
+    const LionLevelCoefs& k) {
+  return at::add(at::mul(m.to(at::kFloat), k.b1), at::mul(g.to(at::kFloat), k.omb1));
+}
+} // namespace
+
+double KernelSet::level_abs_sum(const at::Tensor& g, const at::Tensor& m, const LionLevelCoefs& k)
+    const {
+  if (g.numel() == 0) {
+    return 0.0;
+  }
+  return lion_direction_tensor(g, m, k).abs().sum(at::kDouble).item<double>();
+}
+
+uint64_t KernelSet::pack_lion_levels(
+    const at::Tensor& g,
+    at::Tensor& m,
+    const LionLevelCoefs& k,
+    bool update_momentum,
+    double factor,
+    int p,
+    at::Tensor& planes,
+    size_t plane_words,
+    uint64_t bit_offset) const {
+  if (g.numel() == 0) {
+    return 0;
+  }
+  const at::Tensor c = lion_direction_tensor(g, m, k);
+  const uint64_t bad = pack_levels(c, factor, p, planes, plane_words, bit_offset);
+  if (update_momentum) {
+    m.copy_(at::add(at::mul(m.to(at::kFloat), k.b2), at::mul(g.to(at::kFloat), k.omb2)));
+  }
+  return bad;
+}
+
 const char* kernel_name(Kernel k) {
   switch (k) {
     case Kernel::kPack:

@@ -38,6 +38,11 @@
 
 namespace lionbit {
 
+// The float32 coefficients of optimizer/lion.h that the L1 levels need.
+struct LionLevelCoefs {
+  float b1, omb1, b2, omb2;
+};
+
 // One rank's planes of a shard: its sign plane and, when it holds a zero,
 // its zero plane (undefined: no zeros). Neither bit set means -1.
 struct PlaneIn {
@@ -98,6 +103,29 @@ class KernelSet {
       at::Tensor& planes,
       size_t plane_words,
       uint64_t bit_offset) const = 0;
+
+  // The L1 levels straight from a gradient and a momentum (aggregation
+  // "l1", optimizer/lion_levels.h): g and m 1-D contiguous on the set's
+  // device in lion_direction's dtypes, c = b1 m + omb1 g as optimizer/lion.h.
+  //  level_abs_sum: sum |c| in float64, on the host;
+  //  pack_lion_levels: pack_levels of c with `factor` (planes as there) and,
+  //    with update_momentum, m <- b2 m + omb2 g in the same pass; returns the
+  //    number of non-finite c.
+  // The defaults form c with ATen operations on the set's device and call
+  // this set's pack_levels (so a device's pack_levels, checked at first use,
+  // is what packs); the SIMD set overrides both with the fused passes.
+  virtual double level_abs_sum(const at::Tensor& g, const at::Tensor& m, const LionLevelCoefs& k)
+      const;
+  virtual uint64_t pack_lion_levels(
+      const at::Tensor& g,
+      at::Tensor& m,
+      const LionLevelCoefs& k,
+      bool update_momentum,
+      double factor,
+      int p,
+      at::Tensor& planes,
+      size_t plane_words,
+      uint64_t bit_offset) const;
 
   // Makes planes a caller packed a valid encoding of n elements (phase1.hpp
   // clean_planes): bits past element n cleared, a zero bit wins over a

@@ -7,6 +7,7 @@
 
 #include "backend/kernel_set.hpp"
 #include "backend/torch_adapter.hpp"
+#include "optimizer/lion_levels.h"
 #include "signbits/copy_bits.h"
 #include "signbits/count.h"
 #include "signbits/isa.h"
@@ -80,6 +81,29 @@ class SimdKernelSet final : public KernelSet {
     return bits::pack_levels(
         c.data_ptr<float>(), static_cast<size_t>(c.numel()), factor, p, words_of(planes),
         plane_words, off);
+  }
+
+  double level_abs_sum(const at::Tensor& g, const at::Tensor& m, const LionLevelCoefs& k)
+      const override {
+    return optim::lion_level_abs_sum(
+        *float_dtype(g.scalar_type()), g.data_ptr(), *float_dtype(m.scalar_type()), m.data_ptr(),
+        static_cast<size_t>(g.numel()), k.b1, k.omb1);
+  }
+
+  uint64_t pack_lion_levels(
+      const at::Tensor& g,
+      at::Tensor& m,
+      const LionLevelCoefs& k,
+      bool update_momentum,
+      double factor,
+      int p,
+      at::Tensor& planes,
+      size_t plane_words,
+      uint64_t off) const override {
+    return optim::lion_pack_levels(
+        *float_dtype(g.scalar_type()), g.data_ptr(), *float_dtype(m.scalar_type()), m.data_ptr(),
+        static_cast<size_t>(g.numel()), k.b1, k.omb1, k.b2, k.omb2, update_momentum, factor,
+        optim::LevelPlanes{words_of(planes), plane_words, static_cast<size_t>(off), p});
   }
 
   void clean(at::Tensor& sign, at::Tensor& zero, size_t n) const override {

@@ -10,6 +10,10 @@
 // and m and writes m (reported: bytes read, 8 per element). read_bw is a
 // plain sum of 64-bit words over a buffer of the same size as the kernels'
 // input, compiled -O3 for this machine: the one-core read bandwidth.
+// The L1 levels (aggregation "l1", p bits): lion_level_sum and
+// lion_pack_levels read g and m (8 bytes per element; the pack writes p
+// bits), pack_levels reads c (4 bytes), vote_levels reads N ranks' p planes
+// of a shard (the owner's exact sum).
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
@@ -22,6 +26,8 @@
 #include "signbits/trits.h"
 #include "signbits/unpack.h"
 #include "optimizer/lion.h"
+#include "optimizer/lion_levels.h"
+#include "signbits/levels.h"
 
 namespace bits = lionbit::bits;
 namespace optim = lionbit::optim;
@@ -171,6 +177,70 @@ void BM_lion_direction(benchmark::State& st) {
   st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * n * 8);
 }
 
+// L1, pass 1: sum |c| of c = b1 m + omb1 g (lion_levels.h).
+void BM_lion_level_sum(benchmark::State& st) {
+  const size_t n = st.range(0);
+  auto g = random_floats(n, 5), m = random_floats(n, 6);
+  for (auto _ : st) {
+    double s = optim::lion_level_abs_sum(
+        bits::DType::kFloat32, g.data(), bits::DType::kFloat32, m.data(), n, 0.9f, 0.1f);
+    benchmark::DoNotOptimize(s);
+  }
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * n * 8);
+}
+
+// L1, pass 2: the p-bit levels of c straight from g and m (m only read).
+void BM_lion_pack_levels(benchmark::State& st) {
+  const size_t n = st.range(0);
+  const int p = static_cast<int>(st.range(1));
+  auto g = random_floats(n, 5), m = random_floats(n, 6);
+  const size_t w = bits::words_for(n);
+  std::vector<uint64_t> planes(w * p);
+  const double factor = bits::level_span(p) / 2.0;
+  for (auto _ : st) {
+    auto bad = optim::lion_pack_levels(
+        bits::DType::kFloat32, g.data(), bits::DType::kFloat32, m.data(), n, 0.9f, 0.1f, 0.99f,
+        0.01f, false, factor, optim::LevelPlanes{planes.data(), w, 0, p});
+    benchmark::DoNotOptimize(bad);
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * n * 8);
+}
+
+// The levels of a float32 c (bits::pack_levels), 4 bytes read per element.
+void BM_pack_levels(benchmark::State& st) {
+  const size_t n = st.range(0);
+  const int p = static_cast<int>(st.range(1));
+  auto c = random_floats(n, 7);
+  const size_t w = bits::words_for(n);
+  std::vector<uint64_t> planes(w * p);
+  const double factor = bits::level_span(p) / 2.0;
+  for (auto _ : st) {
+    auto bad = bits::pack_levels(c.data(), n, factor, p, planes.data(), w, 0);
+    benchmark::DoNotOptimize(bad);
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * n * 4);
+}
+
+// The owner's exact sum of N ranks' p-bit levels of a 16M-element shard:
+// GB/s of packed input (N * p planes of d/8 bytes).
+void BM_vote_levels(benchmark::State& st) {
+  const size_t n = st.range(0);
+  const int N = static_cast<int>(st.range(1));
+  const int p = static_cast<int>(st.range(2));
+  const size_t w = bits::words_for(n);
+  std::vector<uint64_t> planes = random_words(w * p * N, 20 + N);
+  std::vector<const uint64_t*> in;
+  for (int r = 0; r < N; ++r) in.push_back(planes.data() + static_cast<size_t>(r) * p * w);
+  std::vector<uint64_t> sign(w), tie(w);
+  for (auto _ : st) {
+    bits::vote_levels(in.data(), N, p, w, sign.data(), tie.data());
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * N * p * w * 8);
+}
+
 constexpr int64_t k16M = 16 << 20;
 
 } // namespace
@@ -191,6 +261,17 @@ BENCHMARK(BM_unpack_counts)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_lion_direction)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_lion_level_sum)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_lion_pack_levels)
+    ->ArgsProduct({{k16M}, {2, 4, 8}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_pack_levels)->Args({k16M, 4})->Unit(benchmark::kMillisecond)->UseRealTime();
+// The owner's shard: 16M elements, N ranks' p planes (p = 4: 8 MB at N = 4).
+BENCHMARK(BM_vote_levels)
+    ->ArgsProduct({{k16M}, {2, 4, 8, 16}, {2, 4, 8}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 // The read bandwidth once more, last: a run whose first benchmark is
 // disturbed (a build finishing, another job) would otherwise divide every
 // kernel by a low figure. The report takes the larger of the two.

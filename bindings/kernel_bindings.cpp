@@ -106,6 +106,80 @@ int64_t pack_levels_into(
   return static_cast<int64_t>(bad);
 }
 
+namespace {
+// The checks both L1 passes make of g and m; their coefficients as floats.
+LionLevelCoefs check_level_inputs(
+    const char* op,
+    const at::Tensor& g,
+    const at::Tensor& m,
+    double b1,
+    double omb1,
+    double b2,
+    double omb2) {
+  require(op, check_float(g, "g", g.device()));
+  require(op, check_float(m, "m", g.device()));
+  TORCH_CHECK_VALUE(
+      optim::lion_direction_dtypes_supported(
+          *float_dtype(g.scalar_type()), *float_dtype(m.scalar_type())),
+      "lionbit.", op, ": argument 'm' must be float32 or bfloat16, got ", m.scalar_type());
+  TORCH_CHECK_VALUE(
+      g.numel() == m.numel(), "lionbit.", op, ": argument 'g' has ", g.numel(),
+      " elements, argument 'm' ", m.numel());
+  return {
+      static_cast<float>(b1), static_cast<float>(omb1), static_cast<float>(b2),
+      static_cast<float>(omb2)};
+}
+} // namespace
+
+double lion_level_abs_sum(const at::Tensor& g, const at::Tensor& m, double b1, double omb1) {
+  const LionLevelCoefs k = check_level_inputs("lion_level_abs_sum", g, m, b1, omb1, 0.0, 0.0);
+  if (g.numel() == 0) {
+    return 0.0;
+  }
+  const c10::OptionalDeviceGuard guard(current_for(g.device()));
+  return kernels_for(g.device()).level_abs_sum(g.view({-1}), m.view({-1}), k);
+}
+
+int64_t lion_pack_levels_into(
+    const at::Tensor& g,
+    at::Tensor& m,
+    double b1,
+    double omb1,
+    double b2,
+    double omb2,
+    double factor,
+    int64_t value_bits,
+    at::Tensor& planes,
+    int64_t bit_offset,
+    bool update_momentum) {
+  const char* op = "lion_pack_levels_into";
+  const LionLevelCoefs k = check_level_inputs(op, g, m, b1, omb1, b2, omb2);
+  TORCH_CHECK_VALUE(
+      value_bits >= bits::kMinLevelBits && value_bits <= bits::kMaxLevelBits, "lionbit.", op,
+      ": argument 'bits' must be ", bits::kMinLevelBits, " to ", bits::kMaxLevelBits, ", got ",
+      value_bits);
+  TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.", op, ": negative bit_offset");
+  require_device_of(op, planes, "planes", g, "g");
+  const int64_t n = g.numel();
+  require(op, check_planes(planes, "planes", g.device(), 0));
+  const int64_t plane_bytes = planes.numel() / value_bits;
+  TORCH_CHECK_VALUE(
+      planes.numel() % value_bits == 0 && plane_bytes % 8 == 0 && plane_bytes * 8 >= bit_offset + n,
+      "lionbit.", op, ": argument 'planes' must hold ", value_bits,
+      " planes of a whole number of 64-bit words with room for ", bit_offset + n, " bits, got ",
+      planes.numel(), " bytes");
+  if (n == 0) {
+    return 0;
+  }
+  const c10::OptionalDeviceGuard guard(current_for(g.device()));
+  at::Tensor mv = m.view({-1});
+  return static_cast<int64_t>(
+      kernels_for(g.device())
+          .pack_lion_levels(
+              g.view({-1}), mv, k, update_momentum, factor, static_cast<int>(value_bits), planes,
+              static_cast<size_t>(plane_bytes / 8), static_cast<uint64_t>(bit_offset)));
+}
+
 at::Tensor tie_words(
     int64_t words,
     const std::string& tie_break,

@@ -46,6 +46,26 @@ int64_t pack_levels_into(
     at::Tensor& planes,
     int64_t bit_offset);
 
+// Lion Cub's L1 levels straight from g and m (optimizer/lion_levels.h), with
+// the kernel set of g's device: lion_level_abs_sum returns sum |c| (float64,
+// on the host) of c = b1 m + omb1 g; lion_pack_levels_into ORs the `bits`
+// planes of c's levels with `factor` into `planes` (as pack_levels_into)
+// and, with update_momentum, sets m = b2 m + omb2 g in the same pass.
+// Returns the number of non-finite c.
+double lion_level_abs_sum(const at::Tensor& g, const at::Tensor& m, double b1, double omb1);
+int64_t lion_pack_levels_into(
+    const at::Tensor& g,
+    at::Tensor& m,
+    double b1,
+    double omb1,
+    double b2,
+    double omb2,
+    double factor,
+    int64_t bits,
+    at::Tensor& planes,
+    int64_t bit_offset,
+    bool update_momentum);
+
 // The signs the tie rule `tie_break` ("alternate" / "random") with `seed`
 // gives words [first_word, first_word + words) of a tensor
 // (signbits/ties.h), as int64 words (bit set: +1).

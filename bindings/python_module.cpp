@@ -131,6 +131,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("bits"), py::arg("planes"), py::arg("bit_offset"),
       py::call_guard<py::gil_scoped_release>());
   m.def(
+      "lion_level_abs_sum", &lionbit::lion_level_abs_sum, py::arg("g"), py::arg("m"), py::arg("b1"),
+      py::arg("omb1"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "lion_pack_levels_into", &lionbit::lion_pack_levels_into, py::arg("g"), py::arg("m"),
+      py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("factor"),
+      py::arg("bits"), py::arg("planes"), py::arg("bit_offset"), py::arg("update_momentum") = false,
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
       "tie_words", &lionbit::tie_words, py::arg("words"), py::arg("tie_break"), py::arg("seed"),
       py::arg("first_word") = 0);
 #ifdef LIONBIT_WITH_CUDA

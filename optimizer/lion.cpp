@@ -97,4 +97,42 @@ void lion_apply_dense(
   detail::lion_kernels_for(isa).apply_dense(param_dtype, x, delta_dtype, delta, n, lr, decay);
 }
 
+double lion_level_abs_sum(
+    DType grad_dtype,
+    const void* g,
+    DType momentum_dtype,
+    const void* m,
+    size_t n,
+    float b1,
+    float omb1,
+    Isa isa) {
+  if (n == 0 || !lion_direction_dtypes_supported(grad_dtype, momentum_dtype)) {
+    return 0.0;
+  }
+  const detail::LionCoefs k{b1, omb1, 0.0f, 0.0f};
+  return detail::lion_kernels_for(isa).level_abs_sum(grad_dtype, g, momentum_dtype, m, n, k);
+}
+
+uint64_t lion_pack_levels(
+    DType grad_dtype,
+    const void* g,
+    DType momentum_dtype,
+    void* m,
+    size_t n,
+    float b1,
+    float omb1,
+    float b2,
+    float omb2,
+    bool update_momentum,
+    double factor,
+    const LevelPlanes& out,
+    Isa isa) {
+  if (n == 0 || !lion_direction_dtypes_supported(grad_dtype, momentum_dtype)) {
+    return 0;
+  }
+  const detail::LionCoefs k{b1, omb1, b2, omb2};
+  return detail::lion_kernels_for(isa).pack_levels(
+      grad_dtype, g, momentum_dtype, m, n, k, update_momentum, factor, out);
+}
+
 } // namespace lionbit::optim

@@ -18,6 +18,7 @@
 
 #include "optimizer/lion_kernels.h"
 #include "signbits/float16.h"
+#include "signbits/levels.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -390,10 +391,17 @@ void apply_dense(DType xd, void* x, DType dd, const void* delta, size_t n, float
   }
 }
 
+// ------------------------------------------------------------ levels ----
+
+#include "signbits/levels_word.h"
+// (after levels_word.h: it quantizes with quantize_any)
+#include "optimizer/lion_levels_impl.h"
+
 } // namespace
 
 const LionKernels& table() {
-  static const LionKernels k{bits::Isa::LIONBIT_OPTIM_ISA, &direction, &apply_dense};
+  static const LionKernels k{
+      bits::Isa::LIONBIT_OPTIM_ISA, &direction, &apply_dense, &level_abs_sum, &pack_levels};
   return k;
 }
 

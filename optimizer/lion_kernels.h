@@ -4,6 +4,7 @@
 #pragma once
 
 #include "optimizer/lion.h"
+#include "optimizer/lion_levels.h"
 
 namespace lionbit::optim::detail {
 
@@ -31,6 +32,23 @@ struct LionKernels {
       size_t n,
       float lr,
       float decay);
+  double (*level_abs_sum)(
+      bits::DType grad_dtype,
+      const void* g,
+      bits::DType momentum_dtype,
+      const void* m,
+      size_t n,
+      const LionCoefs& k);
+  uint64_t (*pack_levels)(
+      bits::DType grad_dtype,
+      const void* g,
+      bits::DType momentum_dtype,
+      void* m,
+      size_t n,
+      const LionCoefs& k,
+      bool update_momentum,
+      double factor,
+      const LevelPlanes& out);
 };
 
 const LionKernels& lion_kernels_scalar();

@@ -1,7 +1,7 @@
 // Internal: one table of kernels per instruction set. kernels_impl.h is
 // compiled once per ISA (kernels_scalar.cpp, kernels_avx2.cpp,
-// kernels_avx512.cpp) with that ISA's compiler flags; pack.cpp, count.cpp and
-// unpack.cpp pick a table at run time.
+// kernels_avx512.cpp) with that ISA's compiler flags; pack.cpp, count.cpp,
+// unpack.cpp and levels.cpp pick a table at run time.
 #pragma once
 
 #include "pack.h"
@@ -19,6 +19,21 @@ struct Kernels {
       size_t n,
       const void* lut,
       void* dst);
+  uint64_t (*pack_levels)(
+      const float* c,
+      size_t n,
+      double factor,
+      int p,
+      uint64_t* planes,
+      size_t plane_words,
+      size_t bit_offset);
+  void (*vote_levels)(
+      const uint64_t* const* in,
+      int n,
+      int p,
+      size_t words,
+      uint64_t* out_sign,
+      uint64_t* out_tie);
 };
 
 const Kernels& kernels_scalar();

@@ -13,6 +13,7 @@
 
 #include "float16.h"
 #include "kernels.h"
+#include "levels.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -552,6 +553,12 @@ bool vote(const Contribution* in, int n, size_t words, uint64_t* out_sign, uint6
   return dispatch_planes<VoteFn>(n, any_zero_plane(in, n), in, n, words, out_sign, out_zero);
 }
 
+// -------------------------------------------------------------- levels ----
+
+#include "levels_word.h"
+// (after levels_word.h: it quantizes with quantize_any)
+#include "levels_impl.h"
+
 // -------------------------------------------------------------- unpack ----
 
 template <typename U>
@@ -871,7 +878,7 @@ void unpack(
 } // namespace
 
 const Kernels& table() {
-  static const Kernels k{&pack, &count_code, &vote, &unpack};
+  static const Kernels k{&pack, &count_code, &vote, &unpack, &pack_levels, &vote_levels};
   return k;
 }
 

@@ -6,8 +6,12 @@
 // No torch here.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+
+#include "signbits/isa.h"
 
 namespace lionbit::bits {
 
@@ -19,6 +23,24 @@ constexpr int kMaxLevelRanks = 1 << 20;
 // s: the largest |q| at p bits.
 inline int level_span(int p) {
   return (1 << (p - 1)) - 1;
+}
+
+// u = q + s of one value c: q = clamp(rint(c * factor), -s, s), rint
+// rounding half to even, the product in float64; a NaN product (a NaN
+// factor) gives q = 0. A non-finite c gives q = 0 (NaN) or +-s (+-Inf)
+// whatever the factor, and is counted in `bad`. Every copy of the level
+// kernels computes exactly this, element by element.
+inline unsigned level_value(float c, double factor, int s, uint64_t& bad) {
+  if (!std::isfinite(c)) {
+    ++bad;
+    return static_cast<unsigned>(std::isnan(c) ? s : (c > 0 ? 2 * s : 0));
+  }
+  double x = std::nearbyint(static_cast<double>(c) * factor);
+  if (!(x == x)) {
+    x = 0;
+  }
+  x = std::min(std::max(x, -static_cast<double>(s)), static_cast<double>(s));
+  return static_cast<unsigned>(static_cast<int>(x) + s);
 }
 
 // Quantizes c[0..n): q = clamp(rint(c * factor), -s, s), rint rounding half
@@ -35,18 +57,22 @@ uint64_t pack_levels(
     int p,
     uint64_t* planes,
     size_t plane_words,
-    size_t bit_offset);
+    size_t bit_offset,
+    Isa isa = default_isa());
 
 // The vote of n ranks' p-bit values over `words` words: rank i's plane b at
 // in[i] + b * words. out_sign bit set where sum(q) > 0, out_tie bit set where
 // sum(q) == 0 (the tie rule, signbits/ties.h, decides those). n in
-// [1, kMaxLevelRanks].
+// [1, kMaxLevelRanks]. The sum is exact: bit-sliced counters of
+// bit_width(n * 2s) planes, 8 words side by side (AVX-512 / AVX2 / scalar
+// copies, kernels_impl.h).
 void vote_levels(
     const uint64_t* const* in,
     int n,
     int p,
     size_t words,
     uint64_t* out_sign,
-    uint64_t* out_tie);
+    uint64_t* out_tie,
+    Isa isa = default_isa());
 
 } // namespace lionbit::bits

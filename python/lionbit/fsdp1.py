@@ -294,10 +294,7 @@ def _pack(unit: _Unit, grad: torch.Tensor, shard: int, shards: int):
                 nans += lion_math.pack_direction(g, mr, coefs, sign, zero, bit, opt.fused_for(mr, g))
             lo = hi
         if parts:  # one parameter's pieces: its L1 scale over all of them
-            cs = [lion_math.direction(g, mr, coefs) for g, mr, _ in parts]
-            factor = lion_math.level_factor(cs, opt.bits)
-            for c, (_, _, bit) in zip(cs, parts):
-                nans += lion_math.pack_levels(c, factor, opt.bits, sign, bit)
+            nans += lion_math.pack_levels_pieces(parts, coefs, opt.bits, sign)
     return sign, zero, nans
 
 

@@ -53,16 +53,36 @@ def planes(numel: int, device=None, bits=None):
     )
 
 
-def level_factor(cs, bits: int) -> float:
-    """The L1 scale of one parameter tensor's pre-sign update c (given as
-    the pieces ``cs``): q = clamp(rint(c * factor), -s, s) with
-    factor = s / (2 * mean|c|), s = 2^(bits-1) - 1, mean|c| summed in float64
-    (Lion Cub's q = clip(round(c / mean|c| * s/2), -s, s)). 0 when c is all
-    zero (every q is 0) or not finite (the step is refused anyway)."""
-    total = sum(c.numel() for c in cs)
+def _fusable(g, m) -> bool:
+    """Whether the fused L1 passes take g and m (lion_direction's dtypes)."""
+    return (
+        g.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and m.dtype in (torch.float32, torch.bfloat16)
+        and g.is_contiguous()
+        and m.is_contiguous()
+    )
+
+
+def level_factor(pieces, k: Coefs, bits: int) -> float:
+    """The L1 scale of one parameter tensor's pre-sign update
+    c = b1 m + (1 - b1) g, given as the pieces (g, m, bit_offset):
+    q = clamp(rint(c * factor), -s, s) with factor = s / (2 * mean|c|),
+    s = 2^(bits-1) - 1, mean|c| summed in float64 (Lion Cub's
+    q = clip(round(c / mean|c| * s/2), -s, s)); each piece's sum|c| is one
+    fused pass over g and m (optimizer/lion_levels.h) where the dtypes allow.
+    0 when c is all zero (every q is 0) or not finite (the step is refused
+    anyway)."""
+    total = sum(g.numel() for g, _, _ in pieces)
     if total == 0:
         return 0.0
-    mean = sum(float(c.abs().sum(dtype=torch.float64)) for c in cs) / total
+    b1, omb1 = k.values[0], k.values[1]
+    acc = 0.0
+    for g, m, _ in pieces:
+        if _fusable(g, m):
+            acc += _C.lion_level_abs_sum(g.reshape(-1), m.reshape(-1), b1, omb1)
+        else:
+            acc += float(direction(g, m, k).abs().sum(dtype=torch.float64))
+    mean = acc / total
     if not (mean > 0.0 and mean < float("inf")):
         return 0.0
     return ((1 << (bits - 1)) - 1) / (2.0 * mean)
@@ -84,24 +104,32 @@ def direction(g, m, k: Coefs) -> torch.Tensor:
     return _direction_torch(g.reshape(-1), m.reshape(-1), k)
 
 
-def pack_levels_pieces(pieces, k: Coefs, bits: int, levels) -> int:
-    """The FSDP reduce-scatters' "l1" packing of one parameter tensor given
-    as pieces (g, m, bit_offset): c of every piece first (the L1 scale is
-    the whole tensor's mean |c|, summed piece by piece), then each piece's
-    levels packed at its offset; m is only read. Returns the non-finite
-    count."""
-    cs = [direction(g, m, k) for g, m, _ in pieces]
-    factor = level_factor(cs, bits)
-    return sum(pack_levels(c, factor, bits, levels, off) for c, (_, _, off) in zip(cs, pieces))
+def pack_levels_pieces(pieces, k: Coefs, bits: int, levels, new_momentum: bool = False) -> int:
+    """The "l1" packing of one parameter tensor given as pieces
+    (g, m, bit_offset): its L1 scale over all the pieces first
+    (:func:`level_factor`), then each piece's levels packed at its offset in
+    a second fused pass over g and m; m is only read unless
+    ``new_momentum`` (then m = b2 m + (1 - b2) g in that pass). Returns
+    the non-finite count."""
+    factor = level_factor(pieces, k, bits)
+    b1, omb1, b2, omb2 = k.values[:4]
+    bad = 0
+    for g, m, off in pieces:
+        if _fusable(g, m):
+            bad += _C.lion_pack_levels_into(
+                g.reshape(-1), m.view(-1), b1, omb1, b2, omb2, factor, bits, levels, off, new_momentum
+            )
+            continue
+        bad += pack_levels(direction(g, m, k), factor, bits, levels, off)
+        if new_momentum:
+            update_momentum(g, m, k, False, None)
+    return bad
 
 
 def levels_into(pieces, k: Coefs, bits: int, levels) -> int:
-    """:func:`pack_levels_pieces`, then each piece's momentum updated (for
-    a reduce-scatter that runs in backward and keeps no gradient)."""
-    bad = pack_levels_pieces(pieces, k, bits, levels)
-    for g, m, _ in pieces:
-        update_momentum(g, m, k, False, None)
-    return bad
+    """:func:`pack_levels_pieces` with each piece's momentum updated (for a
+    reduce-scatter that runs in backward and keeps no gradient)."""
+    return pack_levels_pieces(pieces, k, bits, levels, new_momentum=True)
 
 
 def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, bits=None) -> int:
@@ -112,8 +140,7 @@ def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, bit
     tensor's mean |c|, into the level planes ``sign`` (zero: None)."""
     g = g.reshape(-1)
     if bits:
-        c = _direction_torch(g, m.reshape(-1), k)
-        return pack_levels(c, level_factor([c], bits), bits, sign, bit_offset)
+        return pack_levels_pieces([(g, m.reshape(-1), bit_offset)], k, bits, sign)
     if fused and not g.is_cuda:
         b1, omb1, b2, omb2, _, _ = k.values
         return _C.lion_direction_into(g, m.view(-1), b1, omb1, b2, omb2, sign, zero, bit_offset, update_momentum=False)

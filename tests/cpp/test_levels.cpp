@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include "test_util.h"
+
 #include <cmath>
 #include <limits>
 #include <random>
@@ -143,6 +145,159 @@ TEST(Levels, ExtremesDoNotOverflowTheAccumulator) {
   vote_levels(in.data(), n, p, 1, &sign, &tie);
   EXPECT_EQ(sign, ~0ull);
   EXPECT_EQ(tie, 0u);
+}
+
+// Values that reach every branch of the quantizer: normal values at a few
+// scales, exact halves after scaling (round to even), values beyond the
+// clamp, zeros of both signs, denormals, and - when `specials` - a NaN or an
+// infinity in some words (those words take the element-by-element path).
+std::vector<float> level_inputs(size_t n, double factor, bool specials, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> c(n);
+  for (size_t i = 0; i < n; ++i) {
+    switch (rng() % 8) {
+      case 0: // an exact half of the grid: (k + 0.5) / factor
+        c[i] = static_cast<float>(
+            (static_cast<double>(rng() % 15) - 7.0 + 0.5) /
+            (factor != 0.0 && std::isfinite(factor) ? factor : 1.0));
+        break;
+      case 1:
+        c[i] = 50.f * normal(rng); // mostly clamped
+        break;
+      case 2:
+        c[i] = (rng() & 1) ? 0.f : -0.f;
+        break;
+      case 3:
+        c[i] = std::numeric_limits<float>::denorm_min() * static_cast<float>(rng() % 7);
+        break;
+      default:
+        c[i] = normal(rng);
+    }
+  }
+  if (specials) {
+    const float sp[] = {
+        std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+        -std::numeric_limits<float>::infinity()};
+    for (size_t i = 37; i < n; i += 389) {
+      c[i] = sp[(i / 389) % 3];
+    }
+  }
+  return c;
+}
+
+// Every ISA's pack_levels against naive_q for every p, sizes around whole
+// words and 8-word blocks, offsets, factors (finite, 0, +-Inf, NaN) and
+// non-finite inputs; the bits around the packed range are kept.
+TEST(Levels, PackOnEveryIsaMatchesTheContract) {
+  std::mt19937_64 rng(7);
+  const double factors[] = {
+      1.0,
+      0.37,
+      3.5,
+      1e-3,
+      0.0,
+      std::numeric_limits<double>::infinity(),
+      -std::numeric_limits<double>::infinity(),
+      std::numeric_limits<double>::quiet_NaN(),
+      1e300};
+  for (Isa isa : test::supported_isas()) {
+    SCOPED_TRACE(isa_name(isa));
+    for (int p = kMinLevelBits; p <= kMaxLevelBits; ++p) {
+      const int s = level_span(p);
+      for (size_t n :
+           {size_t{1}, size_t{63}, size_t{64}, size_t{65}, size_t{128}, size_t{511}, size_t{1000},
+            size_t{4113}}) {
+        for (size_t offset : {size_t{0}, size_t{1}, size_t{31}, size_t{64}, size_t{127}}) {
+          const double factor = factors[rng() % (sizeof factors / sizeof factors[0])];
+          const bool specials = rng() % 2 == 0;
+          const std::vector<float> c = level_inputs(n, factor, specials, rng);
+          const size_t plane_words = (offset + n + 63) / 64 + 1;
+          std::vector<uint64_t> planes(plane_words * static_cast<size_t>(p));
+          for (auto& w : planes) { // someone else's bits, kept where they lie outside the range
+            w = rng();
+          }
+          std::vector<uint64_t> before = planes;
+          for (int b = 0; b < p; ++b) { // the range starts cleared, as a caller's buffer is
+            for (size_t pos = offset; pos < offset + n; ++pos) {
+              planes[b * plane_words + pos / 64] &= ~(1ull << (pos % 64));
+            }
+          }
+          before = planes;
+          const uint64_t bad = pack_levels(
+              c.data(), n, factor, p, planes.data(), plane_words, offset, isa);
+          uint64_t want_bad = 0;
+          for (size_t i = 0; i < n; ++i) {
+            want_bad += std::isfinite(c[i]) ? 0 : 1;
+            int q = naive_q(c[i], factor, s);
+            if (std::isfinite(c[i]) && std::isnan(static_cast<double>(c[i]) * factor)) {
+              q = 0; // a NaN product (0 * Inf, or a NaN factor)
+            }
+            ASSERT_EQ(level_at(planes, plane_words, p, offset + i), q + s)
+                << "p=" << p << " n=" << n << " offset=" << offset << " i=" << i << " c=" << c[i]
+                << " factor=" << factor;
+          }
+          EXPECT_EQ(bad, want_bad);
+          for (int b = 0; b < p; ++b) {
+            for (size_t pos = 0; pos < plane_words * 64; ++pos) {
+              if (pos >= offset && pos < offset + n) {
+                continue;
+              }
+              const size_t w = b * plane_words + pos / 64;
+              ASSERT_EQ((planes[w] >> (pos % 64)) & 1, (before[w] >> (pos % 64)) & 1) << pos;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Every ISA's vote_levels against the exact sum, for counters kept in
+// registers (n * 2s < 4096) and beyond, on whole 8-word blocks and a tail.
+TEST(Levels, VoteOnEveryIsaIsTheSignOfTheExactSum) {
+  std::mt19937_64 rng(11);
+  const size_t words = 19; // two 8-word blocks and three single words
+  for (int p = kMinLevelBits; p <= kMaxLevelBits; ++p) {
+    const int s = level_span(p);
+    for (int n : {1, 2, 3, 7, 8, 16, 17, 64, 300}) {
+      std::vector<std::vector<uint64_t>> ranks(static_cast<size_t>(n));
+      std::vector<int64_t> sum(words * 64, 0);
+      std::vector<const uint64_t*> in;
+      for (int i = 0; i < n; ++i) {
+        auto& planes = ranks[static_cast<size_t>(i)];
+        planes.assign(words * static_cast<size_t>(p), 0);
+        for (size_t e = 0; e < words * 64; ++e) {
+          // Extremes in some words (the top counter planes), small values
+          // elsewhere (ties).
+          int v;
+          if (e / 64 % 5 == 1) {
+            v = (rng() % 3 == 0) ? -s : s;
+          } else if (rng() % 4 == 0) {
+            v = static_cast<int>(rng() % (2 * s + 1)) - s;
+          } else {
+            v = static_cast<int>(rng() % 3) - 1;
+          }
+          sum[e] += v;
+          const int u = v + s;
+          for (int b = 0; b < p; ++b) {
+            planes[b * words + e / 64] |= static_cast<uint64_t>((u >> b) & 1) << (e % 64);
+          }
+        }
+        in.push_back(planes.data());
+      }
+      for (Isa isa : test::supported_isas()) {
+        SCOPED_TRACE(isa_name(isa));
+        std::vector<uint64_t> sign(words, 0xdead), tie(words, 0xbeef);
+        vote_levels(in.data(), n, p, words, sign.data(), tie.data(), isa);
+        for (size_t e = 0; e < words * 64; ++e) {
+          ASSERT_EQ((sign[e / 64] >> (e % 64)) & 1, sum[e] > 0 ? 1u : 0u)
+              << "p=" << p << " n=" << n << " e=" << e;
+          ASSERT_EQ((tie[e / 64] >> (e % 64)) & 1, sum[e] == 0 ? 1u : 0u)
+              << "p=" << p << " n=" << n << " e=" << e;
+        }
+      }
+    }
+  }
 }
 
 } // namespace
