@@ -1,6 +1,9 @@
 // The CUDA kernel set: the custom kernels of signbits/cuda where there is one
-// (pack, count_code, vote, break_ties, unpack), the ATen set for the rest
-// (lists, base 3, levels: small or rare work), all on the current stream.
+// (pack, pack_levels, count_code, vote, break_ties, unpack), the ATen set for
+// the rest (lists, base 3, the owner's sum of levels: small or rare work),
+// all on the current stream. The L1 levels from g and m (KernelSet's
+// level_abs_sum and pack_lion_levels) are the interface's defaults: c and
+// sum |c| with ATen, then this set's pack_levels.
 // In checked mode the first use on a device runs every custom kernel against
 // the ATen set (kernel_check.hpp) and keeps the ATen kernel for any that
 // disagrees.
@@ -101,7 +104,14 @@ class CudaKernelSet final : public KernelSet {
       at::Tensor& planes,
       size_t plane_words,
       uint64_t off) const override {
-    return aten_kernels().pack_levels(c, factor, p, planes, plane_words, off);
+    if (!use(Kernel::kPackLevels)) {
+      return aten_kernels().pack_levels(c, factor, p, planes, plane_words, off);
+    }
+    at::Tensor counts = at::zeros({2}, c.options().dtype(at::kLong));
+    cuda::pack_levels(
+        c.data_ptr<float>(), static_cast<size_t>(c.numel()), factor, p, mwords(planes), plane_words,
+        off, reinterpret_cast<cuda::Counts*>(counts.data_ptr()), current_stream(c));
+    return static_cast<uint64_t>(counts.cpu().data_ptr<int64_t>()[1]);
   }
 
   void clean(at::Tensor& sign, at::Tensor& zero, size_t n) const override {
@@ -215,8 +225,8 @@ class CudaKernelSet final : public KernelSet {
 
  private:
   static bool has_custom(Kernel k) {
-    return k == Kernel::kPack || k == Kernel::kCountCode || k == Kernel::kVote ||
-        k == Kernel::kBreakTies || k == Kernel::kUnpack;
+    return k == Kernel::kPack || k == Kernel::kPackLevels || k == Kernel::kCountCode ||
+        k == Kernel::kVote || k == Kernel::kBreakTies || k == Kernel::kUnpack;
   }
   bool use(Kernel k) const { return custom_[static_cast<size_t>(k)]; }
 

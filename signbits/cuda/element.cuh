@@ -9,6 +9,7 @@
 // Nothing here includes CUDA headers when compiled by a plain C++ compiler.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -370,6 +371,79 @@ inline WordPair ballot_planes_host(const unsigned (&f)[32]) {
 // Word of a bit-plane from two 32-bit halves.
 LIONBIT_HD uint64_t join_halves(uint32_t lo, uint32_t hi) {
   return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
+}
+
+// -------------------------------------------------------------- levels ----
+
+// u = q + s of one value, exactly bits::level_value (signbits/levels.h):
+// q = clamp(rint(c * factor), -s, s), the product in float64, rounding half
+// to even; a NaN product gives q = 0; a non-finite c gives q = 0 (NaN) or
+// +-s (+-Inf) whatever the factor, and sets *bad.
+LIONBIT_HD unsigned level_of(float c, double factor, int s, unsigned* bad) {
+  const uint32_t u = f32_bits(c);
+  if ((u & 0x7f800000u) == 0x7f800000u) {
+    *bad = 1u;
+    if ((u & 0x007fffffu) != 0u) {
+      return static_cast<unsigned>(s); // NaN
+    }
+    return (u >> 31) != 0u ? 0u : 2u * static_cast<unsigned>(s);
+  }
+#if defined(__CUDA_ARCH__)
+  double x = rint(__dmul_rn(static_cast<double>(c), factor));
+#else
+  double x = std::nearbyint(static_cast<double>(c) * factor);
+#endif
+  if (!(x == x)) {
+    x = 0.0;
+  }
+  if (x < -s) {
+    x = -s;
+  }
+  if (x > s) {
+    x = s;
+  }
+  return static_cast<unsigned>(static_cast<int>(x) + s);
+}
+
+// pack_levels: the lane's two values of word k. Low byte: u of bit lane;
+// second byte: u of bit lane + 32; bits 16 and 17: those values were not
+// finite. A bit that holds no element gives u = 0 (its plane bits are
+// outside the launch's mask anyway).
+LIONBIT_HD unsigned levels_lane(
+    const float* c,
+    size_t n,
+    unsigned o,
+    size_t k,
+    unsigned lane,
+    double factor,
+    int s) {
+  unsigned f = 0;
+  for (unsigned h = 0; h < 2; ++h) {
+    size_t e;
+    if (element_of(k, lane + 32 * h, o, n, &e)) {
+      unsigned bad = 0;
+      f |= level_of(c[e], factor, s, &bad) << (8 * h);
+      f |= bad << (16 + h);
+    }
+  }
+  return f;
+}
+
+// Plane b's word of one warp's level flags (the host emulation of the two
+// ballots the kernel takes per plane).
+inline uint64_t level_plane_host(const unsigned (&f)[32], int b) {
+  uint64_t w = 0;
+  for (unsigned l = 0; l < 32; ++l) {
+    w |= static_cast<uint64_t>((f[l] >> b) & 1u) << l;
+    w |= static_cast<uint64_t>((f[l] >> (8 + b)) & 1u) << (l + 32);
+  }
+  return w;
+}
+
+// ORs the launch's bits of v into word k (as bits::pack_levels: the range
+// starts clear; bits outside [o, o + n) are left as they are).
+LIONBIT_HD void or_word(uint64_t* words, size_t k, unsigned o, size_t n, uint64_t v) {
+  words[k] |= v & word_mask(k, o, n);
 }
 
 // ------------------------------------------------------ sharded planes ----

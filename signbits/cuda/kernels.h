@@ -56,6 +56,21 @@ void pack_signs(
     Counts* counts,
     cudaStream_t stream);
 
+// bits::pack_levels on the GPU: the p-bit levels of c[0..n) (float32) with
+// `factor` ORed into bits [bit_offset, bit_offset + n) of p planes (plane b
+// at planes + b * plane_words); other bits are left as they are. Adds the
+// number of non-finite values to counts->nans (counts->zeros untouched).
+void pack_levels(
+    const float* c,
+    size_t n,
+    double factor,
+    int p,
+    uint64_t* planes,
+    size_t plane_words,
+    size_t bit_offset,
+    Counts* counts,
+    cudaStream_t stream);
+
 // Contributions of n ranks to one shard of `words` words: rank i's sign plane
 // at sign + i * stride, its zero plane at zero + i * stride (zero == nullptr:
 // no rank has a zero; a rank without zeros may also send an all-zero plane).

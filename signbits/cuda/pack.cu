@@ -65,8 +65,69 @@ void launch_pack(
   check_launch("pack_signs");
 }
 
+// pack_levels: one warp per 64-bit word of the planes; lane l quantizes
+// elements l and l + 32 of the word, two ballots per plane give plane b's
+// word, and lane b ORs it in (p <= 8 lanes store).
+__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) pack_levels_kernel(
+    const float* __restrict__ c,
+    size_t n,
+    double factor,
+    int p,
+    uint64_t* __restrict__ planes,
+    size_t plane_words,
+    unsigned o,
+    size_t nwords,
+    Counts* counts) {
+  const unsigned lane = threadIdx.x & 31u;
+  const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
+  const int s = (1 << (p - 1)) - 1;
+  unsigned long long bad = 0;
+  for (size_t k = warp; k < nwords; k += nwarps) {
+    const unsigned f = levels_lane(c, n, o, k, lane, factor, s);
+    bad += ((f >> 16) & 1u) + ((f >> 17) & 1u);
+    uint64_t mine = 0;
+    for (int b = 0; b < p; ++b) {
+      const uint64_t w = join_halves(
+          __ballot_sync(kFullMask, ((f >> b) & 1u) != 0),
+          __ballot_sync(kFullMask, ((f >> (8 + b)) & 1u) != 0));
+      if (lane == static_cast<unsigned>(b)) {
+        mine = w;
+      }
+    }
+    if (lane < static_cast<unsigned>(p)) {
+      or_word(planes + lane * plane_words, k, o, n, mine);
+    }
+  }
+  if (counts != nullptr) {
+    add_counts(counts, 0, bad);
+  }
+}
+
 } // namespace
 } // namespace detail
+
+void pack_levels(
+    const float* c,
+    size_t n,
+    double factor,
+    int p,
+    uint64_t* planes,
+    size_t plane_words,
+    size_t bit_offset,
+    Counts* counts,
+    cudaStream_t stream) {
+  if (n == 0) {
+    return;
+  }
+  const unsigned o = static_cast<unsigned>(bit_offset % 64);
+  const size_t nwords = detail::words_out(o, n);
+  static const int resident = detail::resident_blocks(detail::pack_levels_kernel);
+  const unsigned grid = detail::grid_for(nwords, size_t{detail::kWarpsPerBlock}, resident);
+  detail::pack_levels_kernel<<<grid, detail::kBlockThreads, 0, stream>>>(
+      c, n, factor, p, planes + bit_offset / 64, plane_words, o, nwords, counts);
+  detail::check_launch("pack_levels");
+}
 
 void pack_signs(
     bits::DType dtype,

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cuda_test_ref.h"
+#include "signbits/levels.h"
 #include "lion_test_util.h"
 
 namespace lionbit::cuda_test {
@@ -453,6 +454,111 @@ TEST(CudaHostPack, WordMask) {
         }
         ASSERT_NE(want, 0u) << "empty word " << k << " o=" << o << " n=" << n;
         ASSERT_EQ(cd::word_mask(k, o, n), want) << "k=" << k << " o=" << o << " n=" << n;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- levels ----
+
+// pack_levels_kernel of signbits/cuda/pack.cu with `nwarps` warps: the same
+// grid loop, each warp's 32 lanes through levels_lane, each plane's word from
+// the two ballots, ORed in by lane b.
+uint64_t emu_pack_levels(
+    const float* c,
+    size_t n,
+    double factor,
+    int p,
+    uint64_t* planes,
+    size_t plane_words,
+    size_t bit_offset,
+    size_t nwarps) {
+  const unsigned o = static_cast<unsigned>(bit_offset % 64);
+  uint64_t* base = planes + bit_offset / 64;
+  const size_t nwords = cd::words_out(o, n);
+  const int s = bits::level_span(p);
+  uint64_t bad = 0;
+  for (size_t warp = 0; warp < nwarps; ++warp) {
+    for (size_t k = warp; k < nwords; k += nwarps) {
+      unsigned f[32];
+      for (unsigned lane = 0; lane < 32; ++lane) {
+        f[lane] = cd::levels_lane(c, n, o, k, lane, factor, s);
+        bad += ((f[lane] >> 16) & 1u) + ((f[lane] >> 17) & 1u);
+      }
+      for (int b = 0; b < p; ++b) { // lane b's store
+        cd::or_word(base + b * plane_words, k, o, n, cd::level_plane_host(f, b));
+      }
+    }
+  }
+  return bad;
+}
+
+// Every element's level (level_of) against the CPU's definition, on values
+// around the rounding points and the specials.
+TEST(CudaHostLevels, LevelOfIsLevelValue) {
+  std::mt19937_64 rng(31);
+  const double factors[] = {2.0, 0.37, 0.0, -1.5, 1e300, std::nan(""), INFINITY};
+  for (int p = bits::kMinLevelBits; p <= bits::kMaxLevelBits; ++p) {
+    const int s = bits::level_span(p);
+    for (double factor : factors) {
+      for (int i = 0; i < 2000; ++i) {
+        float c;
+        switch (i % 5) {
+          case 0:
+            c = static_cast<float>(static_cast<int>(rng() % 300) - 150) *
+                0.25f; // halves at factor 2
+            break;
+          case 1:
+            c = lionbit::optim::lion_test::from_bits(static_cast<uint32_t>(rng())); // any pattern
+            break;
+          default:
+            c = static_cast<float>(static_cast<int64_t>(rng() % 2001) - 1000) / 37.f;
+        }
+        uint64_t want_bad = 0;
+        unsigned bad = 0;
+        const unsigned want = bits::level_value(c, factor, s, want_bad);
+        ASSERT_EQ(cd::level_of(c, factor, s, &bad), want) << "c=" << c << " factor=" << factor;
+        ASSERT_EQ(bad, want_bad) << "c=" << c;
+      }
+    }
+  }
+}
+
+// The emulated kernel at many offsets and grid sizes against
+// bits::pack_levels; bits outside the range (random) must be unchanged.
+TEST(CudaHostLevels, EmulatedKernelMatchesCpuAtEveryOffset) {
+  std::mt19937_64 rng(37);
+  std::normal_distribution<float> normal(0.f, 2.f);
+  for (int p : {2, 3, 4, 8}) {
+    for (size_t n : small_sizes()) {
+      std::vector<float> c(n);
+      for (auto& v : c) {
+        v = normal(rng);
+      }
+      if (n > 10) {
+        c[3] = NAN;
+        c[n - 2] = -INFINITY;
+      }
+      for (size_t off = 0; off <= 130; off += (n > 300 ? 13 : 1)) {
+        const size_t plane_words = (off + n) / 64 + 2;
+        const auto init = random_words(plane_words * static_cast<size_t>(p), rng);
+        auto want = init;
+        for (int b = 0; b < p; ++b) { // the range starts clear, as in a caller's buffer
+          for (size_t pos = off; pos < off + n; ++pos) {
+            want[b * plane_words + pos / 64] &= ~(1ull << (pos % 64));
+          }
+        }
+        auto got = want;
+        const double factor = (n + off) % 3 == 0 ? 2.0 : 0.6;
+        const uint64_t want_bad = bits::pack_levels(
+            c.data(), n, factor, p, want.data(), plane_words, off);
+        for (size_t nwarps : {size_t{1}, size_t{5}}) {
+          auto g = got;
+          const uint64_t bad = emu_pack_levels(
+              c.data(), n, factor, p, g.data(), plane_words, off, nwarps);
+          ASSERT_EQ(g, want) << "p=" << p << " n=" << n << " off=" << off << " warps=" << nwarps;
+          ASSERT_EQ(bad, want_bad) << "p=" << p << " n=" << n;
+        }
       }
     }
   }
