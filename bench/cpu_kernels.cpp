@@ -68,6 +68,25 @@ void BM_read_bw(benchmark::State& st) {
   st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * bytes);
 }
 
+// Two streams read side by side, as the fused Lion passes read g and m: a
+// sum of the 64-bit words of two buffers of n float32 each (8n bytes).
+void BM_read_bw2(benchmark::State& st) {
+  const size_t words = static_cast<size_t>(st.range(0)) / 2;
+  std::vector<uint64_t> a = random_words(words, 8), b = random_words(words, 9);
+  for (auto _ : st) {
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (size_t i = 0; i + 2 <= words; i += 2) {
+      s0 += a[i];
+      s1 += a[i + 1];
+      s2 += b[i];
+      s3 += b[i + 1];
+    }
+    uint64_t s = s0 + s1 + s2 + s3;
+    benchmark::DoNotOptimize(s);
+  }
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * words * 16);
+}
+
 void BM_pack(benchmark::State& st) {
   const size_t n = st.range(0);
   auto src = random_floats(n, 2);
@@ -261,6 +280,7 @@ BENCHMARK(BM_unpack_counts)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_lion_direction)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_read_bw2)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_lion_level_sum)->Arg(k16M)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_lion_pack_levels)
     ->ArgsProduct({{k16M}, {2, 4, 8}})
