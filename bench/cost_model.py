@@ -24,19 +24,25 @@ cores (the emulated cluster: kappa = N / cores). It then
      a wait for a core per dependent step where the ranks outnumber the cores);
   2. projects: N 2 .. 4096, d 125M .. 70B, links 10 .. 400 Gbit/s;
   3. predicts the communication of a DDP training step: fp32 buckets vs
-     DistributedLion's vote, overlapped with the backward pass.
+     DistributedLion's vote, overlapped with the backward pass;
+  4. projects one step's communication onto clusters of nodes of 8 GPUs
+     (NVLink inside, 25 .. 400 Gbit/s between, 2 .. 512 nodes, 1B .. 70B
+     parameters) with the two-level model of lionbit.estimate: the flat vote,
+     the exact hierarchical vote, the node vote, NCCL-style ring and
+     hierarchical all-reduces (GPU kernel rates assumed, not measured).
 
 Every term and assumption is spelled out in docs/benchmarks.md, "Suite 4".
 Needs only the Python standard library (matplotlib for the plots, optional).
 Output: JSON (suite "cost_model", impl, world_size, numel, link, median_s =
 predicted seconds, bytes_per_rank, plus measured_s / rel_error on validation
-rows), a Markdown file and PNG plots.
+rows; kind "topology": bytes per link instead of per rank), a Markdown file and PNG plots.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -53,6 +59,21 @@ sys.path.insert(0, HERE)
 import report  # noqa: E402
 from collectives import IMPLS, numel_label, parse_numel  # noqa: E402  (no torch at import)
 from netns import parse_rate  # noqa: E402  (standard library only)
+
+
+def load_estimate():
+    """lionbit.estimate (standard library only) from this clone's python/lionbit/estimate.py,
+    loaded by its path: the model next to this script, with no torch import and whether or
+    not the package is installed (an installed copy may be older)."""
+    path = os.path.join(os.path.dirname(HERE), "python", "lionbit", "estimate.py")
+    spec = importlib.util.spec_from_file_location("lionbit_estimate", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+estimate = load_estimate()
 
 # --- constants of the wire format (signbits/, backend/) -------------------------
 WORD_BITS = 64                 # signbits/types.h kWordBits: shards are whole 64-bit words
@@ -85,6 +106,13 @@ PROJ_IMPLS = ["lionbit_vote", "lionbit_vote_tiefree", "lionbit_avg", "gloo_fp32"
 WHATIF_CHUNK = 1 << 28
 WHATIF_IMPLS = ["whatif_vote_log", "whatif_fp32_log"]
 QUICK_N, QUICK_D, QUICK_LINKS = [8, 512, 4096], ["1.3B", "70B"], ["10gbit", "400gbit"]
+# 4. topology (lionbit.estimate): nodes of TOPO_GPUS GPUs, NVLink inside, these rates between.
+TOPO_GPUS = 8
+TOPO_NODES = [2, 4, 8, 16, 32, 64, 128, 256, 512]
+TOPO_LINKS = ["25gbit", "100gbit", "400gbit"]
+TOPO_D = {"1B": 1e9, "7B": 7e9, "13B": 13e9, "70B": 70e9}
+TOPO_QUICK_NODES, TOPO_QUICK_D = [2, 16, 128, 512], ["7B", "70B"]
+TOPO_PLOT_D = "7B"
 
 # Memory traffic (bytes per element) of the torch code the two torch baselines of
 # suite 1 run around their collective (bench/collectives.py, worker()):
@@ -317,6 +345,11 @@ def ring_allreduce_terms(n: int, d: int, elem: int, reduce_read: int, link: Link
     return _terms(nbytes, steps * link.alpha, nbytes / link.goodput, kern, steps=steps)
 
 
+# The suite-1 impls predict() models.
+MODELLED = ("lionbit_vote", "lionbit_vote_tiefree", "lionbit_avg", "gloo_fp32", "gloo_bf16", "int8_counts",
+            "allgather_bits")
+
+
 def predict(impl: str, n: int, d: int, link: Link, cpu: Cpu, tie_fraction: Optional[float] = None,
             chunk_request: int = DEFAULT_CHUNK_ELEMS) -> dict:
     """Terms of one collective of d float32 elements per rank, for a suite-1 impl name."""
@@ -410,8 +443,8 @@ def validate(rows: list, k: Kernels, wire_overhead: float, alpha: float, alpha_e
     out = []
     for r in rows:
         n, d, impl, link = r["world_size"], r["numel"], r["impl"], r["link"]
-        if n > 8 or link == "loopback" or impl not in IMPLS:
-            continue
+        if n > 8 or link == "loopback" or impl not in IMPLS or impl not in MODELLED:
+            continue   # the tie rules' variants (suite 1's ties file) have no model of their own
         ideal_link = nominal_link(link, wire_overhead, alpha, overhead)
         ideal = predict(impl, n, d, ideal_link, Cpu(k, 1.0, torch_fit["rates"]))
         ip = r.get("_iperf3_bps")
@@ -571,6 +604,134 @@ def training(k: Kernels, links: list, ns: list, ds: dict, wire_overhead: float, 
                                 "terms": {key: (nb - 1) * tb[key] + tl[key]
                                           for key in ("latency_s", "bandwidth_s", "kernel_s")}})
     return out
+
+
+# =============================================================================
+# 4. topology: nodes of GPUs (lionbit.estimate)
+# =============================================================================
+
+def topology(nodes: list, links: list, ds: dict, gpus: int = TOPO_GPUS) -> list:
+    """One step's communication of d parameters on M nodes of `gpus` GPUs, per method of
+    lionbit.estimate (its docstring states every formula and assumption): NVLink inside a
+    node, `link` per node between nodes, its assumed GPU kernel rates and latencies."""
+    out = []
+    for link_name in links:
+        for dn, d in ds.items():
+            for m in nodes:
+                c = estimate.Cluster(nodes=m, gpus_per_node=gpus, inter_bytes_per_s=estimate.parse_rate(link_name))
+                es = estimate.estimate_all(d, c)
+                best = estimate.recommend(es)
+                for e in es:
+                    out.append({"suite": "cost_model", "kind": "topology", "impl": e.method, "world_size": c.ranks,
+                                "nodes": m, "gpus_per_node": gpus, "numel": int(d), "model": dn, "link": link_name,
+                                "median_s": e.time_s, "inter_bytes_per_node": e.inter_bytes_per_node,
+                                "intra_bytes_per_gpu": e.intra_bytes_per_gpu,
+                                "terms": {"latency_s": e.latency_s, "inter_s": e.inter_s, "intra_s": e.intra_s,
+                                          "kernel_s": e.kernel_s},
+                                "bound": e.bound, "exact": e.exact, "source": e.source,
+                                "fastest_exact": e.method == best.method})
+    return out
+
+
+def topology_payoff(rows: list) -> list:
+    """Per (link, d, nodes): the fastest exact vote (flat or exact hierarchical) against the
+    fastest all-reduce: how many times less step communication lionbit takes."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["link"], r["model"], r["nodes"]), {})[r["impl"]] = r
+    out = []
+    for (link, dn, m), rs in by.items():
+        vote = min((rs[i] for i in ("flat_vote", "exact_hierarchical")), key=lambda r: r["median_s"])
+        allreduce = min((r for i, r in rs.items() if i.startswith(("ring_", "hierarchical_"))),
+                        key=lambda r: r["median_s"])
+        out.append({"link": link, "model": dn, "nodes": m, "vote": vote["impl"], "vote_s": vote["median_s"],
+                    "allreduce": allreduce["impl"], "allreduce_s": allreduce["median_s"],
+                    "speedup": allreduce["median_s"] / vote["median_s"]})
+    return out
+
+
+TOPO_SHORT = {"flat_vote": "flat vote", "exact_hierarchical": "exact hier.", "node_vote": "node vote*",
+              "ring_fp32": "fp32 ring", "ring_bf16": "bf16 ring", "hierarchical_fp32": "fp32 hier.",
+              "hierarchical_bf16": "bf16 hier."}
+
+
+def topology_markdown(rows: list, assumptions: str) -> str:
+    if not rows:
+        return ""
+    gpus = rows[0]["gpus_per_node"]
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    L = [f"## Topology: nodes of {gpus} GPUs (lionbit.estimate)\n",
+         "One step's communication of d parameters, seconds: NVLink inside a node (450 GB/s per GPU each way), "
+         "the link rate per node between nodes (its GPUs share it). Methods, formulas and assumptions: the "
+         "docstring of `python/lionbit/estimate.py`; `python -m lionbit.estimate` gives one row. "
+         "*node vote: approximate (a majority of node majorities). Fastest exact: of every method but the "
+         "node vote.\n",
+         f"{assumptions}.\n",
+         "| link | d | nodes | N | " + " | ".join(TOPO_SHORT[i] for i in impls) +
+         " | fastest exact | inter-node GB per node: flat vote / exact hier. / fp32 ring |",
+         "|---|---|---|---|" + "---|" * (len(impls) + 2)]
+    by = {(r["link"], r["model"], r["nodes"], r["impl"]): r for r in rows}
+    for link in dict.fromkeys(r["link"] for r in rows):
+        for dn in dict.fromkeys(r["model"] for r in rows):
+            for m in dict.fromkeys(r["nodes"] for r in rows):
+                rs = [by[(link, dn, m, i)] for i in impls]
+                best = next(r for r in rs if r["fastest_exact"])
+                gb = " / ".join(f"{by[(link, dn, m, i)]['inter_bytes_per_node'] / 1e9:,.1f}"
+                                for i in ("flat_vote", "exact_hierarchical", "ring_fp32"))
+                L.append(f"| {link} | {dn} | {m} | {rs[0]['world_size']} | " +
+                         " | ".join(_ms(r["median_s"]) for r in rs) + f" | {TOPO_SHORT[best['impl']]} | {gb} |")
+    L.append("")
+    pay = topology_payoff(rows)
+    nodes = list(dict.fromkeys(p["nodes"] for p in pay))
+    L.append("### When lionbit pays off\n")
+    L.append("The fastest exact vote (flat or exact hierarchical) against the fastest all-reduce (ring or "
+             "hierarchical, fp32 or bf16): all-reduce time / vote time, per number of nodes.\n")
+    L.append("| link | d | " + " | ".join(f"{m} nodes" for m in nodes) + " |")
+    L.append("|---|---|" + "---|" * len(nodes))
+    pby = {(p["link"], p["model"], p["nodes"]): p for p in pay}
+    for link in dict.fromkeys(p["link"] for p in pay):
+        for dn in dict.fromkeys(p["model"] for p in pay):
+            L.append(f"| {link} | {dn} | " + " | ".join(f"{pby[(link, dn, m)]['speedup']:.1f}x" for m in nodes) + " |")
+    L.append("")
+    return "\n".join(L) + "\n"
+
+
+def topology_plot(rows: list, png_dir: str, stem: str) -> list:
+    """Step communication vs nodes per method at TOPO_PLOT_D, one panel per link rate."""
+    if not rows:
+        return []
+    try:
+        import matplotlib  # optional: plots only
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # optional: plots only
+    except ImportError:
+        return []   # plots() has said so
+    dn = TOPO_PLOT_D if any(r["model"] == TOPO_PLOT_D for r in rows) else rows[0]["model"]
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    styles = {"flat_vote": "-", "exact_hierarchical": "-", "node_vote": ":", "ring_fp32": "--", "ring_bf16": "--",
+              "hierarchical_fp32": "-.", "hierarchical_bf16": "-."}
+    fig, axes = plt.subplots(1, len(links), figsize=(4.4 * len(links), 4), squeeze=False, sharey=True)
+    for ax, link in zip(axes[0], links):
+        for i, impl in enumerate(impls):
+            pts = sorted((r["nodes"], r["median_s"]) for r in rows
+                         if r["model"] == dn and r["link"] == link and r["impl"] == impl)
+            label = TOPO_SHORT[impl].replace("*", " (approximate)")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, ls=styles.get(impl, "-"),
+                    color=f"C{i}", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(f"nodes ({rows[0]['gpus_per_node']} GPUs each, NVLink inside)")
+        ax.set_title(f"d = {dn}, {link} per node", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("modelled s of step communication")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("lionbit.estimate: one step's communication (GPU kernel rates assumed)", fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(png_dir, f"{stem}_topology.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return [path]
 
 
 # =============================================================================
@@ -882,6 +1043,10 @@ def main() -> None:
     train = training(k, links, [n for n in ns if n >= 8], ds, wo, alpha, overhead, a.tie_fraction, chunk,
                      a.bucket_mb, a.flops_per_rank, a.tokens_per_rank)
     cross = crossovers(k, links, ds, wo, alpha, overhead, a.tie_fraction, chunk)
+    topo_d = {dn: TOPO_D[dn] for dn in TOPO_QUICK_D} if a.quick else TOPO_D
+    topo = topology(TOPO_QUICK_NODES if a.quick else TOPO_NODES, TOPO_LINKS, topo_d)
+    c8 = estimate.Cluster(nodes=2, gpus_per_node=TOPO_GPUS)
+    topo_assumptions = estimate.assumptions(c8, estimate.Kernels())
 
     meta = {
         "command": " ".join(["python"] + sys.argv),
@@ -899,6 +1064,12 @@ def main() -> None:
         "bucket_mb": a.bucket_mb, "flops_per_rank": a.flops_per_rank, "tokens_per_rank": a.tokens_per_rank,
         "error_summary": summ,
         "crossovers": cross,
+        "topology": {"gpus_per_node": TOPO_GPUS, "intra_bytes_per_s": c8.intra_bytes_per_s,
+                     "inter_latency_s": c8.inter_latency_s, "intra_latency_s": c8.intra_latency_s,
+                     "message_overhead_s": c8.message_overhead_s,
+                     "kernels_bytes_per_s": {"stream": estimate.Kernels().stream_bytes_per_s,
+                                             "count": estimate.Kernels().count_bytes_per_s},
+                     "assumptions": topo_assumptions, "payoff": topology_payoff(topo)},
         # lionbit's payload: the byte formulas against its own counters (lionbit.stats()).
         "bytes_check_max_rel_diff": max((abs(v["bytes_per_rank"] / v["measured_bytes_per_rank"] - 1)
                                          for v in val if v["impl"].startswith("lionbit")), default=None),
@@ -908,14 +1079,15 @@ def main() -> None:
     with open(a.json, "w") as f:
         # One result a line, floats to 9 significant digits: a file that diffs well.
         f.write('{"meta": ' + json.dumps(_rounded(meta), indent=1) + ',\n "results": [\n')
-        f.write(",\n".join(json.dumps(_rounded(r)) for r in val + proj + train) + "\n]}\n")
+        f.write(",\n".join(json.dumps(_rounded(r)) for r in val + proj + train + topo) + "\n]}\n")
     md_path = a.md or os.path.splitext(a.json)[0] + ".md"
-    md = markdown(meta, val, summ, proj, train)
+    md = markdown(meta, val, summ, proj, train) + topology_markdown(topo, topo_assumptions)
     with open(md_path, "w") as f:
         f.write(md)
     png_dir = a.png_dir or os.path.dirname(a.json) or "."
     os.makedirs(png_dir, exist_ok=True)
     pngs = plots(val, proj, png_dir, os.path.splitext(os.path.basename(a.json))[0])
+    pngs += topology_plot(topo, png_dir, os.path.splitext(os.path.basename(a.json))[0])
 
     for v in sorted(val, key=lambda v: (parse_rate(v["link"]), v["world_size"], v["numel"], IMPLS.index(v["impl"]))):
         print(f"  {v['link']:>7} N={v['world_size']} d={numel_label(v['numel']):>4} {v['impl']:<21} measured "
@@ -928,6 +1100,13 @@ def main() -> None:
               f"max {s['max_abs_err_ideal'] * 100:6.1f}%)")
     if not val:
         print("cost_model: no suite-1 case with a link rate to validate against")
+    for p in topology_payoff(topo):
+        if p["model"] == TOPO_PLOT_D:
+            print(f"  topology {p['link']:>7} d={p['model']} {p['nodes']:3d} nodes x {TOPO_GPUS}: fastest vote "
+                  f"{p['vote']:<18} {_ms(p['vote_s']):>9}, fastest all-reduce {p['allreduce']:<17} "
+                  f"{_ms(p['allreduce_s']):>9}: {p['speedup']:.1f}x")
+    print(f"cost_model: {len(topo)} topology rows ({TOPO_GPUS} GPUs a node, lionbit.estimate from "
+          f"{estimate.__file__})")
     print(f"cost_model: {len(val)} validation, {len(proj)} projection, {len(train)} training rows in "
           f"{time.time() - t0:.1f} s: {a.json}, {md_path}" + (", " + ", ".join(pngs) if pngs else ""))
 

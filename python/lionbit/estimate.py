@@ -1,0 +1,566 @@
+"""Estimate one training step's gradient communication on a cluster of nodes.
+
+    python -m lionbit.estimate --params 7e9 --nodes 16 --gpus-per-node 8 --inter 100gbit
+
+prints, for d parameters on M nodes of L GPUs each (N = M * L ranks), the
+modelled time and bytes of each way to combine the ranks' gradients once:
+
+    flat vote            lionbit's sign all-reduce over all N ranks, as built
+    exact hierarchical   the same majority, counted inside each node first (planned: hierarchy="node")
+    node vote            a vote inside each node, then a vote of the node votes (planned; approximate)
+    fp32 / bf16 ring     an NCCL-style ring all-reduce over all N ranks
+    fp32 / bf16 hier.    reduce-scatter in the node, ring all-reduce across nodes, all-gather in the node
+
+and recommends the fastest exact one. Standard library only: it imports no
+other lionbit module and no torch, so `python path/to/estimate.py ...` works too.
+
+The cluster
+-----------
+Each node has one network link to a non-blocking switch, shared by its L GPUs
+(--inter: its rate per direction; for nodes with a NIC per GPU pass the sum),
+and a switched intra-node fabric (NVLink/NVSwitch) that gives every GPU its own
+rate per direction (--intra). Links are full duplex: a phase that sends X bytes
+out of a node also receives X, and takes X / rate.
+
+Ranks are numbered node by node (as torchrun does), so a ring over all N ranks
+enters and leaves each node once: of each ring step's N hops, M cross nodes
+(one out of each node) and N - M stay inside one. This is why a flat ring puts
+only its per-rank bytes on each node's link, not L times them: NCCL builds its
+rings this way.
+
+The model
+---------
+    time      = sum over phases (latency + bandwidth) + kernels   (no overlap: an upper bound)
+    latency   = steps * alpha + messages * o
+    bandwidth = max(inter-node bytes per node / inter rate, intra-node bytes per GPU / intra rate)
+
+A phase's transfers inside and between nodes run at once, so its bandwidth term
+is that of its slower link. A step of a collective that spans nodes waits for
+its inter-node hop: alpha_inter; a step inside a node costs alpha_intra. An
+all-to-all posts its messages at once: one step, plus o per message. Every
+collective is pipelined: latency is paid once per step, not per chunk. The
+phases of a hierarchical method run one after another (an upper bound: NCCL
+overlaps the phases of its hierarchical all-reduce).
+
+Bytes per step of d parameters (b = ceil(log2(2L + 1)), the bits of a count in -L..L):
+
+    method              inter-node link, bytes per node     intra-node, bytes per GPU   dependent steps
+    flat vote           (L (M-1)/M + (N-1)/N) d/8           (L-1)/N d/8 + (N-1)/N d/8   1 + (N-1)
+    exact hierarchical  (b + 1) (M-1)/M d/8                 2 (L-1)/L d/8               1 + 1 + (M-1) + (L-1)
+    node vote           2 (M-1)/M d/8                       2 (L-1)/L d/8               1 + 1 + (M-1) + (L-1)
+    ring, e bytes       2 (N-1)/N e d                       2 (N-1)/N e d               2 (N-1)
+    hierarchical        2 (M-1)/M e d                       2 (L-1)/L e d               (L-1) + 2 (M-1) + (L-1)
+
+  - flat vote: an all-to-all of the N packed shards (d/8N bytes each; a node's L
+    ranks send L (N - L) of them to other nodes), then a ring all-gather of the
+    N voted shards (each node's link carries N - 1 shards). On one node (M = 1)
+    nothing crosses nodes. (Were the all-gather direct instead of a ring, the
+    node's link would carry 2 L (M-1)/M d/8, about L d/4.)
+  - exact hierarchical: a 1-bit all-to-all inside the node, so local rank j
+    holds the node's exact counts (b bit-planes) of 1/L of the vector; the M
+    ranks j exchange their counts (all-to-all, each owns 1/M of it), vote the
+    exact majority over N, all-gather the 1-bit result across nodes, then inside
+    the node. Ties are left out (lionbit sends them in up to 1.6 bits).
+  - node vote: as exact hierarchical, but the node's vote (1 bit) crosses nodes,
+    not its counts (a tie inside a node broken to fit the bit): a majority of
+    node majorities, not the majority over N.
+  - ring: reduce-scatter then all-gather, 2 (N-1) steps of d e / N bytes a hop.
+  - hierarchical: each of the L local ranks all-reduces its 1/L of the vector
+    with its peers on the other nodes (a ring over M); the node's link carries
+    all L of them, 2 (M-1)/M e d: from a few nodes on, about the flat ring's
+    2 (N-1)/N e d. It saves latency (2 (M-1) inter-node steps, not 2 (N-1)).
+
+Kernels (GPU memory traffic / an assumed rate): pack reads 4 bytes (the fp32
+direction) and writes 1 bit per element, unpack reads 1 bit and writes 4 bytes
+(streaming kernels); counting reads and writes its bit-planes (a count kernel);
+an all-reduce reads 2 e and writes e bytes per element it reduces, and the bf16
+ones convert fp32 to bf16 and back (4 + 2 bytes each way; streaming).
+
+Assumptions (none is measured; every one is a constant below or an option):
+H100 SXM memory bandwidth 3.35 TB/s, of which streaming kernels reach 80 % and
+count kernels 50 %; NVLink 4: 900 GB/s per GPU both ways, 450 GB/s each way;
+alpha 2 us a step inside a node, 20 us between nodes; o = 1 us a message of an
+all-to-all. Left out: lionbit's 64-byte header round ((N-1) steps), vote ties,
+protocol overheads (take --inter as the goodput), overlap with the backward pass
+and of kernels with transfers, DDP's bucketing (each bucket pays the latency
+again), switch congestion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+
+# --- assumptions: stated, not measured -----------------------------------------------
+GPU_MEMORY_BYTES_PER_S = 3.35e12  # H100 SXM HBM3, the vendor's figure
+STREAM_FRACTION = 0.8  # assumed: pack, unpack, reductions, casts reach 80 % of it
+COUNT_FRACTION = 0.5  # assumed: the bit-sliced count/vote kernels reach 50 % of it
+NVLINK_BYTES_PER_S = 450e9  # NVLink 4 (H100): 900 GB/s per GPU in both directions, 450 GB/s each way
+INTRA_LATENCY_S = 2e-6  # assumed: one dependent step inside a node (NCCL over NVLink)
+INTER_LATENCY_S = 20e-6  # assumed: one dependent step between nodes (Ethernet, RDMA or TCP)
+MESSAGE_OVERHEAD_S = 1e-6  # assumed: each further message an all-to-all posts at once
+DIRECTION_BYTES = 4  # pack reads the fp32 Lion direction; unpack writes an fp32 sign
+
+METHODS = (
+    # name, label, exact, where it comes from ("planned": lionbit's hierarchy="node", not built yet)
+    ("flat_vote", "flat vote", True, "lionbit"),
+    ("exact_hierarchical", "exact hierarchical", True, "planned"),
+    ("node_vote", "node vote", False, "planned"),
+    ("ring_fp32", "fp32 ring all-reduce", True, "NCCL"),
+    ("ring_bf16", "bf16 ring all-reduce", True, "NCCL"),
+    ("hierarchical_fp32", "fp32 hierarchical all-reduce", True, "NCCL"),
+    ("hierarchical_bf16", "bf16 hierarchical all-reduce", True, "NCCL"),
+)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """M nodes of L GPUs. Rates in bytes/s per direction; latencies in seconds a step."""
+
+    nodes: int
+    gpus_per_node: int = 8
+    inter_bytes_per_s: float = 100e9 / 8  # each node's network link, shared by its GPUs
+    intra_bytes_per_s: float = NVLINK_BYTES_PER_S  # each GPU's NVLink
+    inter_latency_s: float = INTER_LATENCY_S
+    intra_latency_s: float = INTRA_LATENCY_S
+    message_overhead_s: float = MESSAGE_OVERHEAD_S
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """GPU kernel rates, bytes of memory traffic per second (assumed, see above)."""
+
+    stream_bytes_per_s: float = STREAM_FRACTION * GPU_MEMORY_BYTES_PER_S
+    count_bytes_per_s: float = COUNT_FRACTION * GPU_MEMORY_BYTES_PER_S
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One collective phase: its bytes on each kind of link and its dependent steps."""
+
+    name: str
+    inter_bytes: float = 0.0  # sent out of each node over its network link
+    intra_bytes: float = 0.0  # sent by the busiest GPU over NVLink
+    inter_steps: int = 0  # steps that wait for an inter-node hop (alpha_inter each)
+    intra_steps: int = 0  # steps inside a node (alpha_intra each)
+    messages: int = 0  # further messages of an all-to-all (o each)
+
+
+@dataclass
+class Estimate:
+    """One method's step communication: seconds, by term, and bytes per link."""
+
+    method: str
+    label: str
+    exact: bool
+    source: str
+    time_s: float
+    latency_s: float
+    inter_s: float  # bandwidth time on the network links
+    intra_s: float  # bandwidth time on NVLink
+    kernel_s: float
+    inter_bytes_per_node: float
+    intra_bytes_per_gpu: float
+    bound: str
+    phases: list = field(default_factory=list)
+
+
+def count_bits(gpus_per_node: int) -> int:
+    """Bits of a node's exact count of L signs, -L..L: ceil(log2(2L + 1))."""
+    return math.ceil(math.log2(2 * gpus_per_node + 1))
+
+
+def steps_if(k: int) -> int:
+    """An all-to-all among k members: one step, none when k == 1."""
+    return 1 if k > 1 else 0
+
+
+def combine(
+    method: str, c: Cluster, phases: list, stream_bytes: float, count_bytes: float, k: Kernels | None
+) -> Estimate:
+    """Adds the phases (each bounded by its slower link) and the kernels."""
+    k = k or Kernels()
+    latency = inter = intra = 0.0
+    for p in phases:
+        latency += p.inter_steps * c.inter_latency_s + p.intra_steps * c.intra_latency_s
+        latency += p.messages * c.message_overhead_s
+        t_inter, t_intra = p.inter_bytes / c.inter_bytes_per_s, p.intra_bytes / c.intra_bytes_per_s
+        if t_inter >= t_intra:
+            inter += t_inter
+        else:
+            intra += t_intra
+    kern = stream_bytes / k.stream_bytes_per_s + count_bytes / k.count_bytes_per_s
+    terms = {
+        "latency": latency,
+        "inter-node bandwidth": inter,
+        "intra-node bandwidth": intra,
+        "kernels": kern,
+    }
+    name, label, exact, source = next(m for m in METHODS if m[0] == method)
+    return Estimate(
+        method=name,
+        label=label,
+        exact=exact,
+        source=source,
+        time_s=sum(terms.values()),
+        latency_s=latency,
+        inter_s=inter,
+        intra_s=intra,
+        kernel_s=kern,
+        inter_bytes_per_node=sum(p.inter_bytes for p in phases),
+        intra_bytes_per_gpu=sum(p.intra_bytes for p in phases),
+        bound=max(terms, key=terms.get),
+        phases=[p.name for p in phases],
+    )
+
+
+def lionbit_kernel_bytes(d: float) -> float:
+    """pack (read the fp32 direction, write 1 bit) + unpack (read 1 bit, write fp32)."""
+    return 2 * (DIRECTION_BYTES * d + d / 8)
+
+
+# --- the methods: d parameters on cluster c -------------------------------------------
+
+
+def flat_vote(d: float, c: Cluster, k: Kernels | None = None) -> Estimate:
+    """lionbit's vote over all N ranks: all-to-all of packed shards, ring all-gather of the votes."""
+    n, m, lpn = c.ranks, c.nodes, c.gpus_per_node
+    shard = d / 8 / n
+    flat_inter = m > 1  # a flat collective's every step waits for the inter-node hop
+    a2a = Phase(
+        "all-to-all of the packed signs",
+        inter_bytes=lpn * (n - lpn) * shard,  # the node's L ranks, each to the N - L ranks elsewhere
+        intra_bytes=(lpn - 1) * shard,
+        inter_steps=steps_if(n) if flat_inter else 0,
+        intra_steps=0 if flat_inter else steps_if(n),
+        messages=n - 1,
+    )
+    ring = Phase(
+        "ring all-gather of the votes",
+        inter_bytes=(n - 1) * shard if flat_inter else 0.0,  # one hop out of each node per step
+        intra_bytes=(n - 1) * shard if lpn > 1 else 0.0,
+        inter_steps=n - 1 if flat_inter else 0,
+        intra_steps=0 if flat_inter else n - 1,
+    )
+    count = d / 8 + shard  # N shards in, one out
+    return combine("flat_vote", c, [a2a, ring], lionbit_kernel_bytes(d), count, k)
+
+
+def two_level_vote(method: str, d: float, c: Cluster, k: Kernels | None, cross_bits: int) -> Estimate:
+    """Count inside the node, exchange `cross_bits`-bit values per element across nodes,
+    vote, and bring the 1-bit result back across nodes and then inside the node."""
+    m, lpn = c.nodes, c.gpus_per_node
+    part = d / lpn  # elements each local rank owns across nodes
+    phases = [
+        Phase(
+            "1-bit all-to-all inside the node (counts of L)",
+            intra_bytes=(lpn - 1) / lpn * d / 8,
+            intra_steps=steps_if(lpn),
+            messages=lpn - 1,
+        ),
+        Phase(
+            f"all-to-all of {cross_bits}-bit values across nodes",
+            inter_bytes=lpn * (m - 1) / m * part * cross_bits / 8,  # all L local ranks share the link
+            inter_steps=steps_if(m),
+            messages=m - 1,
+        ),
+        Phase("ring all-gather of the votes across nodes", inter_bytes=lpn * (m - 1) / m * part / 8, inter_steps=m - 1),
+        Phase("ring all-gather of the votes inside the node", intra_bytes=(lpn - 1) / lpn * d / 8, intra_steps=lpn - 1),
+    ]
+    count_in_node = d / 8 + part * cross_bits / 8  # L inputs of d/L bits in, counts out
+    count_across = part * cross_bits / 8 + part / m / 8  # M count sets of d/(L M) in, 1 bit out
+    return combine(method, c, phases, lionbit_kernel_bytes(d), count_in_node + count_across, k)
+
+
+def exact_hierarchical(d: float, c: Cluster, k: Kernels | None = None) -> Estimate:
+    """The exact majority over N: the node's exact counts (b bit-planes) cross nodes."""
+    return two_level_vote("exact_hierarchical", d, c, k, count_bits(c.gpus_per_node))
+
+
+def node_vote(d: float, c: Cluster, k: Kernels | None = None) -> Estimate:
+    """Approximate: each node's 1-bit vote crosses nodes, and the nodes' votes are voted."""
+    return two_level_vote("node_vote", d, c, k, 1)
+
+
+def cast_bytes(d: float, elem_bytes: int) -> float:
+    """fp32 gradients to the wire type and the result back (none for fp32)."""
+    return 0.0 if elem_bytes == 4 else 2 * (4 + elem_bytes) * d
+
+
+def ring_allreduce(d: float, c: Cluster, elem_bytes: int = 4, k: Kernels | None = None) -> Estimate:
+    """An NCCL-style ring over all N ranks, node by node: reduce-scatter then all-gather,
+    2 (N-1) steps of d e / N bytes on every hop; one hop leaves each node per step."""
+    n, m, lpn = c.ranks, c.nodes, c.gpus_per_node
+    total = 2 * (n - 1) / n * elem_bytes * d
+    flat_inter = m > 1
+    ring = Phase(
+        "ring reduce-scatter + all-gather",
+        inter_bytes=total if flat_inter else 0.0,
+        intra_bytes=total if lpn > 1 else 0.0,
+        inter_steps=2 * (n - 1) if flat_inter else 0,
+        intra_steps=0 if flat_inter else 2 * (n - 1),
+    )
+    reduce = (n - 1) / n * d * 3 * elem_bytes  # read two, write one
+    method = "ring_fp32" if elem_bytes == 4 else "ring_bf16"
+    return combine(method, c, [ring], reduce + cast_bytes(d, elem_bytes), 0.0, k)
+
+
+def hierarchical_allreduce(d: float, c: Cluster, elem_bytes: int = 4, k: Kernels | None = None) -> Estimate:
+    """Reduce-scatter inside the node, a ring all-reduce of each 1/L across the nodes (the
+    L local ranks at once, sharing the node's link), all-gather inside the node."""
+    m, lpn = c.nodes, c.gpus_per_node
+    phases = [
+        Phase("reduce-scatter inside the node", intra_bytes=(lpn - 1) / lpn * elem_bytes * d, intra_steps=lpn - 1),
+        Phase(
+            "ring all-reduce of 1/L across nodes",
+            inter_bytes=lpn * 2 * (m - 1) / m * elem_bytes * d / lpn,
+            inter_steps=2 * (m - 1),
+        ),
+        Phase("all-gather inside the node", intra_bytes=(lpn - 1) / lpn * elem_bytes * d, intra_steps=lpn - 1),
+    ]
+    reduce = ((lpn - 1) / lpn * d + (m - 1) / m * d / lpn) * 3 * elem_bytes
+    method = "hierarchical_fp32" if elem_bytes == 4 else "hierarchical_bf16"
+    return combine(method, c, phases, reduce + cast_bytes(d, elem_bytes), 0.0, k)
+
+
+def estimate_all(d: float, c: Cluster, k: Kernels | None = None) -> list:
+    """Every method of METHODS, in its order."""
+    return [
+        flat_vote(d, c, k),
+        exact_hierarchical(d, c, k),
+        node_vote(d, c, k),
+        ring_allreduce(d, c, 4, k),
+        ring_allreduce(d, c, 2, k),
+        hierarchical_allreduce(d, c, 4, k),
+        hierarchical_allreduce(d, c, 2, k),
+    ]
+
+
+def recommend(estimates: list, planned: bool = False) -> Estimate:
+    """The fastest exact method that lionbit or NCCL has today (with ``planned``: also
+    the methods not built yet). The node vote is approximate: never recommended."""
+    return min(
+        (e for e in estimates if e.exact and (planned or e.source != "planned")), key=lambda e: e.time_s
+    )
+
+
+# --- input ----------------------------------------------------------------------------
+
+RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]+)\s*$")
+PREFIXES = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+COUNT_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_rate(text: str) -> float:
+    """A link rate, per direction, to bytes/s. A lower-case b (or none) is bits, an
+    upper-case B bytes: '100gbit', '100g', '100Gbps', '100Gb/s' are 12.5e9 bytes/s;
+    '450GB/s', '450GBps' are 450e9 bytes/s; 'nvlink' is NVLink 4's 450 GB/s."""
+    s = text.strip()
+    if s.lower() == "nvlink":
+        return NVLINK_BYTES_PER_S
+    match = RATE_RE.match(s)
+    unit = match.group(2) if match else ""
+    prefix = unit[:1].lower()
+    rest = unit[1:]
+    in_bytes = rest.startswith("B") or rest.lower() == "byte/s"
+    bits_units = ("", "bit", "bit/s", "b/s", "bps")
+    byte_units = ("B", "B/s", "Bps", "byte/s")
+    if not match or prefix not in PREFIXES or (rest not in byte_units and rest.lower() not in bits_units):
+        raise ValueError(
+            f"invalid rate {text!r}: give a number and a unit, for example 25gbit, 100gbit, 400gbit, "
+            f"10g, 100Gbps (bits per second) or 450GB/s (bytes per second), or 'nvlink'"
+        )
+    value = float(match.group(1)) * PREFIXES[prefix]
+    if value <= 0:
+        raise ValueError(f"invalid rate {text!r}: must be more than 0")
+    return value if in_bytes else value / 8
+
+
+def rate_label(bytes_per_s: float) -> str:
+    """12.5e9 -> '100 Gbit/s'; the NVLink rate in GB/s."""
+    if bytes_per_s >= 100e9:
+        return f"{bytes_per_s / 1e9:g} GB/s"
+    bits = bytes_per_s * 8
+    return f"{bits / 1e9:g} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:g} Mbit/s"
+
+
+def parse_count(text: str) -> int:
+    """A parameter count: '7e9', '7000000000', '7B', '1.3b', '125M' (decimal suffixes)."""
+    s = text.strip()
+    mult = COUNT_SUFFIXES.get(s[-1:].lower(), 1.0) if s[-1:].isalpha() else 1.0
+    try:
+        value = float(s[:-1] if mult != 1.0 else s) * mult
+    except ValueError:
+        value = float("nan")
+    if not value >= 1 or math.isinf(value):
+        raise ValueError(f"invalid parameter count {text!r}: give a number of at least 1, e.g. 7e9 or 7B")
+    return int(round(value))
+
+
+def count_label(d: float) -> str:
+    """7e9 -> '7B', 1.3e9 -> '1.3B', 125e6 -> '125M'."""
+    for mult, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if d >= mult:
+            return f"{d / mult:.4g}{suffix}"
+    return f"{d:g}"
+
+
+def arg_type(parse):
+    """An argparse type: the parser's ValueError as argparse's error naming the argument."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return convert
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"invalid value {text!r}: must be a whole number of at least 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or math.isinf(value):
+        raise ValueError(f"invalid value {text!r}: must be a number more than 0")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m lionbit.estimate",
+        description="Model one training step's gradient communication on M nodes of L GPUs, per method "
+        "(lionbit's votes and NCCL-style all-reduces), and recommend the fastest exact one.",
+        epilog="Every rate is per direction. The model and its assumptions: the docstring of lionbit/estimate.py.",
+    )
+    p.add_argument("--params", required=True, type=arg_type(parse_count), help="parameters: 7e9, 7B, 125M")
+    p.add_argument("--nodes", required=True, type=arg_type(positive_int), help="number of nodes (M)")
+    p.add_argument("--gpus-per-node", default=8, type=arg_type(positive_int), help="GPUs a node (L; 8)")
+    p.add_argument(
+        "--inter",
+        required=True,
+        type=arg_type(parse_rate),
+        help="each node's network rate, shared by its GPUs: 25gbit, 100gbit, 400gbit, 10g",
+    )
+    p.add_argument(
+        "--intra",
+        default=NVLINK_BYTES_PER_S,
+        type=arg_type(parse_rate),
+        help="each GPU's rate inside the node (default nvlink: NVLink 4, 900 GB/s both ways = 450GB/s each way)",
+    )
+    p.add_argument(
+        "--inter-latency-us",
+        default=INTER_LATENCY_S * 1e6,
+        type=arg_type(positive_float),
+        help=f"latency of a step between nodes (default {INTER_LATENCY_S * 1e6:g})",
+    )
+    p.add_argument(
+        "--intra-latency-us",
+        default=INTRA_LATENCY_S * 1e6,
+        type=arg_type(positive_float),
+        help=f"latency of a step inside a node (default {INTRA_LATENCY_S * 1e6:g})",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return p
+
+
+# --- output ---------------------------------------------------------------------------
+
+
+def assumptions(c: Cluster, k: Kernels) -> str:
+    return (
+        f"assumptions (not measurements): GPU kernels at {k.stream_bytes_per_s / 1e12:.2f} TB/s (pack, unpack, "
+        f"reductions) and {k.count_bytes_per_s / 1e12:.2f} TB/s (counting) of memory traffic "
+        f"({STREAM_FRACTION:.0%} and {COUNT_FRACTION:.0%} of an H100's {GPU_MEMORY_BYTES_PER_S / 1e12:g} TB/s); "
+        f"{c.inter_latency_s * 1e6:g} us a step between nodes, {c.intra_latency_s * 1e6:g} us inside a node, "
+        f"{c.message_overhead_s * 1e6:g} us a further all-to-all message; the rates are goodput, one network link "
+        f"a node, a non-blocking switch; no overlap with compute; vote ties and lionbit's header round left out"
+    )
+
+
+def report(d: int, c: Cluster, k: Kernels, estimates: list) -> str:
+    best = recommend(estimates)
+    lines = [
+        f"lionbit.estimate: one step's gradient communication of {count_label(d)} parameters on "
+        f"{c.nodes} node{'s' if c.nodes > 1 else ''} x {c.gpus_per_node} GPUs = {c.ranks} ranks",
+        f"  between nodes {rate_label(c.inter_bytes_per_s)} per node, inside a node "
+        f"{rate_label(c.intra_bytes_per_s)} per GPU (each direction)",
+        "",
+        f"{'method':<30} {'step comm ms':>13} {'inter-node GB per node':>23} {'intra-node GB per GPU':>22}"
+        f"  {'bound':<21} from",
+    ]
+    for e in estimates:
+        label = e.label if e.exact else e.label + " (approximate)"
+        lines.append(
+            f"{label:<30} {e.time_s * 1e3:>13,.1f} {e.inter_bytes_per_node / 1e9:>23,.3f} "
+            f"{e.intra_bytes_per_gpu / 1e9:>22,.3f}  {e.bound:<21} {e.source}"
+        )
+    ring = next(e for e in estimates if e.method == "ring_fp32")
+    lines += ["", f"recommended: {best.label}, {best.time_s * 1e3:,.1f} ms ({best.source})"]
+    if best.method != "ring_fp32":
+        lines[-1] += f", {ring.time_s / best.time_s:.1f}x faster than the fp32 ring all-reduce"
+    ahead = recommend(estimates, planned=True)
+    if ahead is not best:
+        lines.append(
+            f'  planned, not built yet: {ahead.label} (hierarchy="node"), {ahead.time_s * 1e3:,.1f} ms, '
+            f"{best.time_s / ahead.time_s:.2f}x faster than that"
+        )
+    for e in estimates:
+        if not e.exact:
+            lines.append(
+                f"approximate: {e.label}, {e.time_s * 1e3:,.1f} ms: a majority of the nodes' majorities, not the "
+                f"majority over all {c.ranks} ranks"
+            )
+    lines.append(assumptions(c, k))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    c = Cluster(
+        nodes=a.nodes,
+        gpus_per_node=a.gpus_per_node,
+        inter_bytes_per_s=a.inter,
+        intra_bytes_per_s=a.intra,
+        inter_latency_s=a.inter_latency_us * 1e-6,
+        intra_latency_s=a.intra_latency_us * 1e-6,
+    )
+    k = Kernels()
+    estimates = estimate_all(a.params, c, k)
+    if a.json:
+        doc = {
+            "params": a.params,
+            "cluster": asdict(c) | {"ranks": c.ranks},
+            "kernels": asdict(k),
+            "methods": [asdict(e) for e in estimates],
+            "recommended": recommend(estimates).method,
+            "fastest_planned": recommend(estimates, planned=True).method,
+            "assumptions": assumptions(c, k),
+        }
+        print(json.dumps(doc, indent=1))
+    else:
+        print(report(a.params, c, k, estimates))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""lionbit.estimate, the two-level cost model and its command line: the CLI runs
+as users run it and rejects bad input naming the argument; the byte formulas
+match values worked out here by hand, with small round numbers."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from lionbit import estimate
+
+EXAMPLE = ["--params", "7e9", "--nodes", "16", "--gpus-per-node", "8", "--inter", "100gbit"]
+LABELS = [
+    "flat vote",
+    "exact hierarchical",
+    "node vote",
+    "fp32 ring all-reduce",
+    "bf16 ring all-reduce",
+    "fp32 hierarchical all-reduce",
+    "bf16 hierarchical all-reduce",
+]
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "lionbit.estimate", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_prints_every_method_and_a_recommendation():
+    r = run_cli(*EXAMPLE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for label in LABELS:
+        assert label in r.stdout, label
+    assert "recommended: " in r.stdout
+    assert "node vote (approximate)" in r.stdout
+    assert "assumptions" in r.stdout
+
+
+def test_cli_json_recommends_an_exact_method():
+    r = run_cli(*EXAMPLE, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    methods = {m["method"]: m for m in doc["methods"]}
+    assert [m["label"] for m in doc["methods"]] == LABELS
+    assert methods[doc["recommended"]]["exact"]
+    assert methods[doc["recommended"]]["source"] != "planned"  # only what can be used today
+    assert methods[doc["fastest_planned"]]["exact"]
+    assert doc["cluster"]["ranks"] == 128
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--params", "7e9", "--nodes", "16", "--inter", "fast"], "--inter"),
+        (["--params", "7e9", "--nodes", "16", "--inter", "100"], "--inter"),
+        (["--params", "7e9", "--nodes", "0", "--inter", "100gbit"], "--nodes"),
+        (["--params", "7e9", "--nodes", "2", "--gpus-per-node", "-1", "--inter", "100gbit"], "--gpus-per-node"),
+        (["--params", "lots", "--nodes", "2", "--inter", "100gbit"], "--params"),
+        (["--params", "7e9", "--nodes", "2", "--inter", "100gbit", "--intra", "quick"], "--intra"),
+    ],
+)
+def test_cli_rejects_bad_input_naming_the_argument(args, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        estimate.main(args)
+    assert exit_info.value.code == 2
+    assert f"argument {named}" in capsys.readouterr().err
+
+
+def test_cli_exits_2_on_bad_input():
+    r = run_cli("--params", "7e9", "--nodes", "16", "--inter", "fast")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "argument --inter: invalid rate 'fast'" in r.stderr, r.stderr
+
+
+def test_parse_rate():
+    assert estimate.parse_rate("100gbit") == 12.5e9
+    assert estimate.parse_rate("25gbit") == 25e9 / 8
+    assert estimate.parse_rate("10g") == 1.25e9
+    assert estimate.parse_rate("400Gbps") == 50e9
+    assert estimate.parse_rate("450GB/s") == 450e9
+    assert estimate.parse_rate("nvlink") == 450e9
+    for bad in ("fast", "100", "-5gbit", "0gbit", "10 furlongs", ""):
+        with pytest.raises(ValueError):
+            estimate.parse_rate(bad)
+
+
+def test_parse_count():
+    assert estimate.parse_count("7e9") == 7_000_000_000
+    assert estimate.parse_count("7B") == 7_000_000_000
+    assert estimate.parse_count("125M") == 125_000_000
+    for bad in ("0", "x", "-3", "inf", "nan"):
+        with pytest.raises(ValueError):
+            estimate.parse_count(bad)
+
+
+# d = 8M parameters: d/8 = 1M bytes of signs. 4 nodes of 4 GPUs: N = 16.
+D, MB = 8_000_000, 1_000_000
+CLUSTER = estimate.Cluster(nodes=4, gpus_per_node=4, inter_bytes_per_s=1e9, inter_latency_s=10e-6)
+
+
+def test_flat_vote_bytes():
+    e = estimate.flat_vote(D, CLUSTER)
+    # all-to-all: each of a node's 4 ranks sends 12 of its 16 shards (1M / 16 bytes each)
+    # to other nodes: 4 * 12 / 16 * 1M = 3M; ring all-gather: one hop out of the node per
+    # step, 15 steps of a shard: 15/16 * 1M.
+    assert e.inter_bytes_per_node == pytest.approx(3 * MB + 15 / 16 * MB)
+    # The issue's L * 2(N-1)/N * d/8 (7.5M) counts every byte a rank sends as leaving the
+    # node: only an upper bound (it would be right for a direct all-gather).
+    assert e.inter_bytes_per_node < 4 * 2 * 15 / 16 * MB
+    # NVLink: 3 shards to the node's other ranks, then 15 forwarded in the ring.
+    assert e.intra_bytes_per_gpu == pytest.approx((3 + 15) / 16 * MB)
+
+
+def test_exact_hierarchical_bytes():
+    assert estimate.count_bits(4) == 4  # -4..4: 9 values
+    assert estimate.count_bits(8) == 5  # -8..8: 17 values
+    assert estimate.count_bits(1) == 2
+    e = estimate.exact_hierarchical(D, CLUSTER)
+    # d * (4 + 1)/8 * (M-1)/M = 5 * 1M * 3/4
+    assert e.inter_bytes_per_node == pytest.approx(3.75 * MB)
+    assert e.intra_bytes_per_gpu == pytest.approx(2 * 3 / 4 * MB)  # 1-bit in, 1-bit back
+
+
+def test_node_vote_bytes():
+    e = estimate.node_vote(D, CLUSTER)
+    assert e.inter_bytes_per_node == pytest.approx(2 * 3 / 4 * MB)  # 1 bit there, 1 bit back
+    assert not e.exact
+
+
+def test_ring_and_hierarchical_allreduce_bytes_and_time():
+    k = estimate.Kernels(stream_bytes_per_s=1e12, count_bytes_per_s=1e12)
+    e = estimate.ring_allreduce(D, CLUSTER, 4, k)
+    # 2 (N-1)/N * 4 d = 2 * 15/16 * 32M = 60M; the ring leaves each node once a step.
+    assert e.inter_bytes_per_node == pytest.approx(60 * MB)
+    # alpha-beta: 30 steps of 10 us, 60M at 1 GB/s, the reduction of 15/16 d elements
+    # reading 8 and writing 4 bytes at 1 TB/s.
+    assert e.time_s == pytest.approx(30 * 10e-6 + 60 * MB / 1e9 + 15 / 16 * D * 12 / 1e12)
+    assert estimate.ring_allreduce(D, CLUSTER, 2).inter_bytes_per_node == pytest.approx(30 * MB)
+    h = estimate.hierarchical_allreduce(D, CLUSTER, 4)
+    assert h.inter_bytes_per_node == pytest.approx(2 * 3 / 4 * 32 * MB)
+    assert h.intra_bytes_per_gpu == pytest.approx(2 * 3 / 4 * 32 * MB)
+
+
+def test_one_node_sends_nothing_between_nodes():
+    one = estimate.Cluster(nodes=1, gpus_per_node=8)
+    for e in estimate.estimate_all(D, one):
+        assert e.inter_bytes_per_node == 0, e.method
+        assert e.inter_s == 0, e.method
+        assert e.time_s > 0, e.method
+
+
+def test_recommendation_is_the_fastest_exact_method_built_today():
+    es = estimate.estimate_all(7e9, estimate.Cluster(nodes=16, gpus_per_node=8, inter_bytes_per_s=12.5e9))
+    best = estimate.recommend(es)
+    assert best.exact and best.source != "planned"  # what a user can run today
+    assert best.time_s == min(e.time_s for e in es if e.exact and e.source != "planned")
+    ahead = estimate.recommend(es, planned=True)  # the planned exact hierarchical vote, when built
+    assert ahead.exact
+    assert ahead.time_s == min(e.time_s for e in es if e.exact)
+    assert all(math.isfinite(e.time_s) and e.time_s > 0 for e in es)
