@@ -39,7 +39,8 @@ distlion_vote (attach, overlap) with one DistributedLion option (DISTLION):
 
     distlion_alt    tie_break="alternate"        distlion_rand   tie_break="random"
     distlion_avg    aggregation="avg"
-    distlion_l1p4   aggregation="l1", bits=4     distlion_l1p8   aggregation="l1", bits=8
+    distlion_l1p2   aggregation="l1", bits=2     distlion_l1p4   aggregation="l1", bits=4
+    distlion_l1p8   aggregation="l1", bits=8
     distlion_ms10   momentum_sync=10             distlion_ms100  momentum_sync=100
 
     python bench/training.py --links 1gbit --steps 100 \
@@ -117,6 +118,7 @@ DISTLION = {
     "distlion_alt": dict(tie_break="alternate"),
     "distlion_rand": dict(tie_break="random"),
     "distlion_avg": dict(aggregation="avg"),
+    "distlion_l1p2": dict(aggregation="l1", bits=2),
     "distlion_l1p4": dict(aggregation="l1", bits=4),
     "distlion_l1p8": dict(aggregation="l1", bits=8),
     "distlion_ms10": dict(momentum_sync=10),
