@@ -16,8 +16,9 @@
 #   make test-cpp / test-python
 #   make test-aten     the Python tests again with LIONBIT_KERNELS=aten: the sign collectives and
 #                      DistributedLion through the device-generic ATen kernel set (the one a GPU
-#                      falls back to), bitwise the same results; convergence, forwarding-only and
-#                      stress tests left out (they test no kernel). CI runs it after make test
+#                      falls back to), bitwise the same results; convergence, forwarding-only,
+#                      stress, topology and estimate tests left out (they test no kernel). CI
+#                      runs it after make test
 #   make test-gpu      the GPU tests (ctest -L gpu, pytest -m gpu); they skip, saying
 #                      why, where there is no GPU
 #   make test-sanitize C++ tests built with ASan + UBSan (build/sanitize), fuzz tests scaled up
@@ -101,7 +102,8 @@ test-python: build
 	@$(PY) -m pytest tests/python -q -ra
 
 ATEN_SKIP := --ignore=tests/python/test_training_quality.py --ignore=tests/python/test_forwarded.py \
-  --ignore=tests/python/test_stress.py --ignore=tests/python/test_readme.py
+  --ignore=tests/python/test_stress.py --ignore=tests/python/test_readme.py \
+  --ignore=tests/python/test_topology.py --ignore=tests/python/test_estimate.py
 test-aten: build
 	@LIONBIT_KERNELS=aten $(PY) -m pytest tests/python -q -ra $(ATEN_SKIP)
 

@@ -61,6 +61,7 @@ from .fsdp import reduce_scatter_sign  # noqa: E402
 from .kernel_choice import kernels  # noqa: E402
 from .momentum_sync import ExponentialSync  # noqa: E402
 from .optim import DistributedLion  # noqa: E402
+from .topology import Topology, check_topology, detect_topology  # noqa: E402
 
 _register()
 
@@ -80,6 +81,9 @@ __all__ = [
     "kernels",
     "DistributedLion",
     "ExponentialSync",
+    "Topology",
+    "detect_topology",
+    "check_topology",
     "built_with_cuda",
     "torch_version_built_against",
     "__version__",
