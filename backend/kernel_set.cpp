@@ -46,10 +46,11 @@ uint64_t KernelSet::pack_lion_levels(
   if (g.numel() == 0) {
     return 0;
   }
-  const at::Tensor c = lion_direction_tensor(g, m, k);
-  const uint64_t bad = pack_levels(c, factor, p, planes, plane_words, bit_offset);
+  const at::Tensor gf = g.to(at::kFloat), mf = m.to(at::kFloat); // widened once
+  const uint64_t bad = pack_levels(
+      lion_direction_tensor(gf, mf, k), factor, p, planes, plane_words, bit_offset);
   if (update_momentum) {
-    m.copy_(at::add(at::mul(m.to(at::kFloat), k.b2), at::mul(g.to(at::kFloat), k.omb2)));
+    m.copy_(at::add(at::mul(mf, k.b2), at::mul(gf, k.omb2)));
   }
   return bad;
 }

@@ -70,6 +70,35 @@ std::tuple<int64_t, int64_t> pack_signs_into(
   return {static_cast<int64_t>(c.zeros), static_cast<int64_t>(c.nans)};
 }
 
+namespace {
+// The checks of the level planes both level packers make (bits, offset,
+// device of `like`, room for n = like.numel() elements at bit_offset);
+// returns the words of one plane.
+size_t level_plane_words(
+    const char* op,
+    const at::Tensor& planes,
+    int64_t value_bits,
+    int64_t bit_offset,
+    const at::Tensor& like,
+    const char* like_name) {
+  TORCH_CHECK_VALUE(
+      value_bits >= bits::kMinLevelBits && value_bits <= bits::kMaxLevelBits, "lionbit.", op,
+      ": argument 'bits' must be ", bits::kMinLevelBits, " to ", bits::kMaxLevelBits, ", got ",
+      value_bits);
+  TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.", op, ": negative bit_offset");
+  require_device_of(op, planes, "planes", like, like_name);
+  const int64_t n = like.numel();
+  require(op, check_planes(planes, "planes", like.device(), 0));
+  const int64_t plane_bytes = planes.numel() / value_bits;
+  TORCH_CHECK_VALUE(
+      planes.numel() % value_bits == 0 && plane_bytes % 8 == 0 && plane_bytes * 8 >= bit_offset + n,
+      "lionbit.", op, ": argument 'planes' must hold ", value_bits,
+      " planes of a whole number of 64-bit words with room for ", bit_offset + n, " bits, got ",
+      planes.numel(), " bytes");
+  return static_cast<size_t>(plane_bytes / 8);
+}
+} // namespace
+
 int64_t pack_levels_into(
     const at::Tensor& c,
     double factor,
@@ -80,20 +109,8 @@ int64_t pack_levels_into(
   TORCH_CHECK_VALUE(
       c.defined() && c.scalar_type() == at::kFloat && c.is_contiguous(), "lionbit.", op,
       ": argument 'c' must be a contiguous float32 tensor, got ", describe(c));
-  TORCH_CHECK_VALUE(
-      value_bits >= bits::kMinLevelBits && value_bits <= bits::kMaxLevelBits, "lionbit.", op,
-      ": argument 'bits' must be ", bits::kMinLevelBits, " to ", bits::kMaxLevelBits, ", got ",
-      value_bits);
-  TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.", op, ": negative bit_offset");
-  require_device_of(op, planes, "planes", c, "c");
   const int64_t n = c.numel();
-  require(op, check_planes(planes, "planes", c.device(), 0));
-  const int64_t plane_bytes = planes.numel() / value_bits;
-  TORCH_CHECK_VALUE(
-      planes.numel() % value_bits == 0 && plane_bytes % 8 == 0 && plane_bytes * 8 >= bit_offset + n,
-      "lionbit.", op, ": argument 'planes' must hold ", value_bits,
-      " planes of a whole number of 64-bit words with room for ", bit_offset + n, " bits, got ",
-      planes.numel(), " bytes");
+  const size_t plane_words = level_plane_words(op, planes, value_bits, bit_offset, c, "c");
   if (n == 0) {
     return 0;
   }
@@ -101,8 +118,7 @@ int64_t pack_levels_into(
   const uint64_t bad = kernels_for(c.device())
                            .pack_levels(
                                c.view({-1}), factor, static_cast<int>(value_bits), planes,
-                               static_cast<size_t>(plane_bytes / 8),
-                               static_cast<uint64_t>(bit_offset));
+                               plane_words, static_cast<uint64_t>(bit_offset));
   return static_cast<int64_t>(bad);
 }
 
@@ -154,30 +170,18 @@ int64_t lion_pack_levels_into(
     bool update_momentum) {
   const char* op = "lion_pack_levels_into";
   const LionLevelCoefs k = check_level_inputs(op, g, m, b1, omb1, b2, omb2);
-  TORCH_CHECK_VALUE(
-      value_bits >= bits::kMinLevelBits && value_bits <= bits::kMaxLevelBits, "lionbit.", op,
-      ": argument 'bits' must be ", bits::kMinLevelBits, " to ", bits::kMaxLevelBits, ", got ",
-      value_bits);
-  TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.", op, ": negative bit_offset");
-  require_device_of(op, planes, "planes", g, "g");
   const int64_t n = g.numel();
-  require(op, check_planes(planes, "planes", g.device(), 0));
-  const int64_t plane_bytes = planes.numel() / value_bits;
-  TORCH_CHECK_VALUE(
-      planes.numel() % value_bits == 0 && plane_bytes % 8 == 0 && plane_bytes * 8 >= bit_offset + n,
-      "lionbit.", op, ": argument 'planes' must hold ", value_bits,
-      " planes of a whole number of 64-bit words with room for ", bit_offset + n, " bits, got ",
-      planes.numel(), " bytes");
+  const size_t plane_words = level_plane_words(op, planes, value_bits, bit_offset, g, "g");
   if (n == 0) {
     return 0;
   }
   const c10::OptionalDeviceGuard guard(current_for(g.device()));
   at::Tensor mv = m.view({-1});
-  return static_cast<int64_t>(
-      kernels_for(g.device())
-          .pack_lion_levels(
-              g.view({-1}), mv, k, update_momentum, factor, static_cast<int>(value_bits), planes,
-              static_cast<size_t>(plane_bytes / 8), static_cast<uint64_t>(bit_offset)));
+  return static_cast<int64_t>(kernels_for(g.device())
+                                  .pack_lion_levels(
+                                      g.view({-1}), mv, k, update_momentum, factor,
+                                      static_cast<int>(value_bits), planes, plane_words,
+                                      static_cast<uint64_t>(bit_offset)));
 }
 
 at::Tensor tie_words(

@@ -106,12 +106,8 @@ uint64_t pack_levels_typed(
     if constexpr (Update) {
       store1<M>(m, e, Sc::add(Sc::mul(k.b2, mv), Sc::mul(k.omb2, gv)));
     }
-    const unsigned u = bits::level_value(c, factor, s, bad);
-    const size_t pos = out.bit_offset + e;
-    for (int b = 0; b < p; ++b) {
-      out.planes[static_cast<size_t>(b) * out.plane_words + pos / kWordBits] |=
-          static_cast<uint64_t>((u >> b) & 1u) << (pos % kWordBits);
-    }
+    or_level(
+        bits::level_value(c, factor, s, bad), p, out.planes, out.plane_words, out.bit_offset + e);
   };
   size_t i = 0;
   for (; i < n && (out.bit_offset + i) % kWordBits != 0; ++i) {

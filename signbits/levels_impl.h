@@ -24,12 +24,7 @@ uint64_t pack_levels(
   const bool factor_finite = std::isfinite(factor);
   uint64_t bad = 0;
   auto one = [&](size_t k) {
-    const unsigned u = level_value(c[k], factor, s, bad);
-    const size_t pos = bit_offset + k;
-    for (int b = 0; b < p; ++b) {
-      planes[static_cast<size_t>(b) * plane_words + pos / kWordBits] |=
-          static_cast<uint64_t>((u >> b) & 1u) << (pos % kWordBits);
-    }
+    or_level(level_value(c[k], factor, s, bad), p, planes, plane_words, bit_offset + k);
   };
   size_t i = 0;
   for (; i < n && (bit_offset + i) % kWordBits != 0; ++i) {

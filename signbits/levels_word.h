@@ -136,15 +136,6 @@ inline void quantize_word(const float* c, double factor, int p, LevelWord& out) 
     out.plane[k] = m0 | static_cast<uint64_t>(m1) << 32;
   }
 }
-#else
-inline bool all_finite64(const float*) {
-  return false; // the scalar copy takes quantize_scalar for every word
-}
-
-inline void quantize_word(const float* c, double factor, int p, LevelWord& out) {
-  uint64_t bad = 0;
-  quantize_scalar(c, 64, factor, p, out, bad);
-}
 #endif
 
 // The levels of 64 values c[0..64) into `out`, counting non-finite values in
@@ -156,10 +147,22 @@ inline void quantize_any(
     int p,
     LevelWord& out,
     uint64_t& bad) {
+#if defined(__AVX2__) || defined(__AVX512F__)
   if (factor_finite && all_finite64(c)) {
     quantize_word(c, factor, p, out);
-  } else {
-    quantize_scalar(c, 64, factor, p, out, bad);
+    return;
+  }
+#else
+  (void)factor_finite; // the scalar copy has no vector form
+#endif
+  quantize_scalar(c, 64, factor, p, out, bad);
+}
+
+// ORs the p bits of one value u = q + s into bit `pos` of the planes.
+inline void or_level(unsigned u, int p, uint64_t* planes, size_t plane_words, size_t pos) {
+  for (int b = 0; b < p; ++b) {
+    planes[static_cast<size_t>(b) * plane_words + pos / 64] |= static_cast<uint64_t>((u >> b) & 1u)
+        << (pos % 64);
   }
 }
 
