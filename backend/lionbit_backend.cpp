@@ -10,6 +10,7 @@
 #include <unordered_set>
 
 #include "backend/sign_common.hpp"
+#include "backend/sign_hierarchy.hpp"
 #include "backend/sign_reduce_scatter.hpp"
 #include "backend/sign_work.hpp"
 #include "backend/torch_adapter.hpp"
@@ -81,6 +82,99 @@ LionBitBackend::~LionBitBackend() {
 
 SignComm LionBitBackend::signComm() {
   return SignComm{sign_, rank_, size_, &stats_, sign_cuda_, &tie_hint_};
+}
+
+void LionBitBackend::setHierarchy(
+    const c10::intrusive_ptr<c10d::Backend>& node,
+    const c10::intrusive_ptr<c10d::Backend>& cross,
+    const std::vector<int64_t>& order,
+    const std::vector<int64_t>& node_ranks) {
+  auto* n = dynamic_cast<LionBitBackend*>(node.get());
+  auto* x = dynamic_cast<LionBitBackend*>(cross.get());
+  const std::string at = "lionbit set_hierarchy on rank " + std::to_string(rank_) + ": ";
+  TORCH_CHECK_VALUE(
+      n != nullptr && x != nullptr, at, "'node' and 'cross' must be lionbit backends");
+  const int L = n->getSize();
+  const int M = x->getSize();
+  TORCH_CHECK_VALUE(
+      L * M == size_ && order.size() == static_cast<size_t>(size_) &&
+          node_ranks.size() == static_cast<size_t>(L),
+      at, "a hierarchy of ", M, " nodes of ", L, " ranks (order: ", order.size(),
+      " ranks, node_ranks: ", node_ranks.size(), ") does not cover the group's ", size_, " ranks");
+  std::vector<int> seen(static_cast<size_t>(size_), 0);
+  for (const int64_t r : order) {
+    TORCH_CHECK_VALUE(
+        r >= 0 && r < size_ && seen[static_cast<size_t>(r)]++ == 0, at,
+        "'order' must hold every rank of the group once");
+  }
+  TORCH_CHECK_VALUE(
+      order[static_cast<size_t>(n->getRank() * M + x->getRank())] == rank_ &&
+          node_ranks[static_cast<size_t>(n->getRank())] == rank_,
+      at, "this rank is not where 'order' and 'node_ranks' place it");
+  std::lock_guard<std::mutex> lock(hierarchy_mutex_);
+  TORCH_CHECK_VALUE(!node_, at, "the hierarchy is already set");
+  node_ = c10::intrusive_ptr<LionBitBackend>::reclaim_copy(n);
+  cross_ = c10::intrusive_ptr<LionBitBackend>::reclaim_copy(x);
+  order_.assign(order.begin(), order.end());
+  node_ranks_.assign(node_ranks.begin(), node_ranks.end());
+}
+
+bool LionBitBackend::hasHierarchy() const {
+  std::lock_guard<std::mutex> lock(hierarchy_mutex_);
+  return static_cast<bool>(node_);
+}
+
+std::string LionBitBackend::hierarchyProblem(
+    const std::string& name,
+    bits::SignOp op,
+    HierarchyMode& mode) const {
+  if (name == "flat") {
+    mode = HierarchyMode::kFlat;
+    return "";
+  }
+  if (name == "node") {
+    mode = HierarchyMode::kExact;
+  } else if (name == "node_vote") {
+    mode = HierarchyMode::kNodeVote;
+  } else {
+    return "argument 'hierarchy' is '" + name + "'; expected 'flat', 'node' or 'node_vote'";
+  }
+  if (mode == HierarchyMode::kNodeVote && op != bits::SignOp::kVote) {
+    return "argument 'hierarchy' is 'node_vote', a vote of node votes: op must be 'vote', not '" +
+        std::string(bits::sign_op_name(op)) + "'";
+  }
+  if (!hasHierarchy()) {
+    return "argument 'hierarchy' is '" + name +
+        "' but this group has no hierarchy (lionbit sets it up on every rank: "
+        "lionbit.all_reduce_sign(..., hierarchy=...) or DistributedLion(hierarchy=...))";
+  }
+  return "";
+}
+
+Hierarchy LionBitBackend::hierarchy() {
+  std::lock_guard<std::mutex> lock(hierarchy_mutex_);
+  return Hierarchy{node_->signComm(), cross_->signComm(), order_, node_ranks_};
+}
+
+std::map<std::string, double> LionBitBackend::hierarchyStats() {
+  std::lock_guard<std::mutex> lock(hierarchy_mutex_);
+  if (!node_) {
+    return {};
+  }
+  return {
+      {"intra_node_bytes_sent", static_cast<double>(node_->stats_.bytes_sent.load())},
+      {"intra_node_bytes_received", static_cast<double>(node_->stats_.bytes_received.load())},
+      {"inter_node_bytes_sent", static_cast<double>(cross_->stats_.bytes_sent.load())},
+      {"inter_node_bytes_received", static_cast<double>(cross_->stats_.bytes_received.load())},
+  };
+}
+
+void LionBitBackend::resetHierarchyStats() {
+  std::lock_guard<std::mutex> lock(hierarchy_mutex_);
+  if (node_) {
+    node_->stats_.reset();
+    cross_->stats_.reset();
+  }
 }
 
 c10d::Backend& LionBitBackend::forwardInner() {
@@ -436,15 +530,28 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSign(
     at::Tensor tensor,
     const std::string& op_name,
     const std::string& tie_break,
-    int64_t tie_seed) {
+    int64_t tie_seed,
+    const std::string& hierarchy_name) {
   TieSpec tie;
+  HierarchyMode mode = HierarchyMode::kFlat;
   const bits::SignOp op = validate(
       Collective::kAllReduce, op_name, tie_break, tie_seed, tie, [&](bits::SignOp op) {
         return first_problem({
             [&] { return sign_op_problem(op); },
+            [&] { return hierarchyProblem(hierarchy_name, op, mode); },
             [&] { return result_problem(tensor, "tensor", op, size_); },
         });
       });
+  if (mode != HierarchyMode::kFlat) {
+    return enqueue(
+        Collective::kAllReduce, op, tensor,
+        on_device(
+            {tensor},
+            [tensor, op, tie, mode, h = hierarchy()](const SignComm& comm, uint64_t seq) mutable {
+              sign_allreduce_hierarchical(
+                  comm, h, mode, tensor, nullptr, op, bits::CallRule{tie.at(seq), 0}, seq);
+            }));
+  }
   return enqueue(
       Collective::kAllReduce, op, tensor,
       on_device({tensor}, [tensor, op, tie](const SignComm& comm, uint64_t seq) mutable {
@@ -460,13 +567,16 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPacked(
     at::Tensor out,
     const std::string& op_name,
     const std::string& tie_break,
-    int64_t tie_seed) {
+    int64_t tie_seed,
+    const std::string& hierarchy_name) {
   TieSpec tie;
+  HierarchyMode mode = HierarchyMode::kFlat;
   const bits::SignOp op = validate(
       Collective::kAllReduce, op_name, tie_break, tie_seed, tie, [&](bits::SignOp op) {
         const int64_t bits_needed = std::max<int64_t>(numel, 0);
         return first_problem({
             [&] { return sign_op_problem(op); },
+            [&] { return hierarchyProblem(hierarchy_name, op, mode); },
             [&] { return packed_out_problem(out, op, size_, "numel", numel, nans, false); },
             [&] { return check_planes(sign, "sign", out.device(), bits_needed); },
             [&] { return check_planes(zero, "zero", out.device(), bits_needed); },
@@ -476,10 +586,17 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::allreduceSignPacked(
       Collective::kAllReduce, op, out,
       on_device(
           {out, sign, zero},
-          [sign, zero, numel, nans, out, op, tie](const SignComm& comm, uint64_t seq) mutable {
+          [sign, zero, numel, nans, out, op, tie, mode,
+           h = mode == HierarchyMode::kFlat ? Hierarchy{} : hierarchy()](
+              const SignComm& comm, uint64_t seq) mutable {
             const PackedSigns in{
                 sign, zero, static_cast<uint64_t>(numel), static_cast<uint64_t>(nans)};
-            sign_allreduce_packed(comm, in, out, op, bits::CallRule{tie.at(seq), 0}, seq);
+            const bits::CallRule rule{tie.at(seq), 0};
+            if (mode == HierarchyMode::kFlat) {
+              sign_allreduce_packed(comm, in, out, op, rule, seq);
+            } else {
+              sign_allreduce_hierarchical(comm, h, mode, out, &in, op, rule, seq);
+            }
           }));
 }
 
@@ -535,8 +652,10 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterSignPacked(
     at::Tensor out,
     const std::string& op_name,
     const std::string& tie_break,
-    int64_t tie_seed) {
+    int64_t tie_seed,
+    const std::string& hierarchy_name) {
   TieSpec tie;
+  HierarchyMode mode = HierarchyMode::kFlat;
   const bits::SignOp op = validate(
       Collective::kReduceScatter, op_name, tie_break, tie_seed, tie, [&](bits::SignOp op) {
         // N shards, each starting on a word (checked once shard_numel is).
@@ -545,6 +664,7 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterSignPacked(
                 static_cast<uint64_t>(std::max<int64_t>(shard_numel, 0)), size_));
         return first_problem({
             [&] { return sign_op_problem(op); },
+            [&] { return hierarchyProblem(hierarchy_name, op, mode); },
             [&] {
               return packed_out_problem(out, op, size_, "shard_numel", shard_numel, nans, true);
             },
@@ -556,11 +676,16 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::reduceScatterSignPacked(
       Collective::kReduceScatter, op, out,
       on_device(
           {out, sign, zero},
-          [sign, zero, shard_numel, nans, out, op, tie](
+          [sign, zero, shard_numel, nans, out, op, tie, mode,
+           h = mode == HierarchyMode::kFlat ? Hierarchy{} : hierarchy()](
               const SignComm& comm, uint64_t seq) mutable {
             const PackedShards in{
                 sign, zero, static_cast<uint64_t>(shard_numel), static_cast<uint64_t>(nans)};
-            sign_reduce_scatter_packed(comm, in, out, op, tie.at(seq), seq);
+            if (mode == HierarchyMode::kFlat) {
+              sign_reduce_scatter_packed(comm, in, out, op, tie.at(seq), seq);
+            } else {
+              sign_reduce_scatter_hierarchical(comm, h, mode, in, out, op, tie.at(seq), seq);
+            }
           }));
 }
 

@@ -6,6 +6,9 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
+#include <mutex>
+#include <vector>
 #include <string>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -13,6 +16,7 @@
 #include "backend/serial_executor.hpp"
 #include "backend/sign_allreduce.hpp"
 #include "backend/sign_common.hpp"
+#include "backend/sign_hierarchy.hpp"
 #include "backend/stats.hpp"
 
 namespace lionbit {
@@ -47,11 +51,16 @@ class LionBitBackend : public c10d::Backend {
   // Every sign call takes the vote's tie rule (signbits/ties.h): `tie_break`
   // "zero", "alternate" or "random" (not "zero": vote / l1 only) and its
   // seed, `tie_seed` < 0 for the call's number.
+  //
+  // `hierarchy` (the sign calls but l1's): "flat", or over the cluster's two
+  // levels once setHierarchy has run: "node" (exact, the flat result bit for
+  // bit) or "node_vote" (a vote of node votes); backend/sign_hierarchy.hpp.
   c10::intrusive_ptr<c10d::Work> allreduceSign(
       at::Tensor tensor,
       const std::string& op,
       const std::string& tie_break = "zero",
-      int64_t tie_seed = -1);
+      int64_t tie_seed = -1,
+      const std::string& hierarchy = "flat");
 
   // The same collective on direction bits packed by the caller (uint8
   // tensors `sign` and `zero` of at least ceil(numel / 64) * 8 bytes, laid
@@ -67,7 +76,8 @@ class LionBitBackend : public c10d::Backend {
       at::Tensor out,
       const std::string& op,
       const std::string& tie_break = "zero",
-      int64_t tie_seed = -1);
+      int64_t tie_seed = -1,
+      const std::string& hierarchy = "flat");
 
   // Lion Cub's L1 aggregation (op "l1", backend/sign_allreduce.hpp
   // levels_allreduce_packed): `planes` (uint8) holds `bits` planes of
@@ -96,7 +106,23 @@ class LionBitBackend : public c10d::Backend {
       at::Tensor out,
       const std::string& op,
       const std::string& tie_break = "zero",
-      int64_t tie_seed = -1);
+      int64_t tie_seed = -1,
+      const std::string& hierarchy = "flat");
+
+  // The cluster's two levels for the hierarchical sign calls: `node` spans
+  // this rank's node (its rank: this rank's local index), `cross` the ranks
+  // with this rank's local index, one per node; both lionbit backends used
+  // only by this one's worker from now on. `order` and `node_ranks` as in
+  // Hierarchy (ranks of this backend's group). Checked here; set once.
+  void setHierarchy(
+      const c10::intrusive_ptr<c10d::Backend>& node,
+      const c10::intrusive_ptr<c10d::Backend>& cross,
+      const std::vector<int64_t>& order,
+      const std::vector<int64_t>& node_ranks);
+  bool hasHierarchy() const;
+  // The byte counters of the node and cross-node communicators.
+  std::map<std::string, double> hierarchyStats();
+  void resetHierarchyStats();
 
   // The reduce-scatter of L1 levels: `planes` holds `bits` planes, each laid
   // out like reduceScatterSignPacked's sign plane.
@@ -245,6 +271,14 @@ class LionBitBackend : public c10d::Backend {
   uint64_t next_seq_ = 0;
   Stats stats_;
   std::atomic<bool> tie_hint_{false}; // SignComm::tie_hint
+  // setHierarchy's communicators and layout (set once, before any
+  // hierarchical call; read by callers' threads under the mutex).
+  mutable std::mutex hierarchy_mutex_;
+  c10::intrusive_ptr<LionBitBackend> node_, cross_;
+  std::vector<int> order_, node_ranks_;
+  // The hierarchy `name` asks for, or an error naming the argument.
+  std::string hierarchyProblem(const std::string& name, bits::SignOp op, HierarchyMode& mode) const;
+  Hierarchy hierarchy();
   // Last: destroyed first, so no job outlives the members it uses.
   SerialExecutor executor_;
 };

@@ -82,12 +82,12 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "all_reduce_sign", &lionbit::LionBitBackend::allreduceSign, py::arg("tensor"),
           py::arg("op") = "vote", py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("hierarchy") = "flat", py::call_guard<py::gil_scoped_release>())
       .def(
           "all_reduce_sign_packed", &lionbit::LionBitBackend::allreduceSignPacked, py::arg("sign"),
           py::arg("zero"), py::arg("numel"), py::arg("nans"), py::arg("out"),
           py::arg("op") = "vote", py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("hierarchy") = "flat", py::call_guard<py::gil_scoped_release>())
       .def(
           "all_reduce_levels_packed", &lionbit::LionBitBackend::allreduceLevelsPacked,
           py::arg("planes"), py::arg("bits"), py::arg("numel"), py::arg("nans"), py::arg("out"),
@@ -98,12 +98,18 @@ PYBIND11_MODULE(_C, m) {
           "reduce_scatter_sign_packed", &lionbit::LionBitBackend::reduceScatterSignPacked,
           py::arg("sign"), py::arg("zero"), py::arg("shard_numel"), py::arg("nans"), py::arg("out"),
           py::arg("op") = "vote", py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("hierarchy") = "flat", py::call_guard<py::gil_scoped_release>())
       .def(
           "reduce_scatter_levels_packed", &lionbit::LionBitBackend::reduceScatterLevelsPacked,
           py::arg("planes"), py::arg("bits"), py::arg("shard_numel"), py::arg("nans"),
           py::arg("out"), py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_hierarchy", &lionbit::LionBitBackend::setHierarchy, py::arg("node"),
+          py::arg("cross"), py::arg("order"), py::arg("node_ranks"))
+      .def_property_readonly("has_hierarchy", &lionbit::LionBitBackend::hasHierarchy)
+      .def("hierarchy_stats", &lionbit::LionBitBackend::hierarchyStats)
+      .def("reset_hierarchy_stats", &lionbit::LionBitBackend::resetHierarchyStats)
       .def("stats", [](lionbit::LionBitBackend& self) { return self.stats().snapshot(); })
       .def("reset_stats", [](lionbit::LionBitBackend& self) { self.stats().reset(); });
 

@@ -147,6 +147,13 @@ const char* collective_text(uint32_t flags) {
   return (flags & kReduceScatter) ? "a sign reduce-scatter" : "a sign all-reduce";
 }
 
+const char* hierarchy_text(uint32_t flags) {
+  if (flags & kHierExact) {
+    return "hierarchy 'node'";
+  }
+  return (flags & kHierNodeVote) ? "hierarchy 'node_vote'" : "hierarchy 'flat'";
+}
+
 const char* device_text(uint32_t flags) {
   return (flags & kDevice) ? "CUDA" : "CPU";
 }
@@ -168,7 +175,7 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
   HeaderSummary s;
   Checks check(s);
   constexpr uint32_t kKnownFlags = kHasZero | kHasNan | kRejected | kReduceScatter | kDevice |
-      kTieHint;
+      kTieHint | kHierExact | kHierNodeVote;
   // 1. Well-formed: magic, version, rank field, known enums, sane size.
   for (int r = 0; r < world_size; ++r) {
     const WireHeader& h = headers[r];
@@ -206,6 +213,10 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
             (h.flags & kReduceScatter) != (mine.flags & kReduceScatter),
             "collective differs across ranks at call #", mine.seq, ": rank ", me, " runs ",
             collective_text(mine.flags), ", rank ", r, " runs ", collective_text(h.flags)) ||
+        check.fail(
+            (h.flags & (kHierExact | kHierNodeVote)) != (mine.flags & (kHierExact | kHierNodeVote)),
+            "the hierarchy differs across ranks at call #", mine.seq, ": rank ", me, " uses ",
+            hierarchy_text(mine.flags), ", rank ", r, " uses ", hierarchy_text(h.flags)) ||
         check.fail(
             (h.flags & kDevice) != (mine.flags & kDevice),
             "tensor device type differs across ranks: rank ", me, " has a ",

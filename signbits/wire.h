@@ -32,8 +32,9 @@ constexpr uint32_t kWireMagic = 0x3153424cu; // "LBS1"
 // a zero, not the zero-aware code's extra plane. 7: the tie rule and the
 // levels' bits in the header (64 bytes). 8: a vote's phase 2 carries the
 // result's zeros under every tie rule (elements every rank voted 0 for stay
-// 0, ties.h); the sign-plane-only format of version 7 is gone.
-constexpr uint16_t kWireVersion = 8;
+// 0, ties.h); the sign-plane-only format of version 7 is gone. 9: the
+// hierarchy flags (kHierExact, kHierNodeVote).
+constexpr uint16_t kWireVersion = 9;
 
 enum WireFlags : uint32_t {
   kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane
@@ -48,6 +49,11 @@ enum WireFlags : uint32_t {
   // phase-2 messages carry the tie plane inline, saving the separate tie
   // round, iff every rank sets it (HeaderSummary::inline_ties).
   kTieHint = 1u << 5,
+  // The call runs over the cluster's two levels (backend/sign_hierarchy.hpp):
+  // exactly (the flat result, bit for bit) or as a vote of node votes. Every
+  // rank must agree; neither flag: flat.
+  kHierExact = 1u << 6,
+  kHierNodeVote = 1u << 7,
 };
 
 // 64 bytes, little-endian (x86-64 and aarch64 both are).

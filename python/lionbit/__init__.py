@@ -58,6 +58,7 @@ from ._backend import (  # noqa: E402
     stats,
 )
 from .fsdp import reduce_scatter_sign  # noqa: E402
+from .hierarchy import HIERARCHIES  # noqa: E402
 from .kernel_choice import kernels  # noqa: E402
 from .momentum_sync import ExponentialSync  # noqa: E402
 from .optim import DistributedLion  # noqa: E402
@@ -84,6 +85,7 @@ __all__ = [
     "Topology",
     "detect_topology",
     "check_topology",
+    "HIERARCHIES",
     "built_with_cuda",
     "torch_version_built_against",
     "__version__",

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from .hierarchy import ensure_hierarchy
 
 BACKEND_NAME = "lionbit"
 _OPS = ("vote", "avg", "sum")
@@ -95,6 +96,8 @@ def all_reduce_sign(
     *,
     tie_break: str = "zero",
     tie_seed: Optional[int] = None,
+    hierarchy: str = "flat",
+    topology=None,
 ):
     """In-place 1-bit sign all-reduce of ``tensor`` over ``group``.
 
@@ -118,6 +121,13 @@ def all_reduce_sign(
     this group (pass your step counter for "alternate" when one step makes
     several calls).
 
+    ``hierarchy`` (``"flat"``, ``"node"`` or ``"node_vote"``) runs the call
+    over the cluster's nodes (:mod:`lionbit.hierarchy`): ``"node"`` counts
+    inside each node first and gives the flat result bit for bit with fewer
+    bytes between nodes; ``"node_vote"`` (op "vote") votes the node votes.
+    The first such call sets the hierarchy up on every rank (from
+    ``topology``, a :class:`lionbit.Topology`, or detected).
+
     Returns a ``Work`` when ``async_op`` is true (``wait()``, ``get_future()``),
     else None once the result is written. NaN input raises on every rank.
     """
@@ -139,7 +149,11 @@ def all_reduce_sign(
             f"lionbit.all_reduce_sign: argument 'tie_break' must be a str ('zero', 'alternate' or 'random'), "
             f"not {type(tie_break).__name__}"
         )
-    work = backend.all_reduce_sign(tensor, op, tie_break, -1 if tie_seed is None else tie_seed)
+    if not isinstance(hierarchy, str):
+        raise TypeError(f"lionbit.all_reduce_sign: argument 'hierarchy' must be a str, not {type(hierarchy).__name__}")
+    if hierarchy in ("node", "node_vote"):
+        ensure_hierarchy(group, "all_reduce_sign", topology)  # collective, the first time
+    work = backend.all_reduce_sign(tensor, op, tie_break, -1 if tie_seed is None else tie_seed, hierarchy)
     # The result replaces the data in place: bump the version counter so that
     # autograd raises if the tensor was saved for a backward pass (c10d's own
     # collectives do not; a silently wrong gradient is worse).
@@ -230,11 +244,18 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
     ``momentum_sync_steps`` (steps applied by optimizers with momentum_sync
     on) and ``momentum_sync_bytes_per_step`` (bytes sent per such step,
     amortized: sent / steps, 0.0 before the first).
+
+    With a hierarchy (:mod:`lionbit.hierarchy`): ``intra_node_bytes_sent`` /
+    ``intra_node_bytes_received`` and ``inter_node_bytes_sent`` /
+    ``inter_node_bytes_received``, the payload of the hierarchical calls over
+    this rank's node and cross-node communicators (their header round is in
+    ``bytes_sent``).
     """
     backend = _lionbit_backend_any_device(group, "stats")
     out = {k: (int(v) if not k.endswith("_seconds") else v) for k, v in backend.stats().items()}
     sync = _momentum_sync_counters.get(backend) or dict.fromkeys(_MOMENTUM_SYNC_KEYS, 0)
     out.update(sync)
+    out.update({k: int(v) for k, v in backend.hierarchy_stats().items()})
     steps = sync["momentum_sync_steps"]
     out["momentum_sync_bytes_per_step"] = sync["momentum_sync_bytes_sent"] / steps if steps else 0.0
     return out
@@ -245,6 +266,7 @@ def reset_stats(group: Optional[dist.ProcessGroup] = None) -> None:
     synchronization's too)."""
     backend = _lionbit_backend_any_device(group, "reset_stats")
     backend.reset_stats()
+    backend.reset_hierarchy_stats()
     counters = _momentum_sync_counters.get(backend)
     if counters is not None:
         for k in counters:

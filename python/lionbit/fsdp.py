@@ -78,6 +78,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from . import _C, lion_math, step_vote
 from ._backend import backend_for
 from .attachment import Attachment
+from .hierarchy import ensure_hierarchy
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -100,6 +101,8 @@ def reduce_scatter_sign(
     *,
     tie_break: str = "zero",
     tie_seed: Optional[int] = None,
+    hierarchy: str = "flat",
+    topology=None,
 ) -> None:
     """1-bit sign reduce-scatter: ``input`` holds N * S elements (N chunks of S,
     chunk r for rank r); ``output`` (S elements) receives this rank's chunk of
@@ -107,11 +110,17 @@ def reduce_scatter_sign(
     :func:`lionbit.all_reduce_sign`, also for ``tie_break`` and
     ``tie_seed``; the random rule's position of element i of chunk r is
     r * 64 * ceil(S / 64) + i, each chunk starting on a 64-bit word). Phase 1
-    of the sign all-reduce only: (N - 1)/N * N*S/8 bytes per rank."""
+    of the sign all-reduce only: (N - 1)/N * N*S/8 bytes per rank.
+    ``hierarchy`` and ``topology``: as for :func:`lionbit.all_reduce_sign`
+    ("node": counted inside each node first, the flat result bit for bit)."""
     for name, t in (("output", output), ("input", input)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"lionbit.reduce_scatter_sign: argument '{name}' must be a torch.Tensor")
     backend = backend_for(group, output.device, "reduce_scatter_sign")
+    if not isinstance(hierarchy, str):
+        raise TypeError(f"lionbit.reduce_scatter_sign: argument 'hierarchy' must be a str, not {type(hierarchy).__name__}")
+    if hierarchy in ("node", "node_vote"):
+        ensure_hierarchy(group, "reduce_scatter_sign", topology)  # collective, the first time
     n = group.size() if group is not None else dist.get_world_size()
     s = output.numel()
     if input.numel() != n * s:
@@ -134,7 +143,7 @@ def reduce_scatter_sign(
         nans += k
     out = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
     seed = -1 if tie_seed is None else int(tie_seed)
-    backend.reduce_scatter_sign_packed(sign, zero, s, nans, out.view(-1), op, tie_break, seed).wait()
+    backend.reduce_scatter_sign_packed(sign, zero, s, nans, out.view(-1), op, tie_break, seed, hierarchy).wait()
     if out is not output:
         output.copy_(out)
 

@@ -23,6 +23,7 @@ from torch.distributed.algorithms.join import Joinable
 
 from . import _C, ddp, fsdp, fsdp1, join, kernel_choice, lion_math, momentum_sync as msync
 from .attachment import Attachment
+from .hierarchy import optimizer_hierarchy
 from .voter import Voter
 
 # GradScaler passes itself to an optimizer whose step() takes grad_scaler= and
@@ -81,6 +82,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
             4 (N-1)/N bytes per element and sync) or torch.float32 (8 (N-1)/N, the Lion Cub code's).
         group: the process group (a lionbit one); default: the default group, or the attached model's.
         momentum_dtype: torch.float32 (default) or torch.bfloat16.
+        hierarchy: "flat", "node" (exact) or "node_vote", with ``topology``: see lionbit.hierarchy.
         fused: the fused C++ kernels: None (default) wherever the dtypes allow, True, or False
             (plain torch ops). All give bitwise the same result. ``LIONBIT_KERNELS=aten`` turns them
             off everywhere (lionbit.kernel_choice; ``lionbit.kernels(device)`` says which run).
@@ -97,17 +99,17 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
                  aggregation: str = "vote", group: Optional[dist.ProcessGroup] = None,
                  momentum_dtype: Optional[torch.dtype] = None, fused: Optional[bool] = None, *,
                  bits: Optional[int] = None, tie_break: str = "zero", momentum_sync=None,
-                 momentum_sync_dtype: torch.dtype = torch.bfloat16):
+                 momentum_sync_dtype: torch.dtype = torch.bfloat16, hierarchy: str = "flat", topology=None):
         bits = _checked_bits(lr, betas, weight_decay, aggregation, bits, tie_break, momentum_dtype)
+        self.hierarchy = optimizer_hierarchy(hierarchy, aggregation, group, topology)
         self.momentum_sync, self._sync = momentum_sync, msync.schedule(momentum_sync, momentum_sync_dtype)
         # "step": the steps applied (skipped ones not counted), kept in every
         # parameter group so that it travels in every kind of checkpoint.
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, step=0))
         self.aggregation, self.bits, self.tie_break = aggregation, bits, tie_break
-        self.group = group
+        self.group, self.fused = group, fused
         self.momentum_dtype = momentum_dtype or torch.float32
-        self.fused = fused
-        self.voter = Voter(aggregation, bits, tie_break, self)
+        self.voter = Voter(aggregation, bits, tie_break, self, hierarchy)
         self._attachment: Attachment = Attachment(self, group)
         Joinable.__init__(self)
 

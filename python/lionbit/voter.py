@@ -22,8 +22,9 @@ from ._backend import backend_for
 class Voter:
     """The aggregation of one DistributedLion and its collectives."""
 
-    def __init__(self, aggregation: str, bits: Optional[int], tie_break: str, counter):
+    def __init__(self, aggregation: str, bits: Optional[int], tie_break: str, counter, hierarchy: str = "flat"):
         self.aggregation = aggregation
+        self.hierarchy = hierarchy  # "flat", "node" or "node_vote" (lionbit.hierarchy)
         self.bits = bits  # "l1" only
         self.tie_break = tie_break
         self._counter = counter  # its steps_taken: the optimizer's step counter
@@ -78,7 +79,9 @@ class Voter:
         if self.aggregation == "l1":
             work = backend.all_reduce_levels_packed(sign, self.bits, numel, nans, out, self.tie_break, seed)
         else:
-            work = backend.all_reduce_sign_packed(sign, zero, numel, nans, out, self.aggregation, self.tie_break, seed)
+            work = backend.all_reduce_sign_packed(
+                sign, zero, numel, nans, out, self.aggregation, self.tie_break, seed, self.hierarchy
+            )
         return work.get_future()
 
     def reduce_scatter(self, sign, zero, shard_numel: int, nans: int, delta: torch.Tensor, group, where: str) -> None:
@@ -90,6 +93,6 @@ class Voter:
             work = backend.reduce_scatter_levels_packed(sign, self.bits, shard_numel, nans, delta, self.tie_break, seed)
         else:
             work = backend.reduce_scatter_sign_packed(
-                sign, zero, shard_numel, nans, delta, self.aggregation, self.tie_break, seed
+                sign, zero, shard_numel, nans, delta, self.aggregation, self.tie_break, seed, self.hierarchy
             )
         work.wait()

@@ -274,6 +274,39 @@ def test_sign_allreduce_cuda_nccl_several_gpus():
     assert values(run_ranks("test_cuda:_sign_cuda", n, kwargs={"seed": 5}, timeout=900)) == [[]] * n
 
 
+def _hierarchy_cuda(rank, world_size):
+    """hierarchy="node" on CUDA tensors (the same orchestration, the device's
+    kernels and ATen's bit-sliced sums) against the flat vote on the CPU."""
+    from test_hierarchy import OPS, _bits, _data
+
+    dev = _device(rank)
+    topo = lionbit.Topology((0, 0, 1, 1))
+    bad = []
+    for n in (1000, (1 << 20) + 13):
+        for op, tie in OPS:
+            for zeros in ("none", "dense", "still"):
+                x = _data(7, rank, n, torch.float32, zeros)
+                cpu = x.clone()
+                lionbit.all_reduce_sign(cpu, op, tie_break=tie, tie_seed=3)
+                gpu = x.to(dev)
+                lionbit.all_reduce_sign(gpu, op, tie_break=tie, tie_seed=3, hierarchy="node", topology=topo)
+                s = n // world_size
+                rs_cpu = torch.empty(s)
+                lionbit.reduce_scatter_sign(rs_cpu, x[: s * world_size], op, tie_break=tie, tie_seed=3)
+                rs_gpu = torch.empty(s, device=dev)
+                lionbit.reduce_scatter_sign(rs_gpu, x[: s * world_size].to(dev), op, tie_break=tie, tie_seed=3,
+                                            hierarchy="node")
+                if _bits(gpu.cpu()) != _bits(cpu) or _bits(rs_gpu.cpu()) != _bits(rs_cpu):
+                    bad.append(f"{n} {op}/{tie} {zeros}")
+    return bad
+
+
+@pytest.mark.gpu
+def test_hierarchy_on_cuda_equals_flat_cpu_gloo():
+    _skip_without_gpu()
+    assert values(run_ranks("test_cuda:_hierarchy_cuda", 4, env=GLOO, timeout=900)) == [[]] * 4
+
+
 def _mixed_devices(rank, world_size):
     dev = _device(rank)
     out = {}

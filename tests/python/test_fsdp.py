@@ -78,7 +78,8 @@ LION = dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)
 def _agg(aggregation: str) -> dict:
     """DistributedLion's aggregation arguments from "vote", "avg",
     "vote+alternate" or "l1:4+alternate" (bits after the colon, tie rule
-    after the plus)."""
+    after the plus), and a hierarchy after an at sign ("vote@node")."""
+    aggregation, _, hierarchy = aggregation.partition("@")
     name, _, tie = aggregation.partition("+")
     name, _, bits = name.partition(":")
     kw = {"aggregation": name}
@@ -86,6 +87,8 @@ def _agg(aggregation: str) -> dict:
         kw["bits"] = int(bits)
     if tie:
         kw["tie_break"] = tie
+    if hierarchy:
+        kw["hierarchy"] = hierarchy
     return kw
 
 
