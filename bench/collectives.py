@@ -382,7 +382,7 @@ def new_meta(use_ns: bool) -> dict:
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mode": "netns" if use_ns else "loopback"}
 
 
-def run_cases(suite: str, use_ns: bool, links, ranks, json_path: str, meta: dict, run_one) -> list:
+def run_cases(suite: str, use_ns: bool, links, ranks, json_path: str, meta: dict, run_one, per_node: int = 1) -> list:
     """For each link and N: run_one(cluster, n, link, tmp) -> results, on a fresh
     cluster after its iperf3 check (cluster None and link "loopback" without
     namespaces). The JSON {meta, iperf3, results} is rewritten after each, and
@@ -400,7 +400,7 @@ def run_cases(suite: str, use_ns: bool, links, ranks, json_path: str, meta: dict
     for link in (links if use_ns else ["loopback"]):
         for n in ranks:
             if use_ns:
-                with netns.Cluster(n, netns.parse_rate(link)) as c:
+                with netns.Cluster(n, netns.parse_rate(link), per_node=per_node) as c:
                     checks.append(check_link(c, link, suite))
                     results += run_one(c, n, link, tmp)
             else:

@@ -8,6 +8,12 @@ Layout (root needed: CAP_NET_ADMIN and CAP_SYS_ADMIN):
     namespace <tag>-hub : bridge br0 + veth ends h0 .. h{N-1} (all attached to br0)
     namespace <tag>-r<i>: veth end eth0, address 10.77.0.<i+1>/24, lo up
 
+A two-level cluster (``Cluster(M * L, rate, per_node=L)``): one namespace a
+node, its L ranks inside it. Ranks of one node reach each other over the
+node's loopback (unshaped: the fast link inside a node); other nodes over the
+node's shaped veth, whose counters then count exactly the node's inter-node
+traffic. Each rank gets ``LIONBIT_NODE=node<m>`` (lionbit.detect_topology).
+
 Each veth end gets, on egress, a token-bucket filter at the link rate (``tc
 tbf``) with ``netem`` under it for the delay, on both ends, so a rank's
 upload and download are each limited to the link rate: a full-duplex NIC
@@ -112,14 +118,21 @@ class Cluster:
     _live: list["Cluster"] = []
     _handlers_installed = False
 
-    def __init__(self, ranks: int, rate_bps: int, delay_ms: float = 0.0, tag: Optional[str] = None):
+    def __init__(self, ranks: int, rate_bps: int, delay_ms: float = 0.0, tag: Optional[str] = None,
+                 per_node: int = 1):
+        if per_node < 1 or ranks % per_node:
+            raise ValueError(f"cluster: {ranks} ranks do not make nodes of {per_node}")
         self.n = ranks
+        self.per_node = per_node            # ranks sharing a namespace (a node)
+        self.nodes = ranks // per_node
         self.rate_bps = rate_bps
         self.delay_ms = delay_ms
         self.tag = tag or f"{PREFIX}{os.getpid()}"
         self.hub = f"{self.tag}-hub"
-        self.ns = [f"{self.tag}-r{i}" for i in range(ranks)]
-        self.addr = [f"{SUBNET}.{i + 1}" for i in range(ranks)]
+        # One namespace a node: its ranks talk over its loopback (unshaped),
+        # other nodes over its veth (shaped).
+        self.ns = [f"{self.tag}-r{i}" for i in range(self.nodes)]
+        self.addr = [f"{SUBNET}.{i + 1}" for i in range(self.nodes)]
         self.ifname = "eth0"
         self.offload_note = ""
         self.delay_note = ""
@@ -220,25 +233,34 @@ class Cluster:
         return v if v >= 0 else None
 
     # -- use --------------------------------------------------------------
+    def node_of(self, rank: int) -> int:
+        return rank // self.per_node
+
     def env(self, rank: int, port: int = 29500) -> dict:
-        """Environment of rank i: rendezvous on rank 0's veth address, no local-size hint."""
+        """Environment of rank i: rendezvous on rank 0's veth address, no local-size hint,
+        and, with nodes of several ranks, LIONBIT_NODE naming the rank's node."""
         e = {k: v for k, v in os.environ.items()
-             if k not in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+             if k not in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+                          "LIONBIT_NODE", "GROUP_RANK")}
         e.update(MASTER_ADDR=self.addr[0], MASTER_PORT=str(port), RANK=str(rank),
                  WORLD_SIZE=str(self.n), GLOO_SOCKET_IFNAME=self.ifname)
+        if self.per_node > 1:
+            e["LIONBIT_NODE"] = f"node{self.node_of(rank)}"
         return e
 
     def popen(self, rank: int, argv: list[str], **kw) -> subprocess.Popen:
-        return subprocess.Popen(["ip", "netns", "exec", self.ns[rank], *argv],
+        return subprocess.Popen(["ip", "netns", "exec", self.ns[self.node_of(rank)], *argv],
                                 env=self.env(rank), start_new_session=True, **kw)
 
     def tx_bytes(self, rank: int) -> int:
-        r = self._ns(self.ns[rank], "cat", f"/sys/class/net/{self.ifname}/statistics/tx_bytes", capture=True)
+        """Bytes rank's namespace sent on its veth (a node's: all its ranks' traffic to other nodes)."""
+        r = self._ns(self.ns[self.node_of(rank)], "cat", f"/sys/class/net/{self.ifname}/statistics/tx_bytes",
+                     capture=True)
         return int(r.stdout)
 
     def iperf3(self, seconds: float = 2.0) -> Optional[dict]:
         """Rate rank 1 -> rank 0 measured by iperf3 (TCP), or None when iperf3 is missing."""
-        if self.n < 2 or shutil.which("iperf3") is None:
+        if self.nodes < 2 or shutil.which("iperf3") is None:
             return None
         server = subprocess.Popen(["ip", "netns", "exec", self.ns[0], "iperf3", "-s", "-1", "-p", "5201"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -263,10 +285,12 @@ class Cluster:
 
     def rtt_ms(self) -> Optional[float]:
         """Round trip rank 1 -> rank 0 (TCP connect/reset), median of 5."""
-        return self._connect_ms(1, self.addr[0], tries=5) if self.n > 1 else None
+        return self._connect_ms(1, self.addr[0], tries=5) if self.nodes > 1 else None
 
     def describe(self) -> str:
-        return (f"{self.n} network namespaces ({self.tag}-r*), veth into bridge br0 in {self.tag}-hub, "
+        nodes = (f"{self.nodes} nodes x {self.per_node} ranks, one network namespace a node (its ranks over "
+                 f"its loopback, unshaped)" if self.per_node > 1 else f"{self.n} network namespaces")
+        return (f"{nodes} ({self.tag}-r*), veth into bridge br0 in {self.tag}-hub, "
                 f"tbf {rate_label(self.rate_bps)} + {self.delay_ms:g} ms netem delay on both ends, "
                 f"TSO/GSO/GRO off{' (' + self.offload_note + ')' if self.offload_note else ''}"
                 f"{'; ' + self.delay_note if self.delay_note else ''}")

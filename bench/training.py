@@ -42,6 +42,12 @@ distlion_vote (attach, overlap) with one DistributedLion option (DISTLION):
     distlion_l1p2   aggregation="l1", bits=2     distlion_l1p4   aggregation="l1", bits=4
     distlion_l1p8   aggregation="l1", bits=8
     distlion_ms10   momentum_sync=10             distlion_ms100  momentum_sync=100
+    distlion_node   hierarchy="node"             distlion_node_vote  hierarchy="node_vote"
+
+On a two-level cluster (--per-node L: one namespace a node of L ranks, bench/netns.py):
+
+    python bench/training.py --quick --ranks 4 --per-node 2 --links 1gbit \
+        --impls no_comm,distlion_vote,distlion_node,distlion_node_vote
 
     python bench/training.py --links 1gbit --steps 100 \
         --impls distlion_vote,distlion_alt,distlion_avg,distlion_l1p4,distlion_l1p8,distlion_ms10,distlion_ms100,no_comm
@@ -80,9 +86,10 @@ communication that backward covered.
 
 Bytes per rank per step: payload (fp32: 2(N-1)/N * 4d, bf16: 2(N-1)/N * 2d,
 PowerSGD: 2(N-1)/N * 4 * (P + Q + uncompressed elements) from the hook's own
-counters, DistributedLion: lionbit.stats()["bytes_sent"]) and on the wire
-(veth tx_bytes over the timed steps minus the same number of bare barriers,
-divided by the steps).
+counters, DistributedLion: lionbit.stats()["bytes_sent"], plus the node and
+cross-node bytes with a hierarchy) and on the wire (veth tx_bytes over the
+timed steps minus the same number of bare barriers, divided by the steps; on
+a two-level cluster a node's veth, so per node).
 
 Also recorded per config: the cores busy during its timed steps (/proc/stat)
 and the share not charged to the ranks (other jobs, network softirqs), and
@@ -123,6 +130,8 @@ DISTLION = {
     "distlion_l1p8": dict(aggregation="l1", bits=8),
     "distlion_ms10": dict(momentum_sync=10),
     "distlion_ms100": dict(momentum_sync=100),
+    "distlion_node": dict(hierarchy="node"),
+    "distlion_node_vote": dict(hierarchy="node_vote"),
 }
 KNOWN = IMPLS + [k for k in DISTLION if k not in IMPLS]
 
@@ -554,7 +563,9 @@ def worker(args) -> None:
                              st["pack_seconds"], st["comm_seconds"], st["vote_seconds"], st["unpack_seconds"],
                              float(st["sign_allreduce_calls"]),
                              c1 - c0, u1[0] - u0[0], t_1 - t_0, u1[1] - u0[1],
-                             statistics.fmean(t[0] for t in times), float(sync_bytes)], dtype=torch.float64)
+                             statistics.fmean(t[0] for t in times), float(sync_bytes),
+                             float(st.get("intra_node_bytes_sent", 0)), float(st.get("inter_node_bytes_sent", 0))],
+                            dtype=torch.float64)
         every = gather_rows(mine)
 
         slow = int(every[:, 0].argmax())
@@ -566,7 +577,8 @@ def worker(args) -> None:
         elif impl == "lion_powersgd":
             payload = f * 4 * psgd_numel
         elif impl in DISTLION:
-            payload = (every[:, 5] + every[:, 16]).max().item() / args.steps
+            # with a hierarchy (distlion_node*), its node and cross-node communicators' bytes too
+            payload = (every[:, 5] + every[:, 16] + every[:, 17] + every[:, 18]).max().item() / args.steps
         else:
             payload = 0.0
         wire = every[:, 4].max().item() / args.steps if every[0, 4] >= 0 else None
@@ -577,7 +589,8 @@ def worker(args) -> None:
             "median_s": every[:, 0].max().item(), "bytes_per_rank": payload,
             # Each rank's mean step, slowest rank: the amortized figure (momentum syncs included).
             "mean_s": every[:, 15].max().item(),
-            "wire_bytes_per_rank": wire,
+            "wire_bytes_per_rank": wire,   # with --per-node > 1: the rank's node's veth, i.e. per node
+            "inter_node_bytes_per_rank": every[:, 18].max().item() / args.steps,
             # The split is the slowest rank's (the one whose median step is median_s).
             "fwd_bwd_s": every[slow, 1].item(), "opt_s": every[slow, 2].item(),
             "comm_alone_s": every[:, 3].max().item() if comm else None,
@@ -701,6 +714,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 20; quick 8)")
     p.add_argument("--comm-repeats", type=int, default=None, help="repeats of the comm-alone run (default 5; quick 3)")
     p.add_argument("--loopback", action="store_true", help="no namespaces: plain processes on 127.0.0.1")
+    p.add_argument("--per-node", type=int, default=1,
+                   help="ranks a node: a two-level cluster, one namespace a node (default 1)")
     p.add_argument("--link", default="loopback", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
     p.add_argument("--json", default="bench/results/training.json", help="results file")
@@ -736,7 +751,7 @@ def main() -> None:
     if not use_ns:
         links = ["loopback"]
     meta = dict(new_meta(use_ns), model=MODEL, lr=LR, weight_decay=WD, betas=BETAS, git=git_commit(),
-                pinned=a.pin)
+                pinned=a.pin, per_node=a.per_node)
     print(f"training: {meta['machine']['cores']} cores ({meta['machine']['cpu']}), "
           f"torch {meta['machine']['torch']}, lionbit {meta['machine']['lionbit']}; N {ranks}, links {links}, "
           f"impls {impls}; {warmup} warm-up + {steps} timed steps, comm alone x{comm_repeats}; "
@@ -751,7 +766,7 @@ def main() -> None:
         os.environ["LIONBIT_TRACE"] = os.path.join(a.timeline, "sign")
     run_cases("training", use_ns, links, ranks, a.json, meta,
               lambda c, n, link, tmp: run_ranks(c, n, link, impls, warmup, steps, comm_repeats, tmp, a.timeout,
-                                                a.timeline, a.pin))
+                                                a.timeline, a.pin), per_node=a.per_node)
     import report
     report.training(a.json, md=a.md, png=a.png)
 
