@@ -6,8 +6,9 @@ prints, for d parameters on M nodes of L GPUs each (N = M * L ranks), the
 modelled time and bytes of each way to combine the ranks' gradients once:
 
     flat vote            lionbit's sign all-reduce over all N ranks, as built
-    exact hierarchical   the same majority, counted inside each node first (planned: hierarchy="node")
-    node vote            a vote inside each node, then a vote of the node votes (planned; approximate)
+    exact hierarchical   the same majority, counted inside each node first (hierarchy="node")
+    node vote            a vote inside each node, then a vote of the node votes (hierarchy="node_vote";
+                         approximate)
     fp32 / bf16 ring     an NCCL-style ring all-reduce over all N ranks
     fp32 / bf16 hier.    reduce-scatter in the node, ring all-reduce across nodes, all-gather in the node
 
@@ -106,10 +107,10 @@ MESSAGE_OVERHEAD_S = 1e-6  # assumed: each further message an all-to-all posts a
 DIRECTION_BYTES = 4  # pack reads the fp32 Lion direction; unpack writes an fp32 sign
 
 METHODS = (
-    # name, label, exact, where it comes from ("planned": lionbit's hierarchy="node", not built yet)
+    # name, label, exact, where it comes from
     ("flat_vote", "flat vote", True, "lionbit"),
-    ("exact_hierarchical", "exact hierarchical", True, "planned"),
-    ("node_vote", "node vote", False, "planned"),
+    ("exact_hierarchical", "exact hierarchical", True, 'lionbit hierarchy="node"'),
+    ("node_vote", "node vote", False, 'lionbit hierarchy="node_vote"'),
     ("ring_fp32", "fp32 ring all-reduce", True, "NCCL"),
     ("ring_bf16", "bf16 ring all-reduce", True, "NCCL"),
     ("hierarchical_fp32", "fp32 hierarchical all-reduce", True, "NCCL"),
@@ -344,12 +345,9 @@ def estimate_all(d: float, c: Cluster, k: Kernels | None = None) -> list:
     ]
 
 
-def recommend(estimates: list, planned: bool = False) -> Estimate:
-    """The fastest exact method that lionbit or NCCL has today (with ``planned``: also
-    the methods not built yet). The node vote is approximate: never recommended."""
-    return min(
-        (e for e in estimates if e.exact and (planned or e.source != "planned")), key=lambda e: e.time_s
-    )
+def recommend(estimates: list) -> Estimate:
+    """The fastest exact method. The node vote is approximate: never recommended."""
+    return min((e for e in estimates if e.exact), key=lambda e: e.time_s)
 
 
 # --- input ----------------------------------------------------------------------------
@@ -518,12 +516,8 @@ def report(d: int, c: Cluster, k: Kernels, estimates: list) -> str:
     lines += ["", f"recommended: {best.label}, {best.time_s * 1e3:,.1f} ms ({best.source})"]
     if best.method != "ring_fp32":
         lines[-1] += f", {ring.time_s / best.time_s:.1f}x faster than the fp32 ring all-reduce"
-    ahead = recommend(estimates, planned=True)
-    if ahead is not best:
-        lines.append(
-            f'  planned, not built yet: {ahead.label} (hierarchy="node"), {ahead.time_s * 1e3:,.1f} ms, '
-            f"{best.time_s / ahead.time_s:.2f}x faster than that"
-        )
+    if best.method == "exact_hierarchical":
+        lines.append('  use it: lionbit.DistributedLion(..., hierarchy="node") (the flat vote\'s update, bit for bit)')
     for e in estimates:
         if not e.exact:
             lines.append(
@@ -553,7 +547,6 @@ def main(argv=None) -> int:
             "kernels": asdict(k),
             "methods": [asdict(e) for e in estimates],
             "recommended": recommend(estimates).method,
-            "fastest_planned": recommend(estimates, planned=True).method,
             "assumptions": assumptions(c, k),
         }
         print(json.dumps(doc, indent=1))

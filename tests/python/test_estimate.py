@@ -46,8 +46,6 @@ def test_cli_json_recommends_an_exact_method():
     methods = {m["method"]: m for m in doc["methods"]}
     assert [m["label"] for m in doc["methods"]] == LABELS
     assert methods[doc["recommended"]]["exact"]
-    assert methods[doc["recommended"]]["source"] != "planned"  # only what can be used today
-    assert methods[doc["fastest_planned"]]["exact"]
     assert doc["cluster"]["ranks"] == 128
 
 
@@ -152,12 +150,10 @@ def test_one_node_sends_nothing_between_nodes():
         assert e.time_s > 0, e.method
 
 
-def test_recommendation_is_the_fastest_exact_method_built_today():
+def test_recommendation_is_the_fastest_exact_method():
     es = estimate.estimate_all(7e9, estimate.Cluster(nodes=16, gpus_per_node=8, inter_bytes_per_s=12.5e9))
     best = estimate.recommend(es)
-    assert best.exact and best.source != "planned"  # what a user can run today
-    assert best.time_s == min(e.time_s for e in es if e.exact and e.source != "planned")
-    ahead = estimate.recommend(es, planned=True)  # the planned exact hierarchical vote, when built
-    assert ahead.exact
-    assert ahead.time_s == min(e.time_s for e in es if e.exact)
+    assert best.exact
+    assert best.time_s == min(e.time_s for e in es if e.exact)
+    assert best.method == "exact_hierarchical"  # 16 nodes of 8 at 100 Gbit/s
     assert all(math.isfinite(e.time_s) and e.time_s > 0 for e in es)
