@@ -65,6 +65,8 @@ VARIANTS = {
     "l1_p8": dict(aggregation="l1", bits=8),
     "vote_ms10": dict(aggregation="vote", momentum_sync=10),
     "vote_ms100": dict(aggregation="vote", momentum_sync=100),
+    "vote_nv": dict(aggregation="vote", hierarchy="node_vote"),
+    "vote_alt_nv": dict(aggregation="vote", tie_break="alternate", hierarchy="node_vote"),
     "lion": None,
     "adamw": None,
 }
@@ -235,9 +237,10 @@ def make_single(name, params, lion, adamw):
 
 def sent_counters(stats):
     """This rank's bytes-sent counters in lionbit.stats(): the sign path's
-    bytes_sent and the momentum sync's momentum_sync_bytes_sent (absent
-    without a sync)."""
-    return {k: int(v) for k, v in stats.items() if k in ("bytes_sent", "momentum_sync_bytes_sent")}
+    bytes_sent, the momentum sync's momentum_sync_bytes_sent (absent
+    without a sync) and, with a hierarchy, its node and cross-node bytes."""
+    keys = ("bytes_sent", "momentum_sync_bytes_sent", "intra_node_bytes_sent", "inter_node_bytes_sent")
+    return {k: int(v) for k, v in stats.items() if k in keys}
 
 
 def spread(values):
@@ -246,7 +249,7 @@ def spread(values):
                 min=min(values), max=max(values), n=len(values))
 
 
-def run_levers(task, names, seeds, json_path=None):
+def run_levers(task, names, seeds, json_path=None, per_node=None):
     """Run every variant in `names` for every seed on `task`; rank 0 prints a
     table and writes the JSON. The distributed variants run one after another
     on all ranks (DDP + DistributedLion(**task.lion, **VARIANTS[v]).attach);
@@ -258,8 +261,13 @@ def run_levers(task, names, seeds, json_path=None):
     rank, world) -> steps taken; evaluate(net, rank, world) -> dict (called
     on every rank after a distributed run, with rank 0, world 1 after a
     single-process one); describe() -> dict.
+
+    `per_node`: the variants with a hierarchy see nodes of this many
+    consecutive ranks (a two-level cluster emulated on one machine).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    topology = (lionbit.Topology.from_nodes([list(range(i, i + per_node)) for i in range(0, world, per_node)])
+                if per_node else None)
     if task.batch % world:
         raise SystemExit(f"global batch {task.batch} is not a multiple of N = {world}")
     mine = []  # (variant, seed, result) computed by this rank
@@ -268,7 +276,8 @@ def run_levers(task, names, seeds, json_path=None):
         for v in distributed:
             net = task.model(seed)
             ddp = DDP(net)
-            opt = lionbit.DistributedLion(net.parameters(), **task.lion, **VARIANTS[v]).attach(ddp)
+            extra = dict(topology=topology) if topology and "hierarchy" in VARIANTS[v] else {}
+            opt = lionbit.DistributedLion(net.parameters(), **task.lion, **VARIANTS[v], **extra).attach(ddp)
             before = sent_counters(lionbit.stats())
             t0 = time.perf_counter()
             steps = task.train(ddp, opt, seed, rank, world)
@@ -302,7 +311,8 @@ def run_levers(task, names, seeds, json_path=None):
     for v, _seed, r in sorted((t for part in everything for t in part), key=lambda t: t[1]):
         got.setdefault(v, []).append(r)
     head = task.metrics[0]
-    doc = dict(task=task.name, world_size=world, global_batch=task.batch, steps=task.steps, seeds=seeds,
+    doc = dict(task=task.name, world_size=world, per_node=per_node, global_batch=task.batch, steps=task.steps,
+               seeds=seeds,
                params=sum(p.numel() for p in task.model(0).parameters()), headline=head,
                higher_is_better=task.higher_is_better, setup=task.describe(), lion=task.lion, adamw=task.adamw,
                torch=torch.__version__, lionbit=lionbit.__version__, variants={})
@@ -375,6 +385,8 @@ def main():
     parser.add_argument("--variants", default=None,
                         help=f"the levers experiment: a comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--batch", type=int, default=None, help=f"global batch (with --variants; default {BATCH})")
+    parser.add_argument("--per-node", type=int, default=None,
+                        help="with --variants: the hierarchy variants (vote_nv, ...) see nodes of this many ranks")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"steps (with --variants; default {EPOCHS} epochs' worth)")
     args = parser.parse_args()
@@ -386,7 +398,7 @@ def main():
     if args.variants is not None:
         names = parse_variants(args.variants)
         run_levers(DigitsTask(args.batch or BATCH, args.steps), names, parse_seeds(args.seeds, args.first_seed),
-                   args.json)
+                   args.json, args.per_node)
     else:
         legacy(args)
     dist.destroy_process_group()

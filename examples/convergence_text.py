@@ -250,6 +250,8 @@ def main():
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--seeds", default="0-2", help="a count from 0, or a list '0,1,2' / '0-2'")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--per-node", type=int, default=None,
+                        help="the hierarchy variants (vote_nv, ...) see nodes of this many ranks")
     parser.add_argument("--tune", action="store_true", help="the lr search, single process (no torchrun)")
     args = parser.parse_args()
 
@@ -259,7 +261,7 @@ def main():
         return
     names = cd.parse_variants(args.variants)
     dist.init_process_group("lionbit")
-    cd.run_levers(TextTask(args.batch, args.steps), names, cd.parse_seeds(args.seeds), args.json)
+    cd.run_levers(TextTask(args.batch, args.steps), names, cd.parse_seeds(args.seeds), args.json, args.per_node)
     dist.destroy_process_group()
 
 

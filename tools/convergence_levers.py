@@ -52,7 +52,8 @@ SINGLE = ["lion", "adamw"]  # N-independent: once per (task, batch), in the N = 
 LABELS = {
     "vote": "vote (today)", "vote_alt": "vote, tie_break alternate", "vote_rand": "vote, tie_break random",
     "avg": "avg", "l1_p4": "l1, 4 bits", "l1_p8": "l1, 8 bits", "vote_ms10": "vote, momentum sync k = 10",
-    "vote_ms100": "vote, momentum sync k = 100", "lion": "Lion, single process", "adamw": "AdamW, single process",
+    "vote_ms100": "vote, momentum sync k = 100", "vote_nv": "node vote (hierarchy node_vote)",
+    "vote_alt_nv": "node vote, tie_break alternate", "lion": "Lion, single process", "adamw": "AdamW, single process",
 }
 
 
@@ -67,7 +68,7 @@ def git_commit() -> str:
         return ""
 
 
-def invocations(tasks, ranks, variants, seeds, steps):
+def invocations(tasks, ranks, variants, seeds, steps, per_node=None):
     """(task, N, batch, steps, variants) for every torchrun of the grid, in run order."""
     out = []
     for task in tasks:
@@ -77,7 +78,7 @@ def invocations(tasks, ranks, variants, seeds, steps):
                 names = [v for v in variants if v not in SINGLE or n == min(ranks)]
                 if names:
                     out.append(dict(task=task, world_size=n, batch=batch, steps=steps or t["steps"],
-                                    variants=names, seeds=seeds))
+                                    variants=names, seeds=seeds, per_node=per_node))
     return out
 
 
@@ -85,11 +86,12 @@ def command(inv, json_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     return [torchrun, "--standalone", "--nproc-per-node", str(inv["world_size"]), TASKS[inv["task"]]["script"],
             "--variants", ",".join(inv["variants"]), "--batch", str(inv["batch"]), "--steps", str(inv["steps"]),
-            "--seeds", inv["seeds"], "--json", json_path]
+            "--seeds", inv["seeds"], "--json", json_path] + (
+        ["--per-node", str(inv["per_node"])] if inv.get("per_node") else [])
 
 
 def same(a, b):
-    keys = ("task", "world_size", "batch", "steps", "variants", "seeds")
+    keys = ("task", "world_size", "batch", "steps", "variants", "seeds", "per_node")
     return all(a.get(k) == b.get(k) for k in keys)
 
 
@@ -108,6 +110,11 @@ def tables(doc) -> str:
         ns = sorted({r["world_size"] for r in mine})
         batches = sorted({r["batch"] for r in mine})
         cols = [(n, b) for b in batches for n in ns]
+        per_node = mine[0].get("per_node")
+
+        def col(n, b):
+            return f"N = {n}" + (f" ({n // per_node} nodes × {per_node})" if per_node else "") + f", batch {b}"
+
         cell = {}  # (variant, n, batch) -> (summary, result)
         for r in mine:
             for v, rec in r["result"]["variants"].items():
@@ -124,7 +131,7 @@ def tables(doc) -> str:
         out.append(f"### {task}: {t['headline']}, mean [min, max] over {which}\n")
         out.append(f"{first['steps']} steps at every batch; global batch split across the N ranks; "
                    f"{first['setup'].get('model')}.\n")
-        out.append("| variant | " + " | ".join(f"N = {n}, batch {b}" for n, b in cols) + " |")
+        out.append("| variant | " + " | ".join(col(n, b) for n, b in cols) + " |")
         out.append("| --- |" + " ---: |" * len(cols))
         for v in variants:
             row = []
@@ -138,7 +145,7 @@ def tables(doc) -> str:
             out.append(f"| {LABELS.get(v, v)} | " + " | ".join(row) + " |")
         out.append("")
         out.append(f"### {task}: bytes sent per rank per step (mean over ranks and seeds)\n")
-        out.append("| variant | " + " | ".join(f"N = {n}, batch {b}" for n, b in cols) + " |")
+        out.append("| variant | " + " | ".join(col(n, b) for n, b in cols) + " |")
         out.append("| --- |" + " ---: |" * len(cols))
         for v in variants:
             if v in SINGLE:
@@ -180,6 +187,8 @@ def main() -> int:
     p.add_argument("--variants", default=",".join(DISTRIBUTED + SINGLE))
     p.add_argument("--seeds", default=SEEDS)
     p.add_argument("--steps", type=int, default=None, help="override every task's steps (smoke runs)")
+    p.add_argument("--per-node", type=int, default=None,
+                   help="the hierarchy variants (vote_nv, vote_alt_nv) see nodes of this many ranks")
     p.add_argument("--json", default=os.path.join(ROOT, "docs", "benchmarks", "convergence_levers.json"))
     p.add_argument("--md", default=None, help="Markdown tables (default: the JSON's name with .md)")
     p.add_argument("--resume", action="store_true", help="skip invocations the JSON already holds")
@@ -197,7 +206,7 @@ def main() -> int:
 
     tasks = a.tasks.split(",")
     ranks = [int(n) for n in a.ranks.split(",")]
-    invs = invocations(tasks, ranks, a.variants.split(","), a.seeds, a.steps)
+    invs = invocations(tasks, ranks, a.variants.split(","), a.seeds, a.steps, a.per_node)
     if a.dry_run:
         for inv in invs:
             print("env -u LOCAL_WORLD_SIZE OMP_NUM_THREADS=1 " + " ".join(command(inv, "OUT.json")))
