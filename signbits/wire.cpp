@@ -185,7 +185,9 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
             "): is every rank running the same lionbit version?") ||
         check.fail(
             h.rank != static_cast<uint32_t>(r) || !known_op(h.op) || !known_dtype(h.dtype) ||
-                h.numel > kMaxNumel || (h.flags & ~kKnownFlags) != 0 || !known_rule(h),
+                h.numel > kMaxNumel || (h.flags & ~kKnownFlags) != 0 ||
+                (h.flags & (kHierExact | kHierNodeVote)) == (kHierExact | kHierNodeVote) ||
+                !known_rule(h),
             "rank ", r, " sent a corrupt header (rank field ", h.rank, ", op ",
             static_cast<int>(h.op), ", dtype ", static_cast<int>(h.dtype), ", numel ", h.numel,
             ", flags ", hex(h.flags), ", tie rule ", static_cast<int>(h.tie_break), ", bits ",

@@ -50,11 +50,16 @@ bool acceptable(const std::vector<WireHeader>& h, int n, const WireHeader& mine)
     if (x.tie_break != mine.tie_break || x.tie_seed != mine.tie_seed ||
         x.value_bits != mine.value_bits)
       return false;
-    if (x.flags & ~(kHasZero | kHasNan | kRejected | kReduceScatter | kDevice | kTieHint))
+    if (x.flags &
+        ~(kHasZero | kHasNan | kRejected | kReduceScatter | kDevice | kTieHint | kHierExact |
+          kHierNodeVote))
       return false;
+    // One hierarchy at most.
+    if ((x.flags & kHierExact) && (x.flags & kHierNodeVote)) return false;
     if (x.flags & (kRejected | kHasNan)) return false;
-    // The kind of collective and the tensor's device type must match this rank's.
-    if ((x.flags ^ mine.flags) & (kReduceScatter | kDevice)) return false;
+    // The kind of collective, the tensor's device type and the hierarchy must match this rank's.
+    if ((x.flags ^ mine.flags) & (kReduceScatter | kDevice | kHierExact | kHierNodeVote))
+      return false;
     if (x.seq != mine.seq || x.op != mine.op || x.dtype != mine.dtype || x.numel != mine.numel ||
         x.chunk_elems != mine.chunk_elems || x.numel > kMaxNumel)
       return false;

@@ -182,6 +182,29 @@ TEST(Wire, ReduceScatterAndAllReduceAtTheSameCallDisagree) {
   }
 }
 
+TEST(Wire, TheHierarchyMustAgreeAndBeOne) {
+  auto h = agreeing(4);
+  for (auto& x : h) {
+    x.flags |= kHierExact;
+  }
+  EXPECT_EQ(check_headers(h.data(), 4, h[0]).error, "");
+  h[1].flags = (h[1].flags & ~kHierExact) | kHierNodeVote;
+  for (int me = 0; me < 4; ++me) {
+    const auto s = check_headers(h.data(), 4, h[static_cast<size_t>(me)]);
+    EXPECT_NE(s.error.find("the hierarchy differs across ranks at call #7"), std::string::npos)
+        << s.error;
+    EXPECT_NE(s.error.find("hierarchy 'node_vote'"), std::string::npos) << s.error;
+  }
+  h[1].flags = 0;
+  EXPECT_NE(
+      check_headers(h.data(), 4, h[0]).error.find("uses hierarchy 'flat'"), std::string::npos);
+  // Both flags at once: no such call.
+  h[1].flags = kHierExact | kHierNodeVote;
+  EXPECT_NE(
+      check_headers(h.data(), 4, h[0]).error.find("rank 1 sent a corrupt header"),
+      std::string::npos);
+}
+
 TEST(Wire, TheTieRuleAndTheBitsMustAgree) {
   auto h = agreeing(4);
   for (auto& x : h) {
