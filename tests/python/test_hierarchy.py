@@ -13,6 +13,9 @@ from harness import run_ranks, values
 from test_fsdp import _full_params, _train_ddp, _train_fsdp
 from test_fsdp1 import _params, _train_fsdp1
 
+# make test-aten runs the files marked so again through the ATen kernel set.
+pytestmark = pytest.mark.kernels
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8)
 SIZES = (0, 1, 63, 64, 65, 257, 1000, 4099, 20000)
 OPS = (("vote", "zero"), ("vote", "alternate"), ("vote", "random"), ("avg", "zero"), ("sum", "zero"))
@@ -39,6 +42,12 @@ def _data(case: int, rank: int, n: int, dtype, zeros: str) -> torch.Tensor:
 
 def _bits(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _nodes(node_of) -> str:
+    """The pool of ranks (harness.py) for a topology: a group's hierarchy is set up
+    once, so cases of different topologies never share ranks."""
+    return f"nodes {tuple(node_of)}"
 
 
 def _node_of(rank: int, node_of) -> None:
@@ -95,7 +104,8 @@ def flat_vs_node(rank, world_size, node_of, cases_every=1):
 )
 def test_node_is_the_flat_result_bit_for_bit(node_of, every):
     kwargs = {"node_of": node_of, "cases_every": every}
-    res = values(run_ranks("test_hierarchy:flat_vs_node", len(node_of), kwargs=kwargs, timeout=420))
+    res = values(run_ranks("test_hierarchy:flat_vs_node", len(node_of), kwargs=kwargs, timeout=420,
+                           pool=_nodes(node_of)))
     for r in res:
         assert r["ran"] == len(SIZES) * len(OPS) * len(ZEROS) // every
         assert r["differ"] == []
@@ -103,7 +113,8 @@ def test_node_is_the_flat_result_bit_for_bit(node_of, every):
 
 def test_node_is_the_flat_result_on_three_nodes_of_two():
     res = values(run_ranks("test_hierarchy:flat_vs_node", 6, kwargs={"node_of": (0, 0, 1, 1, 2, 2),
-                                                                     "cases_every": 3}, timeout=420))
+                                                                     "cases_every": 3}, timeout=420,
+                           pool=_nodes((0, 0, 1, 1, 2, 2))))
     assert all(r["differ"] == [] and r["ran"] > 50 for r in res)
 
 
@@ -150,7 +161,8 @@ def node_vote_vs_simulation(rank, world_size, node_of):
 
 
 def test_node_vote_matches_a_simulation():
-    assert values(run_ranks("test_hierarchy:node_vote_vs_simulation", 4, kwargs={"node_of": (0, 0, 1, 1)})) == [[]] * 4
+    assert values(run_ranks("test_hierarchy:node_vote_vs_simulation", 4, kwargs={"node_of": (0, 0, 1, 1)},
+                            pool=_nodes((0, 0, 1, 1)))) == [[]] * 4
 
 
 def bytes_per_level(rank, world_size, node_of, n):
@@ -176,7 +188,8 @@ def bytes_per_level(rank, world_size, node_of, n):
 def test_bytes_of_each_level_are_their_formulas():
     L, M, n = 2, 2, 64 * 4 * 300 + 17  # does not divide: 301 words a shard
     N = L * M
-    res = values(run_ranks("test_hierarchy:bytes_per_level", N, kwargs={"node_of": (0, 0, 1, 1), "n": n}))
+    res = values(run_ranks("test_hierarchy:bytes_per_level", N, kwargs={"node_of": (0, 0, 1, 1), "n": n},
+                           pool=_nodes((0, 0, 1, 1))))
     sw = -(-n // (64 * N))  # words a shard
     sb = 8 * sw
     P = 2  # planes that hold 0..L = 2 (no zeros)
@@ -220,7 +233,7 @@ def uneven(rank, world_size):
 
 
 def test_uneven_nodes_are_refused_on_every_rank():
-    for r in values(run_ranks("test_hierarchy:uneven", 3)):
+    for r in values(run_ranks("test_hierarchy:uneven", 3, pool="uneven nodes")):
         assert "same number of ranks on every node" in r and "argument 'hierarchy'" in r
 
 
@@ -250,7 +263,7 @@ def bad_arguments(rank, world_size):
 
 
 def test_bad_hierarchy_arguments_raise_naming_them():
-    res = values(run_ranks("test_hierarchy:bad_arguments", 4))
+    res = values(run_ranks("test_hierarchy:bad_arguments", 4, pool="bad arguments"))
     for errs in res:
         assert "argument 'hierarchy' is 'nodes'" in errs[0]
         assert "'node_vote'" in errs[1] and "'avg'" in errs[1]
@@ -285,7 +298,8 @@ def training(rank, world_size, node_of, steps=3):
 
 
 def test_distributed_lion_with_a_hierarchy_under_ddp_fsdp2_fsdp1():
-    res = values(run_ranks("test_hierarchy:training", 4, kwargs={"node_of": (0, 0, 1, 1)}, timeout=420))
+    res = values(run_ranks("test_hierarchy:training", 4, kwargs={"node_of": (0, 0, 1, 1)}, timeout=420,
+                           pool=_nodes((0, 0, 1, 1))))
     for r in res:
         assert all(r.values()), r
 
@@ -331,6 +345,7 @@ def lion_node_vote_vs_reference(rank, world_size, node_of, steps=4):
 
 def test_distributed_lion_node_vote_matches_a_reference():
     # Nodes of 3: a node's vote never ties, and differs from the flat vote.
-    res = run_ranks("test_hierarchy:lion_node_vote_vs_reference", 6, kwargs={"node_of": (0, 0, 0, 1, 1, 1)})
+    res = run_ranks("test_hierarchy:lion_node_vote_vs_reference", 6, kwargs={"node_of": (0, 0, 0, 1, 1, 1)},
+                    pool=_nodes((0, 0, 0, 1, 1, 1)))
     for err in values(res):
         assert err["node_vote"] < 1e-6 < err["flat"], err

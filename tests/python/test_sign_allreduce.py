@@ -6,6 +6,9 @@ import torch.distributed as dist
 
 from harness import run_ranks, values
 
+# make test-aten runs the files marked so again through the ATen kernel set.
+pytestmark = pytest.mark.kernels
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8]
 OPS = ["vote", "avg", "sum"]
 
@@ -319,8 +322,9 @@ def test_trace_writes_each_calls_timeline(tmp_path):
 
     n, d, chunk = 2, 1 << 16, 1 << 14  # 4 chunks
     prefix = str(tmp_path / "trace")
+    # Fresh ranks: a pool's check between cases would be a traced call too.
     run_ranks("test_sign_allreduce:traced_votes", n, kwargs={"numel": d},
-              env={"LIONBIT_TRACE": prefix, "LIONBIT_CHUNK_ELEMS": str(chunk)})
+              env={"LIONBIT_TRACE": prefix, "LIONBIT_CHUNK_ELEMS": str(chunk)}, fresh=True)
     for rank in range(n):
         lines = (tmp_path / f"trace.rank{rank}.jsonl").read_text().splitlines()
         calls = [json.loads(line) for line in lines]
