@@ -18,6 +18,9 @@ import torch.distributed as dist
 
 from harness import run_ranks, values
 
+# make test-aten runs the files marked so again through the ATen kernel set.
+pytestmark = pytest.mark.kernels
+
 WORLD = 3
 
 

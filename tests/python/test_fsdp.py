@@ -12,6 +12,9 @@ import torch.distributed as dist
 
 from harness import run_ranks, values
 
+# make test-aten runs the files marked so again through the ATen kernel set.
+pytestmark = pytest.mark.kernels
+
 
 class Net(torch.nn.Module):
     """Sizes chosen so that FSDP pads: dim 0 of 33, 7 and 3 rows are not

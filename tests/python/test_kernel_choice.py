@@ -13,6 +13,9 @@ import lionbit
 from harness import run_ranks, values
 from lionbit import _C, kernel_choice
 
+# make test-aten runs the files marked so again through the ATen kernel set.
+pytestmark = pytest.mark.kernels
+
 # -- candidates for the check ------------------------------------------------------
 
 

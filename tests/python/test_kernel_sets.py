@@ -19,6 +19,9 @@ import torch
 
 from lionbit import _C
 
+# make test-aten runs the files marked so again through the ATen kernel set.
+pytestmark = pytest.mark.kernels
+
 KERNELS = [
     "pack",
     "pack_levels",

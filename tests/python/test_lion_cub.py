@@ -20,6 +20,9 @@ import torch
 
 from harness import run_ranks, values
 
+# make test-aten runs the files marked so again through the ATen kernel set.
+pytestmark = pytest.mark.kernels
+
 # ---------------------------------------------------------------- reference
 
 

@@ -32,6 +32,9 @@ from harness import run_ranks, values
 from test_fsdp import LION, _loss, _net, _shard
 from test_fsdp1 import _wrap
 
+# make test-aten runs the files marked so again through the ATen kernel set.
+pytestmark = pytest.mark.kernels
+
 BF16 = torch.bfloat16
 
 

@@ -14,6 +14,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness import run_ranks, values
 
+# make test-aten runs the files marked so again through the ATen kernel set.
+pytestmark = pytest.mark.kernels
+
 F32 = np.float32
 
 
