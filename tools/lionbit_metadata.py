@@ -3,7 +3,7 @@
 
 lionbit's extension links torch's C++ libraries, and ``import lionbit``
 refuses a torch of another major.minor version than the one it was built
-against (python/lionbit/__init__.py). A wheel's ``Requires-Dist`` says the
+against (python/lionbit/_package.py). A wheel's ``Requires-Dist`` says the
 same: ``torch==X.Y.*``, X.Y being the torch installed where it is built
 (lionbit builds with ``pip install --no-build-isolation .``). An sdist has no
 torch to build against yet: it carries the lowest torch lionbit builds

@@ -1,9 +1,4 @@
-"""lionbit: communication-efficient distributed training for PyTorch.
-
-``import lionbit`` registers the c10d backend "lionbit" for CPU and CUDA
-devices. Standard collectives are forwarded to Gloo; :func:`all_reduce_sign`
-runs the 1-bit two-phase sign all-reduce.
-"""
+"""The package's body: ``import lionbit`` runs it (lionbit/__init__.py)."""
 
 import torch
 

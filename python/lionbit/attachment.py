@@ -13,7 +13,6 @@ parameter with a gradient, chunk by chunk (lionbit.step_vote).
 """
 
 import gc
-import warnings
 import weakref
 from typing import List, Optional
 
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import lion_math, step_vote
+from . import lion_math, step_vote, user_warning
 
 #: DDP models that carry lionbit's comm hook (lionbit.ddp): they all-reduce
 #: no gradient, attached or not.
@@ -97,15 +96,16 @@ class Attachment:
             return
         mine = {id(p) for g in self.opt.param_groups for p in g["params"]}
         for obj in gc.get_objects():
-            if isinstance(obj, DDP) and any(id(p) in mine for p in obj.parameters()):
+            # type(), not isinstance(): isinstance reads obj.__class__, which some of torch's
+            # deprecated module proxies answer with a FutureWarning of their own.
+            if issubclass(type(obj), DDP) and any(id(p) in mine for p in obj.parameters()):
                 if obj in HOOKED_DDP_MODELS:
                     continue  # lionbit's hook (of a detached optimizer): no all-reduce
-                warnings.warn(
+                user_warning.warn(
                     f"DistributedLion.step on rank {dist.get_rank(self.group)}: these parameters belong to a "
                     f"DistributedDataParallel model that was not attached, so DDP all-reduces every gradient in "
                     f"fp32 and the 1-bit vote runs on top of it: all the cost, none of the saving. Call "
-                    f"opt.attach(ddp_model) once after creating both",
-                    stacklevel=4,
+                    f"opt.attach(ddp_model) once after creating both"
                 )
                 return
 
@@ -140,14 +140,13 @@ class Attachment:
             mine["rank"],
             mine["world_size"],
         ):
-            warnings.warn(
+            user_warning.warn(
                 f"DistributedLion.load_state_dict on rank {mine['rank']}: this state dict holds the momentum of "
                 f"rank {saved.get('rank')} of {saved.get('world_size')}, so this rank continues from that rank's "
                 f"momentum, not its own (when every rank loads rank 0's file, every rank starts with the same "
                 f"momentum: a momentum synchronization; training goes on, but not bitwise as without the "
                 f"restart). For an exact resume save each rank's own: torch.save(opt.state_dict(), "
-                f"f'opt.rank{{dist.get_rank()}}.pt') on every rank, and load each rank's file",
-                stacklevel=3,
+                f"f'opt.rank{{dist.get_rank()}}.pt') on every rank, and load each rank's file"
             )
         torch.optim.Optimizer.load_state_dict(self.opt, state_dict)
         # torch casts loaded state to each parameter's dtype; the momentum keeps its own.

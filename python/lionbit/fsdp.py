@@ -68,14 +68,13 @@ Resuming needs the same number of ranks.
 """
 
 import copy
-import warnings
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import _C, lion_math, step_vote
+from . import _C, lion_math, step_vote, user_warning
 from ._backend import backend_for
 from .attachment import Attachment
 from .hierarchy import ensure_hierarchy
@@ -620,14 +619,13 @@ def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optiona
 
 def _warn_unsure(att, names: list, where: str) -> None:
     if names:
-        warnings.warn(
+        user_warning.warn(
             f"{where} on rank {att.mesh.get_local_rank()}: the momentum of {len(names)} parameter(s) "
             f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) is one tensor of the parameter's shape, "
             f"not one per rank, so whose it is cannot be told: this rank continues from it. A per-rank file of "
             f"this rank resumes exactly; a checkpoint of single-process Lion, another rank's file, or a DCP "
             f"checkpoint written before lionbit kept every rank's momentum (DCP kept one rank's copy) does not "
-            f"continue bitwise",
-            stacklevel=4,
+            f"continue bitwise"
         )
 
 

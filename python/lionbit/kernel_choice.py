@@ -19,12 +19,11 @@ The sign collectives and the packers make the same choice in C++
 """
 
 import os
-import warnings
 from typing import Callable, Dict, Optional
 
 import torch
 
-from . import _C, lion_math
+from . import _C, lion_math, user_warning
 
 ENV = "LIONBIT_KERNELS"
 CHOICES = ("auto", "custom", "aten")
@@ -109,12 +108,11 @@ class FirstUseCheck:
             case = check_apply(self.candidate, device)
             verdict = self.verdicts[device] = case is None
             if case is not None:
-                warnings.warn(
+                user_warning.warn(
                     f"lionbit: the fused Lion kernel {self.name} on {device} does not match the torch path "
                     f"bit for bit ({case}); DistributedLion uses the torch path on {device} from now on "
                     f"({ENV}=aten chooses it everywhere, {ENV}=custom skips this check)",
                     RuntimeWarning,
-                    stacklevel=2,
                 )
         return verdict
 

@@ -157,3 +157,13 @@ def test_recommendation_is_the_fastest_exact_method():
     assert best.time_s == min(e.time_s for e in es if e.exact)
     assert best.method == "exact_hierarchical"  # 16 nodes of 8 at 100 Gbit/s
     assert all(math.isfinite(e.time_s) and e.time_s > 0 for e in es)
+
+
+def test_cli_imports_no_torch_and_no_extension():
+    """The command is standard library only: it answers without torch or a built lionbit."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "lionbit.estimate", *EXAMPLE],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "lionbit" in imported, r.stderr[-2000:]  # the package, imported first (the module itself runs as __main__)
+    assert not {m for m in imported if m.split(".")[0] == "torch" or m == "lionbit._C"}, sorted(imported)
