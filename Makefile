@@ -12,13 +12,13 @@
 #   make lint          ruff over the Python files (tools/lint.sh; .ci/run runs it before make test)
 #   make lint-cpp      the C++ format check: clang-format --dry-run --Werror with .clang-format
 #   make format-cpp    reformat every tracked C++ file in place with .clang-format
-#   make build         (re)build and install the package into the venv
+#   make build         (re)build and install the package into the venv (CUDA path: only where a
+#                      GPU is, unless LIONBIT_CUDA=AUTO|ON|OFF says otherwise; tools/build.sh)
 #   make test-cpp / test-python
-#   make test-aten     the Python tests again with LIONBIT_KERNELS=aten: the sign collectives and
-#                      DistributedLion through the device-generic ATen kernel set (the one a GPU
-#                      falls back to), bitwise the same results; convergence, forwarding-only,
-#                      stress, topology and estimate tests left out (they test no kernel). CI
-#                      runs it after make test
+#   make test-aten     the Python tests marked `kernels` again with LIONBIT_KERNELS=aten: the sign
+#                      collectives and DistributedLion through the device-generic ATen kernel set
+#                      (the one a GPU falls back to), bitwise the same results. CI runs it after
+#                      make test
 #   make test-gpu      the GPU tests (ctest -L gpu, pytest -m gpu); they skip, saying
 #                      why, where there is no GPU
 #   make test-sanitize C++ tests built with ASan + UBSan (build/sanitize), fuzz tests scaled up
@@ -48,18 +48,20 @@ export CUDACXX := /usr/local/cuda/bin/nvcc
 endif
 endif
 
-.PHONY: all setup build lint lint-cpp format-cpp test test-cpp test-python test-aten test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence convergence-levers bench bench-full bench-setup bench-kernels bench-training bench-model clean
+.PHONY: all setup build build-tests lint lint-cpp format-cpp test test-cpp test-python test-aten test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence convergence-levers bench bench-full bench-setup bench-kernels bench-training bench-model clean
 
 all: build
 
 setup:
 	@tools/setup_env.sh
 
-# pip builds incrementally in build/<wheel tag>; a no-op rebuild takes seconds.
+# pip builds incrementally (tools/build.sh); a no-op rebuild takes seconds. `build` compiles
+# the CUDA path only where a GPU is (or LIONBIT_CUDA says so); the tests' build wherever nvcc is.
 build: setup
-	@echo "build: lionbit into $(LIONBIT_VENV)"
-	@$(PY) -m pip install -q --no-build-isolation --no-deps --disable-pip-version-check . \
-	  || { echo "build failed; rerun with: $(PY) -m pip install -v --no-build-isolation ."; exit 1; }
+	@tools/build.sh
+
+build-tests: setup
+	@tools/build.sh tests
 
 test: test-cpp test-python
 
@@ -98,16 +100,16 @@ test-valgrind:
 	@cmake --build build/valgrind -j $(JOBS)
 	@tools/valgrind_tests.sh build/valgrind
 
-test-python: build
+test-python: build-tests
 	@$(PY) -m pytest tests/python -q -ra
 
-ATEN_SKIP := --ignore=tests/python/test_training_quality.py --ignore=tests/python/test_forwarded.py \
-  --ignore=tests/python/test_stress.py --ignore=tests/python/test_readme.py \
-  --ignore=tests/python/test_topology.py --ignore=tests/python/test_estimate.py
-test-aten: build
-	@LIONBIT_KERNELS=aten $(PY) -m pytest tests/python -q -ra $(ATEN_SKIP)
+# The files marked `kernels` (pytestmark): the sign collectives' orchestration, every wire format
+# and every lever, DistributedLion's update path. The rest (launch, frameworks, checkpoints, faults,
+# docs) run no kernel that these do not.
+test-aten: build-tests
+	@LIONBIT_KERNELS=aten $(PY) -m pytest tests/python -q -ra -m kernels
 
-test-gpu: build
+test-gpu: build-tests
 	@cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release -DLIONBIT_BUILD_TESTS=ON >/dev/null
 	@cmake --build build/cpp -j $(JOBS)
 	@ctest --test-dir build/cpp -L gpu --output-on-failure --timeout 600

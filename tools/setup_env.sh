@@ -2,7 +2,7 @@
 # Sets up everything `make test` and `make demo` need on a fresh Debian 12
 # machine, and is quick (a few checks) when that is already done:
 #   1. Debian packages (compiler, CMake, GoogleTest, Python headers, venv,
-#      clang-format): installed when running as root (CI); otherwise, when
+#      clang-format, ccache): installed when running as root (CI); otherwise, when
 #      some are missing, it stops and prints the apt-get command to run as
 #      root (tools/apt_need.sh; never sudo);
 #   2. a virtual environment OUTSIDE the clone ($LIONBIT_VENV), so a fresh
@@ -17,7 +17,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 
 # --- 1. Debian packages --------------------------------------------------
 "$here/apt_need.sh" setup g++ cmake ninja-build make git libgtest-dev libgmock-dev python3-dev python3-venv \
-  clang-format
+  clang-format ccache
 
 # --- 2. the virtual environment -----------------------------------------
 if [ ! -x "$VENV/bin/python" ]; then
@@ -32,7 +32,9 @@ want="$(cat "$here/requirements-dev.txt")
 $TORCH_SPEC"
 stamp="$VENV/.lionbit-setup"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "setup: installing $TORCH_SPEC and the test tools into $VENV (torch is a large download the first time)"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH_SPEC" -r "$here/requirements-dev.txt"
+  echo "setup: installing $TORCH_SPEC and the test tools into $VENV (the first time: torch and"
+  echo "       its CUDA libraries, about 6 GB installed, a few minutes; a line every 20 s says how far it is)"
+  "$here/progress.sh" "setup: pip" "$VENV/bin/python" -m pip install --progress-bar off --disable-pip-version-check \
+    "$TORCH_SPEC" -r "$here/requirements-dev.txt"
   printf '%s' "$want" > "$stamp"
 fi
