@@ -102,10 +102,18 @@ def main():
     if rank == 0:
         print(f"\ndone: {step} steps in {secs:.1f}s, final test accuracy {acc:.2f}%, "
               f"replicas identical: {len(set(hashes)) == 1}")
-        print(f"bytes sent per rank: lionbit {stats['bytes_sent']:,} "
-              f"({stats['bytes_sent'] / step:,.0f} per step, {stats['bytes_sent'] / one_bit:.2f}x the 1-bit figure "
-              f"2(N-1)/N*d/8)")
-        print(f"                     fp32 DDP would send {fp32:,.0f}: {fp32 / stats['bytes_sent']:.1f}x more")
+        sent, calls = stats["bytes_sent"], stats["sign_allreduce_calls"]
+        print(f"bytes sent per rank: lionbit {sent:,} ({sent / step:,.0f} per step; "
+              f"the 1-bit figure 2(N-1)/N*d/8 is {one_bit / step:,.0f}: {sent / one_bit:.2f}x it)")
+        print(f"                     fp32 DDP would send {fp32:,.0f} (32 bits a parameter, 32x the 1-bit figure): "
+              f"{fp32 / sent:.1f}x lionbit's bytes")
+        print("  why more than the 1-bit figure (it counts sign bits only): each vote also sends its headers and")
+        print("  the positions of directions that are exactly 0, which weigh more on a small model than a large one")
+        if world % 2 == 0 and stats["inline_tie_chunks"]:
+            tie, inline = f"{world // 2}-{world // 2}", stats["inline_tie_chunks"]
+            print(f"  and, at an even N, where the ranks tie ({tie}): in {inline} of {calls} votes the tie positions")
+            print("  rode along in the all-gather, at 1.625 bits an element there instead of 1 (up to 1.31x the 1-bit")
+            print("  figure from that alone)")
     dist.destroy_process_group()
 
 
