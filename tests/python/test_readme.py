@@ -56,3 +56,21 @@ def test_readme_adoption_snippet_runs():
                            capture_output=True, text=True, timeout=180, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(re.findall(r"SNIPPET OK (\d)", r.stdout)) == ["0", "1"], r.stdout
+
+
+def test_readme_launch_lines_are_ones_torchrun_accepts():
+    """Every torchrun line of the README runs a file that exists, on one host (--standalone) or with
+    the static rendezvous (--nnodes, --node-rank, --master-addr, --master-port; torchrun ignores
+    --node-rank under --rdzv-backend c10d, so that must not be mixed in)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        lines = [ln.split("#")[0].strip() for ln in f if ln.lstrip().startswith("torchrun ")]
+    assert lines, "README.md has no torchrun line"
+    for ln in lines:
+        args = ln.split()
+        script = next((a for a in args if a.endswith(".py")), None)
+        assert script and os.path.isfile(os.path.join(ROOT, script)), f"README.md: {ln!r} runs no existing file"
+        if "--standalone" in args:
+            continue
+        for flag in ("--nnodes", "--node-rank", "--master-addr", "--master-port"):
+            assert flag in args, f"README.md: {ln!r} lacks {flag} (static rendezvous)"
+        assert not any(a.startswith("--rdzv") for a in args), f"README.md: {ln!r} mixes --node-rank with --rdzv-*"
