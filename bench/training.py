@@ -470,7 +470,7 @@ def worker(args) -> None:
         w2 = wire_bytes()
         st = lionbit.stats()
         # The momentum sync's bytes, where lionbit counts them apart from the sign path's.
-        sync_bytes = sum(v for k, v in st.items() if k.startswith("momentum_sync_bytes") and "recv" not in k)
+        sync_bytes = st["momentum_sync_bytes_sent"]
         schedule = getattr(opt, "_sync_schedule", None) if impl in DISTLION else None
         syncs = sum(bool(schedule(k)) for k in range(synced0 + 1, opt.steps_taken + 1)) if schedule else 0
         psgd_numel = (psgd.total_numel_after_compression - psgd_after0) / args.steps if psgd is not None else 0
