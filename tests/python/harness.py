@@ -164,7 +164,10 @@ class _Pool:
         return results, ok, hung
 
 
-_pools: Dict[tuple, _Pool] = {}
+_pools: Dict[tuple, _Pool] = {}  # oldest use first
+#: Pools alive at once: a module that runs 1..5 ranks would otherwise hold 15
+#: processes of a few hundred MB each; the least recently used one goes.
+MAX_POOLS = 3
 
 
 def close_pools() -> None:
@@ -175,9 +178,12 @@ def close_pools() -> None:
 
 def _run_pooled(target, world_size, backend, timeout, pg_timeout, kwargs, env, tag) -> List[RankResult]:
     key = (world_size, backend, pg_timeout, tuple(sorted((env or {}).items())), tag)
-    pool = _pools.get(key)
+    pool = _pools.pop(key, None)
     if pool is None:
-        pool = _pools[key] = _Pool(world_size, backend, pg_timeout, env)
+        while len(_pools) >= MAX_POOLS:
+            _pools.pop(next(iter(_pools))).close()
+        pool = _Pool(world_size, backend, pg_timeout, env)
+    _pools[key] = pool  # now the most recently used
     results, ok, hung = pool.run(target, kwargs, timeout)
     if not ok:
         _pools.pop(key).close()
