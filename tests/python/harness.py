@@ -165,9 +165,11 @@ class _Pool:
 
 
 _pools: Dict[tuple, _Pool] = {}  # oldest use first
-#: Pools alive at once: a module that runs 1..5 ranks would otherwise hold 15
-#: processes of a few hundred MB each; the least recently used one goes.
-MAX_POOLS = 3
+#: Rank processes alive at once, a few hundred MB each: past it the least
+#: recently used pool goes. 16 keeps a module that cycles through 2..5 or
+#: 1..5 ranks test by test on warm pools (a cap of 3 pools made it start
+#: ranks for every call).
+MAX_RANKS_ALIVE = 16
 
 
 def close_pools() -> None:
@@ -180,7 +182,7 @@ def _run_pooled(target, world_size, backend, timeout, pg_timeout, kwargs, env, t
     key = (world_size, backend, pg_timeout, tuple(sorted((env or {}).items())), tag)
     pool = _pools.pop(key, None)
     if pool is None:
-        while len(_pools) >= MAX_POOLS:
+        while _pools and sum(p.world_size for p in _pools.values()) + world_size > MAX_RANKS_ALIVE:
             _pools.pop(next(iter(_pools))).close()
         pool = _Pool(world_size, backend, pg_timeout, env)
     _pools[key] = pool  # now the most recently used
