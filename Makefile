@@ -21,6 +21,11 @@
 #                      make test
 #   make test-gpu      the GPU tests (ctest -L gpu, pytest -m gpu); they skip, saying
 #                      why, where there is no GPU
+#   make gpu-check     the GPU list in one unattended run (tools/gpu_check.py, docs/cuda.md): on a
+#                      GPU machine it builds into that machine's python3 for its GPU alone and runs
+#                      the GPU tests, the kernel self-check, the GPU benchmarks and the CUDA == CPU
+#                      runs; elsewhere the steps that need no GPU. Table last; logs in $OUT or
+#                      gpu-check-results/
 #   make test-sanitize C++ tests built with ASan + UBSan (build/sanitize), fuzz tests scaled up
 #   make test-valgrind kernel tests under valgrind memcheck (build/valgrind), 1M-element cases left out
 #   make bench         quick benchmark suite (< 10 min; root: emulated 1 and 10 Gbit/s links in network
@@ -48,7 +53,7 @@ export CUDACXX := /usr/local/cuda/bin/nvcc
 endif
 endif
 
-.PHONY: all setup build build-tests lint lint-cpp format-cpp test test-cpp test-python test-aten test-gpu test-sanitize test-valgrind demo demo-fsdp demo-sign convergence convergence-levers bench bench-full bench-setup bench-kernels bench-training bench-model clean
+.PHONY: all setup build build-tests lint lint-cpp format-cpp test test-cpp test-python test-aten test-gpu gpu-check test-sanitize test-valgrind demo demo-fsdp demo-sign convergence convergence-levers bench bench-full bench-setup bench-kernels bench-training bench-model clean
 
 all: build
 
@@ -114,6 +119,15 @@ test-gpu: build-tests
 	@cmake --build build/cpp -j $(JOBS)
 	@ctest --test-dir build/cpp -L gpu --output-on-failure --timeout 600
 	@$(PY) -m pytest tests/python -m gpu -v -ra
+
+# With a GPU: no venv (the machine's own python3 and torch; nothing downloaded). Without one: the
+# tests' build, then the steps that need no GPU.
+gpu-check:
+	@if nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then \
+	  $(PYTHON) tools/gpu_check.py --python $(PYTHON) $(GPU_CHECK_ARGS); \
+	else \
+	  $(MAKE) --no-print-directory build-tests && $(PY) tools/gpu_check.py --no-build $(GPU_CHECK_ARGS); \
+	fi
 
 TORCHRUN := env -u LOCAL_WORLD_SIZE $(LIONBIT_VENV)/bin/torchrun --standalone --nproc-per-node 4
 

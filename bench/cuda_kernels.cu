@@ -4,7 +4,7 @@
 // the ratio to the device-to-device cudaMemcpyAsync bandwidth measured in the
 // same run (a copy of B bytes moves 2B: read + write).
 //
-//   lionbit_bench_cuda [max_elements]     (default 256M; sizes 1M 16M 64M 256M)
+//   lionbit_bench_cuda [elements ...]     (default 16777216 268435456: 16M and 256M)
 //
 // Without a CUDA device it says so and exits 0.
 #include <cuda_runtime.h>
@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "signbits/count.h"
 #include "signbits/cuda/kernels.h"
 #include "optimizer/lion_cuda.h"
 
@@ -103,10 +104,21 @@ int main(int argc, char** argv) {
         err != cudaSuccess ? cudaGetErrorString(err) : "cudaGetDeviceCount returned 0");
     return 0;
   }
-  size_t max_n = size_t{256} << 20;
-  if (argc > 1) {
-    max_n = std::strtoull(argv[1], nullptr, 10);
+  // Sizes in elements, each a multiple of 2^20 (default 16M and 256M).
+  std::vector<size_t> sizes;
+  for (int i = 1; i < argc; ++i) {
+    const size_t n = std::strtoull(argv[i], nullptr, 10);
+    if (n == 0 || n % (size_t{1} << 20) != 0) {
+      std::fprintf(
+          stderr, "lionbit_bench_cuda: sizes are multiples of 1048576, got '%s'\n", argv[i]);
+      return 2;
+    }
+    sizes.push_back(n);
   }
+  if (sizes.empty()) {
+    sizes = {size_t{16} << 20, size_t{256} << 20};
+  }
+  const size_t max_n = *std::max_element(sizes.begin(), sizes.end());
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "properties");
   std::printf(
@@ -117,8 +129,9 @@ int main(int argc, char** argv) {
   check(cudaStreamCreate(&stream), "stream");
   Timer timer{stream};
 
-  // Buffers for the largest size: two element buffers of 4 bytes, planes for
-  // 16 contributions, two output planes and a LUT.
+  // Buffers for the largest size: two element buffers of 4 bytes, sign and
+  // zero planes for 64 contributions, output planes and a LUT.
+  constexpr int kMaxRanks = 64;
   const size_t words_max = (max_n + 63) / 64;
   void *a = nullptr, *b = nullptr;
   uint64_t *planes = nullptr, *out = nullptr;
@@ -126,14 +139,16 @@ int main(int argc, char** argv) {
   lionbit::cuda::Counts* counts = nullptr;
   check(cudaMalloc(&a, max_n * 4), "malloc");
   check(cudaMalloc(&b, max_n * 4), "malloc");
-  check(cudaMalloc(&planes, 16 * words_max * 8), "malloc");
-  check(cudaMalloc(&out, 2 * words_max * 8), "malloc");
+  check(cudaMalloc(&planes, 2 * kMaxRanks * words_max * 8), "malloc");
+  check(cudaMalloc(&out, 8 * words_max * 8), "malloc");
   check(cudaMalloc(&lut, 16 * sizeof(float)), "malloc");
   check(cudaMalloc(&counts, sizeof(lionbit::cuda::Counts)), "malloc");
   // float32 values in [-2, 2) with random signs (exponent 127 or 128).
   fill(a, max_n * 4, 1, 0x807fffffu, 0x3f800000u);
   fill(b, max_n * 4, 2, 0x807fffffu, 0x3f800000u);
-  fill(planes, 16 * words_max * 8, 3);
+  // Sign planes random; zero planes sparse (about 1 bit in 256 set).
+  fill(planes, kMaxRanks * words_max * 8, 3);
+  fill(planes + kMaxRanks * words_max, kMaxRanks * words_max * 8, 4, 0x01000000u, 0);
   const float vote_lut[4] = {-1.0f, 1.0f, 0.0f, 0.0f};
   check(cudaMemcpy(lut, vote_lut, sizeof vote_lut, cudaMemcpyHostToDevice), "lut");
   check(cudaMemset(counts, 0, sizeof(lionbit::cuda::Counts)), "memset");
@@ -141,10 +156,7 @@ int main(int argc, char** argv) {
 
   std::printf(
       "%-28s %9s %10s %9s %9s %8s\n", "kernel", "elements", "time_us", "MB", "GB/s", "of_copy");
-  for (size_t n : {size_t{1} << 20, size_t{16} << 20, size_t{64} << 20, size_t{256} << 20}) {
-    if (n > max_n) {
-      break;
-    }
+  for (size_t n : sizes) {
     const size_t words = n / 64;
     // Device-to-device copy of n float32: 4n bytes read and 4n written.
     const double copy_ms = timer.median_ms(
@@ -163,14 +175,29 @@ int main(int argc, char** argv) {
       lionbit::cuda::pack_signs(DType::kBFloat16, a, n, out, out + words, 0, counts, stream);
     }),
         2.0 * n + n / 4.0, copy_gbs);
-    for (int shards : {4, 8, 16}) {
-      // A rank's vote over a shard of n elements: `shards` sign planes read,
-      // sign and zero planes written.
-      const std::string name = "vote N=" + std::to_string(shards);
-      row(name.c_str(), n, timer.median_ms([&] {
-        lionbit::cuda::vote(planes, nullptr, words, shards, words, out, out + words, stream);
+    row("pack_levels f32 p=4", n, timer.median_ms([&] {
+      lionbit::cuda::pack_levels(
+          static_cast<const float*>(a), n, 3.0, 4, out, words, 0, counts, stream);
+    }),
+        4.0 * n + 4.0 * n / 8.0, copy_gbs);
+    // A rank's share of the vote: `ranks` contributions (sign and zero
+    // planes) to a shard of n elements read, the result's planes written.
+    for (int ranks : {2, 4, 8, 16, 32, 64}) {
+      const uint64_t* zero = planes + kMaxRanks * words_max;
+      const std::string vote = "vote N=" + std::to_string(ranks);
+      row(vote.c_str(), n, timer.median_ms([&] {
+        lionbit::cuda::vote(planes, zero, words, ranks, words, out, out + words, stream);
       }),
-          (shards + 2) * n / 8.0, copy_gbs);
+          (2 * ranks + 2) * n / 8.0, copy_gbs);
+    }
+    for (int ranks : {2, 8, 64}) {
+      const uint64_t* zero = planes + kMaxRanks * words_max;
+      const int code_planes = lionbit::bits::code_planes(ranks, /*with_zeros=*/true);
+      const std::string name = "count_code N=" + std::to_string(ranks);
+      row(name.c_str(), n, timer.median_ms([&] {
+        lionbit::cuda::count_code(planes, zero, words, ranks, words, out, stream);
+      }),
+          (2 * ranks + code_planes) * n / 8.0, copy_gbs);
     }
     row("unpack f32 (2 planes)", n, timer.median_ms([&] {
       lionbit::cuda::unpack(DType::kFloat32, {planes, 2, words}, n, lut, b, stream);
@@ -194,8 +221,14 @@ int main(int argc, char** argv) {
           DType::kFloat32, b, DType::kFloat32, a, n, 1e-4f, 0.99999f, stream);
     }),
         12.0 * n, copy_gbs);
+    row("lion_apply_dense bf16/bf16", n, timer.median_ms([&] {
+      lionbit::optim::cuda::lion_apply_dense(
+          DType::kBFloat16, b, DType::kBFloat16, a, n, 1e-4f, 0.99999f, stream);
+    }),
+        6.0 * n, copy_gbs);
   }
   check(cudaStreamSynchronize(stream), "final sync");
+  check(cudaGetLastError(), "last error");
   cudaFree(a);
   cudaFree(b);
   cudaFree(planes);

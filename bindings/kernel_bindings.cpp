@@ -8,6 +8,9 @@
 
 #include "backend/kernel_check.hpp"
 #include "backend/kernel_set.hpp"
+#ifdef LIONBIT_WITH_CUDA
+#include "backend/kernels_cuda.hpp"
+#endif
 #include "backend/torch_adapter.hpp"
 #include "optimizer/lion.h"
 #include "signbits/copy_bits.h"
@@ -280,8 +283,17 @@ const KernelSet& named_set(const char* op, const std::string& name, const c10::D
   if (name == "aten") {
     return aten_kernels();
   }
+#ifdef LIONBIT_WITH_CUDA
+  if (name == "cuda") {
+    TORCH_CHECK_VALUE(
+        device.is_cuda(), "lionbit.", op, ": the cuda set runs on CUDA devices only, not on ",
+        device);
+    return cuda_kernels(device, /*checked=*/false); // every custom kernel, unchecked
+  }
+#endif
   TORCH_CHECK_VALUE(
-      name == "simd", "lionbit.", op, ": a kernel set is 'simd' or 'aten', got '", name, "'");
+      name == "simd", "lionbit.", op,
+      ": a kernel set is 'simd', 'aten' or (CUDA builds) 'cuda', got '", name, "'");
   TORCH_CHECK_VALUE(
       device.is_cpu(), "lionbit.", op, ": the simd set runs on the CPU only, not on ", device);
   return simd_kernels();

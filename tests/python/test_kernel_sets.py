@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+import lionbit
 from lionbit import _C
 
 # make test-aten runs the files marked so again through the ATen kernel set.
@@ -85,8 +86,11 @@ def test_check_catches_a_wrong_kernel(kernel):
 
 
 def test_check_names_the_sets():
-    with pytest.raises(ValueError, match="'simd' or 'aten', got 'avx'"):
+    with pytest.raises(ValueError, match="'simd', 'aten' or \\(CUDA builds\\) 'cuda', got 'avx'"):
         _C.check_kernel_sets("avx", "simd")
+    if lionbit.built_with_cuda:  # the custom CUDA set, unchecked (tools/kernel_verdicts.py), on CUDA only
+        with pytest.raises(ValueError, match="cuda set runs on CUDA devices only, not on cpu"):
+            _C.check_kernel_sets("cuda", "aten", "cpu")
     with pytest.raises(ValueError, match="simd set runs on the CPU only"):
         _C.check_kernel_sets("aten", "simd", "meta")
     with pytest.raises(ValueError, match="no kernel 'packing'"):

@@ -1,0 +1,77 @@
+"""`make gpu-check` in its CPU mode (tools/gpu_check.py), so that the GPU list
+cannot rot between the rare sessions that have a GPU: every step that needs
+none runs (the self-check of the SIMD set against ATen, the CPU half of the
+DDP / FSDP2 equality runs), and every GPU-only script runs once on small CPU
+inputs; the GPU steps say "skipped" with the reason. It reuses the tests'
+builds (the installed package, make test-cpp's build/cpp with the CUDA
+targets where nvcc is)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import lionbit
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+GPU_STEPS = ("ctest-gpu", "pytest-custom", "pytest-aten", "bench-kernels", "lion-step", "profile")
+
+
+def _has_gpu():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.startswith("GPU")
+
+
+def test_gpu_check_cpu_mode(tmp_path):
+    if _has_gpu():
+        pytest.skip("a GPU is here: make gpu-check runs its GPU mode (minutes), not this test")
+    cpp = os.path.join(ROOT, "build", "cpp")
+    args = [sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--no-build", "--out", str(tmp_path)]
+    if os.path.exists(os.path.join(cpp, "CMakeCache.txt")):
+        args += ["--cpp-build", cpp]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("LOCAL_WORLD_SIZE", None)
+    r = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    steps = {s["step"]: s for s in res["steps"]}
+    assert list(steps) == ["build", "import", "ctest-gpu", "pytest-custom", "pytest-aten", "verdicts",
+                           "bench-kernels", "lion-step", "equality", "profile"]
+    for name in GPU_STEPS:
+        assert steps[name]["status"] == "skipped" and "no GPU" in steps[name]["figure"], steps[name]
+    for name in ("build", "import", "verdicts", "equality"):
+        assert steps[name]["status"] == "passed", steps[name]
+    # The checks that ran on CPU, read from their own JSON.
+    verdicts = res["figures"]["verdicts"]["verdicts"]
+    assert {"pack", "count_code", "vote", "unpack", "lion_apply"} <= set(verdicts)
+    assert set(verdicts.values()) == {"ok"}, verdicts
+    checks = res["figures"]["equality"]["checks"]
+    assert checks["cpu vote: ddp == fsdp2"] and checks["the runs moved the parameters"], checks
+    assert all(checks.values()) and len(checks) >= 10, checks
+    # The GPU-only scripts ran on CPU and wrote what the GPU run reads.
+    lion = json.loads((tmp_path / "lion_step.json").read_text())
+    assert lion["ms_per_step"]["DistributedLion (bf16 momentum)"] > 0
+    assert (tmp_path / "ddp_step_cpu.txt").read_text().count("lionbit") >= 1
+    assert (tmp_path / "ddp_step_cpu.trace.json.gz").stat().st_size > 0
+    # The table comes last, one row per step.
+    table = r.stdout.strip().splitlines()
+    assert table[-1].startswith("no GPU;") and sum(line.startswith("| ") for line in table[-14:]) == 12
+
+
+def test_extension_exports_no_libstdcxx():
+    """lionbit._C keeps whatever a toolchain links into it statically private
+    (bindings/CMakeLists.txt: --exclude-libs): the first GPU run crashed in
+    every sign collective because _C exported libstdc++'s locale symbols."""
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "tools", "gpu_check.py"))
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    leaked = gpu_check.libstdcxx_exports(lionbit._C.__file__)
+    if leaked is None:
+        pytest.skip("no nm on this machine")
+    assert leaked == []

@@ -1,0 +1,389 @@
+"""make gpu-check: the GPU list (../shared/GPU.md, docs/cuda.md) in one unattended run.
+
+On a machine with a GPU (nvidia-smi lists one) it builds lionbit into the
+Python given (`--python`, default this one: no venv, nothing downloaded) for
+that GPU's architecture only, with every core, and the C++ tree's GPU
+targets beside it; then runs, in order, each step with its own time limit, so
+that a hang or a failure never stops the rest:
+
+  build        the extension (CUDA path, one architecture) and the C++ GPU targets
+  import       lionbit.built_with_cuda, lionbit.kernels("cuda")
+  ctest-gpu    every GPU kernel against the CPU kernel, bit for bit (test_cuda_kernels)
+  pytest-custom / pytest-aten
+               pytest -m gpu with LIONBIT_KERNELS=custom, then =aten
+  verdicts     the first-use self-check's verdict for every custom kernel
+  bench-kernels  bench/cuda_kernels.cu at 16M and 256M elements against the
+               same GPU's device-to-device copy (goal: >= 80 %)
+  lion-step    DistributedLion's local step against torch Lion (foreach ops),
+               ~1B parameters in bf16 (goal: <= 1.0x)
+  equality     DDP and FSDP2 + DistributedLion on CUDA tensors, 2 ranks on the
+               one GPU (Gloo transport), bitwise equal to the same runs on CPU
+  profile      a torch.profiler trace of one DDP + DistributedLion step
+
+Without a GPU it runs what needs none: the GPU targets are compiled (where
+nvcc is), the self-check and the equality runs on CPU, and the GPU-only
+scripts once on small CPU inputs so they cannot rot; the GPU steps say
+"skipped: no GPU". Logs, results.json and summary.md go to --out (default
+$OUT, else gpu-check-results/); the table is printed last. Exit status 1 if
+any step failed.
+
+    python tools/gpu_check.py [--python PY] [--out DIR] [--budget SECONDS] [--no-build] [--bundle]
+"""
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Step:
+    """One row of the table: status "passed" / "failed" / "skipped", a key figure."""
+
+    def __init__(self, name, what):
+        self.name, self.what = name, what
+        self.status, self.figure, self.seconds, self.logs = "skipped", "", 0.0, []
+
+    def as_dict(self):
+        return {"step": self.name, "what": self.what, "status": self.status, "figure": self.figure,
+                "seconds": round(self.seconds, 1), "logs": self.logs}
+
+
+class Runner:
+    def __init__(self, args):
+        self.args = args
+        self.out = os.path.abspath(args.out)
+        self.logs = os.path.join(self.out, "logs")
+        os.makedirs(self.logs, exist_ok=True)
+        self.start = time.monotonic()
+        self.steps = []
+        self.figures = {}
+
+    def left(self):
+        return self.args.budget - (time.monotonic() - self.start)
+
+    def run(self, step, name, cmd, timeout, env=None):
+        """Runs cmd with its output in logs/<name>.log; returns (rc, output). rc 124: timed out."""
+        return self.run_together(step, [(name, cmd, timeout)], env)[0]
+
+    def run_together(self, step, jobs, env=None):
+        """Runs the (name, cmd, timeout) jobs at the same time, each logged to logs/<name>.log;
+        returns [(rc, output)] in their order (rc 124: stopped at its time limit)."""
+        # A segfault prints the Python stack of every thread (the first GPU run's crashed silently).
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", **(env or {}))
+        t0 = time.monotonic()
+        running = []
+        for name, cmd, timeout in jobs:
+            log = os.path.join(self.logs, f"{name}.log")
+            step.logs.append(os.path.relpath(log, self.out))
+            f = open(log, "w")
+            f.write(f"$ {' '.join(cmd)}\n")
+            f.flush()
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT,
+                                    start_new_session=True)
+            running.append((proc, f, log, t0 + max(1, min(timeout, self.left()))))
+        results = []
+        for proc, f, log, deadline in running:
+            try:
+                rc = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                rc = 124
+            f.write(f"\n[exit {rc} after {time.monotonic() - t0:.1f} s{' (time limit)' if rc == 124 else ''}]\n")
+            f.close()
+            with open(log) as done:
+                results.append((rc, done.read()))
+        step.seconds += time.monotonic() - t0
+        return results
+
+    def step(self, name, what, min_s, fn):
+        step = Step(name, what)
+        self.steps.append(step)
+        print(f"gpu-check: {name} ({what}) ...", flush=True)
+        if self.left() < min_s:
+            step.figure = f"out of time ({self.left():.0f} s left of --budget)"
+            return step
+        try:
+            fn(step)
+        except Exception as err:  # a bug in this script must not stop the other steps
+            step.status, step.figure = "failed", f"gpu_check error: {type(err).__name__}: {err}"
+        print(f"gpu-check: {name}: {step.status} {step.figure} ({step.seconds:.0f} s)", flush=True)
+        return step
+
+
+def _gpu():
+    """The first GPU's name and compute capability from nvidia-smi, or None."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60).stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if not out:
+        return None
+    name, cap = (s.strip() for s in out[0].rsplit(",", 1))
+    return {"name": name, "arch": cap.replace(".", "")}
+
+
+def _nvcc():
+    found = os.environ.get("CUDACXX") or shutil.which("nvcc")
+    if not found and os.path.exists("/usr/local/cuda/bin/nvcc"):
+        found = "/usr/local/cuda/bin/nvcc"
+    return found
+
+
+# Symbols of libstdc++'s compiled parts (locales, iostreams): an extension that
+# exports them lets the process's own libstdc++ interpose half of its copy,
+# and iostreams crash (the first GPU run: a toolchain that put them into _C).
+LIBSTDCXX_PREFIXES = ("_ZNSt6locale", "_ZNKSt6locale", "_ZNSo", "_ZNSi", "_ZNSt8ios_base", "_ZNKSt7num_put",
+                      "_ZNSt7num_put", "_ZNKSt7codecvt", "_ZNSt7codecvt", "_ZNSt9basic_ios")
+
+
+def libstdcxx_exports(shared_object):
+    """The libstdc++ locale / iostream symbols `shared_object` defines and exports
+    (nm -D), or None where nm is missing."""
+    if not shutil.which("nm"):
+        return None
+    out = subprocess.run(["nm", "-D", "--defined-only", shared_object], capture_output=True, text=True).stdout
+    names = (line.split()[-1] for line in out.splitlines() if line.strip())
+    return [n for n in names if n.startswith(LIBSTDCXX_PREFIXES)]
+
+
+def _tail(text, lines=3):
+    """The last lines of a step's output, without the log's own first and last lines."""
+    mine = [ln.strip() for ln in text.strip().splitlines() if ln.strip() and not ln.startswith(("$ ", "[exit "))]
+    return " | ".join(mine[-lines:])
+
+
+def _pytest_summary(text):
+    m = re.findall(r"=+ (.*?(?:passed|failed|skipped|error|no tests ran).*?) in [\d.]+s", text)
+    return m[-1] if m else _tail(text, 1)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--python", default=sys.executable, help="the Python to build into and run with")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "gpu-check-results"))
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run (default 480)")
+    ap.add_argument("--no-build", action="store_true", help="lionbit is already installed into --python")
+    ap.add_argument("--cpp-build", help="a configured C++ build folder that already has the GPU targets "
+                    "(make test-cpp's build/cpp): use it, build nothing")
+    ap.add_argument("--bundle", action="store_true",
+                    help="pack the logs and the steps' JSON into logs.tgz (a lent GPU machine returns 8 files)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count())
+    ap.add_argument("--gtest-source", default=os.environ.get("LIONBIT_GTEST_SOURCE_DIR", ""),
+                    help="GoogleTest sources, where no GoogleTest is installed")
+    args = ap.parse_args(argv)
+    r = Runner(args)
+    py = args.python
+    gpu = _gpu()
+    nvcc = _nvcc()
+    arch = gpu["arch"] if gpu else "90"
+    cpp_dir = os.path.join(ROOT, "build", f"gpu-check-cpp-{arch}")
+    if args.cpp_build:
+        cpp_dir = os.path.abspath(args.cpp_build)
+    build_env = {"CMAKE_BUILD_PARALLEL_LEVEL": str(args.jobs)}
+    if nvcc:
+        build_env["CUDACXX"] = nvcc
+    no_gpu = "no GPU (nvidia-smi lists none)"
+    print(f"gpu-check: {'GPU ' + gpu['name'] + ' (sm_' + arch + ')' if gpu else 'no GPU'}; python {py}; "
+          f"nvcc {nvcc or 'none'}; {args.jobs} cores; out {r.out}", flush=True)
+
+    def build(step):
+        # The extension (pip, into --python) and the torch-free C++ GPU targets (the kernel
+        # tests, the kernel benchmark) build at the same time: each ends on a long nvcc compile.
+        jobs, names = [], []
+        if not args.no_build:
+            names.append("extension")
+            jobs.append(("build-extension", [
+                py, "-m", "pip", "install", "-v", "--no-build-isolation", "--no-deps", "--no-index",
+                "--disable-pip-version-check", "-C", f"cmake.define.LIONBIT_CUDA={'ON' if gpu else 'AUTO'}",
+                "-C", f"cmake.define.LIONBIT_CUDA_ARCHS={arch}-real", "-C", f"build-dir=build/gpu-check-{arch}", "."],
+                480))
+        if nvcc and not args.cpp_build:
+            configure = ["cmake", "-S", ROOT, "-B", cpp_dir, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                         "-DLIONBIT_BUILD_TESTS=ON", "-DLIONBIT_CUDA=ON", f"-DLIONBIT_CUDA_ARCHS={arch}-real",
+                         f"-DCMAKE_CUDA_COMPILER={nvcc}", "-DCMAKE_POLICY_VERSION_MINIMUM=3.5"]
+            if args.gtest_source:
+                configure.append(f"-DLIONBIT_GTEST_SOURCE_DIR={os.path.abspath(args.gtest_source)}")
+            compile_ = ["cmake", "--build", cpp_dir, "-j", str(args.jobs), "--target", "test_cuda_kernels",
+                        "lionbit_bench_cuda"]
+            names.append(f"C++ GPU targets (sm_{arch})")
+            jobs.append(("build-cpp", ["sh", "-c", shlex.join(configure) + " && " + shlex.join(compile_)], 480))
+        done = r.run_together(step, jobs, build_env)
+        bad = [f"{n}: exit {rc}: {_tail(out)}" for n, (rc, out) in zip(names, done) if rc != 0]
+        step.status = "failed" if bad else "passed"
+        parts = [] if jobs and not args.no_build else ["extension: installed by make build-tests"]
+        parts += [f"{n} built" for n, (rc, _) in zip(names, done) if rc == 0]
+        if not nvcc:
+            parts.append("C++ GPU targets: no nvcc")
+        elif args.cpp_build:
+            parts.append(f"C++ GPU targets: {os.path.relpath(cpp_dir, ROOT)}'s")
+        step.figure = "; ".join(parts + bad) + (f" in {step.seconds:.0f} s" if jobs else "")
+
+    def import_(step):
+        device = "cuda" if gpu else "cpu"
+        code = ("import lionbit, json; print(json.dumps({'built_with_cuda': lionbit.built_with_cuda, "
+                f"'kernels': lionbit.kernels('{device}'), 'version': lionbit.__version__, "
+                "'so': lionbit._C.__file__}))")
+        rc, out = r.run(step, "import", [py, "-c", code], timeout=120)
+        line = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if rc != 0 or not line:
+            step.status, step.figure = "failed", f"exit {rc}: {_tail(out)}"
+            return
+        facts = json.loads(line[-1])
+        r.figures["import"] = facts
+        step.figure = f"built_with_cuda={facts['built_with_cuda']} kernels('{device}')={facts['kernels']}"
+        step.status = "failed" if gpu and not facts["built_with_cuda"] else "passed"
+        leaked = libstdcxx_exports(facts["so"])
+        if leaked:
+            step.status = "failed"
+            step.figure += f"; _C exports {len(leaked)} libstdc++ symbols (e.g. {leaked[0]})"
+
+    def ctest(step):
+        binary = os.path.join(cpp_dir, "tests", "cpp", "test_cuda_kernels")
+        if not gpu:
+            step.figure = no_gpu + (" (test_cuda_kernels compiled)" if os.path.exists(binary) else "")
+            return
+        rc, out = r.run(step, "ctest-gpu", [binary, "--gtest_brief=1"], timeout=120)
+        m = re.findall(r"\[==========\] (\d+) tests? from .* ran", out)
+        failed = re.findall(r"\[  FAILED  \] (\d+) tests?", out)
+        step.status = "passed" if rc == 0 else "failed"
+        step.figure = f"{m[-1] if m else '?'} tests, {failed[-1] if failed else 0} failed" + (
+            f" (exit {rc})" if rc else "")
+
+    def pytest(choice, limit):
+        def fn(step):
+            if not gpu:
+                step.figure = no_gpu
+                return
+            cmd = [py, "-m", "pytest", "tests/python/test_cuda.py", "tests/python/test_kernel_sets.py", "-m", "gpu",
+                   "-v", "-ra", "--tb=short", "-p", "no:cacheprovider", "--durations=10"]
+            if subprocess.run([py, "-c", "import pytest_timeout"], capture_output=True).returncode == 0:
+                cmd.append("--timeout=90")  # a hung test fails alone; the step still ends with its summary
+            rc, out = r.run(step, f"pytest-{choice}", cmd, timeout=limit, env={"LIONBIT_KERNELS": choice})
+            step.status = "passed" if rc == 0 else "failed"
+            step.figure = _pytest_summary(out)
+        return fn
+
+    def verdicts(step):
+        device = "cuda:0" if gpu else "cpu"
+        path = os.path.join(r.out, "verdicts.json")
+        rc, out = r.run(step, "verdicts", [py, "tools/kernel_verdicts.py", "--device", device, "--json", path],
+                        timeout=180)
+        step.status = "passed" if rc == 0 else "failed"
+        step.figure = _tail(out, 1) + ("" if gpu else " (CPU: the SIMD set; no GPU)")
+        if os.path.exists(path):
+            r.figures["verdicts"] = json.load(open(path))
+
+    def bench_kernels(step):
+        binary = os.path.join(cpp_dir, "lionbit_bench_cuda")
+        if not gpu:
+            step.figure = no_gpu + (" (lionbit_bench_cuda compiled)" if os.path.exists(binary) else "")
+            return
+        rc, out = r.run(step, "bench-kernels", [binary, str(16 << 20), str(256 << 20)], timeout=180)
+        rows = re.findall(r"^(.+?)\s+(\d+)M\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%$", out, re.M)
+        table = [{"kernel": k.strip(), "elements_M": int(n), "time_us": float(t), "MB": float(mb),
+                  "GBps": float(g), "of_copy_pct": float(p)} for k, n, t, mb, g, p in rows]
+        r.figures["bench_kernels"] = table
+        big = [t for t in table if t["elements_M"] == 256 and not t["kernel"].startswith("memcpy")]
+        if rc != 0 or not big:
+            step.status, step.figure = "failed", f"exit {rc}: {_tail(out)}"
+            return
+        low = [t for t in big if t["of_copy_pct"] < 80]
+        copy = [t for t in table if t["kernel"].startswith("memcpy") and t["elements_M"] == 256]
+        step.status = "passed"
+        step.figure = (f"256M: {len(big) - len(low)}/{len(big)} kernels >= 80 % of D2D copy "
+                       f"({copy[0]['GBps']:.0f} GB/s)" if copy else "")
+        if low:
+            step.figure += "; under: " + ", ".join(f"{t['kernel']} {t['of_copy_pct']:.0f}%" for t in low)
+
+    def lion_step(step):
+        path = os.path.join(r.out, "lion_step.json")
+        cmd = [py, "bench/gpu_lion_step.py", "--json", path]
+        cmd += ["--params", "1e9"] if gpu else ["--device", "cpu", "--params", "4e6", "--steps", "3"]
+        rc, out = r.run(step, "lion-step", cmd, timeout=240)
+        if rc != 0 or not os.path.exists(path):
+            step.status, step.figure = "failed", f"exit {rc}: {_tail(out)}"
+            return
+        res = json.load(open(path))
+        r.figures["lion_step"] = res
+        ratio = res["ratio_to_torch"]
+        key, ms = "DistributedLion (bf16 momentum)", res["ms_per_step"]
+        figure = (f"{res['params'] / 1e9:.2f}B bf16: torch Lion {ms['torch Lion (foreach, bf16 momentum)']:.1f} ms, "
+                  f"DistributedLion {ms[key]:.1f} ms = {ratio[key]:.2f}x")
+        if gpu:
+            step.status, step.figure = "passed", figure
+        else:
+            step.figure = no_gpu + f" (the script ran on CPU at {res['params'] / 1e6:.0f}M parameters)"
+
+    def equality(step):
+        path = os.path.join(r.out, "equality.json")
+        devices = "cpu,cuda" if gpu else "cpu"
+        rc, out = r.run(step, "equality", [py, "tools/gpu_equality.py", "--devices", devices, "--json", path],
+                        timeout=300)
+        step.status = "passed" if rc == 0 else "failed"
+        step.figure = _tail(out, 1) + ("" if gpu else " (the CPU half; CUDA: no GPU)")
+        if os.path.exists(path):
+            r.figures["equality"] = json.load(open(path))
+
+    def profile(step):
+        cmd = [py, "bench/gpu_ddp_profile.py", "--out", r.out]
+        cmd += ["--device", "cuda"] if gpu else ["--device", "cpu", "--params", "1e6"]
+        rc, out = r.run(step, "profile", cmd, timeout=240)
+        top = re.findall(r"^\s*(\S.*?)\s{2,}[\d.]+%", out, re.M)
+        if rc != 0:
+            step.status, step.figure = "failed", f"exit {rc}: {_tail(out)}"
+            return
+        figure = "top: " + ", ".join(t.strip()[:40] for t in top[:3])
+        if gpu:
+            step.status, step.figure = "passed", figure
+        else:
+            step.figure = no_gpu + " (traced on CPU)"
+
+    r.step("build", "extension + C++ GPU targets, one architecture", 60, build)
+    r.step("import", "built_with_cuda, kernels", 10, import_)
+    r.step("ctest-gpu", "GPU kernels vs CPU kernels", 20, ctest)
+    r.step("pytest-custom", "pytest -m gpu, LIONBIT_KERNELS=custom", 60, pytest("custom", 180))
+    r.step("pytest-aten", "pytest -m gpu, LIONBIT_KERNELS=aten", 60, pytest("aten", 120))
+    r.step("verdicts", "first-use self-check, every custom kernel", 10, verdicts)
+    r.step("bench-kernels", "kernels vs D2D copy, 16M / 256M", 20, bench_kernels)
+    r.step("lion-step", "DistributedLion vs torch Lion, 1B bf16", 30, lion_step)
+    r.step("equality", "DDP / FSDP2 on CUDA == on CPU", 30, equality)
+    r.step("profile", "torch.profiler, one DDP step", 20, profile)
+
+    total = time.monotonic() - r.start
+    result = {"gpu": gpu, "python": py, "nvcc": nvcc, "seconds": round(total, 1),
+              "steps": [s.as_dict() for s in r.steps], "figures": r.figures}
+    with open(os.path.join(r.out, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    lines = ["| step | status | s | figure |", "| --- | --- | ---: | --- |"]
+    lines += [f"| {s.name} | {s.status} | {s.seconds:.0f} | {s.figure} |" for s in r.steps]
+    lines.append(f"\n{'GPU ' + gpu['name'] if gpu else 'no GPU'}; {total:.0f} s in all; logs in {r.out}")
+    with open(os.path.join(r.out, "summary.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if args.bundle:
+        import tarfile
+
+        extra = [n for n in ("verdicts.json", "equality.json", "lion_step.json")
+                 if os.path.exists(os.path.join(r.out, n))]
+        with tarfile.open(os.path.join(r.out, "logs.tgz"), "w:gz") as tar:
+            for name in ["logs"] + extra:
+                tar.add(os.path.join(r.out, name), arcname=name)
+        shutil.rmtree(r.logs)
+        for name in extra:
+            os.remove(os.path.join(r.out, name))
+    print("\n" + "\n".join(lines))
+    return 1 if any(s.status == "failed" for s in r.steps) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
