@@ -1,36 +1,48 @@
 #!/usr/bin/env python3
-"""Suite 5: time to a target loss. The text task of docs/convergence.md
-(byte-level causal transformer, 102,144 parameters, global batch 64 windows
-split over the ranks) trained under DDP on emulated links until its
-validation loss reaches a target fixed in advance, for each method on its
-tuned configuration:
+"""Suite 5: time to quality where the link matters. A ~10M-parameter causal
+transformer LM on the Python standard library's sources (examples/lm_stdlib.py:
+local byte-level BPE, 8,192 tokens) trained under DDP until its validation
+loss reaches a target fixed in advance, for every method on its own tuned
+learning rate and weight decay. The protocol, fixed before the final runs:
+docs/convergence_protocol.md ("Time to quality").
 
-    adamw_fp32      AdamW, DDP's fp32 gradient all-reduce
-    adamw_powersgd  AdamW, torch's PowerSGD hook (rank 4, 10 uncompressed steps)
-    lion_bf16       Lion (torch ops), DDP's bf16 compression hook
-    distlion_vote   DistributedLion, 1-bit vote (attach(ddp))
-    distlion_l1p4   DistributedLion, Lion Cub's L1 aggregation, 4 bits
+    adamw_fp32        AdamW, DDP's fp32 gradient all-reduce
+    adamw_bf16        AdamW, DDP's bf16 compression hook
+    adamw_powersgd4   AdamW, torch's PowerSGD hook, rank 4 (the first 10 steps uncompressed)
+    adamw_powersgd16  AdamW, PowerSGD rank 16
+    lion_fp32         Lion (torch ops), DDP's fp32 all-reduce
+    lion_bf16         Lion, DDP's bf16 compression hook
+    distlion_vote     DistributedLion, 1-bit vote (attach(ddp))
+    distlion_alt      DistributedLion, tie_break="alternate"
+    distlion_l1p4     DistributedLion, Lion Cub's L1 aggregation, 4 bits
 
-Per (link, N, method, seed): the steps, the training wall-clock (slowest
-rank; evaluation excluded) and the bytes each rank sent on its link
-(interface counter, evaluation excluded) until the first evaluation at or
-below the target. Evaluations every EVAL_EVERY steps on the validation
-split; the schedule (linear warm-up 5 %, cosine to 0 over STEPS) is the same
-for every method, so a method that needs longer than the schedule does not
-reach the target ("-").
+Global batch GLOBAL_BATCH windows of CTX + 1 tokens, split over the ranks; the
+same schedule for every method (linear warm-up 5 %, cosine to 0 over STEPS).
+The phases, each writing bench/results/time_to_target/<phase>.json:
 
-    python bench/time_to_target.py                      # N 2 and 4, 1 Gbit/s, seeds 0-2 (root: namespaces)
-    python bench/time_to_target.py --baseline           # single-process AdamW's curve: where TARGET comes from
-    python bench/time_to_target.py --loopback --ranks 2 --seeds 0 --steps 40   # a smoke run
+    tune     each method's grid (GRIDS: 2 learning rates x 2 weight decays), N = 2, loopback,
+             TUNE_STEPS steps, seed 0: the final validation loss picks the configuration
+    target   adamw_fp32 (tuned) at N = 2, loopback, seeds 0-2, the whole schedule: the
+             target is its mean validation loss at STEPS / 2, rounded up to 0.01
+    steps    every method, N = 2 and 4, loopback, seeds 0-2: steps to the target
+    link     every method, N = 2 and 4, 1 Gbit/s emulated links (root: namespaces), seed 0:
+             end to end to the target, and seconds per step; plus "floor" (no communication)
 
-Results: bench/results/time_to_target.{json,md,png}. The target was chosen
-before any distributed run by the rule in TARGET's comment.
+    python bench/time_to_target.py                 # every phase not yet done (--redo PHASE to rerun one)
+    python bench/time_to_target.py --quick         # the whole suite at a tenth of the scale, < 10 min
+    python bench/time_to_target.py --summary       # the table and the plot from the phases' JSON
+
+Seconds to target = steps to target (phase "steps", mean over seeds) x seconds
+per step on the link (phase "link"); the link phase's own end-to-end figure
+says how far that product is from a real run. Results: bench/results/time_to_target/
+summary.md, curves.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -42,115 +54,153 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
 from collectives import choose_mode, gather_rows, launch, new_meta, run_cases, tx_bytes  # noqa: E402
 
-BATCH = 64
+GLOBAL_BATCH = 4
+CTX = 64
 STEPS = 400
-EVAL_EVERY = 10
-# The rule, fixed before any distributed run: single-process AdamW (global
-# batch 64, lr 1e-2, the schedule above), seeds 0-2; the target is the mean
-# validation bits per byte of that curve at half the schedule (step 200),
-# rounded up to 0.01 (`--baseline` prints the curve and what the rule gives).
-TARGET_BPB = 2.93
-METHODS = ["adamw_fp32", "adamw_powersgd", "lion_bf16", "distlion_vote", "distlion_l1p4"]
-DISTLION = {"distlion_vote": {}, "distlion_l1p4": dict(aggregation="l1", bits=4)}
-POWERSGD_RANK, POWERSGD_START = 4, 10
+TUNE_STEPS = 150
+EVAL_EVERY = 20
+EVAL_WINDOWS = 32
+SEEDS = "0-2"
+RANKS = "2,4"
+POWERSGD_START = 10
+METHODS = ["adamw_fp32", "adamw_bf16", "adamw_powersgd4", "adamw_powersgd16", "lion_fp32", "lion_bf16",
+           "distlion_vote", "distlion_alt", "distlion_l1p4"]
+DISTLION = {"distlion_vote": {}, "distlion_alt": dict(tie_break="alternate"),
+            "distlion_l1p4": dict(aggregation="l1", bits=4)}
+# Grids of the same size for every method: 2 learning rates x 2 weight decays;
+# Lion's rates 3-10x under AdamW's (the Lion paper), its decays 10x over.
+GRIDS = {"adamw": dict(lr=[1e-3, 3e-3], weight_decay=[0.0, 0.1], betas=(0.9, 0.95)),
+         "lion": dict(lr=[1e-4, 3e-4], weight_decay=[0.1, 1.0], betas=(0.9, 0.99))}
+TINY = dict(d_model=32, layers=1, heads=2, ffn=64)  # --tiny: a test's model and corpus
+TINY_CORPUS_FILES = 40
+QUICK = dict(steps=60, tune_steps=30, eval_every=10, seeds="0", ranks="2", methods=METHODS)
 
 
-def task(steps: int, split: str = "val"):
-    import convergence_text as ct
-
-    # Tuned at (64, 200) (docs/convergence.md): Lion lr 3e-3, AdamW lr 1e-2.
-    t = ct.TextTask(BATCH, 200, split=split)
-    t.steps = steps
-    return t
+def family(method: str) -> str:
+    return "adamw" if method.startswith("adamw") else "lion"
 
 
-def make_opt(method: str, params, t, ddp):
+def grid(method: str) -> list:
+    g = GRIDS[family(method)]
+    return [dict(lr=lr, weight_decay=wd, betas=g["betas"]) for lr in g["lr"] for wd in g["weight_decay"]]
+
+
+def lr_factor(total: int, warmup: float = 0.05):
+    w = max(1, round(warmup * total))
+    return lambda s: (s + 1) / w if s < w else 0.5 * (1.0 + math.cos(math.pi * (s - w) / max(1, total - w)))
+
+
+def make(method: str, hp: dict, seed: int, steps: int, model: dict | None = None):
+    """(model, ddp, optimizer, scheduler) of one run."""
     import torch
-
-    import lionbit
-    from training import make_lion
-
-    if method.startswith("adamw"):
-        return torch.optim.AdamW(params, **t.adamw)
-    if method == "lion_bf16":
-        return make_lion(params, **t.lion)
-    opt = lionbit.DistributedLion(params, **t.lion, **DISTLION[method])
-    opt.attach(ddp)
-    return opt
-
-
-def run_one(method: str, seed: int, steps: int, target: float, rank: int, n: int) -> dict:
-    """One training run to the target (or the schedule's end); the same
-    numbers on every rank."""
-    import torch
-    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import convergence_digits as cd
-    import convergence_text as ct
+    import lionbit
+    import lm_stdlib as lm
+    from training import make_lion
 
-    t = task(steps)
-    model = t.model(seed)
-    ddp = DDP(model)
-    opt = make_opt(method, ddp.parameters(), t, ddp)
-    if method == "lion_bf16":
+    net = lm.model(seed, dict(lm.MODEL, ctx=CTX, **(model or {})))
+    ddp = DDP(net)
+    if method.startswith("adamw") or method == "floor":
+        opt = torch.optim.AdamW(ddp.parameters(), **hp)
+    elif method.startswith("lion"):
+        opt = make_lion(ddp.parameters(), **hp)
+    else:
+        opt = lionbit.DistributedLion(ddp.parameters(), **hp, **DISTLION[method])
+        opt.attach(ddp)
+    if method.endswith("_bf16"):
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    elif method == "adamw_powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+    elif "powersgd" in method:
+        rank = int(method.rsplit("powersgd", 1)[1])
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                             start_powerSGD_iter=POWERSGD_START, random_seed=seed)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, cd.lr_factor(steps, ct.WARMUP))
-    span = torch.arange(t.cfg["ctx"] + 1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(steps))
+    return net, ddp, opt, sched
+
+
+def busy_seconds() -> float:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")
+
+
+def run_one(job: dict, data: dict, rank: int, n: int) -> dict:
+    """One run: the schedule's steps (or until the target), evaluations every
+    eval_every steps (excluded from the time); the same numbers on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    import lm_stdlib as lm
+
+    method, seed, steps, target = job["method"], job["seed"], job["steps"], job.get("target")
+    train = data["arrays"]["train"]
+    evals = lm.eval_windows(data["arrays"]["val"], EVAL_WINDOWS, CTX)
+    net, ddp, opt, sched = make(method, job["hp"], seed, steps, job.get("model"))
+    starts = lm.batches(train, seed, steps, GLOBAL_BATCH, CTX)
+    span = torch.arange(CTX + 1)
     wire = lambda: tx_bytes(os.environ.get("LIONBIT_BENCH_IF", ""))
-    curve, train_s, sent, reached = [], 0.0, 0, None
-    windows = t.windows(seed)
-    for first in range(0, steps, EVAL_EVERY):
+    curve, train_s, sent, reached, other = [], 0.0, 0, None, 0.0
+    only_local = method == "floor"
+    for first in range(0, steps, job["eval_every"]):
         dist.barrier()
-        w0, t0 = wire(), time.perf_counter()
-        for starts in windows[first : first + EVAL_EVERY]:
-            local = starts.view(n, -1)[rank]
+        w0, t0, c0, b0 = wire(), time.perf_counter(), time.process_time(), busy_seconds()
+        for s in starts[first: first + job["eval_every"]]:
+            local = s.view(n, -1)[rank]
             opt.zero_grad()
-            ct.loss_of(ddp, t.train_bytes[local[:, None] + span]).backward()
+            if only_local:  # no communication at all: the floor
+                with ddp.no_sync():
+                    lm.loss_of(ddp, train[local[:, None] + span]).backward()
+            else:
+                lm.loss_of(ddp, train[local[:, None] + span]).backward()
             opt.step()
             sched.step()
-        dt, dw = time.perf_counter() - t0, wire() - w0
-        # The slowest rank's time; each rank's bytes (the largest).
-        row = gather_rows(torch.tensor([dt, float(dw)], dtype=torch.float64)).max(dim=0).values
-        train_s += row[0].item()
-        sent += int(row[1].item()) if dw >= 0 else 0
-        done = min(first + EVAL_EVERY, steps)
+        dt, dw, dc, db = time.perf_counter() - t0, wire() - w0, time.process_time() - c0, busy_seconds() - b0
+        row = gather_rows(torch.tensor([dt, float(max(dw, 0)), dc, db], dtype=torch.float64))
+        train_s += row[:, 0].max().item()
+        sent += int(row[:, 1].max().item())
+        # Cores busy with anything but the ranks during these steps (the machine's busy
+        # seconds, read on rank 0, less every rank's own CPU seconds).
+        other += max(0.0, row[0, 3].item() - row[:, 2].sum().item())
+        done = min(first + job["eval_every"], steps)
         ddp.eval()
-        bpb = t.evaluate(ddp, rank, n)["val_bits_per_byte"]
+        val = lm.evaluate(ddp, evals, rank, n)
         ddp.train()
-        curve.append((done, train_s, sent, bpb))
-        if reached is None and bpb <= target:
-            reached = dict(steps=done, seconds=train_s, bytes=sent, val_bits_per_byte=bpb)
+        curve.append((done, train_s, sent, val))
+        if not math.isfinite(val):
             break
-    return {"method": method, "seed": seed, "world_size": n, "target": target, "reached": reached,
-            "curve": curve, "steps_run": curve[-1][0], "seconds_per_step": train_s / curve[-1][0]}
+        if target is not None and reached is None and val <= target:
+            reached = dict(steps=done, seconds=train_s, bytes=sent, val_loss=val)
+            break
+    last = curve[-1][0]
+    return dict(job, reached=reached, curve=curve, steps_run=last, seconds_per_step=train_s / last,
+                not_ranks_cores=other / max(train_s, 1e-9), final_val_loss=curve[-1][3], world_size=n)
 
 
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    import lm_stdlib as lm
+
     torch.set_num_threads(1)
     dist.init_process_group("lionbit")
     rank, n = dist.get_rank(), dist.get_world_size()
+    with open(args.jobs) as f:
+        jobs = json.load(f)
+    data = lm.build(verbose=False, limit=jobs[0].get("corpus_files"))
     results = []
-    for method in args.methods.split(","):
-        for seed in parse_seeds(args.seeds):
-            rec = run_one(method, seed, args.steps, args.target, rank, n)
-            rec["link"] = args.link
-            results.append(rec)
-            if rank == 0:
-                r = rec["reached"]
-                got = (f"target at step {r['steps']}, {r['seconds']:.2f} s, {r['bytes'] / 1e6:.2f} MB sent"
-                       if r else f"target not reached in {rec['steps_run']} steps "
-                                 f"(last {rec['curve'][-1][3]:.3f} bits/byte)")
-                print(f"  {args.link:>9} N={n} {method:<15} seed {seed}: {got}; "
-                      f"{rec['seconds_per_step'] * 1e3:.1f} ms/step", flush=True)
+    for job in jobs:
+        rec = run_one(job, data, rank, n)
+        rec["link"] = args.link
+        results.append(rec)
+        if rank == 0:
+            r = rec["reached"]
+            got = (f"target at step {r['steps']}, {r['seconds']:.1f} s, {r['bytes'] / 1e6:.1f} MB"
+                   if r else f"{rec['steps_run']} steps, val {rec['final_val_loss']:.3f}")
+            print(f"  {args.link} N={n} {job['method']:<16} {job['hp']} seed {job['seed']}: {got}; "
+                  f"{rec['seconds_per_step'] * 1e3:.0f} ms/step, not ranks {rec['not_ranks_cores']:.2f}", flush=True)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)
@@ -165,149 +215,199 @@ def parse_seeds(text: str) -> list:
     return [int(s) for s in text.split(",")]
 
 
-def baseline(steps: int, seeds: list) -> None:
-    """Single-process AdamW's validation curve (the rule behind TARGET_BPB)."""
-    import torch
-
-    import convergence_digits as cd
-    import convergence_text as ct
-
-    torch.set_num_threads(1)
-    t = task(steps)
-    span = torch.arange(t.cfg["ctx"] + 1)
-    curves = []
-    for seed in seeds:
-        net = t.model(seed)
-        opt = torch.optim.AdamW(net.parameters(), **t.adamw)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, cd.lr_factor(steps, ct.WARMUP))
-        curve = {}
-        for i, starts in enumerate(t.windows(seed)):
-            opt.zero_grad()
-            ct.loss_of(net, t.train_bytes[starts[:, None] + span]).backward()
-            opt.step()
-            sched.step()
-            if (i + 1) % EVAL_EVERY == 0:
-                net.eval()
-                curve[i + 1] = t.evaluate(net)["val_bits_per_byte"]
-                net.train()
-        curves.append(curve)
-    print("step  " + "  ".join(f"seed {s}" for s in seeds) + "   mean")
-    for k in sorted(curves[0]):
-        vals = [c[k] for c in curves]
-        print(f"{k:4d}  " + "  ".join(f"{v:6.3f}" for v in vals) + f"  {statistics.fmean(vals):6.3f}")
-    half = steps // 2
-    mean = statistics.fmean(c[half] for c in curves)
-    print(f"the rule: AdamW's mean at step {half} = {mean:.4f}; rounded up to 0.01: {-(-mean * 100 // 1) / 100:.2f} "
-          f"(TARGET_BPB = {TARGET_BPB})")
+def round_up(x: float) -> float:
+    return math.ceil(x * 100 - 1e-9) / 100
 
 
-def summarize(path: str, md: str | None = None, png: str | None = None) -> str:
-    """The table (mean [min, max] over seeds) and the plot of validation loss against training time."""
-    with open(path) as f:
-        doc = json.load(f)
-    res = doc["results"]
-    base = os.path.splitext(path)[0]
-    md, png = md or base + ".md", png or base + ".png"
-    cells = {}
-    for r in res:
-        cells.setdefault((r["link"], r["world_size"], r["method"]), []).append(r)
+class Suite:
+    def __init__(self, a):
+        self.a = a
+        self.dir = a.dir
+        os.makedirs(self.dir, exist_ok=True)
 
-    def stat(vals, fmt):
-        if not vals:
-            return "-"
-        return f"{fmt.format(statistics.fmean(vals))} [{fmt.format(min(vals))}, {fmt.format(max(vals))}]"
+    def path(self, phase: str) -> str:
+        return os.path.join(self.dir, f"{phase}.json")
 
-    lines = [f"Target: validation {TARGET_BPB} bits per byte (docs/benchmarks.md, suite 5). Mean [min, max] over "
-             f"seeds; a seed that does not reach the target in the schedule counts as not reached.", "",
-             "| link | N | method | reached | steps to target | s to target | MB sent per rank to target "
-             "| ms per step | vs best other |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    best_other = {}
-    for (link, n, method), rs in cells.items():
-        ok = [r["reached"] for r in rs if r["reached"]]
-        if method not in DISTLION and len(ok) == len(rs) and ok:
-            s = statistics.fmean(x["seconds"] for x in ok)
-            best_other[(link, n)] = min(best_other.get((link, n), s), s)
-    for (link, n, method), rs in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1],
-                                                                          METHODS.index(kv[0][2]))):
-        ok = [r["reached"] for r in rs if r["reached"]]
-        secs = [x["seconds"] for x in ok]
-        vs = "-"
-        if len(ok) == len(rs) and (link, n) in best_other:
-            vs = f"{best_other[(link, n)] / statistics.fmean(secs):.2f}x"
-        lines.append(f"| {link} | {n} | {method} | {len(ok)}/{len(rs)} | {stat([x['steps'] for x in ok], '{:.0f}')} "
-                     f"| {stat(secs, '{:.2f}')} | {stat([x['bytes'] / 1e6 for x in ok], '{:.2f}')} "
-                     f"| {statistics.fmean(r['seconds_per_step'] for r in rs) * 1e3:.1f} | {vs} |")
-    text = "\n".join(lines) + "\n"
-    with open(md, "w") as f:
-        f.write(text)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("time_to_target: matplotlib missing (make bench-setup): no plot")
+    def done(self, phase: str) -> bool:
+        return os.path.exists(self.path(phase)) and phase not in self.a.redo.split(",")
+
+    def load(self, phase: str) -> dict:
+        with open(self.path(phase)) as f:
+            return json.load(f)
+
+    def run(self, phase: str, jobs: list, ranks: list, links: list, loopback: bool) -> list:
+        use_ns = choose_mode(f"time_to_target {phase}", loopback)
+        meta = dict(new_meta(use_ns), phase=phase, global_batch=GLOBAL_BATCH, ctx=CTX)
+        jobs_path = self.path(phase) + ".jobs"
+        with open(jobs_path, "w") as f:
+            json.dump(jobs, f)
+
+        def one(cluster, n, link, tmp):
+            argv = [sys.executable, os.path.abspath(__file__), "--worker", "--link", link, "--jobs", jobs_path,
+                    "--out", tmp]
+            return launch(cluster, n, argv, tmp, self.a.timeout)
+
+        shown = links if use_ns else ["loopback"]
+        print(f"time_to_target: phase {phase}: {len(jobs)} runs at N {ranks}, links {shown}", flush=True)
+        results = run_cases(f"time_to_target {phase}", use_ns, links, ranks, self.path(phase), meta, one)
+        os.remove(jobs_path)
+        return results
+
+    def tuned(self) -> dict:
+        best = {}
+        for r in self.load("tune")["results"]:
+            m = r["method"]
+            if m not in best or r["final_val_loss"] < best[m]["final_val_loss"]:
+                best[m] = r
+        return {m: r["hp"] for m, r in best.items()}
+
+    def all(self):
+        a = self.a
+        methods = a.methods.split(",")
+        seeds, ranks = parse_seeds(a.seeds), [int(v) for v in a.ranks.split(",")]
+        base = dict(eval_every=a.eval_every)
+        if a.tiny:
+            base.update(model=TINY, corpus_files=TINY_CORPUS_FILES)
+        if not self.done("tune"):
+            jobs = [dict(base, method=m, hp=hp, seed=0, steps=a.tune_steps) for m in methods for hp in grid(m)]
+            self.run("tune", jobs, [2], ["loopback"], True)
+        hp = self.tuned()
+        if not self.done("target"):
+            jobs = [dict(base, method="adamw_fp32", hp=hp["adamw_fp32"], seed=s, steps=a.steps) for s in seeds]
+            self.run("target", jobs, [2], ["loopback"], True)
+        target = self.target()
+        if not self.done("steps"):
+            jobs = [dict(base, method=m, hp=hp[m], seed=s, steps=a.steps, target=target)
+                    for m in methods for s in seeds]
+            self.run("steps", jobs, ranks, ["loopback"], True)
+        if not self.done("link"):
+            jobs = [dict(base, method=m, hp=hp[m], seed=seeds[0], steps=a.steps, target=target) for m in methods]
+            jobs.append(dict(base, method="floor", hp=hp["adamw_fp32"], seed=seeds[0], steps=2 * a.eval_every))
+            self.run("link", jobs, ranks, a.links.split(","), a.loopback)
+        print(self.summary())
+
+    def target(self) -> float:
+        """The rule: adamw_fp32's mean validation loss at half the schedule, rounded up to 0.01."""
+        runs = self.load("target")["results"]
+        half = runs[0]["steps"] // 2
+        vals = [next(c[3] for c in r["curve"] if c[0] >= half) for r in runs]
+        return round_up(statistics.fmean(vals))
+
+    def summary(self) -> str:
+        target, hp = self.target(), self.tuned()
+        steps, link = self.load("steps")["results"], self.load("link")["results"]
+        cell = {}
+        for r in steps:
+            cell.setdefault((r["world_size"], r["method"]), []).append(r)
+        on_link = {(r["world_size"], r["method"]): r for r in link}
+        half, seed = self.load("target")["results"][0]["steps"] // 2, parse_seeds(self.a.seeds)[0]
+        lines = [f"Target: validation loss {target:.2f} nats per token (adamw_fp32's mean at step {half}). Steps "
+                 f"to target: loopback runs, mean [min, max] over seeds; s/step and end to end: the emulated "
+                 f"link, seed {seed}.",
+                 "", "| N | method | lr, wd | reached | steps to target | s/step on the link | s to target "
+                 "(steps x s/step) | end to end on the link | MB sent per rank to target | vs best other | "
+                 "not ranks |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        rows = {}
+        for (n, m), rs in cell.items():
+            ok = [r["reached"] for r in rs if r["reached"]]
+            lk = on_link.get((n, m))
+            sps = lk["seconds_per_step"] if lk else float("nan")
+            mean_steps = statistics.fmean(x["steps"] for x in ok) if len(ok) == len(rs) else float("nan")
+            rows[(n, m)] = dict(rs=rs, ok=ok, lk=lk, sps=sps, secs=mean_steps * sps)
+        best = {}
+        for (n, m), v in rows.items():
+            if m not in DISTLION and math.isfinite(v["secs"]):
+                best[n] = min(best.get(n, v["secs"]), v["secs"])
+        for (n, m), v in sorted(rows.items(), key=lambda kv: (kv[0][0], METHODS.index(kv[0][1]))):
+            ok, lk = v["ok"], v["lk"]
+            st = (f"{statistics.fmean(x['steps'] for x in ok):.0f} [{min(x['steps'] for x in ok)}, "
+                  f"{max(x['steps'] for x in ok)}]") if ok else "-"
+            e2e = (f"{lk['reached']['seconds']:.1f} s" if lk and lk["reached"] else "-")
+            mb = (f"{lk['reached']['bytes'] / 1e6:.0f}" if lk and lk["reached"] else "-")
+            vs = f"{best[n] / v['secs']:.2f}x" if n in best and math.isfinite(v["secs"]) else "-"
+            lines.append(f"| {n} | {m} | {hp[m]['lr']:g}, {hp[m]['weight_decay']:g} | {len(ok)}/{len(v['rs'])} | {st} "
+                         f"| {v['sps']:.3f} | {v['secs']:.1f} | {e2e} | {mb} | {vs} | "
+                         f"{lk['not_ranks_cores'] if lk else float('nan'):.2f} |")
+        floor = {r["world_size"]: r["seconds_per_step"] for r in link if r["method"] == "floor"}
+        for n, f in sorted(floor.items()):
+            fp32 = on_link.get((n, "adamw_fp32"))
+            if fp32:
+                lines.append(f"\nN = {n}: the floor (no communication) {f:.3f} s/step; AdamW + fp32 all-reduce "
+                             f"{fp32['seconds_per_step']:.3f} s/step = {fp32['seconds_per_step'] / f:.2f}x the floor.")
+        text = "\n".join(lines) + "\n"
+        with open(os.path.join(self.dir, "summary.md"), "w") as f:
+            f.write(text)
+        self.plot(rows, target)
         return text
-    panels = sorted({(k[0], k[1]) for k in cells})
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
-    for ax, (link, n) in zip(axes[0], panels):
-        for i, method in enumerate(METHODS):
-            for j, r in enumerate(cells.get((link, n, method), [])):
-                xs = [c[1] for c in r["curve"]]
-                ys = [c[3] for c in r["curve"]]
-                ax.plot(xs, ys, color=f"C{i}", alpha=0.8, label=method if j == 0 else None)
-        ax.axhline(TARGET_BPB, color="k", ls="--", lw=0.8, label=f"target {TARGET_BPB}")
-        ax.set_title(f"{link}, N = {n}")
-        ax.set_xlabel("training wall-clock (s, slowest rank)")
-        ax.set_ylabel("validation bits per byte")
-        ax.set_ylim(TARGET_BPB - 0.3, 5.5)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    print(text + f"time_to_target: {md}, {png}")
-    return text
+
+    def plot(self, rows, target):
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("time_to_target: matplotlib missing (make bench-setup): no plot")
+            return
+        ns = sorted({n for n, _ in rows})
+        fig, axes = plt.subplots(1, len(ns), figsize=(6.5 * len(ns), 4.5), squeeze=False)
+        for ax, n in zip(axes[0], ns):
+            for i, m in enumerate(METHODS):
+                v = rows.get((n, m))
+                if not v:
+                    continue
+                for j, r in enumerate(v["rs"]):  # loss against steps x the link's s/step
+                    ax.plot([c[0] * v["sps"] for c in r["curve"]], [c[3] for c in r["curve"]], color=f"C{i}",
+                            alpha=0.75, lw=1.2, label=m if j == 0 else None)
+            ax.axhline(target, color="k", ls="--", lw=0.8, label=f"target {target:.2f}")
+            ax.set_title(f"N = {n}, 1 Gbit/s (emulated)")
+            ax.set_xlabel("seconds on the link (steps x s/step)")
+            ax.set_ylabel("validation loss (nats / token)")
+            ax.set_ylim(target - 0.6, target + 2.0)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(self.dir, "curves.png"), dpi=110)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--ranks", default="2,4")
+    p.add_argument("--jobs", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--link", default="loopback", help=argparse.SUPPRESS)
+    p.add_argument("--quick", action="store_true", help="a tenth of the scale: one seed, N = 2, 60 steps")
+    p.add_argument("--summary", action="store_true", help="only the table and the plot")
+    p.add_argument("--redo", default="", help="phases to rerun although their JSON exists (tune,target,steps,link)")
+    p.add_argument("--ranks", default=RANKS)
     p.add_argument("--links", default="1gbit")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--seeds", default="0-2")
-    p.add_argument("--steps", type=int, default=STEPS, help="the schedule's length (the most steps a run takes)")
-    p.add_argument("--target", type=float, default=TARGET_BPB, help=argparse.SUPPRESS)
-    p.add_argument("--baseline", action="store_true", help="single-process AdamW's curve and the target it gives")
-    p.add_argument("--loopback", action="store_true", help="no namespaces: plain processes on 127.0.0.1")
-    p.add_argument("--link", default="loopback", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--json", default="bench/results/time_to_target.json")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per (link, N) run")
+    p.add_argument("--seeds", default=SEEDS)
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--tune-steps", type=int, default=TUNE_STEPS)
+    p.add_argument("--eval-every", type=int, default=EVAL_EVERY)
+    p.add_argument("--loopback", action="store_true", help="the link phase on loopback too (no root)")
+    p.add_argument("--tiny", action="store_true", help="a tiny model on 40 files (tests: the suite runs, nothing more)")
+    p.add_argument("--dir", default=None, help="where the phases' JSON go (default bench/results/time_to_target)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per (link, N) launch")
     a = p.parse_args()
     if a.worker:
         worker(a)
         return
-    if a.baseline:
-        baseline(a.steps, parse_seeds(a.seeds))
-        return
+    if a.quick:
+        for k, v in QUICK.items():
+            if k == "methods":
+                continue
+            setattr(a, k, v if p.get_default(k) == getattr(a, k) else getattr(a, k))
     unknown = [m for m in a.methods.split(",") if m not in METHODS]
     if unknown:
         p.error(f"unknown method(s) {unknown}; known: {METHODS}")
-    use_ns = choose_mode("time_to_target", a.loopback)
-    links = a.links.split(",") if use_ns else ["loopback"]
-    ranks = [int(v) for v in a.ranks.split(",")]
-    meta = dict(new_meta(use_ns), target_bits_per_byte=a.target, steps=a.steps, eval_every=EVAL_EVERY,
-                batch=BATCH, seeds=a.seeds)
-
-    def one(cluster, n, link, tmp):
-        argv = [sys.executable, os.path.abspath(__file__), "--worker", "--link", link, "--methods", a.methods,
-                "--seeds", a.seeds, "--steps", str(a.steps), "--target", str(a.target), "--out", tmp]
-        return launch(cluster, n, argv, tmp, a.timeout)
-
-    print(f"time_to_target: N {ranks}, links {links}, methods {a.methods}, seeds {a.seeds}, target "
-          f"{a.target} bits/byte, at most {a.steps} steps", flush=True)
-    run_cases("time_to_target", use_ns, links, ranks, a.json, meta, one)
-    summarize(a.json)
+    if "adamw_fp32" not in a.methods.split(","):
+        p.error("--methods must include adamw_fp32 (the target comes from it)")
+    a.dir = a.dir or os.path.join("bench", "results", "time_to_target" + ("_quick" if a.quick else ""))
+    suite = Suite(a)
+    if a.summary:
+        print(suite.summary())
+        return
+    suite.all()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import lion_math, step_vote, user_warning
@@ -79,6 +80,13 @@ class Attachment:
         """Votes ``entries`` at step(); returns the function that applies them."""
         if not entries:
             return lambda: None
+        if any(isinstance(e.param, DTensor) for e in entries):
+            raise ValueError(
+                f"DistributedLion.step on rank {dist.get_rank(self.group) if _registered(self.group) else 0}: "
+                f"the parameters are DTensors (sharded by FSDP2's fully_shard) and this optimizer is not attached "
+                f"to the model; call opt.attach(model) once after fully_shard (the vote then runs at FSDP's "
+                f"reduce-scatter, lionbit.fsdp)"
+            )
         device = entries[0].param.device
         if any(e.param.device != device for e in entries):
             devices = sorted({str(e.param.device) for e in entries})

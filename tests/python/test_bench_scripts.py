@@ -2,7 +2,7 @@
 (bench/training.py) reaches into DistributedLion's DDP attachment to trace
 each bucket's vote and to time the communication alone, and a refactor once
 broke both without any test noticing; suite 5 (bench/time_to_target.py)
-trains every method to a target. Loopback (no namespaces, no root), two
+runs its phases (tuning, the target, steps to it, the link) for every method. Loopback (no namespaces, no root), two
 ranks, a few steps: checked for running to the end and reporting what the
 docs read from it (bytes, the bucket trace and timeline, identical replicas,
 steps to target), never for speed."""
@@ -51,31 +51,36 @@ def test_training_suite_runs_and_reports_the_vote(tmp_path):
         assert r["backward_end"] <= r["step_end"]
 
 
-def _time_to_target(tmp_path, methods, target):
-    out = tmp_path / "ttt.json"
+def test_time_to_target_quick_path_runs_every_phase(tmp_path):
+    """Suite 5's --quick path, every method, on a tiny model and corpus (--tiny) and a few steps:
+    each phase runs and writes what the summary reads; the summary has a row per method."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("LOCAL_WORLD_SIZE", None)
+    out = tmp_path / "ttt"
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "time_to_target.py"), "--loopback", "--ranks", "2",
-         "--seeds", "0", "--steps", "20", "--methods", methods, "--target", str(target), "--json", str(out)],
-        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+        [sys.executable, os.path.join(ROOT, "bench", "time_to_target.py"), "--quick", "--tiny", "--loopback",
+         "--steps", "4", "--tune-steps", "2", "--eval-every", "2", "--dir", str(out)],
+        capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert (tmp_path / "ttt.md").exists()
-    return json.loads(out.read_text())["results"]
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import time_to_target as ttt
 
-
-def test_time_to_target_suite_runs_every_method(tmp_path):
-    # A target every method meets at the first evaluation (step 10), then one none meets.
-    res = _time_to_target(tmp_path, "adamw_fp32,adamw_powersgd,lion_bf16,distlion_vote,distlion_l1p4", 100.0)
-    assert [r["method"] for r in res] == ["adamw_fp32", "adamw_powersgd", "lion_bf16", "distlion_vote",
-                                          "distlion_l1p4"]
-    for r in res:
-        assert r["reached"]["steps"] == 10 and r["reached"]["seconds"] > 0, r
-        assert r["curve"][0][0] == 10 and 3.0 < r["curve"][0][3] < 8.0, r  # bits per byte after 10 steps
-    never = _time_to_target(tmp_path, "distlion_vote", 0.0)
-    assert never[0]["reached"] is None and never[0]["steps_run"] == 20
-
+    tune = json.loads((out / "tune.json").read_text())["results"]
+    assert len(tune) == sum(len(ttt.grid(m)) for m in ttt.METHODS)
+    assert {len(ttt.grid(m)) for m in ttt.METHODS} == {4}  # grids of the same size
+    target = [r["curve"] for r in json.loads((out / "target.json").read_text())["results"]]
+    assert len(target) == 1 and [c[0] for c in target[0]] == [2, 4]
+    steps = json.loads((out / "steps.json").read_text())["results"]
+    assert sorted(r["method"] for r in steps) == sorted(ttt.METHODS)
+    link = json.loads((out / "link.json").read_text())["results"]
+    assert {r["method"] for r in link} == set(ttt.METHODS) | {"floor"}
+    for rec in steps + link:
+        assert rec["seconds_per_step"] > 0 and all(c[3] > 0 for c in rec["curve"]), rec["method"]
+    table = (out / "summary.md").read_text()
+    for m in ttt.METHODS:
+        assert f"| 2 | {m} |" in table, m
+    assert "the floor (no communication)" in table
 
 def test_hierarchy_suite_counts_the_bytes_between_nodes(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "bench"))

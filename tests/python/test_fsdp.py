@@ -491,6 +491,7 @@ ATTACH_CASES = {
     "missing_param": "is not in this optimizer",
     "fp16_reduce": "not AVG",
     "not_root": "call fully_shard on the root module too",
+    "not_attached": "not attached to the model; call opt.attach(model)",
 }
 
 
@@ -559,6 +560,11 @@ def _error_case(rank, world_size, case):
         model = _net()
         fully_shard(model.a)
         lionbit.DistributedLion(model.parameters()).attach(model)
+    elif case == "not_attached":  # FSDP2's DTensors stepped as a plain module's parameters
+        model = _shard(_net())
+        opt = lionbit.DistributedLion(model.parameters())
+        _loss(model, rank, 0).backward()
+        opt.step()
     elif case == "gloo_group":
         model = _shard(_net())
         lionbit.DistributedLion(model.parameters()).attach(model)
