@@ -24,7 +24,8 @@ The phases, each writing bench/results/time_to_target/<phase>.json:
              TUNE_STEPS steps, seed 0: the final validation loss picks the configuration
     target   adamw_fp32 (tuned) at N = 2, loopback, seeds 0-2, the whole schedule: the
              target is its mean validation loss at STEPS / 2, rounded up to 0.01
-    steps    every method, N = 2 and 4, loopback, seeds 0-2: steps to the target
+    steps    every method, N = 2 and 4 (a file each: steps-n2.json, ...), loopback, seeds 0-2:
+             steps to the target
     link     every method, N = 2 and 4, 1 Gbit/s emulated links (root: namespaces), seed 0:
              end to end to the target, and seconds per step; plus "floor" (no communication)
 
@@ -276,15 +277,25 @@ class Suite:
             jobs = [dict(base, method="adamw_fp32", hp=hp["adamw_fp32"], seed=s, steps=a.steps) for s in seeds]
             self.run("target", jobs, [2], ["loopback"], True)
         target = self.target()
-        if not self.done("steps"):
-            jobs = [dict(base, method=m, hp=hp[m], seed=s, steps=a.steps, target=target)
-                    for m in methods for s in seeds]
-            self.run("steps", jobs, ranks, ["loopback"], True)
-        if not self.done("link"):
-            jobs = [dict(base, method=m, hp=hp[m], seed=seeds[0], steps=a.steps, target=target) for m in methods]
-            jobs.append(dict(base, method="floor", hp=hp["adamw_fp32"], seed=seeds[0], steps=2 * a.eval_every))
-            self.run("link", jobs, ranks, a.links.split(","), a.loopback)
+        for n in ranks:  # a file per N: N = 4 can follow N = 2 in a later run
+            if not self.done(f"steps-n{n}"):
+                jobs = [dict(base, method=m, hp=hp[m], seed=s, steps=a.steps, target=target)
+                        for m in methods for s in seeds]
+                self.run(f"steps-n{n}", jobs, [n], ["loopback"], True)
+        for n in ranks:
+            if not self.done(f"link-n{n}"):
+                jobs = [dict(base, method=m, hp=hp[m], seed=seeds[0], steps=a.steps, target=target) for m in methods]
+                jobs.append(dict(base, method="floor", hp=hp["adamw_fp32"], seed=seeds[0], steps=2 * a.eval_every))
+                self.run(f"link-n{n}", jobs, [n], a.links.split(","), a.loopback)
         print(self.summary())
+
+    def phase_results(self, prefix: str) -> list:
+        out = []
+        for name in sorted(os.listdir(self.dir)):
+            if name.startswith(prefix + "-n") and name.endswith(".json"):
+                with open(os.path.join(self.dir, name)) as f:
+                    out += json.load(f)["results"]
+        return out
 
     def target(self) -> float:
         """The rule: adamw_fp32's mean validation loss at half the schedule, rounded up to 0.01."""
@@ -295,7 +306,7 @@ class Suite:
 
     def summary(self) -> str:
         target, hp = self.target(), self.tuned()
-        steps, link = self.load("steps")["results"], self.load("link")["results"]
+        steps, link = self.phase_results("steps"), self.phase_results("link")
         cell = {}
         for r in steps:
             cell.setdefault((r["world_size"], r["method"]), []).append(r)
@@ -376,7 +387,7 @@ def main() -> None:
     p.add_argument("--link", default="loopback", help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="a tenth of the scale: one seed, N = 2, 60 steps")
     p.add_argument("--summary", action="store_true", help="only the table and the plot")
-    p.add_argument("--redo", default="", help="phases to rerun although their JSON exists (tune,target,steps,link)")
+    p.add_argument("--redo", default="", help="phases to rerun although their JSON exists (tune,target,steps-n2,...)")
     p.add_argument("--ranks", default=RANKS)
     p.add_argument("--links", default="1gbit")
     p.add_argument("--methods", default=",".join(METHODS))

@@ -71,9 +71,9 @@ def test_time_to_target_quick_path_runs_every_phase(tmp_path):
     assert {len(ttt.grid(m)) for m in ttt.METHODS} == {4}  # grids of the same size
     target = [r["curve"] for r in json.loads((out / "target.json").read_text())["results"]]
     assert len(target) == 1 and [c[0] for c in target[0]] == [2, 4]
-    steps = json.loads((out / "steps.json").read_text())["results"]
+    steps = json.loads((out / "steps-n2.json").read_text())["results"]
     assert sorted(r["method"] for r in steps) == sorted(ttt.METHODS)
-    link = json.loads((out / "link.json").read_text())["results"]
+    link = json.loads((out / "link-n2.json").read_text())["results"]
     assert {r["method"] for r in link} == set(ttt.METHODS) | {"floor"}
     for rec in steps + link:
         assert rec["seconds_per_step"] > 0 and all(c[3] > 0 for c in rec["curve"]), rec["method"]
