@@ -8,7 +8,8 @@ docs/convergence_protocol.md ("Time to quality").
 
     adamw_fp32        AdamW, DDP's fp32 gradient all-reduce
     adamw_bf16        AdamW, DDP's bf16 compression hook
-    adamw_powersgd4   AdamW, torch's PowerSGD hook, rank 4 (the first 10 steps uncompressed)
+    adamw_powersgd4   AdamW, torch's PowerSGD hook, rank 4 (the first 10 steps uncompressed; one
+                      DDP bucket: with several, the hook's collectives cross on Gloo and it aborts)
     adamw_powersgd16  AdamW, PowerSGD rank 16
     lion_fp32         Lion (torch ops), DDP's fp32 all-reduce
     lion_bf16         Lion, DDP's bf16 compression hook
@@ -102,7 +103,10 @@ def make(method: str, hp: dict, seed: int, steps: int, model: dict | None = None
     from training import make_lion
 
     net = lm.model(seed, dict(lm.MODEL, ctx=CTX, **(model or {})))
-    ddp = DDP(net)
+    # torch's PowerSGD hook issues its collectives from future callbacks; with several
+    # buckets on Gloo they reach the ranks in different orders and Gloo aborts (plain Gloo
+    # too: "Received data size doesn't match expected size"). One bucket for PowerSGD.
+    ddp = DDP(net, bucket_cap_mb=64 if "powersgd" in method else 25)
     if method.startswith("adamw") or method == "floor":
         opt = torch.optim.AdamW(ddp.parameters(), **hp)
     elif method.startswith("lion"):
