@@ -75,7 +75,7 @@ GRIDS = {"adamw": dict(lr=[1e-3, 3e-3], weight_decay=[0.0, 0.1], betas=(0.9, 0.9
          "lion": dict(lr=[1e-4, 3e-4], weight_decay=[0.1, 1.0], betas=(0.9, 0.99))}
 TINY = dict(d_model=32, layers=1, heads=2, ffn=64)  # --tiny: a test's model and corpus
 TINY_CORPUS_FILES = 40
-QUICK = dict(steps=60, tune_steps=30, eval_every=10, seeds="0", ranks="2", methods=METHODS)
+QUICK = dict(steps=50, tune_steps=20, eval_every=10, seeds="0", ranks="2", methods=METHODS)
 
 
 def family(method: str) -> str:
@@ -389,7 +389,7 @@ def main() -> None:
     p.add_argument("--jobs", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--link", default="loopback", help=argparse.SUPPRESS)
-    p.add_argument("--quick", action="store_true", help="a tenth of the scale: one seed, N = 2, 60 steps")
+    p.add_argument("--quick", action="store_true", help="a tenth of the scale: one seed, N = 2, 50 steps")
     p.add_argument("--summary", action="store_true", help="only the table and the plot")
     p.add_argument("--redo", default="", help="phases to rerun although their JSON exists (tune,target,steps-n2,...)")
     p.add_argument("--ranks", default=RANKS)
