@@ -87,17 +87,13 @@ def grid(method: str) -> list:
     return [dict(lr=lr, weight_decay=wd, betas=g["betas"]) for lr in g["lr"] for wd in g["weight_decay"]]
 
 
-def lr_factor(total: int, warmup: float = 0.05):
-    w = max(1, round(warmup * total))
-    return lambda s: (s + 1) / w if s < w else 0.5 * (1.0 + math.cos(math.pi * (s - w) / max(1, total - w)))
-
-
 def make(method: str, hp: dict, seed: int, steps: int, model: dict | None = None):
     """(model, ddp, optimizer, scheduler) of one run."""
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import convergence_digits as cd
     import lionbit
     import lm_stdlib as lm
     from training import make_lion
@@ -121,14 +117,8 @@ def make(method: str, hp: dict, seed: int, steps: int, model: dict | None = None
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                             start_powerSGD_iter=POWERSGD_START, random_seed=seed)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, cd.lr_factor(steps))
     return net, ddp, opt, sched
-
-
-def busy_seconds() -> float:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")
 
 
 def run_one(job: dict, data: dict, rank: int, n: int) -> dict:
@@ -138,6 +128,7 @@ def run_one(job: dict, data: dict, rank: int, n: int) -> dict:
     import torch.distributed as dist
 
     import lm_stdlib as lm
+    from training import busy_seconds
 
     method, seed, steps, target = job["method"], job["seed"], job["steps"], job.get("target")
     train = data["arrays"]["train"]
@@ -150,7 +141,7 @@ def run_one(job: dict, data: dict, rank: int, n: int) -> dict:
     only_local = method == "floor"
     for first in range(0, steps, job["eval_every"]):
         dist.barrier()
-        w0, t0, c0, b0 = wire(), time.perf_counter(), time.process_time(), busy_seconds()
+        w0, t0, c0, b0 = wire(), time.perf_counter(), time.process_time(), busy_seconds()[0]
         for s in starts[first: first + job["eval_every"]]:
             local = s.view(n, -1)[rank]
             opt.zero_grad()
@@ -161,7 +152,7 @@ def run_one(job: dict, data: dict, rank: int, n: int) -> dict:
                 lm.loss_of(ddp, train[local[:, None] + span]).backward()
             opt.step()
             sched.step()
-        dt, dw, dc, db = time.perf_counter() - t0, wire() - w0, time.process_time() - c0, busy_seconds() - b0
+        dt, dw, dc, db = time.perf_counter() - t0, wire() - w0, time.process_time() - c0, busy_seconds()[0] - b0
         row = gather_rows(torch.tensor([dt, float(max(dw, 0)), dc, db], dtype=torch.float64))
         train_s += row[:, 0].max().item()
         sent += int(row[:, 1].max().item())

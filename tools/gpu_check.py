@@ -274,15 +274,18 @@ def main(argv=None):
             step.figure = _pytest_summary(out)
         return fn
 
-    def verdicts(step):
-        device = "cuda:0" if gpu else "cpu"
-        path = os.path.join(r.out, "verdicts.json")
-        rc, out = r.run(step, "verdicts", [py, "tools/kernel_verdicts.py", "--device", device, "--json", path],
-                        timeout=180)
+    def script_with_json(step, name, cmd, timeout, cpu_note):
+        """A check script that writes its verdicts to --json: its exit status decides."""
+        path = os.path.join(r.out, f"{name}.json")
+        rc, out = r.run(step, name, cmd + ["--json", path], timeout=timeout)
         step.status = "passed" if rc == 0 else "failed"
-        step.figure = _tail(out, 1) + ("" if gpu else " (CPU: the SIMD set; no GPU)")
+        step.figure = _tail(out, 1) + ("" if gpu else f" ({cpu_note})")
         if os.path.exists(path):
-            r.figures["verdicts"] = json.load(open(path))
+            r.figures[name] = json.load(open(path))
+
+    def verdicts(step):
+        script_with_json(step, "verdicts", [py, "tools/kernel_verdicts.py", "--device", "cuda:0" if gpu else "cpu"],
+                         180, "CPU: the SIMD set; no GPU")
 
     def bench_kernels(step):
         binary = os.path.join(cpp_dir, "lionbit_bench_cuda")
@@ -326,14 +329,8 @@ def main(argv=None):
             step.figure = no_gpu + f" (the script ran on CPU at {res['params'] / 1e6:.0f}M parameters)"
 
     def equality(step):
-        path = os.path.join(r.out, "equality.json")
-        devices = "cpu,cuda" if gpu else "cpu"
-        rc, out = r.run(step, "equality", [py, "tools/gpu_equality.py", "--devices", devices, "--json", path],
-                        timeout=300)
-        step.status = "passed" if rc == 0 else "failed"
-        step.figure = _tail(out, 1) + ("" if gpu else " (the CPU half; CUDA: no GPU)")
-        if os.path.exists(path):
-            r.figures["equality"] = json.load(open(path))
+        script_with_json(step, "equality", [py, "tools/gpu_equality.py", "--devices", "cpu,cuda" if gpu else "cpu"],
+                         300, "the CPU half; CUDA: no GPU")
 
     def profile(step):
         cmd = [py, "bench/gpu_ddp_profile.py", "--out", r.out]

@@ -31,14 +31,11 @@ def main(argv=None):
     ap.add_argument("--json", help="write the verdicts here")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cuda":
-        if not lionbit.built_with_cuda:
-            print("kernel_verdicts: lionbit was built without the CUDA path")
-            return 1
-        candidate, names = "cuda", CUSTOM_CUDA
-    else:
-        candidate, names = "simd", CUSTOM_CUDA
-    verdicts = {name: "ok" for name in names}
+    if device.type == "cuda" and not lionbit.built_with_cuda:
+        print("kernel_verdicts: lionbit was built without the CUDA path")
+        return 1
+    candidate = "cuda" if device.type == "cuda" else "simd"
+    verdicts = {name: "ok" for name in CUSTOM_CUDA}
     for seed in range(args.seeds):
         for kernel, case in _C.check_kernel_sets(candidate, "aten", str(device), seed):
             if verdicts.get(kernel, "ok") == "ok":
