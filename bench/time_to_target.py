@@ -70,9 +70,22 @@ METHODS = ["adamw_fp32", "adamw_bf16", "adamw_powersgd4", "adamw_powersgd16", "l
 DISTLION = {"distlion_vote": {}, "distlion_alt": dict(tie_break="alternate"),
             "distlion_l1p4": dict(aggregation="l1", bits=4)}
 # Grids of the same size for every method: 2 learning rates x 2 weight decays;
-# Lion's rates 3-10x under AdamW's (the Lion paper), its decays 10x over.
-GRIDS = {"adamw": dict(lr=[1e-3, 3e-3], weight_decay=[0.0, 0.1], betas=(0.9, 0.95)),
-         "lion": dict(lr=[1e-4, 3e-4], weight_decay=[0.1, 1.0], betas=(0.9, 0.99))}
+# Lion's rates 3-10x under AdamW's (the Lion paper), its decays 10x over. These are
+# the second run's grids (docs/convergence_protocol.md): the first run, AdamW lr
+# {1e-3, 3e-3} and Lion lr {1e-4, 3e-4}, picked the top rate of every method.
+GRIDS = {"adamw": dict(lr=[3e-3, 1e-2], weight_decay=[0.0, 0.1], betas=(0.9, 0.95)),
+         "lion": dict(lr=[3e-4, 1e-3], weight_decay=[0.1, 1.0], betas=(0.9, 0.99))}
+# Issue 30's item 6, the levers that might close a gap between the vote and Lion
+# (docs/convergence_protocol.md, "The levers on the LM"): each runs like a method of
+# the "steps" phase (N = 2, loopback, seeds 0-2, to the target) with one change to
+# its base method's tuned run: "lr_scale" multiplies the tuned lr, "kwargs" go to
+# DistributedLion, "batch" replaces the global batch (same steps and schedule).
+LEVERS = {
+    "vote_lr_x2": dict(base="distlion_vote", lr_scale=2.0),
+    "vote_momentum_sync10": dict(base="distlion_vote", kwargs=dict(momentum_sync=10)),
+    "vote_batch8": dict(base="distlion_vote", batch=8),
+    "lion_fp32_batch8": dict(base="lion_fp32", batch=8),
+}
 TINY = dict(d_model=32, layers=1, heads=2, ffn=64)  # --tiny: a test's model and corpus
 TINY_CORPUS_FILES = 40
 QUICK = dict(steps=50, tune_steps=20, eval_every=10, seeds="0", ranks="2", methods=METHODS)
@@ -87,8 +100,8 @@ def grid(method: str) -> list:
     return [dict(lr=lr, weight_decay=wd, betas=g["betas"]) for lr in g["lr"] for wd in g["weight_decay"]]
 
 
-def make(method: str, hp: dict, seed: int, steps: int, model: dict | None = None):
-    """(model, ddp, optimizer, scheduler) of one run."""
+def make(method: str, hp: dict, seed: int, steps: int, model: dict | None = None, extra: dict | None = None):
+    """(model, ddp, optimizer, scheduler) of one run; `extra`: more DistributedLion options."""
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -108,7 +121,7 @@ def make(method: str, hp: dict, seed: int, steps: int, model: dict | None = None
     elif method.startswith("lion"):
         opt = make_lion(ddp.parameters(), **hp)
     else:
-        opt = lionbit.DistributedLion(ddp.parameters(), **hp, **DISTLION[method])
+        opt = lionbit.DistributedLion(ddp.parameters(), **hp, **DISTLION[method], **(extra or {}))
         opt.attach(ddp)
     if method.endswith("_bf16"):
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
@@ -133,8 +146,8 @@ def run_one(job: dict, data: dict, rank: int, n: int) -> dict:
     method, seed, steps, target = job["method"], job["seed"], job["steps"], job.get("target")
     train = data["arrays"]["train"]
     evals = lm.eval_windows(data["arrays"]["val"], EVAL_WINDOWS, CTX)
-    net, ddp, opt, sched = make(method, job["hp"], seed, steps, job.get("model"))
-    starts = lm.batches(train, seed, steps, GLOBAL_BATCH, CTX)
+    net, ddp, opt, sched = make(method, job["hp"], seed, steps, job.get("model"), job.get("extra"))
+    starts = lm.batches(train, seed, steps, job.get("batch", GLOBAL_BATCH), CTX)
     span = torch.arange(CTX + 1)
     wire = lambda: tx_bytes(os.environ.get("LIONBIT_BENCH_IF", ""))
     curve, train_s, sent, reached, other = [], 0.0, 0, None, 0.0
@@ -195,7 +208,7 @@ def worker(args) -> None:
             r = rec["reached"]
             got = (f"target at step {r['steps']}, {r['seconds']:.1f} s, {r['bytes'] / 1e6:.1f} MB"
                    if r else f"{rec['steps_run']} steps, val {rec['final_val_loss']:.3f}")
-            print(f"  {args.link} N={n} {job['method']:<16} {job['hp']} seed {job['seed']}: {got}; "
+            print(f"  {args.link} N={n} {job.get('lever', job['method']):<16} {job['hp']} seed {job['seed']}: {got}; "
                   f"{rec['seconds_per_step'] * 1e3:.0f} ms/step, not ranks {rec['not_ranks_cores']:.2f}", flush=True)
     if rank == 0:
         with open(args.out, "w") as f:
@@ -225,6 +238,9 @@ class Suite:
         return os.path.join(self.dir, f"{phase}.json")
 
     def done(self, phase: str) -> bool:
+        """Nothing to run for this phase: its JSON is there (and no --redo), or --only leaves it out."""
+        if self.a.only and phase not in self.a.only.split(","):
+            return True
         return os.path.exists(self.path(phase)) and phase not in self.a.redo.split(",")
 
     def load(self, phase: str) -> dict:
@@ -277,12 +293,57 @@ class Suite:
                 jobs = [dict(base, method=m, hp=hp[m], seed=s, steps=a.steps, target=target)
                         for m in methods for s in seeds]
                 self.run(f"steps-n{n}", jobs, [n], ["loopback"], True)
+        if not self.done("levers"):
+            self.run_levers(base, hp, seeds, target)
         for n in ranks:
             if not self.done(f"link-n{n}"):
                 jobs = [dict(base, method=m, hp=hp[m], seed=seeds[0], steps=a.steps, target=target) for m in methods]
                 jobs.append(dict(base, method="floor", hp=hp["adamw_fp32"], seed=seeds[0], steps=2 * a.eval_every))
                 self.run(f"link-n{n}", jobs, [n], a.links.split(","), a.loopback)
         print(self.summary())
+
+    def run_levers(self, base: dict, hp: dict, seeds: list, target: float) -> None:
+        """The levers phase (LEVERS): N = 2, loopback, every seed, to the target."""
+        jobs = []
+        for name, lever in LEVERS.items():
+            if lever["base"] not in hp:  # --methods left its base out
+                continue
+            tuned = hp[lever["base"]]
+            scaled = dict(tuned, lr=tuned["lr"] * lever.get("lr_scale", 1.0))
+            jobs += [dict(base, method=lever["base"], lever=name, hp=scaled,
+                          extra=lever.get("kwargs", {}), batch=lever.get("batch", GLOBAL_BATCH), seed=s,
+                          steps=self.a.steps, target=target) for s in seeds]
+        self.run("levers", jobs, [2], ["loopback"], True)
+
+    def levers_table(self) -> str:
+        """Steps to target of each lever beside its base method's (phase steps-n2)."""
+        if not os.path.exists(self.path("levers")):
+            return ""
+        by = {}
+        for r in self.load("levers")["results"] + [r for r in self.phase_results("steps") if r["world_size"] == 2]:
+            by.setdefault(r.get("lever", r["method"]), []).append(r)
+
+        def cell(rs):
+            ok = [r["reached"]["steps"] for r in rs if r["reached"]]
+            rng = f"{statistics.fmean(ok):.0f} [{min(ok)}, {max(ok)}]" if ok else "-"
+            finals = statistics.fmean(r["final_val_loss"] for r in rs)
+            return f"{len(ok)}/{len(rs)} | {rng} | {finals:.3f}"
+
+        lines = ["", "Levers (N = 2, loopback; item 6 of issue 30): steps to target, mean [min, max] over the seeds "
+                 "that reached it; the last validation loss each run saw, mean over seeds.", "",
+                 "| run | change | lr, wd | global batch | reached | steps to target | last val loss |",
+                 "|---|---|---|---|---|---|---|"]
+        names = [m for m in METHODS if m in by and (m in DISTLION or m.startswith("lion"))] + list(LEVERS)
+        for name in names:
+            rs = by.get(name)
+            if not rs:
+                continue
+            lever = LEVERS.get(name)
+            change = "-" if lever is None else ", ".join(f"{k} {v}" for k, v in lever.items() if k != "base")
+            hp = rs[0]["hp"]
+            lines.append(f"| {name} | {change} | {hp['lr']:g}, {hp['weight_decay']:g} | "
+                         f"{rs[0].get('batch', GLOBAL_BATCH)} | {cell(rs)} |")
+        return "\n".join(lines) + "\n"
 
     def phase_results(self, prefix: str) -> list:
         out = []
@@ -340,7 +401,7 @@ class Suite:
             if fp32:
                 lines.append(f"\nN = {n}: the floor (no communication) {f:.3f} s/step; AdamW + fp32 all-reduce "
                              f"{fp32['seconds_per_step']:.3f} s/step = {fp32['seconds_per_step'] / f:.2f}x the floor.")
-        text = "\n".join(lines) + "\n"
+        text = "\n".join(lines) + "\n" + self.levers_table()
         with open(os.path.join(self.dir, "summary.md"), "w") as f:
             f.write(text)
         self.plot(rows, target)
@@ -382,6 +443,7 @@ def main() -> None:
     p.add_argument("--link", default="loopback", help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="a tenth of the scale: one seed, N = 2, 50 steps")
     p.add_argument("--summary", action="store_true", help="only the table and the plot")
+    p.add_argument("--only", default="", help="run only these phases (tune,target,steps-n2,levers,link-n2,...)")
     p.add_argument("--redo", default="", help="phases to rerun although their JSON exists (tune,target,steps-n2,...)")
     p.add_argument("--ranks", default=RANKS)
     p.add_argument("--links", default="1gbit")

@@ -119,11 +119,24 @@ def data():
     return xtr, y[N_TEST:], xte, y[:N_TEST]
 
 
-def model(seed=0):
+class _Image(torch.nn.Module):
+    """The 64 standardised pixels as a 1 x 8 x 8 image."""
+
+    def forward(self, x):
+        return x.view(-1, 1, 8, 8)
+
+
+def model(seed=0, kind="mlp"):
+    """"mlp": 64-128-128-10 (the acceptance run's); "cnn": two 3x3 convolutions
+    (16, 32 channels), 2x2 max-pool, 512-64-10 (the lr-advice check's)."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
-    )
+    nn = torch.nn
+    if kind == "cnn":
+        return nn.Sequential(_Image(), nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
+                             nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, 10))
+    if kind != "mlp":
+        raise ValueError(f"model kind {kind!r}: 'mlp' or 'cnn'")
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
 def steps_per_epoch(n_train, batch=BATCH):
@@ -228,6 +241,14 @@ def parse_variants(text):
     return names
 
 
+def variant_config(lion, kwargs):
+    """DistributedLion's keyword arguments for a variant: Lion's config with the
+    variant's options on top, its "lr_scale" (if any) multiplying Lion's lr."""
+    kwargs = dict(kwargs)
+    scale = kwargs.pop("lr_scale", 1.0)
+    return dict(lion, lr=lion["lr"] * scale, **kwargs)
+
+
 def make_single(name, params, lion, adamw):
     """A single-process baseline of VARIANTS ('lion' or 'adamw')."""
     if name == "lion":
@@ -277,7 +298,8 @@ def run_levers(task, names, seeds, json_path=None, per_node=None):
             net = task.model(seed)
             ddp = DDP(net)
             extra = dict(topology=topology) if topology and "hierarchy" in VARIANTS[v] else {}
-            opt = lionbit.DistributedLion(net.parameters(), **task.lion, **VARIANTS[v], **extra).attach(ddp)
+            opt = lionbit.DistributedLion(net.parameters(), **variant_config(task.lion, VARIANTS[v]),
+                                          **extra).attach(ddp)
             before = sent_counters(lionbit.stats())
             t0 = time.perf_counter()
             steps = task.train(ddp, opt, seed, rank, world)
@@ -346,17 +368,21 @@ class DigitsTask:
     metrics = ("test_accuracy", "test_loss")
     higher_is_better = True
 
-    def __init__(self, batch=BATCH, steps=None):
+    def __init__(self, batch=BATCH, steps=None, kind="mlp"):
         self.x, self.y, self.xte, self.yte = data()
-        self.batch = batch
+        self.batch, self.kind = batch, kind
         self.steps = steps or steps_per_epoch(len(self.x), batch) * EPOCHS
-        tuned = TUNED.get((batch, self.steps))
+        table = "TUNED_CNN" if kind == "cnn" else "TUNED"
+        tuned = globals()[table].get((batch, self.steps))
+        if kind == "cnn" and not tuned:
+            raise SystemExit(f"--model cnn: no tuned config for batch {batch}, {self.steps} steps in TUNED_CNN "
+                             f"(examples/tune_digits.py --model cnn --batch {batch} --steps {self.steps})")
         self.lion, self.adamw = (tuned["lion"], tuned["adamw"]) if tuned else (LION, ADAMW)
-        self.hparams = (f"TUNED[({batch}, {self.steps})]" if tuned
+        self.hparams = (f"{table}[({batch}, {self.steps})]" if tuned
                         else "LION / ADAMW (tuned at batch 128, 60 epochs; none tuned for this batch and length)")
 
     def model(self, seed):
-        return model(seed)
+        return model(seed, self.kind)
 
     def train(self, net, opt, seed, rank=0, world=1):
         return train(net, opt, self.x, self.y, seed, rank, world, batch=self.batch, steps=self.steps)
@@ -370,7 +396,9 @@ class DigitsTask:
 
     def describe(self):
         return dict(data=f"scikit-learn digits, {len(self.x)} train / {len(self.yte)} test images",
-                    model="MLP 64-128-128-10 (ReLU)", epochs=self.steps / steps_per_epoch(len(self.x), self.batch),
+                    model=("CNN conv3x3 16, conv3x3 32, max-pool 2, 512-64-10 (ReLU)" if self.kind == "cnn"
+                           else "MLP 64-128-128-10 (ReLU)"),
+                    epochs=self.steps / steps_per_epoch(len(self.x), self.batch),
                     schedule=f"linear warm-up {WARMUP:.0%} + cosine to 0", label_smoothing=LABEL_SMOOTHING,
                     test_loss="cross-entropy on the test images, no label smoothing", hparams=self.hparams)
 
@@ -389,16 +417,18 @@ def main():
                         help="with --variants: the hierarchy variants (vote_nv, ...) see nodes of this many ranks")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"steps (with --variants; default {EPOCHS} epochs' worth)")
+    parser.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
+                        help="with --variants: the MLP (default) or the CNN of the lr-advice check")
     args = parser.parse_args()
-    if args.variants is None and (args.batch is not None or args.steps is not None):
-        parser.error("--batch and --steps go with --variants")
+    if args.variants is None and (args.batch is not None or args.steps is not None or args.model != "mlp"):
+        parser.error("--batch, --steps and --model go with --variants")
 
     torch.set_num_threads(1)
     dist.init_process_group("lionbit")
     if args.variants is not None:
         names = parse_variants(args.variants)
-        run_levers(DigitsTask(args.batch or BATCH, args.steps), names, parse_seeds(args.seeds, args.first_seed),
-                   args.json, args.per_node)
+        task = DigitsTask(args.batch or BATCH, args.steps, args.model)
+        run_levers(task, names, parse_seeds(args.seeds, args.first_seed), args.json, args.per_node)
     else:
         legacy(args)
     dist.destroy_process_group()

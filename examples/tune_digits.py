@@ -44,7 +44,7 @@ def make(name, params, lr, wd, betas):
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=wd)
 
 
-def cross_validate(name, lr, wd, betas, batch=cd.BATCH, steps=None):
+def cross_validate(name, lr, wd, betas, batch=cd.BATCH, steps=None, kind="mlp"):
     x, y = cd.training_images()
     n = len(x)
     bounds = [round(k * n / FOLDS) for k in range(FOLDS + 1)]
@@ -54,7 +54,7 @@ def cross_validate(name, lr, wd, betas, batch=cd.BATCH, steps=None):
         val[bounds[k] : bounds[k + 1]] = True
         xtr, xva = cd.standardise(x[~val], x[val])
         ytr, yva = y[~val], y[val]
-        net = cd.model(k)
+        net = cd.model(k, kind)
         cd.train(net, make(name, net.parameters(), lr, wd, betas), xtr, ytr, seed=k, batch=batch, steps=steps)
         with torch.no_grad():
             out = net(xva)
@@ -80,6 +80,8 @@ def main():
     parser.add_argument("--steps", type=int, default=None, help="steps per fold (default: the example's epochs)")
     parser.add_argument("--extend", choices=("up", "down"), default=None,
                         help="one more lr beyond the top (bottom) of both grids")
+    parser.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
+                        help="the example's MLP (default) or the CNN of the lr-advice check (TUNED_CNN)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = {}
@@ -87,14 +89,15 @@ def main():
         g = dict(g, lr=extended(g["lr"], args.extend))
         rows = []
         for lr, wd in itertools.product(g["lr"], g["weight_decay"]):
-            acc, loss, per = cross_validate(name, lr, wd, g["betas"], args.batch, args.steps)
+            acc, loss, per = cross_validate(name, lr, wd, g["betas"], args.batch, args.steps, args.model)
             rows.append(dict(lr=lr, weight_decay=wd, val_accuracy=acc, val_loss=loss, per_fold=per))
             print(f"{name:6} lr {lr:<7g} wd {wd:<6g} val acc {acc:6.2f}  val loss {loss:.4f}  "
                   f"folds {' '.join(f'{a:.2f}' for a in per)}", flush=True)
         best = max(rows, key=lambda r: (r["val_accuracy"], -r["val_loss"]))
         print(f"{name} best: lr {best['lr']:g} wd {best['weight_decay']:g} "
               f"val acc {best['val_accuracy']:.2f} val loss {best['val_loss']:.4f}\n", flush=True)
-        results[name] = dict(grid=rows, best=best, batch=args.batch, steps=args.steps, extend=args.extend)
+        results[name] = dict(grid=rows, best=best, batch=args.batch, steps=args.steps, extend=args.extend,
+                             model=args.model)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -81,6 +81,16 @@ def test_time_to_target_quick_path_runs_every_phase(tmp_path):
     for m in ttt.METHODS:
         assert f"| 2 | {m} |" in table, m
     assert "the floor (no communication)" in table
+    tuned = {r["method"]: r["hp"] for r in steps}
+    levers = {r["lever"]: r for r in json.loads((out / "levers.json").read_text())["results"]}
+    assert set(levers) == set(ttt.LEVERS)
+    for name, lever in ttt.LEVERS.items():  # each lever is its base method's tuned run with one change
+        rec, base = levers[name], tuned[lever["base"]]
+        assert rec["method"] == lever["base"] and rec["world_size"] == 2, name
+        assert rec["hp"]["lr"] == pytest.approx(base["lr"] * lever.get("lr_scale", 1.0)), name
+        assert rec["hp"]["weight_decay"] == base["weight_decay"], name
+        assert rec["extra"] == lever.get("kwargs", {}) and rec["batch"] == lever.get("batch", ttt.GLOBAL_BATCH)
+        assert f"| {name} |" in table, name
 
 def test_hierarchy_suite_counts_the_bytes_between_nodes(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "bench"))
