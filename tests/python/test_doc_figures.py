@@ -108,6 +108,11 @@ def bad_input_tests(cases):
     return len([t for t in re.findall(r"^def (test_\w+)", text, re.M) if t != "test_case"])
 
 
+def cnn_accuracy(variant):
+    """The digits CNN check (lr advice): a variant's mean test accuracy over its seeds, %."""
+    return load("digits_cnn_check.json")["variants"][variant]["summary"]["test_accuracy"]["mean"]
+
+
 # marker -> (what it is, where it comes from, its value)
 FIGURES = {
     "s3-n2-vote-ms": ("DistributedLion's step at N = 2, ms", "median of training-n2-run{1,2,3}.json",
@@ -147,6 +152,12 @@ FIGURES = {
     # The wire bytes: the JSON's payload of the momentum-sync rows also counts the bytes received.
     "levers-ms100-bytes-extra": ("momentum_sync=100: % more wire bytes than the vote", "training-levers.json",
                                  lambda: 100 * (over_vote("distlion_ms100", "wire_bytes_per_rank") - 1)),
+    "cnn-vote-acc": ("digits CNN: the advised vote's mean test accuracy, %", "digits_cnn_check.json",
+                     lambda: cnn_accuracy("vote")),
+    "cnn-lion-acc": ("digits CNN: tuned Lion's mean test accuracy, %", "digits_cnn_check.json",
+                     lambda: cnn_accuracy("lion")),
+    "cnn-vote-minus-lion": ("digits CNN: vote - Lion, points", "digits_cnn_check.json",
+                            lambda: cnn_accuracy("vote") - cnn_accuracy("lion")),
     "ci-run-min": ("a CI run, minutes", "test_durations.json's ci_run_s",
                    lambda: load("test_durations.json")["ci_run_s"] / 60),
     "gpu-only-lines": ("GPU-only code lines", "tools/gpu_only_lines.sh's files", gpu_only_lines),
