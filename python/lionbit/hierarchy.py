@@ -132,12 +132,3 @@ def ensure_hierarchy(group: Optional[dist.ProcessGroup], where: str, topology: O
         b.set_hierarchy(node_pg._get_backend(device), cross_pg._get_backend(device), order, nodes[mine])
         _set_up[b] = (topo, node_pg, cross_pg)
     return topo
-
-
-def hierarchy_topology(group: Optional[dist.ProcessGroup] = None) -> Optional[Topology]:
-    """The topology the group's hierarchy was built from, or None."""
-    pg = dist.distributed_c10d._get_default_group() if group is None else group
-    for _, b in _lionbit_backends(pg):
-        if b.has_hierarchy:
-            return _set_up[b][0]
-    return None

@@ -104,32 +104,23 @@ def direction(g, m, k: Coefs) -> torch.Tensor:
     return _direction_torch(g.reshape(-1), m.reshape(-1), k)
 
 
-def pack_levels_pieces(pieces, k: Coefs, bits: int, levels, new_momentum: bool = False) -> int:
+def pack_levels_pieces(pieces, k: Coefs, bits: int, levels) -> int:
     """The "l1" packing of one parameter tensor given as pieces
     (g, m, bit_offset): its L1 scale over all the pieces first
     (:func:`level_factor`), then each piece's levels packed at its offset in
-    a second fused pass over g and m; m is only read unless
-    ``new_momentum`` (then m = b2 m + (1 - b2) g in that pass). Returns
-    the non-finite count."""
+    a second fused pass over g and m (m is only read). Returns the
+    non-finite count."""
     factor = level_factor(pieces, k, bits)
     b1, omb1, b2, omb2 = k.values[:4]
     bad = 0
     for g, m, off in pieces:
         if _fusable(g, m):
             bad += _C.lion_pack_levels_into(
-                g.reshape(-1), m.view(-1), b1, omb1, b2, omb2, factor, bits, levels, off, new_momentum
+                g.reshape(-1), m.view(-1), b1, omb1, b2, omb2, factor, bits, levels, off, False
             )
             continue
         bad += pack_levels(direction(g, m, k), factor, bits, levels, off)
-        if new_momentum:
-            update_momentum(g, m, k, False, None)
     return bad
-
-
-def levels_into(pieces, k: Coefs, bits: int, levels) -> int:
-    """:func:`pack_levels_pieces` with each piece's momentum updated (for a
-    reduce-scatter that runs in backward and keeps no gradient)."""
-    return pack_levels_pieces(pieces, k, bits, levels, new_momentum=True)
 
 
 def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, bits=None) -> int:
@@ -181,18 +172,6 @@ def apply_update(p, delta, k: Coefs, fused: bool) -> None:
         return
     xf = p.float()
     p.copy_(torch.sub(torch.mul(xf, k.decay), torch.mul(delta.reshape(p.shape).float(), k.lr)))
-
-
-def direction_into(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool) -> int:
-    """Both at once, for the FSDP reduce-scatters (which run in backward and
-    keep no gradient for later): packs the direction and updates m. Returns
-    the number of non-finite directions."""
-    if fused and not g.is_cuda:
-        b1, omb1, b2, omb2, _, _ = k.values
-        return _C.lion_direction_into(g.reshape(-1), m.view(-1), b1, omb1, b2, omb2, sign, zero, bit_offset)
-    bad = pack_direction(g, m, k, sign, zero, bit_offset, False)
-    update_momentum(g, m, k, False, None)
-    return bad
 
 
 def local_vote(sign, zero, numel: int, bits=None) -> torch.Tensor:
