@@ -27,11 +27,14 @@ The phases, each writing bench/results/time_to_target/<phase>.json:
              target is its mean validation loss at STEPS / 2, rounded up to 0.01
     steps    every method, N = 2 and 4 (a file each: steps-n2.json, ...), loopback, seeds 0-2:
              steps to the target
+    levers   the vote's (and Lion's) tuned run with one change each (LEVERS), N = 2, loopback,
+             seeds 0-2: steps to target (issue 30, item 6)
     link     every method, N = 2 and 4, 1 Gbit/s emulated links (root: namespaces), seed 0:
              end to end to the target, and seconds per step; plus "floor" (no communication)
 
     python bench/time_to_target.py                 # every phase not yet done (--redo PHASE to rerun one)
-    python bench/time_to_target.py --quick         # the whole suite at a tenth of the scale, < 10 min
+    python bench/time_to_target.py --quick         # the suite at a tenth of the scale (no levers), < 10 min
+    python bench/time_to_target.py --only levers   # one phase (here: the levers, after tune and target)
     python bench/time_to_target.py --summary       # the table and the plot from the phases' JSON
 
 Seconds to target = steps to target (phase "steps", mean over seeds) x seconds
@@ -76,7 +79,7 @@ DISTLION = {"distlion_vote": {}, "distlion_alt": dict(tie_break="alternate"),
 GRIDS = {"adamw": dict(lr=[3e-3, 1e-2], weight_decay=[0.0, 0.1], betas=(0.9, 0.95)),
          "lion": dict(lr=[3e-4, 1e-3], weight_decay=[0.1, 1.0], betas=(0.9, 0.99))}
 # Issue 30's item 6, the levers that might close a gap between the vote and Lion
-# (docs/convergence_protocol.md, "The levers on the LM"): each runs like a method of
+# (docs/convergence_protocol.md, "the levers, and the advice"): each runs like a method of
 # the "steps" phase (N = 2, loopback, seeds 0-2, to the target) with one change to
 # its base method's tuned run: "lr_scale" multiplies the tuned lr, "kwargs" go to
 # DistributedLion, "batch" replaces the global batch (same steps and schedule).
@@ -293,7 +296,7 @@ class Suite:
                 jobs = [dict(base, method=m, hp=hp[m], seed=s, steps=a.steps, target=target)
                         for m in methods for s in seeds]
                 self.run(f"steps-n{n}", jobs, [n], ["loopback"], True)
-        if not self.done("levers"):
+        if not self.done("levers") and (not a.quick or "levers" in a.only.split(",")):  # --quick: asked only
             self.run_levers(base, hp, seeds, target)
         for n in ranks:
             if not self.done(f"link-n{n}"):
@@ -395,6 +398,7 @@ class Suite:
             lines.append(f"| {n} | {m} | {hp[m]['lr']:g}, {hp[m]['weight_decay']:g} | {len(ok)}/{len(v['rs'])} | {st} "
                          f"| {v['sps']:.3f} | {v['secs']:.1f} | {e2e} | {mb} | {vs} | "
                          f"{lk['not_ranks_cores'] if lk else float('nan'):.2f} |")
+        lines += self.per_seed(rows)
         floor = {r["world_size"]: r["seconds_per_step"] for r in link if r["method"] == "floor"}
         for n, f in sorted(floor.items()):
             fp32 = on_link.get((n, "adamw_fp32"))
@@ -406,6 +410,26 @@ class Suite:
             f.write(text)
         self.plot(rows, target)
         return text
+
+    @staticmethod
+    def per_seed(rows) -> list:
+        """Where a DistributedLion method reached the target on some seeds only: on each such
+        seed, its seconds (steps x s/step on the link) against the best other method's."""
+        out = []
+        for (n, m), v in sorted(rows.items(), key=lambda kv: (kv[0][0], METHODS.index(kv[0][1]))):
+            if m not in DISTLION or not v["ok"] or len(v["ok"]) == len(v["rs"]):
+                continue
+            for r in v["rs"]:
+                if not r["reached"]:
+                    continue
+                mine = r["reached"]["steps"] * v["sps"]
+                others = [(o["reached"]["steps"] * w["sps"], om) for (on, om), w in rows.items()
+                          if on == n and om not in DISTLION for o in w["rs"] if o["seed"] == r["seed"] and o["reached"]]
+                if others:
+                    best, who = min(others)
+                    out.append(f"\nN = {n}, seed {r['seed']}: {m} reached the target at step {r['reached']['steps']}, "
+                               f"{mine:.1f} s on the link; the best other, {who}, {best:.1f} s ({best / mine:.2f}x).")
+        return out
 
     def plot(self, rows, target):
         try:

@@ -81,6 +81,14 @@ def test_time_to_target_quick_path_runs_every_phase(tmp_path):
     for m in ttt.METHODS:
         assert f"| 2 | {m} |" in table, m
     assert "the floor (no communication)" in table
+    assert not (out / "levers.json").exists()  # --quick leaves the levers out unless asked
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "time_to_target.py"), "--quick", "--tiny", "--loopback",
+         "--steps", "4", "--eval-every", "2", "--dir", str(out), "--only", "levers"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    table = (out / "summary.md").read_text()
     tuned = {r["method"]: r["hp"] for r in steps}
     levers = {r["lever"]: r for r in json.loads((out / "levers.json").read_text())["results"]}
     assert set(levers) == set(ttt.LEVERS)

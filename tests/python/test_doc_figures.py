@@ -108,6 +108,13 @@ def bad_input_tests(cases):
     return len([t for t in re.findall(r"^def (test_\w+)", text, re.M) if t != "test_case"])
 
 
+def s5_link(n, method, key="seconds_per_step"):
+    """Suite 5 (time to quality): a method's run on the emulated link at N = n, seed 0."""
+    rows = [r for r in load(f"time_to_target/link-n{n}.json")["results"] if r["method"] == method]
+    assert len(rows) == 1, f"time_to_target/link-n{n}.json: {len(rows)} runs of {method}"
+    return rows[0]["reached"]["seconds"] if key == "end_to_end_s" else rows[0][key]
+
+
 def cnn_accuracy(variant):
     """The digits CNN check (lr advice): a variant's mean test accuracy over its seeds, %."""
     return load("digits_cnn_check.json")["variants"][variant]["summary"]["test_accuracy"]["mean"]
@@ -152,6 +159,16 @@ FIGURES = {
     # The wire bytes: the JSON's payload of the momentum-sync rows also counts the bytes received.
     "levers-ms100-bytes-extra": ("momentum_sync=100: % more wire bytes than the vote", "training-levers.json",
                                  lambda: 100 * (over_vote("distlion_ms100", "wire_bytes_per_rank") - 1)),
+    "s5-n2-vote-s-step": ("suite 5, N = 2: the vote's s/step on the link", "time_to_target/link-n2.json",
+                          lambda: s5_link(2, "distlion_vote")),
+    "s5-n2-psgd-s-step": ("suite 5, N = 2: PowerSGD 4's s/step on the link", "time_to_target/link-n2.json",
+                          lambda: s5_link(2, "adamw_powersgd4")),
+    "s5-n2-fp32-s-step": ("suite 5, N = 2: AdamW + fp32's s/step on the link", "time_to_target/link-n2.json",
+                          lambda: s5_link(2, "adamw_fp32")),
+    "s5-n2-psgd-e2e-s": ("suite 5, N = 2: PowerSGD 4 end to end to the target, s", "time_to_target/link-n2.json",
+                         lambda: s5_link(2, "adamw_powersgd4", "end_to_end_s")),
+    "s5-n2-fp32-e2e-s": ("suite 5, N = 2: AdamW + fp32 end to end to the target, s", "time_to_target/link-n2.json",
+                         lambda: s5_link(2, "adamw_fp32", "end_to_end_s")),
     "cnn-vote-acc": ("digits CNN: the advised vote's mean test accuracy, %", "digits_cnn_check.json",
                      lambda: cnn_accuracy("vote")),
     "cnn-lion-acc": ("digits CNN: tuned Lion's mean test accuracy, %", "digits_cnn_check.json",
