@@ -251,14 +251,6 @@ def parse_variants(text):
     return names
 
 
-def variant_config(lion, kwargs):
-    """DistributedLion's keyword arguments for a variant: Lion's config with the
-    variant's options on top, its "lr_scale" (if any) multiplying Lion's lr."""
-    kwargs = dict(kwargs)
-    scale = kwargs.pop("lr_scale", 1.0)
-    return dict(lion, lr=lion["lr"] * scale, **kwargs)
-
-
 def make_single(name, params, lion, adamw):
     """A single-process baseline of VARIANTS ('lion' or 'adamw')."""
     if name == "lion":
@@ -308,8 +300,7 @@ def run_levers(task, names, seeds, json_path=None, per_node=None):
             net = task.model(seed)
             ddp = DDP(net)
             extra = dict(topology=topology) if topology and "hierarchy" in VARIANTS[v] else {}
-            opt = lionbit.DistributedLion(net.parameters(), **variant_config(task.lion, VARIANTS[v]),
-                                          **extra).attach(ddp)
+            opt = lionbit.DistributedLion(net.parameters(), **task.lion, **VARIANTS[v], **extra).attach(ddp)
             before = sent_counters(lionbit.stats())
             t0 = time.perf_counter()
             steps = task.train(ddp, opt, seed, rank, world)
@@ -383,7 +374,7 @@ class DigitsTask:
         self.batch, self.kind = batch, kind
         self.steps = steps or steps_per_epoch(len(self.x), batch) * EPOCHS
         table = "TUNED_CNN" if kind == "cnn" else "TUNED"
-        tuned = globals()[table].get((batch, self.steps))
+        tuned = (TUNED_CNN if kind == "cnn" else TUNED).get((batch, self.steps))
         if kind == "cnn" and not tuned:
             raise SystemExit(f"--model cnn: no tuned config for batch {batch}, {self.steps} steps in TUNED_CNN "
                              f"(examples/tune_digits.py --model cnn --batch {batch} --steps {self.steps})")
