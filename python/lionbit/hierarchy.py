@@ -41,8 +41,11 @@ from .topology import Topology, check_topology, detect_topology
 
 HIERARCHIES = ("flat", "node", "node_vote")
 
-# lionbit backend -> the Topology its hierarchy was built from; also keeps the
-# subgroups' ProcessGroup objects alive as long as the backend lives.
+# process group -> (the Topology its hierarchy was built from, its node and
+# cross-node groups, its lionbit backends). Keyed by the group, whose Python
+# object torch keeps while the group lives: a backend's Python object can be
+# dropped and made anew while its C++ object lives on (torch 2.11 does so),
+# so it cannot be the key. The entry keeps the subgroups alive with the group.
 _set_up = weakref.WeakKeyDictionary()
 
 
@@ -103,8 +106,8 @@ def ensure_hierarchy(group: Optional[dist.ProcessGroup], where: str, topology: O
             f"lionbit.{where} on rank {pg.rank()}: argument 'hierarchy' needs the default process group "
             f"(its node groups are made with new_group over every rank); pass group=None"
         )
-    if all(b.has_hierarchy for _, b in backends):
-        known = _set_up[backends[0][1]][0]
+    if all(b.has_hierarchy for _, b in backends) and pg in _set_up:
+        known = _set_up[pg][0]
         if topology is not None and topology != known:
             raise ValueError(
                 f"lionbit.{where} on rank {pg.rank()}: argument 'topology' ({topology.describe()}) differs from "
@@ -130,5 +133,5 @@ def ensure_hierarchy(group: Optional[dist.ProcessGroup], where: str, topology: O
     node_pg, cross_pg = node_groups[mine], cross_groups[local]
     for device, b in backends:
         b.set_hierarchy(node_pg._get_backend(device), cross_pg._get_backend(device), order, nodes[mine])
-        _set_up[b] = (topo, node_pg, cross_pg)
+    _set_up[pg] = (topo, node_pg, cross_pg, [b for _, b in backends])
     return topo
