@@ -169,14 +169,70 @@ def check_not_partly_sharded(model) -> None:
         )
 
 
+# -- torch's FSDP2 internals, all in this section ---------------------------
+# FSDP2 has no public way to learn how a unit's gradients lie in its
+# reduce-scatter input, so lionbit reads FSDP's parameter groups and learns the
+# layout of each reduction from inside FSDP. Two generations are known:
+# torch >= 2.12 (a list of parameter groups per module, and a per-group hook
+# `_prepare_reduce_scatter_inputs` that returns the padded sizes) and
+# torch 2.11 (one group per module, `_fsdp_param_group`, and the padded sizes
+# computed inside `_fsdp_param_group.foreach_reduce`, which lionbit wraps).
+# Every FSDP2 test fails loudly (NotImplementedError, naming what is missing)
+# when torch changes either.
+
+
+def _unsupported(what) -> NotImplementedError:
+    return NotImplementedError(
+        f"{_WHERE}: this torch {torch.__version__} does not have the FSDP2 internals lionbit uses "
+        f"({what}); lionbit is tested with torch 2.11 and 2.15"
+    )
+
+
 def _param_groups_of(module) -> list:
-    try:
-        return list(module._get_fsdp_state()._fsdp_param_groups)
-    except AttributeError as err:
-        raise NotImplementedError(
-            f"{_WHERE}: this torch {torch.__version__} does not have the FSDP2 internals lionbit uses "
-            f"({err}); lionbit is tested with torch 2.15"
-        ) from None
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12
+    if groups is not None:
+        return list(groups)
+    if not hasattr(state, "_fsdp_param_group"):
+        raise _unsupported("FSDPState has neither _fsdp_param_groups nor _fsdp_param_group")
+    one = state._fsdp_param_group  # torch 2.11: None for a module without parameters
+    return [one] if one is not None else []
+
+
+def _has_prepare_hook(param_group) -> bool:
+    return hasattr(param_group, "_prepare_reduce_scatter_inputs")
+
+
+def _foreach_reduce_module():
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    return _fsdp_param_group
+
+
+def _install_layout_spy() -> None:
+    """torch 2.11: wraps FSDP's foreach_reduce (once per process) so that a
+    lionbit reduce-scatter learns the unit's layout before FSDP calls it: the
+    FSDP parameters with gradients, in order, and their dim-0 padded sizes
+    (Shard(0) only, which attach checks). Other reduce-scatters pass through."""
+    module = _foreach_reduce_module()
+    original = getattr(module, "foreach_reduce", None)
+    if original is None:
+        raise _unsupported("_fsdp_param_group.foreach_reduce")
+    if getattr(original, "_lionbit_spy", False):
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _get_dim0_padded_size
+
+    def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
+                       reduce_scatter_comm, *args, **kwargs):
+        if isinstance(reduce_scatter_comm, _SignReduceScatter):
+            n = reduce_scatter_group.size() if reduce_scatter_group is not None else 1
+            sizes = tuple(_get_dim0_padded_size(g.size(), n) for g in unsharded_grads)
+            reduce_scatter_comm.learn_layout(fsdp_params, sizes)
+        return original(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
+                        reduce_scatter_comm, *args, **kwargs)
+
+    foreach_reduce._lionbit_spy = True
+    module.foreach_reduce = foreach_reduce
 
 
 class _SignReduceScatter:
@@ -190,22 +246,31 @@ class _SignReduceScatter:
         self.params: List = []  # the FSDPParams of the last reduce-scatter, in FSDP's layout order
         self.group = None  # its process group
         self.default_comm = param_group._reduce_scatter_comm
+        self.default_prepare = None
+        if not _has_prepare_hook(param_group):
+            _install_layout_spy()  # torch 2.11
+            return
         self.default_prepare = default_prepare = param_group._prepare_reduce_scatter_inputs
 
         def prepare(fsdp_params, unsharded_grads, world_size):
-            # (FSDP calls this on every reduction, the custom reduce-scatter
-            # only on more than one rank: on one, p.grad is FSDP's own, whole.)
             sizes = default_prepare(fsdp_params, unsharded_grads, world_size)
-            self.layout = (list(fsdp_params), tuple(sizes))
-            self.params = self.layout[0]
-            att.reduced(self)
+            self.learn_layout(fsdp_params, sizes)
             return sizes
 
         param_group._prepare_reduce_scatter_inputs = prepare
 
+    def learn_layout(self, fsdp_params, sizes) -> None:
+        """FSDP is about to reduce the unit's gradients, laid out as ``sizes``
+        (FSDP does so on every reduction, and calls the custom reduce-scatter
+        only on more than one rank: on one, p.grad is FSDP's own, whole)."""
+        self.layout = (list(fsdp_params), tuple(sizes))
+        self.params = self.layout[0]
+        self.att.reduced(self)
+
     def uninstall(self) -> None:
         """Gives FSDP its own reduce-scatter back."""
-        self.pg._prepare_reduce_scatter_inputs = self.default_prepare
+        if self.default_prepare is not None:
+            self.pg._prepare_reduce_scatter_inputs = self.default_prepare
         self.pg._reduce_scatter_comm = self.default_comm
 
     # FSDP's Comm interface
@@ -324,11 +389,8 @@ def _managed(opt, model):
         if not pgs:
             continue
         for pg in pgs:
-            if not hasattr(pg, "_prepare_reduce_scatter_inputs") or not hasattr(pg, "_reduce_scatter_comm"):
-                raise NotImplementedError(
-                    f"{_WHERE}: this torch {torch.__version__} lacks FSDP2's reduce-scatter input hook; "
-                    f"lionbit is tested with torch 2.15"
-                )
+            if not hasattr(pg, "_reduce_scatter_comm"):
+                raise _unsupported("FSDPParamGroup._reduce_scatter_comm")
             if isinstance(pg._reduce_scatter_comm, _SignReduceScatter):
                 raise RuntimeError(f"{_WHERE}: the model is already attached to a DistributedLion")
             if type(pg._reduce_scatter_comm).__name__ != "DefaultReduceScatter":

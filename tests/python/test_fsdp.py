@@ -287,7 +287,10 @@ def scaler_clip_like_ddp(rank, world_size):
     import lionbit
 
     out = []
-    for kind in ("ddp", "fsdp2", "fsdp2_manual"):
+    from torch.distributed.fsdp import FSDPModule
+
+    manual = hasattr(FSDPModule, "set_manual_backward_finalization")  # torch >= 2.12
+    for kind in ("ddp", "fsdp2", "fsdp2_manual") if manual else ("ddp", "fsdp2"):
         model = DDP(_net()) if kind == "ddp" else _shard(_net())
         if kind == "fsdp2_manual":
             model.set_manual_backward_finalization(True)
@@ -309,9 +312,12 @@ def scaler_clip_like_ddp(rank, world_size):
 
 
 def test_fsdp2_grad_scaler_unscale_and_clip_equal_ddp():
+    from torch.distributed.fsdp import FSDPModule
+
+    kinds = 3 if hasattr(FSDPModule, "set_manual_backward_finalization") else 2  # torch 2.11: no manual kind
     res = values(run_ranks("test_fsdp:scaler_clip_like_ddp", 2))
     for r in res:
-        assert r[0] == r[1] == r[2] == res[0][0], r
+        assert len(r) == kinds and all(x == res[0][0] for x in r), r
         assert r[0][1:] == [512.0, 3], r  # one skipped step, one back-off
 
 
