@@ -79,7 +79,7 @@ class Run {
     TORCH_CHECK(
         (op == bits::SignOp::kLevels) == (levels != nullptr), where(call_),
         "internal: levels without op l1");
-    chunk_elems_ = bits::chunk_elems_for(requested_chunk_elems(N_), N_);
+    chunk_elems_ = bits::chunk_elems_for(requested_chunk_elems(N_, tensor.device()), N_);
   }
 
   void run() {

@@ -19,7 +19,7 @@ std::string where(const SignCall& call) {
       "(op=" + bits::sign_op_name(call.op) + ") on rank " + std::to_string(call.c.rank) + ": ";
 }
 
-uint64_t requested_chunk_elems(int world_size) {
+uint64_t requested_chunk_elems(int world_size, const c10::Device& device) {
   const char* env = std::getenv("LIONBIT_CHUNK_ELEMS");
   if (env != nullptr && *env != '\0') {
     char* end = nullptr;
@@ -28,7 +28,7 @@ uint64_t requested_chunk_elems(int world_size) {
       return v;
     }
   }
-  return bits::default_chunk_elems(world_size);
+  return bits::default_chunk_elems(world_size, device.is_cuda());
 }
 
 void wait_inner(
@@ -137,7 +137,8 @@ void reject_round(const SignCall& call) {
       (call.kind == Collective::kReduceScatter ? bits::kReduceScatter : 0u);
   const uint64_t chunk = call.kind == Collective::kReduceScatter
       ? 0
-      : bits::chunk_elems_for(requested_chunk_elems(call.c.world_size), call.c.world_size);
+      : bits::chunk_elems_for(
+            requested_chunk_elems(call.c.world_size, call.device), call.c.world_size);
   bits::CallRule rule; // well-formed for the op: peers read "rejected", not "corrupt"
   if (call.op == bits::SignOp::kLevels) {
     rule.value_bits = bits::kMinLevelBits;

@@ -99,10 +99,11 @@ class ScopedTimer {
 };
 
 // Elements per pipelined chunk requested by LIONBIT_CHUNK_ELEMS (default
-// max(4M, 256K * world_size): every shard of a chunk at least 256K elements);
+// bits::default_chunk_elems: max(4M, 256K * world_size) on the CPU, 64M on a
+// GPU; every shard of a chunk at least 256K elements);
 // bits::chunk_elems_for rounds it for a world size. Every rank must use the
 // same value: the header round checks.
-uint64_t requested_chunk_elems(int world_size);
+uint64_t requested_chunk_elems(int world_size, const c10::Device& device);
 
 // Waits for a collective issued on the inner backend `via`; a failure (a dead
 // peer, a timeout) becomes a DistBackendError naming lionbit, the collective,
