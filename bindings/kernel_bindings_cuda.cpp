@@ -32,7 +32,8 @@ void lion_direction_into_device(
     at::Tensor& sign,
     at::Tensor& zero,
     at::Tensor& counts,
-    int64_t bit_offset) {
+    int64_t bit_offset,
+    bool update_momentum) {
   const char* op = "lion_direction_into_device";
   TORCH_CHECK_VALUE(
       g.defined() && g.is_cuda(), "lionbit.", op, ": argument 'g' must be a CUDA tensor, got ",
@@ -55,7 +56,7 @@ void lion_direction_into_device(
       static_cast<size_t>(g.numel()), static_cast<float>(b1), static_cast<float>(omb1),
       static_cast<float>(b2), static_cast<float>(omb2), words_of(sign), words_of(zero),
       static_cast<size_t>(bit_offset), counts_of(counts),
-      c10::cuda::getCurrentCUDAStream(g.device().index()).stream());
+      c10::cuda::getCurrentCUDAStream(g.device().index()).stream(), update_momentum);
 }
 
 void lion_apply_device(at::Tensor& x, const at::Tensor& delta, double lr, double decay) {

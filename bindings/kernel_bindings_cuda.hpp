@@ -1,8 +1,9 @@
 // The fused Lion kernels of kernel_bindings.hpp for CUDA tensors (built with
 // the CUDA path). Each enqueues on the current stream of the tensors' device
 // and returns: no host synchronisation. lion_direction_into_device adds its
-// zero and NaN tallies to an int64 tensor `counts` {zeros, NaNs} on the same
-// device (the caller zeroes it). (Packing signs and levels goes through the
+// tallies to an int64 tensor `counts` {c == 0, c non-finite} on the same
+// device (the caller zeroes it); with update_momentum=False it only reads m
+// (lion_direction_into's update_momentum=False). (Packing signs and levels goes through the
 // kernel sets on every device: pack_signs_into, pack_levels_into.)
 #pragma once
 
@@ -20,7 +21,8 @@ void lion_direction_into_device(
     at::Tensor& sign,
     at::Tensor& zero,
     at::Tensor& counts,
-    int64_t bit_offset);
+    int64_t bit_offset,
+    bool update_momentum);
 
 void lion_apply_device(at::Tensor& x, const at::Tensor& delta, double lr, double decay);
 

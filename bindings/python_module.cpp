@@ -151,7 +151,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "lion_direction_into_device", &lionbit::lion_direction_into_device, py::arg("g"),
       py::arg("m"), py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("sign"),
-      py::arg("zero"), py::arg("counts"), py::arg("bit_offset"));
+      py::arg("zero"), py::arg("counts"), py::arg("bit_offset"), py::arg("update_momentum") = true);
   m.def(
       "lion_apply_device", &lionbit::lion_apply_device, py::arg("x"), py::arg("delta"),
       py::arg("lr"), py::arg("decay"));

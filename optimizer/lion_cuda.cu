@@ -7,9 +7,9 @@
 //
 //  * lion_direction: as pack_signs, one warp per 64-bit word of the sign and
 //    zero planes, lane l handling elements l and l + 32 (coalesced loads of g
-//    and m, coalesced store of m), two ballots per plane, the boundary words
-//    read-modify-written; the zero / NaN tallies summed per block, one atomic
-//    per block.
+//    and m, coalesced store of m unless the momentum is only read), two
+//    ballots per plane, the boundary words read-modify-written; the zero /
+//    non-finite tallies summed per block, one atomic per block.
 //  * lion_apply_dense: one element per thread and iteration, 4 iterations in
 //    flight per thread.
 #include "optimizer/lion_cuda.h"
@@ -42,14 +42,15 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) direction_kern
     uint64_t* __restrict__ zero,
     unsigned o,
     size_t nwords,
-    Counts* counts) {
+    Counts* counts,
+    bool write_m) {
   const unsigned lane = threadIdx.x & 31u;
   const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
   unsigned long long zeros = 0, nans = 0;
   for (size_t k0 = warp * kDirUnroll; k0 < nwords; k0 += nwarps * kDirUnroll) {
     unsigned f[kDirUnroll];
-    cd::lion_direction_group<G, M>(g, m, n, o, k0, nwords, lane, k, f);
+    cd::lion_direction_group<G, M>(g, m, n, o, k0, nwords, lane, k, f, write_m);
 #pragma unroll
     for (int u = 0; u < kDirUnroll; ++u) {
       cd::tally_flags(f[u], &zeros, &nans);
@@ -75,7 +76,8 @@ void launch_direction(
     uint64_t* zero,
     size_t bit_offset,
     Counts* counts,
-    cudaStream_t stream) {
+    cudaStream_t stream,
+    bool write_m) {
   const unsigned o = static_cast<unsigned>(bit_offset % 64);
   const size_t first = bit_offset / 64;
   const size_t nwords = cd::words_out(o, n);
@@ -83,7 +85,7 @@ void launch_direction(
   const unsigned grid = cd::grid_for(nwords, size_t{kWarpsPerBlock} * kDirUnroll, resident);
   direction_kernel<G, M><<<grid, kBlockThreads, 0, stream>>>(
       static_cast<const typename FloatStore<G>::U*>(g), static_cast<typename FloatStore<M>::U*>(m),
-      n, k, sign + first, zero + first, o, nwords, counts);
+      n, k, sign + first, zero + first, o, nwords, counts, write_m);
   cd::check_launch("lion_direction");
 }
 
@@ -98,14 +100,15 @@ void direction_grad(
     uint64_t* zero,
     size_t bit_offset,
     Counts* counts,
-    cudaStream_t stream) {
+    cudaStream_t stream,
+    bool write_m) {
   switch (md) {
     case DType::kFloat32:
       return launch_direction<G, DType::kFloat32>(
-          g, m, n, k, sign, zero, bit_offset, counts, stream);
+          g, m, n, k, sign, zero, bit_offset, counts, stream, write_m);
     case DType::kBFloat16:
       return launch_direction<G, DType::kBFloat16>(
-          g, m, n, k, sign, zero, bit_offset, counts, stream);
+          g, m, n, k, sign, zero, bit_offset, counts, stream, write_m);
     default:
       return; // unsupported: nothing touched (the caller validates)
   }
@@ -178,7 +181,8 @@ void lion_direction(
     uint64_t* zero,
     size_t bit_offset,
     Counts* counts,
-    cudaStream_t stream) {
+    cudaStream_t stream,
+    bool update_momentum) {
   if (n == 0) {
     return;
   }
@@ -186,13 +190,13 @@ void lion_direction(
   switch (grad_dtype) {
     case DType::kFloat32:
       return direction_grad<DType::kFloat32>(
-          momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream);
+          momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream, update_momentum);
     case DType::kBFloat16:
       return direction_grad<DType::kBFloat16>(
-          momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream);
+          momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream, update_momentum);
     case DType::kFloat16:
       return direction_grad<DType::kFloat16>(
-          momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream);
+          momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream, update_momentum);
     default:
       return;
   }

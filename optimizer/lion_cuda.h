@@ -19,10 +19,12 @@
 namespace lionbit::optim::cuda {
 
 // Step 1 in one pass over g and m (dtypes as lion_direction): writes the new
-// momentum into m and the signs of c = b1*m + omb1*g into bits
+// momentum into m (unless update_momentum is false: then m is only read, as
+// optim::lion_direction_only) and the signs of c = b1*m + omb1*g into bits
 // [bit_offset, bit_offset + n) of `sign` and `zero` (all other bits left as
-// they are, as lionbit::cuda::pack_signs); adds the c == 0 and NaN counts to
-// `counts`.
+// they are, as lionbit::cuda::pack_signs); adds the c == 0 count to
+// counts->zeros and the non-finite count (c NaN or +-Inf, as
+// PackCounts::nonfinite: a step that must not be applied) to counts->nans.
 void lion_direction(
     bits::DType grad_dtype,
     const void* g,
@@ -37,7 +39,8 @@ void lion_direction(
     uint64_t* zero,
     size_t bit_offset,
     lionbit::cuda::Counts* counts,
-    cudaStream_t stream);
+    cudaStream_t stream,
+    bool update_momentum = true);
 
 // x[i] = fl(fl(x[i] * decay) - fl(lr * delta[i])), as lion_apply_dense.
 void lion_apply_dense(

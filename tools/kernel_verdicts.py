@@ -2,10 +2,10 @@
 
 On CUDA: lionbit's custom kernel set ("cuda", unchecked) against the ATen set
 (backend/kernel_check.cpp, the check `LIONBIT_KERNELS=auto` runs at first
-use), over several seeds, and the fused Lion apply kernel against the torch
-path (lionbit.kernel_choice.check_apply). On CPU (no GPU): the SIMD set
-against the ATen set and the CPU fused apply, the same checks on the CPU's
-kernels. Prints one line per kernel: ok, or the first case that disagrees.
+use), over several seeds, and the fused Lion apply and direction kernels
+against the torch path (lionbit.kernel_choice.check_apply, check_direction).
+On CPU (no GPU): the SIMD set against the ATen set and the CPU fused apply
+and direction, the same checks on the CPU's kernels. Prints one line per kernel: ok, or the first case that disagrees.
 
     python tools/kernel_verdicts.py [--device cuda:0] [--seeds 5] [--json FILE]
 """
@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+import numpy as np
 import torch
 
 import lionbit
@@ -50,10 +51,22 @@ def main(argv=None):
         if case is not None and verdicts.get("lion_apply", "ok") == "ok":
             verdicts["lion_apply"] = f"differs: {case} (seed {seed})"
     verdicts.setdefault("lion_apply", "ok")
+    if device.type == "cuda":
+        direction = kernel_choice.DIRECTION_CHECKS["cuda"].candidate
+    else:
+        def direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update):
+            before = int(np.unpackbits(zero.numpy()).sum())
+            counts[1] += _C.lion_direction_into(g, m, b1, omb1, b2, omb2, sign, zero, off, update_momentum=update)
+            counts[0] += int(np.unpackbits(zero.numpy()).sum()) - before
+    for seed in range(args.seeds):
+        case = kernel_choice.check_direction(direction, device, seed)
+        if case is not None and verdicts.get("lion_direction", "ok") == "ok":
+            verdicts["lion_direction"] = f"differs: {case} (seed {seed})"
+    verdicts.setdefault("lion_direction", "ok")
     print(f"kernel_verdicts: set '{candidate}' against 'aten' on {device}, {args.seeds} seeds; "
           f"lionbit.kernels: {lionbit.kernels(device)}")
     for name, verdict in verdicts.items():
-        print(f"  {name:12s} {verdict}")
+        print(f"  {name:14s} {verdict}")
     bad = [n for n, v in verdicts.items() if v != "ok"]
     print(f"kernel_verdicts: {len(verdicts) - len(bad)}/{len(verdicts)} kernels agree" +
           (f"; differ: {', '.join(bad)}" if bad else ""))

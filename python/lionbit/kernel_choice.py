@@ -86,6 +86,52 @@ def check_apply(candidate: Callable, device, seed: int = 0) -> Optional[str]:
     return None
 
 
+def check_direction(candidate: Callable, device, seed: int = 0) -> Optional[str]:
+    """Runs ``candidate(g, m, b1, omb1, b2, omb2, sign, zero, counts,
+    bit_offset, update_momentum)`` (a fused Lion direction: the bits of
+    sign(b1 m + (1 - b1) g) at bit_offset, {c == 0, c non-finite} added to
+    counts, and with update_momentum m = b2 m + (1 - b2) g) against the torch
+    path of lionbit.lion_math on small random inputs on ``device`` (some
+    exact zeros, and Inf and NaN where the dtypes make them); returns the
+    first case that differs, or None. Changes no global random state."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    coefs = lion_math.Coefs({"betas": (0.9, 0.99), "lr": CHECK_LR, "weight_decay": 0.0})
+    b1, omb1, b2, omb2 = coefs.values[:4]
+    with torch.no_grad():
+        for gdt in CHECK_DTYPES:
+            for mdt in (torch.float32, torch.bfloat16):
+                for n in CHECK_SIZES:
+                    g, m = _inputs(n, gdt, mdt, gen)
+                    if n > 7:  # an Inf and a NaN gradient: counted, never applied
+                        g[3], g[5] = float("inf"), float("nan")
+                    g, m = g.to(device), m.to(device)
+                    for update in (False, True):
+                        off = 5 if update else 64
+                        nbytes = lion_math.plane_bytes(off + n) + 8
+                        planes = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(4)]
+                        counts = torch.zeros(2, dtype=torch.int64, device=device)
+                        got_m = m.clone()
+                        candidate(g, got_m, b1, omb1, b2, omb2, planes[0], planes[1], counts, off, update)
+                        c = lion_math.direction(g, m, coefs)
+                        _C.pack_signs_into(c, planes[2], planes[3], off)
+                        want_m = m.clone()
+                        if update:
+                            lion_math.update_momentum(g, want_m, coefs, False, None)
+                        bits = torch.int32 if mdt == torch.float32 else torch.int16
+                        case = (f"{_name(gdt)} gradient, {_name(mdt)} momentum, n={n}, "
+                                f"update_momentum={update}")
+                        if not (torch.equal(planes[0], planes[2]) and torch.equal(planes[1], planes[3])):
+                            return case + ": direction bits"
+                        if int(counts[1]) != int((~torch.isfinite(c)).sum()) or int(counts[0]) != int((c == 0).sum()):
+                            return case + ": counts"
+                        if not torch.equal(got_m.view(bits), want_m.view(bits)):
+                            same_nan = torch.isnan(got_m) & torch.isnan(want_m)  # NaN payloads are not the contract
+                            if not bool((same_nan | (got_m.view(bits) == want_m.view(bits))).all()):
+                                return case + ": momentum"
+    return None
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -96,16 +142,17 @@ class FirstUseCheck:
     verdict; a mismatch warns once (naming the kernel, the device and the
     case) and the device's verdict stays False."""
 
-    def __init__(self, name: str, candidate: Callable):
+    def __init__(self, name: str, candidate: Callable, check: Callable = check_apply):
         self.name = name
         self.candidate = candidate
+        self.check = check  # check_apply or check_direction
         self.verdicts: Dict[torch.device, bool] = {}
 
     def ok(self, device) -> bool:
         device = torch.device(device)
         verdict = self.verdicts.get(device)
         if verdict is None:
-            case = check_apply(self.candidate, device)
+            case = self.check(self.candidate, device)
             verdict = self.verdicts[device] = case is None
             if case is not None:
                 user_warning.warn(
@@ -121,8 +168,17 @@ def _lion_apply_device(x, delta, lr, decay) -> None:
     _C.lion_apply_device(x, delta, lr, decay)
 
 
-#: The first-use checks of ``auto``, by device type (tests add one for "cpu").
+def _lion_direction_device(g, m, b1, omb1, b2, omb2, sign, zero, counts, bit_offset, update_momentum) -> None:
+    _C.lion_direction_into_device(g, m, b1, omb1, b2, omb2, sign, zero, counts, bit_offset,
+                                  update_momentum=update_momentum)
+
+
+#: The first-use checks of ``auto``, by device type (tests add one for "cpu"):
+#: the fused apply, and the fused direction (DIRECTION_CHECKS).
 CHECKS: Dict[str, FirstUseCheck] = {"cuda": FirstUseCheck("lion_apply_device", _lion_apply_device)}
+DIRECTION_CHECKS: Dict[str, FirstUseCheck] = {
+    "cuda": FirstUseCheck("lion_direction_into_device", _lion_direction_device, check_direction)
+}
 
 
 def fused_lion_allowed(device) -> bool:
@@ -132,8 +188,9 @@ def fused_lion_allowed(device) -> bool:
     choice = requested()
     if choice == "aten":
         return False
-    check = CHECKS.get(torch.device(device).type)
-    return choice == "custom" or check is None or check.ok(device)
+    kind = torch.device(device).type
+    checks = [c for c in (CHECKS.get(kind), DIRECTION_CHECKS.get(kind)) if c is not None]
+    return choice == "custom" or all(c.ok(device) for c in checks)
 
 
 def has_fused_lion(device) -> bool:

@@ -132,9 +132,15 @@ def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, bit
     g = g.reshape(-1)
     if bits:
         return pack_levels_pieces([(g, m.reshape(-1), bit_offset)], k, bits, sign)
-    if fused and not g.is_cuda:
+    if fused:
         b1, omb1, b2, omb2, _, _ = k.values
-        return _C.lion_direction_into(g, m.view(-1), b1, omb1, b2, omb2, sign, zero, bit_offset, update_momentum=False)
+        if not g.is_cuda:
+            return _C.lion_direction_into(g, m.view(-1), b1, omb1, b2, omb2, sign, zero, bit_offset,
+                                          update_momentum=False)
+        counts = torch.zeros(2, dtype=torch.int64, device=g.device)
+        _C.lion_direction_into_device(g, m.view(-1), b1, omb1, b2, omb2, sign, zero, counts, bit_offset,
+                                      update_momentum=False)
+        return int(counts[1])
     c = _direction_torch(g, m.reshape(-1), k)
     _, nans = _C.pack_signs_into(c, sign, zero, bit_offset)
     return nans + int(torch.isinf(c).sum())
@@ -155,9 +161,13 @@ def update_momentum(g, m, k: Coefs, fused: bool, scratch) -> None:
     planes of at least plane_bytes(m.numel()) bytes for the fused kernel's
     direction bits (not needed afterwards)."""
     g = g.reshape(-1)
-    if fused and not g.is_cuda:
+    if fused:
         b1, omb1, b2, omb2, _, _ = k.values
-        _C.lion_direction_into(g, m.view(-1), b1, omb1, b2, omb2, scratch[0], scratch[1], 0)
+        if not g.is_cuda:
+            _C.lion_direction_into(g, m.view(-1), b1, omb1, b2, omb2, scratch[0], scratch[1], 0)
+        else:
+            counts = torch.zeros(2, dtype=torch.int64, device=g.device)
+            _C.lion_direction_into_device(g, m.view(-1), b1, omb1, b2, omb2, scratch[0], scratch[1], counts, 0)
         return
     mv = m.view(-1)
     mv.copy_(torch.add(torch.mul(mv.float(), k.b2), torch.mul(g.float(), k.omb2)))

@@ -155,10 +155,13 @@ struct LionCoefs {
 };
 
 // One element of step 1: returns the flags of c and writes the new momentum.
+// kNan marks a non-finite c (NaN or +-Inf: the step must not be applied, as
+// PackCounts::nonfinite of the CPU kernel); +-Inf keeps its sign bit.
 LIONBIT_HD unsigned lion_direction_math(float g, float m, const LionCoefs& k, float* m_new) {
   const float c = add_rn(mul_rn(k.b1, m), mul_rn(k.omb1, g));
   *m_new = add_rn(mul_rn(k.b2, m), mul_rn(k.omb2, g));
-  return classify_float(c);
+  const bool infinite = c - c != 0.0f && c == c; // Inf - Inf is NaN; a finite c gives 0
+  return classify_float(c) | (infinite ? kNan : 0u);
 }
 
 // x * decay - step, step = fl(lr * Delta) already rounded.
@@ -239,7 +242,8 @@ LIONBIT_HD unsigned pack_lane(
   return f;
 }
 
-// lion_direction: the lane's two elements of word k (reads g, m; writes m).
+// lion_direction: the lane's two elements of word k (reads g, m; writes m
+// when write_m).
 template <DType G, DType M>
 LIONBIT_HD unsigned lion_direction_lane(
     const typename FloatStore<G>::U* g,
@@ -248,7 +252,8 @@ LIONBIT_HD unsigned lion_direction_lane(
     unsigned o,
     size_t k,
     unsigned lane,
-    const LionCoefs& c) {
+    const LionCoefs& c,
+    bool write_m) {
   unsigned f = 0;
   for (unsigned h = 0; h < 2; ++h) {
     size_t e;
@@ -256,7 +261,9 @@ LIONBIT_HD unsigned lion_direction_lane(
       float mn;
       const unsigned fl = lion_direction_math(
           FloatStore<G>::load(g[e]), FloatStore<M>::load(m[e]), c, &mn);
-      m[e] = FloatStore<M>::store(mn);
+      if (write_m) {
+        m[e] = FloatStore<M>::store(mn);
+      }
       f |= fl << (8 * h);
     }
   }
@@ -302,7 +309,8 @@ LIONBIT_HD void pack_group(
   }
 }
 
-// lion_direction: the lane's flags for the group's words (and the new m).
+// lion_direction: the lane's flags for the group's words (and the new m when
+// write_m).
 template <DType G, DType M>
 LIONBIT_HD void lion_direction_group(
     const typename FloatStore<G>::U* g,
@@ -313,7 +321,8 @@ LIONBIT_HD void lion_direction_group(
     size_t nwords,
     unsigned lane,
     const LionCoefs& c,
-    unsigned (&f)[kWordsPerWarpIter]) {
+    unsigned (&f)[kWordsPerWarpIter],
+    bool write_m = true) {
   constexpr int U = kWordsPerWarpIter;
   if (group_full(k0, o, n)) {
     const size_t e0 = k0 * 64 - o + lane;
@@ -329,7 +338,9 @@ LIONBIT_HD void lion_direction_group(
     for (int i = 0; i < 2 * U; ++i) {
       float mn;
       fl[i] = lion_direction_math(FloatStore<G>::load(gv[i]), FloatStore<M>::load(mv[i]), c, &mn);
-      m[e0 + 32 * i] = FloatStore<M>::store(mn);
+      if (write_m) {
+        m[e0 + 32 * i] = FloatStore<M>::store(mn);
+      }
     }
     LIONBIT_UNROLL
     for (int u = 0; u < U; ++u) {
@@ -339,7 +350,7 @@ LIONBIT_HD void lion_direction_group(
   }
   LIONBIT_UNROLL
   for (int u = 0; u < U; ++u) {
-    f[u] = k0 + u < nwords ? lion_direction_lane<G, M>(g, m, n, o, k0 + u, lane, c) : 0u;
+    f[u] = k0 + u < nwords ? lion_direction_lane<G, M>(g, m, n, o, k0 + u, lane, c, write_m) : 0u;
   }
 }
 

@@ -168,23 +168,31 @@ def test_fused_lion_kernels_equal_cpu(gdt, mdt):
         for off in (0, 5, 64):
             g = _special(n, torch.float32, gen).nan_to_num(0.0).to(gdt)
             m = (torch.randn(n, generator=gen) * 1e-3).to(mdt)
+            m0 = m.clone()
             nbytes = (off + n + 63) // 64 * 8 + 8
             s, z = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
             sg, zg = s.cuda(), z.cuda()
             mg = m.cuda()
             # c = fl(fl(0.9 m) + fl(0.1 g)) in float32, each operation rounded on its own (torch
-            # on CPU): its non-finite count is what the CPU kernel returns, its NaN count what the
-            # CUDA kernel tallies (a bfloat16 / float16 g holds +-Inf: float32's max rounds up).
+            # on CPU): its non-finite count is what both kernels return (a bfloat16 / float16 g
+            # holds +-Inf: float32's max rounds up).
             b1, omb1 = torch.tensor(0.9, dtype=torch.float32), torch.tensor(0.1, dtype=torch.float32)
             c = m.float() * b1 + g.float() * omb1
             nonfinite = _C.lion_direction_into(g, m, 0.9, 0.1, 0.99, 0.01, s, z, off)
             assert nonfinite == int((~torch.isfinite(c)).sum()), (n, off)
             counts = torch.zeros(2, dtype=torch.int64, device="cuda")
+            # The momentum only read first (the step's vote): the same bits, m untouched.
+            s_ro, z_ro, c_ro = sg.clone(), zg.clone(), counts.clone()
+            _C.lion_direction_into_device(g.cuda(), mg, 0.9, 0.1, 0.99, 0.01, s_ro, z_ro, c_ro, off,
+                                          update_momentum=False)
+            assert torch.equal(mg.cpu().view(torch.int16 if mdt != torch.float32 else torch.int32),
+                               m0.view(torch.int16 if mdt != torch.float32 else torch.int32)), (n, off)
             _C.lion_direction_into_device(g.cuda(), mg, 0.9, 0.1, 0.99, 0.01, sg, zg, counts, off)
+            assert torch.equal(s_ro, sg) and torch.equal(z_ro, zg) and torch.equal(c_ro, counts), (n, off)
             assert torch.equal(mg.cpu().view(torch.int16 if mdt != torch.float32 else torch.int32),
                                m.view(torch.int16 if mdt != torch.float32 else torch.int32)), (n, off)
             assert torch.equal(sg.cpu(), s) and torch.equal(zg.cpu(), z), (n, off)
-            assert int(counts[1]) == int(torch.isnan(c).sum()), (n, off)
+            assert int(counts[1]) == nonfinite, (n, off)
             assert int(counts[0]) == int((c == 0).sum()), (n, off)
             for pdt in (torch.float32, torch.bfloat16, torch.float16):
                 x = (torch.randn(n, generator=gen)).to(pdt)

@@ -70,6 +70,51 @@ def test_a_wrong_kernel_is_caught_and_named(candidate):
         assert not check.ok("cpu")
 
 
+# -- the fused direction's check ----------------------------------------------------
+
+
+def _zero_bits(plane) -> int:
+    return int(sum(bin(b).count("1") for b in plane.tolist()))
+
+
+def _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update):
+    """The CPU fused direction, with the counts the CUDA kernel's interface adds."""
+    before = _zero_bits(zero)
+    counts[1] += _C.lion_direction_into(g, m, b1, omb1, b2, omb2, sign, zero, off, update_momentum=update)
+    counts[0] += _zero_bits(zero) - before
+
+
+def _writes_momentum_always(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update):
+    _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, True)
+
+
+def _counts_nan_only(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update):
+    """Right bits, but Inf directions not counted (they would be applied)."""
+    _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update)
+    c = lion_math_direction(g, m, b1, omb1)
+    counts[1] -= int(torch.isinf(c).sum())
+
+
+def _offset_ignored(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update):
+    _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, 0, update)
+
+
+def lion_math_direction(g, m, b1, omb1):
+    return torch.add(torch.mul(m.float(), torch.tensor(b1, dtype=torch.float32)),
+                     torch.mul(g.float(), torch.tensor(omb1, dtype=torch.float32)))
+
+
+def test_the_direction_check_passes_the_right_kernel_and_names_wrong_ones():
+    assert kernel_choice.check_direction(_right_direction, "cpu") is None
+    for wrong, what in ((_writes_momentum_always, "update_momentum=False: momentum"),
+                        (_counts_nan_only, ": counts"), (_offset_ignored, ": direction bits")):
+        case = kernel_choice.check_direction(wrong, "cpu")
+        assert case is not None and what in case and "n=" in case, (wrong.__name__, case)
+    check = kernel_choice.FirstUseCheck("broken_direction", _offset_ignored, kernel_choice.check_direction)
+    with pytest.warns(RuntimeWarning, match="fused Lion kernel broken_direction on cpu"):
+        assert not check.ok("cpu")
+
+
 def test_the_check_leaves_the_global_random_state_alone():
     torch.manual_seed(5)
     want = torch.rand(3)
