@@ -56,12 +56,26 @@ def timed(step, device, steps):
     return statistics.median(times)
 
 
+def profile_step(step, device):
+    """Prints where one step's host and device time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=float, default=1e9, help="parameters in all (default 1e9)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print torch.profiler's top operators of one DistributedLion step")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -98,6 +112,8 @@ def main(argv=None):
                 leaf.grad = g
             opt = lionbit.DistributedLion(leaves, lr=lr, betas=betas, weight_decay=wd, **kwargs)
             results[label] = timed(opt.step, device, args.steps)
+            if args.profile and label == "DistributedLion (bf16 momentum)":
+                profile_step(opt.step, device)
             del opt, leaves
             if device.type == "cuda":
                 torch.cuda.empty_cache()

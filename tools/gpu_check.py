@@ -164,8 +164,17 @@ def _tail(text, lines=3):
 
 
 def _pytest_summary(text):
+    """pytest's own last line; for a run stopped before it (its time limit),
+    the tally of the -v lines so far and the names of the failures."""
     m = re.findall(r"=+ (.*?(?:passed|failed|skipped|error|no tests ran).*?) in [\d.]+s", text)
-    return m[-1] if m else _tail(text, 1)
+    if m:
+        failed = re.findall(r"^FAILED (\S+)", text, re.M)
+        return m[-1] + (f": {', '.join(f.split('::')[-1] for f in failed)}" if failed else "")
+    results = re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", text, re.M)
+    tally = {k: sum(1 for _, v in results if v == k) for k in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
+    failed = [t.split("::")[-1] for t, v in results if v in ("FAILED", "ERROR")]
+    return (f"stopped at its time limit after {tally['PASSED']} passed, {tally['FAILED'] + tally['ERROR']} failed, "
+            f"{tally['SKIPPED']} skipped" + (f" ({', '.join(failed)})" if failed else ""))
 
 
 def main(argv=None):
@@ -260,18 +269,28 @@ def main(argv=None):
         step.figure = f"{m[-1] if m else '?'} tests, {failed[-1] if failed else 0} failed" + (
             f" (exit {rc})" if rc else "")
 
+    # The two pytest runs go side by side (each about 3 minutes alone on an H100
+    # machine: most of it is rank processes starting CUDA); the second step
+    # reports the run the first one started.
+    pytest_runs = {}
+
     def pytest(choice, limit):
         def fn(step):
             if not gpu:
                 step.figure = no_gpu
                 return
-            cmd = [py, "-m", "pytest", "tests/python/test_cuda.py", "tests/python/test_kernel_sets.py", "-m", "gpu",
-                   "-v", "-ra", "--tb=short", "-p", "no:cacheprovider", "--durations=10"]
-            if subprocess.run([py, "-c", "import pytest_timeout"], capture_output=True).returncode == 0:
-                cmd.append("--timeout=90")  # a hung test fails alone; the step still ends with its summary
-            rc, out = r.run(step, f"pytest-{choice}", cmd, timeout=limit, env={"LIONBIT_KERNELS": choice})
+            if choice not in pytest_runs:
+                jobs = []
+                for c in ("custom", "aten"):
+                    cmd = [py, "-m", "pytest", "tests/python/test_cuda.py", "tests/python/test_kernel_sets.py",
+                           "-m", "gpu", "-v", "-ra", "--tb=short", "-p", "no:cacheprovider", "--durations=10"]
+                    if subprocess.run([py, "-c", "import pytest_timeout"], capture_output=True).returncode == 0:
+                        cmd.append("--timeout=120")  # a hung test fails alone; the run still ends with its summary
+                    jobs.append((f"pytest-{c}", ["env", f"LIONBIT_KERNELS={c}"] + cmd, limit))
+                pytest_runs.update(zip(("custom", "aten"), r.run_together(step, jobs)))
+            rc, out = pytest_runs[choice]
             step.status = "passed" if rc == 0 else "failed"
-            step.figure = _pytest_summary(out)
+            step.figure = _pytest_summary(out) + (" (ran beside pytest-custom)" if choice == "aten" else "")
         return fn
 
     def script_with_json(step, name, cmd, timeout, cpu_note):
@@ -349,8 +368,8 @@ def main(argv=None):
     r.step("build", "extension + C++ GPU targets, one architecture", 60, build)
     r.step("import", "built_with_cuda, kernels", 10, import_)
     r.step("ctest-gpu", "GPU kernels vs CPU kernels", 20, ctest)
-    r.step("pytest-custom", "pytest -m gpu, LIONBIT_KERNELS=custom", 60, pytest("custom", 180))
-    r.step("pytest-aten", "pytest -m gpu, LIONBIT_KERNELS=aten", 60, pytest("aten", 120))
+    r.step("pytest-custom", "pytest -m gpu, LIONBIT_KERNELS=custom and aten side by side", 60, pytest("custom", 270))
+    r.step("pytest-aten", "pytest -m gpu, LIONBIT_KERNELS=aten", 0, pytest("aten", 270))
     r.step("verdicts", "first-use self-check, every custom kernel", 10, verdicts)
     r.step("bench-kernels", "kernels vs D2D copy, 16M / 256M", 20, bench_kernels)
     r.step("lion-step", "DistributedLion vs torch Lion, 1B bf16", 30, lion_step)
