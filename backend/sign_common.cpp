@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "backend/sign_errors.hpp"
 #include "signbits/levels.h"
 
 namespace lionbit {
@@ -128,8 +129,18 @@ bits::HeaderSummary exchange_headers(const SignCall& call, const bits::WireHeade
 
 bits::HeaderSummary header_round(const SignCall& call, const bits::WireHeader& mine) {
   bits::HeaderSummary hs = exchange_headers(call, mine);
-  TORCH_CHECK_VALUE(hs.error.empty(), where(call), hs.error);
-  return hs;
+  if (hs.error.empty()) {
+    return hs;
+  }
+  const std::string msg = c10::str(where(call), hs.error);
+  switch (hs.verdict) {
+    case bits::HeaderVerdict::kNonFinite:
+      throw NonFiniteInputError(hs.ranks, msg);
+    case bits::HeaderVerdict::kRejected:
+      throw PeerRejectedError(hs.ranks, msg);
+    default:
+      TORCH_CHECK_VALUE(false, msg);
+  }
 }
 
 void reject_round(const SignCall& call) {

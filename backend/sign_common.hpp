@@ -130,7 +130,8 @@ uint32_t header_flags(const SignCall& call, uint64_t zero_capacity, uint64_t nan
 
 // All-gathers every rank's header over c.comm (CPU) and checks them all;
 // raises the call's error on every rank when they disagree (or a rank
-// rejected its input, or holds a NaN).
+// rejected its input: PeerRejectedError, or holds a NaN:
+// NonFiniteInputError; backend/sign_errors.hpp).
 bits::HeaderSummary header_round(const SignCall& call, const bits::WireHeader& mine);
 
 // The header round alone, announcing that this rank rejected call #seq (its

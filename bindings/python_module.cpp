@@ -7,6 +7,7 @@
 #include "signbits/isa.h"
 #include "bindings/kernel_bindings.hpp"
 #include "backend/lionbit_backend.hpp"
+#include "backend/sign_errors.hpp"
 #ifdef LIONBIT_WITH_CUDA
 #include "bindings/kernel_bindings_cuda.hpp"
 #endif
@@ -51,6 +52,29 @@ class ReleasedWithoutGil {
   c10::intrusive_ptr<T> ptr_;
 };
 
+// Raises lionbit.errors.<name>(message, ranks) (a ValueError with .ranks).
+void raise_ranks_error(const char* name, const RanksError& e) {
+  const py::object cls = py::module_::import("lionbit.errors").attr(name);
+  const py::object err = cls(e.what_without_backtrace(), e.ranks());
+  PyErr_SetObject(cls.ptr(), err.ptr());
+}
+
+// The typed outcomes of backend/sign_errors.hpp as Python exceptions, wherever
+// they surface: a Work's or a Future's wait(), or a direct call. Registered
+// after torch's translators (this module imports torch first), so it sees
+// them before torch turns every c10::ValueError into a plain ValueError.
+void translate_outcomes(std::exception_ptr p) {
+  try {
+    if (p) {
+      std::rethrow_exception(p);
+    }
+  } catch (const NonFiniteInputError& e) {
+    raise_ranks_error("NonFiniteInput", e);
+  } catch (const PeerRejectedError& e) {
+    raise_ranks_error("PeerRejected", e);
+  }
+}
+
 } // namespace
 } // namespace lionbit
 
@@ -61,6 +85,7 @@ PYBIND11_MODULE(_C, m) {
   // c10d::Backend and c10d::Work are registered by torch; make sure they are
   // before this module derives from them.
   py::module_::import("torch.distributed");
+  py::register_exception_translator(&lionbit::translate_outcomes);
 
   py::class_<
       lionbit::LionBitBackend, c10d::Backend, lionbit::ReleasedWithoutGil<lionbit::LionBitBackend>>(

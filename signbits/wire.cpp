@@ -122,13 +122,15 @@ std::string dtype_text(uint8_t v) {
 class Checks {
  public:
   explicit Checks(HeaderSummary& s) : s_(s) {}
-  // True (and the message kept) when `bad` and no earlier check failed.
+  // True (and the message kept) when `bad` and no earlier check failed. The
+  // verdict is kFault unless the caller names a typed one.
   template <typename... Parts>
   bool fail(bool bad, const Parts&... parts) {
     if (bad && s_.error.empty()) {
       std::ostringstream os;
       (os << ... << parts);
       s_.error = os.str();
+      s_.verdict = HeaderVerdict::kFault;
     }
     return !s_.error.empty();
   }
@@ -201,6 +203,8 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
   if (check.fail(
           !rejected.empty(), "rank(s) ", ranks_list(rejected),
           " rejected their input to this call (their own error says why)")) {
+    s.verdict = HeaderVerdict::kRejected;
+    s.ranks = rejected;
     return s;
   }
   // 3. Same call on every rank: order, collective, device, op, dtype, size,
@@ -249,6 +253,8 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
   if (check.fail(
           !nan_ranks.empty(), "input contains NaN on rank(s) ", ranks_list(nan_ranks),
           "; the sign of NaN is undefined")) {
+    s.verdict = HeaderVerdict::kNonFinite;
+    s.ranks = nan_ranks;
     return s;
   }
   // 5. Zero capacities: consistent with the flag, at most a shard's size.

@@ -104,8 +104,19 @@ WireHeader make_header(
 constexpr uint64_t kMaxNumel = 1ull << 48;
 
 // What the header round tells every rank, once every header has been checked.
+// What a failed header round means, for the code that acts on it (the
+// message in HeaderSummary::error is for people). Values are not on the wire.
+enum class HeaderVerdict : uint8_t {
+  kAgree = 0, // no error
+  kFault, // a corrupt header, or ranks that disagree on the call: a bug or a mismatch
+  kRejected, // ranks that rejected their own arguments (they raised there); `ranks` names them
+  kNonFinite, // NaN (a Lion direction: NaN or +-Inf) on the ranks `ranks`
+};
+
 struct HeaderSummary {
   std::string error; // empty: all headers agree and are well formed
+  HeaderVerdict verdict = HeaderVerdict::kAgree;
+  std::vector<int> ranks; // kRejected, kNonFinite: the ranks it names
   std::vector<uint64_t> zero_capacity; // per rank (0: it sends no zeros)
   bool any_zero = false;
   bool inline_ties = false; // every rank set kTieHint

@@ -52,6 +52,7 @@ from ._backend import (  # noqa: E402
     reset_stats,
     stats,
 )
+from .errors import NonFiniteInput, PeerRejected  # noqa: E402
 from .fsdp import reduce_scatter_sign  # noqa: E402
 from .hierarchy import HIERARCHIES  # noqa: E402
 from .kernel_choice import kernels  # noqa: E402
@@ -81,6 +82,8 @@ __all__ = [
     "detect_topology",
     "check_topology",
     "HIERARCHIES",
+    "NonFiniteInput",
+    "PeerRejected",
     "built_with_cuda",
     "torch_version_built_against",
     "__version__",

@@ -54,6 +54,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import join, lion_math, step_vote
 from ._backend import backend_for
 from .attachment import HOOKED_DDP_MODELS, Attachment
+from .errors import PeerRejected
 
 log = logging.getLogger("lionbit")
 
@@ -250,9 +251,8 @@ class DDPAttachment(Attachment):
             return step_vote.voted_step(
                 self.opt, grad_scaler, lambda: self.vote_step(scaled, abstain), self.group, abstain
             )
-        except (RuntimeError, ValueError) as err:
-            if "rejected their input" not in str(err):
-                raise
+        except PeerRejected as err:
+            # The user's error (a RuntimeError, as DDP's own join errors) names the fix.
             raise RuntimeError(
                 f"{err}. If that rank ran out of data under DDP's model.join() or Join([model]) without the "
                 f"optimizer (its own error says so): use {_JOIN_FIX}"
@@ -281,9 +281,10 @@ class DDPAttachment(Attachment):
             if refused:
                 # Their hooks' calls were rejected: the votes fail with the backend's error, naming them.
                 err = _drain(started)
-                raise err or RuntimeError(
+                raise err or PeerRejected(
                     f"{_WHERE} on rank {dist.get_rank(self.group)}: rank(s) {refused} rejected their input to this "
-                    f"call"
+                    f"call",
+                    refused,
                 )
             if not changed:
                 if bad_ranks:

@@ -204,7 +204,7 @@ def _has_prepare_hook(param_group) -> bool:
 
 
 def _foreach_reduce_module():
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group  # optional: torch 2.11's internals only
 
     return _fsdp_param_group
 
@@ -220,7 +220,7 @@ def _install_layout_spy() -> None:
         raise _unsupported("_fsdp_param_group.foreach_reduce")
     if getattr(original, "_lionbit_spy", False):
         return
-    from torch.distributed.fsdp._fully_shard._fsdp_common import _get_dim0_padded_size
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _get_dim0_padded_size  # optional: torch 2.11 only
 
     def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
                        reduce_scatter_comm, *args, **kwargs):

@@ -9,7 +9,6 @@ backward) and by FSDP1 ``NO_SHARD``.
 """
 
 import logging
-import re
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from . import lion_math
+from .errors import NonFiniteInput
 
 log = logging.getLogger("lionbit")
 
@@ -24,9 +24,6 @@ log = logging.getLogger("lionbit")
 # round, the all-to-all's set-up) are small against its bytes, small enough
 # that a model has several chunks to pipeline.
 CHUNK_ELEMENTS = 1 << 22
-
-_NONFINITE = re.compile(r"contains NaN on rank\(s\) \[([0-9, ]*)\]")
-
 
 class NonFinite(Exception):
     """A direction was NaN or infinite on the given ranks; no state changed."""
@@ -37,12 +34,9 @@ class NonFinite(Exception):
 
 
 def nonfinite_ranks(err: BaseException) -> Optional[List[int]]:
-    """The ranks a vote's header round named as holding NaN/Inf input, or
-    None if ``err`` is another error."""
-    m = _NONFINITE.search(str(err))
-    if m is None:
-        return None
-    return [int(r) for r in m.group(1).split(",") if r.strip()]
+    """The ranks a vote's header round named as holding NaN/Inf input
+    (:class:`lionbit.NonFiniteInput`), or None if ``err`` is another error."""
+    return list(err.ranks) if isinstance(err, NonFiniteInput) else None
 
 
 class Entry:

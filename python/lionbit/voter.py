@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from . import lion_math
 from ._backend import backend_for
+from .errors import NonFiniteInput
 
 
 class Voter:
@@ -69,8 +70,8 @@ class Voter:
         if group is None and not dist.is_initialized():
             fut = torch.futures.Future(devices=[out.device] if out.is_cuda else None)
             if nans:
-                # The same words as the header round's, so that callers treat both alike.
-                fut.set_exception(ValueError(f"DistributedLion.{where}: input contains NaN on rank(s) [0]"))
+                # What the header round raises, so that callers treat both alike.
+                fut.set_exception(NonFiniteInput(f"DistributedLion.{where}: input contains NaN on rank(s) [0]", [0]))
                 return fut
             out.copy_(lion_math.local_vote(sign, zero, numel, self.bits))
             fut.set_result([out])

@@ -164,10 +164,24 @@ TEST(Wire, NanAndRejectionAreReportedOnEveryRank) {
   for (int me = 0; me < 5; ++me) {
     const auto s = check_headers(h.data(), 5, h[static_cast<size_t>(me)]);
     EXPECT_NE(s.error.find("NaN on rank(s) [1, 4]"), std::string::npos) << s.error;
+    EXPECT_EQ(s.verdict, HeaderVerdict::kNonFinite);
+    EXPECT_EQ(s.ranks, (std::vector<int>{1, 4}));
   }
-  h[2].flags |= kRejected;
+  h[2].flags |= kRejected; // a rejection comes before the NaN
   const auto s = check_headers(h.data(), 5, h[0]);
   EXPECT_NE(s.error.find("rank(s) [2] rejected"), std::string::npos) << s.error;
+  EXPECT_EQ(s.verdict, HeaderVerdict::kRejected);
+  EXPECT_EQ(s.ranks, (std::vector<int>{2}));
+}
+
+TEST(Wire, OtherFailuresAreFaultsNamingNoRanks) {
+  auto h = agreeing(3);
+  EXPECT_EQ(check_headers(h.data(), 3, h[0]).verdict, HeaderVerdict::kAgree);
+  h[2].numel = 7;
+  h[1].flags |= kHasNan; // the mismatch is found first
+  const auto s = check_headers(h.data(), 3, h[0]);
+  EXPECT_EQ(s.verdict, HeaderVerdict::kFault);
+  EXPECT_TRUE(s.ranks.empty());
 }
 
 TEST(Wire, ReduceScatterAndAllReduceAtTheSameCallDisagree) {

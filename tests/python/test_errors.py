@@ -12,12 +12,16 @@ import torch.distributed as dist
 from harness import run_ranks, values
 
 
-def _expect_error(fn, pattern, exc=Exception):
+def _expect_error(fn, pattern, exc=Exception, ranks=None):
+    """fn() raises exc with a message matching pattern (and, with ``ranks``,
+    the typed outcome's .ranks equal to it)."""
     try:
         fn()
     except exc as err:  # noqa: PERF203
         msg = str(err)
         assert re.search(pattern, msg), f"error {msg!r} does not match {pattern!r}"
+        if ranks is not None:
+            assert err.ranks == ranks, (type(err), err.ranks, ranks)
         return msg
     raise AssertionError(f"no error raised; expected {pattern!r}")
 
@@ -41,7 +45,7 @@ def check_bad_input(rank, n):
     if rank == 1:
         x[17] = float("nan")
     seen["nan"] = _expect_error(lambda: lionbit.all_reduce_sign(x, "vote"),
-                                me + r"input contains NaN on rank\(s\) \[1\]")
+                                me + r"input contains NaN on rank\(s\) \[1\]", lionbit.NonFiniteInput, [1])
     _good_call_still_works(rank, n)
 
     # ... also through the async path, on a bfloat16 tensor.
@@ -49,7 +53,9 @@ def check_bad_input(rank, n):
     if rank == n - 1:
         y[3] = float("nan")
     work = lionbit.all_reduce_sign(y, "avg", async_op=True)
-    _expect_error(work.wait, r"NaN on rank\(s\) \[%d\]" % (n - 1))
+    _expect_error(work.wait, r"NaN on rank\(s\) \[%d\]" % (n - 1), lionbit.NonFiniteInput, [n - 1])
+    fut = lionbit.all_reduce_sign(y, "avg", async_op=True).get_future()  # ... and through its Future
+    _expect_error(fut.wait, r"NaN on rank\(s\) \[%d\]" % (n - 1), lionbit.NonFiniteInput, [n - 1])
     assert work.is_completed() and not work.is_success()
     _good_call_still_works(rank, n)
 
@@ -85,7 +91,7 @@ def check_bad_input(rank, n):
         _expect_error(lambda: lionbit.all_reduce_sign(x), me + r"argument 'tensor' has dtype ComplexFloat", ValueError)
     else:
         seen["peer_rejected"] = _expect_error(lambda: lionbit.all_reduce_sign(x),
-                                              me + r"rank\(s\) \[1\] rejected their input")
+                                              me + r"rank\(s\) \[1\] rejected their input", lionbit.PeerRejected, [1])
     assert time.monotonic() - start < 10
     _good_call_still_works(rank, n)
 
@@ -113,6 +119,18 @@ def check_bad_input(rank, n):
     lionbit.all_reduce_sign(z, "sum")
     assert torch.equal(z, torch.zeros(10, dtype=torch.int8))
     return sorted(seen)
+
+
+def test_typed_outcomes_are_value_errors_that_pickle():
+    import pickle
+
+    import lionbit
+
+    for cls in (lionbit.NonFiniteInput, lionbit.PeerRejected):
+        err = cls("lionbit all_reduce_sign(op=vote) on rank 0: ...", [3, 1, 3])
+        assert isinstance(err, ValueError) and err.ranks == [1, 3]
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is cls and back.ranks == [1, 3] and str(back) == str(err)
 
 
 def test_bad_input_gives_clear_errors_on_every_rank():
