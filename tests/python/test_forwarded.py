@@ -8,6 +8,11 @@ import torch.distributed as dist
 
 from harness import run_ranks, values
 
+# torch <= 2.11 (the GPU machine's): monitored_barrier refuses every backend not
+# named "gloo" (later versions ask the group's backend), and Gloo has no list
+# all_to_all.
+_TORCH_2_11 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) <= (2, 11)
+
 
 def _data(rank, shape, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed * 100 + rank)
@@ -153,7 +158,12 @@ def _collectives(rank, n):
 
     def barrier(group, pg):
         dist.barrier(group=group)
-        dist.monitored_barrier(group=group, wait_all_ranks=True)
+        if _TORCH_2_11 and dist.get_backend(group) != "gloo":
+            # torch <= 2.11 refuses it by the backend's name, before any backend sees it.
+            with pytest.raises(ValueError, match="only implemented for GLOO"):
+                dist.monitored_barrier(group=group, wait_all_ranks=True)
+        else:
+            dist.monitored_barrier(group=group, wait_all_ranks=True)
         return [torch.ones(1)]
 
     def objects(group, pg):
@@ -201,7 +211,10 @@ def check_forwarded(rank, n):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
 def test_every_collective_equals_gloo(world_size):
     reports = values(run_ranks("test_forwarded:check_forwarded", world_size))
-    # Every collective ran (none was skipped by an error on both sides).
+    # Every collective ran (none was skipped by an error on both sides), but where
+    # torch 2.11's Gloo itself lacks one (list all_to_all: gloo raises as lionbit does).
     failed = {k: v for k, v in reports[0].items() if v != "ok"}
+    if _TORCH_2_11 and "gloo does not support alltoall" in failed.get("all_to_all", ""):
+        del failed["all_to_all"]
     assert not failed, failed
     assert len(reports[0]) == 20
