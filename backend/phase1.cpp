@@ -19,7 +19,8 @@ Phase1 send_shards(
     const bits::HeaderSummary& hs,
     const at::Tensor& sign,
     const at::Tensor& zero,
-    size_t sw) {
+    size_t sw,
+    bool exchange) {
   const SignComm& c = call.c;
   const int N = c.world_size;
   const int64_t sb = static_cast<int64_t>(sw * 8);
@@ -44,6 +45,11 @@ Phase1 send_shards(
   for (int j = 0; j < N; ++j) {
     p.recv_splits[j] = sb +
         static_cast<int64_t>(bits::zero_encoding_bytes(hs.zero_capacity[j], sw));
+    if (exchange) { // all N shards to the other rank, nothing to this one
+      TORCH_CHECK(N == 2, where(call), "internal: the exchange is for two ranks");
+      p.recv_splits[j] = j == c.rank ? 0 : N * p.recv_splits[j];
+      send_splits[j] = j == c.rank ? 0 : N * (sb + my_zbytes);
+    }
     recv_total += p.recv_splits[j];
     if (j != c.rank) {
       c.stats->bytes_sent += static_cast<uint64_t>(send_splits[j]);
@@ -87,6 +93,42 @@ std::vector<PlaneIn> receive_shards(
       in[j].zero = plane;
     }
     q += p.recv_splits[j];
+  }
+  return in;
+}
+
+std::vector<PlaneIn> exchanged_shard(
+    const SignCall& call,
+    const bits::HeaderSummary& hs,
+    Phase1& p,
+    const at::Tensor& sign,
+    const at::Tensor& zero,
+    int shard,
+    at::Tensor& scratch) {
+  const SignComm& c = call.c;
+  const int64_t sb = static_cast<int64_t>(p.sw * 8);
+  const int other = 1 - c.rank;
+  ScopedTimer t(c.stats->vote_ns, "lionbit::count");
+  std::vector<PlaneIn> in(2);
+  in[c.rank].sign = sign.narrow(0, shard * sb, sb);
+  if (hs.zero_capacity[c.rank] > 0) {
+    in[c.rank].zero = zero.narrow(0, shard * sb, sb);
+  }
+  const uint64_t cap = hs.zero_capacity[other];
+  const int64_t block = p.recv_splits[other] / 2; // [sign_k | zeros_k] per shard k
+  const at::Tensor mine = p.recv.narrow(0, shard * block, block);
+  in[other].sign = mine.narrow(0, 0, sb);
+  if (cap > 0 && !bits::zeros_as_list(cap, p.sw)) {
+    in[other].zero = mine.narrow(0, sb, sb);
+  } else if (cap > 0) {
+    if (!scratch.defined()) {
+      scratch = call.bytes(static_cast<size_t>(2 * sb));
+    }
+    at::Tensor plane = scratch.narrow(0, shard * sb, sb);
+    TORCH_CHECK_VALUE(
+        call.k->decode_zeros(mine.narrow(0, sb, block - sb), cap, plane), where(call), "rank ",
+        other, " sent a corrupt list of zero positions in the exchange");
+    in[other].zero = plane;
   }
   return in;
 }

@@ -33,12 +33,16 @@ struct Phase1 {
 // Encodes this rank's shards (its zero capacity is hs.zero_capacity[rank])
 // and issues the all-to-all; counts its bytes. `sign` and `zero` hold
 // N * sw words each (`zero` is not read when this rank holds no zero).
+// `exchange` (two ranks only): every shard goes to the other rank, none to
+// this one, so that each rank holds both ranks' whole planes (the exchange
+// of the two-party vote: each rank then votes every shard itself).
 Phase1 send_shards(
     const SignCall& call,
     const bits::HeaderSummary& hs,
     const at::Tensor& sign,
     const at::Tensor& zero,
-    size_t sw);
+    size_t sw,
+    bool exchange = false);
 
 // Waits for the exchange (a failure raises naming the step).
 void wait_shards(const SignCall& call, Phase1& p);
@@ -50,6 +54,19 @@ std::vector<PlaneIn> receive_shards(
     const SignCall& call,
     const bits::HeaderSummary& hs,
     Phase1& p,
+    at::Tensor& scratch);
+
+// After wait_shards of an exchange: both ranks' contributions to shard
+// `shard`, exactly what its owner would have received in phase 1 (this
+// rank's from its own `sign` and `zero` planes, the other's decoded from the
+// exchange; `scratch` holds decoded zero lists, one plane per shard).
+std::vector<PlaneIn> exchanged_shard(
+    const SignCall& call,
+    const bits::HeaderSummary& hs,
+    Phase1& p,
+    const at::Tensor& sign,
+    const at::Tensor& zero,
+    int shard,
     at::Tensor& scratch);
 
 } // namespace lionbit

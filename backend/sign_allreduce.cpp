@@ -36,6 +36,7 @@ struct Chunk {
   Phase2 fmt{};
   size_t msg = 0; // bytes each rank contributes to the all-gather
   at::Tensor mine_msg, mine_zero, gathered, tie_planes;
+  at::Tensor local_ties; // the exchange: every shard's plane of zeros (kVoteSigns)
   Inflight ag;
 };
 
@@ -104,7 +105,7 @@ class Run {
       }
     }
     finish(chunks_.size() - 1);
-    if (votes_ && c_.tie_hint != nullptr) {
+    if (votes_ && c_.tie_hint != nullptr && !exchange_) {
       // Same answer on every rank: every rank saw every shard's tie count.
       c_.tie_hint->store(dense_ties_);
     }
@@ -204,7 +205,12 @@ class Run {
     const auto mine = bits::make_header(
         op_, dtype_, c_.rank, flags, call_.seq, n_, zero_cap_, chunk_elems_, rule_);
     hs_ = header_round(call_, mine);
-    inline_ties_ = votes_ && hs_.inline_ties;
+    // Two ranks: each sends the other its whole planes and votes every shard
+    // itself (the same encoders and decoders as the two phases, run locally):
+    // the 1-bit figure's bytes, no second round. Every rank decides alike.
+    // No phase 2 moves, so ties never ride inline (nor set the hint).
+    exchange_ = N_ == 2 && levels_ == nullptr && (flags & bits::kTwoPhase) == 0;
+    inline_ties_ = votes_ && hs_.inline_ties && !exchange_;
     c_.stats->sign_allreduce_calls += 1;
     c_.stats->elements += n_;
   }
@@ -214,7 +220,7 @@ class Run {
     Chunk& ch = chunks_[idx];
     // Levels: a shard is p planes of sw words, and no rank sends zeros.
     const size_t block = levels_ != nullptr ? static_cast<size_t>(levels_->bits) * ch.sw : ch.sw;
-    ch.p1 = send_shards(call_, hs_, ch.sign_plane, ch.zero_plane, block);
+    ch.p1 = send_shards(call_, hs_, ch.sign_plane, ch.zero_plane, block, exchange_);
     trace_.mark("a2a_issued", static_cast<int64_t>(idx));
   }
 
@@ -222,6 +228,11 @@ class Run {
   // all-gather of every shard's result.
   void count_and_issue_phase2(size_t idx) {
     Chunk& ch = chunks_[idx];
+    if (exchange_) {
+      vote_every_shard(ch);
+      trace_.mark("counted", static_cast<int64_t>(idx));
+      return;
+    }
     const std::vector<PlaneIn> in = receive_shards(call_, hs_, ch.p1, ch.decoded);
     ch.fmt = Phase2::choose(op_, rule_, N_, ch.sw, inline_ties_, hs_.zero_capacity);
     {
@@ -246,11 +257,44 @@ class Run {
     ch.ag = issue_allgather(call_, call_.bytes(ch.msg * N_), ch.mine_msg);
   }
 
+  // The exchange: after it every rank holds both ranks' planes and writes
+  // every shard's phase-2 message (and, for kVoteSigns, its plane of zeros)
+  // itself, as the shard's owner would have: `gathered` then holds what the
+  // all-gather would have brought, and `tie_planes` the zeros a tie round
+  // would have fetched.
+  void vote_every_shard(Chunk& ch) {
+    ch.fmt = Phase2::choose(op_, rule_, N_, ch.sw, inline_ties_, hs_.zero_capacity);
+    ScopedTimer t(c_.stats->vote_ns, "lionbit::count");
+    ch.msg = ch.fmt.message_bytes();
+    ch.gathered = call_.bytes(ch.msg * N_);
+    if (ch.fmt.format == Phase2Format::kVoteSigns) {
+      ch.local_ties = call_.bytes(ch.sb * N_);
+    }
+    if (ch.fmt.format == Phase2Format::kVoteTrits) {
+      c_.stats->inline_tie_chunks += 1;
+    }
+    for (int k = 0; k < N_; ++k) {
+      const std::vector<PlaneIn> in = exchanged_shard(
+          call_, hs_, ch.p1, ch.sign_plane, ch.zero_plane, k, ch.decoded);
+      at::Tensor msg = ch.gathered.narrow(0, k * static_cast<int64_t>(ch.msg), ch.msg);
+      at::Tensor ties = ch.local_ties.defined()
+          ? ch.local_ties.narrow(0, k * static_cast<int64_t>(ch.sb), ch.sb)
+          : at::Tensor();
+      const uint64_t first_word = ch.begin / bits::kWordBits + static_cast<uint64_t>(k) * ch.sw;
+      const std::string error = ch.fmt.encode(*call_.k, in, first_word, msg, ties);
+      TORCH_CHECK(error.empty(), where(call_), error);
+    }
+    ch.p1 = Phase1();
+    ch.decoded = at::Tensor();
+  }
+
   // Waits for the chunk's all-gather (and, for a vote with ties, fetches the
   // tie positions), then unpacks every shard into the buffer.
   void finish(size_t idx) {
     Chunk& ch = chunks_[idx];
-    ch.gathered = wait_data(call_, "all-gather of shard results (phase 2)", ch.ag);
+    if (!exchange_) {
+      ch.gathered = wait_data(call_, "all-gather of shard results (phase 2)", ch.ag);
+    }
     trace_.mark("ag_done", static_cast<int64_t>(idx));
     uint64_t tie_cap = 0;
     if (ch.fmt.counts_ties()) {
@@ -266,7 +310,11 @@ class Run {
       // inline next time (kTieHint).
       dense_ties_ = dense_ties_ || (tie_cap > 0 && !bits::zeros_as_list(tie_cap, ch.sw));
       if (tie_cap > 0 && ch.fmt.format == Phase2Format::kVoteSigns) {
-        fetch_ties(ch, tie_cap);
+        if (exchange_) {
+          ch.tie_planes = ch.local_ties; // every shard's zeros are here already
+        } else {
+          fetch_ties(ch, tie_cap);
+        }
         trace_.mark("ties_done", static_cast<int64_t>(idx));
       }
     }
@@ -336,6 +384,7 @@ class Run {
   uint64_t chunk_elems_ = 0;
   uint64_t nans_ = 0;
   bool inline_ties_ = false; // vote: phase-2 messages carry the ties (kVoteTrits)
+  bool exchange_ = false; // two ranks: the planes exchanged, every shard voted here
   bool dense_ties_ = false; // vote: some chunk's ties were cheapest as a plane
   uint64_t zero_cap_ = 0;
   std::vector<Chunk> chunks_;

@@ -109,9 +109,18 @@ at::Tensor wait_data(const SignCall& call, const char* step, Inflight& f) {
   return f.out;
 }
 
+bool two_rank_exchange_allowed() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("LIONBIT_SIGN_EXCHANGE");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return allowed;
+}
+
 uint32_t header_flags(const SignCall& call, uint64_t zero_capacity, uint64_t nans) {
   return (zero_capacity > 0 ? bits::kHasZero : 0u) | (nans > 0 ? bits::kHasNan : 0u) |
-      (call.device.is_cpu() ? 0u : bits::kDevice);
+      (call.device.is_cpu() ? 0u : bits::kDevice) |
+      (two_rank_exchange_allowed() ? 0u : bits::kTwoPhase);
 }
 
 namespace {

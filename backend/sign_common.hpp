@@ -125,7 +125,8 @@ std::vector<double> count_code_values(bits::SignOp op, int N, bool with_zeros, i
 
 // The header flags every call sets from what this rank holds (its zeros,
 // NaNs and device: a call whose ranks hold tensors on different device types
-// fails on every rank, bits::kDevice).
+// fails on every rank, bits::kDevice) and from LIONBIT_SIGN_EXCHANGE=0
+// (bits::kTwoPhase: no two-rank exchange, read once per process).
 uint32_t header_flags(const SignCall& call, uint64_t zero_capacity, uint64_t nans);
 
 // All-gathers every rank's header over c.comm (CPU) and checks them all;

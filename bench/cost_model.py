@@ -287,6 +287,9 @@ def lionbit_terms(op: str, n: int, d: int, link: Link, cpu: Cpu, tie_fraction: f
       kernels        pack 4 d bytes, vote/count the own shard of every chunk with N inputs
                      (avg's count_code: the vote kernel's rate, not measured alone), unpack
                      4 d bytes
+      N = 2          one exchange of each rank's whole packed chunk instead of the two
+                     phases (1 step, 2 sb bytes; a zero plane only where the input has
+                     zeros, never ties), and both shards voted here
 
     log_allgather: a what-if (not built): the all-gathers by recursive doubling,
     ceil(log2 N) steps instead of N - 1, the same bytes."""
@@ -306,6 +309,11 @@ def lionbit_terms(op: str, n: int, d: int, link: Link, cpu: Cpu, tie_fraction: f
         sb = sw * 8
         per = sb                                       # phase 1
         csteps = 1 + ag_steps
+        if n == 2:                                     # the exchange: the other shard's planes too
+            nbytes += mult * 2 * sb
+            steps += mult
+            vote_s += mult * 2 * cpu.k.vote_s(sw * WORD_BITS, n)
+            continue
         if op == "vote":
             ties = math.ceil(tie_fraction * sw * WORD_BITS)   # ties in a shard (the mean, as its cap)
             tb = zero_encoding_bytes(ties, sw) if ties > 0 else 0

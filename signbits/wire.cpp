@@ -177,7 +177,7 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
   HeaderSummary s;
   Checks check(s);
   constexpr uint32_t kKnownFlags = kHasZero | kHasNan | kRejected | kReduceScatter | kDevice |
-      kTieHint | kHierExact | kHierNodeVote;
+      kTieHint | kHierExact | kHierNodeVote | kTwoPhase;
   // 1. Well-formed: magic, version, rank field, known enums, sane size.
   for (int r = 0; r < world_size; ++r) {
     const WireHeader& h = headers[r];
@@ -223,6 +223,11 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
             (h.flags & (kHierExact | kHierNodeVote)) != (mine.flags & (kHierExact | kHierNodeVote)),
             "the hierarchy differs across ranks at call #", mine.seq, ": rank ", me, " uses ",
             hierarchy_text(mine.flags), ", rank ", r, " uses ", hierarchy_text(h.flags)) ||
+        check.fail(
+            (h.flags & kTwoPhase) != (mine.flags & kTwoPhase),
+            "LIONBIT_SIGN_EXCHANGE differs across ranks: rank ", me, " ",
+            (mine.flags & kTwoPhase) ? "runs two phases" : "exchanges", ", rank ", r, " ",
+            (h.flags & kTwoPhase) ? "runs two phases" : "exchanges") ||
         check.fail(
             (h.flags & kDevice) != (mine.flags & kDevice),
             "tensor device type differs across ranks: rank ", me, " has a ",

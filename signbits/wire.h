@@ -33,8 +33,10 @@ constexpr uint32_t kWireMagic = 0x3153424cu; // "LBS1"
 // levels' bits in the header (64 bytes). 8: a vote's phase 2 carries the
 // result's zeros under every tie rule (elements every rank voted 0 for stay
 // 0, ties.h); the sign-plane-only format of version 7 is gone. 9: the
-// hierarchy flags (kHierExact, kHierNodeVote).
-constexpr uint16_t kWireVersion = 9;
+// hierarchy flags (kHierExact, kHierNodeVote). 10: at two ranks an
+// all-reduce exchanges the ranks' whole planes (each rank votes every shard
+// itself) unless kTwoPhase.
+constexpr uint16_t kWireVersion = 10;
 
 enum WireFlags : uint32_t {
   kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane
@@ -54,6 +56,9 @@ enum WireFlags : uint32_t {
   // rank must agree; neither flag: flat.
   kHierExact = 1u << 6,
   kHierNodeVote = 1u << 7,
+  // Two ranks: run the two phases, not the exchange (LIONBIT_SIGN_EXCHANGE=0;
+  // the same result bit for bit, more bytes). Every rank must agree.
+  kTwoPhase = 1u << 8,
 };
 
 // 64 bytes, little-endian (x86-64 and aarch64 both are).

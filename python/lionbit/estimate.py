@@ -232,10 +232,20 @@ def lionbit_kernel_bytes(d: float) -> float:
 
 
 def flat_vote(d: float, c: Cluster, k: Kernels | None = None) -> Estimate:
-    """lionbit's vote over all N ranks: all-to-all of packed shards, ring all-gather of the votes."""
+    """lionbit's vote over all N ranks: all-to-all of packed shards, ring all-gather of the votes;
+    at N = 2 one exchange of the packed signs, each rank voting every shard itself."""
     n, m, lpn = c.ranks, c.nodes, c.gpus_per_node
     shard = d / 8 / n
     flat_inter = m > 1  # a flat collective's every step waits for the inter-node hop
+    if n == 2:
+        swap = Phase(
+            "exchange of the packed signs",
+            inter_bytes=d / 8 if flat_inter else 0.0,
+            intra_bytes=0.0 if flat_inter else d / 8,
+            inter_steps=1 if flat_inter else 0,
+            intra_steps=0 if flat_inter else 1,
+        )
+        return combine("flat_vote", c, [swap], lionbit_kernel_bytes(d), 2 * d / 8, k)
     a2a = Phase(
         "all-to-all of the packed signs",
         inter_bytes=lpn * (n - lpn) * shard,  # the node's L ranks, each to the N - L ranks elsewhere

@@ -52,13 +52,15 @@ bool acceptable(const std::vector<WireHeader>& h, int n, const WireHeader& mine)
       return false;
     if (x.flags &
         ~(kHasZero | kHasNan | kRejected | kReduceScatter | kDevice | kTieHint | kHierExact |
-          kHierNodeVote))
+          kHierNodeVote | kTwoPhase))
       return false;
     // One hierarchy at most.
     if ((x.flags & kHierExact) && (x.flags & kHierNodeVote)) return false;
     if (x.flags & (kRejected | kHasNan)) return false;
-    // The kind of collective, the tensor's device type and the hierarchy must match this rank's.
-    if ((x.flags ^ mine.flags) & (kReduceScatter | kDevice | kHierExact | kHierNodeVote))
+    // The kind of collective, the tensor's device type, the hierarchy and the
+    // two-rank exchange setting must match this rank's.
+    if ((x.flags ^ mine.flags) &
+        (kReduceScatter | kDevice | kHierExact | kHierNodeVote | kTwoPhase))
       return false;
     if (x.seq != mine.seq || x.op != mine.op || x.dtype != mine.dtype || x.numel != mine.numel ||
         x.chunk_elems != mine.chunk_elems || x.numel > kMaxNumel)

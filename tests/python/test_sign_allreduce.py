@@ -369,3 +369,87 @@ def test_inline_ties_in_base_3_are_exact_on_every_dtype(world_size):
     # Chunks of one 64N block: many chunks, short last shards.
     assert all(values(run_ranks("test_sign_allreduce:inline_ties_every_dtype", world_size,
                                 env={"LIONBIT_CHUNK_ELEMS": str(64 * world_size * 4)})))
+
+
+# -- two ranks: the exchange ---------------------------------------------------------
+# At N = 2 each rank sends the other its whole planes and votes every shard itself
+# (LIONBIT_SIGN_EXCHANGE=0: the two phases). The same bits either way, the 1-bit
+# figure's bytes with the exchange.
+
+EXCHANGE_SIZES = [1, 63, 64, 65, 127, 129, 1000, 4095, 4096 + 65, 3 * 4096 + 1]  # chunks of 4096
+
+
+def _two_rank_input(rank, numel, dtype, zeros, seed):
+    """Independent signs (half the elements tie at N = 2); zeros none, sparse
+    (3 a rank, some on both ranks) or dense (30 %)."""
+    g = torch.Generator().manual_seed(seed * 31 + rank)
+    x = torch.randn(numel, generator=g, dtype=torch.float64)
+    x[x == 0] = 1.0
+    if zeros == "sparse":
+        both = torch.Generator().manual_seed(seed)
+        x[torch.randint(0, numel, (2,), generator=both)] = 0.0
+        x[torch.randint(0, numel, (1,), generator=g)] = 0.0
+    elif zeros == "dense":
+        x[torch.rand(numel, generator=g) < 0.3] = 0.0
+    if dtype == torch.int8:
+        return (x * 40).clamp(-128, 127).to(torch.int8)
+    return x.to(dtype)
+
+
+def exchange_cases(rank, n):
+    import hashlib
+
+    import lionbit
+
+    out = {}
+    for dtype in DTYPES:
+        for op in OPS:
+            if dtype == torch.int8 and op == "avg":
+                continue
+            for tie in ("zero", "alternate", "random") if op == "vote" else ("zero",):
+                for zeros in ("none", "sparse", "dense"):
+                    for i, numel in enumerate(EXCHANGE_SIZES):
+                        x = _two_rank_input(rank, numel, dtype, zeros, i)
+                        y = x.clone()
+                        lionbit.all_reduce_sign(y, op, tie_break=tie, tie_seed=i + 3)
+                        if tie == "zero":
+                            assert torch.equal(_bits(y), _bits(_reference(x, op, n))), (dtype, op, zeros, numel)
+                        assert _all_ranks_identical(y), (dtype, op, tie, zeros, numel)
+                        key = f"{dtype} {op} {tie} {zeros} {numel}"
+                        out[key] = hashlib.sha256(_bits(y).numpy().tobytes()).hexdigest()[:16]
+    return out
+
+
+def test_two_rank_exchange_equals_the_two_phases_bit_for_bit():
+    env = {"LIONBIT_CHUNK_ELEMS": "4096"}
+    exchanged = values(run_ranks("test_sign_allreduce:exchange_cases", 2, env=env, timeout=600))
+    two_phase = values(run_ranks("test_sign_allreduce:exchange_cases", 2, env={**env, "LIONBIT_SIGN_EXCHANGE": "0"},
+                                 timeout=600))
+    assert exchanged[0] == exchanged[1] == two_phase[0] == two_phase[1]
+    # 5 dtypes x (vote: 3 tie rules, avg, sum) x 3 zero patterns x the sizes, less int8 avg's.
+    assert len(exchanged[0]) == (5 * 5 - 1) * 3 * len(EXCHANGE_SIZES)
+
+
+def two_rank_bytes(rank, n, numel, zeros):
+    import lionbit
+
+    x = _two_rank_input(rank, numel, torch.float32, zeros, 7)
+    lionbit.reset_stats()
+    lionbit.all_reduce_sign(x, "vote")
+    s = lionbit.stats()
+    return {k: s[k] for k in ("bytes_sent", "bytes_received", "tie_rounds", "inline_tie_chunks")}
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_two_rank_vote_moves_the_one_bit_figure(exchange):
+    # Half the elements tie at N = 2: the two phases carry them (trits or a tie
+    # round, about 1.3x the 1-bit figure); the exchange moves each rank's planes once.
+    d = 1 << 20
+    env = {} if exchange else {"LIONBIT_SIGN_EXCHANGE": "0"}
+    for s in values(run_ranks("test_sign_allreduce:two_rank_bytes", 2, kwargs={"numel": d, "zeros": "none"},
+                              env=env)):
+        one_bit = _one_bit_bytes(2, d)
+        if exchange:
+            assert one_bit <= s["bytes_sent"] <= 1.01 * one_bit and s["tie_rounds"] == 0, s
+        else:
+            assert s["bytes_sent"] >= 1.2 * one_bit, s
