@@ -92,12 +92,17 @@ class Run {
     if (n_ == 0) {
       return;
     }
-    issue_phase1(0);
+    // The exchange has no phase 2 to keep the link busy while a chunk is
+    // counted: two of its chunks are in flight at once.
+    const size_t ahead = exchange_ ? 2 : 1;
+    for (size_t k = 0; k < ahead && k < chunks_.size(); ++k) {
+      issue_phase1(k);
+    }
     for (size_t k = 0; k < chunks_.size(); ++k) {
       wait_shards(call_, chunks_[k].p1);
       trace_.mark("a2a_done", static_cast<int64_t>(k));
-      if (k + 1 < chunks_.size()) {
-        issue_phase1(k + 1); // moves while this chunk is counted
+      if (k + ahead < chunks_.size()) {
+        issue_phase1(k + ahead); // moves while this chunk is counted
       }
       count_and_issue_phase2(k);
       if (k > 0) {
@@ -311,11 +316,11 @@ class Run {
       dense_ties_ = dense_ties_ || (tie_cap > 0 && !bits::zeros_as_list(tie_cap, ch.sw));
       if (tie_cap > 0 && ch.fmt.format == Phase2Format::kVoteSigns) {
         if (exchange_) {
-          ch.tie_planes = ch.local_ties; // every shard's zeros are here already
+          ch.tie_planes = ch.local_ties; // every shard's zeros are here already: no round
         } else {
           fetch_ties(ch, tie_cap);
+          trace_.mark("ties_done", static_cast<int64_t>(idx));
         }
-        trace_.mark("ties_done", static_cast<int64_t>(idx));
       }
     }
     TORCH_CHECK(

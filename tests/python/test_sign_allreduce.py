@@ -315,7 +315,8 @@ def traced_votes(rank, n, numel):
     return True
 
 
-def test_trace_writes_each_calls_timeline(tmp_path):
+@pytest.mark.parametrize("exchange", [False, True])
+def test_trace_writes_each_calls_timeline(tmp_path, exchange):
     # LIONBIT_TRACE=<prefix>: one JSON line per call and rank, its events in
     # the order the pipeline runs them, every chunk accounted for.
     import json
@@ -323,8 +324,9 @@ def test_trace_writes_each_calls_timeline(tmp_path):
     n, d, chunk = 2, 1 << 16, 1 << 14  # 4 chunks
     prefix = str(tmp_path / "trace")
     # Fresh ranks: a pool's check between cases would be a traced call too.
+    env = {"LIONBIT_TRACE": prefix, "LIONBIT_CHUNK_ELEMS": str(chunk)}
     run_ranks("test_sign_allreduce:traced_votes", n, kwargs={"numel": d},
-              env={"LIONBIT_TRACE": prefix, "LIONBIT_CHUNK_ELEMS": str(chunk)}, fresh=True)
+              env=env if exchange else {**env, "LIONBIT_SIGN_EXCHANGE": "0"}, fresh=True)
     for rank in range(n):
         lines = (tmp_path / f"trace.rank{rank}.jsonl").read_text().splitlines()
         calls = [json.loads(line) for line in lines]
@@ -338,9 +340,10 @@ def test_trace_writes_each_calls_timeline(tmp_path):
             assert names[:2] == ["packed", "header"] and names[-1] == "end", names
             for k in range(4):
                 mine = [e[0] for e in call["events"] if e[1] == k]
-                # The first vote fetches its ties in a round of their own; the
-                # second, hinted, carries them inline.
-                ties = ["ties_done"] if i == 0 else []
+                # Two phases: the first vote fetches its ties in a round of their
+                # own; the second, hinted, carries them inline. The exchange: the
+                # ties are voted here, never fetched.
+                ties = ["ties_done"] if i == 0 and not exchange else []
                 assert mine == ["a2a_issued", "a2a_done", "counted", "ag_done", *ties, "unpacked"], (i, k, mine)
         assert calls[1]["seq"] > calls[0]["seq"]
 
@@ -366,9 +369,12 @@ def inline_ties_every_dtype(rank, n):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_inline_ties_in_base_3_are_exact_on_every_dtype(world_size):
-    # Chunks of one 64N block: many chunks, short last shards.
-    assert all(values(run_ranks("test_sign_allreduce:inline_ties_every_dtype", world_size,
-                                env={"LIONBIT_CHUNK_ELEMS": str(64 * world_size * 4)})))
+    # Chunks of one 64N block: many chunks, short last shards. (At N = 2 the two
+    # phases: the exchange carries no phase 2, so no ties inline.)
+    env = {"LIONBIT_CHUNK_ELEMS": str(64 * world_size * 4)}
+    if world_size == 2:
+        env["LIONBIT_SIGN_EXCHANGE"] = "0"
+    assert all(values(run_ranks("test_sign_allreduce:inline_ties_every_dtype", world_size, env=env)))
 
 
 # -- two ranks: the exchange ---------------------------------------------------------
