@@ -48,12 +48,12 @@ if _major_minor(torch.__version__) != _major_minor(torch_version_built_against):
 from ._backend import (  # noqa: E402
     BACKEND_NAME,
     all_reduce_sign,
+    reduce_scatter_sign,
     register as _register,
     reset_stats,
     stats,
 )
 from .errors import NonFiniteInput, PeerRejected  # noqa: E402
-from .fsdp import reduce_scatter_sign  # noqa: E402
 from .hierarchy import HIERARCHIES  # noqa: E402
 from .kernel_choice import kernels  # noqa: E402
 from .momentum_sync import ExponentialSync  # noqa: E402

@@ -74,10 +74,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import _C, lion_math, step_vote, user_warning
+from . import lion_math, step_vote, user_warning
 from ._backend import backend_for
 from .attachment import Attachment
-from .hierarchy import ensure_hierarchy
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -85,66 +84,6 @@ except ImportError:  # pragma: no cover - optional: a torch without FSDP2
     FSDPModule = None
 
 _WHERE = "DistributedLion.attach (FSDP2)"
-
-
-def _planes(shards: int, shard_numel: int, device):
-    """The reduce-scatter's sign and zero planes on ``device``: chunk r at bit r * 64 * ceil(shard_numel / 64)."""
-    return lion_math.planes(shards * 64 * ((shard_numel + 63) // 64), device)
-
-
-def reduce_scatter_sign(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    op: str = "vote",
-    group: Optional[dist.ProcessGroup] = None,
-    *,
-    tie_break: str = "zero",
-    tie_seed: Optional[int] = None,
-    hierarchy: str = "flat",
-    topology=None,
-) -> None:
-    """1-bit sign reduce-scatter: ``input`` holds N * S elements (N chunks of S,
-    chunk r for rank r); ``output`` (S elements) receives this rank's chunk of
-    vote / avg / sum of ``sign(input)`` over the ranks (see
-    :func:`lionbit.all_reduce_sign`, also for ``tie_break`` and
-    ``tie_seed``; the random rule's position of element i of chunk r is
-    r * 64 * ceil(S / 64) + i, each chunk starting on a 64-bit word). Phase 1
-    of the sign all-reduce only: (N - 1)/N * N*S/8 bytes per rank.
-    ``hierarchy`` and ``topology``: as for :func:`lionbit.all_reduce_sign`
-    ("node": counted inside each node first, the flat result bit for bit)."""
-    for name, t in (("output", output), ("input", input)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"lionbit.reduce_scatter_sign: argument '{name}' must be a torch.Tensor")
-    backend = backend_for(group, output.device, "reduce_scatter_sign")
-    if not isinstance(hierarchy, str):
-        raise TypeError(f"lionbit.reduce_scatter_sign: argument 'hierarchy' must be a str, not {type(hierarchy).__name__}")
-    if hierarchy in ("node", "node_vote"):
-        ensure_hierarchy(group, "reduce_scatter_sign", topology)  # collective, the first time
-    n = group.size() if group is not None else dist.get_world_size()
-    s = output.numel()
-    if input.numel() != n * s:
-        # Take part in the header round all the same (the backend rejects the
-        # call and tells the peers, who then fail at once).
-        try:
-            backend.reduce_scatter_sign_packed(*_planes(0, 0, output.device), -1, 0, output.view(-1), op, tie_break)
-        except (ValueError, RuntimeError):
-            pass
-        raise ValueError(
-            f"lionbit.reduce_scatter_sign on rank {dist.get_rank(group)}: argument 'input' has {input.numel()} "
-            f"elements; expected world size * output.numel() = {n} * {s}"
-        )
-    sign, zero = _planes(n, s, output.device)
-    flat = input.contiguous().view(-1)
-    nans = 0
-    words = (s + 63) // 64
-    for r in range(n):
-        _, k = _C.pack_signs_into(flat[r * s : (r + 1) * s], sign, zero, r * words * 64)
-        nans += k
-    out = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
-    seed = -1 if tie_seed is None else int(tie_seed)
-    backend.reduce_scatter_sign_packed(sign, zero, s, nans, out.view(-1), op, tie_break, seed, hierarchy).wait()
-    if out is not output:
-        output.copy_(out)
 
 
 # -- FSDP2 ------------------------------------------------------------------
