@@ -65,6 +65,45 @@ void wait_shards(const SignCall& call, Phase1& p) {
   p.recv = wait_data(call, "all-to-all of packed signs (phase 1)", p.f);
 }
 
+namespace {
+
+// One rank's contribution to a shard as sent: `block` = [sign plane | zeros
+// encoded for capacity `cap`]. Views of `block`, or a zero list decoded into
+// plane `slot` of `scratch` (`slots` planes of sw words, made when first
+// needed). A corrupt list raises naming the sender and `step`.
+PlaneIn contribution(
+    const SignCall& call,
+    const at::Tensor& block,
+    uint64_t cap,
+    size_t sw,
+    at::Tensor& scratch,
+    int slots,
+    int slot,
+    int sender,
+    const char* step) {
+  const int64_t sb = static_cast<int64_t>(sw * 8);
+  PlaneIn in;
+  in.sign = block.narrow(0, 0, sb);
+  if (cap == 0) {
+    return in;
+  }
+  if (!bits::zeros_as_list(cap, sw)) {
+    in.zero = block.narrow(0, sb, sb);
+    return in;
+  }
+  if (!scratch.defined()) {
+    scratch = call.bytes(static_cast<size_t>(slots * sb));
+  }
+  at::Tensor plane = scratch.narrow(0, slot * sb, sb);
+  TORCH_CHECK_VALUE(
+      call.k->decode_zeros(block.narrow(0, sb, block.numel() - sb), cap, plane), where(call),
+      "rank ", sender, " sent a corrupt list of zero positions in ", step);
+  in.zero = plane;
+  return in;
+}
+
+} // namespace
+
 std::vector<PlaneIn> receive_shards(
     const SignCall& call,
     const bits::HeaderSummary& hs,
@@ -72,26 +111,13 @@ std::vector<PlaneIn> receive_shards(
     at::Tensor& scratch) {
   const SignComm& c = call.c;
   const int N = c.world_size;
-  const int64_t sb = static_cast<int64_t>(p.sw * 8);
   ScopedTimer t(c.stats->vote_ns, "lionbit::count");
   std::vector<PlaneIn> in(N);
   int64_t q = 0;
   for (int j = 0; j < N; ++j) {
-    const uint64_t cap = hs.zero_capacity[j];
-    in[j].sign = p.recv.narrow(0, q, sb);
-    if (cap > 0 && !bits::zeros_as_list(cap, p.sw)) {
-      in[j].zero = p.recv.narrow(0, q + sb, sb);
-    } else if (cap > 0) {
-      if (!scratch.defined()) {
-        scratch = call.bytes(static_cast<size_t>(N * sb));
-      }
-      at::Tensor plane = scratch.narrow(0, j * sb, sb);
-      const at::Tensor list = p.recv.narrow(0, q + sb, p.recv_splits[j] - sb);
-      TORCH_CHECK_VALUE(
-          call.k->decode_zeros(list, cap, plane), where(call), "rank ", j,
-          " sent a corrupt list of zero positions in phase 1");
-      in[j].zero = plane;
-    }
+    in[j] = contribution(
+        call, p.recv.narrow(0, q, p.recv_splits[j]), hs.zero_capacity[j], p.sw, scratch, N, j, j,
+        "phase 1");
     q += p.recv_splits[j];
   }
   return in;
@@ -114,22 +140,10 @@ std::vector<PlaneIn> exchanged_shard(
   if (hs.zero_capacity[c.rank] > 0) {
     in[c.rank].zero = zero.narrow(0, shard * sb, sb);
   }
-  const uint64_t cap = hs.zero_capacity[other];
   const int64_t block = p.recv_splits[other] / 2; // [sign_k | zeros_k] per shard k
-  const at::Tensor mine = p.recv.narrow(0, shard * block, block);
-  in[other].sign = mine.narrow(0, 0, sb);
-  if (cap > 0 && !bits::zeros_as_list(cap, p.sw)) {
-    in[other].zero = mine.narrow(0, sb, sb);
-  } else if (cap > 0) {
-    if (!scratch.defined()) {
-      scratch = call.bytes(static_cast<size_t>(2 * sb));
-    }
-    at::Tensor plane = scratch.narrow(0, shard * sb, sb);
-    TORCH_CHECK_VALUE(
-        call.k->decode_zeros(mine.narrow(0, sb, block - sb), cap, plane), where(call), "rank ",
-        other, " sent a corrupt list of zero positions in the exchange");
-    in[other].zero = plane;
-  }
+  in[other] = contribution(
+      call, p.recv.narrow(0, shard * block, block), hs.zero_capacity[other], p.sw, scratch, 2,
+      shard, other, "the exchange");
   return in;
 }
 

@@ -426,11 +426,14 @@ def exchange_cases(rank, n):
     return out
 
 
+# The exchange's tests share two launches of ranks: chunks of 4096, with and without it.
+EXCHANGE_ENV = {"LIONBIT_CHUNK_ELEMS": "4096"}
+TWO_PHASE_ENV = {**EXCHANGE_ENV, "LIONBIT_SIGN_EXCHANGE": "0"}
+
+
 def test_two_rank_exchange_equals_the_two_phases_bit_for_bit():
-    env = {"LIONBIT_CHUNK_ELEMS": "4096"}
-    exchanged = values(run_ranks("test_sign_allreduce:exchange_cases", 2, env=env, timeout=600))
-    two_phase = values(run_ranks("test_sign_allreduce:exchange_cases", 2, env={**env, "LIONBIT_SIGN_EXCHANGE": "0"},
-                                 timeout=600))
+    exchanged = values(run_ranks("test_sign_allreduce:exchange_cases", 2, env=EXCHANGE_ENV, timeout=600))
+    two_phase = values(run_ranks("test_sign_allreduce:exchange_cases", 2, env=TWO_PHASE_ENV, timeout=600))
     assert exchanged[0] == exchanged[1] == two_phase[0] == two_phase[1]
     # 5 dtypes x (vote: 3 tie rules, avg, sum) x 3 zero patterns x the sizes, less int8 avg's.
     assert len(exchanged[0]) == (5 * 5 - 1) * 3 * len(EXCHANGE_SIZES)
@@ -451,7 +454,7 @@ def test_two_rank_vote_moves_the_one_bit_figure(exchange):
     # Half the elements tie at N = 2: the two phases carry them (trits or a tie
     # round, about 1.3x the 1-bit figure); the exchange moves each rank's planes once.
     d = 1 << 20
-    env = {} if exchange else {"LIONBIT_SIGN_EXCHANGE": "0"}
+    env = EXCHANGE_ENV if exchange else TWO_PHASE_ENV
     for s in values(run_ranks("test_sign_allreduce:two_rank_bytes", 2, kwargs={"numel": d, "zeros": "none"},
                               env=env)):
         one_bit = _one_bit_bytes(2, d)
