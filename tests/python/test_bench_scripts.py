@@ -7,6 +7,7 @@ ranks, a few steps: checked for running to the end and reporting what the
 docs read from it (bytes, the bucket trace and timeline, identical replicas,
 steps to target), never for speed."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -52,14 +53,15 @@ def test_training_suite_runs_and_reports_the_vote(tmp_path):
 
 
 def test_time_to_target_quick_path_runs_every_phase(tmp_path):
-    """Suite 5's --quick path, every method, on a tiny model and corpus (--tiny) and a few steps:
-    each phase runs and writes what the summary reads; the summary has a row per method."""
+    """Suite 5's --quick path, every method, on a tiny model and corpus (--tiny) and a few steps,
+    two seeds: each phase runs and writes what the summary reads; the summary has a row per
+    method; the first seed's steps come from the link phase, AdamW + fp32's from the target's."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("LOCAL_WORLD_SIZE", None)
     out = tmp_path / "ttt"
     r = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "time_to_target.py"), "--quick", "--tiny", "--loopback",
-         "--steps", "4", "--tune-steps", "2", "--eval-every", "2", "--dir", str(out)],
+         "--steps", "4", "--tune-steps", "2", "--eval-every", "2", "--seeds", "0,1", "--dir", str(out)],
         capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -70,11 +72,16 @@ def test_time_to_target_quick_path_runs_every_phase(tmp_path):
     assert len(tune) == sum(len(ttt.grid(m)) for m in ttt.METHODS)
     assert {len(ttt.grid(m)) for m in ttt.METHODS} == {4}  # grids of the same size
     target = [r["curve"] for r in json.loads((out / "target.json").read_text())["results"]]
-    assert len(target) == 1 and [c[0] for c in target[0]] == [2, 4]
+    assert len(target) == 2 and [c[0] for c in target[0]] == [2, 4]
     steps = json.loads((out / "steps-n2.json").read_text())["results"]
-    assert sorted(r["method"] for r in steps) == sorted(ttt.METHODS)
+    assert sorted(r["method"] for r in steps) == sorted(set(ttt.METHODS) - {"adamw_fp32"})
+    assert {r["seed"] for r in steps} == {1}
     link = json.loads((out / "link-n2.json").read_text())["results"]
     assert {r["method"] for r in link} == set(ttt.METHODS) | {"floor"}
+    assert {r["seed"] for r in link} == {0}
+    a = argparse.Namespace(dir=str(out), links="1gbit", seeds="0,1")
+    merged = ttt.Suite(a).steps_results()
+    assert sorted((r["method"], r["seed"]) for r in merged) == sorted((m, s) for m in ttt.METHODS for s in (0, 1))
     for rec in steps + link:
         assert rec["seconds_per_step"] > 0 and all(c[3] > 0 for c in rec["curve"]), rec["method"]
     table = (out / "summary.md").read_text()
