@@ -115,6 +115,22 @@ def s5_link(n, method, key="seconds_per_step"):
     return rows[0]["reached"]["seconds"] if key == "end_to_end_s" else rows[0][key]
 
 
+def s5_seconds(n, method):
+    """Suite 5: mean steps to target over seeds 0-2 x the link's s/step. Steps: phase steps-nN
+    (seeds 1-2), the link run (seed 0) and at N = 2 AdamW + fp32's target runs, cut at the
+    target (its mean validation loss at half the schedule, rounded up to 0.01)."""
+    runs = [r for r in load(f"time_to_target/steps-n{n}.json")["results"] if r["method"] == method]
+    runs += [r for r in load(f"time_to_target/link-n{n}.json")["results"] if r["method"] == method]
+    steps = {r["seed"]: r["reached"]["steps"] for r in runs}
+    if n == 2 and method == "adamw_fp32":
+        whole = load("time_to_target/target.json")["results"]
+        half = whole[0]["steps"] // 2
+        goal = -(-statistics.fmean(next(c[3] for c in r["curve"] if c[0] >= half) for r in whole) * 100 // 1) / 100
+        steps = {r["seed"]: next(c[0] for c in r["curve"] if c[3] <= goal) for r in whole}
+    assert sorted(steps) == [0, 1, 2], f"suite 5, N = {n}, {method}: seeds {sorted(steps)}"
+    return statistics.fmean(steps.values()) * s5_link(n, method)
+
+
 def cnn_accuracy(variant):
     """The digits CNN check (lr advice): a variant's mean test accuracy over its seeds, %."""
     return load("digits_cnn_check.json")["variants"][variant]["summary"]["test_accuracy"]["mean"]
@@ -165,10 +181,14 @@ FIGURES = {
                           lambda: s5_link(2, "adamw_powersgd4")),
     "s5-n2-fp32-s-step": ("suite 5, N = 2: AdamW + fp32's s/step on the link", "time_to_target/link-n2.json",
                           lambda: s5_link(2, "adamw_fp32")),
-    "s5-n2-psgd-e2e-s": ("suite 5, N = 2: PowerSGD 4 end to end to the target, s", "time_to_target/link-n2.json",
-                         lambda: s5_link(2, "adamw_powersgd4", "end_to_end_s")),
-    "s5-n2-fp32-e2e-s": ("suite 5, N = 2: AdamW + fp32 end to end to the target, s", "time_to_target/link-n2.json",
-                         lambda: s5_link(2, "adamw_fp32", "end_to_end_s")),
+    "s5-n2-vote-s": ("suite 5, N = 2: the vote's s to target", "time_to_target/", lambda: s5_seconds(2, "distlion_vote")),
+    "s5-n2-alt-s": ("suite 5, N = 2: alternate's s to target", "time_to_target/", lambda: s5_seconds(2, "distlion_alt")),
+    "s5-n2-psgd-s": ("suite 5, N = 2: PowerSGD 4's s to target", "time_to_target/",
+                     lambda: s5_seconds(2, "adamw_powersgd4")),
+    "s5-n2-fp32-s": ("suite 5, N = 2: AdamW + fp32's s to target", "time_to_target/",
+                     lambda: s5_seconds(2, "adamw_fp32")),
+    "s5-n2-alt-vs-psgd": ("suite 5, N = 2: PowerSGD 4's s to target / alternate's", "time_to_target/",
+                          lambda: s5_seconds(2, "adamw_powersgd4") / s5_seconds(2, "distlion_alt")),
     "cnn-vote-acc": ("digits CNN: the advised vote's mean test accuracy, %", "digits_cnn_check.json",
                      lambda: cnn_accuracy("vote")),
     "cnn-lion-acc": ("digits CNN: tuned Lion's mean test accuracy, %", "digits_cnn_check.json",
