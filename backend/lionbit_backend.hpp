@@ -1,7 +1,8 @@
 // LionBitBackend: a c10d::Backend that forwards every standard collective to
-// an inner backend of a real transport (ProcessGroupGloo for CPU tensors) and
-// adds the 1-bit sign all-reduce, run on a second inner communicator by its
-// own worker thread.
+// an inner backend of a real transport (ForwardingBackend: ProcessGroupGloo
+// for CPU tensors) and adds the 1-bit sign collectives, run on a second inner
+// communicator by its own worker thread. Every sign call is one SignRequest
+// (backend/sign_request.hpp): checked in one list, run as one job.
 #pragma once
 
 #include <atomic>
@@ -13,15 +14,17 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "backend/forwarding_backend.hpp"
 #include "backend/serial_executor.hpp"
 #include "backend/sign_allreduce.hpp"
 #include "backend/sign_common.hpp"
 #include "backend/sign_hierarchy.hpp"
+#include "backend/sign_request.hpp"
 #include "backend/stats.hpp"
 
 namespace lionbit {
 
-class LionBitBackend : public c10d::Backend {
+class LionBitBackend : public ForwardingBackend {
  public:
   // `forward` carries the standard collectives (the caller's thread, the
   // caller's order); `sign` is used only by the sign path's worker. Both must
@@ -44,7 +47,10 @@ class LionBitBackend : public c10d::Backend {
 
   const std::string getBackendName() const override { return "lionbit"; }
 
-  // --- the sign all-reduce ------------------------------------------------
+  // --- the sign collectives ----------------------------------------------
+  // Any of them, described by `r`: what each entry point below fills in.
+  c10::intrusive_ptr<c10d::Work> call(SignRequest r);
+
   // In place; `op` is "vote", "avg" or "sum". Never blocks on communication:
   // the returned Work completes when the result is written. Bad arguments
   // raise here (and peers are told, so they fail at once rather than wait).
@@ -142,115 +148,22 @@ class LionBitBackend : public c10d::Backend {
   static void shutdownAllWorkers();
 
   Stats& stats() { return stats_; }
-  // The backend that carries standard collectives on CUDA tensors.
-  const c10::intrusive_ptr<c10d::Backend>& forwardCudaBackend() const {
-    return forward_cuda_ ? forward_cuda_ : forward_;
-  }
   // "nccl" or "gloo": what moves the sign path's data for CUDA tensors.
   std::string cudaTransport() const { return sign_cuda_ ? sign_cuda_->getBackendName() : "gloo"; }
 
-  // --- standard collectives: forwarded ----------------------------------
-  c10::intrusive_ptr<c10d::Work> broadcast(
-      std::vector<at::Tensor>& tensors,
-      const c10d::BroadcastOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allreduce(
-      std::vector<at::Tensor>& tensors,
-      const c10d::AllreduceOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allreduce_sparse(
-      std::vector<at::Tensor>& tensors,
-      const c10d::AllreduceOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
-      std::vector<at::Tensor>& tensors,
-      const c10d::AllreduceCoalescedOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce(
-      std::vector<at::Tensor>& tensors,
-      const c10d::ReduceOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather(
-      std::vector<std::vector<at::Tensor>>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> _allgather_base(
-      at::Tensor& output,
-      at::Tensor& input,
-      const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
-      std::vector<std::vector<at::Tensor>>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
-      std::vector<at::Tensor>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> gather(
-      std::vector<std::vector<at::Tensor>>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::GatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> scatter(
-      std::vector<at::Tensor>& outputs,
-      std::vector<std::vector<at::Tensor>>& inputs,
-      const c10d::ScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter(
-      std::vector<at::Tensor>& outputs,
-      std::vector<std::vector<at::Tensor>>& inputs,
-      const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
-      at::Tensor& output,
-      at::Tensor& input,
-      const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
-      std::vector<at::Tensor>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall_base(
-      at::Tensor& output,
-      at::Tensor& input,
-      std::vector<int64_t>& output_split_sizes,
-      std::vector<int64_t>& input_split_sizes,
-      const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall(
-      std::vector<at::Tensor>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag)
-      override;
-  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag)
-      override;
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
-  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
-  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
-
-  void setSequenceNumberForGroup() override;
-  uint64_t getSequenceNumberForGroup() override;
-  bool supportsCoalescing() const override;
-  void startCoalescing() override;
-  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
-  void setTimeout(std::chrono::milliseconds timeout) override;
-  void abort() override;
-  void shutdown() override;
+ protected:
+  std::vector<c10d::Backend*> inners() override;
+  void stopOwnWork() override;
+  std::vector<c10::intrusive_ptr<c10d::Backend>> takeCpuInners() override;
 
  private:
   SignComm signComm();
-  // The inner backend for a collective on `t` (by device type).
-  c10d::Backend& inner(const at::Tensor& t);
-  c10d::Backend& inner(const std::vector<at::Tensor>& ts);
-  std::vector<c10d::Backend*> inners();
-  // forward_, or an error once shutdown() or exit released it.
-  c10d::Backend& forwardInner();
-  // Moves forward_ and sign_ out (the members are null after): dropping the
-  // last reference joins their worker threads. Not while calls run.
-  std::vector<c10::intrusive_ptr<c10d::Backend>> takeCpuInners();
-  // The op named `op_name`, once `problem(op)` finds nothing wrong with the
-  // call's arguments. Otherwise raises here, naming the collective, the op,
-  // the rank and the argument, after queuing a header round that tells the
-  // peers this rank rejected its call (they fail at once, not at timeout).
-  // `tie` receives the parsed tie rule (checked against the op).
-  bits::SignOp validate(
-      Collective kind,
-      const std::string& op_name,
-      const std::string& tie_break,
-      int64_t tie_seed,
-      TieSpec& tie,
-      const std::function<std::string(bits::SignOp)>& problem);
+  // The op `r` names, once request_problem() finds nothing wrong with it.
+  // Otherwise raises here, naming the collective, the op, the rank and the
+  // argument, after queuing a header round that tells the peers this rank
+  // rejected its call (they fail at once, not at timeout). `tie` and `mode`
+  // receive the parsed tie rule (checked against the op) and hierarchy.
+  bits::SignOp validate(const SignRequest& r, TieSpec& tie, HierarchyMode& mode);
   // Queues `body` on the worker; the returned Work completes (or fails) when
   // it has run.
   c10::intrusive_ptr<c10d::Work> enqueue(
@@ -259,11 +172,8 @@ class LionBitBackend : public c10d::Backend {
       at::Tensor out,
       SignJob body);
 
-  c10::intrusive_ptr<c10d::Backend> forward_;
   c10::intrusive_ptr<c10d::Backend> sign_;
-  c10::intrusive_ptr<c10d::Backend> forward_cuda_;
   c10::intrusive_ptr<c10d::Backend> sign_cuda_;
-  std::chrono::milliseconds timeout_;
   // The number of the next sign call, taken when its job starts on the
   // executor's thread (only there): calls are numbered in the order they run,
   // even when threads race to submit them (numbering them on entry let two
@@ -276,8 +186,6 @@ class LionBitBackend : public c10d::Backend {
   mutable std::mutex hierarchy_mutex_;
   c10::intrusive_ptr<LionBitBackend> node_, cross_;
   std::vector<int> order_, node_ranks_;
-  // The hierarchy `name` asks for, or an error naming the argument.
-  std::string hierarchyProblem(const std::string& name, bits::SignOp op, HierarchyMode& mode) const;
   Hierarchy hierarchy();
   // Last: destroyed first, so no job outlives the members it uses.
   SerialExecutor executor_;

@@ -1,0 +1,237 @@
+#include "backend/forwarding_backend.hpp"
+
+#include <c10/util/Exception.h>
+
+namespace lionbit {
+
+ForwardingBackend::ForwardingBackend(
+    c10::intrusive_ptr<c10d::Backend> forward,
+    c10::intrusive_ptr<c10d::Backend> forward_cuda,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout)
+    : c10d::Backend(rank, size),
+      forward_(std::move(forward)),
+      forward_cuda_(std::move(forward_cuda)),
+      timeout_(timeout) {
+  TORCH_CHECK_VALUE(forward_, "lionbit: argument 'forward' is None");
+}
+
+c10d::Backend& ForwardingBackend::forwardInner() {
+  TORCH_CHECK(
+      forward_, "lionbit on rank ", rank_,
+      ": the backend was shut down (destroy_process_group, ProcessGroup.shutdown() "
+      "or interpreter exit); create a new process group");
+  return *forward_;
+}
+
+c10d::Backend& ForwardingBackend::inner(const at::Tensor& t) {
+  if (forward_cuda_ && t.defined() && t.is_cuda()) {
+    return *forward_cuda_;
+  }
+  return forwardInner();
+}
+
+c10d::Backend& ForwardingBackend::inner(const std::vector<at::Tensor>& ts) {
+  return ts.empty() ? forwardInner() : inner(ts.front());
+}
+
+std::vector<c10d::Backend*> ForwardingBackend::inners() {
+  std::vector<c10d::Backend*> all;
+  for (auto* b : {&forward_, &forward_cuda_}) {
+    if (*b) {
+      all.push_back(b->get());
+    }
+  }
+  return all;
+}
+
+std::vector<c10::intrusive_ptr<c10d::Backend>> ForwardingBackend::takeCpuInners() {
+  std::vector<c10::intrusive_ptr<c10d::Backend>> taken;
+  taken.push_back(std::move(forward_));
+  return taken;
+}
+
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::broadcast(
+    std::vector<at::Tensor>& tensors,
+    const c10d::BroadcastOptions& opts) {
+  return inner(tensors).broadcast(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::allreduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts) {
+  return inner(tensors).allreduce(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::allreduce_sparse(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts) {
+  return inner(tensors).allreduce_sparse(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceCoalescedOptions& opts) {
+  return inner(tensors).allreduce_coalesced(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::reduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::ReduceOptions& opts) {
+  return inner(tensors).reduce(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return inner(inputs).allgather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::_allgather_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::AllgatherOptions& opts) {
+  return inner(input)._allgather_base(output, input, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return inner(inputs).allgather_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return inner(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::gather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  return inner(inputs).gather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  return inner(outputs).scatter(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return inner(outputs).reduce_scatter(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::_reduce_scatter_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::ReduceScatterOptions& opts) {
+  return inner(input)._reduce_scatter_base(output, input, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return inner(inputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::alltoall_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    std::vector<int64_t>& output_split_sizes,
+    std::vector<int64_t>& input_split_sizes,
+    const c10d::AllToAllOptions& opts) {
+  return inner(input).alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::alltoall(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllToAllOptions& opts) {
+  return inner(inputs).alltoall(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::send(
+    std::vector<at::Tensor>& tensors,
+    int dst_rank,
+    int tag) {
+  return inner(tensors).send(tensors, dst_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::recv(
+    std::vector<at::Tensor>& tensors,
+    int src_rank,
+    int tag) {
+  return inner(tensors).recv(tensors, src_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::recvAnysource(
+    std::vector<at::Tensor>& tensors,
+    int tag) {
+  return inner(tensors).recvAnysource(tensors, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::barrier(const c10d::BarrierOptions& opts) {
+  return forwardInner().barrier(opts);
+}
+
+void ForwardingBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  forwardInner().monitoredBarrier(opts, wait_all_ranks);
+}
+
+void ForwardingBackend::setSequenceNumberForGroup() {
+  forwardInner().setSequenceNumberForGroup();
+}
+
+uint64_t ForwardingBackend::getSequenceNumberForGroup() {
+  return forwardInner().getSequenceNumberForGroup();
+}
+
+bool ForwardingBackend::supportsCoalescing() const {
+  const auto& b = forwardCudaBackend();
+  return b && b->supportsCoalescing();
+}
+
+void ForwardingBackend::startCoalescing() {
+  (forward_cuda_ ? *forward_cuda_ : forwardInner()).startCoalescing();
+}
+
+c10::intrusive_ptr<c10d::Work> ForwardingBackend::endCoalescing() {
+  return (forward_cuda_ ? *forward_cuda_ : forwardInner()).endCoalescing();
+}
+
+void ForwardingBackend::setTimeout(std::chrono::milliseconds timeout) {
+  timeout_ = timeout;
+  for (c10d::Backend* b : inners()) {
+    b->setTimeout(timeout);
+  }
+}
+
+void ForwardingBackend::abort() {
+  stopOwnWork();
+  for (c10d::Backend* b : inners()) {
+    b->abort();
+  }
+}
+
+void ForwardingBackend::shutdown() {
+  stopOwnWork();
+  for (c10d::Backend* b : inners()) {
+    b->shutdown();
+  }
+  // Joins the inner Gloo workers now (LionBitBackend::shutdownAllWorkers).
+  takeCpuInners();
+}
+
+} // namespace lionbit
