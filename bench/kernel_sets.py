@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from lionbit import _C
+from lionbit import _test_hooks
 
 
 def timed(fn, reps):
@@ -45,21 +45,21 @@ def main():
         sign, zero = torch.zeros(words * 8, dtype=torch.uint8), torch.zeros(words * 8, dtype=torch.uint8)
         nbytes = src.numel() * src.element_size()
         for s in ("simd", "aten"):
-            t = timed(lambda s=s: _C._kernel_pack(s, src, sign, zero, 0), args.reps)
+            t = timed(lambda s=s: _test_hooks.kernel_pack(s, src, sign, zero, 0), args.reps)
             rows.append((f"pack {str(dtype)[6:]}", s, t, nbytes))
     for ranks in (2, 4, 8):
         signs = [plane() for _ in range(ranks)]
         zeros = [None] * ranks
         out_s, out_t = torch.empty(words * 8, dtype=torch.uint8), torch.empty(words * 8, dtype=torch.uint8)
         for s in ("simd", "aten"):
-            t = timed(lambda s=s: _C._kernel_vote(s, signs, zeros, out_s, out_t), args.reps)
+            t = timed(lambda s=s: _test_hooks.kernel_vote(s, signs, zeros, out_s, out_t), args.reps)
             rows.append((f"vote N={ranks}", s, t, ranks * words * 8))
     for nplanes in (1, 2):
         planes = [plane() for _ in range(nplanes)]
         lut = torch.arange(1 << nplanes, dtype=torch.float32)
         dst = torch.empty(n, dtype=torch.float32)
         for s in ("simd", "aten"):
-            t = timed(lambda s=s: _C._kernel_unpack(s, planes, lut, dst), args.reps)
+            t = timed(lambda s=s: _test_hooks.kernel_unpack(s, planes, lut, dst), args.reps)
             rows.append((f"unpack {nplanes} plane(s) -> float32", s, t, n * 4))
     load = os.getloadavg()[0]
     print(f"{n} elements, 1 thread, load average {load:.2f} (2 cores; above ~1.1 the figures are not figures)")

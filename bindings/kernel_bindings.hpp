@@ -93,9 +93,8 @@ void lion_apply(at::Tensor& x, const at::Tensor& delta, double lr, double decay)
 // Whether the fused kernels take these dtypes.
 bool lion_fused_supported(at::ScalarType param, at::ScalarType grad, at::ScalarType momentum);
 
-// The kernel sets of the sign collectives (backend/kernel_set.hpp), for the
-// tests. A set is named "simd" (the CPU's SIMD set, CPU tensors only) or
-// "aten".
+// The kernel sets of the sign collectives (backend/kernel_set.hpp), named as
+// in bindings/kernel_sets_by_name.hpp.
 
 // backend/kernel_check.hpp's check of `candidate` against `reference` on
 // `device` with inputs from `seed`: (kernel, case) per mismatch.
@@ -105,41 +104,8 @@ std::vector<std::tuple<std::string, std::string>> check_kernel_sets(
     const std::string& device,
     int64_t seed);
 
-// The same check of the ATen set with the kernel named `kernel` made wrong
-// (one output bit flipped, or its verdict on a message negated) against the
-// SIMD set, on the CPU: shows that the check sees a wrong kernel.
-std::vector<std::tuple<std::string, std::string>> check_kernel_sets_with_fault(
-    const std::string& kernel,
-    int64_t seed);
-
 // The name of the set the sign collectives use on `device`
 // (kernels_for(device).name(): LIONBIT_KERNELS applied).
 std::string kernel_set_name(const std::string& device);
-
-// Single kernels of a named set, as the KernelSet methods take them (zeros:
-// None where a rank has no zero plane), on the tensors' device, arguments
-// checked.
-std::tuple<int64_t, int64_t> kernel_pack(
-    const std::string& set,
-    const at::Tensor& src,
-    at::Tensor& sign,
-    at::Tensor& zero,
-    int64_t bit_offset);
-void kernel_count_code(
-    const std::string& set,
-    const std::vector<at::Tensor>& signs,
-    const std::vector<std::optional<at::Tensor>>& zeros,
-    at::Tensor& out);
-void kernel_vote(
-    const std::string& set,
-    const std::vector<at::Tensor>& signs,
-    const std::vector<std::optional<at::Tensor>>& zeros,
-    at::Tensor& sign,
-    at::Tensor& tie);
-void kernel_unpack(
-    const std::string& set,
-    const std::vector<at::Tensor>& planes,
-    const at::Tensor& lut,
-    at::Tensor& dst);
 
 } // namespace lionbit

@@ -189,20 +189,4 @@ PYBIND11_MODULE(_C, m) {
       "check_kernel_sets", &lionbit::check_kernel_sets, py::arg("candidate"), py::arg("reference"),
       py::arg("device") = "cpu", py::arg("seed") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("kernel_set_name", &lionbit::kernel_set_name, py::arg("device"));
-  // Test hooks: the check with a planted fault, and single kernels of a set.
-  m.def(
-      "_check_kernel_sets_with_fault", &lionbit::check_kernel_sets_with_fault, py::arg("kernel"),
-      py::arg("seed") = 0, py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "_kernel_pack", &lionbit::kernel_pack, py::arg("set"), py::arg("src"), py::arg("sign"),
-      py::arg("zero"), py::arg("bit_offset"));
-  m.def(
-      "_kernel_count_code", &lionbit::kernel_count_code, py::arg("set"), py::arg("signs"),
-      py::arg("zeros"), py::arg("out"));
-  m.def(
-      "_kernel_vote", &lionbit::kernel_vote, py::arg("set"), py::arg("signs"), py::arg("zeros"),
-      py::arg("sign"), py::arg("tie"));
-  m.def(
-      "_kernel_unpack", &lionbit::kernel_unpack, py::arg("set"), py::arg("planes"), py::arg("lut"),
-      py::arg("dst"));
 }

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import lionbit
-from lionbit import _C
+from lionbit import _C, _test_hooks
 
 # make test-aten runs the files marked so again through the ATen kernel set.
 pytestmark = pytest.mark.kernels
@@ -80,9 +80,18 @@ def test_aten_set_equals_each_simd_isa(isa):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_check_catches_a_wrong_kernel(kernel):
-    found = _C._check_kernel_sets_with_fault(kernel)
+    found = _test_hooks.check_kernel_sets_with_fault(kernel)
     assert [name for name, _ in found] == [kernel]
     assert "[seed 0, case " in found[0][1], found
+
+
+def test_test_hooks_stay_out_of_the_product_module():
+    """The planted faults and single-kernel entry points live in lionbit._test_hooks only."""
+    hooks = [n for n in dir(_test_hooks) if not n.startswith("__")]
+    assert sorted(hooks) == ["check_kernel_sets_with_fault", "kernel_count_code", "kernel_pack", "kernel_unpack",
+                             "kernel_vote"], hooks
+    leaked = [n for n in dir(_C) if "fault" in n or n.startswith("_kernel_")]
+    assert leaked == [], f"test hooks in lionbit._C: {leaked}"
 
 
 def test_check_names_the_sets():
@@ -94,7 +103,7 @@ def test_check_names_the_sets():
     with pytest.raises(ValueError, match="simd set runs on the CPU only"):
         _C.check_kernel_sets("aten", "simd", "meta")
     with pytest.raises(ValueError, match="no kernel 'packing'"):
-        _C._check_kernel_sets_with_fault("packing")
+        _test_hooks.check_kernel_sets_with_fault("packing")
 
 
 # --- LIONBIT_KERNELS ----------------------------------------------------------
@@ -172,7 +181,7 @@ def test_aten_pack_against_values(dtype, n, offset):
     # Flush-to-zero must not turn a denormal into a zero: the sets test bit patterns.
     torch.set_flush_denormal(True)
     try:
-        zeros, nans = _C._kernel_pack("aten", x, sign, zero, offset)
+        zeros, nans = _test_hooks.kernel_pack("aten", x, sign, zero, offset)
     finally:
         torch.set_flush_denormal(False)
     assert torch.equal(sign, _bits_to_plane(want_sign))
@@ -205,7 +214,7 @@ def test_aten_vote_and_count_code_against_sums(N, zero_ranks):
 
     sign = torch.empty(words * 8, dtype=torch.uint8)
     tie = torch.empty_like(sign)
-    _C._kernel_vote("aten", signs, zeros, sign, tie)
+    _test_hooks.kernel_vote("aten", signs, zeros, sign, tie)
     assert torch.equal(_planes_to_bits(sign), total > 0)
     assert torch.equal(_planes_to_bits(tie), total == 0)
 
@@ -214,7 +223,7 @@ def test_aten_vote_and_count_code_against_sums(N, zero_ranks):
     code = positive if not ranks else 2 * positive + (values == 0).sum(0)
     planes = (N if not ranks else 2 * N).bit_length()
     out = torch.empty(planes * words * 8, dtype=torch.uint8)
-    _C._kernel_count_code("aten", signs, zeros, out)
+    _test_hooks.kernel_count_code("aten", signs, zeros, out)
     for b in range(planes):
         got = _planes_to_bits(out[b * words * 8 : (b + 1) * words * 8])
         assert torch.equal(got, (code >> b) & 1 == 1), b
@@ -236,7 +245,7 @@ def test_aten_unpack_against_lookup(dtype, nplanes):
     want = lut_bytes.view(-1, dtype.itemsize)[code[:n]].flatten()
 
     dst = torch.empty(n, dtype=dtype)
-    _C._kernel_unpack("aten", planes, lut, dst)
+    _test_hooks.kernel_unpack("aten", planes, lut, dst)
     assert torch.equal(dst.view(torch.uint8), want)
 
 
@@ -256,7 +265,7 @@ def test_aten_set_on_cuda_equals_simd_on_cpu():
         for name, dev in [("simd", "cpu"), ("aten", "cuda")]:
             s = torch.zeros(12_600, dtype=torch.uint8, device=dev)
             z = torch.zeros_like(s)
-            counts = _C._kernel_pack(name, x.to(dev), s, z, 5)
+            counts = _test_hooks.kernel_pack(name, x.to(dev), s, z, 5)
             planes[name] = (s.cpu(), z.cpu(), counts)
         assert torch.equal(planes["simd"][0], planes["aten"][0]), dtype
         assert torch.equal(planes["simd"][1], planes["aten"][1]), dtype
@@ -266,6 +275,6 @@ def test_aten_set_on_cuda_equals_simd_on_cpu():
     for name, dev in [("simd", "cpu"), ("aten", "cuda")]:
         s = torch.empty(33 * 8, dtype=torch.uint8, device=dev)
         t = torch.empty_like(s)
-        _C._kernel_vote(name, [p.to(dev) for p in signs], [p if p is None else p.to(dev) for p in zeros], s, t)
+        _test_hooks.kernel_vote(name, [p.to(dev) for p in signs], [p if p is None else p.to(dev) for p in zeros], s, t)
         out[name] = (s.cpu(), t.cpu())
     assert torch.equal(out["simd"][0], out["aten"][0]) and torch.equal(out["simd"][1], out["aten"][1])
