@@ -166,8 +166,8 @@ def all_reduce_sign(
 
 
 def _planes(shards: int, shard_numel: int, device):
-    """The reduce-scatter's sign and zero planes on ``device``: chunk r at bit r * 64 * ceil(shard_numel / 64)."""
-    return lion_math.planes(shards * 64 * ((shard_numel + 63) // 64), device)
+    """The reduce-scatter's sign and zero planes on ``device`` (chunk r at lion_math.shard_bit(r, shard_numel))."""
+    return lion_math.planes(lion_math.shard_bit(shards, shard_numel), device)
 
 
 def reduce_scatter_sign(
@@ -216,9 +216,8 @@ def reduce_scatter_sign(
     sign, zero = _planes(n, s, output.device)
     flat = input.contiguous().view(-1)
     nans = 0
-    words = (s + 63) // 64
     for r in range(n):
-        _, k = _C.pack_signs_into(flat[r * s : (r + 1) * s], sign, zero, r * words * 64)
+        _, k = _C.pack_signs_into(flat[r * s : (r + 1) * s], sign, zero, lion_math.shard_bit(r, s))
         nans += k
     out = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
     seed = -1 if tie_seed is None else int(tie_seed)

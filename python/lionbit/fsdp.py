@@ -491,30 +491,14 @@ def fsdp_vote(att):
             continue
         pieces, s = _pieces([fp for fp, _ in params], n)
         device = params[0][0].sharded_param.device  # every buffer of the vote lives on the parameters' device
-        sign, zero = voter.shard_planes(n, s, device)
-        words = (s + 63) // 64
-        nans = 0
-        unit = []
+        votes, unit = [], []
         for (fp, off, rows, row), (_, g) in zip(pieces, params):
             p = fp.sharded_param
             m = att.full_momentum(p).view(-1)
             coefs = lion_math.Coefs(groups[p])
             dim0 = fp._orig_size[0]
-            parts = []
-            for r in range(n):
-                valid = _valid(dim0, rows, r) * row
-                if valid == 0:
-                    continue
-                at = r * rows * row
-                gr, mr = g[at : at + valid], m[at : at + valid]
-                if voter.bits:
-                    parts.append((gr, mr, r * words * 64 + off))
-                else:
-                    nans += lion_math.pack_direction(
-                        gr, mr, coefs, sign, zero, r * words * 64 + off, opt.fused_for(mr, gr)
-                    )
-            if parts:
-                nans += lion_math.pack_levels_pieces(parts, coefs, voter.bits, sign)
+            # FSDP's chunk r of the parameter: its rows [r * rows, (r + 1) * rows), padding left out.
+            votes.append((g, m, coefs, [(r, r * rows * row, _valid(dim0, rows, r) * row, off) for r in range(n)]))
             local = p.to_local()
             own = _valid(dim0, rows, rank) * row
             if local.numel() != own:
@@ -524,14 +508,7 @@ def fsdp_vote(att):
                 )
             unit.append((g, m, coefs, local, off, own))
             biggest = max(biggest, g.numel())
-        delta = torch.empty(s, dtype=voter.delta_dtype, device=device)
-        try:
-            voter.reduce_scatter(sign, zero, s, nans, delta, group, "step (FSDP2 reduce-scatter)")
-        except (RuntimeError, ValueError) as err:
-            ranks = step_vote.nonfinite_ranks(err)
-            if ranks is None:
-                raise
-            raise step_vote.NonFinite(ranks) from None
+        delta = voter.sharded_vote(votes, s, group, device, "step (FSDP2 reduce-scatter)", opt.fused_for)
         todo += [(g, m, coefs, local, delta[off : off + own]) for g, m, coefs, local, off, own in unit]
 
     def apply() -> None:

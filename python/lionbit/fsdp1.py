@@ -270,32 +270,21 @@ def _reduce_no_shard(unit: _Unit, grad: torch.Tensor) -> None:
 # -- step ----------------------------------------------------------------------
 
 
-def _pack(unit: _Unit, grad: torch.Tensor, shard: int, shards: int):
-    """Direction bits of the unit's local gradient (the momentum is only
-    read): chunk r of `shard` elements at bit r * 64 * ceil(shard / 64).
-    Returns (sign, zero, nans)."""
-    opt = unit.opt
-    words = (shard + 63) // 64
-    sign, zero = opt.voter.shard_planes(shards, shard, unit.device)  # "l1": the level planes and None
+def _pieces(unit: _Unit, grad: torch.Tensor, shard: int):
+    """The unit's original parameters as pieces of Voter.sharded_vote: each
+    segment of the flat parameter with its spans, split at the shards'
+    boundaries (element i of the flat parameter: shard i // shard)."""
     m = unit.momentum_tensor()
-    nans = 0
+    pieces = []
     for off, numel, group, _ in unit.segments:
-        coefs = lion_math.Coefs(group)
-        lo, end = off, off + numel
-        parts = []
+        spans, lo, end = [], off, off + numel
         while lo < end:
             r = lo // shard
             hi = min(end, (r + 1) * shard)
-            g, mr = grad[lo:hi], m[lo:hi]
-            bit = r * words * 64 + (lo - r * shard)
-            if opt.bits:
-                parts.append((g, mr, bit))
-            else:
-                nans += lion_math.pack_direction(g, mr, coefs, sign, zero, bit, opt.fused_for(mr, g))
+            spans.append((r, lo - off, hi - lo, lo - r * shard))
             lo = hi
-        if parts:  # one parameter's pieces: its L1 scale over all of them
-            nans += lion_math.pack_levels_pieces(parts, coefs, opt.bits, sign)
-    return sign, zero, nans
+        pieces.append((grad[off:end], m[off:end], lion_math.Coefs(group), spans))
+    return pieces
 
 
 def _zero_padding(unit: _Unit, delta: torch.Tensor, base: int) -> None:
@@ -322,16 +311,9 @@ def _vote_sharded(unit: _Unit) -> torch.Tensor:
     """The sign reduce-scatter of the unit's kept gradient's directions:
     this rank's shard of Delta. Changes no state; raises
     step_vote.NonFinite if any rank had a non-finite direction."""
-    n, rank, s = unit.group.size(), unit.group.rank(), unit.shard_numel
-    sign, zero, nans = _pack(unit, unit.kept, s, n)
-    delta = torch.empty(s, dtype=unit.opt.voter.delta_dtype, device=unit.device)
-    try:
-        unit.opt.voter.reduce_scatter(sign, zero, s, nans, delta, unit.group, "step (FSDP1)")
-    except (RuntimeError, ValueError) as err:
-        ranks = step_vote.nonfinite_ranks(err)
-        if ranks is None:
-            raise
-        raise step_vote.NonFinite(ranks) from None
+    rank, s, opt = unit.group.rank(), unit.shard_numel, unit.opt
+    pieces = _pieces(unit, unit.kept, s)
+    delta = opt.voter.sharded_vote(pieces, s, unit.group, unit.device, "step (FSDP1)", opt.fused_for)
     _zero_padding(unit, delta, rank * s)
     return delta
 

@@ -40,6 +40,12 @@ def plane_bytes(numel: int) -> int:
     return (numel + 63) // 64 * 8
 
 
+def shard_bit(r: int, shard_numel: int) -> int:
+    """The reduce-scatter's layout: shard r of ``shard_numel`` elements starts
+    at bit r * 64 * ceil(shard_numel / 64) of the planes (on a 64-bit word)."""
+    return r * 64 * ((shard_numel + 63) // 64)
+
+
 def planes(numel: int, device=None, bits=None):
     """Buffers for the packed directions of ``numel`` elements: the sign and
     zero planes, or with ``bits`` (aggregation "l1") ``bits`` planes of

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from . import lion_math
 from ._backend import backend_for
 from .errors import NonFiniteInput
+from .step_vote import NonFinite
 
 
 class Voter:
@@ -42,8 +43,38 @@ class Voter:
 
     def shard_planes(self, shards: int, shard_numel: int, device=None):
         """The planes of a reduce-scatter: ``shards`` chunks of
-        ``shard_numel`` elements, chunk r at bit r * 64 * ceil(shard_numel / 64)."""
-        return lion_math.planes(shards * 64 * ((shard_numel + 63) // 64), device, self.bits)
+        ``shard_numel`` elements, chunk r at lion_math.shard_bit(r, shard_numel)."""
+        return lion_math.planes(lion_math.shard_bit(shards, shard_numel), device, self.bits)
+
+    def sharded_vote(self, pieces, shard_numel: int, group, device, where: str, fused_for) -> torch.Tensor:
+        """The vote of directions laid out in N shards of ``shard_numel``
+        elements (FSDP2's chunks, FSDP1's flat parameter), as a sign
+        reduce-scatter: this rank's shard of Delta. Each piece is
+        (g, m, coefs, spans), one parameter's (or segment's) flat local
+        gradient and momentum (only read) with its hyperparameters, and
+        spans (r, start, length, at): elements [start, start + length) of g
+        and m go to shard r at element ``at``. "l1" scales each piece over
+        all its spans. Changes no state; raises step_vote.NonFinite naming
+        the ranks that had a non-finite direction. ``fused_for(m, g)``:
+        whether the fused kernels serve a pair."""
+        sign, zero = self.shard_planes(group.size(), shard_numel, device)
+        nans = 0
+        for g, m, coefs, spans in pieces:
+            parts = [
+                (g[a : a + k], m[a : a + k], lion_math.shard_bit(r, shard_numel) + at) for r, a, k, at in spans if k
+            ]
+            if self.bits:
+                if parts:
+                    nans += lion_math.pack_levels_pieces(parts, coefs, self.bits, sign)
+                continue
+            for gp, mp, bit in parts:
+                nans += lion_math.pack_direction(gp, mp, coefs, sign, zero, bit, fused_for(mp, gp))
+        delta = torch.empty(shard_numel, dtype=self.delta_dtype, device=device)
+        try:
+            self.reduce_scatter(sign, zero, shard_numel, nans, delta, group, where)
+        except NonFiniteInput as err:
+            raise NonFinite(err.ranks) from None
+        return delta
 
     def new_step(self) -> None:
         """The next collective is the first of a new step."""
