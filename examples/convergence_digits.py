@@ -251,6 +251,17 @@ def parse_variants(text):
     return names
 
 
+def parse_betas(text):
+    """'0.9,0.9' -> (0.9, 0.9): two numbers in [0, 1)."""
+    try:
+        betas = tuple(float(b) for b in text.split(","))
+    except ValueError:
+        betas = ()
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise argparse.ArgumentTypeError(f"--lion-betas wants two numbers in [0, 1) like '0.9,0.9', got {text!r}")
+    return betas
+
+
 def make_single(name, params, lion, adamw):
     """A single-process baseline of VARIANTS ('lion' or 'adamw')."""
     if name == "lion":
@@ -420,15 +431,22 @@ def main():
                         help=f"steps (with --variants; default {EPOCHS} epochs' worth)")
     parser.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
                         help="with --variants: the MLP (default) or the CNN of the lr-advice check")
+    parser.add_argument("--lion-betas", default=None, type=parse_betas,
+                        help="with --variants: the Lion family's betas 'b1,b2' in place of the tuned ones "
+                             "(single-process Lion and every DistributedLion variant alike)")
     args = parser.parse_args()
-    if args.variants is None and (args.batch is not None or args.steps is not None or args.model != "mlp"):
-        parser.error("--batch, --steps and --model go with --variants")
+    if args.variants is None and (args.batch is not None or args.steps is not None or args.model != "mlp"
+                                  or args.lion_betas is not None):
+        parser.error("--batch, --steps, --model and --lion-betas go with --variants")
 
     torch.set_num_threads(1)
     dist.init_process_group("lionbit")
     if args.variants is not None:
         names = parse_variants(args.variants)
         task = DigitsTask(args.batch or BATCH, args.steps, args.model)
+        if args.lion_betas is not None:
+            task.lion = dict(task.lion, betas=args.lion_betas)
+            task.hparams += f", Lion-family betas {args.lion_betas} (--lion-betas)"
         run_levers(task, names, parse_seeds(args.seeds, args.first_seed), args.json, args.per_node)
     else:
         legacy(args)
