@@ -131,9 +131,10 @@ def s5_seconds(n, method):
     return statistics.fmean(steps.values()) * s5_link(n, method)
 
 
-def cnn_accuracy(variant):
-    """The digits CNN check (lr advice): a variant's mean test accuracy over its seeds, %."""
-    return load("digits_cnn_check.json")["variants"][variant]["summary"]["test_accuracy"]["mean"]
+def cnn_accuracy(variant, run="digits_cnn_check.json"):
+    """The digits CNN check (lr advice): a variant's mean test accuracy over its seeds, %
+    (`run`: digits_cnn_check_b09.json for the check at betas (0.9, 0.9))."""
+    return load(run)["variants"][variant]["summary"]["test_accuracy"]["mean"]
 
 
 # marker -> (what it is, where it comes from, its value)
@@ -197,6 +198,13 @@ FIGURES = {
                      lambda: cnn_accuracy("lion")),
     "cnn-vote-minus-lion": ("digits CNN: vote - Lion, points", "digits_cnn_check.json",
                             lambda: cnn_accuracy("vote") - cnn_accuracy("lion")),
+    "cnn-b09-vote-acc": ("digits CNN, betas (0.9, 0.9): the advised vote's mean test accuracy, %",
+                         "digits_cnn_check_b09.json", lambda: cnn_accuracy("vote", "digits_cnn_check_b09.json")),
+    "cnn-b09-lion-acc": ("digits CNN, betas (0.9, 0.9): Lion's mean test accuracy, %",
+                         "digits_cnn_check_b09.json", lambda: cnn_accuracy("lion", "digits_cnn_check_b09.json")),
+    "cnn-b09-vote-minus-tuned-lion": ("digits CNN: the vote at (0.9, 0.9) - tuned Lion, points",
+                                      "digits_cnn_check*.json",
+                                      lambda: cnn_accuracy("vote", "digits_cnn_check_b09.json") - cnn_accuracy("lion")),
     "ci-run-min": ("a CI run, minutes", "test_durations.json's ci_run_s",
                    lambda: load("test_durations.json")["ci_run_s"] / 60),
     "gpu-only-lines": ("GPU-only code lines", "tools/gpu_only_lines.sh's files", gpu_only_lines),
