@@ -158,11 +158,11 @@ def run_one(job: dict, data: dict, rank: int, n: int) -> dict:
     starts = lm.batches(train, seed, steps, job.get("batch", GLOBAL_BATCH), CTX)
     span = torch.arange(CTX + 1)
     wire = lambda: tx_bytes(os.environ.get("LIONBIT_BENCH_IF", ""))
-    curve, train_s, sent, reached, other = [], 0.0, 0, None, 0.0
+    curve, train_s, sent, reached, other, irq = [], 0.0, 0, None, 0.0, 0.0
     only_local = method == "floor"
     for first in range(0, steps, job["eval_every"]):
         dist.barrier()
-        w0, t0, c0, b0 = wire(), time.perf_counter(), time.process_time(), busy_seconds()[0]
+        w0, t0, c0, (b0, _, i0) = wire(), time.perf_counter(), time.process_time(), busy_seconds()
         for s in starts[first: first + job["eval_every"]]:
             local = s.view(n, -1)[rank]
             opt.zero_grad()
@@ -173,13 +173,17 @@ def run_one(job: dict, data: dict, rank: int, n: int) -> dict:
                 lm.loss_of(ddp, train[local[:, None] + span]).backward()
             opt.step()
             sched.step()
-        dt, dw, dc, db = time.perf_counter() - t0, wire() - w0, time.process_time() - c0, busy_seconds()[0] - b0
-        row = gather_rows(torch.tensor([dt, float(max(dw, 0)), dc, db], dtype=torch.float64))
+        b1, _, i1 = busy_seconds()
+        dt, dw, dc = time.perf_counter() - t0, wire() - w0, time.process_time() - c0
+        row = gather_rows(torch.tensor([dt, float(max(dw, 0)), dc, b1 - b0, i1 - i0], dtype=torch.float64))
         train_s += row[:, 0].max().item()
         sent += int(row[:, 1].max().item())
-        # Cores busy with anything but the ranks during these steps (the machine's busy
-        # seconds, read on rank 0, less every rank's own CPU seconds).
-        other += max(0.0, row[0, 3].item() - row[:, 2].sum().item())
+        # Cores busy with anything but the ranks during these steps: the machine's busy
+        # seconds (read on rank 0) less every rank's own CPU seconds, split into interrupt
+        # time (irq + softirq: the emulated links' veth and tbf work on the ranks' packets,
+        # charged to no process) and the rest (other processes: what "a quiet machine" is about).
+        irq += row[0, 4].item()
+        other += max(0.0, row[0, 3].item() - row[0, 4].item() - row[:, 2].sum().item())
         done = min(first + job["eval_every"], steps)
         ddp.eval()
         val = lm.evaluate(ddp, evals, rank, n)
@@ -192,7 +196,8 @@ def run_one(job: dict, data: dict, rank: int, n: int) -> dict:
             break
     last = curve[-1][0]
     return dict(job, reached=reached, curve=curve, steps_run=last, seconds_per_step=train_s / last,
-                not_ranks_cores=other / max(train_s, 1e-9), final_val_loss=curve[-1][3], world_size=n)
+                not_ranks_cores=other / max(train_s, 1e-9), interrupt_cores=irq / max(train_s, 1e-9),
+                final_val_loss=curve[-1][3], world_size=n)
 
 
 def worker(args) -> None:
@@ -217,7 +222,8 @@ def worker(args) -> None:
             got = (f"target at step {r['steps']}, {r['seconds']:.1f} s, {r['bytes'] / 1e6:.1f} MB"
                    if r else f"{rec['steps_run']} steps, val {rec['final_val_loss']:.3f}")
             print(f"  {args.link} N={n} {job.get('lever', job['method']):<16} {job['hp']} seed {job['seed']}: {got}; "
-                  f"{rec['seconds_per_step'] * 1e3:.0f} ms/step, not ranks {rec['not_ranks_cores']:.2f}", flush=True)
+                  f"{rec['seconds_per_step'] * 1e3:.0f} ms/step, not ranks {rec['not_ranks_cores']:.2f}, "
+                  f"link irq {rec['interrupt_cores']:.2f}", flush=True)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)
@@ -413,7 +419,7 @@ class Suite:
                  f"link, seed {seed}.",
                  "", "| N | method | lr, wd | reached | steps to target | s/step on the link | s to target "
                  "(steps x s/step) | end to end on the link | MB sent per rank to target | vs best other | "
-                 "not ranks |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "not ranks | link irq |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         rows = {}
         for (n, m), rs in cell.items():
             ok = [r["reached"] for r in rs if r["reached"]]
@@ -434,7 +440,7 @@ class Suite:
             vs = f"{best[n] / v['secs']:.2f}x" if n in best and math.isfinite(v["secs"]) else "-"
             lines.append(f"| {n} | {m} | {hp[m]['lr']:g}, {hp[m]['weight_decay']:g} | {len(ok)}/{len(v['rs'])} | {st} "
                          f"| {v['sps']:.3f} | {v['secs']:.1f} | {e2e} | {mb} | {vs} | "
-                         f"{lk['not_ranks_cores'] if lk else float('nan'):.2f} |")
+                         f"{lk['not_ranks_cores'] if lk else float('nan'):.2f} | {irq_cell(lk)} |")
         lines += self.per_seed(rows)
         floor = {r["world_size"]: r["seconds_per_step"] for r in link if r["method"] == "floor"}
         for n, f in sorted(floor.items()):
@@ -494,6 +500,12 @@ class Suite:
             ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(os.path.join(self.dir, "curves.png"), dpi=110)
+
+
+def irq_cell(link_run) -> str:
+    """The "link irq" cell: cores in irq + softirq during a link run's steps (runs made before
+    the column existed counted them under "not ranks" and show "-")."""
+    return f"{link_run['interrupt_cores']:.2f}" if link_run and "interrupt_cores" in link_run else "-"
 
 
 def main() -> None:

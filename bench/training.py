@@ -168,12 +168,14 @@ def make_model(cfg: dict):
 
 
 def busy_seconds():
-    """(busy, steal): CPU seconds all cores have run something (user, nice, system, irq,
-    softirq in /proc/stat) and seconds the hypervisor gave them to someone else (steal)."""
+    """(busy, steal, interrupts): CPU seconds all cores have run something (user, nice,
+    system, irq, softirq in /proc/stat), seconds the hypervisor gave them to someone else
+    (steal), and the part of busy spent in irq and softirq (the emulated links' veth and
+    tbf work, which the kernel charges to no process)."""
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
     hz = os.sysconf("SC_CLK_TCK")
-    return (v[0] + v[1] + v[2] + v[5] + v[6]) / hz, v[7] / hz
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / hz, v[7] / hz, (v[5] + v[6]) / hz
 
 
 def make_lion(params, lr: float, betas, weight_decay: float):
