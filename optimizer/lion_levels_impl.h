@@ -1,15 +1,51 @@
-// Internal: the per-ISA part of optimizer/lion_levels.h. Included by
-// lion_impl.h inside its per-ISA anonymous namespace, after the vector types
-// (Sc, Vec) and signbits/levels_word.h (the quantizer of one word).
+// Internal: the per-ISA part of optimizer/lion_levels.h, compiled into each
+// instruction set's copy of the Lion kernels (optimizer/lion_impl.h puts them
+// in its table).
 //
 //  level_abs_sum  one pass over g and m: c in float32 (Vec), |c| widened to
 //                 float64 into sixteen lanes (lion_levels.h gives the order);
 //  pack_levels    one pass over g and m: c of 64 elements at a time into a
 //                 small buffer (and the new momentum stored, if asked), then
-//                 the buffer's levels (quantize_any) ORed into the planes.
-//                 Elements before the first whole plane word and a short
-//                 tail go one at a time.
+//                 the buffer's levels (quantize_any, signbits/levels_word.h)
+//                 ORed into the planes. Elements before the first whole plane
+//                 word and a short tail go one at a time.
+//
+// Like lion_impl.h, the including file defines LIONBIT_OPTIM_NS (the
+// namespace of this copy) and is compiled with that ISA's flags; everything
+// here has internal linkage.
 #pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "optimizer/lion_kernels.h"
+#include "optimizer/lion_vec.h"
+#include "signbits/levels.h"
+#include "signbits/levels_word.h"
+#include "signbits/types.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#ifndef LIONBIT_OPTIM_NS
+#error "define LIONBIT_OPTIM_NS before including lion_levels_impl.h"
+#endif
+
+namespace lionbit::optim::detail::LIONBIT_OPTIM_NS {
+namespace {
+
+using bits::DType;
+using bits::kWordBits;
+using bits::word::LevelWord;
+using bits::word::or_level;
+using bits::word::or_level_word;
+using bits::word::quantize_any;
+using vec::load1;
+using vec::Sc;
+using vec::store1;
+using vec::Vec;
 
 constexpr size_t kSumLanes = 16;
 
@@ -211,3 +247,6 @@ uint64_t pack_levels(
       return 0;
   }
 }
+
+} // namespace
+} // namespace lionbit::optim::detail::LIONBIT_OPTIM_NS

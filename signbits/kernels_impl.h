@@ -13,7 +13,9 @@
 
 #include "float16.h"
 #include "kernels.h"
+#include "lanes.h"
 #include "levels.h"
+#include "levels_impl.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -305,50 +307,15 @@ PackCounts pack(DType dtype, const void* src, size_t n, uint64_t* sign, uint64_t
 
 // --------------------------------------------------------------- count ----
 
-constexpr int kLanes = 8; // words counted side by side (one zmm, two ymm)
 constexpr int kMaxPlanes = 33; // bit_width(2n) for n < 2^31
 
-// The counters hold L words side by side in one value: for L = kLanes a GCC
-// vector of 8 words (one zmm, two ymm, or scalar code, as the ISA of this
-// copy allows), for L = 1 a plain word. Written with explicit vectors: left to
-// the auto-vectorizer, GCC 12 vectorized the lane loops for some plane counts
-// and not others (a vote at N = 8..15 ran 5x slower per input than at N = 16).
-typedef uint64_t Lanes8 __attribute__((vector_size(8 * kLanes)));
-// (These helpers have internal linkage: how a non-AVX-512 copy passes a
-// 64-byte vector between them is nobody else's business.)
-#pragma GCC diagnostic ignored "-Wpsabi"
-template <int L>
-struct LaneType {
-  using T = uint64_t;
-};
-template <>
-struct LaneType<kLanes> {
-  using T = Lanes8;
-};
-
-template <class T>
-inline T load_lanes(const uint64_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-template <class T>
-inline void store_lanes(uint64_t* p, T v) {
-  std::memcpy(p, &v, sizeof v);
-}
-
-inline uint64_t or_lanes(uint64_t v) {
-  return v;
-}
-
-inline uint64_t or_lanes(Lanes8 v) {
-  uint64_t r = 0;
-  for (int l = 0; l < kLanes; ++l) {
-    r |= v[l];
-  }
-  return r;
-}
+// The counters' lanes: signbits/lanes.h.
+using lanes::kLanes;
+using lanes::Lanes8;
+using lanes::LaneType;
+using lanes::load_lanes;
+using lanes::or_lanes;
+using lanes::store_lanes;
 
 // Adds the bit-vector x into the bit-sliced counters c[0..planes). P > 0:
 // the number of planes is the compile-time constant P (the loop unrolls and
@@ -554,10 +521,7 @@ bool vote(const Contribution* in, int n, size_t words, uint64_t* out_sign, uint6
 }
 
 // -------------------------------------------------------------- levels ----
-
-#include "levels_word.h"
-// (after levels_word.h: it quantizes with quantize_any)
-#include "levels_impl.h"
+// pack_levels and vote_levels: signbits/levels_impl.h.
 
 // -------------------------------------------------------------- unpack ----
 

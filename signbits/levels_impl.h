@@ -1,16 +1,44 @@
-// Internal: Lion Cub's L1 levels (signbits/levels.h), the per-ISA part.
-// Included by kernels_impl.h inside its per-ISA anonymous namespace, after
-// the counters' lane types (LaneType, load_lanes, store_lanes) and
-// levels_word.h.
+// Internal: Lion Cub's L1 levels (signbits/levels.h), the per-ISA part of
+// the bit kernels (signbits/kernels_impl.h puts them in its table).
 //
 //  pack_levels   c -> p bit-planes: elements up to a word boundary and a
 //                short tail one at a time (level_value), whole words through
-//                quantize_any (the ISA's vector quantizer);
+//                quantize_any (the ISA's vector quantizer, levels_word.h);
 //  vote_levels   the owner's exact sum of N ranks' values: bit-sliced
 //                ripple-carry counters, 8 words side by side (one zmm, two
-//                ymm or eight scalar words), then the comparison of the sum
-//                of u = q + s with N * s, most significant plane first.
+//                ymm or eight scalar words: lanes.h), then the comparison of
+//                the sum of u = q + s with N * s, most significant plane first.
+//
+// Like kernels_impl.h, the including file defines LIONBIT_KERNELS_NS (the
+// namespace of this copy) and is compiled with that ISA's flags; everything
+// here has internal linkage.
 #pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "signbits/lanes.h"
+#include "signbits/levels.h"
+#include "signbits/levels_word.h"
+#include "signbits/types.h"
+
+#ifndef LIONBIT_KERNELS_NS
+#error "define LIONBIT_KERNELS_NS before including levels_impl.h"
+#endif
+
+namespace lionbit::bits::detail::LIONBIT_KERNELS_NS {
+namespace {
+
+using lanes::kLanes;
+using lanes::LaneType;
+using lanes::load_lanes;
+using lanes::store_lanes;
+using word::LevelWord;
+using word::or_level;
+using word::or_level_word;
+using word::quantize_any;
 
 uint64_t pack_levels(
     const float* c,
@@ -167,3 +195,6 @@ void vote_levels(
   const int width = bit_width(static_cast<uint64_t>(n) * 2 * static_cast<uint64_t>(level_span(p)));
   vote_levels_bits(in, n, p, words, width, out_sign, out_tie);
 }
+
+} // namespace
+} // namespace lionbit::bits::detail::LIONBIT_KERNELS_NS

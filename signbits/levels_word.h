@@ -1,8 +1,7 @@
 // Internal: the quantizer of Lion Cub's L1 levels (signbits/levels.h) for one
 // 64-element word, written once and compiled into each instruction set's
-// copy. Included inside an anonymous namespace by the per-ISA kernel files:
-// signbits/kernels_impl.h (bits::pack_levels, from c) and
-// optimizer/lion_impl.h (optim::lion_pack_levels, from g and m), which are
+// copy: signbits/levels_impl.h (bits::pack_levels, from c) and
+// optimizer/lion_levels_impl.h (optim::lion_pack_levels, from g and m), both
 // compiled with that ISA's flags; every copy computes the same bits as
 // bits::level_value, element by element (tests/cpp compare them).
 //
@@ -11,11 +10,23 @@
 // conversion to an integer are exact. Words with a non-finite c, and calls
 // with a non-finite factor, take level_value one element at a time.
 //
-// It opens no namespace and includes nothing: the including file includes
-// signbits/levels.h (and <immintrin.h> for an x86 copy) first, then this
-// file inside its own per-ISA anonymous namespace, so that no inline function
-// compiled with one ISA's flags can be picked by the linker for another.
+// Everything here has internal linkage (an anonymous namespace): each
+// translation unit that includes this file gets its own copy, compiled with
+// that unit's flags, so no inline function compiled with one ISA's flags can
+// be picked by the linker for another.
 #pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "signbits/levels.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace lionbit::bits::word {
+namespace {
 
 // A word of levels: the p plane words of 64 consecutive elements.
 struct LevelWord {
@@ -44,6 +55,10 @@ inline void quantize_scalar(
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+// GCC 12's headers trip -Wmaybe-uninitialized on the inlined conversions'
+// unused pass-through operand (GCC bug 105593, fixed in 13).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // 16 levels q of c[0..16) as int32 (c and factor finite).
 inline __m512i levels16(const float* c, __m512d f, __m512d lo, __m512d hi) {
   const __m512 v = _mm512_loadu_ps(c);
@@ -91,6 +106,7 @@ inline void quantize_word(const float* c, double factor, int p, LevelWord& out) 
         _mm512_test_epi8_mask(u, _mm512_set1_epi8(static_cast<char>(1 << b))));
   }
 }
+#pragma GCC diagnostic pop
 #elif defined(__AVX2__)
 // 8 levels q of c[0..8) as int16 (c and factor finite).
 inline __m128i levels8(const float* c, __m256d f, __m256d lo, __m256d hi) {
@@ -177,3 +193,6 @@ inline void or_level_word(
     planes[static_cast<size_t>(b) * plane_words + word] |= w.plane[b];
   }
 }
+
+} // namespace
+} // namespace lionbit::bits::word
