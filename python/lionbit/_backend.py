@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _C, lion_math
+from . import _C, lion_math, torch_internals
 from .hierarchy import ensure_hierarchy
 
 BACKEND_NAME = "lionbit"
@@ -36,7 +36,7 @@ def cuda_transport() -> str:
 def _nccl(prefix: str, store, rank: int, size: int, timeout: timedelta):
     opts = dist.ProcessGroupNCCL.Options()
     opts.is_high_priority_stream = False
-    opts._timeout = timeout
+    torch_internals.set_nccl_timeout(opts, timeout)
     return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, opts)
 
 
@@ -68,21 +68,21 @@ def backend_for(group: Optional[dist.ProcessGroup], device: torch.device, what: 
             f"lionbit.{what}: the default process group is not initialized; call "
             f"torch.distributed.init_process_group('lionbit') first"
         )
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    pg = group if group is not None else torch_internals.default_group()
     where = f"lionbit.{what} on rank {pg.rank()}"
     try:
-        backend = pg._get_backend(device)
+        backend = torch_internals.backend_object(pg, device)
     except RuntimeError:
         # A device the group has no backend for (meta, xpu, ...): the CPU
         # backend rejects the tensor with a clear error and tells the peers.
         try:
-            backend = pg._get_backend(torch.device("cpu"))
+            backend = torch_internals.backend_object(pg, torch.device("cpu"))
         except RuntimeError as err:
             raise RuntimeError(f"{where}: the group has no backend for device type '{device.type}' ({err})") from None
     if not isinstance(backend, _C.LionBitBackend):
         raise RuntimeError(
             f"{where}: the group's backend for device type '{device.type}' is "
-            f"'{pg._get_backend_name()}', not lionbit; create the group with "
+            f"'{torch_internals.backend_name(pg)}', not lionbit; create the group with "
             f"init_process_group('lionbit') or new_group(backend='lionbit')"
         )
     return backend
@@ -257,7 +257,7 @@ def _momentum_sync_counters_of(backend, group: Optional[dist.ProcessGroup] = Non
     counters = _momentum_sync_counters.get(backend)
     if counters is None:
         counters = _momentum_sync_counters[backend] = dict.fromkeys(_MOMENTUM_SYNC_KEYS, 0)
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    pg = group if group is not None else torch_internals.default_group()
     _backends_of_groups.setdefault(pg, set()).add(backend)
     return counters
 

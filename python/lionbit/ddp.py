@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import join, lion_math, step_vote
+from . import join, lion_math, step_vote, torch_internals
 from ._backend import backend_for
 from .attachment import HOOKED_DDP_MODELS, Attachment
 from .errors import PeerRejected
@@ -242,7 +242,7 @@ class DDPAttachment(Attachment):
         for bv in self.started:
             for p in bv.params:
                 g = p.grad
-                self.versions[p] = None if g is None else (id(g), g._version)
+                self.versions[p] = _version_of(g)
 
     # -- step -----------------------------------------------------------------
     def step(self, grad_scaler=None, abstain: bool = False) -> bool:
@@ -269,10 +269,10 @@ class DDPAttachment(Attachment):
         if started:
             # Under a TorchDispatchMode (FlopCounterMode, ...) in-place ops do
             # not bump version counters: nothing can be told, so vote again.
-            dispatch_mode = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)() > 0
+            dispatch_mode = torch_internals.in_dispatch_mode()
             changed = not abstain and (
                 scaled or dispatch_mode or versions is None or any(bv.work is None for bv in started) or any(
-                    versions.get(p, False) != (None if p.grad is None else (id(p.grad), p.grad._version))
+                    versions.get(p, False) != _version_of(p.grad)
                     for bv in started
                     for p in bv.params
                 )
@@ -407,15 +407,19 @@ def _reject_call(group, device) -> None:
         pass  # expected: the backend refused it (and told the peers)
 
 
+def _version_of(g):
+    """What tells whether p.grad changed: the tensor and its in-place version (None: no gradient)."""
+    return None if g is None else (id(g), torch_internals.version(g))
+
+
 def _after_ddp_finalize(fn) -> None:
     """Runs fn at the end of this backward, after DDP's own end-of-backward
     callback (which waits for the hooks' futures and writes the buckets back
     into p.grad). DDP queues that callback right after the last bucket's hook
     returns; a callback queued from within the hook runs before it, so ours
     queues a second one, which runs after it."""
-    engine = torch.autograd.Variable._execution_engine
     try:
-        engine.queue_callback(lambda: engine.queue_callback(fn))
+        torch_internals.queue_after_backward(lambda: torch_internals.queue_after_backward(fn))
     except RuntimeError:  # not in a backward pass (the hook run by hand): nothing to wait for
         fn()
 
@@ -424,7 +428,7 @@ def _hook(slot: _HookSlot, bucket: dist.GradBucket) -> torch.futures.Future[torc
     """DDP comm hook: the bucket's local gradients go back to p.grad as they
     are; with overlap, their directions' vote starts now."""
     att = slot.attachment
-    if att is not None and torch._C._current_graph_task_id() == -1:
+    if att is not None and not torch_internals.in_backward():
         # Outside any backward pass: DDP's join hook shadowing the peers'
         # backward on a rank that has run out of data (torch's Join).
         with torch.no_grad():

@@ -74,7 +74,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import lion_math, step_vote, user_warning
+from . import lion_math, step_vote, torch_internals, user_warning
 from ._backend import backend_for
 from .attachment import Attachment
 
@@ -108,73 +108,11 @@ def check_not_partly_sharded(model) -> None:
         )
 
 
-# -- torch's FSDP2 internals, all in this section ---------------------------
-# FSDP2 has no public way to learn how a unit's gradients lie in its
-# reduce-scatter input, so lionbit reads FSDP's parameter groups and learns the
-# layout of each reduction from inside FSDP. Two generations are known:
-# torch >= 2.12 (a list of parameter groups per module, and a per-group hook
-# `_prepare_reduce_scatter_inputs` that returns the padded sizes) and
-# torch 2.11 (one group per module, `_fsdp_param_group`, and the padded sizes
-# computed inside `_fsdp_param_group.foreach_reduce`, which lionbit wraps).
-# Every FSDP2 test fails loudly (NotImplementedError, naming what is missing)
-# when torch changes either.
+# -- the reduce-scatter ------------------------------------------------------
+# (torch's FSDP2 internals that it needs: lionbit.torch_internals)
 
 
-def _unsupported(what) -> NotImplementedError:
-    return NotImplementedError(
-        f"{_WHERE}: this torch {torch.__version__} does not have the FSDP2 internals lionbit uses "
-        f"({what}); lionbit is tested with torch 2.11 and 2.15"
-    )
-
-
-def _param_groups_of(module) -> list:
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12
-    if groups is not None:
-        return list(groups)
-    if not hasattr(state, "_fsdp_param_group"):
-        raise _unsupported("FSDPState has neither _fsdp_param_groups nor _fsdp_param_group")
-    one = state._fsdp_param_group  # torch 2.11: None for a module without parameters
-    return [one] if one is not None else []
-
-
-def _has_prepare_hook(param_group) -> bool:
-    return hasattr(param_group, "_prepare_reduce_scatter_inputs")
-
-
-def _foreach_reduce_module():
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group  # optional: torch 2.11's internals only
-
-    return _fsdp_param_group
-
-
-def _install_layout_spy() -> None:
-    """torch 2.11: wraps FSDP's foreach_reduce (once per process) so that a
-    lionbit reduce-scatter learns the unit's layout before FSDP calls it: the
-    FSDP parameters with gradients, in order, and their dim-0 padded sizes
-    (Shard(0) only, which attach checks). Other reduce-scatters pass through."""
-    module = _foreach_reduce_module()
-    original = getattr(module, "foreach_reduce", None)
-    if original is None:
-        raise _unsupported("_fsdp_param_group.foreach_reduce")
-    if getattr(original, "_lionbit_spy", False):
-        return
-    from torch.distributed.fsdp._fully_shard._fsdp_common import _get_dim0_padded_size  # optional: torch 2.11 only
-
-    def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-                       reduce_scatter_comm, *args, **kwargs):
-        if isinstance(reduce_scatter_comm, _SignReduceScatter):
-            n = reduce_scatter_group.size() if reduce_scatter_group is not None else 1
-            sizes = tuple(_get_dim0_padded_size(g.size(), n) for g in unsharded_grads)
-            reduce_scatter_comm.learn_layout(fsdp_params, sizes)
-        return original(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-                        reduce_scatter_comm, *args, **kwargs)
-
-    foreach_reduce._lionbit_spy = True
-    module.foreach_reduce = foreach_reduce
-
-
-class _SignReduceScatter:
+class _SignReduceScatter(torch_internals.LayoutLearner):
     """The custom reduce-scatter of one FSDP parameter group: it takes the
     unit's local gradients for ``step()`` and reduces nothing."""
 
@@ -184,19 +122,8 @@ class _SignReduceScatter:
         self.layout = None  # (fsdp_params, padded unsharded sizes) of the pending call
         self.params: List = []  # the FSDPParams of the last reduce-scatter, in FSDP's layout order
         self.group = None  # its process group
-        self.default_comm = param_group._reduce_scatter_comm
-        self.default_prepare = None
-        if not _has_prepare_hook(param_group):
-            _install_layout_spy()  # torch 2.11
-            return
-        self.default_prepare = default_prepare = param_group._prepare_reduce_scatter_inputs
-
-        def prepare(fsdp_params, unsharded_grads, world_size):
-            sizes = default_prepare(fsdp_params, unsharded_grads, world_size)
-            self.learn_layout(fsdp_params, sizes)
-            return sizes
-
-        param_group._prepare_reduce_scatter_inputs = prepare
+        self.default_comm = torch_internals.fsdp2_reduce_scatter_comm(param_group, _WHERE)
+        self.undo_learning = torch_internals.fsdp2_learn_layouts(param_group, self, _WHERE)
 
     def learn_layout(self, fsdp_params, sizes) -> None:
         """FSDP is about to reduce the unit's gradients, laid out as ``sizes``
@@ -208,9 +135,9 @@ class _SignReduceScatter:
 
     def uninstall(self) -> None:
         """Gives FSDP its own reduce-scatter back."""
-        if self.default_prepare is not None:
-            self.pg._prepare_reduce_scatter_inputs = self.default_prepare
-        self.pg._reduce_scatter_comm = self.default_comm
+        if self.undo_learning is not None:
+            self.undo_learning()
+        torch_internals.fsdp2_restore_reduce_scatter_comm(self.pg, self.default_comm)
 
     # FSDP's Comm interface
     def allocate(self, size, *, dtype, device):
@@ -296,7 +223,7 @@ class FSDP2Attachment(Attachment):
         ]
 
     def full_momentum(self, p: torch.Tensor) -> torch.Tensor:
-        return self.opt.momentum_of(p, self.managed[p]._orig_size)
+        return self.opt.momentum_of(p, torch_internals.fsdp2_orig_size(self.managed[p]))
 
     def marker(self):
         return {"rank": self.mesh.get_local_rank(), "world_size": self.mesh.size()}
@@ -324,24 +251,23 @@ def _managed(opt, model):
     installs = []
     groups = set()
     for module in modules:
-        pgs = _param_groups_of(module)
+        pgs = torch_internals.fsdp2_param_groups(module, _WHERE)
         if not pgs:
             continue
         for pg in pgs:
-            if not hasattr(pg, "_reduce_scatter_comm"):
-                raise _unsupported("FSDPParamGroup._reduce_scatter_comm")
-            if isinstance(pg._reduce_scatter_comm, _SignReduceScatter):
+            comm = torch_internals.fsdp2_reduce_scatter_comm(pg, _WHERE)
+            if isinstance(comm, _SignReduceScatter):
                 raise RuntimeError(f"{_WHERE}: the model is already attached to a DistributedLion")
-            if type(pg._reduce_scatter_comm).__name__ != "DefaultReduceScatter":
+            if type(comm).__name__ != "DefaultReduceScatter":
                 raise ValueError(
-                    f"{_WHERE}: FSDP unit '{pg._module_fqn or '<root>'}' already has a custom reduce-scatter "
-                    f"({type(pg._reduce_scatter_comm).__name__}); lionbit needs to install its own"
+                    f"{_WHERE}: FSDP unit '{torch_internals.fsdp2_unit_name(pg)}' already has a custom "
+                    f"reduce-scatter ({type(comm).__name__}); lionbit needs to install its own"
                 )
             if getattr(pg, "gradient_divide_factor", None) is not None:
                 raise ValueError(f"{_WHERE}: set_gradient_divide_factor is not supported (Lion needs the raw local gradient)")
             if getattr(pg, "force_sum_reduction_for_comms", False):
                 raise ValueError(f"{_WHERE}: set_force_sum_reduction_for_comms(True) is not supported")
-            if getattr(pg, "_all_reduce_hook", None) is not None:
+            if torch_internals.fsdp2_all_reduce_hook(pg) is not None:
                 raise ValueError(f"{_WHERE}: set_all_reduce_hook is not supported (the output is Lion's update, not a gradient)")
             for fp in pg.fsdp_params:
                 p = fp.sharded_param
@@ -362,7 +288,7 @@ def _managed(opt, model):
                 if fp.offload_to_cpu:
                     raise NotImplementedError(f"{_WHERE}: CPUOffloadPolicy is not supported (parameter '{name}')")
                 opt.check_param(p, "attach (FSDP2)")  # CPU, or CUDA where this build has the CUDA path
-                if len(fp._orig_size) == 0:
+                if len(torch_internals.fsdp2_orig_size(fp)) == 0:
                     raise NotImplementedError(f"{_WHERE}: 0-dim parameter '{name}' is not supported")
                 if p.requires_grad and p not in known:
                     raise ValueError(
@@ -370,7 +296,7 @@ def _managed(opt, model):
                         f"it would be voted with no momentum or hyperparameters"
                     )
                 managed[p] = fp
-            groups.add(pg._reduce_scatter_process_group if hasattr(pg, "_reduce_scatter_process_group") else None)
+            groups.add(torch_internals.fsdp2_reduce_scatter_group(pg))
             installs.append((module, pg))
     if not modules or not managed:
         raise ValueError(f"{_WHERE}: the model has no fully_shard-ed parameters")
@@ -391,7 +317,7 @@ def _pieces(fsdp_params, n: int):
     in the chunk, rows per chunk, elements per row); and the chunk's size."""
     pieces, off = [], 0
     for fp in fsdp_params:
-        size = fp._orig_size
+        size = torch_internals.fsdp2_orig_size(fp)
         rows = -(-size[0] // n)  # dim 0 padded to a multiple of n
         row = 1
         for d in size[1:]:
@@ -432,10 +358,10 @@ def fsdp_capture(att, layout, inp, out, group, where) -> None:
         else:
             old = None
         dtype = getattr(fp, "sharded_grad_dtype", None) or p.dtype  # the dtype FSDP gives p.grad
-        full = torch.empty(fp._orig_size, dtype=dtype, device=inp.device)
+        full = torch.empty(torch_internals.fsdp2_orig_size(fp), dtype=dtype, device=inp.device)
         flat = full.view(-1)
         for r in range(n):
-            valid = _valid(fp._orig_size[0], rows, r) * row
+            valid = _valid(torch_internals.fsdp2_orig_size(fp)[0], rows, r) * row
             if valid:
                 flat[r * rows * row : r * rows * row + valid].copy_(gin[r, off : off + valid])
         if old is not None:
@@ -496,7 +422,7 @@ def fsdp_vote(att):
             p = fp.sharded_param
             m = att.full_momentum(p).view(-1)
             coefs = lion_math.Coefs(groups[p])
-            dim0 = fp._orig_size[0]
+            dim0 = torch_internals.fsdp2_orig_size(fp)[0]
             # FSDP's chunk r of the parameter: its rows [r * rows, (r + 1) * rows), padding left out.
             votes.append((g, m, coefs, [(r, r * rows * row, _valid(dim0, rows, r) * row, off) for r in range(n)]))
             local = p.to_local()
@@ -564,7 +490,7 @@ def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optiona
     rank; a plain tensor of the parameter's shape (what torch's default
     state_dict held before): taken as it is, its name added to ``unsure``
     (see :func:`_warn_unsure`)."""
-    shape = tuple(att.managed[p]._orig_size)
+    shape = tuple(torch_internals.fsdp2_orig_size(att.managed[p]))
     mesh = p.device_mesh
     n, rank = mesh.size(), mesh.get_local_rank()
     rows = (n, *shape)
@@ -634,7 +560,7 @@ def state_dict(att) -> dict:
     consolidated checkpoint of every rank's momentum, N times a parameter's
     size."""
     opt = att.opt
-    for hook in getattr(opt, "_optimizer_state_dict_pre_hooks", {}).values():
+    for hook in torch_internals.state_dict_hooks(opt, "state_dict_pre"):
         hook(opt)
     init_momentum(att)
     index: Dict[int, int] = {}
@@ -653,7 +579,7 @@ def state_dict(att) -> dict:
                 k: (_rows(p, v) if k == "exp_avg" and p in att.managed else v) for k, v in st.items()
             }
     sd = {"state": state, "param_groups": groups}
-    for hook in getattr(opt, "_optimizer_state_dict_post_hooks", {}).values():
+    for hook in torch_internals.state_dict_hooks(opt, "state_dict_post"):
         out = hook(opt, sd)
         if out is not None:
             sd = out
@@ -673,7 +599,7 @@ def load_state_dict(att, state_dict: dict) -> None:
     where = "DistributedLion.load_state_dict (FSDP2)"
     opt = att.opt
     sd = dict(state_dict)
-    for hook in getattr(opt, "_optimizer_load_state_dict_pre_hooks", {}).values():
+    for hook in torch_internals.state_dict_hooks(opt, "load_state_dict_pre"):
         out = hook(opt, sd)
         if out is not None:
             sd = out
@@ -724,7 +650,7 @@ def load_state_dict(att, state_dict: dict) -> None:
         for k, v in saved.items():
             if k != "params":
                 mine[k] = tuple(v) if k == "betas" else copy.deepcopy(v)
-    for hook in getattr(opt, "_optimizer_load_state_dict_post_hooks", {}).values():
+    for hook in torch_internals.state_dict_hooks(opt, "load_state_dict_post"):
         hook(opt)
 
 

@@ -53,15 +53,14 @@ from typing import List, Optional
 
 import torch
 
-from . import lion_math, step_vote
+from . import lion_math, step_vote, torch_internals
 from ._backend import backend_for
 from .attachment import Attachment
 
 try:
-    import torch.distributed.fsdp._traversal_utils as traversal_utils
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 except ImportError:  # pragma: no cover - optional: a torch without FSDP1
-    FSDP = ShardingStrategy = traversal_utils = None
+    FSDP = ShardingStrategy = None
 
 _WHERE = "DistributedLion.attach (FSDP1)"
 _FSDP_PREFIX = "_fsdp_wrapped_module"
@@ -81,23 +80,22 @@ class _Unit:
     hyperparameter groups per original parameter, local momentum and (sharded
     strategies) this rank's kept local gradient."""
 
-    def __init__(self, att, module, name: str, segments, numel: int, sharded: bool, group):
+    def __init__(self, att, module, layout, name: str, segments, numel: int, sharded: bool, group):
         self.att = att
         self.opt = att.opt
         self.module = module
         self.name = name
-        self.handle = module._handle
+        self.flat_param = fp = layout.flat_param
         self.segments = segments  # (offset in the unpadded flat param, numel, optimizer group, fqn)
         self.numel = numel  # unpadded flat numel (alignment padding included)
         self.sharded = sharded
         self.group = group
         self.momentum: Optional[torch.Tensor] = None
-        fp = self.handle.flat_param
         self.device = fp.device  # where every buffer of the unit lives (its momentum, planes, Delta)
         self.shard_numel = fp.numel()  # S: FSDP shards at construction (padding included)
         # use_orig_params=True: the original parameters, whose .grad (views of
         # the sharded flat gradient) are what the user sets to None
-        self.orig = fp._params if self.handle._use_orig_params else None
+        self.orig = layout.params
         # Sharded strategies: this rank's full local flat gradient (unpadded),
         # kept from backward for step() and clipping; and the sharded gradient
         # tensor FSDP holds, with its version, as lionbit last saw it.
@@ -115,7 +113,7 @@ class _Unit:
 
     def see(self, g: Optional[torch.Tensor]) -> None:
         """Records the sharded gradient as it stands now: lionbit's own state."""
-        self.shown, self.shown_version = g, (-1 if g is None else g._version)
+        self.shown, self.shown_version = g, (-1 if g is None else torch_internals.version(g))
 
 
 def _fsdp1_hook(unit: _Unit, grad: torch.Tensor, output: Optional[torch.Tensor] = None) -> None:
@@ -127,11 +125,10 @@ def _fsdp1_hook(unit: _Unit, grad: torch.Tensor, output: Optional[torch.Tensor] 
 
 
 def _check_grad(unit: _Unit, grad: torch.Tensor, expect: int) -> None:
-    fp = unit.handle.flat_param
     if grad.numel() != expect or grad.dim() != 1:
         raise RuntimeError(
             f"{unit.where()}: FSDP passed a gradient of shape {tuple(grad.shape)}, expected {expect} elements for "
-            f"this unit's FlatParameter ({fp._unpadded_unsharded_size.numel()} unpadded): an unsupported FSDP code "
+            f"this unit's FlatParameter ({unit.numel} unpadded): an unsupported FSDP code "
             f"path or torch version (lionbit is tested with torch 2.15)"
         )
 
@@ -177,10 +174,10 @@ def _reconcile(unit: _Unit, when: str) -> None:
     "step"."""
     if unit.kept is None:
         return
-    fp = unit.handle.flat_param
+    fp = unit.flat_param
     # FSDP moves the sharded gradient there before a backward; it stays there
     # during no_sync() accumulation.
-    g = getattr(fp, "_saved_grad_shard", None)
+    g = torch_internals.fsdp1_saved_grad_shard(fp)
     if g is None and when != "backward":  # (in the hook, FSDP has cleared .grad)
         g = fp.grad
         if g is not None and g.numel() != unit.shard_numel:  # only the unsharded gradient of no_sync()
@@ -192,7 +189,8 @@ def _reconcile(unit: _Unit, when: str) -> None:
         unit.see(None)
         unit.att.order.remove(unit)
         return
-    if unit.shown is not None and g.data_ptr() == unit.shown.data_ptr() and unit.shown._version == unit.shown_version:
+    if (unit.shown is not None and g.data_ptr() == unit.shown.data_ptr()
+            and torch_internals.version(unit.shown) == unit.shown_version):
         return  # untouched
     if g.numel() != unit.shard_numel or bool(g.any()):
         raise _edited(unit, when)
@@ -204,7 +202,7 @@ def _check_synchronized(units, what: str) -> None:
     """step() and clipping need the gradients of a synchronized backward: not
     an unsharded no_sync() gradient (the kept gradient has not got it yet)."""
     for unit in units:
-        g = unit.handle.flat_param.grad
+        g = unit.flat_param.grad
         if unit.sharded and g is not None and g.numel() != unit.shard_numel:
             raise RuntimeError(
                 f"{unit.where()}: {what} during no_sync() gradient accumulation (the last backward ran under "
@@ -219,8 +217,8 @@ def _fold_no_sync(unit: _Unit) -> None:
     FSDP would add their sum (kept + (g0 + g1 ...)) at the synchronized
     backward: so g goes into the kept gradient now (and its shard into FSDP's
     sharded gradient), and FSDP's unsharded one starts again from zeros."""
-    fp = unit.handle.flat_param
-    saved = getattr(fp, "_saved_grad_shard", None)
+    fp = unit.flat_param
+    saved = torch_internals.fsdp1_saved_grad_shard(fp)
     g = fp.grad
     if saved is None or g is None or g.numel() == unit.shard_numel:
         return
@@ -257,7 +255,7 @@ def _keep_sharded(unit: _Unit, grad: torch.Tensor, output: torch.Tensor) -> None
     # so it runs before ours) moves the sharded gradient into .grad; ours
     # records that tensor and its version (one per hook: the first records
     # them all, the others find nothing left).
-    torch.autograd.Variable._execution_engine.queue_callback(att.record_grads)
+    torch_internals.queue_after_backward(att.record_grads)
 
 
 def _reduce_no_shard(unit: _Unit, grad: torch.Tensor) -> None:
@@ -298,7 +296,7 @@ def _zero_padding(unit: _Unit, delta: torch.Tensor, base: int) -> None:
 
 
 def _local_shard(unit: _Unit) -> torch.Tensor:
-    local = unit.handle.flat_param.data
+    local = unit.flat_param.data
     if local.numel() != unit.shard_numel or not local.is_contiguous():
         raise RuntimeError(
             f"{unit.where()}: step() found the local FlatParameter with {local.numel()} elements, its shard has "
@@ -342,7 +340,7 @@ def no_shard_entries(att) -> list:
     opt = att.opt
     entries = []
     for unit in att.units:
-        fp = unit.handle.flat_param
+        fp = unit.flat_param
         if unit.sharded or fp.grad is None:
             continue
         g, x, m = fp.grad.view(-1), fp.data.view(-1), unit.momentum_tensor()
@@ -379,9 +377,9 @@ class FSDP1Attachment(Attachment):
         model.register_comm_hook(self.units[0], _fsdp1_hook)
         by_module = {u.module: u for u in self.units}
         for state in self.states:
-            if state._comm_hook is not _fsdp1_hook:
+            if torch_internals.fsdp1_comm_hook(state) is not _fsdp1_hook:
                 raise RuntimeError(f"{_WHERE}: register_comm_hook did not reach every FSDP instance")
-            state._comm_hook_state = by_module.get(state)
+            torch_internals.fsdp1_set_hook_state(state, by_module.get(state))
         # FSDP1's clipping API, on this model only (an instance attribute: not
         # in its state_dict; detach() restores FSDP's method).
         self.users_clip = vars(model).get("clip_grad_norm_")
@@ -393,7 +391,7 @@ class FSDP1Attachment(Attachment):
 
     def detach(self) -> None:
         for state in self.states:
-            state._comm_hook = state._comm_hook_state = None  # FSDP's own reduce-scatter again
+            torch_internals.fsdp1_clear_comm_hook(state)  # FSDP's own reduce-scatter again
         self.forward_hook.remove()
         if vars(self.model).get("clip_grad_norm_") == self.clip_grad_norm_:
             if self.users_clip is None:
@@ -410,7 +408,7 @@ class FSDP1Attachment(Attachment):
         """At the end of a backward: the sharded gradients FSDP set, as lionbit's state."""
         hooked, self.hooked = self.hooked, []
         for unit in hooked:
-            unit.see(unit.handle.flat_param.grad)
+            unit.see(unit.flat_param.grad)
 
     def _before_forward(self, module, args) -> None:
         """Frees the kept gradients the user dropped (zero_grad(set_to_none=True))
@@ -441,12 +439,12 @@ class FSDP1Attachment(Attachment):
                 g = param.grad
             else:
                 off, numel, _, _ = unit.segments[index]
-                flat = unit.kept if unit.sharded else unit.handle.flat_param.grad
+                flat = unit.kept if unit.sharded else unit.flat_param.grad
                 g = None if flat is None else flat.view(-1)[off : off + numel]
             if g is not None:
                 grads.append(g)
         for unit in self.units:
-            fp = unit.handle.flat_param
+            fp = unit.flat_param
             if unit.sharded and unit.kept is not None:
                 whole += [unit.kept] + ([fp.grad] if fp.grad is not None else [])
             elif not unit.sharded and fp.grad is not None:
@@ -459,7 +457,7 @@ class FSDP1Attachment(Attachment):
             for g in whole:  # elementwise: the same products as per parameter
                 g.mul_(coef.to(g.device))
             for unit in self.order:
-                unit.see(unit.handle.flat_param.grad)
+                unit.see(unit.flat_param.grad)
         return total
 
     # -- step -----------------------------------------------------------------------
@@ -524,7 +522,7 @@ def _norm_order(model, units) -> list:
     managed = set()
     keyed = []
     for u, unit in enumerate(units):
-        fp = unit.handle.flat_param
+        fp = unit.flat_param
         managed.add(fp)
         managed.update(unit.orig or [])
         for i, (_, _, _, fqn) in enumerate(unit.segments):
@@ -541,12 +539,9 @@ def _norm_order(model, units) -> list:
 def _units(att, opt, model):
     """Checks an FSDP1 model; returns (its units, its FSDP states, its process group)."""
     try:
-        states = traversal_utils._get_fsdp_states(model)
-    except (ImportError, AttributeError) as err:
-        raise NotImplementedError(
-            f"{_WHERE}: this torch {torch.__version__} lacks the FSDP1 internals lionbit uses ({err}); "
-            f"lionbit is tested with torch 2.15"
-        ) from None
+        states = torch_internals.fsdp1_states(model)
+    except AttributeError as err:
+        raise torch_internals.unsupported(_WHERE, str(err)) from None
     if not model.check_is_root():
         raise ValueError(f"{_WHERE}: attach the root FullyShardedDataParallel instance, not a nested one")
     # module names without FSDP's wrapper prefixes ("b", not "_fsdp_wrapped_module.b")
@@ -568,10 +563,11 @@ def _units(att, opt, model):
                 f"{_WHERE}: {label} uses sharding_strategy={strategy.name}; hybrid sharding is not supported "
                 f"(FULL_SHARD, SHARD_GRAD_OP and NO_SHARD are)"
             )
-        if state._comm_hook is not None:
+        hook = torch_internals.fsdp1_comm_hook(state)
+        if hook is not None:
             raise RuntimeError(
                 f"{_WHERE}: {label} already has a communication hook"
-                + (" (this model is already attached to a DistributedLion)" if state._comm_hook is _fsdp1_hook else "")
+                + (" (this model is already attached to a DistributedLion)" if hook is _fsdp1_hook else "")
             )
         if state.cpu_offload is not None and state.cpu_offload.offload_params:
             raise NotImplementedError(f"{_WHERE}: {label}: CPUOffload(offload_params=True) is not supported")
@@ -587,41 +583,40 @@ def _units(att, opt, model):
             group0 = state.process_group
         elif state.process_group is not group0:
             raise NotImplementedError(f"{_WHERE}: {label} uses another process group than the root")
-        handle = state._handle
-        if handle is None:
+        layout = torch_internals.fsdp1_layout(state)
+        if layout is None:
             continue
-        fp = handle.flat_param
+        fp = layout.flat_param
         opt.check_param(fp, "attach (FSDP1)")  # CPU, or CUDA where this build has the CUDA path
-        use_orig = handle._use_orig_params
-        if use_orig and fp._params is None:
+        if layout.use_orig_params and layout.params is None:
             raise RuntimeError(
                 f"{_WHERE}: {label}: use_orig_params=True but the FlatParameter keeps no original parameters"
             )
         prefix = f"{name}." if name else ""
         segments = []
         off, i = 0, 0
-        for numel, padding in zip(fp._numels_with_padding, fp._is_padding_mask):
+        for numel, padding, fqn in layout.spans:
             if not padding:
-                fqn = prefix + fp._fqns[i]
-                owner = fp._params[i] if use_orig else fp
+                owner = layout.params[i] if layout.use_orig_params else fp
                 if owner.requires_grad:
                     group = known.get(owner)
                     if group is None:
                         raise ValueError(
-                            f"{_WHERE}: the FSDP model's parameter '{fqn}' "
-                            + ("" if use_orig else f"(in the FlatParameter of {label}) ")
+                            f"{_WHERE}: the FSDP model's parameter '{prefix + fqn}' "
+                            + ("" if layout.use_orig_params else f"(in the FlatParameter of {label}) ")
                             + "is not in this optimizer; it would be voted with no momentum or hyperparameters"
                         )
                     covered.add(owner)
-                    segments.append((off, numel, group, fqn))
+                    segments.append((off, numel, group, prefix + fqn))
                 i += 1
             off += numel
-        if off != fp._unpadded_unsharded_size.numel():
+        if off != layout.unpadded_numel:
             raise RuntimeError(
                 f"{_WHERE}: {label}: FlatParameter layout covers {off} elements, "
-                f"its size is {fp._unpadded_unsharded_size}"
+                f"its size is {layout.unpadded_numel}"
             )
-        units.append(_Unit(att, state, name, segments, off, strategy != ShardingStrategy.NO_SHARD, state.process_group))
+        sharded = strategy != ShardingStrategy.NO_SHARD
+        units.append(_Unit(att, state, layout, name, segments, off, sharded, state.process_group))
     if not units:
         raise ValueError(f"{_WHERE}: the model has no parameters managed by FSDP")
     stray = [p for p in known if p not in covered]

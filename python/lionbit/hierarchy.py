@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, torch_internals
 from .topology import Topology, check_topology, detect_topology
 
 HIERARCHIES = ("flat", "node", "node_vote")
@@ -85,7 +85,7 @@ def _lionbit_backends(pg) -> list:
     for name in ("cpu", "cuda"):
         device = torch.device(name)
         try:
-            b = pg._get_backend(device)
+            b = torch_internals.backend_object(pg, device)
         except RuntimeError:
             continue
         if isinstance(b, _C.LionBitBackend) and all(b is not f for _, f in found):
@@ -96,7 +96,7 @@ def _lionbit_backends(pg) -> list:
 def ensure_hierarchy(group: Optional[dist.ProcessGroup], where: str, topology: Optional[Topology] = None) -> Topology:
     """Sets up the group's hierarchy unless it has one; returns its topology.
     Collective: every rank of the default group calls it at the same point."""
-    default = dist.distributed_c10d._get_default_group()
+    default = torch_internals.default_group()
     pg = default if group is None else group
     backends = _lionbit_backends(pg)
     if not backends:
@@ -132,6 +132,7 @@ def ensure_hierarchy(group: Optional[dist.ProcessGroup], where: str, topology: O
     order = [r for c in cross_members for r in c]
     node_pg, cross_pg = node_groups[mine], cross_groups[local]
     for device, b in backends:
-        b.set_hierarchy(node_pg._get_backend(device), cross_pg._get_backend(device), order, nodes[mine])
+        node_b, cross_b = (torch_internals.backend_object(g, device) for g in (node_pg, cross_pg))
+        b.set_hierarchy(node_b, cross_b, order, nodes[mine])
     _set_up[pg] = (topo, node_pg, cross_pg, [b for _, b in backends])
     return topo

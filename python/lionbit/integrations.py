@@ -28,7 +28,7 @@ import weakref
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from . import fsdp, fsdp1
+from . import fsdp, fsdp1, torch_internals
 from .optim import DistributedLion
 
 __all__ = ["HFAttachCallback", "distributed_lions"]  # noqa: F822  (HFAttachCallback: module __getattr__)
@@ -56,7 +56,7 @@ def distributed_lions(optimizer) -> list:
 
 def _unwrap_compiled(model):
     """torch.compile wraps the DDP model in an OptimizedModule: look inside."""
-    return getattr(model, "_orig_mod", model)
+    return torch_internals.compiled_inner(model)
 
 
 def _is_data_parallel(model) -> bool:

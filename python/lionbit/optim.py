@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
-from . import _C, ddp, fsdp, fsdp1, join, kernel_choice, lion_math, momentum_sync as msync
+from . import _C, ddp, fsdp, fsdp1, join, kernel_choice, lion_math, momentum_sync as msync, torch_internals
 from .attachment import Attachment
 from .hierarchy import optimizer_hierarchy
 from .voter import Voter
@@ -200,7 +200,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
         ``overlap=True`` starts the vote during backward where that is exact, ``False`` votes at
         ``step()``), FSDP2 or FSDP1 (the 1-bit reduce-scatter). A plain module needs none. Attaching
         to another model (a re-wrapped one) detaches from the first and keeps the momentum. Returns self."""
-        model = getattr(model, "_orig_mod", model)  # torch.compile(model): the model inside
+        model = torch_internals.compiled_inner(model)  # torch.compile(model): the model inside
         if self._attachment.is_attached_to(model):
             raise RuntimeError("DistributedLion.attach: this optimizer is already attached to this model")
         for kind in (ddp.DDPAttachment, fsdp.FSDP2Attachment, fsdp1.FSDP1Attachment):

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
-from . import lion_math
+from . import lion_math, torch_internals
 from .errors import NonFiniteInput
 
 log = logging.getLogger("lionbit")
@@ -179,10 +179,9 @@ def unscale(opt, scaler) -> dict:
     """Unscales the gradients in place (as GradScaler.unscale_ does) unless
     the user already did; returns the scaler's per-device found_inf
     tensors, which its update() reads."""
-    state = scaler._per_optimizer_states[id(opt)]
-    if state["stage"] is OptState.READY:
+    if torch_internals.scaler_stage(scaler, opt) is OptState.READY:
         scaler.unscale_(opt)
-    return scaler._found_inf_per_device(opt)
+    return torch_internals.scaler_found_inf(scaler, opt)
 
 
 def voted_step(opt, grad_scaler, vote: Callable[[], Callable[[], None]], group, abstain: bool = False) -> bool:

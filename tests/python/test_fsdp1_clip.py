@@ -177,7 +177,7 @@ def kept_gradient_lifecycle(rank, world_size, use_orig):
     x = torch.zeros(2, 12)
     _loss(model, rank, 0).backward()
     for u in units:
-        g, s = u.handle.flat_param.grad, u.shard_numel
+        g, s = u.flat_param.grad, u.shard_numel
         assert u.kept is not None and u.kept.numel() == u.numel
         mine = u.kept[rank * s : (rank + 1) * s]
         assert torch.equal(g[: mine.numel()], mine) and not g[mine.numel() :].any()

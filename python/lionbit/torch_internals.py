@@ -1,0 +1,338 @@
+"""Every use lionbit makes of torch's private names, in one module.
+
+Some of what lionbit does has no public API in torch: learning how FSDP lays out
+a unit's gradients, running a callback at the end of a backward pass, asking a
+process group for its backend object, reading GradScaler's per-optimizer state.
+Each function below is the only place its private names are read or written,
+with why. ``NAMES`` lists them all; ``tests/python/test_torch_internals.py``
+checks each against the installed torch through these functions (a failure
+names what torch changed and what of lionbit it breaks) and that no other
+module of lionbit uses a private name of torch.
+
+Two generations of FSDP2 are known: torch >= 2.12 (a list of parameter groups
+per module and a per-group hook ``_prepare_reduce_scatter_inputs`` that returns
+the padded sizes) and torch 2.11 (one group per module, and the padded sizes
+computed inside ``_fsdp_param_group.foreach_reduce``, which lionbit wraps).
+"""
+
+from typing import Callable, List, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class Name(NamedTuple):
+    name: str  # as torch spells it, owner first
+    why: str  # what lionbit needs it for
+    torch: str = "all"  # "all", or the generation that has it: "2.11" / ">=2.12"
+
+
+NAMES = (
+    # c10d
+    Name("torch.distributed.distributed_c10d._get_default_group",
+         "the default group, to find its lionbit backend (group=None)"),
+    Name("ProcessGroup._get_backend", "the lionbit backend object of a group for a device"),
+    Name("ProcessGroup._get_backend_name", "an error naming the backend a group has instead of lionbit"),
+    Name("ProcessGroupNCCL.Options._timeout", "the inner NCCL communicators get the group's timeout"),
+    # autograd
+    Name("Tensor._version", "whether the user changed p.grad in place between backward() and step()"),
+    Name("torch.autograd.Variable._execution_engine.queue_callback",
+         "a callback at the end of the backward pass (after DDP's and FSDP1's own)"),
+    Name("torch._C._current_graph_task_id", "whether a DDP comm hook runs inside a backward or a Join shadow"),
+    Name("torch._C._len_torch_dispatch_stack",
+         "under a TorchDispatchMode in-place ops bump no version: vote again (optional: absent means none)"),
+    # torch.optim.Optimizer, torch.compile
+    Name("Optimizer._optimizer_state_dict_pre_hooks",
+         "DistributedLion's FSDP2 state_dict() runs the hooks users registered, as Optimizer's would"),
+    Name("Optimizer._optimizer_state_dict_post_hooks", "the same, after"),
+    Name("Optimizer._optimizer_load_state_dict_pre_hooks", "the same for load_state_dict()"),
+    Name("Optimizer._optimizer_load_state_dict_post_hooks", "the same for load_state_dict(), after"),
+    Name("OptimizedModule._orig_mod", "attach(torch.compile(model)) attaches to the model inside"),
+    # GradScaler
+    Name("GradScaler._per_optimizer_states", "whether the user already unscaled this optimizer's gradients"),
+    Name("GradScaler._found_inf_per_device", "the found-inf tensors that GradScaler.update() reads"),
+    # FSDP1
+    Name("torch.distributed.fsdp._traversal_utils._get_fsdp_states", "every FSDP1 instance of a model"),
+    Name("FullyShardedDataParallel._handle", "an FSDP1 instance's FlatParameter"),
+    Name("FullyShardedDataParallel._comm_hook", "checks: no other comm hook; register_comm_hook reached all"),
+    Name("FullyShardedDataParallel._comm_hook_state",
+         "one hook state per FSDP1 instance (register_comm_hook sets one for all)"),
+    Name("FlatParamHandle._use_orig_params", "where the original parameters' .grad live"),
+    Name("FlatParameter._params", "the original parameters (use_orig_params=True)"),
+    Name("FlatParameter._numels_with_padding", "the FlatParameter's layout: each original parameter's span"),
+    Name("FlatParameter._is_padding_mask", "the FlatParameter's layout: which spans are alignment padding"),
+    Name("FlatParameter._fqns", "the FlatParameter's layout: each span's parameter name"),
+    Name("FlatParameter._unpadded_unsharded_size", "a check of the layout: the spans cover the FlatParameter"),
+    Name("FlatParameter._saved_grad_shard",
+         "the sharded gradient FSDP1 keeps between backwards (optional: absent means none)"),
+    # FSDP2
+    Name("FSDPModule._get_fsdp_state", "an FSDP2 module's state, to reach its parameter groups"),
+    Name("FSDPState._fsdp_param_groups", "an FSDP2 module's parameter groups", ">=2.12"),
+    Name("FSDPState._fsdp_param_group", "an FSDP2 module's parameter group", "2.11"),
+    Name("FSDPParamGroup._prepare_reduce_scatter_inputs",
+         "the padded sizes of each reduction: the reduce-scatter input's layout", ">=2.12"),
+    Name("torch.distributed.fsdp._fully_shard._fsdp_param_group.foreach_reduce",
+         "wrapped: the padded sizes of each reduction", "2.11"),
+    Name("torch.distributed.fsdp._fully_shard._fsdp_common._get_dim0_padded_size",
+         "the padded sizes of each reduction, as FSDP computes them", "2.11"),
+    Name("FSDPParamGroup._reduce_scatter_comm",
+         "checks: no other custom reduce-scatter; detach() gives FSDP its own back"),
+    Name("FSDPParamGroup._all_reduce_hook", "a check: no all-reduce hook (the output is Lion's update)"),
+    Name("FSDPParamGroup._module_fqn", "the unit's name in error messages"),
+    Name("FSDPParamGroup._reduce_scatter_process_group", "a check: every unit reduces over one group"),
+    Name("FSDPParam._orig_size", "a parameter's global shape (its momentum, its rows in the layout)"),
+)
+
+
+def generation() -> str:
+    """Which of NAMES' generations the installed torch is: "2.11" or ">=2.12"."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return "2.11" if (major, minor) <= (2, 11) else ">=2.12"
+
+
+def unsupported(where: str, what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{where}: this torch {torch.__version__} does not have the internals lionbit uses ({what}); "
+        f"lionbit is tested with torch 2.11 and 2.15"
+    )
+
+
+# -- c10d ------------------------------------------------------------------------
+# A group's backend object: c10d has no public accessor (ProcessGroup.backend
+# gives a name only).
+
+
+def default_group() -> dist.ProcessGroup:
+    return dist.distributed_c10d._get_default_group()
+
+
+def backend_object(pg: dist.ProcessGroup, device: torch.device):
+    """The group's backend for the device type; RuntimeError where it has none."""
+    return pg._get_backend(device)
+
+
+def backend_name(pg: dist.ProcessGroup) -> str:
+    return pg._get_backend_name()
+
+
+def set_nccl_timeout(opts, timeout) -> None:
+    """ProcessGroupNCCL.Options takes its timeout only through this field."""
+    opts._timeout = timeout
+
+
+# -- autograd --------------------------------------------------------------------
+
+
+def version(t: torch.Tensor) -> int:
+    """The tensor's in-place version counter (what autograd checks saved tensors by)."""
+    return t._version
+
+
+def queue_after_backward(fn: Callable[[], None]) -> None:
+    """Runs fn when the current backward pass ends (the engine's queue of final
+    callbacks); RuntimeError outside a backward pass."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def in_dispatch_mode() -> bool:
+    """Under a TorchDispatchMode (FlopCounterMode, ...), where in-place ops bump no version."""
+    return getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)() > 0
+
+
+# -- torch.optim.Optimizer, torch.compile -----------------------------------------
+
+
+_STATE_DICT_HOOKS = {
+    "state_dict_pre": "_optimizer_state_dict_pre_hooks",
+    "state_dict_post": "_optimizer_state_dict_post_hooks",
+    "load_state_dict_pre": "_optimizer_load_state_dict_pre_hooks",
+    "load_state_dict_post": "_optimizer_load_state_dict_post_hooks",
+}
+
+
+def state_dict_hooks(opt, when: str) -> list:
+    """The hooks registered on the optimizer for `when` (a key of _STATE_DICT_HOOKS): Optimizer
+    keeps them in private dicts, and a state_dict() that replaces Optimizer's runs them itself."""
+    return list(getattr(opt, _STATE_DICT_HOOKS[when], {}).values())
+
+
+def compiled_inner(model):
+    """The module inside torch.compile's OptimizedModule (the model itself otherwise)."""
+    return getattr(model, "_orig_mod", model)
+
+
+# -- GradScaler ------------------------------------------------------------------
+# GradScaler's step() protocol for an optimizer with its own step (lionbit's
+# voted step must unscale first and hand update() the found-inf tensors).
+
+
+def scaler_stage(scaler, opt):
+    """The optimizer's stage in the scaler (torch.amp.grad_scaler.OptState)."""
+    return scaler._per_optimizer_states[id(opt)]["stage"]
+
+
+def scaler_found_inf(scaler, opt) -> dict:
+    return scaler._found_inf_per_device(opt)
+
+
+# -- FSDP1 -----------------------------------------------------------------------
+# FSDP1's comm hook gets only a flat gradient: how the original parameters lie
+# in it, and which instance it belongs to, is in FSDP1's private state.
+
+
+class FlatLayout(NamedTuple):
+    flat_param: torch.Tensor  # the instance's FlatParameter
+    use_orig_params: bool
+    params: Optional[list]  # the original parameters (use_orig_params=True), else None
+    spans: List[tuple]  # (numel, is_padding, fqn or None), in flat order
+    unpadded_numel: int  # the FlatParameter's unpadded, unsharded numel
+
+
+def fsdp1_states(model) -> list:
+    """Every FSDP1 instance of the model, root first."""
+    try:
+        import torch.distributed.fsdp._traversal_utils as traversal  # optional: a torch without FSDP1
+    except ImportError as err:
+        raise unsupported("DistributedLion.attach (FSDP1)", str(err)) from None
+    return traversal._get_fsdp_states(model)
+
+
+def fsdp1_layout(state) -> Optional[FlatLayout]:
+    """The instance's FlatParameter and its layout; None for an instance without parameters."""
+    handle = state._handle
+    if handle is None:
+        return None
+    fp = handle.flat_param
+    use_orig = handle._use_orig_params
+    fqns = iter(fp._fqns)
+    spans = [(numel, padding, None if padding else next(fqns))
+             for numel, padding in zip(fp._numels_with_padding, fp._is_padding_mask)]
+    return FlatLayout(fp, use_orig, fp._params if use_orig else None, spans, fp._unpadded_unsharded_size.numel())
+
+
+def fsdp1_saved_grad_shard(fp) -> Optional[torch.Tensor]:
+    """The sharded gradient FSDP1 keeps aside during a backward and under no_sync()."""
+    return getattr(fp, "_saved_grad_shard", None)
+
+
+def fsdp1_comm_hook(state):
+    return state._comm_hook
+
+
+def fsdp1_set_hook_state(state, hook_state) -> None:
+    """register_comm_hook gives every instance the root's state: each gets its own."""
+    state._comm_hook_state = hook_state
+
+
+def fsdp1_clear_comm_hook(state) -> None:
+    """FSDP1's own reduce-scatter again (FSDP1 has no unregister)."""
+    state._comm_hook = state._comm_hook_state = None
+
+
+# -- FSDP2 -----------------------------------------------------------------------
+# FSDP2 has no public way to learn how a unit's gradients lie in its
+# reduce-scatter input: lionbit reads its parameter groups and learns the layout
+# of each reduction from inside FSDP.
+
+
+def fsdp2_param_groups(module, where: str) -> list:
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12
+    if groups is not None:
+        return list(groups)
+    if not hasattr(state, "_fsdp_param_group"):
+        raise unsupported(where, "FSDPState has neither _fsdp_param_groups nor _fsdp_param_group")
+    one = state._fsdp_param_group  # torch 2.11: None for a module without parameters
+    return [one] if one is not None else []
+
+
+def fsdp2_reduce_scatter_comm(param_group, where: str):
+    if not hasattr(param_group, "_reduce_scatter_comm"):
+        raise unsupported(where, "FSDPParamGroup._reduce_scatter_comm")
+    return param_group._reduce_scatter_comm
+
+
+def fsdp2_restore_reduce_scatter_comm(param_group, comm) -> None:
+    """FSDP2 has a setter (set_custom_reduce_scatter) but no way back to its default."""
+    param_group._reduce_scatter_comm = comm
+
+
+def fsdp2_all_reduce_hook(param_group):
+    """set_all_reduce_hook's hook, or None (torch keeps it on the group only)."""
+    return getattr(param_group, "_all_reduce_hook", None)
+
+
+def fsdp2_unit_name(param_group) -> str:
+    """The unit's module name ("<root>" for the root, and for every unit before the first forward,
+    when FSDP sets the names)."""
+    return param_group._module_fqn or "<root>"
+
+
+def fsdp2_reduce_scatter_group(param_group):
+    return getattr(param_group, "_reduce_scatter_process_group", None)
+
+
+def fsdp2_orig_size(fsdp_param) -> torch.Size:
+    """A sharded parameter's global shape."""
+    return fsdp_param._orig_size
+
+
+class LayoutLearner:
+    """A custom reduce-scatter that wants each reduction's layout first:
+    ``learn_layout(fsdp_params, padded_sizes)`` runs before FSDP calls it."""
+
+    def learn_layout(self, fsdp_params, sizes) -> None:
+        raise NotImplementedError
+
+
+def fsdp2_learn_layouts(param_group, comm: LayoutLearner, where: str) -> Optional[Callable[[], None]]:
+    """Has FSDP tell comm the layout of each reduction of the group. Returns the
+    function that undoes it, or None where nothing needs undoing (torch 2.11:
+    one process-wide wrapper, which passes other reduce-scatters through)."""
+    default = getattr(param_group, "_prepare_reduce_scatter_inputs", None)
+    if default is None:  # torch 2.11
+        _wrap_foreach_reduce(where)
+        return None
+
+    def prepare(fsdp_params, unsharded_grads, world_size):
+        sizes = default(fsdp_params, unsharded_grads, world_size)
+        comm.learn_layout(fsdp_params, sizes)
+        return sizes
+
+    param_group._prepare_reduce_scatter_inputs = prepare
+
+    def undo():
+        param_group._prepare_reduce_scatter_inputs = default
+
+    return undo
+
+
+def _wrap_foreach_reduce(where: str) -> None:
+    """torch 2.11: wraps FSDP's foreach_reduce (once per process) so that a
+    LayoutLearner learns the unit's layout before FSDP calls it: the FSDP
+    parameters with gradients, in order, and their dim-0 padded sizes (Shard(0)
+    only, which attach checks). Other reduce-scatters pass through."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module  # optional: torch 2.11 only
+
+    original = getattr(module, "foreach_reduce", None)
+    if original is None:
+        raise unsupported(where, "_fsdp_param_group.foreach_reduce")
+    if getattr(original, "lionbit_wrapper", False):
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _get_dim0_padded_size  # optional: torch 2.11 only
+
+    def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
+                       reduce_scatter_comm, *args, **kwargs):
+        if isinstance(reduce_scatter_comm, LayoutLearner):
+            n = reduce_scatter_group.size() if reduce_scatter_group is not None else 1
+            sizes = tuple(_get_dim0_padded_size(g.size(), n) for g in unsharded_grads)
+            reduce_scatter_comm.learn_layout(fsdp_params, sizes)
+        return original(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
+                        reduce_scatter_comm, *args, **kwargs)
+
+    foreach_reduce.lionbit_wrapper = True
+    module.foreach_reduce = foreach_reduce
