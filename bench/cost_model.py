@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -58,20 +57,7 @@ sys.path.insert(0, HERE)
 
 import report  # noqa: E402
 from collectives import IMPLS, numel_label, parse_numel  # noqa: E402  (no torch at import)
-from netns import parse_rate  # noqa: E402  (standard library only)
-
-
-def load_estimate():
-    """lionbit.estimate (standard library only) from this clone's python/lionbit/estimate.py,
-    loaded by its path: the model next to this script, with no torch import and whether or
-    not the package is installed (an installed copy may be older)."""
-    path = os.path.join(os.path.dirname(HERE), "python", "lionbit", "estimate.py")
-    spec = importlib.util.spec_from_file_location("lionbit_estimate", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
+from netns import load_estimate, parse_rate  # noqa: E402  (standard library only)
 
 estimate = load_estimate()
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import importlib.util
 import json
 import os
 import shutil
@@ -59,13 +60,25 @@ def _run(*cmd: str, check: bool = True, capture: bool = False) -> subprocess.Com
     return r
 
 
+def load_estimate():
+    """lionbit.estimate (standard library only) from this clone's python/lionbit/estimate.py,
+    loaded by its path: the model next to these scripts, with no torch import and whether or
+    not the package is installed (an installed copy may be older)."""
+    name = "lionbit_estimate"
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python", "lionbit",
+                            "estimate.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def parse_rate(rate: str) -> int:
-    """'1gbit' / '10gbit' / '100mbit' / '500kbit' -> bits per second."""
-    s = rate.strip().lower()
-    for suffix, mult in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
-        if s.endswith(suffix):
-            return int(float(s[: -len(suffix)]) * mult)
-    return int(float(s))
+    """'1gbit' / '10gbit' / '100mbit' -> bits per second, for tc: lionbit.estimate's parser
+    (the one that reads every rate in lionbit), in bits."""
+    return round(load_estimate().parse_rate(rate) * 8)
 
 
 def rate_label(bps: int) -> str:
