@@ -48,72 +48,13 @@ class LionBitBackend : public ForwardingBackend {
   const std::string getBackendName() const override { return "lionbit"; }
 
   // --- the sign collectives ----------------------------------------------
-  // Any of them, described by `r`: what each entry point below fills in.
-  c10::intrusive_ptr<c10d::Work> call(SignRequest r);
-
-  // In place; `op` is "vote", "avg" or "sum". Never blocks on communication:
-  // the returned Work completes when the result is written. Bad arguments
-  // raise here (and peers are told, so they fail at once rather than wait).
-  // Every sign call takes the vote's tie rule (signbits/ties.h): `tie_break`
-  // "zero", "alternate" or "random" (not "zero": vote / l1 only) and its
-  // seed, `tie_seed` < 0 for the call's number.
-  //
-  // `hierarchy` (the sign calls but l1's): "flat", or over the cluster's two
-  // levels once setHierarchy has run: "node" (exact, the flat result bit for
-  // bit) or "node_vote" (a vote of node votes); backend/sign_hierarchy.hpp.
-  c10::intrusive_ptr<c10d::Work> allreduceSign(
-      at::Tensor tensor,
-      const std::string& op,
-      const std::string& tie_break = "zero",
-      int64_t tie_seed = -1,
-      const std::string& hierarchy = "flat");
-
-  // The same collective on direction bits packed by the caller (uint8
-  // tensors `sign` and `zero` of at least ceil(numel / 64) * 8 bytes, laid
-  // out like bits::pack_signs), `nans` NaNs seen while packing; the result
-  // is written into `out` (contiguous, numel elements). Every tensor on one
-  // device, CPU or CUDA. The planes must stay unchanged until the Work
-  // completes.
-  c10::intrusive_ptr<c10d::Work> allreduceSignPacked(
-      at::Tensor sign,
-      at::Tensor zero,
-      int64_t numel,
-      int64_t nans,
-      at::Tensor out,
-      const std::string& op,
-      const std::string& tie_break = "zero",
-      int64_t tie_seed = -1,
-      const std::string& hierarchy = "flat");
-
-  // Lion Cub's L1 aggregation (op "l1", backend/sign_allreduce.hpp
-  // levels_allreduce_packed): `planes` (uint8) holds `bits` planes of
-  // `plane_bytes` bytes each (at least ceil(numel / 64) * 8), the p-bit
-  // levels of signbits/levels.h; `nans` non-finite values seen while
-  // packing. The sign of the sum (ties by the tie rule) goes into `out`.
-  c10::intrusive_ptr<c10d::Work> allreduceLevelsPacked(
-      at::Tensor planes,
-      int64_t bits,
-      int64_t numel,
-      int64_t nans,
-      at::Tensor out,
-      const std::string& tie_break = "zero",
-      int64_t tie_seed = -1);
-
-  // The sign reduce-scatter (phase 1 only; backend/sign_reduce_scatter.hpp):
-  // `sign` / `zero` hold N shards of `shard_numel` elements, shard r starting
-  // at bit r * 64 * ceil(shard_numel / 64); this rank's shard of the vote /
-  // avg / sum is written into `out` (contiguous, shard_numel elements). The
+  // Any of them, described by `r` (backend/sign_request.hpp: the collective,
+  // op, tie rule and seed, hierarchy, and the payload with its layout). Never
+  // blocks on communication: the returned Work completes when the result is
+  // written. Bad arguments raise here (and peers are told, so they fail at
+  // once rather than wait). Every tensor on one device, CPU or CUDA; packed
   // planes must stay unchanged until the Work completes.
-  c10::intrusive_ptr<c10d::Work> reduceScatterSignPacked(
-      at::Tensor sign,
-      at::Tensor zero,
-      int64_t shard_numel,
-      int64_t nans,
-      at::Tensor out,
-      const std::string& op,
-      const std::string& tie_break = "zero",
-      int64_t tie_seed = -1,
-      const std::string& hierarchy = "flat");
+  c10::intrusive_ptr<c10d::Work> call(SignRequest r);
 
   // The cluster's two levels for the hierarchical sign calls: `node` spans
   // this rank's node (its rank: this rank's local index), `cross` the ranks
@@ -129,17 +70,6 @@ class LionBitBackend : public ForwardingBackend {
   // The byte counters of the node and cross-node communicators.
   std::map<std::string, double> hierarchyStats();
   void resetHierarchyStats();
-
-  // The reduce-scatter of L1 levels: `planes` holds `bits` planes, each laid
-  // out like reduceScatterSignPacked's sign plane.
-  c10::intrusive_ptr<c10d::Work> reduceScatterLevelsPacked(
-      at::Tensor planes,
-      int64_t bits,
-      int64_t shard_numel,
-      int64_t nans,
-      at::Tensor out,
-      const std::string& tie_break = "zero",
-      int64_t tie_seed = -1);
 
   // Stops the sign-path worker of every live backend (queued calls fail,
   // running ones finish) and releases its inner CPU backends, joining their

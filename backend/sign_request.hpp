@@ -1,7 +1,9 @@
-// SignRequest: one sign collective, described once. LionBitBackend's entry
-// points fill it; request_problem() checks it in one ordered list (the first
-// thing wrong is what the caller reads); the backend then validates the op and
-// tie rule, tells the peers of a rejection, and enqueues one job for it.
+// SignRequest: one sign collective, described once. Python fills it
+// (lionbit._C.SignRequest, bindings/python_module.cpp) and passes it to
+// LionBitBackend::call, the one binding of the sign path; request_problem()
+// checks it in one ordered list (the first thing wrong is what the caller
+// reads); the backend then validates the op and tie rule, tells the peers of
+// a rejection, and enqueues one job for it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -33,14 +35,26 @@ struct SignRequest {
 
   Collective kind;
   std::string op; // "vote", "avg" or "sum"; "l1" with levels
-  std::string tie_break; // "zero", "alternate" or "random"
-  int64_t tie_seed; // < 0: the call's number
-  std::string hierarchy; // "flat", "node" or "node_vote" (not l1)
-  // The payload, one of three: the values themselves, in place (all-reduce
-  // only); or packed by the caller, direction bits `sign` / `zero` or
-  // `value_bits` planes of levels, with `numel` elements (a reduce-scatter's:
-  // per shard), `nans` non-finite values seen while packing, and the result
-  // written into `out`. Layouts: backend/lionbit_backend.hpp.
+  // The vote's tie rule (signbits/ties.h): "zero", "alternate" or "random"
+  // (not "zero": vote and l1 only), and its seed, < 0 for the call's number.
+  std::string tie_break;
+  int64_t tie_seed;
+  // "flat", or over the cluster's two levels once setHierarchy has run (not
+  // l1): "node" (exact, the flat result bit for bit) or "node_vote" (a vote
+  // of node votes); backend/sign_hierarchy.hpp.
+  std::string hierarchy;
+  // The payload, one of three:
+  //  - `tensor`: the values themselves, the result written in place
+  //    (all-reduce only);
+  //  - direction bits packed by the caller: uint8 `sign` and `zero` planes of
+  //    at least ceil(numel / 64) * 8 bytes, laid out like bits::pack_signs;
+  //  - Lion Cub's L1 levels (op "l1"): uint8 `planes`, `value_bits` planes of
+  //    equal size, the p-bit levels of signbits/levels.h.
+  // Packed payloads: `numel` elements, `nans` non-finite values seen while
+  // packing, and the result (the sign of the vote / avg / sum, ties by the
+  // tie rule) written into `out`, contiguous. A reduce-scatter's planes hold
+  // N shards of `numel` elements each, shard r from bit r * 64 * ceil(numel /
+  // 64) (lion_math.shard_bit in Python); `out` receives this rank's shard.
   at::Tensor tensor;
   at::Tensor sign, zero;
   at::Tensor planes;

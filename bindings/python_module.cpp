@@ -7,6 +7,7 @@
 #include "signbits/isa.h"
 #include "bindings/kernel_bindings.hpp"
 #include "backend/lionbit_backend.hpp"
+#include "backend/sign_request.hpp"
 #include "backend/sign_errors.hpp"
 #ifdef LIONBIT_WITH_CUDA
 #include "bindings/kernel_bindings_cuda.hpp"
@@ -87,6 +88,44 @@ PYBIND11_MODULE(_C, m) {
   py::module_::import("torch.distributed");
   py::register_exception_translator(&lionbit::translate_outcomes);
 
+  // One sign collective, described (backend/sign_request.hpp): the one way
+  // Python calls the sign path, LionBitBackend.call(request). The entry
+  // points users and tests call by name fill one (python/lionbit/_backend.py).
+  py::class_<lionbit::SignRequest>(m, "SignRequest")
+      .def(
+          py::init([](const std::string& collective, std::string op, std::string tie_break,
+                      int64_t tie_seed, std::string hierarchy, std::optional<at::Tensor> tensor,
+                      std::optional<at::Tensor> sign, std::optional<at::Tensor> zero,
+                      std::optional<at::Tensor> planes, int64_t value_bits, int64_t numel,
+                      int64_t nans, std::optional<at::Tensor> out) {
+            lionbit::Collective kind;
+            if (collective == "all_reduce") {
+              kind = lionbit::Collective::kAllReduce;
+            } else if (collective == "reduce_scatter") {
+              kind = lionbit::Collective::kReduceScatter;
+            } else {
+              throw py::value_error(
+                  "lionbit.SignRequest: argument 'collective' is '" + collective +
+                  "'; expected 'all_reduce' or 'reduce_scatter'");
+            }
+            lionbit::SignRequest r{
+                kind, std::move(op), std::move(tie_break), tie_seed, std::move(hierarchy)};
+            r.tensor = tensor.value_or(at::Tensor());
+            r.sign = sign.value_or(at::Tensor());
+            r.zero = zero.value_or(at::Tensor());
+            r.planes = planes.value_or(at::Tensor());
+            r.value_bits = value_bits;
+            r.numel = numel;
+            r.nans = nans;
+            r.out = out.value_or(at::Tensor());
+            return r;
+          }),
+          py::kw_only(), py::arg("collective"), py::arg("op") = "vote",
+          py::arg("tie_break") = "zero", py::arg("tie_seed") = -1, py::arg("hierarchy") = "flat",
+          py::arg("tensor") = py::none(), py::arg("sign") = py::none(),
+          py::arg("zero") = py::none(), py::arg("planes") = py::none(), py::arg("value_bits") = 0,
+          py::arg("numel") = 0, py::arg("nans") = 0, py::arg("out") = py::none());
+
   py::class_<
       lionbit::LionBitBackend, c10d::Backend, lionbit::ReleasedWithoutGil<lionbit::LionBitBackend>>(
       m, "LionBitBackend")
@@ -105,30 +144,9 @@ PYBIND11_MODULE(_C, m) {
           py::arg("forward"), py::arg("sign"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
           py::arg("forward_cuda") = py::none(), py::arg("sign_cuda") = py::none())
       .def(
-          "all_reduce_sign", &lionbit::LionBitBackend::allreduceSign, py::arg("tensor"),
-          py::arg("op") = "vote", py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
-          py::arg("hierarchy") = "flat", py::call_guard<py::gil_scoped_release>())
-      .def(
-          "all_reduce_sign_packed", &lionbit::LionBitBackend::allreduceSignPacked, py::arg("sign"),
-          py::arg("zero"), py::arg("numel"), py::arg("nans"), py::arg("out"),
-          py::arg("op") = "vote", py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
-          py::arg("hierarchy") = "flat", py::call_guard<py::gil_scoped_release>())
-      .def(
-          "all_reduce_levels_packed", &lionbit::LionBitBackend::allreduceLevelsPacked,
-          py::arg("planes"), py::arg("bits"), py::arg("numel"), py::arg("nans"), py::arg("out"),
-          py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
+          "call", &lionbit::LionBitBackend::call, py::arg("request"),
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("cuda_transport", &lionbit::LionBitBackend::cudaTransport)
-      .def(
-          "reduce_scatter_sign_packed", &lionbit::LionBitBackend::reduceScatterSignPacked,
-          py::arg("sign"), py::arg("zero"), py::arg("shard_numel"), py::arg("nans"), py::arg("out"),
-          py::arg("op") = "vote", py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
-          py::arg("hierarchy") = "flat", py::call_guard<py::gil_scoped_release>())
-      .def(
-          "reduce_scatter_levels_packed", &lionbit::LionBitBackend::reduceScatterLevelsPacked,
-          py::arg("planes"), py::arg("bits"), py::arg("shard_numel"), py::arg("nans"),
-          py::arg("out"), py::arg("tie_break") = "zero", py::arg("tie_seed") = -1,
-          py::call_guard<py::gil_scoped_release>())
       .def(
           "set_hierarchy", &lionbit::LionBitBackend::setHierarchy, py::arg("node"),
           py::arg("cross"), py::arg("order"), py::arg("node_ranks"))

@@ -62,6 +62,52 @@ def register() -> None:
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=["cpu", "cuda"])
 
 
+# -- the sign collectives' entry points ---------------------------------------------
+# lionbit._C binds one sign call, LionBitBackend.call(SignRequest): these fill a request under
+# the names callers use (what each field means and each payload's layout:
+# backend/sign_request.hpp). Methods of the backend class, so every backend object has them.
+
+
+def _all_reduce_sign(self, tensor, op="vote", tie_break="zero", tie_seed=-1, hierarchy="flat"):
+    """In place: the vote / avg / sum of the tensor's signs over the group."""
+    return self.call(_C.SignRequest(collective="all_reduce", op=op, tie_break=tie_break, tie_seed=tie_seed,
+                                    hierarchy=hierarchy, tensor=tensor))
+
+
+def _all_reduce_sign_packed(self, sign, zero, numel, nans, out, op="vote", tie_break="zero", tie_seed=-1,
+                            hierarchy="flat"):
+    """The same on direction bits the caller packed; the result into `out`."""
+    return self.call(_C.SignRequest(collective="all_reduce", op=op, tie_break=tie_break, tie_seed=tie_seed,
+                                    hierarchy=hierarchy, sign=sign, zero=zero, numel=numel, nans=nans, out=out))
+
+
+def _all_reduce_levels_packed(self, planes, bits, numel, nans, out, tie_break="zero", tie_seed=-1):
+    """Lion Cub's L1 aggregation of `bits`-bit levels; the sign of the sum into `out`."""
+    return self.call(_C.SignRequest(collective="all_reduce", op="l1", tie_break=tie_break, tie_seed=tie_seed,
+                                    planes=planes, value_bits=bits, numel=numel, nans=nans, out=out))
+
+
+def _reduce_scatter_sign_packed(self, sign, zero, shard_numel, nans, out, op="vote", tie_break="zero",
+                                tie_seed=-1, hierarchy="flat"):
+    """The sign reduce-scatter of N packed shards; this rank's shard into `out`."""
+    return self.call(_C.SignRequest(collective="reduce_scatter", op=op, tie_break=tie_break, tie_seed=tie_seed,
+                                    hierarchy=hierarchy, sign=sign, zero=zero, numel=shard_numel, nans=nans,
+                                    out=out))
+
+
+def _reduce_scatter_levels_packed(self, planes, bits, shard_numel, nans, out, tie_break="zero", tie_seed=-1):
+    """The reduce-scatter of L1 levels; this rank's shard into `out`."""
+    return self.call(_C.SignRequest(collective="reduce_scatter", op="l1", tie_break=tie_break, tie_seed=tie_seed,
+                                    planes=planes, value_bits=bits, numel=shard_numel, nans=nans, out=out))
+
+
+for _name, _fill in (("all_reduce_sign", _all_reduce_sign), ("all_reduce_sign_packed", _all_reduce_sign_packed),
+                     ("all_reduce_levels_packed", _all_reduce_levels_packed),
+                     ("reduce_scatter_sign_packed", _reduce_scatter_sign_packed),
+                     ("reduce_scatter_levels_packed", _reduce_scatter_levels_packed)):
+    setattr(_C.LionBitBackend, _name, _fill)
+
+
 def backend_for(group: Optional[dist.ProcessGroup], device: torch.device, what: str):
     if not dist.is_initialized():
         raise RuntimeError(
