@@ -106,6 +106,7 @@ for _name, _fill in (("all_reduce_sign", _all_reduce_sign), ("all_reduce_sign_pa
                      ("reduce_scatter_sign_packed", _reduce_scatter_sign_packed),
                      ("reduce_scatter_levels_packed", _reduce_scatter_levels_packed)):
     setattr(_C.LionBitBackend, _name, _fill)
+del _name, _fill
 
 
 def backend_for(group: Optional[dist.ProcessGroup], device: torch.device, what: str):

@@ -135,8 +135,7 @@ class _SignReduceScatter(torch_internals.LayoutLearner):
 
     def uninstall(self) -> None:
         """Gives FSDP its own reduce-scatter back."""
-        if self.undo_learning is not None:
-            self.undo_learning()
+        self.undo_learning()
         torch_internals.fsdp2_restore_reduce_scatter_comm(self.pg, self.default_comm)
 
     # FSDP's Comm interface
@@ -358,10 +357,11 @@ def fsdp_capture(att, layout, inp, out, group, where) -> None:
         else:
             old = None
         dtype = getattr(fp, "sharded_grad_dtype", None) or p.dtype  # the dtype FSDP gives p.grad
-        full = torch.empty(torch_internals.fsdp2_orig_size(fp), dtype=dtype, device=inp.device)
+        shape = torch_internals.fsdp2_orig_size(fp)
+        full = torch.empty(shape, dtype=dtype, device=inp.device)
         flat = full.view(-1)
         for r in range(n):
-            valid = _valid(torch_internals.fsdp2_orig_size(fp)[0], rows, r) * row
+            valid = _valid(shape[0], rows, r) * row
             if valid:
                 flat[r * rows * row : r * rows * row + valid].copy_(gin[r, off : off + valid])
         if old is not None:

@@ -289,14 +289,14 @@ class LayoutLearner:
         raise NotImplementedError
 
 
-def fsdp2_learn_layouts(param_group, comm: LayoutLearner, where: str) -> Optional[Callable[[], None]]:
+def fsdp2_learn_layouts(param_group, comm: LayoutLearner, where: str) -> Callable[[], None]:
     """Has FSDP tell comm the layout of each reduction of the group. Returns the
-    function that undoes it, or None where nothing needs undoing (torch 2.11:
-    one process-wide wrapper, which passes other reduce-scatters through)."""
+    function that undoes it (on torch 2.11 nothing to undo: one process-wide
+    wrapper, which passes other reduce-scatters through)."""
     default = getattr(param_group, "_prepare_reduce_scatter_inputs", None)
     if default is None:  # torch 2.11
         _wrap_foreach_reduce(where)
-        return None
+        return lambda: None
 
     def prepare(fsdp_params, unsharded_grads, world_size):
         sizes = default(fsdp_params, unsharded_grads, world_size)
