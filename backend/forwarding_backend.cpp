@@ -3,6 +3,60 @@
 #include <c10/util/Exception.h>
 
 namespace lionbit {
+namespace {
+
+// Several works as one: waits on each in order (the collectives were issued
+// in that order on every rank).
+class WorkList : public c10d::Work {
+ public:
+  WorkList(std::vector<c10::intrusive_ptr<c10d::Work>> works, c10d::OpType type)
+      : c10d::Work(-1, type), works_(std::move(works)) {}
+
+  bool isCompleted() override {
+    for (const auto& w : works_) {
+      if (!w->isCompleted()) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    for (const auto& w : works_) {
+      w->wait(timeout);
+    }
+    return true;
+  }
+
+  void synchronize() override {
+    for (const auto& w : works_) {
+      w->synchronize();
+    }
+  }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+};
+
+c10::intrusive_ptr<c10d::Work> asOne(
+    std::vector<c10::intrusive_ptr<c10d::Work>> works,
+    c10d::OpType type) {
+  if (works.size() == 1) {
+    return std::move(works.front());
+  }
+  return c10::make_intrusive<WorkList>(std::move(works), type);
+}
+
+bool anyCuda(const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts) {
+    if (t.defined() && t.is_cuda()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+} // namespace
 
 ForwardingBackend::ForwardingBackend(
     c10::intrusive_ptr<c10d::Backend> forward,
@@ -97,18 +151,60 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::_allgather_base(
   return inner(input)._allgather_base(output, input, opts);
 }
 
+bool ForwardingBackend::glooOnCuda(const std::vector<at::Tensor>& ts) const {
+  return !forward_cuda_ && anyCuda(ts);
+}
+
+// ProcessGroupGloo's two coalesced all-gathers run its host algorithm on
+// whatever pointers they get: on CUDA tensors they read device memory as host
+// memory and crash (torch 2.11; pytorch issue 152645). torch's functional
+// all_gather_into_tensor (DTensor.full_tensor(), FSDP2's state dicts) is one
+// of them. On the Gloo CUDA transport lionbit issues one Gloo all-gather per
+// tensor instead (that one stages CUDA tensors through host memory), in the
+// same order on every rank.
 c10::intrusive_ptr<c10d::Work> ForwardingBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return inner(inputs).allgather_coalesced(outputs, inputs, opts);
+  if (!glooOnCuda(inputs)) {
+    return inner(inputs).allgather_coalesced(outputs, inputs, opts);
+  }
+  TORCH_CHECK_VALUE(
+      outputs.size() == static_cast<size_t>(size_), "lionbit on rank ", rank_,
+      ": allgather_coalesced: 'output_lists' has ", outputs.size(), " lists, expected one a rank (",
+      size_, ")");
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (auto& from_rank : outputs) {
+      TORCH_CHECK_VALUE(
+          from_rank.size() == inputs.size(), "lionbit on rank ", rank_,
+          ": allgather_coalesced: an output list has ", from_rank.size(), " tensors for ",
+          inputs.size(), " inputs");
+      out[0].push_back(from_rank[i]);
+    }
+    std::vector<at::Tensor> in{inputs[i]};
+    works.push_back(forwardInner().allgather(out, in, opts));
+  }
+  return asOne(std::move(works), c10d::OpType::ALLGATHER_COALESCED);
 }
 
 c10::intrusive_ptr<c10d::Work> ForwardingBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return inner(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
+  if (!glooOnCuda(inputs)) {
+    return inner(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
+  }
+  TORCH_CHECK_VALUE(
+      outputs.size() == inputs.size(), "lionbit on rank ", rank_,
+      ": allgather_into_tensor_coalesced: ", outputs.size(), " outputs for ", inputs.size(),
+      " inputs");
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    works.push_back(forwardInner()._allgather_base(outputs[i], inputs[i], opts));
+  }
+  return asOne(std::move(works), c10d::OpType::COALESCED);
 }
 
 c10::intrusive_ptr<c10d::Work> ForwardingBackend::gather(

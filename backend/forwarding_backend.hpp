@@ -118,6 +118,8 @@ class ForwardingBackend : public c10d::Backend {
   // The inner backend for a collective on `t` (by device type).
   c10d::Backend& inner(const at::Tensor& t);
   c10d::Backend& inner(const std::vector<at::Tensor>& ts);
+  // True where CUDA tensors among `ts` go to Gloo (no NCCL transport).
+  bool glooOnCuda(const std::vector<at::Tensor>& ts) const;
 
   c10::intrusive_ptr<c10d::Backend> forward_;
   c10::intrusive_ptr<c10d::Backend> forward_cuda_;

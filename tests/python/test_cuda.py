@@ -365,6 +365,57 @@ def test_cpu_and_cuda_tensors_go_to_their_transports_nccl_one_rank():
     assert v == {"cpu": True, "cuda": True, "all_gather": True, "sign": True, "transport": "nccl"}
 
 
+def _coalesced_gathers(rank, world_size, device_type):
+    """The all-gathers Gloo runs as host code on any pointer (its coalesced
+    ones: torch's functional all_gather_into_tensor, DTensor.full_tensor()),
+    on CUDA tensors through the Gloo transport: exact, no crash."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dev = _device(rank) if device_type == "cuda" else torch.device("cpu")
+    pg = dist.group.WORLD
+    out = {}
+    a = torch.arange(6, dtype=torch.float32, device=dev).reshape(2, 3) + 10 * rank
+    want_a = torch.cat([torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * r for r in range(world_size)])
+    got = funcol.all_gather_tensor(a, 0, pg)
+    out["funcol"] = bool(torch.equal(got.wait() if hasattr(got, "wait") else got, want_a.to(dev)))
+    b = torch.full((5,), rank - 0.5, dtype=torch.bfloat16, device=dev)
+    outs = [torch.empty(world_size * 2, 3, device=dev), torch.empty(world_size * 5, dtype=torch.bfloat16, device=dev)]
+    pg.allgather_into_tensor_coalesced(outs, [a, b]).wait()
+    want_b = torch.cat([torch.full((5,), r - 0.5, dtype=torch.bfloat16) for r in range(world_size)])
+    out["into_tensor_coalesced"] = bool(torch.equal(outs[0].cpu(), want_a) and torch.equal(outs[1].cpu(), want_b))
+    lists = [[torch.empty_like(a), torch.empty_like(b)] for _ in range(world_size)]
+    pg.allgather_coalesced(lists, [a, b]).wait()
+    out["coalesced"] = all(
+        torch.equal(lists[r][0].cpu(), want_a[2 * r : 2 * r + 2])
+        and torch.equal(lists[r][1].cpu(), want_b[5 * r : 5 * r + 5])
+        for r in range(world_size)
+    )
+    full = torch.arange(4 * world_size * 3, dtype=torch.float32).reshape(4 * world_size, 3)
+    mesh = init_device_mesh(device_type, (world_size,))
+    dt = distribute_tensor(full.to(dev), mesh, [Shard(0)])
+    out["full_tensor"] = bool(torch.equal(dt.full_tensor().cpu(), full))
+    return out
+
+
+ALL_GATHERED = {"funcol": True, "into_tensor_coalesced": True, "coalesced": True, "full_tensor": True}
+
+
+def test_coalesced_all_gathers_on_cpu():
+    for v in values(run_ranks("test_cuda:_coalesced_gathers", 2, kwargs={"device_type": "cpu"})):
+        assert v == ALL_GATHERED, v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 3])
+def test_coalesced_all_gathers_on_cuda_through_gloo(n):
+    _skip_without_gpu()
+    got = run_ranks("test_cuda:_coalesced_gathers", n, kwargs={"device_type": "cuda"}, env=GLOO, timeout=300)
+    for v in values(got):
+        assert v == ALL_GATHERED, v
+
+
 def _split_backends(rank, world_size):
     dev = _device(rank)
     pg = dist.distributed_c10d._get_default_group()
