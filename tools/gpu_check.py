@@ -10,7 +10,8 @@ that a hang or a failure never stops the rest:
   import       lionbit.built_with_cuda, lionbit.kernels("cuda")
   ctest-gpu    every GPU kernel against the CPU kernel, bit for bit (test_cuda_kernels)
   pytest-custom / pytest-aten
-               pytest -m gpu with LIONBIT_KERNELS=custom, then =aten
+               pytest -m gpu with LIONBIT_KERNELS=custom and =aten, each split
+               into 4 runs, all 8 side by side with the equality runs
   verdicts     the first-use self-check's verdict for every custom kernel
   bench-kernels  bench/cuda_kernels.cu at 16M and 256M elements against the
                same GPU's device-to-device copy (goal: >= 80 %)
@@ -163,18 +164,23 @@ def _tail(text, lines=3):
     return " | ".join(mine[-lines:])
 
 
-def _pytest_summary(text):
-    """pytest's own last line; for a run stopped before it (its time limit),
-    the tally of the -v lines so far and the names of the failures."""
-    m = re.findall(r"=+ (.*?(?:passed|failed|skipped|error|no tests ran).*?) in [\d.]+s", text)
-    if m:
-        failed = re.findall(r"^FAILED (\S+)", text, re.M)
-        return m[-1] + (f": {', '.join(f.split('::')[-1] for f in failed)}" if failed else "")
-    results = re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", text, re.M)
-    tally = {k: sum(1 for _, v in results if v == k) for k in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
-    failed = [t.split("::")[-1] for t, v in results if v in ("FAILED", "ERROR")]
-    return (f"stopped at its time limit after {tally['PASSED']} passed, {tally['FAILED'] + tally['ERROR']} failed, "
-            f"{tally['SKIPPED']} skipped" + (f" ({', '.join(failed)})" if failed else ""))
+def _pytest_shards_summary(runs):
+    """One line for a kernel choice's runs side by side: pytest's tallies added up (for a run
+    stopped at its limit, its -v lines so far), the failures by name."""
+    tally, failed, stopped = {}, [], 0
+    for rc, text in runs:
+        stopped += rc == 124
+        for name, verdict in re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", text, re.M):
+            tally[verdict] = tally.get(verdict, 0) + 1
+            if verdict in ("FAILED", "ERROR"):
+                failed.append(name.split("::")[-1])
+    if not tally:
+        return " / ".join(_tail(text, 1) for _, text in runs)
+    line = (f"{len(runs)} runs: {tally.get('PASSED', 0)} passed, {tally.get('FAILED', 0) + tally.get('ERROR', 0)} "
+            f"failed, {tally.get('SKIPPED', 0)} skipped")
+    if stopped:
+        line += f"; {stopped} stopped at the time limit"
+    return line + (f": {', '.join(failed)}" if failed else "")
 
 
 def main(argv=None):
@@ -269,10 +275,39 @@ def main(argv=None):
         step.figure = f"{m[-1] if m else '?'} tests, {failed[-1] if failed else 0} failed" + (
             f" (exit {rc})" if rc else "")
 
-    # The two pytest runs go side by side (each about 3 minutes alone on an H100
-    # machine: most of it is rank processes starting CUDA); the second step
-    # reports the run the first one started.
+    # The GPU tests are mostly rank processes starting CUDA (25-50 s a multi-rank test on an
+    # H100 machine; the second session's two runs, one after the other, each hit their limit), so
+    # each kernel choice's tests are split into SHARDS runs and all of them go side by side, with
+    # the equality runs beside them (none of them is timed); the later steps report what ran here.
     pytest_runs = {}
+    SHARDS = 4
+
+    def pytest_cmd(choice, ids):
+        cmd = [py, "-m", "pytest", *ids, "-v", "-ra", "--tb=short", "-p", "no:cacheprovider", "--durations=10"]
+        if subprocess.run([py, "-c", "import pytest_timeout"], capture_output=True).returncode == 0:
+            cmd.append("--timeout=150")  # a hung test fails alone; the run still ends with its summary
+        return ["env", f"LIONBIT_KERNELS={choice}"] + cmd
+
+    def start_gpu_runs(step, limit):
+        files = ["tests/python/test_cuda.py", "tests/python/test_kernel_sets.py"]
+        rc, out = r.run(step, "pytest-collect", [py, "-m", "pytest", *files, "-m", "gpu", "--collect-only", "-q",
+                                                 "-p", "no:cacheprovider"], timeout=120)
+        ids = [ln.strip() for ln in out.splitlines() if "::" in ln and not ln.startswith(("$ ", "["))]
+        if not ids:  # collection failed: one run per choice reports it
+            ids = files + ["-m", "gpu"]
+            shards = [ids]
+        else:
+            shards = [ids[i::SHARDS] for i in range(SHARDS) if ids[i::SHARDS]]
+        jobs, keys = [], []
+        for choice in ("custom", "aten"):
+            for i, shard in enumerate(shards):
+                jobs.append((f"pytest-{choice}-{i + 1}", pytest_cmd(choice, shard), limit))
+                keys.append(choice)
+        jobs.append(("equality", [py, "tools/gpu_equality.py", "--devices", "cpu,cuda", "--json",
+                                  os.path.join(r.out, "equality.json")], limit))
+        keys.append("equality")
+        for key, res in zip(keys, r.run_together(step, jobs)):
+            pytest_runs.setdefault(key, []).append(res)
 
     def pytest(choice, limit):
         def fn(step):
@@ -280,17 +315,10 @@ def main(argv=None):
                 step.figure = no_gpu
                 return
             if choice not in pytest_runs:
-                jobs = []
-                for c in ("custom", "aten"):
-                    cmd = [py, "-m", "pytest", "tests/python/test_cuda.py", "tests/python/test_kernel_sets.py",
-                           "-m", "gpu", "-v", "-ra", "--tb=short", "-p", "no:cacheprovider", "--durations=10"]
-                    if subprocess.run([py, "-c", "import pytest_timeout"], capture_output=True).returncode == 0:
-                        cmd.append("--timeout=120")  # a hung test fails alone; the run still ends with its summary
-                    jobs.append((f"pytest-{c}", ["env", f"LIONBIT_KERNELS={c}"] + cmd, limit))
-                pytest_runs.update(zip(("custom", "aten"), r.run_together(step, jobs)))
-            rc, out = pytest_runs[choice]
-            step.status = "passed" if rc == 0 else "failed"
-            step.figure = _pytest_summary(out) + (" (ran beside pytest-custom)" if choice == "aten" else "")
+                start_gpu_runs(step, limit)
+            runs = pytest_runs[choice]
+            step.status = "passed" if all(rc == 0 for rc, _ in runs) else "failed"
+            step.figure = _pytest_shards_summary(runs) + (" (ran beside pytest-custom)" if choice == "aten" else "")
         return fn
 
     def script_with_json(step, name, cmd, timeout, cpu_note):
@@ -344,10 +372,20 @@ def main(argv=None):
                   f"DistributedLion {ms[key]:.1f} ms = {ratio[key]:.2f}x")
         if gpu:
             step.status, step.figure = "passed", figure
+            if ratio[key] > 1.5 and r.left() > 90:  # where the time goes, for the next session to fix
+                r.run(step, "lion-profile", cmd[:-2] + ["--steps", "3", "--profile"], timeout=min(120, r.left() - 30))
         else:
             step.figure = no_gpu + f" (the script ran on CPU at {res['params'] / 1e6:.0f}M parameters)"
 
     def equality(step):
+        if "equality" in pytest_runs:  # it ran beside the GPU tests
+            rc, out = pytest_runs["equality"][0]
+            path = os.path.join(r.out, "equality.json")
+            step.status = "passed" if rc == 0 else "failed"
+            step.figure = _tail(out, 1) + (" (ran beside the GPU tests)" if rc != 124 else " (time limit)")
+            if os.path.exists(path):
+                r.figures["equality"] = json.load(open(path))
+            return
         script_with_json(step, "equality", [py, "tools/gpu_equality.py", "--devices", "cpu,cuda" if gpu else "cpu"],
                          300, "the CPU half; CUDA: no GPU")
 

@@ -64,10 +64,13 @@ def _train(rank, kind, device, config):
     if kind == "ddp":
         wrapped = DDP(model, bucket_cap_mb=0.001)
     else:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model.first)
-        wrapped = fully_shard(model)
+        # FSDP2's default mesh is CUDA wherever there is a GPU: the CPU run names its device.
+        mesh = init_device_mesh(device.type, (WORLD,))
+        fully_shard(model.first, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
     opt = lionbit.DistributedLion(wrapped.parameters(), lr=2**-10, weight_decay=0.5, **kwargs)
     opt.attach(wrapped)
     for step in range(STEPS):
