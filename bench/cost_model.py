@@ -62,11 +62,11 @@ from netns import load_estimate, parse_rate  # noqa: E402  (standard library onl
 estimate = load_estimate()
 
 # --- constants of the wire format (signbits/, backend/) -------------------------
-WORD_BITS = 64                 # signbits/types.h kWordBits: shards are whole 64-bit words
-HEADER_BYTES = 64              # signbits/wire.h sizeof(WireHeader): the header round
-TIE_COUNT_BYTES = 8            # sign_allreduce.cpp: each vote message starts with its tie count
-TRIT_BYTES_PER_WORD = 13       # signbits/trits.h: 64 results in base 3 (inline ties)
-DEFAULT_CHUNK_ELEMS = 0  # 0: lionbit's default for N, bits::default_chunk_elems (max(4M, 256K N))
+# lionbit's wire (chunks, shards, header, tie counts, trits, zero lists): stated once, in
+# the package (lionbit.estimate.sign_wire, checked against lionbit._C by the tests).
+WIRE = load_estimate()
+WORD_BITS = WIRE.WORD_BITS
+DEFAULT_CHUNK_ELEMS = 0  # 0: lionbit's default for N (estimate.default_chunk_elems)
 
 # --- defaults of the model (documented in docs/benchmarks.md) ----------------
 ALPHA_S = 50e-6        # latency of one dependent message step (datacenter TCP + Gloo)
@@ -183,41 +183,6 @@ class Cpu:
 # the model
 # =============================================================================
 
-def bit_width(v: int) -> int:
-    return int(v).bit_length()
-
-
-def default_chunk_elems(n: int) -> int:
-    """signbits/wire.cpp default_chunk_elems: 4M, at least 256K elements a shard."""
-    return max(1 << 22, (1 << 18) * n)
-
-
-def chunk_elems_for(requested: int, n: int) -> int:
-    """signbits/wire.cpp: the chunk, rounded up to a multiple of 64 * N
-    (requested 0: lionbit's default for N)."""
-    if requested <= 0:
-        requested = default_chunk_elems(n)
-    unit = WORD_BITS * n
-    r = max(requested, unit)
-    return (r + unit - 1) // unit * unit
-
-
-def shard_words(numel: int, n: int) -> int:
-    """signbits/types.h: words per rank's shard (elements padded to 64 * N)."""
-    unit = WORD_BITS * n
-    return (numel + unit - 1) // unit * unit // WORD_BITS // n
-
-
-def zero_encoding_bytes(cap: int, words: int) -> int:
-    """signbits/zeros.cpp: K 32-bit offsets (padded to even) when smaller than the plane."""
-    if cap <= 0:
-        return 0
-    slots = cap + (cap & 1)
-    if slots * 4 < words * 8 and words * WORD_BITS < 0xFFFFFFFF:
-        return slots * 4
-    return words * 8
-
-
 @functools.lru_cache(maxsize=None)
 def suite1_tie_fraction(n: int) -> float:
     """Fraction of elements whose vote ties (sum of signs = 0) at even N for
@@ -256,75 +221,32 @@ def _terms(nbytes, lat, bw, kern, **extra) -> dict:
 
 def lionbit_terms(op: str, n: int, d: int, link: Link, cpu: Cpu, tie_fraction: float,
                   chunk_request: int = DEFAULT_CHUNK_ELEMS, log_allgather: bool = False) -> dict:
-    """lionbit.all_reduce_sign (backend/sign_allreduce.cpp) for op "vote" or "avg":
+    """lionbit.all_reduce_sign (backend/sign_allreduce.cpp) for op "vote" or "avg": its
+    bytes and dependent steps as lionbit.estimate.sign_wire states them (the header round;
+    per chunk, padded to 64 N: the all-to-all of packed shards and the ring all-gather of
+    the owners' messages, ties as a list or inline in base 3; at N = 2 one exchange), and
+    its time on this machine:
 
-      header round   ring all-gather of 64 bytes                     (N-1) alpha
-      per chunk (4M elements by default, padded to 64 N):
-        phase 1      all-to-all of the N packed shards (sb = shard bytes), all sends
-                     posted at once                                  alpha + (N-1) o, (N-1) sb bytes
-        phase 2      ring all-gather of the voted shard: 8 + sb (vote) or
-                     bit_width(N) * sb (avg: count planes)           (N-1) alpha, (N-1) msg bytes
-        ties         vote with a tie in the chunk: the tie positions, a list of
-                     4-byte offsets in a ring all-gather of their own ((N-1) alpha,
-                     (N-1) list bytes), or, when a plane is cheaper (dense ties),
-                     inline in phase 2 from the second vote on (kTieHint): the
-                     results in base 3, 8 + 13 bytes a word (padded to 8) instead
-                     of 8 + sb
-      kernels        pack 4 d bytes, vote/count the own shard of every chunk with N inputs
-                     (avg's count_code: the vote kernel's rate, not measured alone), unpack
-                     4 d bytes
-      N = 2          one exchange of each rank's whole packed chunk instead of the two
-                     phases (1 step, 2 sb bytes; a zero plane only where the input has
-                     zeros, never ties), and both shards voted here
+      latency        steps * alpha, plus (N-1) o a chunk for the all-to-all's messages
+      bandwidth      bytes / the link's goodput
+      kernels        pack 4 d bytes, vote / count the own shard of every chunk with N inputs
+                     (at N = 2 both shards; avg's count_code at the vote kernel's rate, not
+                     measured alone), unpack 4 d bytes (base-3 results at their own rate)
 
     log_allgather: a what-if (not built): the all-gathers by recursive doubling,
     ceil(log2 N) steps instead of N - 1, the same bytes."""
-    chunk = chunk_elems_for(chunk_request, n)
-    full, rest = divmod(d, chunk)
-    lens = [(chunk, full)] + ([(rest, 1)] if rest else [])
     ag_steps = math.ceil(math.log2(n)) if log_allgather else n - 1
-    planes = bit_width(n)                              # count planes of avg (no zeros in the input)
-    nbytes = (n - 1) * HEADER_BYTES
-    steps = ag_steps                                   # dependent message steps (alpha each)
-    vote_s = 0.0
-    inline_elems = 0                                   # elements whose phase 2 is base 3
-    for length, mult in lens:
-        if mult == 0:
-            continue
-        sw = shard_words(length, n)
-        sb = sw * 8
-        per = sb                                       # phase 1
-        csteps = 1 + ag_steps
-        if n == 2:                                     # the exchange: the other shard's planes too
-            nbytes += mult * 2 * sb
-            steps += mult
-            vote_s += mult * 2 * cpu.k.vote_s(sw * WORD_BITS, n)
-            continue
-        if op == "vote":
-            ties = math.ceil(tie_fraction * sw * WORD_BITS)   # ties in a shard (the mean, as its cap)
-            tb = zero_encoding_bytes(ties, sw) if ties > 0 else 0
-            if ties > 0 and tb >= sb:
-                # dense ties: inline in phase 2 from the second vote on
-                # (kTieHint), the steady state of training and of suite 1,
-                # results and ties in base 3 (signbits/trits.h)
-                per += TIE_COUNT_BYTES + (TRIT_BYTES_PER_WORD * sw + 7) // 8 * 8
-                inline_elems += mult * length
-            else:
-                per += TIE_COUNT_BYTES + sb
-                if ties > 0:
-                    per += tb          # sparse ties: a list, in a round of its own
-                    csteps += ag_steps
-        else:
-            per += planes * sb
-        nbytes += mult * (n - 1) * per
-        steps += mult * csteps
-        vote_s += mult * cpu.k.vote_s(sw * WORD_BITS, n)
+    wire = WIRE.sign_wire(op, n, d, tie_fraction, chunk_request, ag_steps=ag_steps)
+    shards_voted = 2 if n == 2 else 1  # the exchange: each rank votes both shards
+    vote_s = sum(mult * shards_voted * cpu.k.vote_s(sw * WORD_BITS, n) for _, mult, sw in wire["shards"])
+    inline_elems = wire["inline_elems"]
     trits_rate = cpu.k.unpack_trits or cpu.k.unpack
     kern = cpu.kappa * (4 * d / cpu.k.pack + vote_s + 4 * (d - inline_elems) / cpu.k.unpack
                         + 4 * inline_elems / trits_rate)
-    chunks = full + (1 if rest else 0)
+    nbytes, steps, chunks = wire["bytes"], wire["steps"], wire["chunks"]
     lat = steps * link.alpha + chunks * (n - 1) * link.msg_overhead
-    return _terms(nbytes, lat, nbytes / link.goodput, kern, steps=steps, chunks=chunks, chunk_elems=chunk)
+    return _terms(nbytes, lat, nbytes / link.goodput, kern, steps=steps, chunks=chunks,
+                  chunk_elems=wire["chunk_elems"])
 
 
 def ring_allreduce_terms(n: int, d: int, elem: int, reduce_read: int, link: Link, cpu: Cpu,

@@ -4,7 +4,10 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "signbits/count.h"
 #include "signbits/isa.h"
+#include "signbits/zeros.h"
+#include "backend/phase2.hpp"
 #include "bindings/kernel_bindings.hpp"
 #include "backend/lionbit_backend.hpp"
 #include "backend/sign_request.hpp"
@@ -207,4 +210,40 @@ PYBIND11_MODULE(_C, m) {
       "check_kernel_sets", &lionbit::check_kernel_sets, py::arg("candidate"), py::arg("reference"),
       py::arg("device") = "cpu", py::arg("seed") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("kernel_set_name", &lionbit::kernel_set_name, py::arg("device"));
+  // The wire's layout as the collectives compute it, for lionbit.estimate's
+  // statement of it to be checked against (tests/python/test_wire_model.py).
+  m.def(
+      "wire_layout",
+      [](uint64_t numel, int world_size, uint64_t chunk_request, bool gpu) {
+        TORCH_CHECK_VALUE(world_size > 0, "wire_layout: world_size must be positive");
+        namespace bits = lionbit::bits;
+        const uint64_t fallback = bits::default_chunk_elems(world_size, gpu);
+        const uint64_t chunk = bits::chunk_elems_for(
+            chunk_request > 0 ? chunk_request : fallback, world_size);
+        const uint64_t chunks = (numel + chunk - 1) / chunk;
+        const uint64_t last = numel - (chunks > 0 ? (chunks - 1) * chunk : 0);
+        const size_t sw = bits::shard_words(std::min(numel, chunk), world_size);
+        auto bytes = [&](lionbit::Phase2Format f, int planes) {
+          lionbit::Phase2 p{f, world_size, sw, planes};
+          return p.message_bytes();
+        };
+        py::dict d;
+        d["default_chunk_elems"] = fallback;
+        d["chunk_elems"] = chunk;
+        d["chunks"] = chunks;
+        d["shard_words"] = sw;
+        d["last_shard_words"] = bits::shard_words(last, world_size);
+        d["header_bytes"] = sizeof(bits::WireHeader);
+        d["vote_message_bytes"] = bytes(lionbit::Phase2Format::kVoteSigns, 0);
+        d["trit_message_bytes"] = bytes(lionbit::Phase2Format::kVoteTrits, 0);
+        d["count_planes"] = bits::code_planes(world_size, false);
+        d["count_message_bytes"] = bytes(
+            lionbit::Phase2Format::kCounts, bits::code_planes(world_size, false));
+        return d;
+      },
+      py::arg("numel"), py::arg("world_size"), py::arg("chunk_request") = 0,
+      py::arg("gpu") = false);
+  m.def(
+      "zero_encoding_bytes", &lionbit::bits::zero_encoding_bytes, py::arg("capacity"),
+      py::arg("words"));
 }

@@ -81,8 +81,10 @@ Assumptions (none is measured; every one is a constant below or an option):
 H100 SXM memory bandwidth 3.35 TB/s, of which streaming kernels reach 80 % and
 count kernels 50 %; NVLink 4: 900 GB/s per GPU both ways, 450 GB/s each way;
 alpha 2 us a step inside a node, 20 us between nodes; o = 1 us a message of an
-all-to-all. Left out: lionbit's 64-byte header round ((N-1) steps), vote ties,
-protocol overheads (take --inter as the goodput), overlap with the backward pass
+all-to-all. The flat vote's bytes are the wire's as built (sign_wire below: chunks
+padded to whole words, each vote message's 8-byte count, the 64-byte header round
+and its N-1 steps); the table above is its d/8 approximation. Left out: vote ties,
+the hierarchical votes' header rounds, protocol overheads (take --inter as the goodput), overlap with the backward pass
 and of kernels with transfers, DDP's bucketing (each bucket pays the latency
 again), switch congestion.
 """
@@ -116,6 +118,110 @@ METHODS = (
     ("hierarchical_fp32", "fp32 hierarchical all-reduce", True, "NCCL"),
     ("hierarchical_bf16", "bf16 hierarchical all-reduce", True, "NCCL"),
 )
+
+
+# --- lionbit's wire, as built (checked against lionbit._C.wire_layout by the tests) ---
+WORD_BITS = 64  # signbits/types.h kWordBits: a rank's shard is whole 64-bit words
+HEADER_BYTES = 64  # signbits/wire.h sizeof(WireHeader): the header round, a ring all-gather
+TIE_COUNT_BYTES = 8  # backend/phase2.cpp: a vote message starts with its count of zeros
+TRIT_BYTES_PER_WORD = 13  # signbits/trits.h: 64 results in base 3 (ties riding inline)
+
+
+def default_chunk_elems(n: int, gpu: bool = False) -> int:
+    """signbits/wire.cpp: elements a pipelined chunk by default: 4M (64M on a GPU), at
+    least 256K a rank's shard."""
+    return max(1 << (26 if gpu else 22), (1 << 18) * n)
+
+
+def chunk_elems_for(requested: int, n: int, gpu: bool = False) -> int:
+    """signbits/wire.cpp: the chunk, rounded up to whole words a shard (64 N elements);
+    requested <= 0: the default for N (LIONBIT_CHUNK_ELEMS sets it at run time)."""
+    if requested <= 0:
+        requested = default_chunk_elems(n, gpu)
+    unit = WORD_BITS * n
+    return (max(requested, unit) + unit - 1) // unit * unit
+
+
+def shard_words(numel: int, n: int) -> int:
+    """signbits/types.h: words of a rank's shard of `numel` elements (padded to 64 N)."""
+    unit = WORD_BITS * n
+    return (numel + unit - 1) // unit * unit // WORD_BITS // n
+
+
+def zero_encoding_bytes(capacity: int, words: int) -> int:
+    """signbits/zeros.cpp: up to `capacity` positions in a plane of `words` words, as
+    32-bit offsets (padded to an even count) where that is smaller than the plane."""
+    if capacity <= 0:
+        return 0
+    slots = capacity + (capacity & 1)
+    if slots * 4 < words * 8 and words * WORD_BITS < 0xFFFFFFFF:
+        return slots * 4
+    return words * 8
+
+
+def sign_wire(
+    op: str,
+    n: int,
+    d: int,
+    tie_fraction: float = 0.0,
+    chunk_request: int = 0,
+    gpu: bool = False,
+    ag_steps: int | None = None,
+) -> dict:
+    """The bytes one rank sends in lionbit.all_reduce_sign of d elements over n ranks
+    (op "vote" or "avg", inputs without exact zeros), and the call's dependent message steps:
+
+      header round   a ring all-gather of HEADER_BYTES                        (n-1) steps
+      per chunk (padded to 64 n elements; sb = a shard's bytes):
+        n = 2        one exchange of the rank's whole packed chunk: 2 sb      1 step
+        phase 1      all-to-all of the packed shards: (n-1) sb                1 step
+        phase 2      ring all-gather of the owner's message, (n-1) of them    (n-1) steps
+                     vote: TIE_COUNT_BYTES + sb, or with dense ties inline from the
+                     second vote on (the steady state): TIE_COUNT_BYTES + 13 bytes a
+                     word padded to 8; avg: bit_width(n) count planes of sb each
+        sparse ties  (vote) their positions, a list in a ring all-gather of its own
+                     ((n-1) steps), when smaller than a plane
+
+    tie_fraction: the fraction of a shard's elements that tie (their mean count is taken as
+    every shard's). ag_steps: steps of an all-gather (default n - 1, the ring).
+    Returns bytes, steps, chunks, chunk_elems, inline_elems (elements whose results rode
+    in base 3) and shards: [(elements of a chunk, chunks of that length, shard words)]."""
+    if op not in ("vote", "avg"):
+        raise ValueError(f"sign_wire: op must be 'vote' or 'avg', got {op!r}")
+    chunk = chunk_elems_for(chunk_request, n, gpu)
+    full, rest = divmod(int(d), chunk)
+    counts = ((chunk, full), (rest, 1 if rest else 0))
+    shards = [(length, mult, shard_words(length, n)) for length, mult in counts if mult]
+    ag = n - 1 if ag_steps is None else ag_steps
+    nbytes, steps, inline_elems = (n - 1) * HEADER_BYTES, ag, 0
+    for length, mult, sw in shards:
+        sb = sw * 8
+        if n == 2:
+            nbytes += mult * 2 * sb
+            steps += mult
+            continue
+        message, chunk_steps = sb, 1 + ag
+        if op == "vote":
+            ties = math.ceil(tie_fraction * sw * WORD_BITS)
+            listed = zero_encoding_bytes(ties, sw)
+            if ties > 0 and listed >= sb:
+                message = TIE_COUNT_BYTES + (TRIT_BYTES_PER_WORD * sw + 7) // 8 * 8
+                inline_elems += mult * length
+            else:
+                message = TIE_COUNT_BYTES + sb + listed
+                chunk_steps += ag if ties > 0 else 0
+        else:
+            message = max(1, int(n).bit_length()) * sb
+        nbytes += mult * (n - 1) * (sb + message)
+        steps += mult * chunk_steps
+    return {
+        "bytes": nbytes,
+        "steps": steps,
+        "chunks": full + (1 if rest else 0),
+        "chunk_elems": chunk,
+        "inline_elems": inline_elems,
+        "shards": shards,
+    }
 
 
 @dataclass(frozen=True)
@@ -232,20 +338,33 @@ def lionbit_kernel_bytes(d: float) -> float:
 
 
 def flat_vote(d: float, c: Cluster, k: Kernels | None = None) -> Estimate:
-    """lionbit's vote over all N ranks: all-to-all of packed shards, ring all-gather of the votes;
-    at N = 2 one exchange of the packed signs, each rank voting every shard itself."""
+    """lionbit's vote over all N ranks, its bytes as sign_wire states them (GPU chunks, no
+    ties): the header round, an all-to-all of packed shards and a ring all-gather of the
+    votes; at N = 2 one exchange of the packed signs, each rank voting every shard itself."""
     n, m, lpn = c.ranks, c.nodes, c.gpus_per_node
-    shard = d / 8 / n
+    wire = sign_wire("vote", n, int(math.ceil(d)), gpu=True)
+    shard = sum(mult * sw * 8 for _, mult, sw in wire["shards"])  # a rank's shard of every chunk
     flat_inter = m > 1  # a flat collective's every step waits for the inter-node hop
-    if n == 2:
-        swap = Phase(
-            "exchange of the packed signs",
-            inter_bytes=d / 8 if flat_inter else 0.0,
-            intra_bytes=0.0 if flat_inter else d / 8,
-            inter_steps=1 if flat_inter else 0,
-            intra_steps=0 if flat_inter else 1,
+
+    def ring_phase(name: str, hop_bytes: float, steps: int) -> Phase:
+        return Phase(
+            name,
+            inter_bytes=hop_bytes if flat_inter else 0.0,  # one hop out of each node per step
+            intra_bytes=hop_bytes if lpn > 1 or not flat_inter else 0.0,
+            inter_steps=steps if flat_inter else 0,
+            intra_steps=0 if flat_inter else steps,
         )
-        return combine("flat_vote", c, [swap], lionbit_kernel_bytes(d), 2 * d / 8, k)
+
+    header = ring_phase("header round", (n - 1) * HEADER_BYTES, n - 1)
+    if n == 2:
+        return combine(
+            "flat_vote",
+            c,
+            [header, ring_phase("exchange of the packed signs", 2 * shard, 1)],
+            lionbit_kernel_bytes(d),
+            2 * d / 8,
+            k,
+        )
     a2a = Phase(
         "all-to-all of the packed signs",
         inter_bytes=lpn * (n - lpn) * shard,  # the node's L ranks, each to the N - L ranks elsewhere
@@ -254,15 +373,10 @@ def flat_vote(d: float, c: Cluster, k: Kernels | None = None) -> Estimate:
         intra_steps=0 if flat_inter else steps_if(n),
         messages=n - 1,
     )
-    ring = Phase(
-        "ring all-gather of the votes",
-        inter_bytes=(n - 1) * shard if flat_inter else 0.0,  # one hop out of each node per step
-        intra_bytes=(n - 1) * shard if lpn > 1 else 0.0,
-        inter_steps=n - 1 if flat_inter else 0,
-        intra_steps=0 if flat_inter else n - 1,
-    )
+    votes = sum(mult * (TIE_COUNT_BYTES + sw * 8) for _, mult, sw in wire["shards"])
+    ring = ring_phase("ring all-gather of the votes", (n - 1) * votes, n - 1)
     count = d / 8 + shard  # N shards in, one out
-    return combine("flat_vote", c, [a2a, ring], lionbit_kernel_bytes(d), count, k)
+    return combine("flat_vote", c, [header, a2a, ring], lionbit_kernel_bytes(d), count, k)
 
 
 def two_level_vote(method: str, d: float, c: Cluster, k: Kernels | None, cross_bits: int) -> Estimate:
@@ -501,7 +615,7 @@ def assumptions(c: Cluster, k: Kernels) -> str:
         f"({STREAM_FRACTION:.0%} and {COUNT_FRACTION:.0%} of an H100's {GPU_MEMORY_BYTES_PER_S / 1e12:g} TB/s); "
         f"{c.inter_latency_s * 1e6:g} us a step between nodes, {c.intra_latency_s * 1e6:g} us inside a node, "
         f"{c.message_overhead_s * 1e6:g} us a further all-to-all message; the rates are goodput, one network link "
-        f"a node, a non-blocking switch; no overlap with compute; vote ties and lionbit's header round left out"
+        f"a node, a non-blocking switch; no overlap with compute; vote ties left out"
     )
 
 

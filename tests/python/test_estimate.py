@@ -101,15 +101,21 @@ CLUSTER = estimate.Cluster(nodes=4, gpus_per_node=4, inter_bytes_per_s=1e9, inte
 
 def test_flat_vote_bytes():
     e = estimate.flat_vote(D, CLUSTER)
-    # all-to-all: each of a node's 4 ranks sends 12 of its 16 shards (1M / 16 bytes each)
-    # to other nodes: 4 * 12 / 16 * 1M = 3M; ring all-gather: one hop out of the node per
-    # step, 15 steps of a shard: 15/16 * 1M.
-    assert e.inter_bytes_per_node == pytest.approx(3 * MB + 15 / 16 * MB)
+    # The wire as built: one GPU chunk (64M elements) padded to 64 * 16, a shard of 7813
+    # words (62,504 bytes, not 1M / 16), each vote message 8 bytes longer, and the
+    # 64-byte header round (a ring all-gather: 15 hops out of each node).
+    sb = 7813 * 8
+    assert estimate.sign_wire("vote", 16, D, gpu=True)["shards"] == [(D, 1, 7813)]
+    # all-to-all: each of a node's 4 ranks sends 12 of its 16 shards to other nodes;
+    # ring all-gather: one hop out of the node per step, 15 steps of a vote message.
+    assert e.inter_bytes_per_node == 15 * 64 + 4 * 12 * sb + 15 * (8 + sb)
+    assert e.inter_bytes_per_node == pytest.approx(3 * MB + 15 / 16 * MB, rel=1e-3)  # the d/8 approximation
     # The L * 2(N-1)/N * d/8 (7.5M) counts every byte a rank sends as leaving the
     # node: only an upper bound (it would be right for a direct all-gather).
     assert e.inter_bytes_per_node < 4 * 2 * 15 / 16 * MB
     # NVLink: 3 shards to the node's other ranks, then 15 forwarded in the ring.
-    assert e.intra_bytes_per_gpu == pytest.approx((3 + 15) / 16 * MB)
+    assert e.intra_bytes_per_gpu == 15 * 64 + 3 * sb + 15 * (8 + sb)
+    assert e.phases == ["header round", "all-to-all of the packed signs", "ring all-gather of the votes"]
 
 
 def test_exact_hierarchical_bytes():
