@@ -255,9 +255,9 @@ def ring_allreduce_terms(n: int, d: int, elem: int, reduce_read: int, link: Link
     bytes per rank, and the reduction of (N-1)/N * d elements reading `reduce_read` bytes
     each at one core's read bandwidth. log_steps: a what-if, recursive halving + doubling
     (2 ceil(log2 N) steps, the same bytes for N a power of 2)."""
-    nbytes = 2 * (n - 1) / n * elem * d
-    kern = cpu.kappa * (n - 1) / n * d * reduce_read / cpu.k.read
-    steps = 2 * math.ceil(math.log2(n)) if log_steps else 2 * (n - 1)
+    wire = WIRE.ring_wire(n, d, elem, log_steps)
+    nbytes, steps = wire["bytes"], wire["steps"]
+    kern = cpu.kappa * wire["reduced_elems"] * reduce_read / cpu.k.read
     return _terms(nbytes, steps * link.alpha, nbytes / link.goodput, kern, steps=steps)
 
 

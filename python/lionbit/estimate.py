@@ -224,6 +224,15 @@ def sign_wire(
     }
 
 
+def ring_wire(n: int, d: float, elem_bytes: int, log_steps: bool = False) -> dict:
+    """An all-reduce of d elements of elem_bytes over n ranks by a ring (Gloo, NCCL):
+    reduce-scatter then all-gather, 2 (n-1) steps of d e / n bytes, 2 (n-1)/n e d bytes a
+    rank sends, and (n-1)/n d elements it reduces. log_steps: a what-if, recursive halving
+    + doubling (2 ceil(log2 n) steps, the same bytes for n a power of 2)."""
+    steps = 2 * math.ceil(math.log2(n)) if log_steps else 2 * (n - 1)
+    return {"bytes": 2 * (n - 1) / n * elem_bytes * d, "steps": steps, "reduced_elems": (n - 1) / n * d}
+
+
 @dataclass(frozen=True)
 class Cluster:
     """M nodes of L GPUs. Rates in bytes/s per direction; latencies in seconds a step."""
@@ -424,16 +433,16 @@ def ring_allreduce(d: float, c: Cluster, elem_bytes: int = 4, k: Kernels | None 
     """An NCCL-style ring over all N ranks, node by node: reduce-scatter then all-gather,
     2 (N-1) steps of d e / N bytes on every hop; one hop leaves each node per step."""
     n, m, lpn = c.ranks, c.nodes, c.gpus_per_node
-    total = 2 * (n - 1) / n * elem_bytes * d
+    wire = ring_wire(n, d, elem_bytes)
     flat_inter = m > 1
     ring = Phase(
         "ring reduce-scatter + all-gather",
-        inter_bytes=total if flat_inter else 0.0,
-        intra_bytes=total if lpn > 1 else 0.0,
-        inter_steps=2 * (n - 1) if flat_inter else 0,
-        intra_steps=0 if flat_inter else 2 * (n - 1),
+        inter_bytes=wire["bytes"] if flat_inter else 0.0,
+        intra_bytes=wire["bytes"] if lpn > 1 else 0.0,
+        inter_steps=wire["steps"] if flat_inter else 0,
+        intra_steps=0 if flat_inter else wire["steps"],
     )
-    reduce = (n - 1) / n * d * 3 * elem_bytes  # read two, write one
+    reduce = wire["reduced_elems"] * 3 * elem_bytes  # read two, write one
     method = "ring_fp32" if elem_bytes == 4 else "ring_bf16"
     return combine(method, c, [ring], reduce + cast_bytes(d, elem_bytes), 0.0, k)
 
