@@ -24,6 +24,7 @@ namespace {
 
 // One pipelined chunk: elements [begin, begin + len) of the tensor.
 struct Chunk {
+  size_t group = 0; // its header round (Run::headers_)
   size_t begin = 0;
   size_t len = 0;
   size_t sw = 0; // words per shard
@@ -84,8 +85,10 @@ class Run {
   }
 
   void run() {
-    pack_all();
-    trace_.set_chunks(chunks_.size());
+    const size_t chunks = n_ == 0 ? 0 : (n_ + chunk_elems_ - 1) / chunk_elems_;
+    const size_t first = first_group(chunks);
+    trace_.set_chunks(chunks);
+    pack(first);
     trace_.mark("packed");
     header();
     trace_.mark("header");
@@ -95,15 +98,18 @@ class Run {
     // The exchange has no phase 2 to keep the link busy while a chunk is
     // counted: two of its chunks are in flight at once.
     const size_t ahead = exchange_ ? 2 : 1;
-    for (size_t k = 0; k < ahead && k < chunks_.size(); ++k) {
-      issue_phase1(k);
+    if (first < chunks) {
+      issue_upto(first); // the first group moves while the rest is packed
+      pack(chunks);
+      trace_.mark("packed_rest");
+      header(); // a NaN anywhere raises here, on every rank: nothing is written yet
+      trace_.mark("header_rest");
     }
+    issue_upto(issued_ + ahead);
     for (size_t k = 0; k < chunks_.size(); ++k) {
       wait_shards(call_, chunks_[k].p1);
       trace_.mark("a2a_done", static_cast<int64_t>(k));
-      if (k + ahead < chunks_.size()) {
-        issue_phase1(k + ahead); // moves while this chunk is counted
-      }
+      issue_upto(k + 1 + ahead); // moves while this chunk is counted
       count_and_issue_phase2(k);
       if (k > 0) {
         finish(k - 1); // unpacks while chunk k moves
@@ -121,11 +127,28 @@ class Run {
   }
 
  private:
-  void pack_all() {
+  // Two ranks exchange whole chunks, so nothing can move before a header
+  // round, and the first round needs the packed chunks' NaN and zero
+  // counts: with one round the link would wait for the whole pack. So the
+  // chunks go in two groups, each with its own round: the first fifth is
+  // packed and announced and moves while the rest is packed; the rest's
+  // round comes before any result is written, so a NaN anywhere still
+  // stops the call on every rank with every tensor untouched. Every rank
+  // decides alike (N, the op and the exchange setting, which the first
+  // round checks).
+  size_t first_group(size_t chunks) const {
+    const bool exchanges = N_ == 2 && levels_ == nullptr && two_rank_exchange_allowed();
+    return exchanges && chunks >= 2 ? std::max<size_t>(1, (chunks + 4) / 5) : chunks;
+  }
+
+  // Packs chunks up to `end` (of the chunks_ not packed yet).
+  void pack(size_t end) {
     ScopedTimer t(c_.stats->pack_ns, "lionbit::pack");
     const KernelSet& k = *call_.k;
-    for (size_t begin = 0; begin < n_; begin += chunk_elems_) {
+    for (size_t begin = chunks_.size() * chunk_elems_; begin < n_ && chunks_.size() < end;
+         begin += chunk_elems_) {
       Chunk ch;
+      ch.group = headers_.size();
       ch.begin = begin;
       ch.len = std::min<size_t>(chunk_elems_, n_ - begin);
       ch.sw = bits::shard_words(ch.len, N_);
@@ -201,7 +224,8 @@ class Run {
   }
 
   // Every rank learns every rank's size, dtype, op, order, chunking and
-  // zero/NaN flags, and all raise together if they disagree.
+  // zero/NaN flags (of the chunks packed since the last round), and all
+  // raise together if they disagree.
   void header() {
     uint32_t flags = header_flags(call_, zero_cap_, nans_);
     if (votes_ && c_.tie_hint != nullptr && c_.tie_hint->load()) {
@@ -209,15 +233,28 @@ class Run {
     }
     const auto mine = bits::make_header(
         op_, dtype_, c_.rank, flags, call_.seq, n_, zero_cap_, chunk_elems_, rule_);
-    hs_ = header_round(call_, mine);
+    headers_.push_back(header_round(call_, mine));
+    const bits::HeaderSummary& hs = headers_.back();
+    zero_cap_ = 0;
+    nans_ = 0;
+    if (headers_.size() > 1) {
+      return; // the same call, announced in two groups
+    }
     // Two ranks: each sends the other its whole planes and votes every shard
     // itself (the same encoders and decoders as the two phases, run locally):
     // the 1-bit figure's bytes, no second round. Every rank decides alike.
     // No phase 2 moves, so ties never ride inline (nor set the hint).
     exchange_ = N_ == 2 && levels_ == nullptr && (flags & bits::kTwoPhase) == 0;
-    inline_ties_ = votes_ && hs_.inline_ties && !exchange_;
+    inline_ties_ = votes_ && hs.inline_ties && !exchange_;
     c_.stats->sign_allreduce_calls += 1;
     c_.stats->elements += n_;
+  }
+
+  // Issues phase 1 of the chunks before `end` not yet issued.
+  void issue_upto(size_t end) {
+    for (; issued_ < std::min(end, chunks_.size()); ++issued_) {
+      issue_phase1(issued_);
+    }
   }
 
   // Phase 1 (backend/phase1.hpp): rank k gets every rank's shard k.
@@ -225,7 +262,7 @@ class Run {
     Chunk& ch = chunks_[idx];
     // Levels: a shard is p planes of sw words, and no rank sends zeros.
     const size_t block = levels_ != nullptr ? static_cast<size_t>(levels_->bits) * ch.sw : ch.sw;
-    ch.p1 = send_shards(call_, hs_, ch.sign_plane, ch.zero_plane, block, exchange_);
+    ch.p1 = send_shards(call_, headers_[ch.group], ch.sign_plane, ch.zero_plane, block, exchange_);
     trace_.mark("a2a_issued", static_cast<int64_t>(idx));
   }
 
@@ -238,8 +275,9 @@ class Run {
       trace_.mark("counted", static_cast<int64_t>(idx));
       return;
     }
-    const std::vector<PlaneIn> in = receive_shards(call_, hs_, ch.p1, ch.decoded);
-    ch.fmt = Phase2::choose(op_, rule_, N_, ch.sw, inline_ties_, hs_.zero_capacity);
+    const bits::HeaderSummary& hs = headers_[ch.group];
+    const std::vector<PlaneIn> in = receive_shards(call_, hs, ch.p1, ch.decoded);
+    ch.fmt = Phase2::choose(op_, rule_, N_, ch.sw, inline_ties_, hs.zero_capacity);
     {
       ScopedTimer t(c_.stats->vote_ns, "lionbit::count");
       ch.msg = ch.fmt.message_bytes();
@@ -268,7 +306,8 @@ class Run {
   // all-gather would have brought, and `tie_planes` the zeros a tie round
   // would have fetched.
   void vote_every_shard(Chunk& ch) {
-    ch.fmt = Phase2::choose(op_, rule_, N_, ch.sw, inline_ties_, hs_.zero_capacity);
+    const bits::HeaderSummary& hs = headers_[ch.group];
+    ch.fmt = Phase2::choose(op_, rule_, N_, ch.sw, inline_ties_, hs.zero_capacity);
     ScopedTimer t(c_.stats->vote_ns, "lionbit::count");
     ch.msg = ch.fmt.message_bytes();
     ch.gathered = call_.bytes(ch.msg * N_);
@@ -280,7 +319,7 @@ class Run {
     }
     for (int k = 0; k < N_; ++k) {
       const std::vector<PlaneIn> in = exchanged_shard(
-          call_, hs_, ch.p1, ch.sign_plane, ch.zero_plane, k, ch.decoded);
+          call_, hs, ch.p1, ch.sign_plane, ch.zero_plane, k, ch.decoded);
       at::Tensor msg = ch.gathered.narrow(0, k * static_cast<int64_t>(ch.msg), ch.msg);
       at::Tensor ties = ch.local_ties.defined()
           ? ch.local_ties.narrow(0, k * static_cast<int64_t>(ch.sb), ch.sb)
@@ -393,7 +432,8 @@ class Run {
   bool dense_ties_ = false; // vote: some chunk's ties were cheapest as a plane
   uint64_t zero_cap_ = 0;
   std::vector<Chunk> chunks_;
-  bits::HeaderSummary hs_;
+  size_t issued_ = 0; // chunks whose phase 1 is issued
+  std::vector<bits::HeaderSummary> headers_; // one a group of chunks (Chunk::group)
   CallTrace trace_; // LIONBIT_TRACE; its line is written when the run ends
 };
 

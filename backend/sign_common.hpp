@@ -123,6 +123,9 @@ void count_allgather(const SignComm& c, size_t chunk);
 // "avg", 0 for codes that cannot occur. unpack's table is built from it.
 std::vector<double> count_code_values(bits::SignOp op, int N, bool with_zeros, int planes);
 
+// Whether two ranks may exchange whole chunks (LIONBIT_SIGN_EXCHANGE != "0").
+bool two_rank_exchange_allowed();
+
 // The header flags every call sets from what this rank holds (its zeros,
 // NaNs and device: a call whose ranks hold tensors on different device types
 // fails on every rank, bits::kDevice) and from LIONBIT_SIGN_EXCHANGE=0

@@ -181,6 +181,8 @@ def sign_wire(
                      word padded to 8; avg: bit_width(n) count planes of sb each
         sparse ties  (vote) their positions, a list in a ring all-gather of its own
                      ((n-1) steps), when smaller than a plane
+      n = 2, chunks >= 2: a second header round (the rest of the chunks is packed and
+                     announced while the first fifth moves)                     1 step
 
     tie_fraction: the fraction of a shard's elements that tie (their mean count is taken as
     every shard's). ag_steps: steps of an all-gather (default n - 1, the ring).
@@ -193,7 +195,9 @@ def sign_wire(
     counts = ((chunk, full), (rest, 1 if rest else 0))
     shards = [(length, mult, shard_words(length, n)) for length, mult in counts if mult]
     ag = n - 1 if ag_steps is None else ag_steps
-    nbytes, steps, inline_elems = (n - 1) * HEADER_BYTES, ag, 0
+    chunks = full + (1 if rest else 0)
+    rounds = 2 if n == 2 and chunks >= 2 else 1
+    nbytes, steps, inline_elems = rounds * (n - 1) * HEADER_BYTES, rounds * ag, 0
     for length, mult, sw in shards:
         sb = sw * 8
         if n == 2:
@@ -217,7 +221,7 @@ def sign_wire(
     return {
         "bytes": nbytes,
         "steps": steps,
-        "chunks": full + (1 if rest else 0),
+        "chunks": chunks,
         "chunk_elems": chunk,
         "inline_elems": inline_elems,
         "shards": shards,

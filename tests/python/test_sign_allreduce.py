@@ -462,3 +462,50 @@ def test_two_rank_vote_moves_the_one_bit_figure(exchange):
             assert one_bit <= s["bytes_sent"] <= 1.01 * one_bit and s["tie_rounds"] == 0, s
         else:
             assert s["bytes_sent"] >= 1.2 * one_bit, s
+
+
+def late_chunk_cases(rank, n):
+    """Two ranks, 10 chunks of 4096: the first two are announced and move while the
+    rest is packed (a header round for each group). A NaN in the last chunk (on rank 1)
+    still stops the call on both ranks with both tensors untouched; zeros only in the
+    first group or only in the last chunk are exact; so is every size around the split."""
+    import lionbit
+
+    out = {}
+    numel = 10 * 4096 - 5
+    for dtype in (torch.float32, torch.bfloat16):
+        x = _two_rank_input(rank, numel, dtype, "none", 3)
+        if rank == 1:
+            x[-2] = float("nan")
+        before = x.clone()
+        try:
+            lionbit.all_reduce_sign(x, "vote")
+            out[f"{dtype} nan"] = "no error"
+        except lionbit.NonFiniteInput as err:
+            out[f"{dtype} nan"] = [list(err.ranks), bool(torch.equal(_bits(x), _bits(before)))]
+    for where in ("first", "last"):
+        for op in OPS:
+            x = _two_rank_input(rank, numel, torch.float32, "none", 5)
+            if where == "first" and rank == 0:
+                x[100:300] = 0.0  # chunk 0 only, one rank
+            if where == "last" and rank == 1:
+                x[-700:-500] = 0.0  # the last chunk only, the other rank
+            want = _reference(x, op, n)
+            lionbit.all_reduce_sign(x, op)
+            out[f"zeros {where} {op}"] = bool(torch.equal(_bits(x), _bits(want))) and _all_ranks_identical(x)
+    for chunks in (2, 3, 5, 6, 11):
+        for extra in (-1, 0, 1):
+            x = _two_rank_input(rank, chunks * 4096 + extra, torch.float32, "sparse", chunks)
+            want = _reference(x, "vote", n)
+            lionbit.reset_stats()
+            lionbit.all_reduce_sign(x, "vote")
+            ok = torch.equal(_bits(x), _bits(want)) and _all_ranks_identical(x)
+            out[f"size {chunks} {extra}"] = bool(ok) and lionbit.stats()["sign_allreduce_calls"] == 1
+    return out
+
+
+def test_two_rank_groups_keep_nan_and_zero_semantics():
+    for v in values(run_ranks("test_sign_allreduce:late_chunk_cases", 2, env=EXCHANGE_ENV)):
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            assert v.pop(f"{dtype} nan") == [[1], True], v
+        assert all(v.values()) and len(v) == 2 * len(OPS) + 15, v
