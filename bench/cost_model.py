@@ -213,52 +213,30 @@ def torch_traffic(impl: str, n: int, d: int) -> float:
     return (TORCH_BITS_PACK_BYTES + TORCH_BITS_COUNT_BYTES_PER_RANK * n + TORCH_BITS_COUNT_BYTES) * d
 
 
-def _terms(nbytes, lat, bw, kern, **extra) -> dict:
-    t = lat + bw + kern
-    bound = max((("latency", lat), ("bandwidth", bw), ("kernels", kern)), key=lambda p: p[1])[0]
-    return dict(bytes=nbytes, latency_s=lat, bandwidth_s=bw, kernel_s=kern, time_s=t, bound=bound, **extra)
+def core_rates(cpu: Cpu) -> "WIRE.CoreRates":
+    k = cpu.k
+    return WIRE.CoreRates(pack=k.pack, unpack=k.unpack, read=k.read, vote_a=k.vote_a, vote_b=k.vote_b,
+                          unpack_trits=k.unpack_trits, kappa=cpu.kappa)
+
+
+def link_rates(link: Link) -> "WIRE.LinkRates":
+    return WIRE.LinkRates(goodput=link.goodput, alpha=link.alpha, msg_overhead=link.msg_overhead)
 
 
 def lionbit_terms(op: str, n: int, d: int, link: Link, cpu: Cpu, tie_fraction: float,
                   chunk_request: int = DEFAULT_CHUNK_ELEMS, log_allgather: bool = False) -> dict:
-    """lionbit.all_reduce_sign (backend/sign_allreduce.cpp) for op "vote" or "avg": its
-    bytes and dependent steps as lionbit.estimate.sign_wire states them (the header round;
-    per chunk, padded to 64 N: the all-to-all of packed shards and the ring all-gather of
-    the owners' messages, ties as a list or inline in base 3; at N = 2 one exchange), and
-    its time on this machine:
-
-      latency        steps * alpha, plus (N-1) o a chunk for the all-to-all's messages
-      bandwidth      bytes / the link's goodput
-      kernels        pack 4 d bytes, vote / count the own shard of every chunk with N inputs
-                     (at N = 2 both shards; avg's count_code at the vote kernel's rate, not
-                     measured alone), unpack 4 d bytes (base-3 results at their own rate)
-
-    log_allgather: a what-if (not built): the all-gathers by recursive doubling,
-    ceil(log2 N) steps instead of N - 1, the same bytes."""
-    ag_steps = math.ceil(math.log2(n)) if log_allgather else n - 1
-    wire = WIRE.sign_wire(op, n, d, tie_fraction, chunk_request, ag_steps=ag_steps)
-    shards_voted = 2 if n == 2 else 1  # the exchange: each rank votes both shards
-    vote_s = sum(mult * shards_voted * cpu.k.vote_s(sw * WORD_BITS, n) for _, mult, sw in wire["shards"])
-    inline_elems = wire["inline_elems"]
-    trits_rate = cpu.k.unpack_trits or cpu.k.unpack
-    kern = cpu.kappa * (4 * d / cpu.k.pack + vote_s + 4 * (d - inline_elems) / cpu.k.unpack
-                        + 4 * inline_elems / trits_rate)
-    nbytes, steps, chunks = wire["bytes"], wire["steps"], wire["chunks"]
-    lat = steps * link.alpha + chunks * (n - 1) * link.msg_overhead
-    return _terms(nbytes, lat, nbytes / link.goodput, kern, steps=steps, chunks=chunks,
-                  chunk_elems=wire["chunk_elems"])
+    """lionbit.all_reduce_sign (op "vote" or "avg") on this machine's measured rates: the
+    package's model, lionbit.estimate.sign_allreduce_on_link (its docstring states it)."""
+    return WIRE.sign_allreduce_on_link(op, n, d, link_rates(link), core_rates(cpu), tie_fraction, chunk_request,
+                                       log_allgather)
 
 
 def ring_allreduce_terms(n: int, d: int, elem: int, reduce_read: int, link: Link, cpu: Cpu,
                          log_steps: bool = False) -> dict:
-    """Gloo's ring all-reduce: 2(N-1) steps (reduce-scatter, all-gather), 2(N-1)/N * elem * d
-    bytes per rank, and the reduction of (N-1)/N * d elements reading `reduce_read` bytes
-    each at one core's read bandwidth. log_steps: a what-if, recursive halving + doubling
-    (2 ceil(log2 N) steps, the same bytes for N a power of 2)."""
-    wire = WIRE.ring_wire(n, d, elem, log_steps)
-    nbytes, steps = wire["bytes"], wire["steps"]
-    kern = cpu.kappa * wire["reduced_elems"] * reduce_read / cpu.k.read
-    return _terms(nbytes, steps * link.alpha, nbytes / link.goodput, kern, steps=steps)
+    """Gloo's ring all-reduce on this machine's measured rates: lionbit.estimate's
+    ring_allreduce_on_link (2(N-1) steps, 2(N-1)/N elem d bytes, the reduction at one core's
+    read bandwidth; log_steps: the recursive halving + doubling what-if)."""
+    return WIRE.ring_allreduce_on_link(n, d, elem, reduce_read, link_rates(link), core_rates(cpu), log_steps)
 
 
 # The suite-1 impls predict() models.
@@ -286,7 +264,7 @@ def predict(impl: str, n: int, d: int, link: Link, cpu: Cpu, tie_fraction: Optio
             extra = torch_traffic(impl, n, d) / cpu.torch_rates[impl]
         else:   # ideal: a float->int8 sign pass (r4 w1) and back (r1 w4) at read bandwidth
             extra = 10 * d / cpu.k.read
-        return _terms(t["bytes"], t["latency_s"], t["bandwidth_s"], t["kernel_s"] + cpu.kappa * extra,
+        return WIRE.terms(t["bytes"], t["latency_s"], t["bandwidth_s"], t["kernel_s"] + cpu.kappa * extra,
                       steps=t["steps"], comm_s=t["latency_s"] + t["bandwidth_s"])
     if impl == "allgather_bits":
         nbytes = (n - 1) * d / 8
@@ -295,7 +273,7 @@ def predict(impl: str, n: int, d: int, link: Link, cpu: Cpu, tie_fraction: Optio
             kern = torch_traffic(impl, n, d) / cpu.torch_rates[impl]
         else:   # ideal: lionbit's kernels, every rank counting all d elements over N planes
             kern = 4 * d / cpu.k.pack + cpu.k.vote_s(d, n) + 4 * d / cpu.k.unpack
-        return _terms(nbytes, lat, nbytes / link.goodput, cpu.kappa * kern, steps=n - 1,
+        return WIRE.terms(nbytes, lat, nbytes / link.goodput, cpu.kappa * kern, steps=n - 1,
                       comm_s=lat + nbytes / link.goodput)
     raise ValueError(impl)
 

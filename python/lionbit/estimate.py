@@ -12,7 +12,10 @@ modelled time and bytes of each way to combine the ranks' gradients once:
     fp32 / bf16 ring     an NCCL-style ring all-reduce over all N ranks
     fp32 / bf16 hier.    reduce-scatter in the node, ring all-reduce across nodes, all-gather in the node
 
-and recommends the fastest exact one. Standard library only: it imports no
+and recommends the fastest exact one. It is also lionbit's one model of its own
+wire and of one collective on one link a rank (sign_wire, ring_wire,
+sign_allreduce_on_link, ring_allreduce_on_link), which bench/cost_model.py (suite 4)
+validates against the measured collectives of suite 1. Standard library only: it imports no
 other lionbit module and no torch, so `python path/to/estimate.py ...` works too.
 
 The cluster
@@ -235,6 +238,101 @@ def ring_wire(n: int, d: float, elem_bytes: int, log_steps: bool = False) -> dic
     + doubling (2 ceil(log2 n) steps, the same bytes for n a power of 2)."""
     steps = 2 * math.ceil(math.log2(n)) if log_steps else 2 * (n - 1)
     return {"bytes": 2 * (n - 1) / n * elem_bytes * d, "steps": steps, "reduced_elems": (n - 1) / n * d}
+
+
+# --- one collective, one link a rank (suite 4 validates it against suite 1's runs) -----
+@dataclass(frozen=True)
+class LinkRates:
+    """One link a rank: payload bytes/s each way, seconds a dependent message step, and
+    seconds for each further message an all-to-all posts at once."""
+
+    goodput: float
+    alpha: float
+    msg_overhead: float = 0.0
+
+
+@dataclass(frozen=True)
+class CoreRates:
+    """The kernels on a rank's core: bytes/s of float32 read by pack, written by unpack
+    (base-3 results at unpack_trits; 0: as unpack), read bandwidth (reductions), and the
+    vote's seconds an output element, vote_a + vote_b * N. kappa: ranks a core (>= 1), a
+    factor on every compute term."""
+
+    pack: float
+    unpack: float
+    read: float
+    vote_a: float
+    vote_b: float
+    unpack_trits: float = 0.0
+    kappa: float = 1.0
+
+    def vote_s(self, out_elems: float, n: int) -> float:
+        return out_elems * (self.vote_a + self.vote_b * n)
+
+
+def terms(nbytes: float, latency: float, bandwidth: float, kernels: float, **extra) -> dict:
+    """A collective's time as latency + bandwidth + kernels (no overlap: an upper bound),
+    and which of the three bounds it."""
+    parts = (("latency", latency), ("bandwidth", bandwidth), ("kernels", kernels))
+    return dict(
+        bytes=nbytes,
+        latency_s=latency,
+        bandwidth_s=bandwidth,
+        kernel_s=kernels,
+        time_s=latency + bandwidth + kernels,
+        bound=max(parts, key=lambda p: p[1])[0],
+        **extra,
+    )
+
+
+def sign_allreduce_on_link(
+    op: str,
+    n: int,
+    d: int,
+    link: LinkRates,
+    core: CoreRates,
+    tie_fraction: float = 0.0,
+    chunk_request: int = 0,
+    log_allgather: bool = False,
+) -> dict:
+    """lionbit.all_reduce_sign of d float32 elements over n ranks: sign_wire's bytes and
+    steps, and its time on one link a rank:
+
+      latency        steps * alpha, plus (n-1) o a chunk for the all-to-all's messages
+      bandwidth      bytes / goodput
+      kernels        pack 4 d bytes, vote the own shard of every chunk with n inputs (at
+                     n = 2 both shards; avg's count at the vote's rate), unpack 4 d bytes
+                     (base-3 results at their own rate); times kappa
+
+    log_allgather: a what-if (not built): all-gathers by recursive doubling, ceil(log2 n)
+    steps instead of n - 1, the same bytes."""
+    ag_steps = math.ceil(math.log2(n)) if log_allgather else n - 1
+    wire = sign_wire(op, n, d, tie_fraction, chunk_request, ag_steps=ag_steps)
+    voted = 2 if n == 2 else 1  # the exchange: each rank votes both shards
+    vote_s = sum(mult * voted * core.vote_s(sw * WORD_BITS, n) for _, mult, sw in wire["shards"])
+    inline = wire["inline_elems"]
+    trits = core.unpack_trits or core.unpack
+    kern = core.kappa * (4 * d / core.pack + vote_s + 4 * (d - inline) / core.unpack + 4 * inline / trits)
+    nbytes, steps, chunks = wire["bytes"], wire["steps"], wire["chunks"]
+    lat = steps * link.alpha + chunks * (n - 1) * link.msg_overhead
+    return terms(nbytes, lat, nbytes / link.goodput, kern, steps=steps, chunks=chunks, chunk_elems=wire["chunk_elems"])
+
+
+def ring_allreduce_on_link(
+    n: int,
+    d: int,
+    elem_bytes: int,
+    reduce_read_bytes: int,
+    link: LinkRates,
+    core: CoreRates,
+    log_steps: bool = False,
+) -> dict:
+    """A ring all-reduce (Gloo's) on one link a rank: ring_wire's bytes and steps, and the
+    reduction of its elements reading reduce_read_bytes each at the core's read bandwidth."""
+    wire = ring_wire(n, d, elem_bytes, log_steps)
+    nbytes, steps = wire["bytes"], wire["steps"]
+    kern = core.kappa * wire["reduced_elems"] * reduce_read_bytes / core.read
+    return terms(nbytes, steps * link.alpha, nbytes / link.goodput, kern, steps=steps)
 
 
 @dataclass(frozen=True)

@@ -173,3 +173,22 @@ def test_cli_imports_no_torch_and_no_extension():
     imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
     assert "lionbit" in imported, r.stderr[-2000:]  # the package, imported first (the module itself runs as __main__)
     assert not {m for m in imported if m.split(".")[0] == "torch" or m == "lionbit._C"}, sorted(imported)
+
+
+def test_one_collective_on_one_link():
+    # The model suite 4 validates: 1M float32 elements, N = 4, one 4M chunk, no ties.
+    link = estimate.LinkRates(goodput=1e8, alpha=1e-4, msg_overhead=1e-5)
+    core = estimate.CoreRates(pack=1e10, unpack=2e10, read=1e10, vote_a=1e-9, vote_b=1e-10, kappa=2.0)
+    t = estimate.sign_allreduce_on_link("vote", 4, 1 << 20, link, core)
+    sb = (1 << 20) // 64 // 4 * 8  # a shard: 4096 words
+    assert t["bytes"] == 3 * 64 + 3 * (sb + 8 + sb)  # header round; phase 1; phase 2
+    assert t["steps"] == 3 + 1 + 3 and t["chunks"] == 1
+    assert t["latency_s"] == pytest.approx(7e-4 + 3e-5)
+    assert t["bandwidth_s"] == pytest.approx(t["bytes"] / 1e8)
+    vote = (1 << 20) // 4 * (1e-9 + 4e-10)  # the own shard's elements
+    assert t["kernel_s"] == pytest.approx(2.0 * (4 * (1 << 20) / 1e10 + vote + 4 * (1 << 20) / 2e10))
+    assert t["time_s"] == pytest.approx(t["latency_s"] + t["bandwidth_s"] + t["kernel_s"])
+    assert t["bound"] == "kernels"
+    r = estimate.ring_allreduce_on_link(4, 1 << 20, 4, 8, link, core)
+    assert r["bytes"] == 1.5 * 4 * (1 << 20) and r["steps"] == 6
+    assert r["kernel_s"] == pytest.approx(2.0 * 0.75 * (1 << 20) * 8 / 1e10) and r["bound"] == "bandwidth"
