@@ -63,6 +63,7 @@ class Run {
         tensor_(tensor),
         packed_(packed),
         levels_(levels),
+        exchange_(N_ == 2 && levels == nullptr && two_rank_exchange_allowed()),
         trace_(
             c.rank,
             c.world_size,
@@ -137,8 +138,7 @@ class Run {
   // decides alike (N, the op and the exchange setting, which the first
   // round checks).
   size_t first_group(size_t chunks) const {
-    const bool exchanges = N_ == 2 && levels_ == nullptr && two_rank_exchange_allowed();
-    return exchanges && chunks >= 2 ? std::max<size_t>(1, (chunks + 4) / 5) : chunks;
+    return exchange_ && chunks >= 2 ? std::max<size_t>(1, (chunks + 4) / 5) : chunks;
   }
 
   // Packs chunks up to `end` (of the chunks_ not packed yet).
@@ -240,11 +240,7 @@ class Run {
     if (headers_.size() > 1) {
       return; // the same call, announced in two groups
     }
-    // Two ranks: each sends the other its whole planes and votes every shard
-    // itself (the same encoders and decoders as the two phases, run locally):
-    // the 1-bit figure's bytes, no second round. Every rank decides alike.
-    // No phase 2 moves, so ties never ride inline (nor set the hint).
-    exchange_ = N_ == 2 && levels_ == nullptr && (flags & bits::kTwoPhase) == 0;
+    // No phase 2 moves in the exchange, so ties never ride inline (nor set the hint).
     inline_ties_ = votes_ && hs.inline_ties && !exchange_;
     c_.stats->sign_allreduce_calls += 1;
     c_.stats->elements += n_;
@@ -428,7 +424,11 @@ class Run {
   uint64_t chunk_elems_ = 0;
   uint64_t nans_ = 0;
   bool inline_ties_ = false; // vote: phase-2 messages carry the ties (kVoteTrits)
-  bool exchange_ = false; // two ranks: the planes exchanged, every shard voted here
+  // Two ranks: each sends the other its whole planes and votes every shard
+  // itself (the same encoders and decoders as the two phases, run locally):
+  // the 1-bit figure's bytes, no second round. Every rank decides alike (the
+  // header round checks kTwoPhase, LIONBIT_SIGN_EXCHANGE=0, on every rank).
+  const bool exchange_;
   bool dense_ties_ = false; // vote: some chunk's ties were cheapest as a plane
   uint64_t zero_cap_ = 0;
   std::vector<Chunk> chunks_;

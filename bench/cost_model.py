@@ -41,6 +41,7 @@ rows; kind "topology": bytes per link instead of per rank), a Markdown file and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -48,7 +49,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -116,19 +117,12 @@ TORCH_BITS_COUNT_BYTES = 28.0
 # inputs
 # =============================================================================
 
-@dataclass
-class Kernels:
-    """One core's kernel throughput (suite 2)."""
-    pack: float       # bytes/s of float32 read by pack_signs
-    unpack: float     # bytes/s of float32 written by unpack (sign + tie planes)
-    read: float       # one core's read bandwidth (sum of 64-bit words)
-    vote_a: float     # vote: seconds per output element = vote_a + vote_b * N (least squares
-    vote_b: float     #   over the BM_vote points; the bit-sliced adder tree is linear in N)
-    vote_points: list = field(default_factory=list)
-    unpack_trits: float = 0.0   # bytes/s of float32 decoded from base 3 (inline ties); 0: as unpack
-
-    def vote_s(self, out_elems: float, n: int) -> float:
-        return out_elems * (self.vote_a + self.vote_b * n)
+@dataclass(frozen=True)
+class Kernels(WIRE.CoreRates):
+    """One core's kernel throughput (suite 2): the package's CoreRates (pack, unpack, read,
+    the vote's a + b N seconds an output element, unpack_trits), and the BM_vote points the
+    vote's line was fitted to."""
+    vote_points: tuple = ()
 
 
 def load_kernels(path: str) -> Kernels:
@@ -157,7 +151,7 @@ def load_kernels(path: str) -> Kernels:
     read = max(v for k, v in rates.items() if k.startswith("BM_read_bw"))  # first and last of the run
     trits = next((v for k, v in rates.items() if k.startswith("BM_unpack_trits/")), 0.0)  # older runs lack it
     return Kernels(pack=one("BM_pack"), unpack=one("BM_unpack"), read=read,
-                   vote_a=a, vote_b=b, vote_points=pts, unpack_trits=trits)
+                   vote_a=a, vote_b=b, vote_points=tuple(pts), unpack_trits=trits)
 
 
 @dataclass
@@ -214,9 +208,7 @@ def torch_traffic(impl: str, n: int, d: int) -> float:
 
 
 def core_rates(cpu: Cpu) -> "WIRE.CoreRates":
-    k = cpu.k
-    return WIRE.CoreRates(pack=k.pack, unpack=k.unpack, read=k.read, vote_a=k.vote_a, vote_b=k.vote_b,
-                          unpack_trits=k.unpack_trits, kappa=cpu.kappa)
+    return dataclasses.replace(cpu.k, kappa=cpu.kappa)
 
 
 def link_rates(link: Link) -> "WIRE.LinkRates":

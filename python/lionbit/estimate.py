@@ -218,7 +218,7 @@ def sign_wire(
                 message = TIE_COUNT_BYTES + sb + listed
                 chunk_steps += ag if ties > 0 else 0
         else:
-            message = max(1, int(n).bit_length()) * sb
+            message = int(n).bit_length() * sb  # count planes
         nbytes += mult * (n - 1) * (sb + message)
         steps += mult * chunk_steps
     return {
