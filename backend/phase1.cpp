@@ -61,6 +61,61 @@ Phase1 send_shards(
   return p;
 }
 
+Phase1 send_zeros(
+    const SignCall& call,
+    const bits::HeaderSummary& hs,
+    const at::Tensor& zero,
+    size_t sw) {
+  const SignComm& c = call.c;
+  TORCH_CHECK(c.world_size == 2, where(call), "internal: the exchange is for two ranks");
+  const int other = 1 - c.rank;
+  const int64_t sb = static_cast<int64_t>(sw * 8);
+  const uint64_t my_cap = hs.zero_capacity[c.rank];
+  const int64_t mine = static_cast<int64_t>(bits::zero_encoding_bytes(my_cap, sw));
+  const int64_t theirs = static_cast<int64_t>(
+      bits::zero_encoding_bytes(hs.zero_capacity[other], sw));
+  at::Tensor send = call.bytes(static_cast<size_t>(2 * mine));
+  if (my_cap > 0) {
+    ScopedTimer t(c.stats->pack_ns, "lionbit::pack");
+    for (int k = 0; k < 2; ++k) {
+      at::Tensor enc = send.narrow(0, k * mine, mine);
+      call.k->encode_zeros(zero.narrow(0, k * sb, sb), my_cap, enc);
+    }
+  }
+  Phase1 p;
+  p.sw = sw;
+  p.recv_splits.assign(2, 0);
+  p.recv_splits[other] = 2 * theirs;
+  std::vector<int64_t> send_splits(2, 0);
+  send_splits[other] = 2 * mine;
+  c.stats->bytes_sent += static_cast<uint64_t>(2 * mine);
+  c.stats->bytes_received += static_cast<uint64_t>(2 * theirs);
+  p.f = issue_alltoall(
+      call, call.bytes(static_cast<size_t>(2 * theirs)), send, p.recv_splits, send_splits);
+  return p;
+}
+
+void join_zeros(
+    const SignCall& call,
+    const bits::HeaderSummary& hs,
+    Phase1& signs,
+    const Phase1& zeros) {
+  const int other = 1 - call.c.rank;
+  const int64_t sb = static_cast<int64_t>(signs.sw * 8);
+  const int64_t zb = static_cast<int64_t>(
+      bits::zero_encoding_bytes(hs.zero_capacity[other], signs.sw));
+  if (zb == 0) {
+    return; // the other rank has no zero: its signs are the whole message
+  }
+  at::Tensor joined = call.bytes(static_cast<size_t>(2 * (sb + zb)));
+  for (int k = 0; k < 2; ++k) {
+    joined.narrow(0, k * (sb + zb), sb).copy_(signs.recv.narrow(0, k * sb, sb));
+    joined.narrow(0, k * (sb + zb) + sb, zb).copy_(zeros.recv.narrow(0, k * zb, zb));
+  }
+  signs.recv = joined;
+  signs.recv_splits[other] = 2 * (sb + zb);
+}
+
 void wait_shards(const SignCall& call, Phase1& p) {
   p.recv = wait_data(call, "all-to-all of packed signs (phase 1)", p.f);
 }

@@ -25,6 +25,9 @@ namespace {
 // One pipelined chunk: elements [begin, begin + len) of the tensor.
 struct Chunk {
   size_t group = 0; // its header round (Run::headers_)
+  // Sent before its round: signs only, its zeros (if any rank has some)
+  // following in `zeros` (Run::stream_rest).
+  bool signs_only = false;
   size_t begin = 0;
   size_t len = 0;
   size_t sw = 0; // words per shard
@@ -39,6 +42,7 @@ struct Chunk {
   at::Tensor mine_msg, mine_zero, gathered, tie_planes;
   at::Tensor local_ties; // the exchange: every shard's plane of zeros (kVoteSigns)
   Inflight ag;
+  Phase1 zeros; // signs_only: the zeros' own exchange, when any rank has some
 };
 
 // The whole collective on one tensor. The methods run in this order on every
@@ -83,6 +87,7 @@ class Run {
         (op == bits::SignOp::kLevels) == (levels != nullptr), where(call_),
         "internal: levels without op l1");
     chunk_elems_ = bits::chunk_elems_for(requested_chunk_elems(N_, tensor.device()), N_);
+    no_zeros_.zero_capacity.assign(static_cast<size_t>(N_), 0);
   }
 
   void run() {
@@ -100,15 +105,16 @@ class Run {
     // counted: two of its chunks are in flight at once.
     const size_t ahead = exchange_ ? 2 : 1;
     if (first < chunks) {
-      issue_upto(first); // the first group moves while the rest is packed
-      pack(chunks);
-      trace_.mark("packed_rest");
-      header(); // a NaN anywhere raises here, on every rank: nothing is written yet
-      trace_.mark("header_rest");
+      issue_upto(first); // the first chunk moves while the rest is packed
+      stream_rest(chunks);
     }
     issue_upto(issued_ + ahead);
     for (size_t k = 0; k < chunks_.size(); ++k) {
       wait_shards(call_, chunks_[k].p1);
+      if (chunks_[k].zeros.f.work) {
+        wait_shards(call_, chunks_[k].zeros);
+        join_zeros(call_, headers_[chunks_[k].group], chunks_[k].p1, chunks_[k].zeros);
+      }
       trace_.mark("a2a_done", static_cast<int64_t>(k));
       issue_upto(k + 1 + ahead); // moves while this chunk is counted
       count_and_issue_phase2(k);
@@ -129,16 +135,43 @@ class Run {
 
  private:
   // Two ranks exchange whole chunks, so nothing can move before a header
-  // round, and the first round needs the packed chunks' NaN and zero
-  // counts: with one round the link would wait for the whole pack. So the
-  // chunks go in two groups, each with its own round: the first fifth is
-  // packed and announced and moves while the rest is packed; the rest's
-  // round comes before any result is written, so a NaN anywhere still
-  // stops the call on every rank with every tensor untouched. Every rank
-  // decides alike (N, the op and the exchange setting, which the first
-  // round checks).
-  size_t first_group(size_t chunks) const {
-    return exchange_ && chunks >= 2 ? std::max<size_t>(1, (chunks + 4) / 5) : chunks;
+  // round, and the round needs the packed chunks' NaN and zero counts: with
+  // one round the link would wait for the whole pack. So the first chunk is
+  // packed and announced alone and moves while the rest is packed
+  // (stream_rest). Every rank decides alike (N, the op and the exchange
+  // setting, which the first round checks).
+  size_t first_group(size_t chunks) const { return exchange_ && chunks >= 2 ? 1 : chunks; }
+
+  // The exchange's chunks after the first: the first half of them leave as
+  // soon as each is packed, as signs only (their zeros' capacity is not
+  // known yet), so the link never waits for the pack; the rest's round
+  // follows them (a NaN anywhere raises there, on every rank, before any
+  // result is written) and gives the capacities: the second half goes with
+  // its zeros inline, and the first half's zeros, if any rank has some,
+  // follow in messages of their own, ahead of the second half.
+  void stream_rest(size_t chunks) {
+    const size_t first = chunks_.size();
+    const size_t half = first + (chunks - first) / 2;
+    for (size_t i = first; i < chunks; ++i) {
+      signs_only_ = i < half;
+      pack(i + 1);
+      if (signs_only_) {
+        issue_upto(i + 1);
+      }
+    }
+    signs_only_ = false;
+    trace_.mark("packed_rest");
+    header(); // a NaN anywhere raises here, on every rank: nothing is written yet
+    trace_.mark("header_rest");
+    const bits::HeaderSummary& hs = headers_.back();
+    if (hs.any_zero) {
+      for (size_t i = first; i < half; ++i) {
+        Chunk& ch = chunks_[i];
+        ch.zeros = send_zeros(call_, hs, ch.zero_plane, ch.sw);
+        c_.stats->late_zero_chunks += 1;
+      }
+    }
+    issue_upto(chunks);
   }
 
   // Packs chunks up to `end` (of the chunks_ not packed yet).
@@ -149,6 +182,7 @@ class Run {
          begin += chunk_elems_) {
       Chunk ch;
       ch.group = headers_.size();
+      ch.signs_only = signs_only_;
       ch.begin = begin;
       ch.len = std::min<size_t>(chunk_elems_, n_ - begin);
       ch.sw = bits::shard_words(ch.len, N_);
@@ -258,7 +292,8 @@ class Run {
     Chunk& ch = chunks_[idx];
     // Levels: a shard is p planes of sw words, and no rank sends zeros.
     const size_t block = levels_ != nullptr ? static_cast<size_t>(levels_->bits) * ch.sw : ch.sw;
-    ch.p1 = send_shards(call_, headers_[ch.group], ch.sign_plane, ch.zero_plane, block, exchange_);
+    const bits::HeaderSummary& hs = ch.signs_only ? no_zeros_ : headers_[ch.group];
+    ch.p1 = send_shards(call_, hs, ch.sign_plane, ch.zero_plane, block, exchange_);
     trace_.mark("a2a_issued", static_cast<int64_t>(idx));
   }
 
@@ -429,6 +464,8 @@ class Run {
   // the 1-bit figure's bytes, no second round. Every rank decides alike (the
   // header round checks kTwoPhase, LIONBIT_SIGN_EXCHANGE=0, on every rank).
   const bool exchange_;
+  bool signs_only_ = false; // stream_rest: the chunks packed now leave as signs only
+  bits::HeaderSummary no_zeros_; // their format: no rank sends zeros
   bool dense_ties_ = false; // vote: some chunk's ties were cheapest as a plane
   uint64_t zero_cap_ = 0;
   std::vector<Chunk> chunks_;

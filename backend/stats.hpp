@@ -22,11 +22,15 @@ struct Stats {
   // and those whose tie plane rode inline in phase 2 (kTieHint).
   std::atomic<uint64_t> tie_rounds{0};
   std::atomic<uint64_t> inline_tie_chunks{0};
+  // Two ranks: chunks whose zeros followed their signs in a message of
+  // their own (signs sent before the round that gave the zeros' capacity).
+  std::atomic<uint64_t> late_zero_chunks{0};
 
   void reset() {
     for (auto* c :
          {&bytes_sent, &bytes_received, &sign_allreduce_calls, &sign_reduce_scatter_calls,
-          &elements, &pack_ns, &comm_ns, &vote_ns, &unpack_ns, &tie_rounds, &inline_tie_chunks}) {
+          &elements, &pack_ns, &comm_ns, &vote_ns, &unpack_ns, &tie_rounds, &inline_tie_chunks,
+          &late_zero_chunks}) {
       c->store(0);
     }
   }
@@ -45,6 +49,7 @@ struct Stats {
         {"unpack_seconds", unpack_ns.load() * 1e-9},
         {"tie_rounds", static_cast<double>(tie_rounds.load())},
         {"inline_tie_chunks", static_cast<double>(inline_tie_chunks.load())},
+        {"late_zero_chunks", static_cast<double>(late_zero_chunks.load())},
     };
   }
 };

@@ -35,8 +35,11 @@ constexpr uint32_t kWireMagic = 0x3153424cu; // "LBS1"
 // 0, ties.h); the sign-plane-only format of version 7 is gone. 9: the
 // hierarchy flags (kHierExact, kHierNodeVote). 10: at two ranks an
 // all-reduce exchanges the ranks' whole planes (each rank votes every shard
-// itself) unless kTwoPhase.
-constexpr uint16_t kWireVersion = 10;
+// itself) unless kTwoPhase. 11: there, the first round announces one chunk;
+// half of the chunks after it carry signs only and move while the rest is
+// packed; the second round then gives the rest's zero capacities, and those
+// chunks' zeros follow in messages of their own.
+constexpr uint16_t kWireVersion = 11;
 
 enum WireFlags : uint32_t {
   kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane

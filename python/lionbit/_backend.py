@@ -340,7 +340,9 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
     ``unpack_seconds``, and for votes at even N ``tie_rounds`` (chunks whose
     tie positions took a round of their own) and ``inline_tie_chunks``
     (chunks whose tie plane rode in phase 2 because the previous vote had
-    dense ties).
+    dense ties); at N = 2 ``late_zero_chunks`` (chunks whose signs left
+    before the header round that announced zeros in them or in the chunks
+    after them, so their zeros followed in a message of their own).
 
     Momentum synchronization (``DistributedLion(momentum_sync=...)``; not in
     the figures above): ``momentum_sync_calls`` (synchronizations),

@@ -184,8 +184,10 @@ def sign_wire(
                      word padded to 8; avg: bit_width(n) count planes of sb each
         sparse ties  (vote) their positions, a list in a ring all-gather of its own
                      ((n-1) steps), when smaller than a plane
-      n = 2, chunks >= 2: a second header round (the rest of the chunks is packed and
-                     announced while the first fifth moves)                     1 step
+      n = 2, chunks >= 2: a second header round (the first chunk is announced alone;
+                     half of the rest leaves as signs only while the rest is packed,
+                     then the rest's round; zeros there would follow in messages of
+                     their own, not modelled: inputs without exact zeros)      1 step
 
     tie_fraction: the fraction of a shard's elements that tie (their mean count is taken as
     every shard's). ag_steps: steps of an all-gather (default n - 1, the ring).
