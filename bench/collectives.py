@@ -77,6 +77,25 @@ def tx_bytes(ifname: str) -> int:
         return int(f.read())
 
 
+def busy_seconds():
+    """(busy, steal, interrupts): CPU seconds all cores have run something (user, nice,
+    system, irq, softirq in /proc/stat), seconds the hypervisor gave them to someone else
+    (steal), and the part of busy spent in irq and softirq (the emulated links' veth and
+    tbf work, which the kernel charges to no process)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / hz, v[7] / hz, (v[5] + v[6]) / hz
+
+
+def load_columns(busy_s: float, steal_s: float, ranks_cpu_s: float, wall_s: float) -> dict:
+    """Cores busy over a timed window (the whole machine, /proc/stat), the share not
+    charged to the rank processes ("not ranks": other users' jobs, plus the emulated
+    links' softirq work, which the kernel charges to no process) and steal."""
+    return {"cpu_busy_cores": busy_s / wall_s, "cpu_other_cores": (busy_s - ranks_cpu_s) / wall_s,
+            "cpu_steal_cores": steal_s / wall_s}
+
+
 # A sign all-reduce's timeline from its LIONBIT_TRACE line (ms): packing the
 # whole tensor; the header round (with the wait for the slowest rank); the
 # chunks' pipeline, from the header until the last chunk's phase 2 (and tie
@@ -152,6 +171,9 @@ def worker(args) -> None:
             out[s:s + CH] = torch.sign(2 * ones - n).to(out.dtype)
 
     results = []
+    # The machine's load over this (link, N) run, every case together (/proc/stat
+    # counts in ticks: one case's few calls are too short to measure).
+    c0, u0, t_0 = time.process_time(), busy_seconds(), time.perf_counter()
     for d in args.numels:
         assert d % 8 == 0
         g = torch.Generator().manual_seed(1000 + rank)
@@ -287,6 +309,16 @@ def worker(args) -> None:
         # Rebound, not deleted: the prep/run closures above refer to these names.
         x = buf = bf = i8 = packed = gathered = None
 
+    dist.barrier()
+    c1, u1, t_1 = time.process_time(), busy_seconds(), time.perf_counter()
+    every = gather_rows(torch.tensor([c1 - c0, u1[0] - u0[0], t_1 - t_0, u1[1] - u0[1]], dtype=torch.float64))
+    load = load_columns(every[0, 1].item(), every[0, 3].item(), every[:, 0].sum().item(), every[0, 2].item())
+    for rec in results:
+        rec.update(load)
+    if rank == 0:
+        print(f"  {args.link:>9} N={n}: cores busy {load['cpu_busy_cores']:.2f} over the run (not ranks "
+              f"{load['cpu_other_cores']:.2f}: other jobs and the link's softirq; steal "
+              f"{load['cpu_steal_cores']:.2f})", flush=True)
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump(results, f)

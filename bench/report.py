@@ -67,8 +67,9 @@ def collectives(path: str) -> str:
     for r in res:
         by[(r["link"], r["world_size"], r["numel"])][r["impl"]] = r
     lines = ["| link | N | d | impl | median ms | vs gloo_fp32 | vs lionbit_vote | payload MB/rank | wire MB/rank "
-             "| payload / 1-bit | wire / 1-bit | fp32-equiv busbw Gbit/s | wire Gbit/s | comm-only ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| payload / 1-bit | wire / 1-bit | fp32-equiv busbw Gbit/s | wire Gbit/s | comm-only ms "
+             "| not ranks (run) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key in sorted(by, key=lambda k: (k[0] != "1gbit", k[0], k[1], k[2])):
         link, n, d = key
         cases = by[key]
@@ -84,7 +85,8 @@ def collectives(path: str) -> str:
                 f"{'n/a' if r.get('wire_over_1bit') is None else format(r['wire_over_1bit'], '.3f')} | "
                 f"{r['busbw_fp32_equiv_gbps']:.2f} | "
                 f"{'n/a' if r.get('wire_gbps') is None else format(r['wire_gbps'], '.3f')} | "
-                f"{'' if r.get('comm_s') is None else format(r['comm_s'] * 1e3, ',.1f')} |")
+                f"{'' if r.get('comm_s') is None else format(r['comm_s'] * 1e3, ',.1f')} | "
+                f"{'n/a' if r.get('cpu_other_cores') is None else format(r['cpu_other_cores'], '.2f')} |")
     table = "\n".join(lines) + "\n" + _timeline_table(doc)
     with open(base + ".md", "w") as f:
         f.write(table)

@@ -149,7 +149,7 @@ def run_one(job: dict, data: dict, rank: int, n: int) -> dict:
     import torch.distributed as dist
 
     import lm_stdlib as lm
-    from training import busy_seconds
+    from collectives import busy_seconds
 
     method, seed, steps, target = job["method"], job["seed"], job["steps"], job.get("target")
     train = data["arrays"]["train"]

@@ -114,7 +114,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from collectives import choose_mode, gather_rows, launch, new_meta, run_cases, tx_bytes  # noqa: E402
+from collectives import busy_seconds, choose_mode, gather_rows, launch, load_columns, new_meta, run_cases, tx_bytes  # noqa: E402
 
 IMPLS = ["adamw_fp32", "lion_fp32", "lion_bf16", "lion_powersgd", "distlion_vote", "distlion_vote_step", "no_comm"]
 # DistributedLion's configs: the keyword arguments each one adds (lr, betas,
@@ -165,17 +165,6 @@ def make_model(cfg: dict):
             return self.head(self.norm(h))
 
     return LM()
-
-
-def busy_seconds():
-    """(busy, steal, interrupts): CPU seconds all cores have run something (user, nice,
-    system, irq, softirq in /proc/stat), seconds the hypervisor gave them to someone else
-    (steal), and the part of busy spent in irq and softirq (the emulated links' veth and
-    tbf work, which the kernel charges to no process)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    hz = os.sysconf("SC_CLK_TCK")
-    return (v[0] + v[1] + v[2] + v[5] + v[6]) / hz, v[7] / hz, (v[5] + v[6]) / hz
 
 
 def make_lion(params, lr: float, betas, weight_decay: float):
@@ -603,12 +592,9 @@ def worker(args) -> None:
             "steps": args.steps, "warmup": args.warmup, "comm_repeats": args.comm_repeats,
             "per_rank_median_s": every[:, 0].tolist(),
             "replicas_identical": same,
-            # Cores busy during the timed steps (/proc/stat, the whole machine) and the share
-            # not charged to the N rank processes: other users' jobs, plus softirq work
-            # (veth, tbf) that the kernel does not charge to a process.
-            "cpu_busy_cores": every[0, 12].item() / every[0, 13].item(),
-            "cpu_other_cores": (every[0, 12].item() - every[:, 11].sum().item()) / every[0, 13].item(),
-            "cpu_steal_cores": every[0, 14].item() / every[0, 13].item(),
+            # Cores busy during the timed steps and the share not charged to the N ranks.
+            **load_columns(every[0, 12].item(), every[0, 14].item(), every[:, 11].sum().item(),
+                           every[0, 13].item()),
             "model": dict(cfg, params=d), "tokens_per_rank": cfg["batch"] * cfg["seq"],
         }
         if rows is not None:   # the slowest rank's
