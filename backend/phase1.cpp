@@ -64,7 +64,7 @@ Phase1 send_shards(
 Phase1 send_zeros(
     const SignCall& call,
     const bits::HeaderSummary& hs,
-    const at::Tensor& zero,
+    const std::vector<at::Tensor>& zero,
     size_t sw) {
   const SignComm& c = call.c;
   TORCH_CHECK(c.world_size == 2, where(call), "internal: the exchange is for two ranks");
@@ -74,24 +74,28 @@ Phase1 send_zeros(
   const int64_t mine = static_cast<int64_t>(bits::zero_encoding_bytes(my_cap, sw));
   const int64_t theirs = static_cast<int64_t>(
       bits::zero_encoding_bytes(hs.zero_capacity[other], sw));
-  at::Tensor send = call.bytes(static_cast<size_t>(2 * mine));
+  const int64_t chunks = static_cast<int64_t>(zero.size());
+  at::Tensor send = call.bytes(static_cast<size_t>(2 * mine * chunks));
   if (my_cap > 0) {
     ScopedTimer t(c.stats->pack_ns, "lionbit::pack");
-    for (int k = 0; k < 2; ++k) {
-      at::Tensor enc = send.narrow(0, k * mine, mine);
-      call.k->encode_zeros(zero.narrow(0, k * sb, sb), my_cap, enc);
+    for (int64_t i = 0; i < chunks; ++i) {
+      for (int64_t k = 0; k < 2; ++k) {
+        at::Tensor enc = send.narrow(0, (2 * i + k) * mine, mine);
+        call.k->encode_zeros(zero[static_cast<size_t>(i)].narrow(0, k * sb, sb), my_cap, enc);
+      }
     }
   }
   Phase1 p;
   p.sw = sw;
   p.recv_splits.assign(2, 0);
-  p.recv_splits[other] = 2 * theirs;
+  p.recv_splits[other] = 2 * theirs * chunks;
   std::vector<int64_t> send_splits(2, 0);
-  send_splits[other] = 2 * mine;
-  c.stats->bytes_sent += static_cast<uint64_t>(2 * mine);
-  c.stats->bytes_received += static_cast<uint64_t>(2 * theirs);
+  send_splits[other] = 2 * mine * chunks;
+  c.stats->bytes_sent += static_cast<uint64_t>(send_splits[other]);
+  c.stats->bytes_received += static_cast<uint64_t>(p.recv_splits[other]);
   p.f = issue_alltoall(
-      call, call.bytes(static_cast<size_t>(2 * theirs)), send, p.recv_splits, send_splits);
+      call, call.bytes(static_cast<size_t>(p.recv_splits[other])), send, p.recv_splits,
+      send_splits);
   return p;
 }
 
@@ -99,7 +103,8 @@ void join_zeros(
     const SignCall& call,
     const bits::HeaderSummary& hs,
     Phase1& signs,
-    const Phase1& zeros) {
+    const Phase1& zeros,
+    size_t index) {
   const int other = 1 - call.c.rank;
   const int64_t sb = static_cast<int64_t>(signs.sw * 8);
   const int64_t zb = static_cast<int64_t>(
@@ -107,10 +112,11 @@ void join_zeros(
   if (zb == 0) {
     return; // the other rank has no zero: its signs are the whole message
   }
+  const int64_t at = static_cast<int64_t>(index) * 2 * zb;
   at::Tensor joined = call.bytes(static_cast<size_t>(2 * (sb + zb)));
   for (int k = 0; k < 2; ++k) {
     joined.narrow(0, k * (sb + zb), sb).copy_(signs.recv.narrow(0, k * sb, sb));
-    joined.narrow(0, k * (sb + zb) + sb, zb).copy_(zeros.recv.narrow(0, k * zb, zb));
+    joined.narrow(0, k * (sb + zb) + sb, zb).copy_(zeros.recv.narrow(0, at + k * zb, zb));
   }
   signs.recv = joined;
   signs.recv_splits[other] = 2 * (sb + zb);

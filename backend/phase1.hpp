@@ -46,20 +46,23 @@ Phase1 send_shards(
 
 // The exchange in two sendings, for chunks whose signs left before the
 // round that gave their zeros' capacities (hs): send_zeros sends the other
-// rank this rank's zeros of every shard, encoded as send_shards would
+// rank this rank's zeros of every shard of every chunk in `zero` (chunks of
+// sw words a shard) in one message, each encoded as send_shards would
 // (capacity hs.zero_capacity[rank], nothing when 0), and counts the bytes;
-// once both are waited for, join_zeros makes `signs` what one sending with
-// hs would have brought ([sign_k | zeros_k] a shard, for exchanged_shard).
+// once both are waited for, join_zeros makes `signs` (the chunk at `index`
+// of them) what one sending with hs would have brought ([sign_k | zeros_k]
+// a shard, for exchanged_shard).
 Phase1 send_zeros(
     const SignCall& call,
     const bits::HeaderSummary& hs,
-    const at::Tensor& zero,
+    const std::vector<at::Tensor>& zero,
     size_t sw);
 void join_zeros(
     const SignCall& call,
     const bits::HeaderSummary& hs,
     Phase1& signs,
-    const Phase1& zeros);
+    const Phase1& zeros,
+    size_t index);
 
 // Waits for the exchange (a failure raises naming the step).
 void wait_shards(const SignCall& call, Phase1& p);

@@ -26,7 +26,7 @@ namespace {
 struct Chunk {
   size_t group = 0; // its header round (Run::headers_)
   // Sent before its round: signs only, its zeros (if any rank has some)
-  // following in `zeros` (Run::stream_rest).
+  // following in Run::late_zeros_ (Run::stream_rest).
   bool signs_only = false;
   size_t begin = 0;
   size_t len = 0;
@@ -42,7 +42,6 @@ struct Chunk {
   at::Tensor mine_msg, mine_zero, gathered, tie_planes;
   at::Tensor local_ties; // the exchange: every shard's plane of zeros (kVoteSigns)
   Inflight ag;
-  Phase1 zeros; // signs_only: the zeros' own exchange, when any rank has some
 };
 
 // The whole collective on one tensor. The methods run in this order on every
@@ -111,9 +110,12 @@ class Run {
     issue_upto(issued_ + ahead);
     for (size_t k = 0; k < chunks_.size(); ++k) {
       wait_shards(call_, chunks_[k].p1);
-      if (chunks_[k].zeros.f.work) {
-        wait_shards(call_, chunks_[k].zeros);
-        join_zeros(call_, headers_[chunks_[k].group], chunks_[k].p1, chunks_[k].zeros);
+      const Chunk& ch = chunks_[k];
+      if (ch.signs_only && headers_[ch.group].any_zero) {
+        if (!late_zeros_.recv.defined()) {
+          wait_shards(call_, late_zeros_);
+        }
+        join_zeros(call_, headers_[ch.group], chunks_[k].p1, late_zeros_, k - late_first_);
       }
       trace_.mark("a2a_done", static_cast<int64_t>(k));
       issue_upto(k + 1 + ahead); // moves while this chunk is counted
@@ -148,7 +150,7 @@ class Run {
   // follows them (a NaN anywhere raises there, on every rank, before any
   // result is written) and gives the capacities: the second half goes with
   // its zeros inline, and the first half's zeros, if any rank has some,
-  // follow in messages of their own, ahead of the second half.
+  // follow in one message of their own, ahead of the second half.
   void stream_rest(size_t chunks) {
     const size_t first = chunks_.size();
     const size_t half = first + (chunks - first) / 2;
@@ -164,12 +166,14 @@ class Run {
     header(); // a NaN anywhere raises here, on every rank: nothing is written yet
     trace_.mark("header_rest");
     const bits::HeaderSummary& hs = headers_.back();
-    if (hs.any_zero) {
+    if (hs.any_zero && half > first) {
+      std::vector<at::Tensor> planes; // full chunks: one shard size
       for (size_t i = first; i < half; ++i) {
-        Chunk& ch = chunks_[i];
-        ch.zeros = send_zeros(call_, hs, ch.zero_plane, ch.sw);
-        c_.stats->late_zero_chunks += 1;
+        planes.push_back(chunks_[i].zero_plane);
       }
+      late_first_ = first;
+      late_zeros_ = send_zeros(call_, hs, planes, chunks_[first].sw);
+      c_.stats->late_zero_chunks += half - first;
     }
     issue_upto(chunks);
   }
@@ -466,6 +470,8 @@ class Run {
   const bool exchange_;
   bool signs_only_ = false; // stream_rest: the chunks packed now leave as signs only
   bits::HeaderSummary no_zeros_; // their format: no rank sends zeros
+  Phase1 late_zeros_; // their zeros, when the rest's round showed some
+  size_t late_first_ = 0; // the first of them: late_zeros_ holds them in order
   bool dense_ties_ = false; // vote: some chunk's ties were cheapest as a plane
   uint64_t zero_cap_ = 0;
   std::vector<Chunk> chunks_;
