@@ -110,12 +110,12 @@ class Run {
     issue_upto(issued_ + ahead);
     for (size_t k = 0; k < chunks_.size(); ++k) {
       wait_shards(call_, chunks_[k].p1);
-      const Chunk& ch = chunks_[k];
+      Chunk& ch = chunks_[k];
       if (ch.signs_only && headers_[ch.group].any_zero) {
         if (!late_zeros_.recv.defined()) {
           wait_shards(call_, late_zeros_);
         }
-        join_zeros(call_, headers_[ch.group], chunks_[k].p1, late_zeros_, k - late_first_);
+        join_zeros(call_, headers_[ch.group], ch.p1, late_zeros_, k - late_first_);
       }
       trace_.mark("a2a_done", static_cast<int64_t>(k));
       issue_upto(k + 1 + ahead); // moves while this chunk is counted

@@ -38,7 +38,7 @@ constexpr uint32_t kWireMagic = 0x3153424cu; // "LBS1"
 // itself) unless kTwoPhase. 11: there, the first round announces one chunk;
 // half of the chunks after it carry signs only and move while the rest is
 // packed; the second round then gives the rest's zero capacities, and those
-// chunks' zeros follow in messages of their own.
+// chunks' zeros follow in one message of their own.
 constexpr uint16_t kWireVersion = 11;
 
 enum WireFlags : uint32_t {

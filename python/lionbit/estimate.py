@@ -186,8 +186,8 @@ def sign_wire(
                      ((n-1) steps), when smaller than a plane
       n = 2, chunks >= 2: a second header round (the first chunk is announced alone;
                      half of the rest leaves as signs only while the rest is packed,
-                     then the rest's round; zeros there would follow in messages of
-                     their own, not modelled: inputs without exact zeros)      1 step
+                     then the rest's round; zeros there would follow in a message of
+                     its own, not modelled: inputs without exact zeros)      1 step
 
     tie_fraction: the fraction of a shard's elements that tie (their mean count is taken as
     every shard's). ag_steps: steps of an all-gather (default n - 1, the ring).
