@@ -6,8 +6,8 @@ and returns each rank's return value (JSON).
 
 Most calls run on a *pool*: one set of rank processes per (world size,
 backend, process-group timeout, environment), started at the first call that
-needs it and kept for the rest of the test module (tests/python/conftest.py
-closes the pools at each module's end). Starting ranks (a process, ``import
+needs it and kept for the rest of the test session, so later modules find
+it warm (tests/python/conftest.py closes the pools at the session's end). Starting ranks (a process, ``import
 torch``, a process group) costs seconds; a case on a warm pool costs what the
 case does. Before each case every rank puts back what a fresh process would
 have: the environment, the working directory, the random number generators
@@ -17,6 +17,12 @@ lionbit's counters; after it, an all-reduce of the case's number checks that
 the group is still in step. A case that fails, raises on any rank, hangs,
 takes the default group down or leaves it out of step ends its pool; the
 next case starts a fresh one.
+
+``case_env`` sets variables in the ranks' environment for one case only,
+on the warm ranks: for the variables lionbit reads at each call
+(``PER_CALL_ENV``: the chunk size), so a case with its own chunk size needs no
+ranks of its own. A variable read once per process (LIONBIT_SIGN_EXCHANGE,
+LIONBIT_TRACE, LIONBIT_KERNELS, ...) goes in ``env``, which picks the pool.
 
 Calls with different ``pool`` names never share ranks: for cases that leave
 state on the group that is theirs by design (a hierarchy's topology, set up
@@ -56,6 +62,11 @@ class RanksFailed(AssertionError):
     pass
 
 
+#: Variables lionbit reads at each call (backend/sign_common.cpp:
+#: requested_chunk_elems), so a case may set them on warm ranks (``case_env``).
+PER_CALL_ENV = frozenset({"LIONBIT_CHUNK_ELEMS"})
+
+
 def _rank_env(env: Optional[dict]) -> dict:
     penv = dict(os.environ)
     penv.pop("LOCAL_WORLD_SIZE", None)
@@ -66,8 +77,13 @@ def _rank_env(env: Optional[dict]) -> dict:
     return penv
 
 
+_ranks_started = 0  # rank processes started so far (the launch log's "started")
+
+
 def _spawn(workdir: str, world_size: int, backend: Optional[str], pg_timeout: float, penv: dict,
            extra: dict, pool: bool) -> list:
+    global _ranks_started
+    _ranks_started += world_size
     procs = []
     for rank in range(world_size):
         spec = dict(extra, rank=rank, world_size=world_size, backend=backend, workdir=workdir,
@@ -173,7 +189,7 @@ MAX_RANKS_ALIVE = 16
 
 
 def close_pools() -> None:
-    """Ends every pool (tests/python/conftest.py: at each module's end)."""
+    """Ends every pool (tests/python/conftest.py: at the session's end)."""
     while _pools:
         _pools.popitem()[1].close()
 
@@ -245,19 +261,30 @@ def run_ranks(
     env: Optional[dict] = None,
     fresh: bool = False,
     pool: str = "",
+    case_env: Optional[dict] = None,
 ) -> List[RankResult]:
     """Runs target on world_size ranks. Raises RanksFailed if any rank fails
     (unless expect_errors) or any rank is still running at the deadline
-    (timeout seconds, the ranks' start included when they start)."""
-    t0 = time.monotonic()
+    (timeout seconds, the ranks' start included when they start).
+    ``case_env``: variables of PER_CALL_ENV set for this case only."""
+    t0, started = time.monotonic(), _ranks_started
+    case_env = {k: str(v) for k, v in (case_env or {}).items()}
+    if set(case_env) - PER_CALL_ENV:
+        raise ValueError(f"case_env {sorted(set(case_env) - PER_CALL_ENV)}: lionbit reads these once per process; "
+                         f"pass them in env (case_env takes {sorted(PER_CALL_ENV)})")
+    kwargs = dict(kwargs or {})
     if fresh or expect_errors or backend is None or os.environ.get("LIONBIT_TEST_FRESH_RANKS") == "1":
-        res = _run_fresh(target, world_size, backend, timeout, pg_timeout, kwargs or {}, expect_errors, env)
+        res = _run_fresh(target, world_size, backend, timeout, pg_timeout, kwargs, expect_errors,
+                         {**(env or {}), **case_env})
     else:
-        res = _run_pooled(target, world_size, backend, timeout, pg_timeout, kwargs or {}, env, pool)
+        if case_env:
+            kwargs["__case_env__"] = case_env
+        res = _run_pooled(target, world_size, backend, timeout, pg_timeout, kwargs, env, pool)
     log = os.environ.get("LIONBIT_TEST_LAUNCH_LOG")  # a profile of the calls, one JSON line each
     if log:
         with open(log, "a") as f:
             f.write(json.dumps({"target": target, "n": world_size, "s": round(time.monotonic() - t0, 2),
+                                "started": _ranks_started - started,  # rank processes this call started
                                 "test": os.environ.get("PYTEST_CURRENT_TEST", "")}) + "\n")
     return res
 
@@ -329,9 +356,11 @@ def _call(spec: dict, rank: int, world_size: int) -> dict:
     import importlib
 
     module_name, func_name = spec["target"].split(":")
+    kwargs = dict(spec["kwargs"])
+    os.environ.update(kwargs.pop("__case_env__", {}))  # the pool's restore() takes it away after the case
     try:
         func = getattr(importlib.import_module(module_name), func_name)
-        return {"value": func(rank, world_size, **spec["kwargs"])}
+        return {"value": func(rank, world_size, **kwargs)}
     except BaseException as err:  # noqa: BLE001 - reported to the test
         import traceback
 
