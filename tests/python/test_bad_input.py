@@ -24,12 +24,16 @@ pytestmark = pytest.mark.kernels
 WORLD = 3
 
 
-def _raises(fn, pattern, exc=Exception):
+def _raises(fn, pattern, exc=Exception, ranks=None):
+    """fn() raises exc with a message matching pattern (and, with ``ranks``,
+    the typed outcome's .ranks equal to it)."""
     try:
         fn()
     except exc as err:  # noqa: PERF203
         msg = f"{type(err).__name__}: {err}"
         assert re.search(pattern, msg), f"error {msg!r} does not match {pattern!r}"
+        if ranks is not None:
+            assert err.ranks == ranks, (type(err), err.ranks, ranks)
         return msg
     raise AssertionError(f"no error raised; expected {pattern!r}")
 
@@ -78,7 +82,8 @@ def case_dtype_int32(rank, n):
     import lionbit
 
     _raises(lambda: lionbit.all_reduce_sign(torch.ones(5, dtype=torch.int32)),
-            r"ValueError: " + _me(rank) + r"argument 'tensor' has dtype Int; supported: float32")
+            r"ValueError: " + _me(rank) + r"argument 'tensor' has dtype Int; supported: float32, float16, bfloat16, "
+            r"float64, int8")
 
 
 def case_dtype_uint8(rank, n):
@@ -100,9 +105,10 @@ def case_dtype_unsupported_on_one_rank(rank, n):
     x = torch.ones(5, dtype=torch.complex64 if rank == 1 else torch.float32)
     start = time.monotonic()
     if rank == 1:
-        _raises(lambda: lionbit.all_reduce_sign(x), _me(rank) + r"argument 'tensor' has dtype ComplexFloat")
-    else:
-        _raises(lambda: lionbit.all_reduce_sign(x), _me(rank) + r"rank\(s\) \[1\] rejected their input")
+        _raises(lambda: lionbit.all_reduce_sign(x), _me(rank) + r"argument 'tensor' has dtype ComplexFloat", ValueError)
+    else:  # the typed outcome, naming the rank that rejected
+        _raises(lambda: lionbit.all_reduce_sign(x), _me(rank) + r"rank\(s\) \[1\] rejected their input",
+                lionbit.PeerRejected, [1])
     assert time.monotonic() - start < 10  # at once, not at the timeout
 
 
@@ -111,6 +117,9 @@ def case_device_meta(rank, n):
 
     _raises(lambda: lionbit.all_reduce_sign(torch.empty(4, device="meta")),
             r"ValueError: " + _me(rank) + r"argument 'tensor' is on meta")
+    if torch.cuda.is_available():
+        _raises(lambda: lionbit.all_reduce_sign(torch.ones(3, device="cuda")),
+                r"is on cuda:0; this build of lionbit runs")
 
 
 def case_device_differs_across_ranks(rank, n):
@@ -189,7 +198,8 @@ def case_nan_on_one_rank(rank, n):
     if rank == 1:
         x[17] = float("nan")
     before = x.clone()
-    _raises(lambda: lionbit.all_reduce_sign(x), _me(rank) + r"input contains NaN on rank\(s\) \[1\]")
+    _raises(lambda: lionbit.all_reduce_sign(x), _me(rank) + r"input contains NaN on rank\(s\) \[1\]",
+            lionbit.NonFiniteInput, [1])  # the typed outcome, naming the NaN rank
     torch.testing.assert_close(x, before, rtol=0, atol=0, equal_nan=True)  # nothing written
 
 
@@ -200,7 +210,9 @@ def case_nan_async_bfloat16(rank, n):
     if rank == n - 1:
         y[3] = float("nan")
     work = lionbit.all_reduce_sign(y, "avg", async_op=True)
-    _raises(work.wait, r"NaN on rank\(s\) \[%d\]" % (n - 1))
+    _raises(work.wait, r"NaN on rank\(s\) \[%d\]" % (n - 1), lionbit.NonFiniteInput, [n - 1])
+    fut = lionbit.all_reduce_sign(y, "avg", async_op=True).get_future()  # ... and through its Future
+    _raises(fut.wait, r"NaN on rank\(s\) \[%d\]" % (n - 1), lionbit.NonFiniteInput, [n - 1])
     assert work.is_completed() and not work.is_success()
 
 
@@ -352,6 +364,11 @@ def case_int8_extremes(rank, n):
     x = torch.tensor([-128, 127, 0, -1, 1] * 20, dtype=torch.int8).roll(rank)
     for op in ("vote", "sum"):
         _reduce_and_check(x.clone(), op)
+    import lionbit
+
+    z = torch.zeros(10, dtype=torch.int8)  # an all-zero int8 sum is fine
+    lionbit.all_reduce_sign(z, "sum")
+    assert torch.equal(z, torch.zeros(10, dtype=torch.int8))
 
 
 def case_low_precision_avg(rank, n):
@@ -509,7 +526,7 @@ def all_cases(rank, n):
 
 @pytest.fixture(scope="module")
 def case_results():
-    return values(run_ranks("test_bad_input:all_cases", WORLD, pg_timeout=30, timeout=400))
+    return values(run_ranks("test_bad_input:all_cases", WORLD, timeout=400))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -564,7 +581,7 @@ def check_nan_in_later_chunks(rank, n, chunk):
 def test_nan_in_any_chunk_is_an_error_on_every_rank_with_nothing_written():
     chunk = 64 * WORLD * 4
     res = values(run_ranks("test_bad_input:check_nan_in_later_chunks", WORLD, kwargs={"chunk": chunk},
-                           env={"LIONBIT_CHUNK_ELEMS": str(chunk)}, pg_timeout=30))
+                           case_env={"LIONBIT_CHUNK_ELEMS": str(chunk)}))
     assert res == [True] * WORLD
 
 
