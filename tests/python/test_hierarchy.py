@@ -94,6 +94,24 @@ def flat_vs_node(rank, world_size, node_of, cases_every=1):
     return {"differ": differ, "ran": ran}
 
 
+def uneven(rank, world_size):
+    import lionbit
+
+    try:
+        lionbit.all_reduce_sign(torch.ones(10), hierarchy="node", topology=lionbit.Topology((0, 0, 1)))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_uneven_nodes_are_refused_on_every_rank():
+    # On the 3 ranks of the (0, 1, 2) cases below, before they set that
+    # hierarchy up (this test comes first in the file): the refusal sets
+    # nothing up, so those cases find the group as fresh ranks have it.
+    for r in values(run_ranks("test_hierarchy:uneven", 3, pool=_nodes((0, 1, 2)))):
+        assert "same number of ranks on every node" in r and "argument 'hierarchy'" in r
+
+
 @pytest.mark.parametrize(
     "node_of,every",
     [
@@ -222,21 +240,6 @@ def test_bytes_of_each_level_are_their_formulas():
     assert abs(per_node / (n * (P + 1) / 8 * (M - 1) / M) - 1) < 0.02
 
 
-def uneven(rank, world_size):
-    import lionbit
-
-    try:
-        lionbit.all_reduce_sign(torch.ones(10), hierarchy="node", topology=lionbit.Topology((0, 0, 1)))
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def test_uneven_nodes_are_refused_on_every_rank():
-    for r in values(run_ranks("test_hierarchy:uneven", 3, pool="uneven nodes")):
-        assert "same number of ranks on every node" in r and "argument 'hierarchy'" in r
-
-
 def bad_arguments(rank, world_size):
     import lionbit
 
@@ -263,7 +266,9 @@ def bad_arguments(rank, world_size):
 
 
 def test_bad_hierarchy_arguments_raise_naming_them():
-    res = values(run_ranks("test_hierarchy:bad_arguments", 4, pool="bad arguments"))
+    # On the (0, 0, 1, 1) ranks of the tests around it: the second call sets
+    # that topology's hierarchy up (or finds it set up), as on ranks of its own.
+    res = values(run_ranks("test_hierarchy:bad_arguments", 4, pool=_nodes((0, 0, 1, 1))))
     for errs in res:
         assert "argument 'hierarchy' is 'nodes'" in errs[0]
         assert "'node_vote'" in errs[1] and "'avg'" in errs[1]
