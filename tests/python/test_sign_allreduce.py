@@ -12,6 +12,13 @@ pytestmark = pytest.mark.kernels
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8]
 OPS = ["vote", "avg", "sum"]
 
+# Two launches of 2 ranks serve every N = 2 test: the exchange (the default)
+# and the two phases (LIONBIT_SIGN_EXCHANGE=0, read once per process). The
+# chunk size is read at each call: tests set theirs for the case alone
+# (harness case_env) on the module's warm ranks.
+TWO_PHASE_ENV = {"LIONBIT_SIGN_EXCHANGE": "0"}
+CHUNKS_4096 = {"LIONBIT_CHUNK_ELEMS": "4096"}
+
 
 def _shapes(n):
     # 0 elements, d < N, d not a multiple of 8N, multi-dim, a few 64N blocks
@@ -115,7 +122,7 @@ def test_pipelined_chunks_match_the_reference(world_size):
     # chunks, so the pipeline's overlap and ordering are exercised throughout.
     counts = values(
         run_ranks(
-            "test_sign_allreduce:check_against_reference", world_size, env={"LIONBIT_CHUNK_ELEMS": "1"}
+            "test_sign_allreduce:check_against_reference", world_size, case_env={"LIONBIT_CHUNK_ELEMS": "1"}
         )
     )
     assert len(set(counts)) == 1 and counts[0] > 100
@@ -161,8 +168,8 @@ def check_few_zeros(rank, n):
 
 @pytest.mark.parametrize("world_size,chunk", [(4, None), (3, 1 << 16), (5, None)])
 def test_avg_and_sum_with_a_few_zeros_send_a_list_not_a_plane(world_size, chunk):
-    env = {"LIONBIT_CHUNK_ELEMS": str(chunk)} if chunk else None
-    for cases in values(run_ranks("test_sign_allreduce:check_few_zeros", world_size, env=env)):
+    case_env = {"LIONBIT_CHUNK_ELEMS": str(chunk)} if chunk else None
+    for cases in values(run_ranks("test_sign_allreduce:check_few_zeros", world_size, case_env=case_env)):
         for dtype, op, with_zeros, zero_free in cases:
             # The zero-aware code would add a plane: +1/(1 + bit_width(N))
             # of the payload, 20-25 % here. A list of a few elements a shard
@@ -247,7 +254,7 @@ def test_vote_bytes_over_many_chunks_stay_within_5_percent():
     stats = values(
         run_ranks(
             "test_sign_allreduce:measure_bytes", n, kwargs={"numel": d, "pattern": "stray_zero"},
-            env={"LIONBIT_CHUNK_ELEMS": str(1 << 17)},  # 8 chunks
+            case_env={"LIONBIT_CHUNK_ELEMS": str(1 << 17)},  # 8 chunks
         )
     )
     for s in stats:
@@ -283,7 +290,7 @@ def test_tie_plane_rides_inline_after_a_vote_with_dense_ties():
     n, d, chunk = 4, 1 << 18, 1 << 16  # 4 chunks
     calls = values(
         run_ranks("test_sign_allreduce:tie_hint_sequence", n, kwargs={"numel": d},
-                  env={"LIONBIT_CHUNK_ELEMS": str(chunk)})
+                  case_env={"LIONBIT_CHUNK_ELEMS": str(chunk)})
     )
     for (r0, i0, b0), (r1, i1, b1), (r2, i2, b2), (r3, i3, b3) in calls:
         assert (r0, i0) == (4, 0) and (r1, i1) == (0, 4)
@@ -371,10 +378,10 @@ def inline_ties_every_dtype(rank, n):
 def test_inline_ties_in_base_3_are_exact_on_every_dtype(world_size):
     # Chunks of one 64N block: many chunks, short last shards. (At N = 2 the two
     # phases: the exchange carries no phase 2, so no ties inline.)
-    env = {"LIONBIT_CHUNK_ELEMS": str(64 * world_size * 4)}
-    if world_size == 2:
-        env["LIONBIT_SIGN_EXCHANGE"] = "0"
-    assert all(values(run_ranks("test_sign_allreduce:inline_ties_every_dtype", world_size, env=env)))
+    case_env = {"LIONBIT_CHUNK_ELEMS": str(64 * world_size * 4)}
+    env = TWO_PHASE_ENV if world_size == 2 else None
+    assert all(values(run_ranks("test_sign_allreduce:inline_ties_every_dtype", world_size, env=env,
+                                case_env=case_env)))
 
 
 # -- two ranks: the exchange ---------------------------------------------------------
@@ -426,14 +433,10 @@ def exchange_cases(rank, n):
     return out
 
 
-# The exchange's tests share two launches of ranks: chunks of 4096, with and without it.
-EXCHANGE_ENV = {"LIONBIT_CHUNK_ELEMS": "4096"}
-TWO_PHASE_ENV = {**EXCHANGE_ENV, "LIONBIT_SIGN_EXCHANGE": "0"}
-
-
 def test_two_rank_exchange_equals_the_two_phases_bit_for_bit():
-    exchanged = values(run_ranks("test_sign_allreduce:exchange_cases", 2, env=EXCHANGE_ENV, timeout=600))
-    two_phase = values(run_ranks("test_sign_allreduce:exchange_cases", 2, env=TWO_PHASE_ENV, timeout=600))
+    exchanged = values(run_ranks("test_sign_allreduce:exchange_cases", 2, case_env=CHUNKS_4096, timeout=600))
+    two_phase = values(run_ranks("test_sign_allreduce:exchange_cases", 2, env=TWO_PHASE_ENV, case_env=CHUNKS_4096,
+                                 timeout=600))
     assert exchanged[0] == exchanged[1] == two_phase[0] == two_phase[1]
     # 5 dtypes x (vote: 3 tie rules, avg, sum) x 3 zero patterns x the sizes, less int8 avg's.
     assert len(exchanged[0]) == (5 * 5 - 1) * 3 * len(EXCHANGE_SIZES)
@@ -454,9 +457,9 @@ def test_two_rank_vote_moves_the_one_bit_figure(exchange):
     # Half the elements tie at N = 2: the two phases carry them (trits or a tie
     # round, about 1.3x the 1-bit figure); the exchange moves each rank's planes once.
     d = 1 << 20
-    env = EXCHANGE_ENV if exchange else TWO_PHASE_ENV
+    env = None if exchange else TWO_PHASE_ENV
     for s in values(run_ranks("test_sign_allreduce:two_rank_bytes", 2, kwargs={"numel": d, "zeros": "none"},
-                              env=env)):
+                              env=env, case_env=CHUNKS_4096)):
         one_bit = _one_bit_bytes(2, d)
         if exchange:
             assert one_bit <= s["bytes_sent"] <= 1.01 * one_bit and s["tie_rounds"] == 0, s
@@ -510,7 +513,7 @@ def late_chunk_cases(rank, n):
 
 
 def test_two_rank_groups_keep_nan_and_zero_semantics():
-    for v in values(run_ranks("test_sign_allreduce:late_chunk_cases", 2, env=EXCHANGE_ENV)):
+    for v in values(run_ranks("test_sign_allreduce:late_chunk_cases", 2, case_env=CHUNKS_4096)):
         for dtype in ("torch.float32", "torch.bfloat16"):
             assert v.pop(f"{dtype} nan") == [[1], True], v
         assert all(v.values()) and len(v) == 2 * len(OPS) + 15, v
