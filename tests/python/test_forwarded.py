@@ -204,7 +204,11 @@ def check_forwarded(rank, n):
         else:
             assert mine[1] == ref[1], f"{name}: lionbit raised {mine[1]}, gloo {ref[1]}"
         report[name] = mine[0] if mine[0] == "ok" else mine[1]
-    dist.destroy_process_group()
+    # The reference group only: the default group stays up for the next case
+    # on these ranks (harness.py's pool; destroying it ended the pool, so
+    # each world size started fresh ranks).
+    dist.barrier()  # no rank closes the group's connections while a peer still reads from them
+    dist.destroy_process_group(gloo)
     return report
 
 

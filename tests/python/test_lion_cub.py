@@ -72,27 +72,35 @@ def _inputs(rank, n, numel, seed=0):
 
 
 def tie_rule_calls(rank, n, numel, rule):
+    import torch.distributed as dist
+
     import lionbit
 
+    # A lionbit group of the case's own: a call's default seed is its number
+    # on the group, and the warm ranks' default group has made calls before.
+    group = dist.new_group(backend="lionbit")
     out = []
     for call, seed in enumerate([4, 7, None]):
         x = _inputs(rank, n, numel, call)
-        lionbit.all_reduce_sign(x, "vote", tie_break=rule, tie_seed=seed)
+        lionbit.all_reduce_sign(x, "vote", group=group, tie_break=rule, tie_seed=seed)
         out.append(x.to(torch.int8).tolist())
     # The reduce-scatter: rank r's shard of the same rule over N * S elements.
     s = numel // n
     y = _inputs(rank, n, n * s, 9)
     o = torch.empty(s)
-    lionbit.reduce_scatter_sign(o, y, "vote", tie_break=rule, tie_seed=11)
+    lionbit.reduce_scatter_sign(o, y, "vote", group=group, tie_break=rule, tie_seed=11)
     out.append(o.to(torch.int8).tolist())
+    dist.barrier()  # no rank closes the group's connections while a peer still reads from them
+    dist.destroy_process_group(group)
     return out
 
 
 @pytest.mark.parametrize("n,rule,chunk", [(4, "alternate", None), (2, "random", None), (4, "random", 1 << 12)])
 def test_tie_rules_are_exact_and_identical_on_every_rank(n, rule, chunk):
     numel = 10_000
-    env = {"LIONBIT_CHUNK_ELEMS": str(chunk)} if chunk else None
-    res = values(run_ranks("test_lion_cub:tie_rule_calls", n, kwargs={"numel": numel, "rule": rule}, env=env))
+    case_env = {"LIONBIT_CHUNK_ELEMS": str(chunk)} if chunk else None
+    res = values(run_ranks("test_lion_cub:tie_rule_calls", n, kwargs={"numel": numel, "rule": rule},
+                           case_env=case_env))
     assert all(r[:3] == res[0][:3] for r in res), "ranks disagree"
     # Call numbers: every sign call on the group counts; the default seed of
     # the third call is its number, 2.
