@@ -404,6 +404,16 @@ def _worker(spec: dict) -> int:
 
     rank, n = spec["rank"], spec["world_size"]
     out = lambda k: os.path.join(spec["workdir"], f"case{k}.rank{rank}.json")  # noqa: E731
+    # Every rank has imported torch before any makes the group: on a busy
+    # machine one rank's start can lag its peers' by more than a short
+    # pg_timeout (test_errors' 4 s), which is the group's timeout, not a
+    # budget for starting processes. (A peer that never gets here, dead at
+    # import, leaves the wait after 120 s and the group's own timeout reports it.)
+    ready = lambda r: os.path.join(spec["workdir"], f"ready.rank{r}")  # noqa: E731
+    open(ready(rank), "w").close()
+    start = time.monotonic()
+    while not all(os.path.exists(ready(r)) for r in range(n)) and time.monotonic() - start < 120:
+        time.sleep(0.01)
     try:
         if spec["backend"]:
             dist.init_process_group(spec["backend"], init_method="file://" + spec["store"], rank=rank,
