@@ -53,16 +53,21 @@ export CUDACXX := /usr/local/cuda/bin/nvcc
 endif
 endif
 
-.PHONY: all setup build build-tests lint lint-cpp format-cpp test test-cpp test-python test-aten test-gpu gpu-check test-sanitize test-valgrind demo demo-fsdp demo-sign convergence convergence-levers bench bench-full bench-setup bench-kernels bench-training bench-model clean
+.PHONY: all setup setup-demo build build-tests lint lint-cpp format-cpp test test-cpp test-python test-aten test-gpu gpu-check test-sanitize test-valgrind demo demo-fsdp demo-sign convergence convergence-levers bench bench-full bench-setup bench-kernels bench-training bench-model clean
 
 all: build
 
+# `make demo` sets up only what it needs (torch, the build tools, scikit-learn);
+# the tests, lint and benchmarks add the test tools the first time they run.
 setup:
 	@tools/setup_env.sh
 
+setup-demo:
+	@tools/setup_env.sh demo
+
 # pip builds incrementally (tools/build.sh); a no-op rebuild takes seconds. `build` compiles
 # the CUDA path only where a GPU is (or LIONBIT_CUDA says so); the tests' build wherever nvcc is.
-build: setup
+build: setup-demo
 	@tools/build.sh
 
 build-tests: setup
@@ -148,7 +153,7 @@ convergence: build
 convergence-levers: build
 	@$(PY) tools/convergence_levers.py $(LEVERS_ARGS)
 
-bench-setup: build
+bench-setup: setup build
 	@tools/setup_bench.sh
 
 bench-kernels: bench-setup

@@ -25,10 +25,13 @@ if [ -z "$cuda" ]; then
     cuda=OFF
   fi
 fi
+# The tests' module lionbit._test_hooks is built for the tests alone.
+hooks=OFF
+[ "${1:-}" = tests ] && hooks=ON
 dir='build/{wheel_tag}'
 [ "$cuda" = OFF ] && dir='build/{wheel_tag}-cpu'
 why=""
 [ "$cuda" = OFF ] && [ -z "${LIONBIT_CUDA:-}" ] && why=" (no GPU here: CUDA kernels skipped; LIONBIT_CUDA=AUTO builds them)"
 echo "build: lionbit into $LIONBIT_VENV, CUDA $cuda$why"
 "$here/progress.sh" "build" "$py" -m pip install -v --no-build-isolation --no-deps --disable-pip-version-check \
-  -C "cmake.define.LIONBIT_CUDA=$cuda" -C "build-dir=$dir" .
+  -C "cmake.define.LIONBIT_CUDA=$cuda" -C "cmake.define.LIONBIT_TEST_HOOKS=$hooks" -C "build-dir=$dir" .

@@ -6,9 +6,11 @@
 
 prints a Markdown table of the test files, slowest first: seconds (setup +
 call + teardown of every test in the file; pytest leaves out those under
-5 ms), beside the same for --before when given. --json writes {"total_s",
-"files": {name: seconds}} (and "before" likewise) for
-docs/benchmarks/test_durations.json. Standard library only.
+5 ms), beside the same for --before when given. --json writes {"machine",
+"total_s", "files": {name: seconds}} (and "before" likewise) for
+docs/benchmarks/test_durations.json, which keeps one entry per machine:
+"machine" names this one's CPU and instruction set (from /proc/cpuinfo), the
+key of its entry there. Standard library only.
 """
 
 import argparse
@@ -42,6 +44,27 @@ def per_file(path: str) -> dict:
     return {name: round(s, 1) for name, s in seconds.items()}
 
 
+def machine(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """This machine's CPU and widest x86 vector ISA, e.g. "Intel Xeon, AVX-512"
+    or "AMD EPYC, AVX2": what the figures of test_durations.json are keyed by."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    for vendor, family in (("Intel", "Xeon"), ("AMD", "EPYC")):
+        if vendor in model and family in model:
+            model = f"{vendor} {family}"
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{model}, {isa}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("log")
@@ -59,7 +82,7 @@ def main() -> None:
     total = round(sum(after.values()), 1)
     print(f"| all | {sum(before.values()):.1f} | {total:.1f} |" if before else f"| all | {total:.1f} |")
     if args.json:
-        doc = {"total_s": total, "files": after}
+        doc = {"machine": machine(), "total_s": total, "files": after}
         if before:
             doc["before"] = {"total_s": round(sum(before.values()), 1), "files": before}
         with open(args.json, "w") as f:
