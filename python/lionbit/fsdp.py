@@ -580,8 +580,10 @@ def fsdp_step(att, grad_scaler=None) -> bool:
     if not att.opt.state and (att.stepped or not att.order):
         init_momentum(att)  # torch's _init_optim_state: step() with zero gradients on a fresh optimizer
         return False
-    vote = (lambda: fsdp_vote(att)) if att.replicas is None else (lambda: _node_agreed_vote(att))
-    return step_vote.voted_step(att.opt, grad_scaler, vote, att.group)
+    if att.replicas is None:
+        return step_vote.voted_step(att.opt, grad_scaler, lambda: fsdp_vote(att), att.group)
+    # HSDP: errors name global ranks (the default group's)
+    return step_vote.voted_step(att.opt, grad_scaler, lambda: _node_agreed_vote(att), None)
 
 
 def _node_agreed_vote(att):
