@@ -398,6 +398,12 @@ def _managed(opt, model):
     first = next(iter(managed))
     # the vote's group must be lionbit's (a clear error otherwise); HSDP: the replicate group
     backend_for(mesh.vote_group, first.device, "attach (FSDP2)")
+    if mesh.replicas is not None and opt.aggregation == "l1":
+        raise NotImplementedError(
+            f"{_WHERE}: argument 'aggregation'='l1' is not supported on HSDP (rank {dist.get_rank()}, mesh "
+            f"{mesh.describe()}): its L1 scale is per tensor, and a rank holds only its shard of the node's; "
+            f"use 'vote' or 'avg'"
+        )
     if mesh.replicas is not None and getattr(opt.voter, "hierarchy", "flat") != "flat":
         raise ValueError(
             f"{_WHERE}: argument 'hierarchy'={opt.voter.hierarchy!r} does not apply to HSDP (rank "

@@ -55,13 +55,14 @@ def hsdp_cases(rank, world_size):
     torch.distributed.all_gather_object(everyone, mine)
     out["synced"] = [everyone[s] == everyone[L + s] for s in range(L)]
 
-    # hierarchy= does not apply: the replicate group is the cross-node level
-    model = _hsdp_model(mesh, _config())
-    try:
-        lionbit.DistributedLion(model.parameters(), hierarchy="node", **LION).attach(model)
-        out["hierarchy"] = "no error"
-    except ValueError as err:
-        out["hierarchy"] = str(err)
+    # hierarchy= does not apply (the replicate group is the cross-node level); nor does "l1"
+    for case, kw in (("hierarchy", dict(hierarchy="node")), ("l1", dict(aggregation="l1"))):
+        model = _hsdp_model(mesh, _config())
+        try:
+            lionbit.DistributedLion(model.parameters(), **kw, **LION).attach(model)
+            out[case] = "no error"
+        except (ValueError, NotImplementedError) as err:
+            out[case] = str(err)
     return out
 
 
@@ -73,3 +74,5 @@ def test_hsdp_nan_momentum_sync_and_refusals():
         assert r["nan_changed_nothing"] and r["steps_after"] == 2, r
         assert r["synced"] == [True] * L, r
         assert "argument 'hierarchy'='node' does not apply to HSDP" in r["hierarchy"], r
+        assert f"argument 'aggregation'='l1' is not supported on HSDP (rank {rank}, mesh 2x2 (replicate, shard))" \
+            in r["l1"], r
