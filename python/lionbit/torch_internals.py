@@ -310,7 +310,7 @@ def fsdp2_learn_layouts(param_group, comm: LayoutLearner, where: str) -> Callabl
     the function that undoes it (the process-wide wrapper of foreach_reduce
     stays: it passes every other reduction through unchanged)."""
     if comm.skips_all_reduce or generation() == "2.11":
-        _wrap_foreach_reduce(where)
+        _wrap_foreach_reduce(where, comm.skips_all_reduce)
     default = getattr(param_group, "_prepare_reduce_scatter_inputs", None)
     if default is None:  # torch 2.11: the wrapper learns the layouts
         return lambda: None
@@ -328,7 +328,7 @@ def fsdp2_learn_layouts(param_group, comm: LayoutLearner, where: str) -> Callabl
     return undo
 
 
-def _wrap_foreach_reduce(where: str) -> None:
+def _wrap_foreach_reduce(where: str, skipping: bool) -> None:
     """Wraps FSDP's foreach_reduce (once per process). For lionbit's
     reduce-scatters (LayoutLearner) it (torch 2.11) tells the comm the unit's
     layout before FSDP calls it: the FSDP parameters with gradients, in
@@ -343,12 +343,14 @@ def _wrap_foreach_reduce(where: str) -> None:
     if original is None:
         raise unsupported(where, "_fsdp_param_group.foreach_reduce")
     if getattr(original, "lionbit_wrapper", False):
+        if skipping and not original.lionbit_skips:
+            raise unsupported(where, "an all_reduce_group argument of _fsdp_param_group.foreach_reduce (HSDP)")
         return
     params = list(inspect.signature(original).parameters)
-    if params[:5] != ["fsdp_params", "unsharded_grads", "reduce_scatter_group", "reduce_scatter_stream",
-                      "reduce_scatter_comm"] or "all_reduce_group" not in params:
+    if skipping and (params[:5] != ["fsdp_params", "unsharded_grads", "reduce_scatter_group", "reduce_scatter_stream",
+                                    "reduce_scatter_comm"] or "all_reduce_group" not in params):
         raise unsupported(where, f"_fsdp_param_group.foreach_reduce({', '.join(params)})")
-    at = params.index("all_reduce_group")
+    at = params.index("all_reduce_group") if "all_reduce_group" in params else None
     learn = generation() == "2.11"
     if learn:
         from torch.distributed.fsdp._fully_shard._fsdp_common import _get_dim0_padded_size  # torch 2.11 only
@@ -360,7 +362,7 @@ def _wrap_foreach_reduce(where: str) -> None:
                 n = reduce_scatter_group.size() if reduce_scatter_group is not None else 1
                 sizes = tuple(_get_dim0_padded_size(g.size(), n) for g in unsharded_grads)
                 reduce_scatter_comm.learn_layout(fsdp_params, sizes)
-            if reduce_scatter_comm.skips_all_reduce:
+            if reduce_scatter_comm.skips_all_reduce and at is not None:
                 if "all_reduce_group" in kwargs:
                     kwargs["all_reduce_group"] = None
                 elif len(args) > at - 5:
@@ -369,4 +371,5 @@ def _wrap_foreach_reduce(where: str) -> None:
                         reduce_scatter_comm, *args, **kwargs)
 
     foreach_reduce.lionbit_wrapper = True
+    foreach_reduce.lionbit_skips = at is not None
     module.foreach_reduce = foreach_reduce
