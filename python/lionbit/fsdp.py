@@ -690,12 +690,14 @@ def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optiona
                 unsure.append(name)
             return _own_part(att, p, value)
         got = f"a tensor of shape {tuple(value.shape)}"
-    workers = "ranks" if att.replicas is None else "nodes (replicas)"
     hint = ""
     if value.dim() == len(shape) + 1 and tuple(value.shape[1:]) == shape and value.shape[0] != n:
         hint = (
-            f": it holds the momenta of {value.shape[0]} workers and this run has {n} {workers} (mesh "
-            f"{att.dp.describe()}); each worker's momentum follows its own data, so resume on the same mesh"
+            f": it holds the momenta of {value.shape[0]} ranks and this run has {n}; each rank's momentum "
+            f"follows its own data, so resume with the same number of ranks"
+        ) if att.replicas is None else (
+            f": it holds the momenta of {value.shape[0]} nodes and this run has {n} (mesh {att.dp.describe()}); "
+            f"each node's momentum follows its own data, so resume on the same mesh"
         )
     raise ValueError(
         f"{where} on rank {dist.get_rank()}: momentum of '{name}' is {got}; expected {rows} placed {placed}, row r "
