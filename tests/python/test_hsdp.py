@@ -74,7 +74,7 @@ def _loss(model, rank, step, micro=0):
 
 
 def _config(**kw):
-    cfg = dict(aggregation="vote", tie_break="zero", steps=5, clip=None, accumulate=1, reshard=True, mp=None,
+    cfg = dict(aggregation="vote", tie_break="zero", steps=4, clip=None, accumulate=1, reshard=True, mp=None,
                scaler=False, overflow=None)
     cfg.update(kw)
     return cfg
