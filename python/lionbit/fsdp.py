@@ -113,12 +113,17 @@ def check_not_partly_sharded(model) -> None:
 
 
 class _SignReduceScatter(torch_internals.LayoutLearner):
-    """The custom reduce-scatter of one FSDP parameter group: it takes the
-    unit's local gradients for ``step()`` and reduces nothing."""
+    """The custom reduce-scatter of one FSDP parameter group. On a 1-D mesh
+    it takes the unit's local gradients for ``step()`` and reduces nothing.
+    On an HSDP mesh it is FSDP's own reduce-scatter over the shard group
+    (the node's mean gradient, sharded) and FSDP runs no all-reduce over the
+    replicate group after it (``skips_all_reduce``): the replicas vote at
+    ``step()`` instead."""
 
     def __init__(self, att, param_group):
         self.att = att
         self.pg = param_group
+        self.skips_all_reduce = att.replicas is not None
         self.layout = None  # (fsdp_params, padded unsharded sizes) of the pending call
         self.params: List = []  # the FSDPParams of the last reduce-scatter, in FSDP's layout order
         self.group = None  # its process group
@@ -147,6 +152,9 @@ class _SignReduceScatter(torch_internals.LayoutLearner):
         where = f"DistributedLion (FSDP2 reduce-scatter) on rank {group.rank()}"
         if layout is None:
             raise RuntimeError(f"{where}: called without FSDP's gradient layout (an unsupported FSDP code path)")
+        if self.skips_all_reduce:  # HSDP: FSDP's own reduction inside the node, unchanged
+            self.group = group
+            return self.default_comm(output_tensor, input_tensor, group, op, async_op)
         if async_op:
             raise NotImplementedError(f"{where}: async_op=True is not supported")
         if op != dist.ReduceOp.AVG:
@@ -173,8 +181,11 @@ class FSDP2Attachment(Attachment):
         return is_fsdp2(model)
 
     def __init__(self, opt, model, overlap: bool = True):
-        self.managed, self.fqns, installs, group = _managed(opt, model)
-        super().__init__(opt, opt.group if opt.group is not None else group)
+        self.managed, self.fqns, installs, mesh = _managed(opt, model)
+        self.dp = mesh  # how the ranks shard and vote (_Mesh)
+        # HSDP: the replicate group, over which the replicas vote; None on a 1-D mesh.
+        self.replicas = mesh.replicas
+        super().__init__(opt, opt.group if opt.group is not None and mesh.replicas is None else mesh.vote_group)
         self.model = model
         self.mesh = next(iter(self.managed)).device_mesh
         # sharded parameter -> its local gradient, from the reduce-scatter
@@ -187,7 +198,10 @@ class FSDP2Attachment(Attachment):
             comm = _SignReduceScatter(self, pg)
             module.set_custom_reduce_scatter(comm)
             self.comms.append(comm)
-        self.hooks = [p.register_post_accumulate_grad_hook(self.grad_hook) for p in self.managed]
+        # 1-D: p.grad becomes the local gradient. HSDP: p.grad is FSDP's own (the node's mean, sharded).
+        self.hooks = [] if self.replicas is not None else [
+            p.register_post_accumulate_grad_hook(self.grad_hook) for p in self.managed
+        ]
 
     def is_attached_to(self, model) -> bool:
         return model is self.model
@@ -217,15 +231,20 @@ class FSDP2Attachment(Attachment):
 
     def momenta(self):
         return [
-            self.full_momentum(p) for g in self.opt.param_groups for p in g["params"]
+            self.momentum(p) for g in self.opt.param_groups for p in g["params"]
             if p in self.managed and p.requires_grad
         ]
 
-    def full_momentum(self, p: torch.Tensor) -> torch.Tensor:
+    def momentum(self, p: torch.Tensor) -> torch.Tensor:
+        """p's momentum: full-size on a 1-D mesh (it follows this rank's local
+        gradient); on HSDP this rank's shard of its node's momentum (the
+        shape of p's local shard)."""
+        if self.replicas is not None:
+            return self.opt.momentum_of(p, p.to_local().shape)
         return self.opt.momentum_of(p, torch_internals.fsdp2_orig_size(self.managed[p]))
 
     def marker(self):
-        return {"rank": self.mesh.get_local_rank(), "world_size": self.mesh.size()}
+        return {"rank": self.dp.row, "world_size": self.dp.rows}
 
     def state_dict(self) -> dict:
         return state_dict(self)
@@ -240,15 +259,88 @@ class FSDP2Attachment(Attachment):
         load_sharded_state_dict(self, state_dict)
 
 
+class _Mesh:
+    """How the ranks of an FSDP2 model shard and vote, the one thing the 1-D
+    and the HSDP case do differently.
+
+    1-D mesh of N ranks: every rank is a worker. It packs the directions of
+    all N chunks of its local gradient (full-size momentum) and the sign
+    reduce-scatter over the FSDP group gives Delta of its shard.
+
+    HSDP, a 2-D mesh (replicate, shard) of M x L ranks: every replica (the L
+    ranks of one replicate index, a node) is a worker. FSDP's own
+    reduce-scatter gives each rank its shard of the node's mean gradient;
+    the rank packs the direction of that shard alone (its shard of the
+    node's momentum) and the sign all-reduce over the replicate group (the
+    M ranks holding the same shard) gives Delta of the shard.
+
+    Either way the unit's layout is FSDP's chunk layout over the L (= N)
+    ranks of the shard group, Delta is this rank's chunk, and the apply is
+    the same. In a checkpoint the momentum has one row per worker
+    (``rows``; this rank's worker is ``row``)."""
+
+    def __init__(self, device_mesh, replicate_dim: Optional[int]):
+        self.device_mesh = device_mesh
+        self.replicas = None if replicate_dim is None else device_mesh.get_group(replicate_dim)
+        shard_dim = 0 if replicate_dim is None else 1 - replicate_dim
+        self.shard_group = device_mesh.get_group(shard_dim)
+        self.vote_group = self.shard_group if self.replicas is None else self.replicas
+        self.shards, self.shard = self.shard_group.size(), self.shard_group.rank()
+        workers = self.shard_group if self.replicas is None else self.replicas
+        self.rows, self.row = workers.size(), workers.rank()
+
+    def describe(self) -> str:
+        return describe_mesh(self.device_mesh)
+
+
+def describe_mesh(mesh) -> str:
+    """A mesh as errors name it: '2x2 (replicate, shard)', '4 (shard)'."""
+    shape = "x".join(str(n) for n in mesh.shape)
+    if mesh.mesh_dim_names:
+        return f"{shape} ({', '.join(mesh.mesh_dim_names)})"
+    return f"{shape} (1-D)" if mesh.ndim == 1 else f"{shape} (unnamed dims)"
+
+
+def _mesh_kind(fp, p, name: str) -> Optional[int]:
+    """The replicate dim of p's mesh: None on a 1-D FSDP mesh, 0 on HSDP;
+    a clear error naming what works for any other mesh."""
+    mesh, kind = p.device_mesh, type(fp.mesh_info).__name__
+    works = "supported: a 1-D FSDP mesh, or HSDP (fully_shard over a 2-D mesh (replicate, shard))"
+    if kind == "FSDPMeshInfo" and mesh.ndim == 1:
+        if tuple(p.placements) != (Shard(0),):
+            raise NotImplementedError(
+                f"{_WHERE}: parameter '{name}' is sharded as {tuple(p.placements)}; only Shard(0) "
+                f"(no shard_placement_fn) is supported"
+            )
+        return None
+    if kind == "HSDPMeshInfo" and mesh.ndim == 2:
+        if tuple(p.placements) != (Replicate(), Shard(0)):
+            raise NotImplementedError(
+                f"{_WHERE}: parameter '{name}' is placed {tuple(p.placements)} on the HSDP mesh "
+                f"{describe_mesh(mesh)}; only (Replicate(), Shard(0)) (no shard_placement_fn) is supported"
+            )
+        return 0
+    if kind == "DDPMeshInfo":
+        raise NotImplementedError(
+            f"{_WHERE}: parameter '{name}' is replicated by FSDP2's replicate() over {describe_mesh(mesh)}, which "
+            f"is not supported; {works}, or DistributedDataParallel"
+        )
+    raise NotImplementedError(
+        f"{_WHERE}: parameter '{name}' lives on the {mesh.ndim}-D mesh {describe_mesh(mesh)} ({kind}: FSDP with "
+        f"tensor parallelism or another layout), which is not supported; {works}"
+    )
+
+
 def _managed(opt, model):
     """Checks an FSDP2 model; returns (sharded parameter -> FSDPParam,
-    parameter -> name, [(module, FSDP parameter group)], its process group)."""
+    parameter -> name, [(module, FSDP parameter group)], its _Mesh)."""
     modules = _fsdp2_modules(model)
     fqns = {p: n for n, p in model.named_parameters()}
     known = opt.param_group_of()
     managed = {}
     installs = []
     groups = set()
+    kinds = {}  # (replicate dim, mesh) -> a parameter's name
     for module in modules:
         pgs = torch_internals.fsdp2_param_groups(module, _WHERE)
         if not pgs:
@@ -273,17 +365,7 @@ def _managed(opt, model):
                 name = fqns.get(p, "<unnamed>")
                 if not isinstance(p, DTensor):
                     raise ValueError(f"{_WHERE}: parameter '{name}' is not a DTensor (unexpected FSDP state)")
-                mesh = p.device_mesh
-                if mesh.ndim != 1 or type(fp.mesh_info).__name__ != "FSDPMeshInfo":
-                    raise NotImplementedError(
-                        f"{_WHERE}: parameter '{name}' lives on a {mesh.ndim}-D mesh ({type(fp.mesh_info).__name__}); "
-                        f"HSDP, replicate and FSDP+TP meshes are not supported, only a 1-D FSDP mesh"
-                    )
-                if tuple(p.placements) != (Shard(0),):
-                    raise NotImplementedError(
-                        f"{_WHERE}: parameter '{name}' is sharded as {tuple(p.placements)}; only Shard(0) "
-                        f"(no shard_placement_fn) is supported"
-                    )
+                kinds.setdefault((_mesh_kind(fp, p, name), p.device_mesh), name)
                 if fp.offload_to_cpu:
                     raise NotImplementedError(f"{_WHERE}: CPUOffloadPolicy is not supported (parameter '{name}')")
                 opt.check_param(p, "attach (FSDP2)")  # CPU, or CUDA where this build has the CUDA path
@@ -305,10 +387,30 @@ def _managed(opt, model):
             f"{_WHERE}: this optimizer's parameters {stray[:5]} are not managed by any fully_shard unit of the model; "
             f"call fully_shard on the root module too"
         )
+    if len(kinds) > 1:
+        (a, ma), (b, mb) = list(kinds.items())[:2]
+        raise NotImplementedError(
+            f"{_WHERE}: parameters '{kinds[(a, ma)]}' and '{kinds[(b, mb)]}' are sharded over different meshes "
+            f"({describe_mesh(ma)} and {describe_mesh(mb)}); one optimizer votes over one mesh"
+        )
+    (replicate_dim, device_mesh), = kinds
+    mesh = _Mesh(device_mesh, replicate_dim)
     first = next(iter(managed))
-    pg0 = first.device_mesh.get_group()
-    backend_for(pg0, first.device, "attach (FSDP2)")  # a lionbit group, or a clear error
-    return managed, fqns, installs, pg0
+    # the vote's group must be lionbit's (a clear error otherwise); HSDP: the replicate group
+    backend_for(mesh.vote_group, first.device, "attach (FSDP2)")
+    if mesh.replicas is not None and opt.aggregation == "l1":
+        raise NotImplementedError(
+            f"{_WHERE}: argument 'aggregation'='l1' is not supported on HSDP (rank {dist.get_rank()}, mesh "
+            f"{mesh.describe()}): its L1 scale is per tensor, and a rank holds only its shard of the node's; "
+            f"use 'vote' or 'avg'"
+        )
+    if mesh.replicas is not None and getattr(opt.voter, "hierarchy", "flat") != "flat":
+        raise ValueError(
+            f"{_WHERE}: argument 'hierarchy'={opt.voter.hierarchy!r} does not apply to HSDP (rank "
+            f"{dist.get_rank()}, mesh {mesh.describe()}): the replicas already vote over the replicate group, one "
+            f"rank a node; use hierarchy='flat'"
+        )
+    return managed, fqns, installs, mesh
 
 
 def _pieces(fsdp_params, n: int):
@@ -376,14 +478,25 @@ def _local_grad(att, p: torch.Tensor) -> Optional[torch.Tensor]:
     g = p.grad
     if g is None:
         return None
-    if isinstance(g, DTensor) and (tuple(g.placements) == (Replicate(),) or g.device_mesh.size() == 1):
-        local = g.to_local()
-        if tuple(local.shape) == tuple(p.shape):
-            return local
     what = (
         f"a DTensor placed {tuple(g.placements)} with local shape {tuple(g.to_local().shape)}"
         if isinstance(g, DTensor) else f"a {type(g).__name__} of shape {tuple(g.shape)}"
     )
+    if att.replicas is not None:  # HSDP: FSDP's own sharded gradient, the node's mean
+        if isinstance(g, DTensor) and tuple(g.placements) == tuple(p.placements):
+            local = g.to_local()
+            if local.shape == p.to_local().shape:
+                return local
+        raise RuntimeError(
+            f"DistributedLion.step (FSDP2, HSDP) on rank {dist.get_rank()}: p.grad of '{att.fqns.get(p, '?')}' is "
+            f"{what}; after backward it is this rank's shard of its node's mean gradient, a DTensor placed like the "
+            f"parameter {tuple(p.placements)} with local shape {tuple(p.to_local().shape)}. Change it in place "
+            f"(clipping, unscaling) or with DTensor ops, or set it to None, but do not replace it"
+        )
+    if isinstance(g, DTensor) and (tuple(g.placements) == (Replicate(),) or g.device_mesh.size() == 1):
+        local = g.to_local()
+        if tuple(local.shape) == tuple(p.shape):
+            return local
     raise RuntimeError(
         f"DistributedLion.step (FSDP2) on rank {att.mesh.get_local_rank()}: p.grad of '{att.fqns.get(p, '?')}' is "
         f"{what}; after backward it is this rank's local gradient, a DTensor of the parameter's shape "
@@ -395,17 +508,23 @@ def _local_grad(att, p: torch.Tensor) -> Optional[torch.Tensor]:
 def fsdp_vote(att):
     """Votes the step (changing no state): per unit in the order of its
     reduce-scatter in backward, the directions of the parameters that have
-    a gradient, packed in FSDP's chunk layout, and the sign reduce-scatter.
-    Returns the function that updates the momenta and applies Delta to the
-    local shards; raises step_vote.NonFinite (on every rank alike)."""
+    a gradient, packed in FSDP's chunk layout, and the collective of the
+    mesh (:class:`_Mesh`): on a 1-D mesh the sign reduce-scatter of every
+    chunk of the local gradients over the FSDP group; on HSDP the sign
+    all-reduce of this rank's chunk over the replicate group. Either gives
+    Delta of this rank's chunk. Returns the function that updates the
+    momenta and applies Delta to the local shards; raises
+    step_vote.NonFinite (on every rank alike)."""
     opt = att.opt
     att.stepped = True
     voter = opt.voter
     groups = opt.param_group_of()
-    todo = []  # (local gradient, full momentum, coefs, local shard, Delta of the shard)
+    hsdp = att.replicas is not None
+    todo = []  # (gradient, momentum, coefs, local shard, Delta of the shard)
     biggest, device = 0, None
     for comm in att.order:
-        group = comm.group if comm.group is not None else att.mesh.get_group()
+        # FSDP's chunk layout over the shard group, and the group of the vote
+        group = comm.group if comm.group is not None and not hsdp else att.dp.shard_group
         n, rank = group.size(), group.rank()
         params = []
         for fp in comm.params:
@@ -420,13 +539,15 @@ def fsdp_vote(att):
         votes, unit = [], []
         for (fp, off, rows, row), (_, g) in zip(pieces, params):
             p = fp.sharded_param
-            m = att.full_momentum(p).view(-1)
+            m = att.momentum(p).view(-1)
             coefs = lion_math.Coefs(groups[p])
             dim0 = torch_internals.fsdp2_orig_size(fp)[0]
-            # FSDP's chunk r of the parameter: its rows [r * rows, (r + 1) * rows), padding left out.
-            votes.append((g, m, coefs, [(r, r * rows * row, _valid(dim0, rows, r) * row, off) for r in range(n)]))
-            local = p.to_local()
             own = _valid(dim0, rows, rank) * row
+            if hsdp:  # g, m: this rank's chunk alone; the replicas hold the same chunk
+                votes.append((g, m, coefs, [(0, 0, own, off)]))
+            else:  # FSDP's chunk r of the parameter: its rows [r * rows, (r + 1) * rows), padding left out.
+                votes.append((g, m, coefs, [(r, r * rows * row, _valid(dim0, rows, r) * row, off) for r in range(n)]))
+            local = p.to_local()
             if local.numel() != own:
                 raise RuntimeError(
                     f"DistributedLion.step (FSDP2) on rank {rank}: parameter '{att.fqns.get(p, '?')}' has "
@@ -434,7 +555,11 @@ def fsdp_vote(att):
                 )
             unit.append((g, m, coefs, local, off, own))
             biggest = max(biggest, g.numel())
-        delta = voter.sharded_vote(votes, s, group, device, "step (FSDP2 reduce-scatter)", opt.fused_for)
+        if hsdp:
+            delta = voter.sharded_vote(votes, s, att.replicas, device, "step (HSDP all-reduce over the replicate group)",
+                                       opt.fused_for, replicated=True)
+        else:
+            delta = voter.sharded_vote(votes, s, group, device, "step (FSDP2 reduce-scatter)", opt.fused_for)
         todo += [(g, m, coefs, local, delta[off : off + own]) for g, m, coefs, local, off, own in unit]
 
     def apply() -> None:
@@ -461,7 +586,43 @@ def fsdp_step(att, grad_scaler=None) -> bool:
     if not att.opt.state and (att.stepped or not att.order):
         init_momentum(att)  # torch's _init_optim_state: step() with zero gradients on a fresh optimizer
         return False
-    return step_vote.voted_step(att.opt, grad_scaler, lambda: fsdp_vote(att), att.group)
+    if att.replicas is None:
+        return step_vote.voted_step(att.opt, grad_scaler, lambda: fsdp_vote(att), att.group)
+    # HSDP: errors name global ranks (the default group's)
+    return step_vote.voted_step(att.opt, grad_scaler, lambda: _node_agreed_vote(att), None)
+
+
+def _node_agreed_vote(att):
+    """HSDP: :func:`fsdp_vote`, then the ranks of each node agree whether to
+    step. A vote's header round tells only the replicas of one shard that a
+    direction was non-finite; the ranks of a node hold different shards of
+    one worker, which must step or skip together (a GradScaler skip, or the
+    error, on every rank of the mesh). One all-reduce of world-size flags
+    over the shard group (inside the node) carries the non-finite ranks
+    (global numbers) and any other failure of a rank's vote."""
+    world = dist.get_world_size()
+    flags = torch.zeros(world + 1, dtype=torch.int32, device=next(iter(att.managed)).device)
+    apply, failure = None, None
+    try:
+        apply = fsdp_vote(att)
+    except step_vote.NonFinite as bad:
+        for r in bad.ranks:
+            flags[dist.get_global_rank(att.replicas, r)] = 1
+    except Exception as err:  # re-raised below, after the node heard of it (no peer waits forever)
+        failure = err
+        flags[world] = 1
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=att.dp.shard_group)
+    if failure is not None:
+        raise failure
+    if int(flags[world]):
+        raise RuntimeError(
+            f"DistributedLion.step (FSDP2, HSDP) on rank {dist.get_rank()}: another rank of this node failed its "
+            f"vote (its own error says why); no parameter or momentum changed on this rank"
+        )
+    ranks = [r for r in range(world) if int(flags[r])]
+    if ranks:
+        raise step_vote.NonFinite(ranks)
+    return apply
 
 
 # -- checkpoints --------------------------------------------------------------
@@ -478,53 +639,100 @@ def fsdp_step(att, grad_scaler=None) -> bool:
 # momenta stacked. Loading needs the same number of ranks.
 
 
-def _rows(p: torch.Tensor, m: torch.Tensor):
-    """Rank r's momentum m as row r of an (N, *shape) DTensor (sharing m's memory)."""
-    return DTensor.from_local(m.unsqueeze(0), p.device_mesh, [Shard(0)], run_check=False)
+def _rows(att, p: torch.Tensor, m: torch.Tensor):
+    """This worker's momentum m as row ``att.dp.row`` of a (workers, *shape)
+    DTensor (sharing m's memory). 1-D: row r is rank r's, placed Shard(0)
+    over the FSDP mesh. HSDP: row r is node r's, placed (Shard(0), Shard(1))
+    over (replicate, shard): the rows over the replicas, each row's dim 1
+    sharded as FSDP shards the parameter's dim 0 (torch.chunk's split, which
+    DTensor's Shard shares)."""
+    if att.replicas is None:
+        return DTensor.from_local(m.unsqueeze(0), p.device_mesh, [Shard(0)], run_check=False)
+    shape = (att.dp.rows, *torch_internals.fsdp2_orig_size(att.managed[p]))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(m.unsqueeze(0), p.device_mesh, [Shard(0), Shard(1)], run_check=False,
+                              shape=torch.Size(shape), stride=stride)
+
+
+def _own_part(att, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """HSDP: this rank's rows of a full tensor of p's shape (FSDP's chunk)."""
+    if att.replicas is None:
+        return t
+    rows = -(-t.shape[0] // att.dp.shards)
+    return t[att.dp.shard * rows : att.dp.shard * rows + p.to_local().shape[0]]
 
 
 def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optional[list] = None) -> torch.Tensor:
-    """This rank's momentum (the parameter's full shape) out of a loaded value:
-    the (N, *shape) DTensor of :func:`state_dict`, or a plain (N, *shape)
-    tensor (a consolidated checkpoint given to load_state_dict as it is): row
-    rank; a plain tensor of the parameter's shape (what torch's default
-    state_dict held before): taken as it is, its name added to ``unsure``
-    (see :func:`_warn_unsure`)."""
+    """This rank's momentum out of a loaded value: the (workers, *shape)
+    DTensor of :func:`_rows`, or a plain (workers, *shape) tensor (a
+    consolidated checkpoint given to load_state_dict as it is): its worker's
+    row (HSDP: this rank's chunk of it); a plain tensor of the parameter's
+    shape (what torch's default state_dict held before): taken as it is
+    (HSDP: this rank's chunk), its name added to ``unsure`` (see
+    :func:`_warn_unsure`)."""
     shape = tuple(torch_internals.fsdp2_orig_size(att.managed[p]))
-    mesh = p.device_mesh
-    n, rank = mesh.size(), mesh.get_local_rank()
+    n, row = att.dp.rows, att.dp.row
+    mine = tuple(att.momentum(p).shape)  # the parameter's shape (1-D), its local shard's (HSDP)
+    placed = (Shard(0),) if att.replicas is None else (Shard(0), Shard(1))
     rows = (n, *shape)
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{where}: momentum of '{name}' is a {type(value).__name__}, not a tensor")
     if isinstance(value, DTensor):
         local = value.to_local()
-        if tuple(value.shape) == rows and tuple(value.placements) == (Shard(0),) and tuple(local.shape) == (1, *shape):
+        if tuple(value.shape) == rows and tuple(value.placements) == placed and tuple(local.shape) == (1, *mine):
             return local[0]
         got = f"a DTensor of shape {tuple(value.shape)} placed {tuple(value.placements)}"
     else:
         if tuple(value.shape) == rows:
-            return value[rank]
+            return _own_part(att, p, value[row])
         if tuple(value.shape) == shape:
             if unsure is not None:
                 unsure.append(name)
-            return value
+            return _own_part(att, p, value)
         got = f"a tensor of shape {tuple(value.shape)}"
     hint = ""
     if value.dim() == len(shape) + 1 and tuple(value.shape[1:]) == shape and value.shape[0] != n:
         hint = (
             f": it holds the momenta of {value.shape[0]} ranks and this run has {n}; each rank's momentum "
             f"follows its own data, so resume with the same number of ranks"
+        ) if att.replicas is None else (
+            f": it holds the momenta of {value.shape[0]} nodes and this run has {n} (mesh {att.dp.describe()}); "
+            f"each node's momentum follows its own data, so resume on the same mesh"
         )
     raise ValueError(
-        f"{where}: momentum of '{name}' is {got}; expected {rows}, row r being rank r's momentum "
-        f"(as state_dict() gives it){hint}"
+        f"{where} on rank {dist.get_rank()}: momentum of '{name}' is {got}; expected {rows} placed {placed}, row r "
+        f"being worker r's momentum (as state_dict() gives it on the mesh {att.dp.describe()}){hint}"
     )
+
+
+#: Where an HSDP state dict records its mesh (every parameter group of
+#: state_dict(), the top level of sharded_state_dict()).
+MESH_KEY = "lionbit_mesh"
+
+
+def _saved_mesh(att, d: dict):
+    """The mesh a state dict (or one of its groups) records: HSDP's own; a
+    1-D run's records none."""
+    saved = d.get(MESH_KEY)
+    if saved is None and att.replicas is not None:
+        return "a 1-D mesh (FSDP without HSDP), or an older lionbit"
+    return saved
+
+
+def _check_mesh(att, saved, where: str) -> None:
+    """The mesh a checkpoint was written on (None: not recorded) against this run's."""
+    if saved is not None and saved != att.dp.describe():
+        raise ValueError(
+            f"{where} on rank {dist.get_rank()}: the checkpoint was written on the mesh {saved}, this run shards "
+            f"over the mesh {att.dp.describe()}; each worker's momentum (one per rank on a 1-D mesh, one per node "
+            f"under HSDP) follows its own data, so resume on the same mesh"
+        )
 
 
 def _warn_unsure(att, names: list, where: str) -> None:
     if names:
         user_warning.warn(
-            f"{where} on rank {att.mesh.get_local_rank()}: the momentum of {len(names)} parameter(s) "
+            f"{where} on rank {dist.get_rank()}: the momentum of {len(names)} parameter(s) "
             f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) is one tensor of the parameter's shape, "
             f"not one per rank, so whose it is cannot be told: this rank continues from it. A per-rank file of "
             f"this rank resumes exactly; a checkpoint of single-process Lion, another rank's file, or a DCP "
@@ -542,7 +750,7 @@ def init_momentum(att) -> None:
     then reads the state. No collective runs and no parameter changes."""
     for p in att.managed:
         if p.requires_grad:
-            att.full_momentum(p)
+            att.momentum(p)
 
 
 def state_dict(att) -> dict:
@@ -567,6 +775,8 @@ def state_dict(att) -> dict:
     groups = []
     for g in opt.param_groups:
         packed = {k: v for k, v in g.items() if k != "params"}
+        if att.replicas is not None:  # HSDP: the mesh the rows belong to (a 1-D state dict stays as it was)
+            packed[MESH_KEY] = att.dp.describe()
         packed["params"] = [index.setdefault(id(p), len(index)) for p in g["params"]]
         groups.append(packed)
     state = {}
@@ -576,7 +786,7 @@ def state_dict(att) -> dict:
             if not st:
                 continue
             state[index[id(p)]] = {
-                k: (_rows(p, v) if k == "exp_avg" and p in att.managed else v) for k, v in st.items()
+                k: (_rows(att, p, v) if k == "exp_avg" and p in att.managed else v) for k, v in st.items()
             }
     sd = {"state": state, "param_groups": groups}
     for hook in torch_internals.state_dict_hooks(opt, "state_dict_post"):
@@ -614,11 +824,11 @@ def load_state_dict(att, state_dict: dict) -> None:
                 f"{len(mine['params'])} in this optimizer"
             )
         ids.update(zip(saved["params"], mine["params"]))
+        _check_mesh(att, _saved_mesh(att, saved), where)
     marker = sd.get("lionbit")  # optim.py's {"rank", "world_size"} of a per-rank state dict
-    mesh = att.mesh
     own_file = isinstance(marker, dict) and (marker.get("rank"), marker.get("world_size")) == (
-        mesh.get_local_rank(),
-        mesh.size(),
+        att.dp.row,
+        att.dp.rows,
     )
     unsure = []
     loaded = {}
@@ -648,7 +858,7 @@ def load_state_dict(att, state_dict: dict) -> None:
         st["exp_avg"] = old
     for mine, saved in zip(groups, saved_groups):
         for k, v in saved.items():
-            if k != "params":
+            if k not in ("params", MESH_KEY):
                 mine[k] = tuple(v) if k == "betas" else copy.deepcopy(v)
     for hook in torch_internals.state_dict_hooks(opt, "load_state_dict_post"):
         hook(opt)
@@ -666,9 +876,12 @@ def sharded_state_dict(att) -> dict:
     for p in att.managed:
         if not p.requires_grad:
             continue
-        momentum[att.fqns[p]] = _rows(p, att.full_momentum(p))
+        momentum[att.fqns[p]] = _rows(att, p, att.momentum(p))
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return {"momentum": momentum, "param_groups": hyper, "aggregation": opt.aggregation}
+    sd = {"momentum": momentum, "param_groups": hyper, "aggregation": opt.aggregation}
+    if att.replicas is not None:  # HSDP: the mesh the rows belong to (a 1-D state dict stays as it was)
+        sd[MESH_KEY] = att.dp.describe()
+    return sd
 
 
 def load_sharded_state_dict(att, sd: dict) -> None:
@@ -683,6 +896,7 @@ def load_sharded_state_dict(att, sd: dict) -> None:
         raise ValueError(
             f"{where}: the checkpoint has {len(groups)} parameter groups, this optimizer {len(opt.param_groups)}"
         )
+    _check_mesh(att, _saved_mesh(att, sd), where)
     by_name = {n: p for p, n in att.fqns.items()}
     rows, unsure = {}, []
     for name, value in sd["momentum"].items():
@@ -692,9 +906,10 @@ def load_sharded_state_dict(att, sd: dict) -> None:
         rows[p] = _own_row(att, p, value, name, where, unsure)
     _warn_unsure(att, unsure, where)
     for p, row in rows.items():
-        m = att.full_momentum(p)
+        m = att.momentum(p)
         if row.data_ptr() != m.data_ptr():
             m.copy_(row)
     for mine, saved in zip(opt.param_groups, groups):
         for k, v in saved.items():
-            mine[k] = tuple(v) if k == "betas" else v
+            if k != MESH_KEY:
+                mine[k] = tuple(v) if k == "betas" else v

@@ -561,7 +561,10 @@ def _units(att, opt, model):
         if strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
             raise NotImplementedError(
                 f"{_WHERE}: {label} uses sharding_strategy={strategy.name}; hybrid sharding is not supported "
-                f"(FULL_SHARD, SHARD_GRAD_OP and NO_SHARD are)"
+                f"by FSDP1 (torch's register_comm_hook refuses hybrid strategies). FULL_SHARD, SHARD_GRAD_OP and "
+                f"NO_SHARD are; for several nodes use FSDP2's fully_shard over a 2-D mesh, init_device_mesh("
+                f"device_type, (nodes, ranks_per_node), mesh_dim_names=('replicate', 'shard')): HSDP, each node one "
+                f"Distributed Lion worker (docs/fsdp.md, 'Several nodes: HSDP')"
             )
         hook = torch_internals.fsdp1_comm_hook(state)
         if hook is not None:

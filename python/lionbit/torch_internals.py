@@ -9,6 +9,16 @@ checks each against the installed torch through these functions (a failure
 names what torch changed and what of lionbit it breaks) and that no other
 module of lionbit uses a private name of torch.
 
+HSDP (FSDP2 on a 2-D mesh): FSDP reduce-scatters a unit's gradients over the
+shard group and then all-reduces them over the replicate group, both inside
+``foreach_reduce``, with no public switch for the second alone
+(``set_requires_all_reduce(False)`` also keeps the result out of ``p.grad``).
+lionbit's custom reduce-scatter of an HSDP unit says so
+(``LayoutLearner.skips_all_reduce``) and the one wrapper of ``foreach_reduce``
+passes that unit no all-reduce group: FSDP then runs its 1-D path over the
+shard group (its reduce-scatter, averaging, dtype, accumulation into
+``p.grad`` and post-accumulate-grad hooks all unchanged).
+
 Two generations of FSDP2 are known: torch >= 2.12 (a list of parameter groups
 per module and a per-group hook ``_prepare_reduce_scatter_inputs`` that returns
 the padded sizes) and torch 2.11 (one group per module, and the padded sizes
@@ -72,7 +82,8 @@ NAMES = (
     Name("FSDPParamGroup._prepare_reduce_scatter_inputs",
          "the padded sizes of each reduction: the reduce-scatter input's layout", ">=2.12"),
     Name("torch.distributed.fsdp._fully_shard._fsdp_param_group.foreach_reduce",
-         "wrapped: the padded sizes of each reduction", "2.11"),
+         "wrapped: on torch 2.11 the padded sizes of each reduction; on every torch, an HSDP unit of lionbit "
+         "reduces without FSDP's all-reduce over the replicate group (the replicas vote at step() instead)"),
     Name("torch.distributed.fsdp._fully_shard._fsdp_common._get_dim0_padded_size",
          "the padded sizes of each reduction, as FSDP computes them", "2.11"),
     Name("FSDPParamGroup._reduce_scatter_comm",
@@ -283,19 +294,25 @@ def fsdp2_orig_size(fsdp_param) -> torch.Size:
 
 class LayoutLearner:
     """A custom reduce-scatter that wants each reduction's layout first:
-    ``learn_layout(fsdp_params, padded_sizes)`` runs before FSDP calls it."""
+    ``learn_layout(fsdp_params, padded_sizes)`` runs before FSDP calls it.
+    ``skips_all_reduce``: an HSDP unit's, whose gradients FSDP must not
+    all-reduce over the replicate group after the reduce-scatter."""
+
+    skips_all_reduce = False
 
     def learn_layout(self, fsdp_params, sizes) -> None:
         raise NotImplementedError
 
 
 def fsdp2_learn_layouts(param_group, comm: LayoutLearner, where: str) -> Callable[[], None]:
-    """Has FSDP tell comm the layout of each reduction of the group. Returns the
-    function that undoes it (on torch 2.11 nothing to undo: one process-wide
-    wrapper, which passes other reduce-scatters through)."""
+    """Has FSDP tell comm the layout of each reduction of the group (and, for
+    a comm that ``skips_all_reduce``, reduce without the all-reduce). Returns
+    the function that undoes it (the process-wide wrapper of foreach_reduce
+    stays: it passes every other reduction through unchanged)."""
+    if comm.skips_all_reduce or generation() == "2.11":
+        _wrap_foreach_reduce(where, comm.skips_all_reduce)
     default = getattr(param_group, "_prepare_reduce_scatter_inputs", None)
-    if default is None:  # torch 2.11
-        _wrap_foreach_reduce(where)
+    if default is None:  # torch 2.11: the wrapper learns the layouts
         return lambda: None
 
     def prepare(fsdp_params, unsharded_grads, world_size):
@@ -311,28 +328,48 @@ def fsdp2_learn_layouts(param_group, comm: LayoutLearner, where: str) -> Callabl
     return undo
 
 
-def _wrap_foreach_reduce(where: str) -> None:
-    """torch 2.11: wraps FSDP's foreach_reduce (once per process) so that a
-    LayoutLearner learns the unit's layout before FSDP calls it: the FSDP
-    parameters with gradients, in order, and their dim-0 padded sizes (Shard(0)
-    only, which attach checks). Other reduce-scatters pass through."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module  # optional: torch 2.11 only
+def _wrap_foreach_reduce(where: str, skipping: bool) -> None:
+    """Wraps FSDP's foreach_reduce (once per process). For lionbit's
+    reduce-scatters (LayoutLearner) it (torch 2.11) tells the comm the unit's
+    layout before FSDP calls it: the FSDP parameters with gradients, in
+    order, and their dim-0 padded sizes (Shard(0) only, which attach
+    checks); and, for a comm that ``skips_all_reduce``, passes no all-reduce
+    group. Every other reduction passes through unchanged."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module  # FSDP2's parameter groups
 
     original = getattr(module, "foreach_reduce", None)
     if original is None:
         raise unsupported(where, "_fsdp_param_group.foreach_reduce")
     if getattr(original, "lionbit_wrapper", False):
+        if skipping and not original.lionbit_skips:
+            raise unsupported(where, "an all_reduce_group argument of _fsdp_param_group.foreach_reduce (HSDP)")
         return
-    from torch.distributed.fsdp._fully_shard._fsdp_common import _get_dim0_padded_size  # optional: torch 2.11 only
+    params = list(inspect.signature(original).parameters)
+    if skipping and (params[:5] != ["fsdp_params", "unsharded_grads", "reduce_scatter_group", "reduce_scatter_stream",
+                                    "reduce_scatter_comm"] or "all_reduce_group" not in params):
+        raise unsupported(where, f"_fsdp_param_group.foreach_reduce({', '.join(params)})")
+    at = params.index("all_reduce_group") if "all_reduce_group" in params else None
+    learn = generation() == "2.11"
+    if learn:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import _get_dim0_padded_size  # torch 2.11 only
 
     def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
                        reduce_scatter_comm, *args, **kwargs):
         if isinstance(reduce_scatter_comm, LayoutLearner):
-            n = reduce_scatter_group.size() if reduce_scatter_group is not None else 1
-            sizes = tuple(_get_dim0_padded_size(g.size(), n) for g in unsharded_grads)
-            reduce_scatter_comm.learn_layout(fsdp_params, sizes)
+            if learn:
+                n = reduce_scatter_group.size() if reduce_scatter_group is not None else 1
+                sizes = tuple(_get_dim0_padded_size(g.size(), n) for g in unsharded_grads)
+                reduce_scatter_comm.learn_layout(fsdp_params, sizes)
+            if reduce_scatter_comm.skips_all_reduce and at is not None:
+                if "all_reduce_group" in kwargs:
+                    kwargs["all_reduce_group"] = None
+                elif len(args) > at - 5:
+                    args = args[: at - 5] + (None,) + args[at - 4:]
         return original(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
                         reduce_scatter_comm, *args, **kwargs)
 
     foreach_reduce.lionbit_wrapper = True
+    foreach_reduce.lionbit_skips = at is not None
     module.foreach_reduce = foreach_reduce

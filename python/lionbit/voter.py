@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import lion_math
 from ._backend import backend_for
 from .errors import NonFiniteInput
-from .step_vote import NonFinite
+from .step_vote import NonFinite, nonfinite_ranks
 
 
 class Voter:
@@ -46,10 +46,14 @@ class Voter:
         ``shard_numel`` elements, chunk r at lion_math.shard_bit(r, shard_numel)."""
         return lion_math.planes(lion_math.shard_bit(shards, shard_numel), device, self.bits)
 
-    def sharded_vote(self, pieces, shard_numel: int, group, device, where: str, fused_for) -> torch.Tensor:
+    def sharded_vote(self, pieces, shard_numel: int, group, device, where: str, fused_for,
+                     replicated: bool = False) -> torch.Tensor:
         """The vote of directions laid out in N shards of ``shard_numel``
         elements (FSDP2's chunks, FSDP1's flat parameter), as a sign
-        reduce-scatter: this rank's shard of Delta. Each piece is
+        reduce-scatter: this rank's shard of Delta. ``replicated`` (HSDP):
+        the pieces are one shard only, which every rank of ``group`` holds
+        (the replicas of a shard), every span's r is 0, and a sign
+        all-reduce over ``group`` gives all of that shard's Delta. Each piece is
         (g, m, coefs, spans), one parameter's (or segment's) flat local
         gradient and momentum (only read) with its hyperparameters, and
         spans (r, start, length, at): elements [start, start + length) of g
@@ -57,7 +61,7 @@ class Voter:
         all its spans. Changes no state; raises step_vote.NonFinite naming
         the ranks that had a non-finite direction. ``fused_for(m, g)``:
         whether the fused kernels serve a pair."""
-        sign, zero = self.shard_planes(group.size(), shard_numel, device)
+        sign, zero = self.shard_planes(1 if replicated else group.size(), shard_numel, device)
         nans = 0
         for g, m, coefs, spans in pieces:
             parts = [
@@ -71,9 +75,15 @@ class Voter:
                 nans += lion_math.pack_direction(gp, mp, coefs, sign, zero, bit, fused_for(mp, gp))
         delta = torch.empty(shard_numel, dtype=self.delta_dtype, device=device)
         try:
-            self.reduce_scatter(sign, zero, shard_numel, nans, delta, group, where)
-        except NonFiniteInput as err:
-            raise NonFinite(err.ranks) from None
+            if replicated:
+                self.all_reduce(sign, zero, shard_numel, nans, delta, group, where).wait()
+            else:
+                self.reduce_scatter(sign, zero, shard_numel, nans, delta, group, where)
+        except (RuntimeError, ValueError) as err:
+            ranks = nonfinite_ranks(err)
+            if ranks is None:
+                raise
+            raise NonFinite(ranks) from None
         return delta
 
     def new_step(self) -> None:

@@ -492,7 +492,8 @@ COLLECTIVE_CASES = {
     "kind_mismatch": "collective differs across ranks",
 }
 ATTACH_CASES = {
-    "hsdp": "HSDP",
+    "replicate": "is not supported; supported: a 1-D FSDP mesh, or HSDP",
+    "hsdp_placement": "only (Replicate(), Shard(0)) (no shard_placement_fn) is supported",
     "offload": "CPUOffloadPolicy is not supported",
     "missing_param": "is not in this optimizer",
     "fp16_reduce": "not AVG",
@@ -541,11 +542,17 @@ def _error_case(rank, world_size, case):
             lionbit.all_reduce_sign(x)
         else:
             lionbit.reduce_scatter_sign(torch.zeros(64), x)
-    elif case == "hsdp":
+    elif case == "replicate":  # FSDP2's composable replicate(): refused, naming what works
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        model = replicate(_net())
+        lionbit.DistributedLion(model.parameters()).attach(model)
+    elif case == "hsdp_placement":  # HSDP (test_hsdp.py) with another shard placement
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard
 
         mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard"))
-        model = fully_shard(_net(), mesh=mesh)
+        model = fully_shard(_net(), mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.shape[-1] == 12 else None)
         lionbit.DistributedLion(model.parameters()).attach(model)
     elif case == "offload":
         from torch.distributed.fsdp import CPUOffloadPolicy

@@ -322,9 +322,19 @@ def probe(rank, world_size):
         return learned and restored
 
     for name in ("FSDPParamGroup._prepare_reduce_scatter_inputs",
-                 "torch.distributed.fsdp._fully_shard._fsdp_param_group.foreach_reduce",
                  "torch.distributed.fsdp._fully_shard._fsdp_common._get_dim0_padded_size"):
         check(name, learned_layouts)
+
+    def hsdp_reduces_without_all_reduce():
+        """HSDP on a 2 x 1 mesh: after backward each replica's p.grad is its own
+        gradient (FSDP ran no all-reduce over the replicate group); one step
+        later both replicas hold the same parameters."""
+        from test_hsdp import hsdp_probe
+
+        return hsdp_probe(rank, world_size)
+
+    check("torch.distributed.fsdp._fully_shard._fsdp_param_group.foreach_reduce",
+          lambda: learned_layouts() and hsdp_reduces_without_all_reduce())
     return out
 
 

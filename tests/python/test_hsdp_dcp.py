@@ -1,0 +1,144 @@
+"""DistributedLion on HSDP (2 nodes x 2 ranks) through checkpoints: each
+node's momentum, sharded over its ranks, saved and resumed bitwise through
+opt.sharded_state_dict() + dcp, torch's get/set_optimizer_state_dict + dcp,
+and a consolidated full_state_dict=True checkpoint; a change of mesh fails
+with an error naming both meshes.
+
+Each path trains K steps (the lr changed before the save), checkpoints,
+trains J more (parameters P1, momenta); then a model from another seed with
+another lr loads and trains J steps: parameters and every rank's momentum
+must equal P1's bitwise."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks, values
+from test_hsdp import LION, L, M, _config, _hsdp_model, _loss
+
+K, J = 3, 3
+MODES = ("plain", "sharded", "full")
+
+
+def _build(mesh, seed, lr=None):
+    import lionbit
+
+    model = _hsdp_model(mesh, _config(), seed)
+    opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
+    if lr is not None:
+        opt.param_groups[0]["lr"] = lr
+    return model, opt
+
+
+def _train(model, opt, rank, steps):
+    for step in steps:
+        if step == K - 1:
+            opt.param_groups[0]["lr"] = 0.005
+        _loss(model, rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _state(model, opt):
+    params = torch.cat([p.to_local().flatten() for p in model.parameters()])
+    momenta = torch.cat([opt.state[p]["exp_avg"].flatten() for p in model.parameters()])
+    return params.tolist(), momenta.tolist(), opt.param_groups[0]["lr"]
+
+
+def _save(model, opt, rank, mode, where):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    if mode == "plain":
+        dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=where)
+        return
+    options = StateDictOptions(full_state_dict=mode == "full", cpu_offload=mode == "full")
+    sd = {"model": get_model_state_dict(model, options=options), "optim": get_optimizer_state_dict(model, opt,
+                                                                                                  options=options)}
+    if mode == "sharded":
+        dcp.save(sd, checkpoint_id=where)
+        return
+    if rank == 0:
+        torch.save(sd, where + ".pt")
+    dist.barrier()
+
+
+def _load(model, opt, mode, where, broadcast=True):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if mode == "plain":
+        sd = {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
+        dcp.load(sd, checkpoint_id=where)
+        model.load_state_dict(sd["model"])
+        opt.load_sharded_state_dict(sd["optim"])
+        return
+    if mode == "sharded":
+        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(sd, checkpoint_id=where)
+        set_model_state_dict(model, sd["model"])
+        set_optimizer_state_dict(model, opt, sd["optim"])
+        return
+    if not broadcast:  # every rank reads the consolidated file; its momenta go to lionbit as they are
+        sd = torch.load(where + ".pt", weights_only=False)
+        set_optimizer_state_dict(model, opt, sd["optim"])
+        return
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    sd = torch.load(where + ".pt", weights_only=False) if dist.get_rank() == 0 else {"model": {}, "optim": {}}
+    set_model_state_dict(model, sd["model"], options=options)
+    set_optimizer_state_dict(model, opt, sd["optim"], options=options)
+
+
+def hsdp_checkpoints(rank, world_size, path):
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (M, L), mesh_dim_names=("replicate", "shard"))
+    other = init_device_mesh("cpu", (1, M * L), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for mode in MODES:
+        where = os.path.join(path, mode)
+        model, opt = _build(mesh, 0)
+        _train(model, opt, rank, range(K))
+        _save(model, opt, rank, mode, where)
+        _train(model, opt, rank, range(K, K + J))
+        uninterrupted = _state(model, opt)
+
+        model, opt = _build(mesh, 1, lr=0.123)  # other weights, other lr: all must come from the checkpoint
+        _load(model, opt, mode, where)
+        _train(model, opt, rank, range(K, K + J))
+        out[mode] = {"same": _state(model, opt) == uninterrupted, "momentum": uninterrupted[1][:8]}
+
+        model, opt = _build(other, 0)  # the mesh changed: 2x2 -> 1x4
+        try:
+            _load(model, opt, mode, where, broadcast=False)
+            out[mode]["mesh_change"] = "no error"
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported to the test
+            out[mode]["mesh_change"] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def test_hsdp_checkpoints_resume_bitwise_and_refuse_another_mesh(tmp_path):
+    res = values(run_ranks("test_hsdp_dcp:hsdp_checkpoints", M * L, kwargs=dict(path=str(tmp_path)), timeout=240))
+    for mode in MODES:
+        for rank, r in enumerate(res):
+            assert r[mode]["same"], (mode, rank)
+        # the nodes' momenta differ (their own data); the replicas' agree
+        assert res[0][mode]["momentum"] != res[L][mode]["momentum"]
+    for rank, r in enumerate(res):
+        # A consolidated checkpoint reaches lionbit, which names both meshes. Through dcp.load,
+        # DCP refuses first, naming the momentum's rows: one per worker (node), 2 saved, 1 now.
+        err = r["full"]["mesh_change"]
+        assert "written on the mesh 2x2 (replicate, shard), this run shards over the mesh 1x4 (replicate, shard)" \
+            in err, (rank, err)
+        for mode in ("plain", "sharded"):
+            err = r[mode]["mesh_change"]
+            assert "CheckpointException" in err and "Size mismatch between saved torch.Size([2, 37, 12]) and " \
+                "current: torch.Size([1, 37, 12]) for optim." in err, (mode, rank, err)
