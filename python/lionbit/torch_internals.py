@@ -25,6 +25,7 @@ the padded sizes) and torch 2.11 (one group per module, and the padded sizes
 computed inside ``_fsdp_param_group.foreach_reduce``, which lionbit wraps).
 """
 
+import inspect
 from typing import Callable, List, NamedTuple, Optional
 
 import torch
@@ -335,9 +336,7 @@ def _wrap_foreach_reduce(where: str, skipping: bool) -> None:
     order, and their dim-0 padded sizes (Shard(0) only, which attach
     checks); and, for a comm that ``skips_all_reduce``, passes no all-reduce
     group. Every other reduction passes through unchanged."""
-    import inspect
-
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module  # FSDP2's parameter groups
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module  # optional: FSDP2's, when attached
 
     original = getattr(module, "foreach_reduce", None)
     if original is None:
@@ -353,7 +352,7 @@ def _wrap_foreach_reduce(where: str, skipping: bool) -> None:
     at = params.index("all_reduce_group") if "all_reduce_group" in params else None
     learn = generation() == "2.11"
     if learn:
-        from torch.distributed.fsdp._fully_shard._fsdp_common import _get_dim0_padded_size  # torch 2.11 only
+        from torch.distributed.fsdp._fully_shard._fsdp_common import _get_dim0_padded_size  # optional: torch 2.11 only
 
     def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
                        reduce_scatter_comm, *args, **kwargs):
