@@ -5,13 +5,26 @@ so DistributedLion's step is its local work: the direction and its 1-bit pack,
 the sign all-reduce's own kernels (count / vote, unpack) on one rank's planes,
 the momentum update and the fused apply. The reference is Lion written with
 torch's foreach ops (the fastest plain-torch Lion: one kernel per op over all
-tensors), momentum in the parameters' dtype. Parameters: a stack of
-4096 x 10240 matrices (default ~1B parameters) in bf16, gradients random.
+tensors), momentum in the parameters' dtype. Two parameter lists, bf16,
+gradients random:
 
-    python bench/gpu_lion_step.py [--params 1e9] [--device cuda] [--json FILE]
+  stack        4096 x 10240 matrices (--params, default ~1B parameters)
+  gpt2-medium  a GPT-2-medium-shaped model's list (~355M parameters, 292
+               tensors: embeddings, per-layer qkv / proj / MLP matrices and
+               their biases, LayerNorm weights and biases)
+
+Beside each step it reports the list's memory-traffic floor (a fused Lion
+step reads parameter, gradient and momentum and writes parameter and
+momentum: 10 bytes per bf16 parameter, over this GPU's measured
+device-to-device copy bandwidth) and the kernel launches of one step (the
+profiler's device events; CUDA only).
+
+    python bench/gpu_lion_step.py [--lists stack,gpt2-medium] [--params 1e9] [--device cuda] [--json FILE]
 
 Prints one line per method: median ms per step over --steps timed steps
-(after 3 warm-ups), and the ratio to torch Lion. Goal: DistributedLion <= 1.0x.
+(after 3 warm-ups), the ratio to torch Lion and to the floor, launches per
+step. Goals: DistributedLion <= 1.0x torch Lion on both lists; stretch
+<= 1.5x the floor.
 """
 
 import argparse
@@ -68,9 +81,90 @@ def profile_step(step, device):
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
 
 
+def stack_shapes(params):
+    """4096 x 10240 matrices, as many as make ~params (256 x 1024 ones below one big matrix)."""
+    rows, cols = (4096, 10240) if params >= 4096 * 10240 else (256, 1024)
+    return [(rows, cols)] * max(1, round(params / (rows * cols)))
+
+
+def gpt2_medium_shapes(width=1024, layers=24, vocab=50257, context=1024):
+    """The parameter shapes of a GPT-2-medium-shaped model, in module order (the head tied to
+    the token embedding): 2 + 12 per layer + 2 tensors."""
+    shapes = [(vocab, width), (context, width)]
+    for _ in range(layers):
+        shapes += [(width,), (width,),                      # ln_1
+                   (3 * width, width), (3 * width,),        # attention qkv
+                   (width, width), (width,),                # attention proj
+                   (width,), (width,),                      # ln_2
+                   (4 * width, width), (4 * width,),        # MLP up
+                   (width, 4 * width), (width,)]            # MLP down
+    return shapes + [(width,), (width,)]                    # ln_f
+
+
+def copy_bandwidth(device, elements=256 << 20):
+    """Bytes read + written per second by a device-to-device copy of `elements` bf16."""
+    if device.type != "cuda":
+        elements = min(elements, 16 << 20)
+    src = torch.ones(elements, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src), device, 10)
+    return 2 * 2 * elements / (ms / 1e3)
+
+
+def launches(step, device):
+    """Device events (kernels, memcpys, memsets) of one step, from torch.profiler; None on CPU."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def run_list(name, shapes, device, steps, profile):
+    """The methods' ms per step and launches on one parameter list."""
+    dtype = torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = [torch.randn(s, device=device, dtype=dtype, generator=gen) * 0.02 for s in shapes]
+    grads = [torch.randn(s, device=device, dtype=dtype, generator=gen) for s in shapes]
+    n = sum(p.numel() for p in params)
+    lr, wd, betas = 1e-4, 0.1, (0.9, 0.99)
+    print(f"gpu_lion_step: {name}: {n / 1e9:.3f}B parameters in {len(shapes)} tensors (bf16) on {device}, "
+          f"lionbit kernels {lionbit.kernels(device)}", flush=True)
+    ms, launched = {}, {}
+    momenta = [torch.zeros_like(p) for p in params]
+    torch_step = lambda: lion_foreach(params, grads, momenta, lr, wd, *betas)  # noqa: E731
+    ms[TORCH] = timed(torch_step, device, steps)
+    launched[TORCH] = launches(torch_step, device)
+    momenta.clear()
+    for label, kwargs in (
+        ("DistributedLion (bf16 momentum)", {"momentum_dtype": torch.bfloat16}),
+        ("DistributedLion (fp32 momentum, default)", {}),
+        ("DistributedLion fused=False (bf16 momentum)", {"momentum_dtype": torch.bfloat16, "fused": False}),
+    ):
+        leaves = [torch.nn.Parameter(p) for p in params]
+        for leaf, g in zip(leaves, grads):
+            leaf.grad = g
+        opt = lionbit.DistributedLion(leaves, lr=lr, betas=betas, weight_decay=wd, **kwargs)
+        ms[label] = timed(opt.step, device, steps)
+        launched[label] = launches(opt.step, device)
+        if profile and label == "DistributedLion (bf16 momentum)":
+            profile_step(opt.step, device)
+        del opt, leaves
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return n, len(shapes), ms, launched
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--params", type=float, default=1e9, help="parameters in all (default 1e9)")
+    ap.add_argument("--lists", default="stack,gpt2-medium", help="parameter lists, comma-separated "
+                    "(stack, gpt2-medium; default both)")
+    ap.add_argument("--params", type=float, default=1e9, help="the stack's parameters in all (default 1e9)")
+    ap.add_argument("--gpt2-width", type=int, default=1024, help="gpt2-medium's width (smaller for a CPU run)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", help="write the figures here")
@@ -82,52 +176,41 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_lion_step: no CUDA device; nothing to measure")
         return 0
-    rows, cols = 4096, 10240
-    if args.params < rows * cols:
-        rows, cols = 256, 1024
-    count = max(1, round(args.params / (rows * cols)))
-    dtype = torch.bfloat16
-    gen = torch.Generator(device=device).manual_seed(0)
-    params = [torch.randn(rows, cols, device=device, dtype=dtype, generator=gen) * 0.02 for _ in range(count)]
-    grads = [torch.randn(rows, cols, device=device, dtype=dtype, generator=gen) for _ in range(count)]
-    n = count * rows * cols
-    lr, wd, betas = 1e-4, 0.1, (0.9, 0.99)
-    print(f"gpu_lion_step: {n / 1e9:.3f}B parameters ({count} x {rows}x{cols}, bf16) on {device}, "
-          f"lionbit kernels {lionbit.kernels(device)}")
+    makers = {"stack": lambda: stack_shapes(args.params),
+              "gpt2-medium": lambda: gpt2_medium_shapes(args.gpt2_width, vocab=50257 * args.gpt2_width // 1024)}
+    names = [n.strip() for n in args.lists.split(",") if n.strip()]
+    unknown = [n for n in names if n not in makers]
+    if unknown or not names:
+        ap.error(f"--lists: unknown list(s) {unknown}; choose from {sorted(makers)}")
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("lionbit", store=dist.HashStore(), rank=0, world_size=1)
-    results = {}
+    lists = {}
     try:
-        momenta = [torch.zeros_like(p) for p in params]
-        results[TORCH] = timed(lambda: lion_foreach(params, grads, momenta, lr, wd, *betas), device, args.steps)
-        momenta.clear()
-        for label, kwargs in (
-            ("DistributedLion (bf16 momentum)", {"momentum_dtype": torch.bfloat16}),
-            ("DistributedLion (fp32 momentum, default)", {}),
-            ("DistributedLion fused=False (bf16 momentum)", {"momentum_dtype": torch.bfloat16, "fused": False}),
-        ):
-            leaves = [torch.nn.Parameter(p) for p in params]
-            for leaf, g in zip(leaves, grads):
-                leaf.grad = g
-            opt = lionbit.DistributedLion(leaves, lr=lr, betas=betas, weight_decay=wd, **kwargs)
-            results[label] = timed(opt.step, device, args.steps)
-            if args.profile and label == "DistributedLion (bf16 momentum)":
-                profile_step(opt.step, device)
-            del opt, leaves
+        bandwidth = copy_bandwidth(device)
+        print(f"gpu_lion_step: device-to-device copy {bandwidth / 1e9:.0f} GB/s (read + written)")
+        for name in names:
+            n, tensors, ms, launched = run_list(name, makers[name](), device, args.steps, args.profile)
             if device.type == "cuda":
-                torch.cuda.empty_cache()
+                torch.cuda.empty_cache()  # the list's tensors are gone with run_list's frame
+            floor = 10 * n / bandwidth * 1e3
+            base = ms[TORCH]
+            print(f"{name}: floor {floor:.2f} ms (10 B/parameter at {bandwidth / 1e9:.0f} GB/s)")
+            print(f"{'method':46s} {'ms/step':>9s} {'x torch':>8s} {'x floor':>8s} {'launches':>9s}")
+            for label, t in ms.items():
+                print(f"{label:46s} {t:9.2f} {t / base:7.2f}x {t / floor:7.2f}x {launched[label] or '-':>9}")
+            lists[name] = {"params": n, "tensors": tensors, "ms_per_step": ms, "floor_ms": floor,
+                           "ratio_to_torch": {k: v / base for k, v in ms.items()},
+                           "ratio_to_floor": {k: v / floor for k, v in ms.items()},
+                           "launches_per_step": launched}
     finally:
         dist.destroy_process_group()
 
-    base = results[TORCH]
-    print(f"{'method':46s} {'ms/step':>9s} {'x torch':>8s}")
-    for label, ms in results.items():
-        print(f"{label:46s} {ms:9.2f} {ms / base:7.2f}x")
     if args.json:
+        first = lists[names[0]]  # the first list's figures also at the top (older readers)
         with open(args.json, "w") as f:
-            json.dump({"params": n, "device": str(device), "dtype": "bfloat16", "steps": args.steps,
-                       "ms_per_step": results, "ratio_to_torch": {k: v / base for k, v in results.items()},
+            json.dump({**first, "device": str(device), "dtype": "bfloat16", "steps": args.steps,
+                       "copy_GBps": bandwidth / 1e9, "lists": lists,
                        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
                       f, indent=1)
     return 0

@@ -11,7 +11,12 @@ gradients and must end bit for bit equal; so must DDP and FSDP2 (both vote
 on the same directions). Without a GPU only the CPU runs happen, and DDP is
 checked against FSDP2 on CPU.
 
-    python tools/gpu_equality.py [--devices cpu,cuda] [--json FILE]
+HSDP (FSDP2 on a 2-D (replicate, shard) mesh) runs on its own four ranks,
+2 nodes x 2 ranks ("vote" and "avg"; l1 is refused there): its CUDA run must
+equal its CPU run bit for bit (its CPU runs are checked against an
+independent reference in tests/python/test_hsdp.py).
+
+    python tools/gpu_equality.py [--devices cpu,cuda] [--no-hsdp] [--json FILE]
 """
 
 import argparse
@@ -26,8 +31,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD = 2
+HSDP_MESH = (2, 2)  # (replicate, shard): 2 nodes x 2 ranks
 STEPS = 12
 CONFIGS = (("vote", {}), ("avg", {}), ("l1:4", {"aggregation": "l1", "bits": 4}))
+HSDP_CONFIGS = CONFIGS[:2]
 
 
 def _free_port() -> int:
@@ -68,7 +75,10 @@ def _train(rank, kind, device, config):
         from torch.distributed.fsdp import fully_shard
 
         # FSDP2's default mesh is CUDA wherever there is a GPU: the CPU run names its device.
-        mesh = init_device_mesh(device.type, (WORLD,))
+        if kind == "hsdp":
+            mesh = init_device_mesh(device.type, HSDP_MESH, mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device.type, (WORLD,))
         fully_shard(model.first, mesh=mesh)
         wrapped = fully_shard(model, mesh=mesh)
     opt = lionbit.DistributedLion(wrapped.parameters(), lr=2**-10, weight_decay=0.5, **kwargs)
@@ -91,8 +101,8 @@ def _train(rank, kind, device, config):
     return flat.view(torch.int32).tolist()
 
 
-def _rank(rank, port, devices, results_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+def _rank(rank, port, devices, results_dir, world, kinds):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     if "cuda" in devices:
         os.environ["LIONBIT_CUDA_TRANSPORT"] = "gloo"
@@ -100,12 +110,12 @@ def _rank(rank, port, devices, results_dir):
         torch.cuda.set_device(0)
     import lionbit  # noqa: F401  (registers the backend)
 
-    dist.init_process_group("lionbit", rank=rank, world_size=WORLD)
+    dist.init_process_group("lionbit", rank=rank, world_size=world)
     out = {}
     try:
         for device in devices:
-            for kind in ("ddp", "fsdp2"):
-                for config in CONFIGS:
+            for kind in kinds:
+                for config in HSDP_CONFIGS if kind == "hsdp" else CONFIGS:
                     out[f"{device}/{kind}/{config[0]}"] = _train(rank, kind, torch.device(device), config)
     finally:
         dist.destroy_process_group()
@@ -116,12 +126,11 @@ def _rank(rank, port, devices, results_dir):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", default="cpu,cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--no-hsdp", action="store_true", help="leave out the four-rank HSDP runs")
     ap.add_argument("--json", help="write the verdicts here")
     args = ap.parse_args(argv)
     devices = args.devices.split(",")
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(_free_port(), devices, tmp), nprocs=WORLD, start_method="spawn")
-        runs = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(WORLD)]
+    runs = _launch(devices, WORLD, ("ddp", "fsdp2"))
     checks = {}
     for name, _ in CONFIGS:
         for device in devices:
@@ -135,6 +144,15 @@ def main(argv=None):
                     r[f"cuda/{kind}/{name}"] == r[f"cpu/{kind}/{name}"] for r in runs)
     moved = sum(a != b for a, b in zip(runs[0]["cpu/ddp/vote"], _initial()))
     checks["the runs moved the parameters"] = moved > 0
+    if not args.no_hsdp:
+        hsdp = _launch(devices, HSDP_MESH[0] * HSDP_MESH[1], ("hsdp",))
+        for name, _ in HSDP_CONFIGS:
+            for device in devices:
+                key = f"{device}/hsdp/{name}"
+                checks[f"{device} hsdp {name}: ranks agree"] = all(r[key] == hsdp[0][key] for r in hsdp)
+            if "cuda" in devices:
+                checks[f"hsdp {name}: cuda == cpu"] = all(r[f"cuda/hsdp/{name}"] == r[f"cpu/hsdp/{name}"] for r in hsdp)
+        checks["hsdp: the runs moved the parameters"] = hsdp[0]["cpu/hsdp/vote"] != _initial()
     for what, ok in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {what}")
     print(f"gpu_equality: {sum(checks.values())}/{len(checks)} checks hold on devices {','.join(devices)}")
@@ -142,6 +160,14 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"devices": devices, "checks": checks}, f, indent=1)
     return 0 if all(checks.values()) else 1
+
+
+def _launch(devices, world, kinds):
+    """Each rank's final parameters (as int32 bits) per "device/kind/config", from `world` spawned ranks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank, args=(_free_port(), devices, tmp, world, kinds), nprocs=world,
+                           start_method="spawn")
+        return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
 
 
 def _initial():

@@ -17,7 +17,7 @@ import pytest
 import lionbit
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-GPU_STEPS = ("ctest-gpu", "pytest-custom", "pytest-aten", "bench-kernels", "lion-step", "profile")
+GPU_STEPS = ("ctest-gpu", "pytest-custom", "pytest-aten", "bench-kernels", "lion-step", "train-step", "profile")
 
 
 def _has_gpu():
@@ -42,7 +42,7 @@ def test_gpu_check_cpu_mode(tmp_path):
     res = json.loads((tmp_path / "results.json").read_text())
     steps = {s["step"]: s for s in res["steps"]}
     assert list(steps) == ["build", "import", "ctest-gpu", "pytest-custom", "pytest-aten", "verdicts",
-                           "bench-kernels", "lion-step", "equality", "profile"]
+                           "bench-kernels", "lion-step", "train-step", "equality", "profile"]
     for name in GPU_STEPS:
         assert steps[name]["status"] == "skipped" and "no GPU" in steps[name]["figure"], steps[name]
     for name in ("build", "import", "verdicts", "equality"):
@@ -57,11 +57,16 @@ def test_gpu_check_cpu_mode(tmp_path):
     # The GPU-only scripts ran on CPU and wrote what the GPU run reads.
     lion = json.loads((tmp_path / "lion_step.json").read_text())
     assert lion["ms_per_step"]["DistributedLion (bf16 momentum)"] > 0
+    assert set(lion["lists"]) == {"stack", "gpt2-medium"} and lion["lists"]["gpt2-medium"]["tensors"] == 292
+    assert lion["lists"]["stack"]["floor_ms"] > 0
+    train = json.loads((tmp_path / "train_step.json").read_text())
+    assert set(train["results"]) == {"floor", "ddp", "fsdp2"}
+    assert checks["cpu hsdp vote: ranks agree"] and checks["hsdp: the runs moved the parameters"], checks
     assert (tmp_path / "ddp_step_cpu.txt").read_text().count("lionbit") >= 1
     assert (tmp_path / "ddp_step_cpu.trace.json.gz").stat().st_size > 0
     # The table comes last, one row per step.
     table = r.stdout.strip().splitlines()
-    assert table[-1].startswith("no GPU;") and sum(line.startswith("| ") for line in table[-14:]) == 12
+    assert table[-1].startswith("no GPU;") and sum(line.startswith("| ") for line in table[-15:]) == 13
 
 
 def test_extension_exports_no_libstdcxx():

@@ -1,0 +1,202 @@
+"""A training step with DistributedLion attached against the same step with no communication.
+
+One process, world size 1 on the "lionbit" backend (on CUDA: NCCL
+underneath), a GPT-2-small-shaped causal LM (12 layers, width 768, 12 heads,
+vocabulary 50257, ~124M parameters, head tied to the embedding) trained in
+bf16 autocast on random tokens. Three steps, each forward + backward +
+optimizer step:
+
+  floor   the bare model and Lion in torch's foreach ops: no communication,
+          no hook (what the same step costs on one GPU without lionbit)
+  ddp     DistributedDataParallel + DistributedLion attached (its comm hook
+          votes each bucket's signs)
+  fsdp2   fully_shard per block and at the root + DistributedLion attached
+
+Prints each step's median ms over --steps timed steps (after 3 warm-ups),
+its ratio to the floor (goal: <= 1.05x) and its device events (kernels,
+copies, memsets) per step from torch.profiler; --profile also prints the
+profiler's top operators of one DDP step.
+
+    python bench/gpu_train_step.py [--device cuda] [--batch 8] [--seq 1024] [--json FILE]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import lionbit
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        b, t, w = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, w))
+        return x + self.down(F.gelu(self.up(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, vocab, context, width, layers, heads):
+        super().__init__()
+        self.tok, self.pos = torch.nn.Embedding(vocab, width), torch.nn.Embedding(context, width)
+        self.blocks = torch.nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(width)
+
+    def forward(self, tokens):
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.tok.weight.t()
+
+
+@torch.no_grad()
+def lion_foreach(params, momenta, lr=1e-4, wd=0.1, b1=0.9, b2=0.99):
+    """Lion (Chen et al. 2023) in torch's foreach ops, momentum in the parameters' dtype."""
+    grads = [p.grad for p in params]
+    torch._foreach_mul_(params, 1.0 - lr * wd)
+    update = torch._foreach_mul(momenta, b1)
+    torch._foreach_add_(update, grads, alpha=1.0 - b1)
+    torch._foreach_sign_(update)
+    torch._foreach_add_(params, update, alpha=-lr)
+    torch._foreach_mul_(momenta, b2)
+    torch._foreach_add_(momenta, grads, alpha=1.0 - b2)
+
+
+def build(kind, shape, device):
+    """(model, step function) for one kind of step."""
+    torch.manual_seed(0)
+    model = GPT(**shape).to(device)
+    params = list(model.parameters())
+    if kind == "floor":
+        momenta = [torch.zeros_like(p) for p in params]
+        return model, lambda: lion_foreach(params, momenta)
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (1,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        model = fully_shard(model, mesh=mesh)
+    opt = lionbit.DistributedLion(model.parameters(), lr=1e-4, weight_decay=0.1).attach(model)
+    return model, opt.step
+
+
+def measure(kind, shape, device, batch, seq, steps, profile):
+    model, optimizer_step = build(kind, shape, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    tokens = torch.randint(0, shape["vocab"], (batch, seq + 1), device=device, generator=gen)
+    dtype = torch.bfloat16
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        with torch.autocast(device.type, dtype=dtype):
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, shape["vocab"]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer_step()
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        step()
+    sync()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    events, table = None, ""
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            sync()
+        events = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        if profile:
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=50)
+    params = sum(p.numel() for p in model.parameters())
+    return statistics.median(times), events, params, table
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=768, help="model width (smaller for a CPU run)")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--kinds", default="floor,ddp,fsdp2")
+    ap.add_argument("--profile", action="store_true", help="print the top operators of one DDP step")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_train_step: no CUDA device; nothing to measure")
+        return 0
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if "floor" not in kinds or set(kinds) - {"floor", "ddp", "fsdp2"}:
+        ap.error(f"--kinds: {args.kinds!r}: floor plus any of ddp, fsdp2")
+    if args.seq > 1024 or args.width % 12:
+        ap.error(f"--seq must be <= 1024 (got {args.seq}) and --width a multiple of 12 (got {args.width})")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    shape = dict(vocab=args.vocab, context=1024, width=args.width, layers=args.layers, heads=12)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("lionbit", store=dist.HashStore(), rank=0, world_size=1)
+    results = {}
+    try:
+        for kind in kinds:
+            ms, events, params, table = measure(kind, shape, device, args.batch, args.seq, args.steps,
+                                                args.profile and kind == "ddp")
+            results[kind] = {"ms_per_step": ms, "device_events_per_step": events}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the model is gone with measure's frame
+            print(f"gpu_train_step: {kind}: {ms:.2f} ms/step, {events if events is not None else '-'} device events "
+                  f"({params / 1e6:.1f}M parameters)", flush=True)
+            if table:
+                print(table)
+    finally:
+        dist.destroy_process_group()
+    floor = results["floor"]["ms_per_step"]
+    for fig in results.values():
+        fig["ratio_to_floor"] = fig["ms_per_step"] / floor
+    print(f"{'step':8s} {'ms/step':>9s} {'x floor':>8s} {'events':>7s}")
+    for kind, fig in results.items():
+        print(f"{kind:8s} {fig['ms_per_step']:9.2f} {fig['ratio_to_floor']:7.2f}x "
+              f"{fig['device_events_per_step'] if fig['device_events_per_step'] is not None else '-':>7}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "params": params, "batch": args.batch, "seq": args.seq,
+                       "steps": args.steps, "results": results,
+                       "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
+                      f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
