@@ -163,6 +163,8 @@ def main(argv=None):
     if args.seq > 1024 or args.width % 12:
         ap.error(f"--seq must be <= 1024 (got {args.seq}) and --width a multiple of 12 (got {args.width})")
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     shape = dict(vocab=args.vocab, context=1024, width=args.width, layers=args.layers, heads=12)
