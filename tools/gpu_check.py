@@ -44,6 +44,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,9 +110,10 @@ class Runner:
         step.seconds += time.monotonic() - t0
         return results
 
-    def step(self, name, what, min_s, fn):
-        step = Step(name, what)
-        self.steps.append(step)
+    def step(self, name, what, min_s, fn, step=None):
+        if step is None:
+            step = Step(name, what)
+            self.steps.append(step)
         print(f"gpu-check: {name} ({what}) ...", flush=True)
         if self.left() < min_s:
             step.figure = f"out of time ({self.left():.0f} s left of --budget)"
@@ -122,6 +124,17 @@ class Runner:
             step.status, step.figure = "failed", f"gpu_check error: {type(err).__name__}: {err}"
         print(f"gpu-check: {name}: {step.status} {step.figure} ({step.seconds:.0f} s)", flush=True)
         return step
+
+    def steps_side_by_side(self, specs):
+        """Runs the steps (name, what, min_s, fn) at the same time, each in a thread; the table keeps
+        their order. For steps that time nothing (a CPU run): their processes share the cores."""
+        made = [Step(name, what) for name, what, _, _ in specs]
+        self.steps += made
+        threads = [threading.Thread(target=self.step, args=(*spec, step)) for spec, step in zip(specs, made)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
 
 def _gpu():
@@ -442,12 +455,17 @@ def main(argv=None):
     r.step("ctest-gpu", "GPU kernels vs CPU kernels", 20, ctest)
     r.step("pytest-custom", "pytest -m gpu, LIONBIT_KERNELS=custom and aten side by side", 60, pytest("custom", 270))
     r.step("pytest-aten", "pytest -m gpu, LIONBIT_KERNELS=aten", 0, pytest("aten", 270))
-    r.step("verdicts", "first-use self-check, every custom kernel", 10, verdicts)
-    r.step("bench-kernels", "kernels vs D2D copy, 16M / 256M", 20, bench_kernels)
-    r.step("lion-step", "DistributedLion vs torch Lion, 1B bf16", 30, lion_step)
-    r.step("train-step", "DDP / FSDP2 + DistributedLion vs no communication, GPT-2-small", 30, train_step)
-    r.step("equality", "DDP / FSDP2 / HSDP on CUDA == on CPU", 30, equality)
-    r.step("profile", "torch.profiler, one DDP step", 20, profile)
+    rest = [("verdicts", "first-use self-check, every custom kernel", 10, verdicts),
+            ("bench-kernels", "kernels vs D2D copy, 16M / 256M", 20, bench_kernels),
+            ("lion-step", "DistributedLion vs torch Lion, 1B bf16", 30, lion_step),
+            ("train-step", "DDP / FSDP2 + DistributedLion vs no communication, GPT-2-small", 30, train_step),
+            ("equality", "DDP / FSDP2 / HSDP on CUDA == on CPU", 30, equality),
+            ("profile", "torch.profiler, one DDP step", 20, profile)]
+    if gpu:  # one at a time: the benchmarks' timings must not share the machine
+        for spec in rest:
+            r.step(*spec)
+    else:  # nothing is timed: the scripts' CPU runs go side by side
+        r.steps_side_by_side(rest)
 
     total = time.monotonic() - r.start
     result = {"gpu": gpu, "python": py, "nvcc": nvcc, "seconds": round(total, 1),

@@ -53,25 +53,40 @@ def test_ddp_without_hook_matches_gloo_bit_for_bit(world_size):
 TORCHRUN_WORKER = os.path.join(HERE, "torchrun_worker.py")
 
 
-def _torchrun(nproc, *args, env=None):
+LAUNCHES = {"autoload": ("lionbit", False), "import": ("lionbit", True), "cpu-device-spec": ("cpu:lionbit", True)}
+
+
+@pytest.fixture(scope="module")
+def launched():
+    """The three torchrun launches, started together (each mostly waits on its ranks' start):
+    id -> (returncode, stdout, stderr)."""
     penv = dict(os.environ)
     penv.pop("LOCAL_WORLD_SIZE", None)
-    penv.update(env or {})
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--standalone", f"--nproc-per-node={nproc}", TORCHRUN_WORKER, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=penv)
+    procs = {
+        name: subprocess.Popen([torchrun, "--standalone", "--nproc-per-node=2", TORCHRUN_WORKER, spec,
+                                "import" if import_first else "noimport"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=penv)
+        for name, (spec, import_first) in LAUNCHES.items()
+    }
+    done = {}
+    try:
+        for name, p in procs.items():
+            out, err = p.communicate(timeout=180)
+            done[name] = (p.returncode, out, err)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    return done
 
 
-@pytest.mark.parametrize(
-    "spec,import_first",
-    [("lionbit", False), ("lionbit", True), ("cpu:lionbit", True)],
-    ids=["autoload", "import", "cpu-device-spec"],
-)
-def test_init_process_group_under_torchrun(spec, import_first):
-    r = _torchrun(2, spec, "import" if import_first else "noimport")
-    assert r.returncode == 0, r.stdout + r.stderr
+@pytest.mark.parametrize("name", list(LAUNCHES))
+def test_init_process_group_under_torchrun(launched, name):
+    rc, out, err = launched[name]
+    assert rc == 0, out + err
     # Both ranks print to one pipe; their lines may interleave.
-    assert sorted(re.findall(r"OK rank (\d) backend (?:cpu:)?lionbit", r.stdout)) == ["0", "1"], r.stdout + r.stderr
+    assert sorted(re.findall(r"OK rank (\d) backend (?:cpu:)?lionbit", out)) == ["0", "1"], out + err
 
 
 def test_a_broken_lionbit_never_breaks_import_torch():
@@ -120,7 +135,15 @@ def test_exit_without_destroy_process_group_is_clean():
         penv = dict(os.environ)
         penv.pop("LOCAL_WORLD_SIZE", None)
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        for attempt in range(6):
-            r = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", script],
-                               capture_output=True, text=True, timeout=120, env=penv)
-            assert r.returncode == 0 and "terminate called" not in r.stderr, (attempt, r.stdout + r.stderr)
+        # Six launches, two at a time (each mostly waits on its ranks' start).
+        for pair in range(3):
+            runs = [subprocess.Popen([torchrun, "--standalone", "--nproc-per-node=2", script], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=penv) for _ in range(2)]
+            for i, p in enumerate(runs):
+                try:
+                    out, err = p.communicate(timeout=120)
+                except subprocess.TimeoutExpired:
+                    for q in runs:
+                        q.kill()
+                    raise AssertionError(f"launch {2 * pair + i}: torchrun did not end within 120 s") from None
+                assert p.returncode == 0 and "terminate called" not in err, (2 * pair + i, out + err)
