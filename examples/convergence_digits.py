@@ -38,6 +38,8 @@ import time
 import torch
 import torch.distributed as dist
 from sklearn.datasets import load_digits
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lionbit
@@ -67,6 +69,8 @@ VARIANTS = {
     "vote_ms100": dict(aggregation="vote", momentum_sync=100),
     "vote_nv": dict(aggregation="vote", hierarchy="node_vote"),
     "vote_alt_nv": dict(aggregation="vote", tie_break="alternate", hierarchy="node_vote"),
+    # HSDP: FSDP2 over a 2-D (replicate, shard) mesh of nodes of --per-node ranks; each node one worker
+    "vote_hsdp": dict(aggregation="vote", hsdp=True),
     "lion": None,
     "adamw": None,
 }
@@ -283,6 +287,14 @@ def spread(values):
                 min=min(values), max=max(values), n=len(values))
 
 
+def hsdp(net, world, per_node):
+    """net sharded by FSDP2 over a 2-D (replicate, shard) mesh: nodes of `per_node` consecutive ranks."""
+    if not per_node or world % per_node:
+        raise SystemExit(f"the HSDP variants need --per-node dividing N = {world} (got {per_node})")
+    mesh = init_device_mesh("cpu", (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+    return fully_shard(net, mesh=mesh)
+
+
 def run_levers(task, names, seeds, json_path=None, per_node=None):
     """Run every variant in `names` for every seed on `task`; rank 0 prints a
     table and writes the JSON. The distributed variants run one after another
@@ -309,14 +321,17 @@ def run_levers(task, names, seeds, json_path=None, per_node=None):
     for seed in seeds:
         for v in distributed:
             net = task.model(seed)
-            ddp = DDP(net)
-            extra = dict(topology=topology) if topology and "hierarchy" in VARIANTS[v] else {}
-            opt = lionbit.DistributedLion(net.parameters(), **task.lion, **VARIANTS[v], **extra).attach(ddp)
-            before = sent_counters(lionbit.stats())
+            kwargs = dict(VARIANTS[v])
+            wrapped = hsdp(net, world, per_node) if kwargs.pop("hsdp", False) else DDP(net)
+            extra = dict(topology=topology) if topology and "hierarchy" in kwargs else {}
+            opt = lionbit.DistributedLion(net.parameters(), **task.lion, **kwargs, **extra).attach(wrapped)
+            # HSDP votes over the replicate group: its lionbit backend counts the bytes
+            group = next(net.parameters()).device_mesh.get_group("replicate") if wrapped is net else None
+            before = sent_counters(lionbit.stats(group))
             t0 = time.perf_counter()
-            steps = task.train(ddp, opt, seed, rank, world)
+            steps = task.train(wrapped, opt, seed, rank, world)
             seconds = time.perf_counter() - t0
-            after = sent_counters(lionbit.stats())
+            after = sent_counters(lionbit.stats(group))
             counters = [None] * world
             dist.all_gather_object(counters, {k: after[k] - before.get(k, 0) for k in after})
             result = task.evaluate(net, rank, world)  # on every rank: a task may share the work out
@@ -328,7 +343,7 @@ def run_levers(task, names, seeds, json_path=None, per_node=None):
                                            bytes_per_step=statistics.fmean(per_rank),
                                            bytes_per_step_max_rank=max(per_rank),
                                            bytes_per_step_by_key=by_key)))
-            del net, ddp, opt
+            del net, wrapped, opt
     jobs = [(v, seed) for seed in seeds for v in names if VARIANTS[v] is None]
     for v, seed in jobs[rank::world]:
         net = task.model(seed)
@@ -426,7 +441,8 @@ def main():
                         help=f"the levers experiment: a comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--batch", type=int, default=None, help=f"global batch (with --variants; default {BATCH})")
     parser.add_argument("--per-node", type=int, default=None,
-                        help="with --variants: the hierarchy variants (vote_nv, ...) see nodes of this many ranks")
+                        help="with --variants: the hierarchy variants (vote_nv, ...) see nodes of this many "
+                             "ranks; the HSDP variant (vote_hsdp) shards over a (nodes, this) mesh")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"steps (with --variants; default {EPOCHS} epochs' worth)")
     parser.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
