@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -293,3 +294,27 @@ def test_cli_hsdp_table_and_json():
     assert [m["label"] for m in doc["methods"]] == LABELS
     assert "hsdp" not in json.loads(run_cli(*EXAMPLE, "--json").stdout)
 
+
+def test_cost_model_doc_hsdp_table_is_what_its_commands_print():
+    """docs/cost-model.md's HSDP table: each row's figures from the command in its last cell."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cost-model.md").read_text()
+    rows = [line for line in doc.split("\n## HSDP", 1)[1].splitlines() if line.startswith("|") and "--hsdp`" in line]
+    assert len(rows) == 12
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        args = estimate.parser().parse_args(cells[-1].strip("`").split()[3:])
+        assert args.hsdp
+        c = estimate.Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, inter_bytes_per_s=args.inter)
+        lion, _, bf16 = estimate.estimate_hsdp(args.params, c, f=estimate.fsdp_config(args))
+        figures = [
+            f"{lion.inter_bytes_per_node / 1e9:.3f}",
+            f"{bf16.inter_bytes_per_node / 1e9:.3f}",
+            f"{lion.cross_node_s * 1e3:,.1f}",
+            f"{bf16.cross_node_s * 1e3:,.1f}",
+            f"{lion.time_s * 1e3:,.1f}",
+            f"{bf16.time_s * 1e3:,.1f}",
+            f"{bf16.time_s / lion.time_s:.1f}x",
+        ]
+        assert cells[:3] == [estimate.count_label(args.params), estimate.rate_label(args.inter),
+                             f"{args.nodes} ({c.ranks})"], row
+        assert cells[3:-1] == figures, row
