@@ -74,6 +74,24 @@ Bytes per step of d parameters (b = ceil(log2(2L + 1)), the bits of a count in -
     all L of them, 2 (M-1)/M e d: from a few nodes on, about the flat ring's
     2 (N-1)/N e d. It saves latency (2 (M-1) inter-node steps, not 2 (N-1)).
 
+HSDP (--hsdp; estimate_hsdp, never recommended over the methods above: every rank holds
+1/L of the parameters, gradient and optimizer state, another memory regime). FSDP2 shards
+inside the node and replicates across nodes; each node is one replica. Inside the node,
+counted alike for every HSDP row: FSDP's ring all-gather of the parameters (p bytes an
+element, twice under reshard_after_forward: forward and backward) and its ring
+reduce-scatter of the gradients (r bytes), each (L-1)/L d elements a GPU. Between nodes each
+rank exchanges its d/L shard with the M ranks holding the same shard, the node's L ranks at
+once over its link:
+
+    method                      between nodes, bytes per rank       steps a unit   optimizer state
+    HSDP + DistributedLion      sign_wire over M of d/L elements    2M - 1         momentum, d/L
+                                (about 2 (M-1)/M (d/L)/8 + 72 (M-1))
+    HSDP + AdamW, e bytes       2 (M-1)/M e d/L (a ring)            2 (M-1)        2 d/L fp32
+
+so DistributedLion sends 1/32 of the fp32 all-reduce's bytes between nodes, 1/16 of bf16's.
+Each fully_shard unit pays its collectives' steps again (--fsdp-units). Left out: FSDP's
+overlap of its collectives with compute, the optimizer update itself, the all-gathers' copies.
+
 Kernels (GPU memory traffic / an assumed rate): pack reads 4 bytes (the fp32
 direction) and writes 1 bit per element, unpack reads 1 bit and writes 4 bytes
 (streaming kernels); counting reads and writes its bit-planes (a count kernel);
@@ -99,7 +117,7 @@ import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 # --- assumptions: stated, not measured -----------------------------------------------
 GPU_MEMORY_BYTES_PER_S = 3.35e12  # H100 SXM HBM3, the vendor's figure
@@ -120,6 +138,12 @@ METHODS = (
     ("ring_bf16", "bf16 ring all-reduce", True, "NCCL"),
     ("hierarchical_fp32", "fp32 hierarchical all-reduce", True, "NCCL"),
     ("hierarchical_bf16", "bf16 hierarchical all-reduce", True, "NCCL"),
+)
+HSDP_METHODS = (
+    # FSDP2 on a (replicate, shard) mesh: a different memory regime, never recommended over METHODS
+    ("hsdp_lion", "HSDP + DistributedLion", True, "lionbit on FSDP2 HSDP"),
+    ("hsdp_adamw_fp32", "HSDP + AdamW (fp32 all-reduce)", True, "FSDP2 HSDP (NCCL)"),
+    ("hsdp_adamw_bf16", "HSDP + AdamW (bf16 all-reduce)", True, "FSDP2 HSDP (NCCL)"),
 )
 
 
@@ -393,6 +417,33 @@ class Estimate:
     phases: list = field(default_factory=list)
 
 
+@dataclass
+class HsdpEstimate(Estimate):
+    """An HSDP method's step: FSDP's traffic inside the node and the replicas' exchange
+    between nodes (an Estimate, and these), and its memory per rank."""
+
+    inter_bytes_per_rank: float = 0.0  # what one rank sends to other nodes (its shard's exchange)
+    cross_node_s: float = 0.0  # the exchange between nodes alone: latency + bandwidth
+    fsdp_intra_bytes_per_gpu: float = 0.0  # FSDP's all-gathers and reduce-scatter (the same in every row)
+    optimizer_state_bytes_per_rank: float = 0.0
+    memory_bytes_per_rank: float = 0.0  # parameters + gradient + optimizer state (docs/fsdp.md's table)
+
+
+@dataclass(frozen=True)
+class Fsdp:
+    """How FSDP2 runs inside the node (the same for every HSDP method): the bytes of an
+    element its all-gather of parameters sends (MixedPrecisionPolicy.param_dtype) and its
+    reduce-scatter of gradients sends (reduce_dtype), whether the backward all-gathers the
+    parameters again (reshard_after_forward), the units (each a collective of its own,
+    paying its steps), and DistributedLion's momentum element."""
+
+    param_bytes: int = 4
+    reduce_bytes: int = 4
+    reshard_after_forward: bool = True
+    units: int = 1
+    momentum_bytes: int = 4
+
+
 def count_bits(gpus_per_node: int) -> int:
     """Bits of a node's exact count of L signs, -L..L: ceil(log2(2L + 1))."""
     return math.ceil(math.log2(2 * gpus_per_node + 1))
@@ -403,10 +454,23 @@ def steps_if(k: int) -> int:
     return 1 if k > 1 else 0
 
 
+def phase_time(p: Phase, c: Cluster) -> float:
+    """One phase alone: its latency and its slower link's bandwidth term."""
+    latency = p.inter_steps * c.inter_latency_s + p.intra_steps * c.intra_latency_s + p.messages * c.message_overhead_s
+    return latency + max(p.inter_bytes / c.inter_bytes_per_s, p.intra_bytes / c.intra_bytes_per_s)
+
+
 def combine(
-    method: str, c: Cluster, phases: list, stream_bytes: float, count_bytes: float, k: Kernels | None
+    method: str,
+    c: Cluster,
+    phases: list,
+    stream_bytes: float,
+    count_bytes: float,
+    k: Kernels | None,
+    hsdp: dict | None = None,
 ) -> Estimate:
-    """Adds the phases (each bounded by its slower link) and the kernels."""
+    """Adds the phases (each bounded by its slower link) and the kernels; with `hsdp`
+    (HsdpEstimate's own fields), an HsdpEstimate."""
     k = k or Kernels()
     latency = inter = intra = 0.0
     for p in phases:
@@ -424,8 +488,8 @@ def combine(
         "intra-node bandwidth": intra,
         "kernels": kern,
     }
-    name, label, exact, source = next(m for m in METHODS if m[0] == method)
-    return Estimate(
+    name, label, exact, source = next(m for m in METHODS + HSDP_METHODS if m[0] == method)
+    return (Estimate if hsdp is None else HsdpEstimate)(
         method=name,
         label=label,
         exact=exact,
@@ -439,6 +503,7 @@ def combine(
         intra_bytes_per_gpu=sum(p.intra_bytes for p in phases),
         bound=max(terms, key=terms.get),
         phases=[p.name for p in phases],
+        **(hsdp or {}),
     )
 
 
@@ -569,6 +634,115 @@ def hierarchical_allreduce(d: float, c: Cluster, elem_bytes: int = 4, k: Kernels
     return combine(method, c, phases, reduce + cast_bytes(d, elem_bytes), 0.0, k)
 
 
+# --- HSDP: FSDP2 on a (replicate, shard) mesh, a node one replica -----------------------
+
+
+def fsdp_phases(d: float, c: Cluster, f: Fsdp) -> tuple:
+    """FSDP's own traffic inside the node, counted alike for every HSDP method: a ring
+    all-gather of the parameters for the forward (and again for the backward under
+    reshard_after_forward) and a ring reduce-scatter of the gradients, each (L-1)/L of d
+    elements a GPU sends, L-1 steps a unit. Returns the phases and the kernels' bytes
+    (the reduce-scatter's reduction: read two, write one; the all-gathers' copies left out)."""
+    lpn = c.gpus_per_node
+    gather = Phase(
+        "FSDP all-gather of the parameters inside the node (forward)",
+        intra_bytes=(lpn - 1) / lpn * f.param_bytes * d,
+        intra_steps=(lpn - 1) * f.units,
+    )
+    phases = [gather]
+    if f.reshard_after_forward:
+        phases.append(replace(gather, name=gather.name.replace("forward", "backward")))
+    phases.append(
+        Phase(
+            "FSDP reduce-scatter of the gradients inside the node",
+            intra_bytes=(lpn - 1) / lpn * f.reduce_bytes * d,
+            intra_steps=(lpn - 1) * f.units,
+        )
+    )
+    return phases, (lpn - 1) / lpn * d * 3 * f.reduce_bytes
+
+
+def hsdp_memory(d: float, c: Cluster, state_bytes: float) -> dict:
+    """Bytes per rank: fp32 parameters and FSDP's fp32 sharded gradient, 4 d/L each, and the
+    optimizer state (docs/fsdp.md's memory table; activations and the unsharded parameters
+    of the unit being run left out)."""
+    part = d / c.gpus_per_node
+    return {"optimizer_state_bytes_per_rank": state_bytes, "memory_bytes_per_rank": 8 * part + state_bytes}
+
+
+def hsdp_lion(d: float, c: Cluster, k: Kernels | None = None, f: Fsdp | None = None) -> HsdpEstimate:
+    """HSDP + DistributedLion: each rank packs the Lion direction of its d/L shard and
+    votes it with the M ranks holding the same shard (lionbit's sign all-reduce over the
+    replicate group, a unit at a time, its bytes and steps as sign_wire states them: GPU
+    chunks, no ties); the node's L ranks do so at once, sharing its link. One node: plain
+    Lion on FSDP, nothing between nodes."""
+    f = f or Fsdp()
+    m, lpn = c.nodes, c.gpus_per_node
+    part = d / lpn
+    phases, stream = fsdp_phases(d, c, f)
+    per_rank, count, cross_s = 0.0, 0.0, 0.0
+    if m > 1:
+        unit = int(math.ceil(part / f.units))
+        wire = sign_wire("vote", m, unit, gpu=True)
+        per_rank = f.units * wire["bytes"]
+        shard = sum(mult * sw * 8 for _, mult, sw in wire["shards"])
+        cross = Phase(
+            "sign all-reduce of each rank's shard across nodes (replicate group)",
+            inter_bytes=lpn * per_rank,
+            inter_steps=f.units * wire["steps"],
+            messages=f.units * wire["chunks"] * (m - 1) if m > 2 else 0,
+        )
+        phases.append(cross)
+        cross_s = phase_time(cross, c)
+        stream += lionbit_kernel_bytes(part)
+        count = 2 * part / 8 if m == 2 else part / 8 + f.units * shard
+    memory = hsdp_memory(d, c, f.momentum_bytes * part)
+    extra = {"inter_bytes_per_rank": per_rank, "cross_node_s": cross_s, **memory}
+    extra["fsdp_intra_bytes_per_gpu"] = sum(p.intra_bytes for p in phases)
+    return combine("hsdp_lion", c, phases, stream, count, k, extra)
+
+
+def hsdp_adamw(
+    d: float, c: Cluster, elem_bytes: int = 4, k: Kernels | None = None, f: Fsdp | None = None
+) -> HsdpEstimate:
+    """HSDP + AdamW (or Lion) as FSDP2 runs it: after the reduce-scatter inside the node,
+    each rank all-reduces its d/L shard of the gradient with the M ranks holding the same
+    shard, a ring of elem_bytes elements (2 (M-1)/M e d/L bytes, 2 (M-1) steps a unit);
+    the node's L ranks share its link. A gradient of another dtype than the reduce-scatter's
+    is cast to elem_bytes and back (streaming). AdamW's state: 2 fp32 elements a parameter."""
+    f = f or Fsdp()
+    m, lpn = c.nodes, c.gpus_per_node
+    part = d / lpn
+    phases, stream = fsdp_phases(d, c, f)
+    per_rank, cross_s = 0.0, 0.0
+    if m > 1:
+        wire = ring_wire(m, part, elem_bytes)
+        per_rank = wire["bytes"]
+        cross = Phase(
+            f"ring all-reduce of each rank's shard across nodes ({'fp32' if elem_bytes == 4 else 'bf16'})",
+            inter_bytes=lpn * per_rank,
+            inter_steps=f.units * wire["steps"],
+        )
+        phases.append(cross)
+        cross_s = phase_time(cross, c)
+        stream += wire["reduced_elems"] * 3 * elem_bytes
+        if elem_bytes != f.reduce_bytes:
+            stream += 2 * (f.reduce_bytes + elem_bytes) * part
+    memory = hsdp_memory(d, c, 8 * part)
+    extra = {"inter_bytes_per_rank": per_rank, "cross_node_s": cross_s, **memory}
+    extra["fsdp_intra_bytes_per_gpu"] = sum(p.intra_bytes for p in phases)
+    method = "hsdp_adamw_fp32" if elem_bytes == 4 else "hsdp_adamw_bf16"
+    return combine(method, c, phases, stream, 0.0, k, extra)
+
+
+def estimate_hsdp(d: float, c: Cluster, k: Kernels | None = None, f: Fsdp | None = None) -> list:
+    """Every method of HSDP_METHODS, in its order: the same model sharded over each node's
+    L GPUs, replicated over the M nodes. A different memory regime from estimate_all's
+    (every rank holds 1/L of the parameters, gradient and state): compare them with each
+    other; recommend() never picks one."""
+    return [hsdp_lion(d, c, k, f), hsdp_adamw(d, c, 4, k, f), hsdp_adamw(d, c, 2, k, f)]
+
+
 def estimate_all(d: float, c: Cluster, k: Kernels | None = None) -> list:
     """Every method of METHODS, in its order."""
     return [
@@ -583,8 +757,9 @@ def estimate_all(d: float, c: Cluster, k: Kernels | None = None) -> list:
 
 
 def recommend(estimates: list) -> Estimate:
-    """The fastest exact method. The node vote is approximate: never recommended."""
-    return min((e for e in estimates if e.exact), key=lambda e: e.time_s)
+    """The fastest exact method. The node vote is approximate: never recommended; nor is an
+    HSDP method (estimate_hsdp), another memory regime than the replicated methods."""
+    return min((e for e in estimates if e.exact and not isinstance(e, HsdpEstimate)), key=lambda e: e.time_s)
 
 
 # --- input ----------------------------------------------------------------------------
@@ -715,7 +890,51 @@ def parser() -> argparse.ArgumentParser:
         help=f"latency of a step inside a node (default {INTRA_LATENCY_S * 1e6:g})",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    h = p.add_argument_group(
+        "HSDP", "FSDP2 sharding inside each node, replicas across nodes (a table of its own; see docs/fsdp.md)"
+    )
+    h.add_argument(
+        "--hsdp",
+        action="store_true",
+        help="also model HSDP + DistributedLion and HSDP + AdamW (fp32, bf16 all-reduce across nodes)",
+    )
+    dtypes = {"fp32": 4, "bf16": 2}
+    h.add_argument(
+        "--fsdp-param-dtype",
+        default="fp32",
+        choices=dtypes,
+        help="dtype of FSDP's all-gather of parameters inside the node (MixedPrecisionPolicy param_dtype; fp32)",
+    )
+    h.add_argument(
+        "--fsdp-reduce-dtype",
+        default="fp32",
+        choices=dtypes,
+        help="dtype of FSDP's reduce-scatter of gradients inside the node (reduce_dtype; fp32)",
+    )
+    h.add_argument(
+        "--no-reshard-after-forward",
+        action="store_true",
+        help="FSDP keeps the parameters gathered from forward to backward: one all-gather a step, not two",
+    )
+    h.add_argument(
+        "--fsdp-units",
+        default=1,
+        type=arg_type(positive_int),
+        help="fully_shard units, each its own collectives and their latency (default 1)",
+    )
+    h.add_argument("--momentum-dtype", default="fp32", choices=dtypes, help="DistributedLion's momentum (fp32)")
     return p
+
+
+def fsdp_config(a: argparse.Namespace) -> Fsdp:
+    dtypes = {"fp32": 4, "bf16": 2}
+    return Fsdp(
+        param_bytes=dtypes[a.fsdp_param_dtype],
+        reduce_bytes=dtypes[a.fsdp_reduce_dtype],
+        reshard_after_forward=not a.no_reshard_after_forward,
+        units=a.fsdp_units,
+        momentum_bytes=dtypes[a.momentum_dtype],
+    )
 
 
 # --- output ---------------------------------------------------------------------------
@@ -765,6 +984,38 @@ def report(d: int, c: Cluster, k: Kernels, estimates: list) -> str:
     return "\n".join(lines)
 
 
+def report_hsdp(c: Cluster, f: Fsdp, estimates: list) -> str:
+    """The HSDP table: its rows compare with each other, not with the replicated methods."""
+    names = {4: "fp32", 2: "bf16"}
+    gathers = 2 if f.reshard_after_forward else 1
+    lines = [
+        f"HSDP (FSDP2, a (replicate, shard) mesh of {c.nodes} x {c.gpus_per_node}): each node one replica, "
+        f"every rank 1/{c.gpus_per_node} of the parameters, gradient and optimizer state. Another memory regime: "
+        "compare these rows with each other, not with the table above.",
+        f"  inside the node, the same in every row: FSDP's all-gather of {names[f.param_bytes]} parameters x"
+        f"{gathers}, reduce-scatter of {names[f.reduce_bytes]} gradients; {f.units} unit{'s' if f.units > 1 else ''}",
+        "",
+        f"{'method':<31} {'step comm ms':>13} {'between nodes ms':>17} {'inter GB per rank':>18} "
+        f"{'inter GB per node':>18} {'intra GB per GPU':>17} {'opt. state GB per rank':>23}",
+    ]
+    for e in estimates:
+        lines.append(
+            f"{e.label:<31} {e.time_s * 1e3:>13,.1f} {e.cross_node_s * 1e3:>17,.1f} "
+            f"{e.inter_bytes_per_rank / 1e9:>18,.3f} {e.inter_bytes_per_node / 1e9:>18,.3f} "
+            f"{e.intra_bytes_per_gpu / 1e9:>17,.3f} {e.optimizer_state_bytes_per_rank / 1e9:>23,.3f}"
+        )
+    lion = next(e for e in estimates if e.method == "hsdp_lion")
+    for e in estimates:
+        if e is lion or lion.inter_bytes_per_rank == 0:
+            continue
+        lines.append(
+            f"HSDP + DistributedLion against {e.label}: {e.inter_bytes_per_rank / lion.inter_bytes_per_rank:.1f}x "
+            f"fewer bytes between nodes, {e.time_s / lion.time_s:.1f}x less step communication time "
+            f"({e.time_s * 1e3:,.1f} ms against {lion.time_s * 1e3:,.1f})"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
     c = Cluster(
@@ -777,6 +1028,8 @@ def main(argv=None) -> int:
     )
     k = Kernels()
     estimates = estimate_all(a.params, c, k)
+    f = fsdp_config(a)
+    hsdp = estimate_hsdp(a.params, c, k, f) if a.hsdp else []
     if a.json:
         doc = {
             "params": a.params,
@@ -786,9 +1039,13 @@ def main(argv=None) -> int:
             "recommended": recommend(estimates).method,
             "assumptions": assumptions(c, k),
         }
+        if a.hsdp:
+            doc["hsdp"] = {"fsdp": asdict(f), "methods": [asdict(e) for e in hsdp]}
         print(json.dumps(doc, indent=1))
     else:
         print(report(a.params, c, k, estimates))
+        if a.hsdp:
+            print("\n" + report_hsdp(c, f, hsdp))
     return 0
 
 

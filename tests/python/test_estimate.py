@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -192,3 +193,128 @@ def test_one_collective_on_one_link():
     r = estimate.ring_allreduce_on_link(4, 1 << 20, 4, 8, link, core)
     assert r["bytes"] == 1.5 * 4 * (1 << 20) and r["steps"] == 6
     assert r["kernel_s"] == pytest.approx(2.0 * 0.75 * (1 << 20) * 8 / 1e10) and r["bound"] == "bandwidth"
+
+
+# HSDP on CLUSTER (4 nodes of 4 GPUs): each rank holds d/L = 2M elements and exchanges them
+# with the M = 4 ranks holding the same shard; its node's 4 ranks share the link.
+PART = D // 4
+HSDP_LABELS = ["HSDP + DistributedLion", "HSDP + AdamW (fp32 all-reduce)", "HSDP + AdamW (bf16 all-reduce)"]
+
+
+def test_hsdp_lion_bytes_between_nodes_are_one_bit_a_shard_element():
+    e = estimate.hsdp_lion(D, CLUSTER)
+    closed = 2 * 3 / 4 * PART / 8  # 2 (M-1)/M (d/L)/8 = 375,000
+    # The wire: one GPU chunk, a shard of ceil(2M / 64 / 4) = 7813 words; the header round
+    # (3 x 64), the all-to-all (3 shards) and the ring all-gather (3 votes of 8 + sb).
+    sb = 7813 * 8
+    assert e.inter_bytes_per_rank == 3 * 64 + 3 * sb + 3 * (8 + sb)
+    headers = 3 * (64 + 8)  # the header round and each vote's count
+    padding = 2 * 3 * (sb - PART / 4 / 8)  # 2M / 4 = 500,000 elements padded to 500,032
+    assert closed < e.inter_bytes_per_rank <= closed + headers + padding
+    assert e.inter_bytes_per_node == 4 * e.inter_bytes_per_rank
+    assert e.phases[-1].startswith("sign all-reduce")
+    # M = 2: one exchange of the packed shard (d/L/8) and a 64-byte header each way.
+    two = estimate.hsdp_lion(D, estimate.Cluster(nodes=2, gpus_per_node=4))
+    assert two.inter_bytes_per_rank == 64 + 2 * (PART // 2 // 8)
+    assert two.inter_bytes_per_rank == pytest.approx(2 * 1 / 2 * PART / 8, abs=64)
+
+
+def test_hsdp_adamw_bytes_and_lion_is_a_32nd_of_fp32():
+    lion, fp32, bf16 = estimate.estimate_hsdp(D, CLUSTER)
+    assert [e.label for e in (lion, fp32, bf16)] == HSDP_LABELS
+    assert fp32.inter_bytes_per_rank == pytest.approx(2 * 3 / 4 * PART * 4)  # 12M
+    assert bf16.inter_bytes_per_rank == pytest.approx(2 * 3 / 4 * PART * 2)
+    assert fp32.inter_bytes_per_node == pytest.approx(4 * 12 * MB)
+    assert fp32.inter_bytes_per_rank / lion.inter_bytes_per_rank == pytest.approx(32, rel=1e-3)
+    assert bf16.inter_bytes_per_rank / lion.inter_bytes_per_rank == pytest.approx(16, rel=1e-3)
+
+
+def test_hsdp_counts_fsdp_inside_the_node_alike():
+    # Defaults: fp32 all-gather of the parameters twice (reshard_after_forward), fp32
+    # reduce-scatter: 3 x (L-1)/L x 4 d = 72M a GPU; nothing else uses NVLink.
+    for e in estimate.estimate_hsdp(D, CLUSTER):
+        assert e.intra_bytes_per_gpu == pytest.approx(3 * 3 / 4 * 4 * D), e.method
+        assert e.fsdp_intra_bytes_per_gpu == e.intra_bytes_per_gpu
+    f = estimate.Fsdp(param_bytes=2, reduce_bytes=2, reshard_after_forward=False)
+    for e in estimate.estimate_hsdp(D, CLUSTER, f=f):
+        assert e.intra_bytes_per_gpu == pytest.approx(2 * 3 / 4 * 2 * D), e.method
+        assert len([p for p in e.phases if p.startswith("FSDP")]) == 2
+
+
+def test_hsdp_adamw_time_in_closed_form():
+    k = estimate.Kernels(stream_bytes_per_s=1e12, count_bytes_per_s=1e12)
+    e = estimate.hsdp_adamw(D, CLUSTER, 4, k)
+    nvlink = 450e9
+    fsdp = 3 * (3 * 2e-6 + 3 / 4 * 4 * D / nvlink)  # 3 rings of L-1 = 3 steps at 2 us
+    cross = 2 * 3 * 10e-6 + 4 * 12 * MB / 1e9  # 2 (M-1) steps at 10 us; 4 ranks' 12M on 1 GB/s
+    kernels = (3 / 4 * D + 3 / 4 * PART) * 12 / 1e12  # reduce-scatter and all-reduce reductions
+    assert e.cross_node_s == pytest.approx(cross)
+    assert e.time_s == pytest.approx(fsdp + cross + kernels)
+    four = estimate.hsdp_adamw(D, CLUSTER, 4, k, estimate.Fsdp(units=4))
+    assert four.latency_s == pytest.approx(4 * e.latency_s)  # every unit pays its steps again
+
+
+def test_hsdp_memory_per_rank():
+    lion, fp32, _ = estimate.estimate_hsdp(D, CLUSTER)
+    assert lion.optimizer_state_bytes_per_rank == 4 * PART  # the momentum of the shard
+    assert fp32.optimizer_state_bytes_per_rank == 8 * PART  # exp_avg and exp_avg_sq
+    assert lion.memory_bytes_per_rank == 12 * PART and fp32.memory_bytes_per_rank == 16 * PART
+    bf16_momentum = estimate.hsdp_lion(D, CLUSTER, f=estimate.Fsdp(momentum_bytes=2))
+    assert bf16_momentum.memory_bytes_per_rank == 10 * PART
+
+
+def test_hsdp_on_one_node_sends_nothing_between_nodes():
+    for e in estimate.estimate_hsdp(D, estimate.Cluster(nodes=1, gpus_per_node=8)):
+        assert e.inter_bytes_per_rank == 0 and e.inter_bytes_per_node == 0 and e.cross_node_s == 0, e.method
+        assert e.time_s > 0
+
+
+def test_recommend_never_picks_hsdp():
+    c = estimate.Cluster(nodes=8, gpus_per_node=8, inter_bytes_per_s=12.5e9)
+    ddp, hsdp = estimate.estimate_all(7e9, c), estimate.estimate_hsdp(7e9, c)
+    assert hsdp[0].time_s < estimate.recommend(ddp).time_s  # faster here, but another memory regime
+    assert estimate.recommend(ddp + hsdp) is estimate.recommend(ddp)
+
+
+def test_cli_hsdp_table_and_json():
+    r = run_cli(*EXAMPLE, "--hsdp")
+    assert r.returncode == 0, r.stdout + r.stderr
+    main_table, hsdp_table = r.stdout.split("\nHSDP (", 1)
+    for label in LABELS:
+        assert label in main_table, label
+    for label in HSDP_LABELS:
+        assert label in hsdp_table and label not in main_table, label
+    assert "Another memory regime" in hsdp_table
+    plain = run_cli(*EXAMPLE)
+    assert "HSDP" not in plain.stdout
+    assert r.stdout.startswith(plain.stdout)  # the existing table unchanged
+    doc = json.loads(run_cli(*EXAMPLE, "--hsdp", "--fsdp-reduce-dtype", "bf16", "--json").stdout)
+    assert [m["label"] for m in doc["hsdp"]["methods"]] == HSDP_LABELS
+    assert doc["hsdp"]["fsdp"]["reduce_bytes"] == 2
+    assert [m["label"] for m in doc["methods"]] == LABELS
+    assert "hsdp" not in json.loads(run_cli(*EXAMPLE, "--json").stdout)
+
+
+def test_cost_model_doc_hsdp_table_is_what_its_commands_print():
+    """docs/cost-model.md's HSDP table: each row's figures from the command in its last cell."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cost-model.md").read_text()
+    rows = [line for line in doc.split("\n## HSDP", 1)[1].splitlines() if line.startswith("|") and "--hsdp`" in line]
+    assert len(rows) == 12
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        args = estimate.parser().parse_args(cells[-1].strip("`").split()[3:])
+        assert args.hsdp
+        c = estimate.Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, inter_bytes_per_s=args.inter)
+        lion, _, bf16 = estimate.estimate_hsdp(args.params, c, f=estimate.fsdp_config(args))
+        figures = [
+            f"{lion.inter_bytes_per_node / 1e9:.3f}",
+            f"{bf16.inter_bytes_per_node / 1e9:.3f}",
+            f"{lion.cross_node_s * 1e3:,.1f}",
+            f"{bf16.cross_node_s * 1e3:,.1f}",
+            f"{lion.time_s * 1e3:,.1f}",
+            f"{bf16.time_s * 1e3:,.1f}",
+            f"{bf16.time_s / lion.time_s:.1f}x",
+        ]
+        assert cells[:3] == [estimate.count_label(args.params), estimate.rate_label(args.inter),
+                             f"{args.nodes} ({c.ranks})"], row
+        assert cells[3:-1] == figures, row
