@@ -8,7 +8,7 @@ network namespace a node, its ranks reaching each other over the node's
 loopback, nodes joined through veth pairs shaped with tc tbf at the link
 rate, checked with iperf3. Each rank trains the same causal transformer LM
 (vocabulary 8192, width 320, 8 blocks: 12.5M parameters, float32, tied
-head) on its own random tokens, the same steps under each method:
+head; --vocab 256: 10.0M, every token in every step's batch) on its own random tokens, the same steps under each method:
 
   HSDP + AdamW (fp32)            fully_shard over a 2-D (replicate, shard) mesh, torch's AdamW:
                                  FSDP's reduce-scatter inside the node, its fp32 all-reduce across nodes
@@ -43,7 +43,7 @@ sys.path.insert(0, HERE)
 
 METHODS = ("HSDP + AdamW (fp32)", "HSDP + AdamW (bf16 reduce)", "HSDP + DistributedLion",
            "FSDP2 (1-D) + DistributedLion", "DDP + DistributedLion \"node\"")
-VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH = 8192, 320, 8, 5, 128, 4
+VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH = 8192, 320, 8, 5, 128, 4  # --vocab changes VOCAB
 
 
 def _model():
@@ -239,6 +239,7 @@ def markdown(doc: dict) -> str:
 
 
 def main() -> None:
+    global VOCAB
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--nodes", type=int, default=2)
@@ -247,10 +248,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of: " + "; ".join(METHODS))
+    p.add_argument("--vocab", type=int, default=VOCAB,
+                   help=f"vocabulary (default {VOCAB}: most rows see no token in a step, and their zero "
+                        "directions cost the vote extra bytes; a small one leaves no row out)")
     p.add_argument("--out", default=None)
     p.add_argument("--json", default="bench/results/hsdp.json")
     p.add_argument("--timeout", type=float, default=1800)
     a = p.parse_args()
+    VOCAB = a.vocab
     a.methods = [m.strip() for m in a.methods.split(",") if m.strip()] if isinstance(a.methods, str) else a.methods
     unknown = [m for m in a.methods if m not in METHODS]
     if unknown:
@@ -268,7 +273,7 @@ def main() -> None:
         sys.exit(f"hsdp: needs network namespaces ({why})")
     n = a.nodes * a.per_node
     meta = collectives.new_meta(True)
-    meta.update(nodes=a.nodes, per_node=a.per_node, link=a.link, cores=os.cpu_count(),
+    meta.update(nodes=a.nodes, per_node=a.per_node, link=a.link, cores=os.cpu_count(), vocab=a.vocab,
                 load_before=os.getloadavg()[0], git=training.git_commit())
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     tmp = os.path.abspath(a.json) + ".part"
@@ -278,8 +283,8 @@ def main() -> None:
         meta["iperf3"] = (f"{ip['received_bps'] / 1e9:.3f} Gbit/s, {ip['retransmits']} retransmits"
                           if ip and "received_bps" in ip else f"n/a ({ip})")
         print(f"hsdp: {meta['cluster']}; iperf3 {meta['iperf3']}", flush=True)
-        argv = [sys.executable, os.path.abspath(__file__), "--worker", "--warmup", str(a.warmup),
-                "--steps", str(a.steps), "--methods", ",".join(a.methods), "--out", tmp]
+        argv = [sys.executable, os.path.abspath(__file__), "--worker", "--vocab", str(a.vocab),
+                "--warmup", str(a.warmup), "--steps", str(a.steps), "--methods", ",".join(a.methods), "--out", tmp]
         results = collectives.launch(c, n, argv, tmp, a.timeout)
     os.remove(tmp)
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
