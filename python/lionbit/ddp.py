@@ -211,7 +211,8 @@ class DDPAttachment(Attachment):
         calls = 1 if self.overlap else 0
         if bucket.is_last() and not self.overlap:
             params = self.layout if self.layout is not None else [p for p in self.model.parameters() if p.requires_grad]
-            calls = len(step_vote.chunking([p.numel() for p in params]))
+            calls = len(step_vote.chunking([p.numel() for p in params],
+                                           step_vote.chunk_limit(bucket.buffer().device)))
         for _ in range(calls):
             _reject_call(self.group, bucket.buffer().device)
         if bucket.is_last():

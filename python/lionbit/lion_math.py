@@ -129,12 +129,15 @@ def pack_levels_pieces(pieces, k: Coefs, bits: int, levels) -> int:
     return bad
 
 
-def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, bits=None) -> int:
+def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, bits=None, counts=None) -> int:
     """ORs the bits of sign(b1 m + (1 - b1) g) into the uint8 planes at
     bit_offset (on g's device); m is only read. Returns the number of
     non-finite directions (NaN or +-Inf: a non-finite g or m). With ``bits``
     (aggregation "l1"): the levels of c = b1 m + (1 - b1) g, scaled by this
-    tensor's mean |c|, into the level planes ``sign`` (zero: None)."""
+    tensor's mean |c|, into the level planes ``sign`` (zero: None).
+    ``counts`` (int64 (zeros, non-finite) on g's GPU): the fused GPU kernel
+    adds its tallies there and this returns 0, so that a caller reads them
+    once for many tensors (a read is a host round trip)."""
     g = g.reshape(-1)
     if bits:
         return pack_levels_pieces([(g, m.reshape(-1), bit_offset)], k, bits, sign)
@@ -143,10 +146,10 @@ def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, bit
         if not g.is_cuda:
             return _C.lion_direction_into(g, m.view(-1), b1, omb1, b2, omb2, sign, zero, bit_offset,
                                           update_momentum=False)
-        counts = torch.zeros(2, dtype=torch.int64, device=g.device)
-        _C.lion_direction_into_device(g, m.view(-1), b1, omb1, b2, omb2, sign, zero, counts, bit_offset,
+        mine = counts if counts is not None else torch.zeros(2, dtype=torch.int64, device=g.device)
+        _C.lion_direction_into_device(g, m.view(-1), b1, omb1, b2, omb2, sign, zero, mine, bit_offset,
                                       update_momentum=False)
-        return int(counts[1])
+        return 0 if counts is not None else int(mine[1])
     c = _direction_torch(g, m.reshape(-1), k)
     _, nans = _C.pack_signs_into(c, sign, zero, bit_offset)
     return nans + int(torch.isinf(c).sum())
@@ -162,17 +165,20 @@ def pack_abstain(numel: int, sign, zero, bit_offset: int, bits=None) -> None:
         _C.pack_signs_into(c, sign, zero, bit_offset)
 
 
-def update_momentum(g, m, k: Coefs, fused: bool, scratch) -> None:
+def update_momentum(g, m, k: Coefs, fused: bool, scratch, counts=None) -> None:
     """m = fl(fl(b2 m) + fl((1 - b2) g)) in place. ``scratch``: two uint8
     planes of at least plane_bytes(m.numel()) bytes for the fused kernel's
-    direction bits (not needed afterwards)."""
+    direction bits (not needed afterwards); ``counts``: on a GPU, an int64
+    buffer of 2 for its tallies (not needed either; one for many tensors
+    saves a launch each)."""
     g = g.reshape(-1)
     if fused:
         b1, omb1, b2, omb2, _, _ = k.values
         if not g.is_cuda:
             _C.lion_direction_into(g, m.view(-1), b1, omb1, b2, omb2, scratch[0], scratch[1], 0)
         else:
-            counts = torch.zeros(2, dtype=torch.int64, device=g.device)
+            if counts is None:
+                counts = torch.zeros(2, dtype=torch.int64, device=g.device)
             _C.lion_direction_into_device(g, m.view(-1), b1, omb1, b2, omb2, scratch[0], scratch[1], counts, 0)
         return
     mv = m.view(-1)

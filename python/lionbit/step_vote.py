@@ -24,6 +24,17 @@ log = logging.getLogger("lionbit")
 # round, the all-to-all's set-up) are small against its bytes, small enough
 # that a model has several chunks to pipeline.
 CHUNK_ELEMENTS = 1 << 22
+# On a GPU a vote's fixed costs are its kernel launches and host round trips
+# (about 130 launches a call on an H200, docs/cuda.md), and the backend
+# pipelines a call in 64M-element chunks of its own: a GPT-2-medium-shaped
+# model's 355M parameters in 292 tensors are 2 calls, not 123.
+CHUNK_ELEMENTS_GPU = 1 << 28
+
+
+def chunk_limit(device) -> int:
+    """Elements per vote on `device`."""
+    return CHUNK_ELEMENTS_GPU if torch.device(device).type == "cuda" else CHUNK_ELEMENTS
+
 
 class NonFinite(Exception):
     """A direction was NaN or infinite on the given ranks; no state changed."""
@@ -71,7 +82,7 @@ class VoteBuffers:
                 if zero is not None:
                     zero.zero_()
             return
-        chunks = chunking(sizes)
+        chunks = chunking(sizes, chunk_limit(device))
         self.key, self.chunks = key, chunks
         self.planes = [lion_math.planes(t, device, bits) for _, _, t in chunks]
         self.outs = [torch.empty(t, dtype=delta_dtype, device=device) for _, _, t in chunks]
@@ -79,12 +90,13 @@ class VoteBuffers:
         self.scratch = lion_math.planes(biggest, device) if biggest else None
 
 
-def chunking(sizes: Sequence[int]) -> List[Tuple[int, int, int]]:
-    """How a step of tensors of ``sizes`` elements is split into votes:
+def chunking(sizes: Sequence[int], limit: int = CHUNK_ELEMENTS) -> List[Tuple[int, int, int]]:
+    """How a step of tensors of ``sizes`` elements is split into votes of at
+    most ``limit`` elements (a larger tensor is a vote of its own):
     (first entry, end entry, elements) per vote."""
     chunks, start, total = [], 0, 0
     for i, n in enumerate(sizes):
-        if total and total + n > CHUNK_ELEMENTS:
+        if total and total + n > limit:
             chunks.append((start, i, total))
             start, total = i, 0
         total += n
@@ -103,12 +115,17 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
     works = []
     for (first, end, total), (sign, zero), out in zip(buffers.chunks, buffers.planes, buffers.outs):
         bad, off = 0, 0
+        # On a GPU the fused kernels add their tallies up on the device: one read a chunk, not one a tensor.
+        counts = torch.zeros(2, dtype=torch.int64, device=device) if device.type == "cuda" else None
         for e in entries[first:end]:
             if e.abstain:
                 lion_math.pack_abstain(e.grad.numel(), sign, zero, off, voter.bits)
             else:
-                bad += lion_math.pack_direction(e.grad, e.momentum, e.coefs, sign, zero, off, e.fused, voter.bits)
+                bad += lion_math.pack_direction(e.grad, e.momentum, e.coefs, sign, zero, off, e.fused, voter.bits,
+                                                counts=counts)
             off += e.grad.numel()
+        if counts is not None:
+            bad += int(counts[1])
         works.append(voter.all_reduce(sign, zero, total, bad, out, group, where))
     bad_ranks: List[int] = []
     first_error = None
@@ -136,6 +153,9 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
 
 def update(entries: Sequence[Entry], deltas, scratch) -> None:
     """The state change of a voted step: momentum, then parameters."""
+    counts = None  # the GPU kernels' tallies, not read here: one buffer for every tensor
+    if entries and entries[0].param.is_cuda:
+        counts = torch.zeros(2, dtype=torch.int64, device=entries[0].param.device)
     for e, d in zip(entries, deltas):
         n = e.grad.numel()
         sc = None if scratch is None else (
@@ -143,7 +163,7 @@ def update(entries: Sequence[Entry], deltas, scratch) -> None:
             scratch[1][: lion_math.plane_bytes(n)],
         )
         if not e.abstain:
-            lion_math.update_momentum(e.grad, e.momentum, e.coefs, e.fused, sc)
+            lion_math.update_momentum(e.grad, e.momentum, e.coefs, e.fused, sc, counts)
         lion_math.apply_update(e.param, d, e.coefs, e.fused)
 
 

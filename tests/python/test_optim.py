@@ -3,6 +3,7 @@ processes: plain modules, DDP with every option that matters, checkpoints,
 bytes per step."""
 
 import hashlib
+import math
 import os
 import tempfile
 
@@ -388,3 +389,23 @@ def bf16_momentum(rank, n):
 def test_bfloat16_momentum():
     hashes = values(run_ranks("test_optim:bf16_momentum", 2))
     assert len(set(hashes)) == 1
+
+
+def test_a_gpu_step_votes_a_many_tensor_model_in_few_calls():
+    """Each vote has fixed costs (on a GPU about 130 kernel launches and some host round trips): a
+    GPT-2-medium-shaped model's 292 tensors go in 2 votes on a GPU, in the CPU's 4M-element votes
+    elsewhere; every tensor in exactly one vote, in order."""
+    from lionbit import step_vote
+
+    w = 1024
+    shapes = [(50257, w), (1024, w)]
+    for _ in range(24):
+        shapes += [(w,), (w,), (3 * w, w), (3 * w,), (w, w), (w,), (w,), (w,), (4 * w, w), (4 * w,), (w, 4 * w), (w,)]
+    shapes += [(w,), (w,)]
+    sizes = [math.prod(s) for s in shapes]
+    for device, calls in (("cuda", 2), ("cpu", 123)):
+        chunks = step_vote.chunking(sizes, step_vote.chunk_limit(device))
+        assert len(chunks) == calls, (device, len(chunks))
+        assert [c[0] for c in chunks] == [0] + [c[1] for c in chunks[:-1]] and chunks[-1][1] == len(sizes)
+        assert all(total == sum(sizes[a:b]) for a, b, total in chunks)
+        assert all(total <= step_vote.chunk_limit(device) or b - a == 1 for a, b, total in chunks)
