@@ -75,7 +75,7 @@ def _loss(model, rank, step, micro=0):
 
 def _config(**kw):
     cfg = dict(aggregation="vote", tie_break="zero", steps=4, clip=None, accumulate=1, reshard=True, mp=None,
-               scaler=False, overflow=None)
+               scaler=False, overflow=None, compile=False)
     cfg.update(kw)
     return cfg
 
@@ -91,6 +91,8 @@ def _hsdp_model(mesh, cfg, seed=0):
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["mp"]))
     model = _model(seed)
     for block in model.blocks:
+        if cfg["compile"]:  # torchtitan's order: compile each block, then shard it
+            block.compile()
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model
@@ -282,6 +284,7 @@ CONFIGS = {
     "avg": _config(aggregation="avg"),
     "vote+random, GradScaler with an overflow on rank 3": _config(tie_break="random", scaler=True, overflow=[2, 3]),
     "bf16 MixedPrecisionPolicy": _config(mp="bfloat16"),
+    "vote, clip, torch.compile per block": _config(clip=0.5, compile=True),
 }
 
 
@@ -307,13 +310,21 @@ def test_hsdp_equals_the_m_worker_reference_bitwise(runs, name):
         if want == "skipped":
             continue
         for n, a, b in zip(names, got, want):
+            if cfg["compile"]:  # compiled kernels round differently: a flipped vote moves an element 2 lr a step
+                worst = max(abs(x - y) for x, y in zip(a, b))
+                assert worst <= 2 * LION["lr"] * (step + 1) + 1e-6, f"{name}: step {step}, parameter {n}: {worst}"
+                continue
             assert a == b, f"{name}: step {step}, parameter {n}: {sum(x != y for x, y in zip(a, b))} elements differ"
     # each rank's momentum is its node's, its own shard of it
     for rank, r in enumerate(per_rank):
         node, shard = divmod(rank, L)
         for n in names:
             full = torch.tensor(ref["momentum"][node][n]).view(dict(_model().named_parameters())[n].shape)
-            assert r["momentum"][n] == _chunk(full, shard).flatten().tolist(), (name, rank, n)
+            want = _chunk(full, shard).flatten()
+            if cfg["compile"]:  # from gradients rounded differently (and parameters a flipped vote moved)
+                assert torch.allclose(torch.tensor(r["momentum"][n]), want, rtol=0.05, atol=1e-3), (name, rank, n)
+                continue
+            assert r["momentum"][n] == want.tolist(), (name, rank, n)
     assert run["steps"] == ref["applied"] == cfg["steps"] - (1 if cfg["overflow"] else 0)
     if cfg["clip"]:
         assert ref["norm_rel_err"] < 1e-5, ref["norm_rel_err"]
