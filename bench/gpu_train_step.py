@@ -33,6 +33,9 @@ import torch.nn.functional as F
 
 import lionbit
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_lion_step import lion_foreach  # noqa: E402  (bench/ on the path first)
+
 
 class Block(torch.nn.Module):
     def __init__(self, width, heads):
@@ -65,16 +68,9 @@ class GPT(torch.nn.Module):
 
 
 @torch.no_grad()
-def lion_foreach(params, momenta, lr=1e-4, wd=0.1, b1=0.9, b2=0.99):
-    """Lion (Chen et al. 2023) in torch's foreach ops, momentum in the parameters' dtype."""
-    grads = [p.grad for p in params]
-    torch._foreach_mul_(params, 1.0 - lr * wd)
-    update = torch._foreach_mul(momenta, b1)
-    torch._foreach_add_(update, grads, alpha=1.0 - b1)
-    torch._foreach_sign_(update)
-    torch._foreach_add_(params, update, alpha=-lr)
-    torch._foreach_mul_(momenta, b2)
-    torch._foreach_add_(momenta, grads, alpha=1.0 - b2)
+def lion_step(params, momenta):
+    """gpu_lion_step's Lion in torch's foreach ops on the parameters' gradients."""
+    lion_foreach(params, [p.grad for p in params], momenta, 1e-4, 0.1, 0.9, 0.99)
 
 
 def build(kind, shape, device):
@@ -84,7 +80,7 @@ def build(kind, shape, device):
     params = list(model.parameters())
     if kind == "floor":
         momenta = [torch.zeros_like(p) for p in params]
-        return model, lambda: lion_foreach(params, momenta)
+        return model, lambda: lion_step(params, momenta)
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -82,7 +82,8 @@ def formulas(d: int, L: int, M: int) -> dict:
     }
 
 
-def _read_tx(ifname: str) -> tuple:
+def read_tx(ifname: str) -> tuple:
+    """(tx_bytes, tx_packets) of a network interface."""
     base = f"/sys/class/net/{ifname}/statistics"
     with open(f"{base}/tx_bytes") as f, open(f"{base}/tx_packets") as g:
         return int(f.read()), int(g.read())
@@ -104,7 +105,7 @@ def worker(a) -> None:
     out = []
 
     def tx():
-        return _read_tx(ifname) if first_of_node else (0, 0)
+        return read_tx(ifname) if first_of_node else (0, 0)
 
     # The barriers' own traffic, to take out of the timed loop's.
     dist.barrier()
@@ -218,39 +219,46 @@ def main() -> None:
         worker(a)
         return
 
+    worker_args = ["--numel", ",".join(str(v) for v in a.numel), "--warmup", str(a.warmup), "--repeats",
+                   str(a.repeats)]
+    run_on_cluster("hierarchy", os.path.abspath(__file__), a, worker_args, markdown)
+
+
+def run_on_cluster(name: str, script: str, a, worker_args: list, to_markdown, **meta) -> None:
+    """Runs `script --worker *worker_args --out FILE` as a.nodes x a.per_node ranks on the emulated
+    cluster (a.link between nodes), then writes rank 0's results with the run's facts to a.json
+    and to_markdown(doc) beside it. Suites 6 and 7 share it."""
     import collectives
     import netns
+    import training
 
     ok, why = netns.can_make_namespaces()
     if not ok:
-        sys.exit(f"hierarchy: needs network namespaces ({why})")
+        sys.exit(f"{name}: needs network namespaces ({why})")
     n = a.nodes * a.per_node
-    meta = collectives.new_meta(True)
-    meta.update(nodes=a.nodes, per_node=a.per_node, link=a.link, cores=os.cpu_count(),
-                load_before=os.getloadavg()[0])
-    import training
-    meta["git"] = training.git_commit()
+    doc_meta = collectives.new_meta(True)
+    doc_meta.update(nodes=a.nodes, per_node=a.per_node, link=a.link, cores=os.cpu_count(),
+                    load_before=os.getloadavg()[0], git=training.git_commit(), **meta)
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     tmp = os.path.abspath(a.json) + ".part"
     with netns.Cluster(n, netns.parse_rate(a.link), per_node=a.per_node) as c:
         ip = c.iperf3(seconds=1.0)
-        meta["cluster"] = c.describe()
-        meta["iperf3"] = (f"{ip['received_bps'] / 1e9:.3f} Gbit/s, {ip['retransmits']} retransmits"
-                          if ip and "received_bps" in ip else f"n/a ({ip})")
-        print(f"hierarchy: {meta['cluster']}; iperf3 {meta['iperf3']}", flush=True)
-        argv = [sys.executable, os.path.abspath(__file__), "--worker", "--numel",
-                ",".join(str(v) for v in a.numel), "--warmup", str(a.warmup), "--repeats", str(a.repeats),
-                "--out", tmp]
-        results = collectives.launch(c, n, argv, tmp, a.timeout)
+        doc_meta["cluster"] = c.describe()
+        doc_meta["iperf3"] = (f"{ip['received_bps'] / 1e9:.3f} Gbit/s, {ip['retransmits']} retransmits"
+                              if ip and "received_bps" in ip else f"n/a ({ip})")
+        print(f"{name}: {doc_meta['cluster']}; iperf3 {doc_meta['iperf3']}", flush=True)
+        results = collectives.launch(c, n, [sys.executable, script, "--worker", *worker_args, "--out", tmp], tmp,
+                                     a.timeout)
     os.remove(tmp)
-    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    doc = {"meta": meta, "results": results}
+    doc_meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    doc_meta["load_after"] = os.getloadavg()[0]
+    doc = {"meta": doc_meta, "results": results}
     with open(a.json, "w") as f:
         json.dump(doc, f, indent=1)
     md = os.path.splitext(a.json)[0] + ".md"
     with open(md, "w") as f:
-        f.write(markdown(doc))
-    print(f"hierarchy: {a.json}, {md}")
+        f.write(to_markdown(doc))
+    print(f"{name}: {a.json}, {md}")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from hierarchy import read_tx, run_on_cluster  # noqa: E402  (bench/ on the path first)
+
 METHODS = ("HSDP + AdamW (fp32)", "HSDP + AdamW (bf16 reduce)", "HSDP + DistributedLion",
            "FSDP2 (1-D) + DistributedLion", "DDP + DistributedLion \"node\"")
 VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH = 8192, 320, 8, 5, 128, 4  # --vocab changes VOCAB
@@ -135,12 +137,6 @@ def _state_tensors(opt) -> list:
 FRAME_HEADER = 66  # bytes a frame: 14 Ethernet + 20 IPv4 + 32 TCP with timestamps (bench/hierarchy.py)
 
 
-def _read_tx(ifname: str) -> tuple:
-    base = f"/sys/class/net/{ifname}/statistics"
-    with open(f"{base}/tx_bytes") as f, open(f"{base}/tx_packets") as g:
-        return int(f.read()), int(g.read())
-
-
 def worker(a) -> None:
     import torch
     import torch.distributed as dist
@@ -168,7 +164,7 @@ def worker(a) -> None:
             if i == a.warmup:
                 dist.barrier()
                 lionbit.reset_stats(group)
-                tx0 = _read_tx(ifname) if first_of_node else (0, 0)
+                tx0 = read_tx(ifname) if first_of_node else (0, 0)
             t0 = time.perf_counter()
             opt.zero_grad()
             logits = model(tokens[i, :, :-1])
@@ -178,7 +174,7 @@ def worker(a) -> None:
                 times.append(time.perf_counter() - t0)
         sign_bytes = lionbit.stats(group)["bytes_sent"]
         dist.barrier()
-        tx1 = _read_tx(ifname) if first_of_node else (0, 0)
+        tx1 = read_tx(ifname) if first_of_node else (0, 0)
         rec = {"rank": rank, "median_s": statistics.median(times),
                "node_tx": tx1[0] - tx0[0], "node_frames": tx1[1] - tx0[1], "sign_bytes": sign_bytes,
                "param_bytes": _local_bytes(model.parameters()),
@@ -264,38 +260,9 @@ def main() -> None:
         worker(a)
         return
 
-    import collectives
-    import netns
-    import training
-
-    ok, why = netns.can_make_namespaces()
-    if not ok:
-        sys.exit(f"hsdp: needs network namespaces ({why})")
-    n = a.nodes * a.per_node
-    meta = collectives.new_meta(True)
-    meta.update(nodes=a.nodes, per_node=a.per_node, link=a.link, cores=os.cpu_count(), vocab=a.vocab,
-                load_before=os.getloadavg()[0], git=training.git_commit())
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    tmp = os.path.abspath(a.json) + ".part"
-    with netns.Cluster(n, netns.parse_rate(a.link), per_node=a.per_node) as c:
-        ip = c.iperf3(seconds=1.0)
-        meta["cluster"] = c.describe()
-        meta["iperf3"] = (f"{ip['received_bps'] / 1e9:.3f} Gbit/s, {ip['retransmits']} retransmits"
-                          if ip and "received_bps" in ip else f"n/a ({ip})")
-        print(f"hsdp: {meta['cluster']}; iperf3 {meta['iperf3']}", flush=True)
-        argv = [sys.executable, os.path.abspath(__file__), "--worker", "--vocab", str(a.vocab),
-                "--warmup", str(a.warmup), "--steps", str(a.steps), "--methods", ",".join(a.methods), "--out", tmp]
-        results = collectives.launch(c, n, argv, tmp, a.timeout)
-    os.remove(tmp)
-    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    meta["load_after"] = os.getloadavg()[0]
-    doc = {"meta": meta, "results": results}
-    with open(a.json, "w") as f:
-        json.dump(doc, f, indent=1)
-    md = os.path.splitext(a.json)[0] + ".md"
-    with open(md, "w") as f:
-        f.write(markdown(doc))
-    print(f"hsdp: {a.json}, {md}")
+    worker_args = ["--vocab", str(a.vocab), "--warmup", str(a.warmup), "--steps", str(a.steps), "--methods",
+                   ",".join(a.methods)]
+    run_on_cluster("hsdp", os.path.abspath(__file__), a, worker_args, markdown, vocab=a.vocab)
 
 
 if __name__ == "__main__":
