@@ -23,9 +23,7 @@ profiler's top operators of one DDP step.
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -34,7 +32,7 @@ import torch.nn.functional as F
 import lionbit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_lion_step import lion_foreach  # noqa: E402  (bench/ on the path first)
+from gpu_lion_step import lion_foreach, timed  # noqa: E402  (bench/ on the path first)
 
 
 class Block(torch.nn.Module):
@@ -112,16 +110,8 @@ def measure(kind, shape, device, batch, seq, steps, profile):
         loss.backward()
         optimizer_step()
 
+    ms = timed(step, device, steps)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(3):
-        step()
-    sync()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
     events, table = None, ""
     if device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -133,7 +123,7 @@ def measure(kind, shape, device, batch, seq, steps, profile):
         if profile:
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=50)
     params = sum(p.numel() for p in model.parameters())
-    return statistics.median(times), events, params, table
+    return ms, events, params, table
 
 
 def main(argv=None):
