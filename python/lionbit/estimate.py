@@ -454,10 +454,16 @@ def steps_if(k: int) -> int:
     return 1 if k > 1 else 0
 
 
+def phase_terms(p: Phase, c: Cluster) -> tuple:
+    """One phase's (latency, inter-node bandwidth time, intra-node bandwidth time)."""
+    latency = p.inter_steps * c.inter_latency_s + p.intra_steps * c.intra_latency_s + p.messages * c.message_overhead_s
+    return latency, p.inter_bytes / c.inter_bytes_per_s, p.intra_bytes / c.intra_bytes_per_s
+
+
 def phase_time(p: Phase, c: Cluster) -> float:
     """One phase alone: its latency and its slower link's bandwidth term."""
-    latency = p.inter_steps * c.inter_latency_s + p.intra_steps * c.intra_latency_s + p.messages * c.message_overhead_s
-    return latency + max(p.inter_bytes / c.inter_bytes_per_s, p.intra_bytes / c.intra_bytes_per_s)
+    latency, t_inter, t_intra = phase_terms(p, c)
+    return latency + max(t_inter, t_intra)
 
 
 def combine(
@@ -474,9 +480,8 @@ def combine(
     k = k or Kernels()
     latency = inter = intra = 0.0
     for p in phases:
-        latency += p.inter_steps * c.inter_latency_s + p.intra_steps * c.intra_latency_s
-        latency += p.messages * c.message_overhead_s
-        t_inter, t_intra = p.inter_bytes / c.inter_bytes_per_s, p.intra_bytes / c.intra_bytes_per_s
+        t_latency, t_inter, t_intra = phase_terms(p, c)
+        latency += t_latency
         if t_inter >= t_intra:
             inter += t_inter
         else:
