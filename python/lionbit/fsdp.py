@@ -594,35 +594,9 @@ def fsdp_step(att, grad_scaler=None) -> bool:
 
 def _node_agreed_vote(att):
     """HSDP: :func:`fsdp_vote`, then the ranks of each node agree whether to
-    step. A vote's header round tells only the replicas of one shard that a
-    direction was non-finite; the ranks of a node hold different shards of
-    one worker, which must step or skip together (a GradScaler skip, or the
-    error, on every rank of the mesh). One all-reduce of world-size flags
-    over the shard group (inside the node) carries the non-finite ranks
-    (global numbers) and any other failure of a rank's vote."""
-    world = dist.get_world_size()
-    flags = torch.zeros(world + 1, dtype=torch.int32, device=next(iter(att.managed)).device)
-    apply, failure = None, None
-    try:
-        apply = fsdp_vote(att)
-    except step_vote.NonFinite as bad:
-        for r in bad.ranks:
-            flags[dist.get_global_rank(att.replicas, r)] = 1
-    except Exception as err:  # re-raised below, after the node heard of it (no peer waits forever)
-        failure = err
-        flags[world] = 1
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=att.dp.shard_group)
-    if failure is not None:
-        raise failure
-    if int(flags[world]):
-        raise RuntimeError(
-            f"DistributedLion.step (FSDP2, HSDP) on rank {dist.get_rank()}: another rank of this node failed its "
-            f"vote (its own error says why); no parameter or momentum changed on this rank"
-        )
-    ranks = [r for r in range(world) if int(flags[r])]
-    if ranks:
-        raise step_vote.NonFinite(ranks)
-    return apply
+    step (lionbit.step_vote.node_agreed)."""
+    device = next(iter(att.managed)).device
+    return step_vote.node_agreed(lambda: fsdp_vote(att), att.replicas, att.dp.shard_group, device, "FSDP2, HSDP")
 
 
 # -- checkpoints --------------------------------------------------------------

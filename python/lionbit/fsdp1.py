@@ -44,6 +44,22 @@ Memory: the kept gradient is full-size, like the momentum (4 bytes per
 parameter per rank in float32); after ``zero_grad()`` to None it is freed at
 the next forward (a forward pre-hook on the root), before the activations.
 
+Hybrid sharding (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``; FSDP2's HSDP
+semantics, lionbit.fsdp's ``_Mesh``): each node (the L ranks of FSDP's
+intra-node group) is one Distributed Lion worker. torch's register_comm_hook
+refuses hybrid strategies, so attach sets the hook itself
+(torch_internals.fsdp1_set_comm_hook); with it FSDP1 runs no all-reduce over
+its inter-node group. The hook reduce-scatters over the node with FSDP1's
+divide rule for L ranks, so the sharded gradient FSDP keeps and exposes is
+this rank's shard of its node's mean (FSDP1's own clip_grad_norm_, unscaling
+and accumulation act on it per node; lionbit replaces nothing). Each rank
+keeps the momentum of its own shard (S elements); at ``step()`` each unit
+with a gradient packs its shard's directions (the same pieces, every span at
+shard 0) and the replicas (the inter-node group) vote with the sign
+all-reduce; the node's ranks then agree to step or skip
+(step_vote.node_agreed) and every replica applies the same update to its
+shard.
+
 Momentum: one flat full-size tensor per FSDP instance, in FlatParameter
 order (alignment padding included, never touched), kept on the optimizer
 (``opt.attachment.units``), not in ``opt.state``; see :func:`local_state_dict`.
@@ -52,6 +68,7 @@ order (alignment padding included, never touched), kept on the optimizer
 from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 
 from . import lion_math, step_vote, torch_internals
 from ._backend import backend_for
@@ -80,7 +97,7 @@ class _Unit:
     hyperparameter groups per original parameter, local momentum and (sharded
     strategies) this rank's kept local gradient."""
 
-    def __init__(self, att, module, layout, name: str, segments, numel: int, sharded: bool, group):
+    def __init__(self, att, module, layout, name: str, segments, numel: int, sharded: bool, group, replicas=None):
         self.att = att
         self.opt = att.opt
         self.module = module
@@ -89,10 +106,16 @@ class _Unit:
         self.segments = segments  # (offset in the unpadded flat param, numel, optimizer group, fqn)
         self.numel = numel  # unpadded flat numel (alignment padding included)
         self.sharded = sharded
-        self.group = group
+        self.group = group  # FSDP's process group (hybrid: the node's L ranks)
+        # Hybrid sharding: the inter-node group (this shard's replicas, one
+        # rank a node), over which they vote; None otherwise.
+        self.replicas = replicas
         self.momentum: Optional[torch.Tensor] = None
         self.device = fp.device  # where every buffer of the unit lives (its momentum, planes, Delta)
         self.shard_numel = fp.numel()  # S: FSDP shards at construction (padding included)
+        # the momentum: full-size (unpadded, this rank's own); hybrid: this rank's shard of its node's
+        self.momentum_numel = self.shard_numel if replicas is not None else numel
+        self.divide = _divide_factors(group.size())  # hybrid: FSDP's pre/post factors for a node mean
         # use_orig_params=True: the original parameters, whose .grad (views of
         # the sharded flat gradient) are what the user sets to None
         self.orig = layout.params
@@ -105,11 +128,21 @@ class _Unit:
 
     def momentum_tensor(self) -> torch.Tensor:
         if self.momentum is None:
-            self.momentum = torch.zeros(self.numel, dtype=self.opt.momentum_dtype, device=self.device)
+            self.momentum = torch.zeros(self.momentum_numel, dtype=self.opt.momentum_dtype, device=self.device)
         return self.momentum
 
+    @property
+    def hybrid(self) -> bool:
+        return self.replicas is not None
+
+    @property
+    def base(self) -> int:
+        """The flat index of this rank's shard's first element."""
+        return self.group.rank() * self.shard_numel
+
     def where(self) -> str:
-        return f"DistributedLion (FSDP1 instance '{self.name or '<root>'}') on rank {self.group.rank()}"
+        rank = dist.get_rank() if self.hybrid else self.group.rank()
+        return f"DistributedLion (FSDP1 instance '{self.name or '<root>'}') on rank {rank}"
 
     def see(self, g: Optional[torch.Tensor]) -> None:
         """Records the sharded gradient as it stands now: lionbit's own state."""
@@ -120,8 +153,39 @@ def _fsdp1_hook(unit: _Unit, grad: torch.Tensor, output: Optional[torch.Tensor] 
     with torch.no_grad():
         if output is None:
             _reduce_no_shard(unit, grad)
+        elif unit.hybrid:
+            _reduce_in_node(unit, grad, output)
         else:
             _keep_sharded(unit, grad, output)
+
+
+def _divide_factors(n: int):
+    """How FSDP1 averages over n ranks: divide by ``pre`` before the sum and
+    by ``post`` after it (pre * post = n; pre the power of two at which
+    doubling would pass sqrt(n) or stop dividing n), keeping the sum away
+    from overflow and underflow alike."""
+    pre = 1
+    while n % pre == 0 and n > pre * pre:
+        pre *= 2
+    return float(pre), n / pre
+
+
+def _reduce_in_node(unit: _Unit, grad: torch.Tensor, output: torch.Tensor) -> None:
+    """The hybrid comm hook: FSDP1's own reduce-scatter over the node's L
+    ranks, averaged over the node (FSDP1 would average over the world and
+    all-reduce over the nodes next; the replicas vote at step() instead), so
+    the sharded gradient FSDP keeps is this rank's shard of its node's mean
+    gradient. FSDP accumulates it across backwards as it does its own."""
+    n, s = unit.group.size(), output.numel()
+    _check_grad(unit, grad, n * s)
+    if s != unit.shard_numel:
+        raise RuntimeError(f"{unit.where()}: FSDP's sharded gradient has {s} elements, expected {unit.shard_numel}")
+    pre, post = unit.divide
+    if pre > 1:
+        grad.div_(pre)
+    dist.reduce_scatter_tensor(output, grad, group=unit.group)
+    if post > 1:
+        output.div_(post)
 
 
 def _check_grad(unit: _Unit, grad: torch.Tensor, expect: int) -> None:
@@ -268,20 +332,37 @@ def _reduce_no_shard(unit: _Unit, grad: torch.Tensor) -> None:
 # -- step ----------------------------------------------------------------------
 
 
+def _segments(unit: _Unit):
+    """(segment, start, end) per original parameter with elements in what
+    this rank's gradient and momentum cover: the whole flat parameter, or
+    (hybrid) this rank's shard alone; [start, end) is the segment's part of
+    it, as flat indices (of the whole flat parameter)."""
+    lo, hi = (unit.base, unit.base + unit.shard_numel) if unit.hybrid else (0, unit.numel)
+    for seg in unit.segments:
+        off, numel = seg[0], seg[1]
+        start, end = max(off, lo), min(off + numel, hi)
+        if start < end:
+            yield seg, start, end
+
+
 def _pieces(unit: _Unit, grad: torch.Tensor, shard: int):
     """The unit's original parameters as pieces of Voter.sharded_vote: each
     segment of the flat parameter with its spans, split at the shards'
-    boundaries (element i of the flat parameter: shard i // shard)."""
+    boundaries (element i of the flat parameter: shard i // shard). Hybrid:
+    grad and the momentum are this rank's shard alone (element i at i -
+    base), and so is every span (r = 0: Voter's replicated layout)."""
     m = unit.momentum_tensor()
+    origin = unit.base if unit.hybrid else 0
     pieces = []
-    for off, numel, group, _ in unit.segments:
-        spans, lo, end = [], off, off + numel
+    for (_, _, group, _), start, end in _segments(unit):
+        spans, lo = [], start
         while lo < end:
             r = lo // shard
             hi = min(end, (r + 1) * shard)
-            spans.append((r, lo - off, hi - lo, lo - r * shard))
+            spans.append((0 if unit.hybrid else r, lo - start, hi - lo, lo - r * shard))
             lo = hi
-        pieces.append((grad[off:end], m[off:end], lion_math.Coefs(group), spans))
+        pieces.append((grad[start - origin : end - origin], m[start - origin : end - origin],
+                       lion_math.Coefs(group), spans))
     return pieces
 
 
@@ -305,28 +386,50 @@ def _local_shard(unit: _Unit) -> torch.Tensor:
     return local
 
 
-def _vote_sharded(unit: _Unit) -> torch.Tensor:
-    """The sign reduce-scatter of the unit's kept gradient's directions:
-    this rank's shard of Delta. Changes no state; raises
+def _shard_grad(unit: _Unit) -> Optional[torch.Tensor]:
+    """Hybrid: this rank's shard of its node's mean gradient, FSDP's sharded
+    gradient as the user left it (clipped, unscaled); None: no gradient."""
+    g = unit.flat_param.grad
+    if g is None or (unit.orig is not None and _orig_grads_dropped(unit)):
+        return None
+    if g.numel() != unit.shard_numel:
+        raise RuntimeError(
+            f"{unit.where()}: step() found a sharded gradient of {g.numel()} elements, this rank's shard has "
+            f"{unit.shard_numel}; change p.grad in place (clipping, unscaling) or set it to None, but do not "
+            f"replace it"
+        )
+    return g.view(-1) if g.is_contiguous() else g.contiguous().view(-1)
+
+
+def _vote_sharded(unit: _Unit, grad: torch.Tensor) -> torch.Tensor:
+    """The vote of the directions of ``grad`` (the unit's kept gradient;
+    hybrid: its shard of the node's mean): this rank's shard of Delta, by
+    the sign reduce-scatter over the unit's group (hybrid: the sign
+    all-reduce of the shard over its replicas). Changes no state; raises
     step_vote.NonFinite if any rank had a non-finite direction."""
-    rank, s, opt = unit.group.rank(), unit.shard_numel, unit.opt
-    pieces = _pieces(unit, unit.kept, s)
-    delta = opt.voter.sharded_vote(pieces, s, unit.group, unit.device, "step (FSDP1)", opt.fused_for)
-    _zero_padding(unit, delta, rank * s)
+    s, opt = unit.shard_numel, unit.opt
+    pieces = _pieces(unit, grad, s)
+    if unit.hybrid:
+        delta = opt.voter.sharded_vote(pieces, s, unit.replicas, unit.device, "step (FSDP1 hybrid: the replicas' "
+                                       "all-reduce)", opt.fused_for, replicated=True)
+    else:
+        delta = opt.voter.sharded_vote(pieces, s, unit.group, unit.device, "step (FSDP1)", opt.fused_for)
+    _zero_padding(unit, delta, unit.base)
     return delta
 
 
-def _update_sharded(unit: _Unit, delta: torch.Tensor, scratch) -> None:
-    """The state change: the full-size momentum from the kept gradient, then
-    the local shard of the parameters, original parameter by parameter."""
+def _update_sharded(unit: _Unit, grad: torch.Tensor, delta: torch.Tensor, scratch) -> None:
+    """The state change: the momentum from ``grad`` (full-size; hybrid: this
+    rank's shard), then the local shard of the parameters, original
+    parameter by parameter."""
     opt = unit.opt
-    g, m, x = unit.kept, unit.momentum_tensor(), _local_shard(unit)
-    s = unit.shard_numel
-    base = unit.group.rank() * s
-    for off, numel, group, _ in unit.segments:
+    m, x = unit.momentum_tensor(), _local_shard(unit)
+    s, base = unit.shard_numel, unit.base
+    origin = base if unit.hybrid else 0
+    for (off, numel, group, _), start, end in _segments(unit):
         coefs = lion_math.Coefs(group)
-        gs, ms = g[off : off + numel], m[off : off + numel]
-        nbytes = lion_math.plane_bytes(numel)
+        gs, ms = grad[start - origin : end - origin], m[start - origin : end - origin]
+        nbytes = lion_math.plane_bytes(end - start)
         lion_math.update_momentum(gs, ms, coefs, opt.fused_for(ms, gs), (scratch[0][:nbytes], scratch[1][:nbytes]))
         lo, hi = max(off, base), min(off + numel, base + s)
         if lo < hi:
@@ -370,12 +473,23 @@ class FSDP1Attachment(Attachment):
         self.model = model
         self.order: List[_Unit] = []  # sharded units with a kept gradient, in the order their hooks first ran
         self.hooked: List[_Unit] = []  # sharded units whose hook ran in the current backward
-        self.units, self.states, group = _units(self, opt, model)
-        self.group = opt.group if opt.group is not None else group
+        self.units, self.states, group, self.replicas = _units(self, opt, model)
+        self.hybrid = self.replicas is not None
+        # the vote's group (momentum sync, checkpoints' marker); hybrid: the replicas (the inter-node group)
+        self.group = self.replicas if self.hybrid else (opt.group if opt.group is not None else group)
         self.norm_order = _norm_order(model, self.units)
+        by_module = {u.module: u for u in self.units}
+        self.forward_hook = None
+        if self.hybrid:
+            # register_comm_hook refuses hybrid strategies: set what it would
+            # set (torch's other checks, root and one hook, ran in _units).
+            for state in self.states:
+                torch_internals.fsdp1_set_comm_hook(state, _fsdp1_hook, by_module.get(state))
+            # FSDP1's own model.clip_grad_norm_ stays: it clips the node's mean
+            # gradient (its shards, over the node's group) by the node's norm.
+            return
         # torch's own checks (root, hybrid, one hook), then one state object per instance.
         model.register_comm_hook(self.units[0], _fsdp1_hook)
-        by_module = {u.module: u for u in self.units}
         for state in self.states:
             if torch_internals.fsdp1_comm_hook(state) is not _fsdp1_hook:
                 raise RuntimeError(f"{_WHERE}: register_comm_hook did not reach every FSDP instance")
@@ -392,7 +506,8 @@ class FSDP1Attachment(Attachment):
     def detach(self) -> None:
         for state in self.states:
             torch_internals.fsdp1_clear_comm_hook(state)  # FSDP's own reduce-scatter again
-        self.forward_hook.remove()
+        if self.forward_hook is not None:
+            self.forward_hook.remove()
         if vars(self.model).get("clip_grad_norm_") == self.clip_grad_norm_:
             if self.users_clip is None:
                 del self.model.clip_grad_norm_
@@ -462,6 +577,8 @@ class FSDP1Attachment(Attachment):
 
     # -- step -----------------------------------------------------------------------
     def step(self, grad_scaler=None, abstain: bool = False) -> bool:
+        if self.hybrid:
+            return self.hybrid_step(grad_scaler, abstain)
         if grad_scaler is not None:
             raise RuntimeError(
                 "DistributedLion.step (FSDP1): GradScaler is not supported with FSDP: its unscale_ and inf checks "
@@ -483,23 +600,61 @@ class FSDP1Attachment(Attachment):
             units = list(self.order)
         for unit in units:
             _local_shard(unit)  # before any collective
-        deltas = [_vote_sharded(unit) for unit in units]
+        deltas = [_vote_sharded(unit, unit.kept) for unit in units]
         no_shard = self.vote(no_shard_entries(self))
-        biggest = max((numel for unit in units for _, numel, _, _ in unit.segments), default=0)
+        return self._applier(units, [unit.kept for unit in units], deltas, no_shard)
+
+    @staticmethod
+    def _applier(units, grads, deltas, then=None):
+        """The function that applies voted deltas: each unit's momentum from
+        its gradient, then its local shard."""
+        biggest = max((end - start for unit in units for _, start, end in _segments(unit)), default=0)
         scratch = lion_math.planes(biggest, units[0].device if units else None)
 
         def apply():
-            for unit, delta in zip(units, deltas):
-                _update_sharded(unit, delta, scratch)
-            no_shard()
+            for unit, grad, delta in zip(units, grads, deltas):
+                _update_sharded(unit, grad, delta, scratch)
+            if then is not None:
+                then()
 
         return apply
+
+    def hybrid_step(self, grad_scaler, abstain: bool) -> bool:
+        """HYBRID_SHARD / _HYBRID_SHARD_ZERO2: each node one worker. Every
+        unit with a gradient (in the units' order, the same on every rank)
+        votes its shard of the node's mean gradient over its replicas; the
+        node's ranks then agree to step or not (step_vote.node_agreed). Under
+        a GradScaler the sharded gradients are unscaled first, as FSDP1's
+        own optimizers see them."""
+        if abstain:
+            raise NotImplementedError(
+                f"DistributedLion.step (FSDP1 hybrid) on rank {dist.get_rank()}: torch's Join (uneven inputs) is "
+                f"not supported with hybrid sharding"
+            )
+        device = self.units[0].device
+        return step_vote.voted_step(self.opt, grad_scaler, lambda: step_vote.node_agreed(
+            self.vote_hybrid, self.replicas, self.units[0].group, device, "FSDP1 hybrid"), None)
+
+    def vote_hybrid(self):
+        """Votes every hybrid unit with a gradient, changing nothing; returns
+        the function that applies the step."""
+        _check_synchronized(self.units, "step()")
+        units, grads = [], []
+        for unit in self.units:
+            g = _shard_grad(unit)
+            if g is not None:
+                _local_shard(unit)  # before any collective
+                units.append(unit)
+                grads.append(g)
+        deltas = [_vote_sharded(unit, g) for unit, g in zip(units, grads)]
+        return self._applier(units, grads, deltas)
 
     def momenta(self):
         out = []
         for unit in self.units:
             m = unit.momentum_tensor()
-            out += [m[off : off + numel] for off, numel, _, _ in unit.segments]
+            origin = unit.base if unit.hybrid else 0
+            out += [m[start - origin : end - origin] for _, start, end in _segments(unit)]
         return out
 
     def local_state_dict(self) -> dict:
@@ -536,8 +691,12 @@ def _norm_order(model, units) -> list:
     return [v for _, v in keyed]
 
 
+_HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
 def _units(att, opt, model):
-    """Checks an FSDP1 model; returns (its units, its FSDP states, its process group)."""
+    """Checks an FSDP1 model; returns (its units, its FSDP states, its
+    process group, the inter-node group of hybrid sharding or None)."""
     try:
         states = torch_internals.fsdp1_states(model)
     except AttributeError as err:
@@ -549,7 +708,7 @@ def _units(att, opt, model):
     known = opt.param_group_of()
     units: List[_Unit] = []
     covered = set()
-    group0 = None
+    group0 = replicas0 = hybrid0 = None
     for state in states:
         if not isinstance(state, FSDP):
             raise NotImplementedError(
@@ -558,14 +717,29 @@ def _units(att, opt, model):
         name = names.get(state, "?")
         label = f"FSDP instance '{name or '<root>'}'"
         strategy = state.sharding_strategy
-        if strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
+        # Hybrid: the instance has an inter-node group. (With one rank a node
+        # FSDP runs a hybrid instance as NO_SHARD, whose reduction covers the
+        # node alone: the whole gradient is the node's, and the replicas vote.)
+        replicas = torch_internals.fsdp1_inter_node_group(state)
+        hybrid = strategy.name in _HYBRID or replicas is not None
+        if hybrid0 is None:
+            hybrid0 = hybrid
+        elif hybrid != hybrid0:
             raise NotImplementedError(
-                f"{_WHERE}: {label} uses sharding_strategy={strategy.name}; hybrid sharding is not supported "
-                f"by FSDP1 (torch's register_comm_hook refuses hybrid strategies). FULL_SHARD, SHARD_GRAD_OP and "
-                f"NO_SHARD are; for several nodes use FSDP2's fully_shard over a 2-D mesh, init_device_mesh("
-                f"device_type, (nodes, ranks_per_node), mesh_dim_names=('replicate', 'shard')): HSDP, each node one "
-                f"Distributed Lion worker (docs/fsdp.md, 'Several nodes: HSDP')"
+                f"{_WHERE} on rank {dist.get_rank()}: {label} uses sharding_strategy={strategy.name} and the root "
+                f"{'does not' if hybrid else 'does'} shard hybrid; one model either shards hybrid (HYBRID_SHARD, "
+                f"_HYBRID_SHARD_ZERO2: each node one Distributed Lion worker) in every FSDP instance or in none"
             )
+        if hybrid:
+            if replicas is None:
+                raise torch_internals.unsupported(_WHERE, f"{label} shards hybrid but has no _inter_node_pg")
+            if replicas0 is None:
+                replicas0 = replicas
+            elif replicas is not replicas0:
+                raise NotImplementedError(
+                    f"{_WHERE} on rank {dist.get_rank()}: {label} has another inter-node process group than the "
+                    f"root; pass the same process_group=(intra_node, inter_node) (or device_mesh) to every instance"
+                )
         hook = torch_internals.fsdp1_comm_hook(state)
         if hook is not None:
             raise RuntimeError(
@@ -619,7 +793,8 @@ def _units(att, opt, model):
                 f"its size is {layout.unpadded_numel}"
             )
         sharded = strategy != ShardingStrategy.NO_SHARD
-        units.append(_Unit(att, state, layout, name, segments, off, sharded, state.process_group))
+        units.append(_Unit(att, state, layout, name, segments, off, sharded, state.process_group,
+                           replicas0 if hybrid else None))
     if not units:
         raise ValueError(f"{_WHERE}: the model has no parameters managed by FSDP")
     stray = [p for p in known if p not in covered]
@@ -628,36 +803,75 @@ def _units(att, opt, model):
             f"{_WHERE}: {len(stray)} of this optimizer's parameters are not managed by the FSDP model "
             f"(with use_orig_params=False pass model.parameters(), the FlatParameters)"
         )
+    if replicas0 is not None:
+        _check_hybrid(opt, group0, replicas0, units[0].device)
+        return units, states, group0, replicas0
     backend_for(group0, units[0].device, "attach (FSDP1)")  # a lionbit group, or a clear error
-    return units, states, group0
+    return units, states, group0, None
+
+
+def _check_hybrid(opt, nodes_group, replicas, device) -> None:
+    """What hybrid sharding cannot do: refused at attach, naming the argument."""
+    layout = f"{replicas.size()} nodes x {nodes_group.size()} ranks"
+    if opt.aggregation == "l1":
+        raise NotImplementedError(
+            f"{_WHERE}: argument 'aggregation'='l1' is not supported with hybrid sharding (rank {dist.get_rank()}, "
+            f"{layout}): its L1 scale is per tensor, and a rank holds only its shard of the node's; use 'vote' or "
+            f"'avg'"
+        )
+    if getattr(opt.voter, "hierarchy", "flat") != "flat":
+        raise ValueError(
+            f"{_WHERE}: argument 'hierarchy'={opt.voter.hierarchy!r} does not apply to hybrid sharding (rank "
+            f"{dist.get_rank()}, {layout}): the replicas already vote over the inter-node group, one rank a node; "
+            f"use hierarchy='flat'"
+        )
+    # the vote's group must be lionbit's (a clear error otherwise)
+    backend_for(replicas, device, "attach (FSDP1 hybrid: the inter-node group)")
 
 
 # -- checkpoints --------------------------------------------------------------
 
 
+def _whose(att) -> dict:
+    """Whose momentum a per-rank file holds: this rank of its group; hybrid:
+    this global rank, of the layout (nodes x ranks per node) that shards it."""
+    g = att.units[0].group
+    if not att.hybrid:
+        return {"rank": g.rank(), "world_size": g.size()}
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
+            "hybrid": f"{att.replicas.size()} nodes x {g.size()} ranks"}
+
+
 def local_state_dict(att) -> dict:
     """This rank's optimizer state for a per-rank file: the momentum of each
-    FSDP instance (flat, full-size), keyed by the instance's module name,
-    and the hyperparameters of every group."""
+    FSDP instance (flat, full-size; hybrid: this rank's shard of its node's,
+    the FlatParameter's local shard's size), keyed by the instance's module
+    name, and the hyperparameters of every group."""
     opt = att.opt
-    g = att.units[0].group
     return {
         "momentum": {u.name: u.momentum_tensor().clone() for u in att.units},
         "param_groups": [{k: v for k, v in grp.items() if k != "params"} for grp in opt.param_groups],
         "aggregation": opt.aggregation,
-        "rank": g.rank(),
-        "world_size": g.size(),
+        **_whose(att),
     }
 
 
 def load_local_state_dict(att, sd: dict) -> None:
     where = "DistributedLion.load_local_state_dict"
     opt = att.opt
-    g = att.units[0].group
-    if (sd.get("rank"), sd.get("world_size")) != (g.rank(), g.size()):
+    mine = _whose(att)
+    if sd.get("hybrid") != mine.get("hybrid"):
         raise ValueError(
-            f"{where} on rank {g.rank()}: the file holds rank {sd.get('rank')} of {sd.get('world_size')}, "
-            f"this is rank {g.rank()} of {g.size()} (each rank loads its own file; same world size)"
+            f"{where} on rank {mine['rank']}: the file was written "
+            f"{'with hybrid sharding over ' + sd['hybrid'] if sd.get('hybrid') else 'without hybrid sharding'}, "
+            f"this run {'shards hybrid over ' + mine['hybrid'] if att.hybrid else 'does not shard hybrid'}; "
+            f"each worker's momentum (one per rank, or one per node sharded over its ranks) follows its own data, "
+            f"so resume on the same layout"
+        )
+    if (sd.get("rank"), sd.get("world_size")) != (mine["rank"], mine["world_size"]):
+        raise ValueError(
+            f"{where} on rank {mine['rank']}: the file holds rank {sd.get('rank')} of {sd.get('world_size')}, "
+            f"this is rank {mine['rank']} of {mine['world_size']} (each rank loads its own file; same world size)"
         )
     if sd.get("aggregation") != opt.aggregation:
         raise ValueError(
@@ -676,9 +890,9 @@ def load_local_state_dict(att, sd: dict) -> None:
         )
     for name, m in sd["momentum"].items():
         u = units[name]
-        if m.numel() != u.numel:
+        if m.numel() != u.momentum_numel:
             raise ValueError(
-                f"{where}: momentum of FSDP instance '{name}' has {m.numel()} elements, expected {u.numel}"
+                f"{where}: momentum of FSDP instance '{name}' has {m.numel()} elements, expected {u.momentum_numel}"
             )
         u.momentum_tensor().copy_(m.reshape(-1))
     for mine, saved in zip(opt.param_groups, sd["param_groups"]):

@@ -5,7 +5,8 @@ the parameters updated. Nothing changes on any rank until every chunk's
 vote is done: a non-finite direction on any rank (reported to every rank by
 the vote's header round, before any data moves) leaves every rank's state
 as it was. Used by a plain module, by DDP (when the votes did not start in
-backward) and by FSDP1 ``NO_SHARD``.
+backward) and by FSDP1 ``NO_SHARD``; :func:`voted_step` and
+:func:`node_agreed` by every integration.
 """
 
 import logging
@@ -202,6 +203,41 @@ def unscale(opt, scaler) -> dict:
     if torch_internals.scaler_stage(scaler, opt) is OptState.READY:
         scaler.unscale_(opt)
     return torch_internals.scaler_found_inf(scaler, opt)
+
+
+def node_agreed(vote: Callable[[], Callable[[], None]], replicas, shard_group, device, what: str):
+    """Hybrid sharding (FSDP2 HSDP, FSDP1 HYBRID_SHARD): ``vote()`` (the
+    replicas' votes of this rank's shards), then the ranks of each node agree
+    whether to step. A vote's header round tells only the replicas of one
+    shard that a direction was non-finite; the ranks of a node hold different
+    shards of one worker, which must step or skip together (a GradScaler
+    skip, or the error, on every rank). One all-reduce of world-size flags
+    over ``shard_group`` (inside the node) carries the non-finite ranks
+    (global numbers) and any other failure of a rank's vote. Returns what
+    ``vote()`` returned; raises :class:`NonFinite` on every rank alike."""
+    world = dist.get_world_size()
+    flags = torch.zeros(world + 1, dtype=torch.int32, device=device)
+    apply, failure = None, None
+    try:
+        apply = vote()
+    except NonFinite as bad:
+        for r in bad.ranks:
+            flags[dist.get_global_rank(replicas, r)] = 1
+    except Exception as err:  # re-raised below, after the node heard of it (no peer waits forever)
+        failure = err
+        flags[world] = 1
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=shard_group)
+    if failure is not None:
+        raise failure
+    if int(flags[world]):
+        raise RuntimeError(
+            f"DistributedLion.step ({what}) on rank {dist.get_rank()}: another rank of this node failed its "
+            f"vote (its own error says why); no parameter or momentum changed on this rank"
+        )
+    ranks = [r for r in range(world) if int(flags[r])]
+    if ranks:
+        raise NonFinite(ranks)
+    return apply
 
 
 def voted_step(opt, grad_scaler, vote: Callable[[], Callable[[], None]], group, abstain: bool = False) -> bool:

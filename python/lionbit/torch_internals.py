@@ -19,6 +19,14 @@ passes that unit no all-reduce group: FSDP then runs its 1-D path over the
 shard group (its reduce-scatter, averaging, dtype, accumulation into
 ``p.grad`` and post-accumulate-grad hooks all unchanged).
 
+FSDP1 hybrid sharding (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``): FSDP1
+reduce-scatters inside the node and all-reduces over ``_inter_node_pg``,
+unless the instance has a comm hook, which replaces both; the public
+``register_comm_hook`` refuses hybrid strategies, so lionbit sets the two
+attributes it would set (:func:`fsdp1_set_comm_hook`). lionbit's hook does
+the reduce-scatter inside the node itself (a node mean) and the replicas
+vote at ``step()``.
+
 Two generations of FSDP2 are known: torch >= 2.12 (a list of parameter groups
 per module and a per-group hook ``_prepare_reduce_scatter_inputs`` that returns
 the padded sizes) and torch 2.11 (one group per module, and the padded sizes
@@ -65,9 +73,13 @@ NAMES = (
     # FSDP1
     Name("torch.distributed.fsdp._traversal_utils._get_fsdp_states", "every FSDP1 instance of a model"),
     Name("FullyShardedDataParallel._handle", "an FSDP1 instance's FlatParameter"),
-    Name("FullyShardedDataParallel._comm_hook", "checks: no other comm hook; register_comm_hook reached all"),
+    Name("FullyShardedDataParallel._comm_hook",
+         "checks: no other comm hook; register_comm_hook reached all; set directly on hybrid instances "
+         "(register_comm_hook refuses HYBRID_SHARD, whose inter-node all-reduce the hook replaces)"),
     Name("FullyShardedDataParallel._comm_hook_state",
          "one hook state per FSDP1 instance (register_comm_hook sets one for all)"),
+    Name("FullyShardedDataParallel._inter_node_pg",
+         "FSDP1 hybrid sharding: the group of a shard's replicas across nodes, over which they vote"),
     Name("FlatParamHandle._use_orig_params", "where the original parameters' .grad live"),
     Name("FlatParameter._params", "the original parameters (use_orig_params=True)"),
     Name("FlatParameter._numels_with_padding", "the FlatParameter's layout: each original parameter's span"),
@@ -238,6 +250,22 @@ def fsdp1_comm_hook(state):
 def fsdp1_set_hook_state(state, hook_state) -> None:
     """register_comm_hook gives every instance the root's state: each gets its own."""
     state._comm_hook_state = hook_state
+
+
+def fsdp1_set_comm_hook(state, hook, hook_state) -> None:
+    """What register_comm_hook sets, on one instance. For HYBRID_SHARD and
+    _HYBRID_SHARD_ZERO2, which register_comm_hook refuses: FSDP1's
+    _reduce_grad then calls the hook in place of its reduce-scatter and runs
+    no all-reduce over the inter-node group (lionbit's replicas vote at
+    step() instead)."""
+    state._comm_hook = hook
+    state._comm_hook_state = hook_state
+
+
+def fsdp1_inter_node_group(state):
+    """A hybrid instance's inter-node group (the replicas of this rank's
+    shard, one rank a node); None for the other strategies."""
+    return getattr(state, "_inter_node_pg", None)
 
 
 def fsdp1_clear_comm_hook(state) -> None:

@@ -184,7 +184,9 @@ def test_fsdp1_per_rank_checkpoint_resume_is_bitwise(tmp_path):
 
 
 ERRORS = {
-    "hybrid": "hybrid sharding is not supported",
+    "hybrid_l1": "argument 'aggregation'='l1' is not supported with hybrid sharding (rank ",
+    "hybrid_node_hierarchy": "argument 'hierarchy'='node' does not apply to hybrid sharding (rank ",
+    "hybrid_and_not": "uses sharding_strategy=FULL_SHARD and the root does shard hybrid",
     "mixed_precision": "MixedPrecision is not supported",
     "missing_param": "is not in this optimizer",
     "missing_orig_param": "'b.weight' is not in this optimizer",
@@ -209,15 +211,23 @@ def _error_case(rank, world_size, case):
 
     import lionbit
 
-    def attach(model, params=None):
-        opt = lionbit.DistributedLion(model.parameters() if params is None else params)
+    def attach(model, params=None, **kw):
+        opt = lionbit.DistributedLion(model.parameters() if params is None else params, **kw)
         return opt.attach(model)
 
-    if case == "hybrid":
+    if case.startswith("hybrid"):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard"))
-        attach(FSDP(_net(), device_id=CPU, device_mesh=mesh, sharding_strategy=ShardingStrategy.HYBRID_SHARD))
+        hybrid = dict(device_id=CPU, device_mesh=mesh, sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+        if case == "hybrid_l1":
+            attach(FSDP(_net(), **hybrid), aggregation="l1", bits=2)
+        elif case == "hybrid_node_hierarchy":
+            attach(FSDP(_net(), **hybrid), hierarchy="node")
+        else:  # a FULL_SHARD instance inside a hybrid root
+            model = _net()
+            model.a = FSDP(model.a, device_id=CPU, process_group=mesh.get_group(1))
+            attach(FSDP(model, **hybrid))
     elif case == "mixed_precision":
         attach(FSDP(_net(), device_id=CPU, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)))
     elif case == "missing_param":

@@ -282,6 +282,20 @@ def probe(rank, world_size):
         check("FullyShardedDataParallel._comm_hook", comm_hook)
         check("FullyShardedDataParallel._comm_hook_state", comm_hook)
 
+    # FSDP1 hybrid sharding: 2 nodes x 1 rank; the hook set without register_comm_hook.
+    from test_fsdp1_hybrid import hybrid_probe
+
+    hybrid = {}
+
+    def hybrid_hooked():
+        if not hybrid:
+            hybrid["ok"] = hybrid_probe(rank, world_size)
+        return hybrid["ok"]
+
+    check("FullyShardedDataParallel._inter_node_pg", hybrid_hooked)
+    if out["FullyShardedDataParallel._comm_hook"] is None:
+        check("FullyShardedDataParallel._comm_hook", hybrid_hooked)
+
     # FSDP2: three units (a, b, root).
     model = _shard(_net(0))
     groups = [g for m in model.modules() if isinstance(m, FSDPModule) for g in ti.fsdp2_param_groups(m, "probe")]
