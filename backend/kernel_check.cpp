@@ -19,6 +19,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <tuple>
 
 #include "signbits/count.h"
 #include "signbits/levels.h"
@@ -377,11 +378,34 @@ void check_count_bits(Checker& ck) {
   }
 }
 
-// Zero lists: (words, set bits, capacity) from one bit in a word to a dense
-// plane; capacity 0, odd and even.
+// A plane of `runs` runs of `len` set bits each (runs * (len + 1) <= the
+// plane's bits): each in its own stretch of the plane, at a random place in
+// it, a clear bit after it.
+Bytes plane_of_runs(Rng& rng, size_t bytes, size_t runs, size_t len) {
+  Bytes b(bytes, 0);
+  const size_t stretch = runs == 0 ? 0 : bytes * 8 / runs;
+  for (size_t r = 0; r < runs; ++r) {
+    const size_t at = r * stretch + rng.below(stretch - len);
+    for (size_t i = at; i < at + len; ++i) {
+      set_bit(b, i);
+    }
+  }
+  return b;
+}
+
+// Zero planes and their codes, from one bit in a word to a dense plane:
+// scattered bits announced without their runs (bits::ZeroCode::at_most, as
+// a list or a plane), and runs announced exactly and with room to spare
+// (the runs form), in planes of 1, 4 and 70 words.
 struct ZeroCase {
-  size_t words, k;
-  uint64_t cap;
+  size_t words, k; // scattered: k bits
+  size_t runs, len; // clustered: runs of len bits (runs > 0)
+  bits::ZeroCode code;
+
+  Bytes plane(Rng& rng) const {
+    return runs > 0 ? plane_of_runs(rng, words * 8, runs, len)
+                    : plane_with(rng, words * 8, k, words * 64);
+  }
 };
 
 std::vector<ZeroCase> zero_cases() {
@@ -389,8 +413,15 @@ std::vector<ZeroCase> zero_cases() {
   for (size_t words : {size_t{1}, size_t{4}, size_t{70}}) {
     for (size_t k : {size_t{0}, size_t{1}, size_t{3}, size_t{16}}) {
       for (uint64_t cap : {uint64_t{k}, uint64_t{k + 1}, uint64_t{words * 64}}) {
-        out.push_back({words, k, cap});
+        out.push_back({words, k, 0, 0, bits::ZeroCode::at_most(cap)});
       }
+    }
+  }
+  for (const auto& [words, runs, len] : std::vector<std::tuple<size_t, size_t, size_t>>{
+           {1, 1, 40}, {4, 1, 100}, {4, 2, 50}, {70, 1, 2000}, {70, 3, 300}, {70, 9, 17}}) {
+    const uint64_t bits = runs * len;
+    for (uint64_t spare : {uint64_t{0}, uint64_t{1}}) {
+      out.push_back({words, 0, runs, len, bits::ZeroCode{bits + spare, runs + spare}});
     }
   }
   return out;
@@ -398,27 +429,59 @@ std::vector<ZeroCase> zero_cases() {
 
 std::string zero_params(const ZeroCase& z, const char* variant) {
   return c10::str(
-      "words=", z.words, ", bits=", z.k, ", capacity=", z.cap,
-      bits::zeros_as_list(z.cap, z.words) ? " (list)" : " (plane)", variant);
+      "words=", z.words,
+      z.runs > 0 ? c10::str(", runs=", z.runs, "x", z.len) : c10::str(", bits=", z.k), ", code=(",
+      z.code.zeros, ", ", z.code.runs, ") (",
+      bits::zero_form_name(bits::zero_form(z.code, z.words)), ")", variant);
+}
+
+void check_zero_codes(Checker& ck) {
+  for (size_t words : {size_t{1}, size_t{4}, size_t{13}}) {
+    for (size_t block : {size_t{0}, size_t{1}, size_t{2}, size_t{4}, words}) {
+      for (bool runs : {false, true}) {
+        ck.run(
+            Kernel::kZeroCodes,
+            c10::str("words=", words, ", block=", block, runs ? ", runs" : ", random bits"),
+            [&](Rng& rng) {
+              const Tensor plane = ck.bytes(
+                  runs ? plane_of_runs(rng, words * 8, words * 2, 5)
+                       : random_bytes(rng, words * 8));
+              const std::vector<bits::ZeroCode> a = ck.cand.zero_codes(plane, block);
+              const std::vector<bits::ZeroCode> b = ck.ref.zero_codes(plane, block);
+              if (a.size() != b.size()) {
+                return same_value("blocks", a.size(), b.size());
+              }
+              for (size_t k = 0; k < a.size(); ++k) {
+                if (a[k] != b[k]) {
+                  return c10::str(
+                      "block ", k, ": candidate (", a[k].zeros, ", ", a[k].runs, "), reference (",
+                      b[k].zeros, ", ", b[k].runs, ")");
+                }
+              }
+              return std::string();
+            });
+      }
+    }
+  }
 }
 
 void check_encode_zeros(Checker& ck) {
   for (const ZeroCase& z : zero_cases()) {
     ck.run(Kernel::kEncodeZeros, zero_params(z, ""), [&](Rng& rng) {
-      const Tensor plane = ck.bytes(plane_with(rng, z.words * 8, z.k, z.words * 64));
-      const Bytes init = random_bytes(rng, bits::zero_encoding_bytes(z.cap, z.words) + 8);
+      const Tensor plane = ck.bytes(z.plane(rng));
+      const Bytes init = random_bytes(rng, bits::zero_encoding_bytes(z.code, z.words) + 8);
       Tensor a = ck.bytes(init), b = ck.bytes(init);
-      ck.cand.encode_zeros(plane, z.cap, a);
-      ck.ref.encode_zeros(plane, z.cap, b);
+      ck.cand.encode_zeros(plane, z.code, a);
+      ck.ref.encode_zeros(plane, z.code, b);
       return same("encoding", a, b);
     });
   }
 }
 
-// How a list of zero offsets is spoilt (e: the list's slots, k of them
-// used; lim: the plane's bits). min_k: the used slots it needs; spare: it
-// needs a slot past them. The last bit is valid; an index in the slot past an
-// odd capacity is not, one below an even capacity is.
+// How an encoding is spoilt (e: its uint32 slots, k of them used; lim: the
+// plane's bits). min_k: the used slots it needs; spare: it needs a slot past
+// them. The last bit is valid; an index in the slot past an odd capacity is
+// not, one below an even capacity is. A run is two slots (first, end).
 struct ListFault {
   const char* name;
   size_t min_k;
@@ -447,29 +510,54 @@ std::vector<ListFault> list_faults() {
   };
 }
 
+// The same for runs (k runs used: slots 2k).
+std::vector<ListFault> run_faults() {
+  return {
+      {", a run empty", 1, false, [](auto& e, size_t, uint32_t) { e[1] = e[0]; }},
+      {", a run reversed", 1, false, [](auto& e, size_t, uint32_t) { std::swap(e[0], e[1]); }},
+      {", a run to the plane's end", 1, false,
+       [](auto& e, size_t k, uint32_t lim) { e[2 * k - 1] = lim; }},
+      {", a run past the plane", 1, false,
+       [](auto& e, size_t k, uint32_t lim) { e[2 * k - 1] = lim + 1; }},
+      {", runs touching", 2, false, [](auto& e, size_t, uint32_t) { e[2] = e[1]; }},
+      {", runs overlapping", 2, false, [](auto& e, size_t, uint32_t) { e[2] = e[1] - 1; }},
+      {", half a padding", 1, true,
+       [](auto& e, size_t k, uint32_t) { e[2 * k + 1] = e[2 * k - 1] + 1; }},
+      {", a run after padding", 1, true,
+       [](auto& e, size_t k, uint32_t) {
+         std::swap(e[2 * k - 2], e[2 * k]);
+         std::swap(e[2 * k - 1], e[2 * k + 1]);
+       }},
+  };
+}
+
 void check_decode_zeros(Checker& ck) {
   for (const ZeroCase& z : zero_cases()) {
-    const bool list = bits::zeros_as_list(z.cap, z.words);
-    const size_t slots = static_cast<size_t>((z.cap + 1) & ~uint64_t{1});
+    const bits::ZeroForm form = bits::zero_form(z.code, z.words);
+    const bool runs = form == bits::ZeroForm::kRuns;
+    const size_t slots = bits::zero_encoding_bytes(z.code, z.words) / 4;
+    const size_t used = runs ? z.runs : z.k;
     std::vector<const ListFault*> variants{nullptr};
-    static const std::vector<ListFault> faults = list_faults();
-    for (const ListFault& f : faults) {
-      if (list && z.k >= f.min_k && (!f.spare || slots > z.k)) {
-        variants.push_back(&f);
+    static const std::vector<ListFault> faults = list_faults(), rfaults = run_faults();
+    if (form == bits::ZeroForm::kList || runs) {
+      for (const ListFault& f : runs ? rfaults : faults) {
+        if (used >= f.min_k && (!f.spare || slots > (runs ? 2 : 1) * used)) {
+          variants.push_back(&f);
+        }
       }
     }
     for (const ListFault* fault : variants) {
       ck.run(Kernel::kDecodeZeros, zero_params(z, fault ? fault->name : ""), [&](Rng& rng) {
-        const Tensor plane = ck.bytes(plane_with(rng, z.words * 8, z.k, z.words * 64));
-        Tensor enc = ck.bytes(Bytes(bits::zero_encoding_bytes(z.cap, z.words)));
-        ck.ref.encode_zeros(plane, z.cap, enc);
+        const Tensor plane = ck.bytes(z.plane(rng));
+        Tensor enc = ck.bytes(Bytes(bits::zero_encoding_bytes(z.code, z.words)));
+        ck.ref.encode_zeros(plane, z.code, enc);
         if (fault != nullptr) {
           Bytes b = host(enc);
           std::vector<uint32_t> e(slots);
           for (size_t j = 0; j < slots; ++j) {
             e[j] = u32_at(b, j);
           }
-          fault->apply(e, z.k, static_cast<uint32_t>(z.words * 64));
+          fault->apply(e, used, static_cast<uint32_t>(z.words * 64));
           for (size_t j = 0; j < slots; ++j) {
             put_u32(b, j, e[j]);
           }
@@ -477,23 +565,26 @@ void check_decode_zeros(Checker& ck) {
         }
         const Bytes init = random_bytes(rng, z.words * 8);
         Tensor a = ck.bytes(init), b = ck.bytes(init);
-        const bool ok_a = ck.cand.decode_zeros(enc, z.cap, a);
-        const bool ok_b = ck.ref.decode_zeros(enc, z.cap, b);
+        const bool ok_a = ck.cand.decode_zeros(enc, z.code, a);
+        const bool ok_b = ck.ref.decode_zeros(enc, z.code, b);
         return first_of(
             {same_value("accepted", ok_a, ok_b), ok_a && ok_b ? same("plane", a, b) : ""});
       });
     }
   }
-  // Noise in a list's place.
-  for (uint64_t cap : {uint64_t{3}, uint64_t{8}}) {
+  // Noise in an encoding's place: lists, runs.
+  for (const bits::ZeroCode code :
+       {bits::ZeroCode::at_most(3), bits::ZeroCode::at_most(8), bits::ZeroCode{400, 3},
+        bits::ZeroCode{400, 8}}) {
     ck.run(
-        Kernel::kDecodeZeros, c10::str("words=70, capacity=", cap, ", random bytes"),
+        Kernel::kDecodeZeros,
+        c10::str("words=70, code=(", code.zeros, ", ", code.runs, "), random bytes"),
         [&](Rng& rng) {
-          const Tensor enc = ck.bytes(random_bytes(rng, bits::zero_encoding_bytes(cap, 70)));
+          const Tensor enc = ck.bytes(random_bytes(rng, bits::zero_encoding_bytes(code, 70)));
           const Bytes init = random_bytes(rng, 70 * 8);
           Tensor a = ck.bytes(init), b = ck.bytes(init);
-          const bool ok_a = ck.cand.decode_zeros(enc, cap, a);
-          const bool ok_b = ck.ref.decode_zeros(enc, cap, b);
+          const bool ok_a = ck.cand.decode_zeros(enc, code, a);
+          const bool ok_b = ck.ref.decode_zeros(enc, code, b);
           return first_of(
               {same_value("accepted", ok_a, ok_b), ok_a && ok_b ? same("plane", a, b) : ""});
         });
@@ -979,6 +1070,7 @@ std::vector<KernelMismatch> check_kernels(
   check_pack_levels(ck);
   check_clean(ck);
   check_count_bits(ck);
+  check_zero_codes(ck);
   check_encode_zeros(ck);
   check_decode_zeros(ck);
   check_count_and_vote(ck);

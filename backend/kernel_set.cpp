@@ -65,6 +65,8 @@ const char* kernel_name(Kernel k) {
       return "clean";
     case Kernel::kCountBits:
       return "count_bits";
+    case Kernel::kZeroCodes:
+      return "zero_codes";
     case Kernel::kEncodeZeros:
       return "encode_zeros";
     case Kernel::kDecodeZeros:

@@ -35,6 +35,7 @@
 #include "signbits/pack.h"
 #include "signbits/ties.h"
 #include "signbits/types.h"
+#include "signbits/zeros.h"
 
 namespace lionbit {
 
@@ -56,6 +57,7 @@ enum class Kernel : int {
   kPackLevels,
   kClean,
   kCountBits,
+  kZeroCodes,
   kEncodeZeros,
   kDecodeZeros,
   kCountCode,
@@ -136,12 +138,20 @@ class KernelSet {
   // (plane.numel() / 8 a multiple of block_words), on the host.
   virtual std::vector<uint64_t> count_bits(const at::Tensor& plane, size_t block_words) const = 0;
 
-  // bits::encode_zeros of `plane` (its words) with `capacity` into `out`
-  // (bits::zero_encoding_bytes(capacity, words) bytes).
-  virtual void encode_zeros(const at::Tensor& plane, uint64_t capacity, at::Tensor& out) const = 0;
+  // The set bits and runs of set bits (bits::count_bits, bits::count_runs)
+  // of each consecutive block of `block_words` words of `plane`, on the
+  // host: each block's bits::ZeroCode.
+  virtual std::vector<bits::ZeroCode> zero_codes(const at::Tensor& plane, size_t block_words)
+      const = 0;
+
+  // bits::encode_zeros of `plane` (its words) announced with `code` into
+  // `out` (bits::zero_encoding_bytes(code, words) bytes).
+  virtual void encode_zeros(const at::Tensor& plane, const bits::ZeroCode& code, at::Tensor& out)
+      const = 0;
 
   // bits::decode_zeros of `in` into `plane` (its words). False: corrupt.
-  virtual bool decode_zeros(const at::Tensor& in, uint64_t capacity, at::Tensor& plane) const = 0;
+  virtual bool decode_zeros(const at::Tensor& in, const bits::ZeroCode& code, at::Tensor& plane)
+      const = 0;
 
   // bits::count_code of the contributions (every plane the same number of
   // words) into `out`: code_planes(N, any zero plane defined) planes.

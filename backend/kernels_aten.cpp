@@ -129,6 +129,42 @@ Tensor le_value(const Tensor& bytes) {
   return bytes.to(at::kLong).bitwise_left_shift(shifts).sum(1);
 }
 
+// Set bits of each 64-bit word of `bytes` (a whole number of words), as
+// int64: a per-byte popcount (the SWAR halving steps on uint8), the 8 bytes
+// of a word added within an int64 (at most 64: no carry leaves a byte, no
+// sign bit).
+Tensor popcounts(const Tensor& bytes) {
+  Tensor x = bytes - bytes.bitwise_right_shift(1).bitwise_and_(0x55);
+  x = x.bitwise_and(0x33) + x.bitwise_right_shift(2).bitwise_and_(0x33);
+  x = (x + x.bitwise_right_shift(4)).bitwise_and_(0x0f).view(at::kLong);
+  x = x + x.bitwise_right_shift(8);
+  x.add_(x.bitwise_right_shift(16));
+  x.add_(x.bitwise_right_shift(32));
+  return x.bitwise_and_(0xff);
+}
+
+// The first (`first`) or last bits of the runs of set bits of `bytes`, as a
+// plane of the same size, each block of `block` bytes on its own (a run
+// never continues across a block's edge). Bit i is bit i % 8 of byte i / 8,
+// so a neighbour in the next byte is its bit 0, in the previous its bit 7.
+Tensor run_edges(const Tensor& bytes, int64_t block, bool first) {
+  const int64_t n = bytes.numel();
+  const Tensor x = bytes.to(at::kInt);
+  Tensor carry = at::zeros({n}, opts(bytes, at::kInt));
+  if (n > 1) {
+    if (first) {
+      carry.narrow(0, 1, n - 1).copy_(x.narrow(0, 0, n - 1).bitwise_right_shift(7));
+    } else {
+      carry.narrow(0, 0, n - 1).copy_(x.narrow(0, 1, n - 1).bitwise_and(1).bitwise_left_shift(7));
+    }
+    // No neighbour across a block's edge.
+    carry.view({n / block, block}).select(1, first ? 0 : block - 1).zero_();
+  }
+  const Tensor neighbour = first ? x.bitwise_left_shift(1).bitwise_or_(carry)
+                                 : x.bitwise_right_shift(1).bitwise_or_(carry);
+  return x.bitwise_and(neighbour.bitwise_not()).bitwise_and_(0xff).to(at::kByte);
+}
+
 // A small host copy of an on-device value's bytes (a list's length).
 uint64_t host_u64(const Tensor& eight_bytes) {
   const Tensor h = eight_bytes.cpu().contiguous();
@@ -349,76 +385,125 @@ class AtenKernelSet final : public KernelSet {
     sign.bitwise_and_(zero.bitwise_not());
   }
 
-  // count_bits: a per-byte popcount (the SWAR halving steps on uint8), the
-  // 8 bytes of a word added within an int64 (at most 64: no carry leaves a
-  // byte, no sign bit), then a sum per block.
+  // count_bits: popcounts() per block, summed on the device, one copy back.
   std::vector<uint64_t> count_bits(const Tensor& plane, size_t block) const override {
     const int64_t blocks = block == 0 ? 0 : words_in(plane) / static_cast<int64_t>(block);
     std::vector<uint64_t> out(static_cast<size_t>(blocks));
     if (blocks == 0) {
       return out;
     }
-    Tensor x = plane.narrow(0, 0, blocks * static_cast<int64_t>(block) * 8);
-    x = x - x.bitwise_right_shift(1).bitwise_and_(0x55);
-    x = x.bitwise_and(0x33) + x.bitwise_right_shift(2).bitwise_and_(0x33);
-    x = (x + x.bitwise_right_shift(4)).bitwise_and_(0x0f).view(at::kLong);
-    x = x + x.bitwise_right_shift(8);
-    x.add_(x.bitwise_right_shift(16));
-    x.add_(x.bitwise_right_shift(32));
-    const Tensor sums =
-        x.bitwise_and_(0xff).view({blocks, -1}).sum(1, false, at::kLong).cpu().contiguous();
+    const Tensor x = plane.narrow(0, 0, blocks * static_cast<int64_t>(block) * 8);
+    const Tensor sums = popcounts(x).view({blocks, -1}).sum(1, false, at::kLong).cpu().contiguous();
     std::memcpy(out.data(), sums.data_ptr<int64_t>(), out.size() * 8);
     return out;
   }
 
-  // The zero lists (zeros.h): a list is nonzero()'s positions as uint32,
-  // padded with kNoIndex; decoding checks what zeros.cpp checks, on the
-  // device, and reads one boolean back.
-  void encode_zeros(const Tensor& plane, uint64_t cap, Tensor& out) const override {
+  // zero_codes: the bits of each block and of its run starts (a set bit
+  // whose predecessor in the block is clear), counted in one reduction.
+  std::vector<bits::ZeroCode> zero_codes(const Tensor& plane, size_t block) const override {
+    const int64_t blocks = block == 0 ? 0 : words_in(plane) / static_cast<int64_t>(block);
+    std::vector<bits::ZeroCode> out(static_cast<size_t>(blocks));
+    if (blocks == 0) {
+      return out;
+    }
+    const int64_t bytes = blocks * static_cast<int64_t>(block) * 8;
+    const Tensor x = plane.narrow(0, 0, bytes);
+    const Tensor both = at::cat({x, run_edges(x, static_cast<int64_t>(block) * 8, true)});
+    const Tensor sums =
+        popcounts(both).view({2, blocks, -1}).sum(2, false, at::kLong).cpu().contiguous();
+    const int64_t* v = sums.data_ptr<int64_t>();
+    for (int64_t k = 0; k < blocks; ++k) {
+      out[static_cast<size_t>(k)] = bits::ZeroCode{
+          static_cast<uint64_t>(v[k]), static_cast<uint64_t>(v[blocks + k])};
+    }
+    return out;
+  }
+
+  // The zero encodings (zeros.h): a list is nonzero()'s positions as
+  // uint32, runs the positions of the run edges paired, both padded with
+  // kNoIndex; decoding checks what zeros.cpp checks, on the device, and
+  // reads one boolean back.
+  void encode_zeros(const Tensor& plane, const bits::ZeroCode& code, Tensor& out) const override {
     const int64_t words = words_in(plane);
-    if (cap == 0) {
+    const bits::ZeroForm form = bits::zero_form(code, static_cast<size_t>(words));
+    const Tensor x = plane.narrow(0, 0, words * 8);
+    if (form == bits::ZeroForm::kNone) {
       return;
     }
-    if (!bits::zeros_as_list(cap, static_cast<size_t>(words))) {
-      out.narrow(0, 0, words * 8).copy_(plane.narrow(0, 0, words * 8));
+    if (form == bits::ZeroForm::kPlane) {
+      out.narrow(0, 0, words * 8).copy_(x);
       return;
     }
-    const int64_t slots = static_cast<int64_t>((cap + 1) & ~uint64_t{1});
-    const Tensor idx = set_bits(plane.narrow(0, 0, words * 8));
-    const int64_t k = std::min<int64_t>(idx.numel(), static_cast<int64_t>(cap));
+    Tensor idx;
+    int64_t slots;
+    if (form == bits::ZeroForm::kList) {
+      slots = static_cast<int64_t>((code.zeros + 1) & ~uint64_t{1});
+      idx = set_bits(x);
+      idx = idx.narrow(0, 0, std::min<int64_t>(idx.numel(), static_cast<int64_t>(code.zeros)));
+    } else {
+      slots = 2 * static_cast<int64_t>(code.runs);
+      const Tensor first = set_bits(run_edges(x, words * 8, true));
+      const Tensor end = set_bits(run_edges(x, words * 8, false)).add_(1);
+      const int64_t r = std::min<int64_t>(first.numel(), static_cast<int64_t>(code.runs));
+      idx = at::stack({first.narrow(0, 0, r), end.narrow(0, 0, r)}, 1).view({-1});
+    }
     Tensor entries = at::full({slots}, int64_t{bits::kNoIndex}, opts(plane, at::kLong));
-    entries.narrow(0, 0, k).copy_(idx.narrow(0, 0, k));
+    entries.narrow(0, 0, idx.numel()).copy_(idx);
     out.narrow(0, 0, slots * 4).copy_(le_bytes(entries, 4).view({-1}));
   }
 
-  bool decode_zeros(const Tensor& in, uint64_t cap, Tensor& plane) const override {
+  bool decode_zeros(const Tensor& in, const bits::ZeroCode& code, Tensor& plane) const override {
     const int64_t words = words_in(plane);
-    if (cap == 0) {
+    const bits::ZeroForm form = bits::zero_form(code, static_cast<size_t>(words));
+    if (form == bits::ZeroForm::kNone) {
       plane.zero_();
       return true;
     }
-    if (!bits::zeros_as_list(cap, static_cast<size_t>(words))) {
+    if (form == bits::ZeroForm::kPlane) {
       plane.copy_(in.narrow(0, 0, words * 8));
       return true;
     }
-    const int64_t slots = static_cast<int64_t>((cap + 1) & ~uint64_t{1});
-    const Tensor v = le_value(in.narrow(0, 0, slots * 4).view({slots, 4}));
-    const Tensor pad = v.eq(int64_t{bits::kNoIndex});
+    const bool list = form == bits::ZeroForm::kList;
+    // Entries: [e, w] offsets (w = 1) or runs' (first, end) (w = 2).
+    const int64_t w = list ? 1 : 2;
+    const int64_t e = list ? static_cast<int64_t>((code.zeros + 1) & ~uint64_t{1})
+                           : static_cast<int64_t>(code.runs);
+    const Tensor v = le_value(in.narrow(0, 0, e * w * 4).view({e * w, 4})).view({e, w});
+    const Tensor first = v.select(1, 0), last = v.select(1, w - 1);
+    const Tensor pad = first.eq(int64_t{bits::kNoIndex});
     const Tensor after_pad = pad.cumsum(0).gt(0); // at or after the first padding
     const Tensor real = after_pad.logical_not();
-    const Tensor k = at::arange(slots, opts(in, at::kLong));
-    Tensor bad = after_pad.logical_and(pad.logical_not()); // an index after padding
-    bad.logical_or_(real.logical_and(k.ge(static_cast<int64_t>(cap))));
-    bad.logical_or_(real.logical_and(v.ge(words * 64)));
-    if (slots > 1) {
-      const Tensor descending = v.narrow(0, 1, slots - 1).le(v.narrow(0, 0, slots - 1));
-      bad.narrow(0, 1, slots - 1).logical_or_(real.narrow(0, 1, slots - 1).logical_and(descending));
+    // An entry after padding, or padding that is not all kNoIndex.
+    Tensor bad = after_pad.logical_and(
+        last.ne(int64_t{bits::kNoIndex}).logical_or(pad.logical_not()));
+    bad.logical_or_(real.logical_and(last.ge(words * 64 + (list ? 0 : 1))));
+    if (list) {
+      const Tensor k = at::arange(e, opts(in, at::kLong));
+      bad.logical_or_(real.logical_and(k.ge(static_cast<int64_t>(code.zeros))));
+    } else {
+      bad.logical_or_(real.logical_and(last.le(first)));
+    }
+    if (e > 1) {
+      // Ascending with a gap: an offset above the one before, a run's first
+      // above the end of the one before.
+      const Tensor close = first.narrow(0, 1, e - 1).le(last.narrow(0, 0, e - 1));
+      bad.narrow(0, 1, e - 1).logical_or_(real.narrow(0, 1, e - 1).logical_and(close));
     }
     if (bad.any().item<bool>()) {
       return false;
     }
-    Tensor bits = at::zeros({words * 64}, opts(in, at::kByte));
-    bits.index_fill_(0, v.masked_select(real), 1);
+    Tensor bits;
+    if (list) {
+      bits = at::zeros({words * 64}, opts(in, at::kByte));
+      bits.index_fill_(0, first.masked_select(real), 1);
+    } else {
+      // +1 at each run's first, -1 at its end: the running sum is 1 inside.
+      const Tensor starts = first.masked_select(real), ends = last.masked_select(real);
+      Tensor delta = at::zeros({words * 64 + 1}, opts(in, at::kLong));
+      delta.index_add_(0, starts, at::ones_like(starts));
+      delta.index_add_(0, ends, at::full_like(ends, -1));
+      bits = delta.cumsum(0).narrow(0, 0, words * 64).to(at::kByte);
+    }
     plane.copy_(pack_bits(bits));
     return true;
   }

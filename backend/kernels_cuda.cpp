@@ -122,12 +122,18 @@ class CudaKernelSet final : public KernelSet {
     return aten_kernels().count_bits(plane, block);
   }
 
-  void encode_zeros(const at::Tensor& plane, uint64_t cap, at::Tensor& out) const override {
-    aten_kernels().encode_zeros(plane, cap, out);
+  std::vector<bits::ZeroCode> zero_codes(const at::Tensor& plane, size_t block) const override {
+    return aten_kernels().zero_codes(plane, block);
   }
 
-  bool decode_zeros(const at::Tensor& in, uint64_t cap, at::Tensor& plane) const override {
-    return aten_kernels().decode_zeros(in, cap, plane);
+  void encode_zeros(const at::Tensor& plane, const bits::ZeroCode& code, at::Tensor& out)
+      const override {
+    aten_kernels().encode_zeros(plane, code, out);
+  }
+
+  bool decode_zeros(const at::Tensor& in, const bits::ZeroCode& code, at::Tensor& plane)
+      const override {
+    return aten_kernels().decode_zeros(in, code, plane);
   }
 
   void count_code(const std::vector<PlaneIn>& in, at::Tensor& out) const override {

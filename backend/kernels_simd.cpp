@@ -134,12 +134,24 @@ class SimdKernelSet final : public KernelSet {
     return out;
   }
 
-  void encode_zeros(const at::Tensor& plane, uint64_t cap, at::Tensor& out) const override {
-    bits::encode_zeros(words_of(plane), words_in(plane), cap, bytes_of(out));
+  std::vector<bits::ZeroCode> zero_codes(const at::Tensor& plane, size_t block) const override {
+    const size_t words = words_in(plane);
+    std::vector<bits::ZeroCode> out(block == 0 ? 0 : words / block);
+    for (size_t k = 0; k < out.size(); ++k) {
+      const uint64_t* w = words_of(plane) + k * block;
+      out[k] = bits::ZeroCode{bits::count_bits(w, block), bits::count_runs(w, block)};
+    }
+    return out;
   }
 
-  bool decode_zeros(const at::Tensor& in, uint64_t cap, at::Tensor& plane) const override {
-    return bits::decode_zeros(bytes_of(in), words_in(plane), cap, words_of(plane));
+  void encode_zeros(const at::Tensor& plane, const bits::ZeroCode& code, at::Tensor& out)
+      const override {
+    bits::encode_zeros(words_of(plane), words_in(plane), code, bytes_of(out));
+  }
+
+  bool decode_zeros(const at::Tensor& in, const bits::ZeroCode& code, at::Tensor& plane)
+      const override {
+    return bits::decode_zeros(bytes_of(in), words_in(plane), code, words_of(plane));
   }
 
   void count_code(const std::vector<PlaneIn>& in, at::Tensor& out) const override {

@@ -9,10 +9,33 @@
 
 namespace lionbit {
 
-uint64_t max_shard_zeros(const SignCall& call, const at::Tensor& zero, size_t sw) {
-  const std::vector<uint64_t> per_shard = call.k->count_bits(zero, sw);
-  return per_shard.empty() ? 0 : *std::max_element(per_shard.begin(), per_shard.end());
+bits::ZeroCode max_shard_zeros(const SignCall& call, const at::Tensor& zero, size_t sw) {
+  bits::ZeroCode most;
+  for (const bits::ZeroCode& c : call.k->zero_codes(zero, sw)) {
+    most = bits::max_code(most, c);
+  }
+  return most;
 }
+
+namespace {
+
+// Counts the zero encodings this rank sends: `shards` of `words` words
+// each, announced with `code`.
+void count_zero_encodings(
+    const SignComm& c,
+    const bits::ZeroCode& code,
+    size_t words,
+    int64_t shards) {
+  const bits::ZeroForm form = bits::zero_form(code, words);
+  if (form == bits::ZeroForm::kNone || shards <= 0) {
+    return;
+  }
+  c.stats->zero_bytes_sent += static_cast<uint64_t>(shards) *
+      bits::zero_encoding_bytes(code, words);
+  c.stats->zero_encodings[static_cast<int>(form) - 1] += static_cast<uint64_t>(shards);
+}
+
+} // namespace
 
 Phase1 send_shards(
     const SignCall& call,
@@ -24,27 +47,27 @@ Phase1 send_shards(
   const SignComm& c = call.c;
   const int N = c.world_size;
   const int64_t sb = static_cast<int64_t>(sw * 8);
-  const uint64_t my_cap = hs.zero_capacity[c.rank];
-  const int64_t my_zbytes = static_cast<int64_t>(bits::zero_encoding_bytes(my_cap, sw));
+  const bits::ZeroCode my_code = hs.zero_codes[c.rank];
+  const int64_t my_zbytes = static_cast<int64_t>(bits::zero_encoding_bytes(my_code, sw));
   at::Tensor send = sign;
-  if (my_cap > 0) {
+  if (my_code.zeros > 0) {
     ScopedTimer t(c.stats->pack_ns, "lionbit::pack");
     send = call.bytes(static_cast<size_t>(N * (sb + my_zbytes)));
     for (int k = 0; k < N; ++k) {
       const int64_t at = k * (sb + my_zbytes);
       send.narrow(0, at, sb).copy_(sign.narrow(0, k * sb, sb));
       at::Tensor enc = send.narrow(0, at + sb, my_zbytes);
-      call.k->encode_zeros(zero.narrow(0, k * sb, sb), my_cap, enc);
+      call.k->encode_zeros(zero.narrow(0, k * sb, sb), my_code, enc);
     }
   }
+  count_zero_encodings(c, my_code, sw, exchange ? N : N - 1);
   Phase1 p;
   p.sw = sw;
   std::vector<int64_t> send_splits(N, sb + my_zbytes);
   p.recv_splits.resize(N);
   int64_t recv_total = 0;
   for (int j = 0; j < N; ++j) {
-    p.recv_splits[j] = sb +
-        static_cast<int64_t>(bits::zero_encoding_bytes(hs.zero_capacity[j], sw));
+    p.recv_splits[j] = sb + static_cast<int64_t>(bits::zero_encoding_bytes(hs.zero_codes[j], sw));
     if (exchange) { // all N shards to the other rank, nothing to this one
       TORCH_CHECK(N == 2, where(call), "internal: the exchange is for two ranks");
       p.recv_splits[j] = j == c.rank ? 0 : N * p.recv_splits[j];
@@ -70,21 +93,21 @@ Phase1 send_zeros(
   TORCH_CHECK(c.world_size == 2, where(call), "internal: the exchange is for two ranks");
   const int other = 1 - c.rank;
   const int64_t sb = static_cast<int64_t>(sw * 8);
-  const uint64_t my_cap = hs.zero_capacity[c.rank];
-  const int64_t mine = static_cast<int64_t>(bits::zero_encoding_bytes(my_cap, sw));
-  const int64_t theirs = static_cast<int64_t>(
-      bits::zero_encoding_bytes(hs.zero_capacity[other], sw));
+  const bits::ZeroCode my_code = hs.zero_codes[c.rank];
+  const int64_t mine = static_cast<int64_t>(bits::zero_encoding_bytes(my_code, sw));
+  const int64_t theirs = static_cast<int64_t>(bits::zero_encoding_bytes(hs.zero_codes[other], sw));
   const int64_t chunks = static_cast<int64_t>(zero.size());
   at::Tensor send = call.bytes(static_cast<size_t>(2 * mine * chunks));
-  if (my_cap > 0) {
+  if (my_code.zeros > 0) {
     ScopedTimer t(c.stats->pack_ns, "lionbit::pack");
     for (int64_t i = 0; i < chunks; ++i) {
       for (int64_t k = 0; k < 2; ++k) {
         at::Tensor enc = send.narrow(0, (2 * i + k) * mine, mine);
-        call.k->encode_zeros(zero[static_cast<size_t>(i)].narrow(0, k * sb, sb), my_cap, enc);
+        call.k->encode_zeros(zero[static_cast<size_t>(i)].narrow(0, k * sb, sb), my_code, enc);
       }
     }
   }
+  count_zero_encodings(c, my_code, sw, 2 * chunks);
   Phase1 p;
   p.sw = sw;
   p.recv_splits.assign(2, 0);
@@ -108,7 +131,7 @@ void join_zeros(
   const int other = 1 - call.c.rank;
   const int64_t sb = static_cast<int64_t>(signs.sw * 8);
   const int64_t zb = static_cast<int64_t>(
-      bits::zero_encoding_bytes(hs.zero_capacity[other], signs.sw));
+      bits::zero_encoding_bytes(hs.zero_codes[other], signs.sw));
   if (zb == 0) {
     return; // the other rank has no zero: its signs are the whole message
   }
@@ -129,13 +152,13 @@ void wait_shards(const SignCall& call, Phase1& p) {
 namespace {
 
 // One rank's contribution to a shard as sent: `block` = [sign plane | zeros
-// encoded for capacity `cap`]. Views of `block`, or a zero list decoded into
-// plane `slot` of `scratch` (`slots` planes of sw words, made when first
-// needed). A corrupt list raises naming the sender and `step`.
+// encoded for `code`]. Views of `block`, or a list of zeros or runs decoded
+// into plane `slot` of `scratch` (`slots` planes of sw words, made when
+// first needed). A corrupt list raises naming the sender and `step`.
 PlaneIn contribution(
     const SignCall& call,
     const at::Tensor& block,
-    uint64_t cap,
+    const bits::ZeroCode& code,
     size_t sw,
     at::Tensor& scratch,
     int slots,
@@ -145,10 +168,11 @@ PlaneIn contribution(
   const int64_t sb = static_cast<int64_t>(sw * 8);
   PlaneIn in;
   in.sign = block.narrow(0, 0, sb);
-  if (cap == 0) {
+  const bits::ZeroForm form = bits::zero_form(code, sw);
+  if (form == bits::ZeroForm::kNone) {
     return in;
   }
-  if (!bits::zeros_as_list(cap, sw)) {
+  if (form == bits::ZeroForm::kPlane) {
     in.zero = block.narrow(0, sb, sb);
     return in;
   }
@@ -157,8 +181,9 @@ PlaneIn contribution(
   }
   at::Tensor plane = scratch.narrow(0, slot * sb, sb);
   TORCH_CHECK_VALUE(
-      call.k->decode_zeros(block.narrow(0, sb, block.numel() - sb), cap, plane), where(call),
-      "rank ", sender, " sent a corrupt list of zero positions in ", step);
+      call.k->decode_zeros(block.narrow(0, sb, block.numel() - sb), code, plane), where(call),
+      "rank ", sender, " sent a corrupt list of zero ",
+      form == bits::ZeroForm::kRuns ? "runs" : "positions", " in ", step);
   in.zero = plane;
   return in;
 }
@@ -177,7 +202,7 @@ std::vector<PlaneIn> receive_shards(
   int64_t q = 0;
   for (int j = 0; j < N; ++j) {
     in[j] = contribution(
-        call, p.recv.narrow(0, q, p.recv_splits[j]), hs.zero_capacity[j], p.sw, scratch, N, j, j,
+        call, p.recv.narrow(0, q, p.recv_splits[j]), hs.zero_codes[j], p.sw, scratch, N, j, j,
         "phase 1");
     q += p.recv_splits[j];
   }
@@ -198,13 +223,13 @@ std::vector<PlaneIn> exchanged_shard(
   ScopedTimer t(c.stats->vote_ns, "lionbit::count");
   std::vector<PlaneIn> in(2);
   in[c.rank].sign = sign.narrow(0, shard * sb, sb);
-  if (hs.zero_capacity[c.rank] > 0) {
+  if (hs.zero_codes[c.rank].zeros > 0) {
     in[c.rank].zero = zero.narrow(0, shard * sb, sb);
   }
   const int64_t block = p.recv_splits[other] / 2; // [sign_k | zeros_k] per shard k
   in[other] = contribution(
-      call, p.recv.narrow(0, shard * block, block), hs.zero_capacity[other], p.sw, scratch, 2,
-      shard, other, "the exchange");
+      call, p.recv.narrow(0, shard * block, block), hs.zero_codes[other], p.sw, scratch, 2, shard,
+      other, "the exchange");
   return in;
 }
 

@@ -3,8 +3,8 @@
 // into N shards of `sw` words (shard k at words [k * sw, (k + 1) * sw) of the
 // sign and zero planes), go to their owners in one all-to-all. Rank k gets
 // [sign_k | zeros_k] from every rank j, zeros_k encoded for rank j's zero
-// capacity (signbits/zeros.h: a list of offsets when sparse, a plane when
-// dense, nothing when rank j holds no zero). The owner then has every rank's
+// code (signbits/zeros.h: a list of offsets or of runs when sparse, a plane
+// when dense, nothing when rank j holds no zero). The owner then has every rank's
 // contribution to its shard. Written once for every device: the planes live
 // on the call's device and its kernel set encodes and decodes them.
 #pragma once
@@ -15,12 +15,13 @@
 
 #include "backend/sign_common.hpp"
 #include "signbits/types.h"
+#include "signbits/zeros.h"
 
 namespace lionbit {
 
-// The most zeros any one of the N shards of `zero` (N * sw words) holds:
-// this rank's zero capacity.
-uint64_t max_shard_zeros(const SignCall& call, const at::Tensor& zero, size_t sw);
+// The most zeros and the most runs of zeros any one of the N shards of
+// `zero` (N * sw words) holds: this rank's zero code.
+bits::ZeroCode max_shard_zeros(const SignCall& call, const at::Tensor& zero, size_t sw);
 
 // One all-to-all of shards in flight.
 struct Phase1 {
@@ -30,7 +31,7 @@ struct Phase1 {
   at::Tensor recv; // after wait_shards
 };
 
-// Encodes this rank's shards (its zero capacity is hs.zero_capacity[rank])
+// Encodes this rank's shards (its zero code is hs.zero_codes[rank])
 // and issues the all-to-all; counts its bytes. `sign` and `zero` hold
 // N * sw words each (`zero` is not read when this rank holds no zero).
 // `exchange` (two ranks only): every shard goes to the other rank, none to
@@ -48,7 +49,8 @@ Phase1 send_shards(
 // round that gave their zeros' capacities (hs): send_zeros sends the other
 // rank this rank's zeros of every shard of every chunk in `zero` (chunks of
 // sw words a shard) in one message, each encoded as send_shards would
-// (capacity hs.zero_capacity[rank], nothing when 0), and counts the bytes;
+// (code hs.zero_codes[rank], nothing when it has no zeros), and counts the
+// bytes;
 // once both are waited for, join_zeros makes `signs` (the chunk at `index`
 // of them) what one sending with hs would have brought ([sign_k | zeros_k]
 // a shard, for exchanged_shard).

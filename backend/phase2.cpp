@@ -1,6 +1,7 @@
 #include "backend/phase2.hpp"
 
 #include <ATen/ATen.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
 #include <cstring>
@@ -20,6 +21,26 @@ namespace {
 
 constexpr size_t kTieCountBytes = 8; // the u64 ahead of a vote message
 
+// The u64 ahead of a vote message: the code of its shard's ties, the count
+// in the low 32 bits and the runs in the high ones where a shard has fewer
+// than 2^32 elements (the only shards whose zeros can travel as runs), the
+// count alone otherwise (runs unknown: ZeroCode::at_most).
+bool runs_fit(size_t sw) {
+  return sw * bits::kWordBits < (uint64_t{1} << 32);
+}
+
+uint64_t tie_word(const bits::ZeroCode& ties, size_t sw) {
+  return runs_fit(sw) ? ties.zeros | (ties.runs << 32) : ties.zeros;
+}
+
+// False: not a code a shard of sw words can have.
+bool tie_code(uint64_t word, size_t sw, bits::ZeroCode& ties) {
+  ties = runs_fit(sw) ? bits::ZeroCode{word & 0xffffffffu, word >> 32}
+                      : bits::ZeroCode::at_most(word);
+  return ties.zeros <= sw * bits::kWordBits && ties.runs <= ties.zeros &&
+      (ties.runs == 0) == (ties.zeros == 0);
+}
+
 } // namespace
 
 Phase2 Phase2::choose(
@@ -28,7 +49,7 @@ Phase2 Phase2::choose(
     int N,
     size_t sw,
     bool inline_ties,
-    const std::vector<uint64_t>& zero_capacity) {
+    const std::vector<bits::ZeroCode>& zero_codes) {
   if (op == bits::SignOp::kVote || op == bits::SignOp::kLevels) {
     Phase2 fmt{inline_ties ? Phase2Format::kVoteTrits : Phase2Format::kVoteSigns, N, sw};
     fmt.op = op;
@@ -36,8 +57,8 @@ Phase2 Phase2::choose(
     return fmt;
   }
   uint64_t zeros = 0; // no shard holds more elements with a zero than this
-  for (const uint64_t z : zero_capacity) {
-    zeros += z;
+  for (const bits::ZeroCode& z : zero_codes) {
+    zeros += z.zeros;
   }
   const uint64_t shard_elems = sw * bits::kWordBits;
   zeros = std::min<uint64_t>(zeros, shard_elems);
@@ -76,13 +97,21 @@ void put_word(at::Tensor& msg, uint64_t value) {
 
 } // namespace
 
-std::vector<uint64_t> Phase2::ties_in(const at::Tensor& gathered) const {
+std::string Phase2::ties_in(const at::Tensor& gathered, std::vector<bits::ZeroCode>& ties) const {
   const int64_t msg = static_cast<int64_t>(message_bytes());
   const at::Tensor heads =
       gathered.narrow(0, 0, msg * N).view({N, msg}).narrow(1, 0, 8).contiguous().cpu();
-  std::vector<uint64_t> ties(static_cast<size_t>(N));
-  std::memcpy(ties.data(), bytes_of(heads), 8 * static_cast<size_t>(N));
-  return ties;
+  std::vector<uint64_t> words(static_cast<size_t>(N));
+  std::memcpy(words.data(), bytes_of(heads), 8 * static_cast<size_t>(N));
+  ties.assign(static_cast<size_t>(N), bits::ZeroCode{});
+  for (int k = 0; k < N; ++k) {
+    if (!tie_code(words[k], sw, ties[k])) {
+      return c10::str(
+          "rank ", k, " sent a corrupt vote message (", ties[k].zeros, " ties in ", ties[k].runs,
+          " runs, a shard of ", sw * bits::kWordBits, " elements)");
+    }
+  }
+  return "";
 }
 
 void Phase2::vote_shard(
@@ -122,7 +151,7 @@ std::string Phase2::encode(
     case Phase2Format::kVoteSigns: {
       at::Tensor sign = msg.narrow(0, head, sb);
       vote_shard(k, op, rule, in, first_word, sign, ties);
-      put_word(msg, k.count_bits(ties, sw).at(0));
+      put_word(msg, tie_word(k.zero_codes(ties, sw).at(0), sw));
       return "";
     }
     case Phase2Format::kVoteTrits: {
@@ -130,7 +159,7 @@ std::string Phase2::encode(
       at::Tensor sign = planes.narrow(0, 0, sb);
       at::Tensor zeros = planes.narrow(0, sb, sb);
       vote_shard(k, op, rule, in, first_word, sign, zeros);
-      put_word(msg, k.count_bits(zeros, sw).at(0));
+      put_word(msg, tie_word(k.zero_codes(zeros, sw).at(0), sw));
       msg.narrow(0, static_cast<int64_t>(message_bytes()) - 8, 8).zero_(); // the padding
       at::Tensor trits = msg.narrow(0, head, static_cast<int64_t>(bits::kTritBytesPerWord * sw));
       k.encode_trits(sign, zeros, trits);

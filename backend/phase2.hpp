@@ -8,7 +8,8 @@
 //   kVoteSigns       [zeros: u64][sign plane]; the positions of the result's
 //                    zeros (ties under the "zero" rule, elements every rank
 //                    voted 0 for under every rule: ties.h), when some shard
-//                    has any, follow in a round of their own (zeros.h)
+//                    has any, follow in a round of their own (zeros.h); the
+//                    u64 is their ZeroCode (tie_word)
 //   kVoteTrits       [zeros: u64][results in base 3, 13 bytes a word, padded
 //                    to 8 bytes] (trits.h): every rank expects dense zeros
 //                    (kTieHint), so they ride inline at 1.625 bits an element
@@ -43,16 +44,16 @@ struct Phase2 {
   bits::SignOp op = bits::SignOp::kVote;
   bits::CallRule rule{}; // vote formats: the tie rule; kLevels: the bits
 
-  // The format of one chunk of an all-reduce: `zero_capacity` the ranks'
-  // announced zero capacities (the header round's), `inline_ties` whether
-  // every rank expects dense ties.
+  // The format of one chunk of an all-reduce: `zero_codes` the ranks'
+  // announced zero codes (the header round's), `inline_ties` whether every
+  // rank expects dense ties.
   static Phase2 choose(
       bits::SignOp op,
       const bits::CallRule& rule,
       int N,
       size_t sw,
       bool inline_ties,
-      const std::vector<uint64_t>& zero_capacity);
+      const std::vector<bits::ZeroCode>& zero_codes);
 
   size_t message_bytes() const;
 
@@ -83,14 +84,15 @@ struct Phase2 {
       at::Tensor& msg,
       at::Tensor& ties) const;
 
-  // Whether the message starts with the number of its shard's ties
+  // Whether the message starts with the code of its shard's ties
   // (kVoteSigns, kVoteTrits).
   bool counts_ties() const {
     return format == Phase2Format::kVoteSigns || format == Phase2Format::kVoteTrits;
   }
-  // The number of ties each of the N messages of `gathered` announces (read
-  // on the host).
-  std::vector<uint64_t> ties_in(const at::Tensor& gathered) const;
+  // The code of the ties (the result's zeros) each of the N messages of
+  // `gathered` announces (read on the host); "" or which rank sent a corrupt
+  // one.
+  std::string ties_in(const at::Tensor& gathered, std::vector<bits::ZeroCode>& ties) const;
 };
 
 // Decodes the messages of one chunk, shard by shard, into values of `dtype`.

@@ -86,7 +86,7 @@ class Run {
         (op == bits::SignOp::kLevels) == (levels != nullptr), where(call_),
         "internal: levels without op l1");
     chunk_elems_ = bits::chunk_elems_for(requested_chunk_elems(N_, tensor.device()), N_);
-    no_zeros_.zero_capacity.assign(static_cast<size_t>(N_), 0);
+    no_zeros_.zero_codes.assign(static_cast<size_t>(N_), bits::ZeroCode{});
   }
 
   void run() {
@@ -219,7 +219,7 @@ class Run {
       }
       nans_ += pc.nans;
       if (pc.zeros > 0) {
-        zero_cap_ = std::max(zero_cap_, max_shard_zeros(call_, ch.zero_plane, ch.sw));
+        zero_code_ = bits::max_code(zero_code_, max_shard_zeros(call_, ch.zero_plane, ch.sw));
       }
       chunks_.push_back(std::move(ch));
     }
@@ -265,15 +265,15 @@ class Run {
   // zero/NaN flags (of the chunks packed since the last round), and all
   // raise together if they disagree.
   void header() {
-    uint32_t flags = header_flags(call_, zero_cap_, nans_);
+    uint32_t flags = header_flags(call_, zero_code_.zeros, nans_);
     if (votes_ && c_.tie_hint != nullptr && c_.tie_hint->load()) {
       flags |= bits::kTieHint;
     }
     const auto mine = bits::make_header(
-        op_, dtype_, c_.rank, flags, call_.seq, n_, zero_cap_, chunk_elems_, rule_);
+        op_, dtype_, c_.rank, flags, call_.seq, n_, zero_code_, chunk_elems_, rule_);
     headers_.push_back(header_round(call_, mine));
     const bits::HeaderSummary& hs = headers_.back();
-    zero_cap_ = 0;
+    zero_code_ = bits::ZeroCode{};
     nans_ = 0;
     if (headers_.size() > 1) {
       return; // the same call, announced in two groups
@@ -312,7 +312,7 @@ class Run {
     }
     const bits::HeaderSummary& hs = headers_[ch.group];
     const std::vector<PlaneIn> in = receive_shards(call_, hs, ch.p1, ch.decoded);
-    ch.fmt = Phase2::choose(op_, rule_, N_, ch.sw, inline_ties_, hs.zero_capacity);
+    ch.fmt = Phase2::choose(op_, rule_, N_, ch.sw, inline_ties_, hs.zero_codes);
     {
       ScopedTimer t(c_.stats->vote_ns, "lionbit::count");
       ch.msg = ch.fmt.message_bytes();
@@ -342,7 +342,7 @@ class Run {
   // would have fetched.
   void vote_every_shard(Chunk& ch) {
     const bits::HeaderSummary& hs = headers_[ch.group];
-    ch.fmt = Phase2::choose(op_, rule_, N_, ch.sw, inline_ties_, hs.zero_capacity);
+    ch.fmt = Phase2::choose(op_, rule_, N_, ch.sw, inline_ties_, hs.zero_codes);
     ScopedTimer t(c_.stats->vote_ns, "lionbit::count");
     ch.msg = ch.fmt.message_bytes();
     ch.gathered = call_.bytes(ch.msg * N_);
@@ -375,24 +375,22 @@ class Run {
       ch.gathered = wait_data(call_, "all-gather of shard results (phase 2)", ch.ag);
     }
     trace_.mark("ag_done", static_cast<int64_t>(idx));
-    uint64_t tie_cap = 0;
+    bits::ZeroCode tie_code;
     if (ch.fmt.counts_ties()) {
-      const std::vector<uint64_t> ties = ch.fmt.ties_in(ch.gathered);
-      for (int k = 0; k < N_; ++k) {
-        TORCH_CHECK_VALUE(
-            ties[k] <= ch.sw * bits::kWordBits, where(call_), "rank ", k,
-            " sent a corrupt vote message (", ties[k], " ties in a shard of ",
-            ch.sw * bits::kWordBits, " elements)");
-        tie_cap = std::max(tie_cap, ties[k]);
+      std::vector<bits::ZeroCode> ties;
+      const std::string corrupt = ch.fmt.ties_in(ch.gathered, ties);
+      TORCH_CHECK_VALUE(corrupt.empty(), where(call_), corrupt);
+      for (const bits::ZeroCode& t : ties) {
+        tie_code = bits::max_code(tie_code, t);
       }
       // A tie plane is the cheapest encoding of these ties: worth carrying
       // inline next time (kTieHint).
-      dense_ties_ = dense_ties_ || (tie_cap > 0 && !bits::zeros_as_list(tie_cap, ch.sw));
-      if (tie_cap > 0 && ch.fmt.format == Phase2Format::kVoteSigns) {
+      dense_ties_ = dense_ties_ || bits::zero_form(tie_code, ch.sw) == bits::ZeroForm::kPlane;
+      if (tie_code.zeros > 0 && ch.fmt.format == Phase2Format::kVoteSigns) {
         if (exchange_) {
           ch.tie_planes = ch.local_ties; // every shard's zeros are here already: no round
         } else {
-          fetch_ties(ch, tie_cap);
+          fetch_ties(ch, tie_code);
           trace_.mark("ties_done", static_cast<int64_t>(idx));
         }
       }
@@ -423,17 +421,20 @@ class Run {
   }
 
   // Some shard of the chunk has a tie (or an all-zero element): its tie
-  // positions are needed everywhere, as a list or a plane. Only then is this
-  // round paid.
-  void fetch_ties(Chunk& ch, uint64_t tie_cap) {
+  // positions are needed everywhere, as a list of positions or runs, or a
+  // plane. Only then is this round paid.
+  void fetch_ties(Chunk& ch, const bits::ZeroCode& tie_code) {
     c_.stats->tie_rounds += 1;
-    const int64_t zb = static_cast<int64_t>(bits::zero_encoding_bytes(tie_cap, ch.sw));
+    const bits::ZeroForm form = bits::zero_form(tie_code, ch.sw);
+    const int64_t zb = static_cast<int64_t>(bits::zero_encoding_bytes(tie_code, ch.sw));
     at::Tensor mine_enc = call_.bytes(static_cast<size_t>(zb));
-    call_.k->encode_zeros(ch.mine_zero, tie_cap, mine_enc);
+    call_.k->encode_zeros(ch.mine_zero, tie_code, mine_enc);
     Inflight f = issue_allgather(call_, call_.bytes(static_cast<size_t>(zb * N_)), mine_enc);
     at::Tensor gathered_zero = wait_data(call_, "all-gather of tie positions (phase 2)", f);
     count_allgather(c_, static_cast<size_t>(zb));
-    if (!bits::zeros_as_list(tie_cap, ch.sw)) {
+    c_.stats->zero_bytes_sent += static_cast<uint64_t>(zb * (N_ - 1));
+    c_.stats->zero_encodings[static_cast<int>(form) - 1] += static_cast<uint64_t>(N_ - 1);
+    if (form == bits::ZeroForm::kPlane) {
       ch.tie_planes = gathered_zero;
       return;
     }
@@ -443,8 +444,9 @@ class Run {
     for (int k = 0; k < N_; ++k) {
       at::Tensor plane = ch.tie_planes.narrow(0, k * sb, sb);
       TORCH_CHECK_VALUE(
-          call_.k->decode_zeros(gathered_zero.narrow(0, k * zb, zb), tie_cap, plane), where(call_),
-          "rank ", k, " sent a corrupt list of tie positions");
+          call_.k->decode_zeros(gathered_zero.narrow(0, k * zb, zb), tie_code, plane), where(call_),
+          "rank ", k, " sent a corrupt list of tie ",
+          form == bits::ZeroForm::kRuns ? "runs" : "positions");
     }
   }
 
@@ -473,7 +475,7 @@ class Run {
   Phase1 late_zeros_; // their zeros, when the rest's round showed some
   size_t late_first_ = 0; // the first of them: late_zeros_ holds them in order
   bool dense_ties_ = false; // vote: some chunk's ties were cheapest as a plane
-  uint64_t zero_cap_ = 0;
+  bits::ZeroCode zero_code_; // of the chunks packed since the last round
   std::vector<Chunk> chunks_;
   size_t issued_ = 0; // chunks whose phase 1 is issued
   std::vector<bits::HeaderSummary> headers_; // one a group of chunks (Chunk::group)

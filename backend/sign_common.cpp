@@ -164,7 +164,7 @@ void reject_round(const SignCall& call) {
     rule.value_bits = bits::kMinLevelBits;
   }
   const auto mine = bits::make_header(
-      call.op, bits::DType::kFloat32, call.c.rank, flags, call.seq, 0, 0, chunk, rule);
+      call.op, bits::DType::kFloat32, call.c.rank, flags, call.seq, 0, {}, chunk, rule);
   exchange_headers(call, mine); // its error is the caller's own: ignore it
 }
 

@@ -110,10 +110,10 @@ class HierRun {
   // --- 0. the header round over every rank ---------------------------------
 
   void header(bits::DType dtype, uint32_t flags) {
-    flags |= header_flags(call_, zero_cap_, nans_) |
+    flags |= header_flags(call_, zero_code_.zeros, nans_) |
         (mode_ == HierarchyMode::kExact ? bits::kHierExact : bits::kHierNodeVote);
     const auto mine = bits::make_header(
-        op_, dtype, c_.rank, flags, call_.seq, n_, zero_cap_, 0, rule_);
+        op_, dtype, c_.rank, flags, call_.seq, n_, zero_code_, 0, rule_);
     hs_ = header_round(call_, mine);
     c_.stats->elements += n_;
   }
@@ -260,7 +260,7 @@ class HierRun {
 
   void loaded(uint64_t zeros, uint64_t nans) {
     nans_ = nans;
-    zero_cap_ = zeros > 0 ? max_shard_zeros(call_, zero_, sw_) : 0;
+    zero_code_ = zeros > 0 ? max_shard_zeros(call_, zero_, sw_) : bits::ZeroCode{};
   }
 
   // Step 1: the node's all-to-all; returns the L contributions to this
@@ -273,14 +273,17 @@ class HierRun {
     at::Tensor sign = sign_.view({N_, sb_}).index_select(0, perm).view({-1});
     at::Tensor zero = hs_.any_zero ? zero_.view({N_, sb_}).index_select(0, perm).view({-1}) : zero_;
     sign_ = zero_ = at::Tensor();
-    // A slice holds M shards: at most M times the rank's announced capacity.
+    // A slice holds M shards: at most M times the zeros and runs of the
+    // rank's announced code.
     bits::HeaderSummary hs;
     hs.any_zero = hs_.any_zero;
     const uint64_t slice_elems = static_cast<uint64_t>(M_) * sw_ * bits::kWordBits;
     for (int j = 0; j < L_; ++j) {
-      const uint64_t cap =
-          hs_.zero_capacity[static_cast<size_t>(h_.node_ranks[static_cast<size_t>(j)])];
-      hs.zero_capacity.push_back(std::min(cap * static_cast<uint64_t>(M_), slice_elems));
+      const bits::ZeroCode& one =
+          hs_.zero_codes[static_cast<size_t>(h_.node_ranks[static_cast<size_t>(j)])];
+      const uint64_t zeros = std::min(one.zeros * static_cast<uint64_t>(M_), slice_elems);
+      hs.zero_codes.push_back(
+          bits::ZeroCode{zeros, std::min(one.runs * static_cast<uint64_t>(M_), zeros)});
     }
     Phase1 p = send_shards(node_, hs, sign, zero, static_cast<size_t>(M_) * sw_);
     wait_shards(node_, p);
@@ -387,7 +390,9 @@ class HierRun {
     const bool can_zero = hs_.any_zero || (rule_.tie.mode == bits::TieBreak::kZero && L_ % 2 == 0);
     bits::HeaderSummary hs;
     hs.any_zero = can_zero;
-    hs.zero_capacity.assign(static_cast<size_t>(M_), can_zero ? sw_ * bits::kWordBits : 0);
+    hs.zero_codes.assign(
+        static_cast<size_t>(M_),
+        can_zero ? bits::ZeroCode::at_most(sw_ * bits::kWordBits) : bits::ZeroCode{});
     Phase1 p = send_shards(cross_, hs, sign, zero, sw_);
     wait_shards(cross_, p);
     at::Tensor scratch;
@@ -425,7 +430,8 @@ class HierRun {
   int64_t sb_ = 0; // bytes a shard plane
   at::Tensor sign_, zero_; // N shards of sw words, shard r at r * sw
   at::Tensor node_recv_, node_scratch_;
-  uint64_t zero_cap_ = 0, nans_ = 0;
+  bits::ZeroCode zero_code_;
+  uint64_t nans_ = 0;
   bits::HeaderSummary hs_;
 };
 

@@ -54,7 +54,7 @@ void sign_reduce_scatter_packed(
   // end cleared (level 0).
   at::Tensor sign = call.bytes(static_cast<size_t>(N * sb * p));
   at::Tensor zero = levels ? at::Tensor() : call.bytes(static_cast<size_t>(N * sb));
-  uint64_t zero_cap = 0;
+  bits::ZeroCode zero_code;
   if (levels && sb > 0) {
     ScopedTimer t(c.stats->pack_ns, "lionbit::pack");
     const unsigned tail = static_cast<unsigned>(S % bits::kWordBits);
@@ -77,14 +77,14 @@ void sign_reduce_scatter_packed(
       at::Tensor z = zero.narrow(0, r * sb, sb);
       k.clean(s, z, S);
     }
-    zero_cap = max_shard_zeros(call, zero, sw);
+    zero_code = max_shard_zeros(call, zero, sw);
   }
 
   // 0. Header round: same call, op, dtype and shard size everywhere; NaN and
   //    local rejections raise on every rank.
   const auto mine = bits::make_header(
-      op, *dt, c.rank, bits::kReduceScatter | header_flags(call, zero_cap, in.nans), seq,
-      static_cast<uint64_t>(S) * N, zero_cap, 0, bits::CallRule{tie, levels ? p : 0});
+      op, *dt, c.rank, bits::kReduceScatter | header_flags(call, zero_code.zeros, in.nans), seq,
+      static_cast<uint64_t>(S) * N, zero_code, 0, bits::CallRule{tie, levels ? p : 0});
   const bits::HeaderSummary hs = header_round(call, mine);
   c.stats->sign_reduce_scatter_calls += 1;
   c.stats->elements += static_cast<uint64_t>(S) * N;

@@ -25,12 +25,18 @@ struct Stats {
   // Two ranks: chunks whose zeros followed their signs in a message of
   // their own (signs sent before the round that gave the zeros' capacity).
   std::atomic<uint64_t> late_zero_chunks{0};
+  // The encodings of zero and tie planes this rank sent (signbits/zeros.h):
+  // their bytes (part of bytes_sent), and how many went as a list of
+  // positions, a list of runs and a dense plane.
+  std::atomic<uint64_t> zero_bytes_sent{0};
+  std::atomic<uint64_t> zero_encodings[3] = {0, 0, 0};
 
   void reset() {
     for (auto* c :
          {&bytes_sent, &bytes_received, &sign_allreduce_calls, &sign_reduce_scatter_calls,
           &elements, &pack_ns, &comm_ns, &vote_ns, &unpack_ns, &tie_rounds, &inline_tie_chunks,
-          &late_zero_chunks}) {
+          &late_zero_chunks, &zero_bytes_sent, &zero_encodings[0], &zero_encodings[1],
+          &zero_encodings[2]}) {
       c->store(0);
     }
   }
@@ -50,6 +56,10 @@ struct Stats {
         {"tie_rounds", static_cast<double>(tie_rounds.load())},
         {"inline_tie_chunks", static_cast<double>(inline_tie_chunks.load())},
         {"late_zero_chunks", static_cast<double>(late_zero_chunks.load())},
+        {"zero_bytes_sent", static_cast<double>(zero_bytes_sent.load())},
+        {"zero_lists_sent", static_cast<double>(zero_encodings[0].load())},
+        {"zero_runs_sent", static_cast<double>(zero_encodings[1].load())},
+        {"zero_planes_sent", static_cast<double>(zero_encodings[2].load())},
     };
   }
 };

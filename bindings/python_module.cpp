@@ -1,5 +1,7 @@
 // lionbit._C: the backend class, the kernels on tensors and a few build facts
 // for Python.
+#include <optional>
+
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
@@ -244,6 +246,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("numel"), py::arg("world_size"), py::arg("chunk_request") = 0,
       py::arg("gpu") = false);
   m.def(
-      "zero_encoding_bytes", &lionbit::bits::zero_encoding_bytes, py::arg("capacity"),
-      py::arg("words"));
+      "zero_encoding_bytes",
+      [](uint64_t capacity, size_t words, std::optional<uint64_t> runs) {
+        return lionbit::bits::zero_encoding_bytes(
+            lionbit::bits::ZeroCode{capacity, runs.value_or(capacity)}, words);
+      },
+      py::arg("capacity"), py::arg("words"), py::arg("runs") = py::none());
 }

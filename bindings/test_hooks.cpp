@@ -78,15 +78,25 @@ class FaultySet final : public KernelSet {
     return out;
   }
 
-  void encode_zeros(const at::Tensor& plane, uint64_t cap, at::Tensor& out) const override {
-    base_.encode_zeros(plane, cap, out);
+  std::vector<bits::ZeroCode> zero_codes(const at::Tensor& plane, size_t block) const override {
+    std::vector<bits::ZeroCode> out = base_.zero_codes(plane, block);
+    if (is(Kernel::kZeroCodes) && !out.empty()) {
+      out[0].runs ^= 1;
+    }
+    return out;
+  }
+
+  void encode_zeros(const at::Tensor& plane, const bits::ZeroCode& code, at::Tensor& out)
+      const override {
+    base_.encode_zeros(plane, code, out);
     if (is(Kernel::kEncodeZeros)) {
       flip(out);
     }
   }
 
-  bool decode_zeros(const at::Tensor& in, uint64_t cap, at::Tensor& plane) const override {
-    return base_.decode_zeros(in, cap, plane) != is(Kernel::kDecodeZeros);
+  bool decode_zeros(const at::Tensor& in, const bits::ZeroCode& code, at::Tensor& plane)
+      const override {
+    return base_.decode_zeros(in, code, plane) != is(Kernel::kDecodeZeros);
   }
 
   void count_code(const std::vector<PlaneIn>& in, at::Tensor& out) const override {

@@ -29,7 +29,7 @@ WireHeader make_header(
     uint32_t flags,
     uint64_t seq,
     uint64_t numel,
-    uint64_t zero_capacity,
+    const ZeroCode& zeros,
     uint64_t chunk_elems,
     const CallRule& rule) {
   WireHeader h{};
@@ -41,7 +41,8 @@ WireHeader make_header(
   h.flags = flags;
   h.seq = seq;
   h.numel = numel;
-  h.zero_capacity = zero_capacity;
+  h.zero_capacity = zeros.zeros;
+  h.zero_runs = static_cast<uint32_t>(zeros.runs < kNoIndex ? zeros.runs : kNoIndex);
   h.chunk_elems = chunk_elems;
   h.tie_seed = rule.tie.seed;
   h.tie_break = static_cast<uint8_t>(rule.tie.mode);
@@ -262,23 +263,25 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
     s.ranks = nan_ranks;
     return s;
   }
-  // 5. Zero capacities: consistent with the flag, at most a shard's size.
+  // 5. Zero codes: consistent with the flag, at most a shard's size, no
+  //    more runs than zeros.
   const uint64_t largest_chunk = mine.chunk_elems == 0 ? mine.numel
                                                        : std::min(mine.numel, mine.chunk_elems);
   const uint64_t shard_elems = shard_words(largest_chunk, world_size) * kWordBits;
-  s.zero_capacity.resize(static_cast<size_t>(world_size));
+  s.zero_codes.resize(static_cast<size_t>(world_size));
   s.inline_ties = true;
   for (int r = 0; r < world_size; ++r) {
     const WireHeader& h = headers[r];
     const bool flag = (h.flags & kHasZero) != 0;
     if (check.fail(
-            flag != (h.zero_capacity > 0) || h.zero_capacity > shard_elems, "rank ", r,
-            " sent a corrupt header (zero capacity ", h.zero_capacity, ", shard of ", shard_elems,
-            " elements)")) {
-      s.zero_capacity.clear();
+            flag != (h.zero_capacity > 0) || h.zero_capacity > shard_elems ||
+                (h.zero_runs > 0) != (h.zero_capacity > 0) || h.zero_runs > h.zero_capacity,
+            "rank ", r, " sent a corrupt header (zero capacity ", h.zero_capacity, " in ",
+            h.zero_runs, " runs, shard of ", shard_elems, " elements)")) {
+      s.zero_codes.clear();
       return s;
     }
-    s.zero_capacity[static_cast<size_t>(r)] = h.zero_capacity;
+    s.zero_codes[static_cast<size_t>(r)] = ZeroCode{h.zero_capacity, h.zero_runs};
     s.any_zero = s.any_zero || flag;
     s.inline_ties = s.inline_ties && (h.flags & kTieHint) != 0;
   }

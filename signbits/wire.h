@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "signbits/ties.h"
+#include "signbits/zeros.h"
 #include "types.h"
 
 namespace lionbit::bits {
@@ -38,8 +39,9 @@ constexpr uint32_t kWireMagic = 0x3153424cu; // "LBS1"
 // itself) unless kTwoPhase. 11: there, the first round announces one chunk;
 // half of the chunks after it carry signs only and move while the rest is
 // packed; the second round then gives the rest's zero capacities, and those
-// chunks' zeros follow in one message of their own.
-constexpr uint16_t kWireVersion = 11;
+// chunks' zeros follow in one message of their own. 12: zeros announced
+// with their runs (zero_runs); a plane of zeros may travel as runs (zeros.h).
+constexpr uint16_t kWireVersion = 12;
 
 enum WireFlags : uint32_t {
   kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane
@@ -74,9 +76,9 @@ struct WireHeader {
   uint32_t flags;
   uint64_t seq;
   uint64_t numel;
-  // The most zeros in any one shard of any chunk of this rank's input: the
-  // capacity of the zero encoding in its phase-1 messages (zeros.h). 0 iff
-  // kHasZero is clear.
+  // The most zeros in any one shard of any chunk of this rank's input: with
+  // zero_runs, the code of the zero encoding in its phase-1 messages
+  // (zeros.h). 0 iff kHasZero is clear.
   uint64_t zero_capacity;
   // Elements per pipelined chunk (a multiple of 64 * world size); every rank
   // must use the same.
@@ -85,7 +87,11 @@ struct WireHeader {
   uint64_t tie_seed;
   uint8_t tie_break;
   uint8_t value_bits; // kLevels: p; otherwise 0
-  uint8_t reserved[6];
+  uint8_t reserved[2];
+  // The most runs of zeros in any one shard (saturated at 2^32 - 1, where
+  // shards are too large for runs anyway): at most zero_capacity, 0 iff it
+  // is 0.
+  uint32_t zero_runs;
 };
 static_assert(sizeof(WireHeader) == 64, "WireHeader must be 64 bytes");
 
@@ -103,7 +109,7 @@ WireHeader make_header(
     uint32_t flags,
     uint64_t seq,
     uint64_t numel,
-    uint64_t zero_capacity = 0,
+    const ZeroCode& zeros = {},
     uint64_t chunk_elems = 0,
     const CallRule& rule = {});
 
@@ -125,7 +131,7 @@ struct HeaderSummary {
   std::string error; // empty: all headers agree and are well formed
   HeaderVerdict verdict = HeaderVerdict::kAgree;
   std::vector<int> ranks; // kRejected, kNonFinite: the ranks it names
-  std::vector<uint64_t> zero_capacity; // per rank (0: it sends no zeros)
+  std::vector<ZeroCode> zero_codes; // per rank (zeros 0: it sends no zeros)
   bool any_zero = false;
   bool inline_ties = false; // every rank set kTieHint
 };
@@ -144,7 +150,7 @@ uint64_t chunk_elems_for(uint64_t requested, int world_size);
 // them.
 uint64_t default_chunk_elems(int world_size, bool gpu = false);
 
-// Checks the headers of all world_size ranks (zero capacities against the
+// Checks the headers of all world_size ranks (zero codes against the
 // shard size of the largest chunk) (headers[r] came from rank r)
 // against each other and against this rank's own header `mine`.
 HeaderSummary check_headers(const WireHeader* headers, int world_size, const WireHeader& mine);

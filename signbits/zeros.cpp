@@ -4,6 +4,20 @@
 
 namespace lionbit::bits {
 
+const char* zero_form_name(ZeroForm f) {
+  switch (f) {
+    case ZeroForm::kNone:
+      return "none";
+    case ZeroForm::kList:
+      return "list";
+    case ZeroForm::kRuns:
+      return "runs";
+    case ZeroForm::kPlane:
+      return "plane";
+  }
+  return "unknown";
+}
+
 uint64_t count_bits(const uint64_t* words, size_t n_words) {
   uint64_t c = 0;
   for (size_t w = 0; w < n_words; ++w) {
@@ -12,82 +26,183 @@ uint64_t count_bits(const uint64_t* words, size_t n_words) {
   return c;
 }
 
-namespace {
-// List slots: the capacity rounded up to an even count, so that a list is a
-// whole number of 64-bit words and every plane after it stays aligned.
-uint64_t list_slots(uint64_t capacity) {
-  return (capacity + 1) & ~uint64_t{1};
+uint64_t count_runs(const uint64_t* words, size_t n_words) {
+  // A run starts at a set bit whose predecessor (the previous word's top bit
+  // for bit 0) is clear.
+  uint64_t c = 0, carry = 0;
+  for (size_t w = 0; w < n_words; ++w) {
+    const uint64_t x = words[w];
+    c += static_cast<uint64_t>(__builtin_popcountll(x & ~((x << 1) | carry)));
+    carry = x >> 63;
+  }
+  return c;
 }
+
+namespace {
+
+// List slots: the count rounded up to an even number, so that a list is a
+// whole number of 64-bit words and every plane after it stays aligned.
+uint64_t list_slots(uint64_t zeros) {
+  return (zeros + 1) & ~uint64_t{1};
+}
+
+void put_u32(uint8_t* out, uint64_t slot, uint32_t v) {
+  std::memcpy(out + 4 * slot, &v, 4);
+}
+
+uint32_t get_u32(const uint8_t* in, uint64_t slot) {
+  uint32_t v;
+  std::memcpy(&v, in + 4 * slot, 4);
+  return v;
+}
+
+// Index of the first set bit at or after `from` (limit when none).
+uint64_t next_set(const uint64_t* plane, size_t words, uint64_t from, bool set) {
+  const uint64_t limit = static_cast<uint64_t>(words) * kWordBits;
+  while (from < limit) {
+    const size_t w = from / kWordBits;
+    uint64_t x = set ? plane[w] : ~plane[w];
+    x &= ~uint64_t{0} << (from % kWordBits);
+    if (x != 0) {
+      return w * kWordBits + static_cast<uint64_t>(__builtin_ctzll(x));
+    }
+    from = (w + 1) * kWordBits;
+  }
+  return limit;
+}
+
+// Sets bits [first, end) of a plane.
+void set_range(uint64_t* plane, uint64_t first, uint64_t end) {
+  while (first < end) {
+    const size_t w = first / kWordBits;
+    const unsigned lo = static_cast<unsigned>(first % kWordBits);
+    const uint64_t n = end - first < kWordBits - lo ? end - first : kWordBits - lo;
+    const uint64_t mask = n == kWordBits ? ~uint64_t{0} : ((uint64_t{1} << n) - 1) << lo;
+    plane[w] |= mask;
+    first += n;
+  }
+}
+
 } // namespace
 
-bool zeros_as_list(uint64_t capacity, size_t words) {
-  // Offsets are 32-bit: planes of more than 2^32 - 1 elements go dense.
-  return capacity > 0 && list_slots(capacity) * 4 < words * 8 &&
-      words * kWordBits < static_cast<uint64_t>(kNoIndex);
-}
-
-size_t zero_encoding_bytes(uint64_t capacity, size_t words) {
-  if (capacity == 0) {
-    return 0;
+ZeroForm zero_form(const ZeroCode& code, size_t words) {
+  if (code.zeros == 0) {
+    return ZeroForm::kNone;
   }
-  return zeros_as_list(capacity, words) ? static_cast<size_t>(list_slots(capacity)) * 4 : words * 8;
+  const uint64_t plane = static_cast<uint64_t>(words) * 8;
+  if (static_cast<uint64_t>(words) * kWordBits >= static_cast<uint64_t>(kNoIndex)) {
+    return ZeroForm::kPlane; // 32-bit offsets cannot index it
+  }
+  const uint64_t list = list_slots(code.zeros) * 4;
+  // runs <= zeros, so this never overflows for a list that could win.
+  const uint64_t runs = code.runs <= code.zeros ? code.runs * 8 : plane;
+  if (list < plane && list <= runs) {
+    return ZeroForm::kList;
+  }
+  return runs < plane ? ZeroForm::kRuns : ZeroForm::kPlane;
 }
 
-void encode_zeros(const uint64_t* plane, size_t words, uint64_t capacity, uint8_t* out) {
-  if (capacity == 0) {
+size_t zero_encoding_bytes(const ZeroCode& code, size_t words) {
+  switch (zero_form(code, words)) {
+    case ZeroForm::kNone:
+      return 0;
+    case ZeroForm::kList:
+      return static_cast<size_t>(list_slots(code.zeros)) * 4;
+    case ZeroForm::kRuns:
+      return static_cast<size_t>(code.runs) * 8;
+    case ZeroForm::kPlane:
+      break;
+  }
+  return words * 8;
+}
+
+void encode_zeros(const uint64_t* plane, size_t words, const ZeroCode& code, uint8_t* out) {
+  const ZeroForm form = zero_form(code, words);
+  if (form == ZeroForm::kNone) {
     return;
   }
-  if (!zeros_as_list(capacity, words)) {
+  if (form == ZeroForm::kPlane) {
     std::memcpy(out, plane, words * 8);
     return;
   }
   uint64_t k = 0;
-  for (size_t w = 0; w < words && k < capacity; ++w) {
-    uint64_t bits = plane[w];
-    while (bits != 0 && k < capacity) {
-      const uint32_t idx = static_cast<uint32_t>(w * kWordBits) +
-          static_cast<uint32_t>(__builtin_ctzll(bits));
-      std::memcpy(out + 4 * k, &idx, 4);
-      ++k;
-      bits &= bits - 1;
+  if (form == ZeroForm::kList) {
+    for (size_t w = 0; w < words && k < code.zeros; ++w) {
+      uint64_t bits = plane[w];
+      while (bits != 0 && k < code.zeros) {
+        put_u32(out, k++, static_cast<uint32_t>(w * kWordBits + __builtin_ctzll(bits)));
+        bits &= bits - 1;
+      }
     }
+    for (; k < list_slots(code.zeros); ++k) {
+      put_u32(out, k, kNoIndex);
+    }
+    return;
   }
-  for (; k < list_slots(capacity); ++k) {
-    std::memcpy(out + 4 * k, &kNoIndex, 4);
+  const uint64_t limit = static_cast<uint64_t>(words) * kWordBits;
+  for (uint64_t at = next_set(plane, words, 0, true); at < limit && k < code.runs;
+       at = next_set(plane, words, at, true)) {
+    const uint64_t end = next_set(plane, words, at, false);
+    put_u32(out, 2 * k, static_cast<uint32_t>(at));
+    put_u32(out, 2 * k + 1, static_cast<uint32_t>(end));
+    ++k;
+    at = end;
+  }
+  for (; k < code.runs; ++k) {
+    put_u32(out, 2 * k, kNoIndex);
+    put_u32(out, 2 * k + 1, kNoIndex);
   }
 }
 
-bool decode_zeros(const uint8_t* in, size_t words, uint64_t capacity, uint64_t* plane) {
-  if (capacity == 0) {
-    std::memset(plane, 0, words * 8);
-    return true;
-  }
-  if (!zeros_as_list(capacity, words)) {
+bool decode_zeros(const uint8_t* in, size_t words, const ZeroCode& code, uint64_t* plane) {
+  const ZeroForm form = zero_form(code, words);
+  if (form == ZeroForm::kPlane) {
     std::memcpy(plane, in, words * 8);
     return true;
   }
   std::memset(plane, 0, words * 8);
+  if (form == ZeroForm::kNone) {
+    return true;
+  }
   const uint64_t limit = static_cast<uint64_t>(words) * kWordBits;
-  int64_t last = -1;
-  const uint64_t slots = list_slots(capacity);
-  for (uint64_t k = 0; k < slots; ++k) {
-    uint32_t idx;
-    std::memcpy(&idx, in + 4 * k, 4);
-    if (idx == kNoIndex) {
-      // Padding: everything after it must be padding too.
-      for (uint64_t r = k + 1; r < slots; ++r) {
-        std::memcpy(&idx, in + 4 * r, 4);
-        if (idx != kNoIndex) {
-          return false;
+  // Entries (an offset, or a run's two ends) of `width` slots: padding only
+  // after the last one, `count` at most.
+  const uint64_t width = form == ZeroForm::kList ? 1 : 2;
+  const uint64_t entries = form == ZeroForm::kList ? list_slots(code.zeros) : code.runs;
+  const uint64_t count = form == ZeroForm::kList ? code.zeros : code.runs;
+  int64_t last = -1; // the last offset set, or the last run's end
+  for (uint64_t k = 0; k < entries; ++k) {
+    const uint32_t a = get_u32(in, width * k);
+    const uint32_t b = width == 2 ? get_u32(in, width * k + 1) : a;
+    if (a == kNoIndex) {
+      if (b != kNoIndex) {
+        return false;
+      }
+      for (uint64_t r = width * (k + 1); r < width * entries; ++r) {
+        if (get_u32(in, r) != kNoIndex) {
+          return false; // an entry after padding
         }
       }
       return true;
     }
-    if (k >= capacity || idx >= limit || static_cast<int64_t>(idx) <= last) {
+    if (k >= count) {
       return false;
     }
-    last = idx;
-    plane[idx / kWordBits] |= 1ull << (idx % kWordBits);
+    if (width == 1) {
+      if (a >= limit || static_cast<int64_t>(a) <= last) {
+        return false;
+      }
+      plane[a / kWordBits] |= uint64_t{1} << (a % kWordBits);
+      last = a;
+      continue;
+    }
+    // A run [a, b): not empty, inside the plane, after the last one's end
+    // with a gap (runs are maximal).
+    if (b <= a || b > limit || static_cast<int64_t>(a) <= last) {
+      return false;
+    }
+    set_range(plane, a, b);
+    last = b;
   }
   return true;
 }

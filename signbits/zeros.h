@@ -1,14 +1,22 @@
-// Encoding of a zero plane (or tie plane) on the wire: a sorted list of
-// 32-bit offsets when the plane is sparse, the dense plane otherwise.
+// Encoding of a zero plane (or tie plane) on the wire: nothing, a sorted
+// list of 32-bit offsets, a sorted list of runs, or the dense plane, which
+// ever is smallest for what the sender announced.
 //
-// Every sender announces a capacity K (the most set bits in any plane it will
-// send) before the data moves, so every receiver knows each message's size:
-//   K == 0             -> 0 bytes (no plane at all)
-//   list smaller       -> K uint32 offsets, ascending, padded with kNoIndex to
-//                         an even count (a whole number of 64-bit words)
-//   otherwise          -> the dense plane
-// A rank with one stray zero thus sends 8 bytes (the offset and its padding),
-// not a second plane.
+// Every sender announces a ZeroCode before the data moves: the most set bits
+// K and the most runs R (maximal sequences of consecutive set bits) in any
+// plane it will send. So every receiver knows each message's form and size:
+//   K == 0             -> kNone: 0 bytes (no plane at all)
+//   kList              -> K uint32 offsets, ascending, padded with kNoIndex
+//                         to an even count (a whole number of 64-bit words)
+//   kRuns              -> R pairs (first, end) of uint32, end exclusive,
+//                         ascending and disjoint, padded with
+//                         (kNoIndex, kNoIndex)
+//   kPlane             -> the dense plane
+// the smallest of them (ties in that order; offsets are 32-bit, so planes
+// of 2^32 - 1 elements or more go dense). A rank with one stray zero thus
+// sends 8 bytes, not a second plane; a rank whose zeros are a few whole
+// channels or embedding rows (exact zeros cluster in real models) sends 8
+// bytes a channel, whatever its length.
 #pragma once
 
 #include "types.h"
@@ -17,22 +25,48 @@ namespace lionbit::bits {
 
 constexpr uint32_t kNoIndex = 0xffffffffu;
 
+// What a sender announces about the planes it will send (zeros <= the
+// plane's elements, runs <= zeros, runs == 0 iff zeros == 0). When the runs
+// are not known, `at_most(K)` is a valid code: never more runs than zeros.
+struct ZeroCode {
+  uint64_t zeros = 0;
+  uint64_t runs = 0;
+
+  static ZeroCode at_most(uint64_t zeros) { return ZeroCode{zeros, zeros}; }
+  bool operator==(const ZeroCode& o) const { return zeros == o.zeros && runs == o.runs; }
+  bool operator!=(const ZeroCode& o) const { return !(*this == o); }
+};
+
+// The element-wise larger of two codes: a code both planes fit.
+inline ZeroCode max_code(const ZeroCode& a, const ZeroCode& b) {
+  return ZeroCode{a.zeros > b.zeros ? a.zeros : b.zeros, a.runs > b.runs ? a.runs : b.runs};
+}
+
+enum class ZeroForm : uint8_t { kNone = 0, kList = 1, kRuns = 2, kPlane = 3 };
+
+const char* zero_form_name(ZeroForm f);
+
 // Number of set bits in words[0..n_words).
 uint64_t count_bits(const uint64_t* words, size_t n_words);
 
-// Whether a plane of `words` words with capacity K is sent as a list.
-bool zeros_as_list(uint64_t capacity, size_t words);
+// Number of runs of set bits in words[0..n_words) (bit 0 of word 0 first).
+uint64_t count_runs(const uint64_t* words, size_t n_words);
 
-// Bytes on the wire for a plane of `words` words with capacity K.
-size_t zero_encoding_bytes(uint64_t capacity, size_t words);
+// The form of a plane of `words` words announced with `code`.
+ZeroForm zero_form(const ZeroCode& code, size_t words);
 
-// Writes zero_encoding_bytes(capacity, words) bytes. The plane must have at
-// most `capacity` bits set.
-void encode_zeros(const uint64_t* plane, size_t words, uint64_t capacity, uint8_t* out);
+// Bytes on the wire for a plane of `words` words announced with `code`.
+size_t zero_encoding_bytes(const ZeroCode& code, size_t words);
+
+// Writes zero_encoding_bytes(code, words) bytes. The plane must have at
+// most code.zeros bits set in at most code.runs runs.
+void encode_zeros(const uint64_t* plane, size_t words, const ZeroCode& code, uint8_t* out);
 
 // Reads what encode_zeros wrote into a plane of `words` words. Returns false
-// (plane unspecified) if an offset is out of range, out of order or more than
-// the capacity: a corrupt message.
-bool decode_zeros(const uint8_t* in, size_t words, uint64_t capacity, uint64_t* plane);
+// (plane unspecified) for a corrupt message: an offset out of range, out of
+// order, repeated or past the announced number, an entry after padding; a
+// run empty, overlapping or touching the one before it (encode_zeros writes
+// maximal runs), out of range or past the announced number.
+bool decode_zeros(const uint8_t* in, size_t words, const ZeroCode& code, uint64_t* plane);
 
 } // namespace lionbit::bits

@@ -342,7 +342,11 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
     (chunks whose tie plane rode in phase 2 because the previous vote had
     dense ties); at N = 2 ``late_zero_chunks`` (chunks whose signs left
     before the header round that announced zeros in them or in the chunks
-    after them, so their zeros followed in a message of their own).
+    after them, so their zeros followed in a message of their own). Exact
+    zeros (and a vote's tie positions) travel as the smallest of a list of
+    positions, a list of runs or a plane: ``zero_lists_sent``,
+    ``zero_runs_sent``, ``zero_planes_sent`` count the shard messages sent in
+    each form, ``zero_bytes_sent`` their bytes (part of ``bytes_sent``).
 
     Momentum synchronization (``DistributedLion(momentum_sync=...)``; not in
     the figures above): ``momentum_sync_calls`` (synchronizations),

@@ -175,15 +175,21 @@ def shard_words(numel: int, n: int) -> int:
     return (numel + unit - 1) // unit * unit // WORD_BITS // n
 
 
-def zero_encoding_bytes(capacity: int, words: int) -> int:
-    """signbits/zeros.cpp: up to `capacity` positions in a plane of `words` words, as
-    32-bit offsets (padded to an even count) where that is smaller than the plane."""
+def zero_encoding_bytes(capacity: int, words: int, runs: int | None = None) -> int:
+    """signbits/zeros.cpp: up to `capacity` zeros in at most `runs` runs (None: not known,
+    as many as zeros) in a plane of `words` words, sent as the smallest of: 32-bit offsets
+    (padded to an even count), (first, end) pairs of 32-bit offsets a run, the plane.
+    Offsets are 32-bit: planes of 2^32 - 1 elements or more go dense."""
     if capacity <= 0:
         return 0
-    slots = capacity + (capacity & 1)
-    if slots * 4 < words * 8 and words * WORD_BITS < 0xFFFFFFFF:
-        return slots * 4
-    return words * 8
+    plane = words * 8
+    if words * WORD_BITS >= 0xFFFFFFFF:
+        return plane
+    listed = (capacity + (capacity & 1)) * 4
+    ran = (capacity if runs is None else runs) * 8
+    if listed < plane and listed <= ran:
+        return listed
+    return ran if ran < plane else plane
 
 
 def sign_wire(

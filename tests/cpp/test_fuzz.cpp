@@ -67,6 +67,7 @@ bool acceptable(const std::vector<WireHeader>& h, int n, const WireHeader& mine)
       return false;
     const bool has_zero = (x.flags & kHasZero) != 0;
     if (has_zero != (x.zero_capacity > 0) || x.zero_capacity > shard_elems) return false;
+    if ((x.zero_runs > 0) != (x.zero_capacity > 0) || x.zero_runs > x.zero_capacity) return false;
   }
   return true;
 }
@@ -97,13 +98,14 @@ HeaderCase agreeing_case(std::mt19937_64& rng) {
   const uint64_t largest = std::min(numel, chunk);
   const uint64_t shard_elems = shard_words(largest, c.n) * kWordBits;
   for (int r = 0; r < c.n; ++r) {
-    uint64_t cap = 0;
+    ZeroCode code;
     if (shard_elems > 0 && rng() % 3 == 0) {
-      cap = 1 + rng() % shard_elems;
+      code.zeros = 1 + rng() % shard_elems;
+      code.runs = 1 + rng() % code.zeros;
     }
     const uint32_t hint = rng() % 2 ? kTieHint : 0u; // a rank's own expectation
-    c.h.push_back(
-        make_header(op, dtype, r, (cap ? kHasZero : 0u) | hint, seq, numel, cap, chunk, rule));
+    c.h.push_back(make_header(
+        op, dtype, r, (code.zeros ? kHasZero : 0u) | hint, seq, numel, code, chunk, rule));
   }
   return c;
 }
@@ -126,9 +128,15 @@ void mutate(HeaderCase& c, std::mt19937_64& rng) {
       case 3: // boundary sizes
         x.numel = std::vector<uint64_t>{0, 1, kMaxNumel, kMaxNumel + 1, ~0ull}[rng() % 5];
         break;
-      case 4: // zero capacity at and past the shard, with or without the flag
-        x.zero_capacity = std::vector<uint64_t>{
-            0, 1, x.numel, x.numel + 1, ~0ull, 1ull << 32}[rng() % 6];
+      case 4: // zero capacity and runs at and past the shard, with or without the flag
+        if (rng() % 2) {
+          x.zero_capacity = std::vector<uint64_t>{
+              0, 1, x.numel, x.numel + 1, ~0ull, 1ull << 32}[rng() % 6];
+        } else {
+          x.zero_runs = std::vector<uint32_t>{
+              0, 1, static_cast<uint32_t>(x.zero_capacity),
+              static_cast<uint32_t>(x.zero_capacity + 1), ~0u}[rng() % 5];
+        }
         if (rng() % 2) x.flags ^= kHasZero;
         break;
       case 5: // a peer's chunking, or its tie rule and bits
@@ -163,19 +171,21 @@ void check_one(const HeaderCase& c) {
   }
   // What the collective computes from an accepted summary stays in bounds:
   // every peer's zero encoding of every chunk is at most a dense plane.
-  ASSERT_EQ(s.zero_capacity.size(), static_cast<size_t>(c.n));
+  ASSERT_EQ(s.zero_codes.size(), static_cast<size_t>(c.n));
   bool any = false;
   const uint64_t chunk = mine.chunk_elems == 0 ? mine.numel : mine.chunk_elems;
   for (int r = 0; r < c.n; ++r) {
-    const uint64_t cap = s.zero_capacity[static_cast<size_t>(r)];
-    EXPECT_EQ(cap, c.h[static_cast<size_t>(r)].zero_capacity);
-    any = any || cap > 0;
+    const ZeroCode cap = s.zero_codes[static_cast<size_t>(r)];
+    EXPECT_EQ(cap.zeros, c.h[static_cast<size_t>(r)].zero_capacity);
+    EXPECT_EQ(cap.runs, c.h[static_cast<size_t>(r)].zero_runs);
+    any = any || cap.zeros > 0;
     if (mine.numel > 0) {
       for (uint64_t len :
            {std::min(mine.numel, chunk), mine.numel % std::max<uint64_t>(chunk, 1), uint64_t{1}}) {
         if (len == 0) continue;
         const size_t sw = shard_words(len, c.n);
-        EXPECT_LE(zero_encoding_bytes(cap, sw), sw * 8) << "cap " << cap << " sw " << sw;
+        EXPECT_LE(zero_encoding_bytes(cap, sw), sw * 8)
+            << "cap " << cap.zeros << "/" << cap.runs << " sw " << sw;
       }
     }
   }
@@ -215,7 +225,7 @@ TEST(FuzzHeaders, RandomBytesAreRejected) {
       bytes[b] = static_cast<uint8_t>(rng());
     const int me = static_cast<int>(rng() % static_cast<uint64_t>(n));
     WireHeader mine = make_header(
-        SignOp::kVote, DType::kFloat32, me, 0, 0, 100, 0, chunk_elems_for(1 << 22, n));
+        SignOp::kVote, DType::kFloat32, me, 0, 0, 100, {}, chunk_elems_for(1 << 22, n));
     h[static_cast<size_t>(me)] = mine;
     const HeaderSummary s = check_headers(h.data(), n, mine);
     if (n > 1) {
@@ -226,30 +236,37 @@ TEST(FuzzHeaders, RandomBytesAreRejected) {
   }
 }
 
-// --- zero / tie position lists ---------------------------------------------
+// --- zero / tie position lists and runs -------------------------------------
 
-// Decodes `wire` (exactly zero_encoding_bytes(cap, words) bytes) into a plane
-// of exactly `words` words; if accepted, checks the plane is canonical:
-// at most `cap` bits, and encoding it again gives the same bytes back.
-bool decode_and_check(const std::vector<uint8_t>& wire, size_t words, uint64_t cap) {
+// Decodes `wire` (exactly zero_encoding_bytes(code, words) bytes) into a
+// plane of exactly `words` words; if accepted, checks the plane is
+// canonical: at most code.zeros bits in at most code.runs runs (lists: the
+// bits), and encoding it again gives the same bytes back.
+bool decode_and_check(const std::vector<uint8_t>& wire, size_t words, const ZeroCode& code) {
   // Own heap blocks of the exact sizes: ASan / valgrind catch any overrun.
   std::unique_ptr<uint8_t[]> in(new uint8_t[std::max<size_t>(wire.size(), 1)]);
   std::memcpy(in.get(), wire.data(), wire.size());
   std::unique_ptr<uint64_t[]> plane(new uint64_t[words]);
   std::fill(plane.get(), plane.get() + words, 0x5a5a5a5a5a5a5a5aull);
-  if (!decode_zeros(in.get(), words, cap, plane.get())) {
-    EXPECT_TRUE(zeros_as_list(cap, words)) << "a dense plane is never rejected";
+  const ZeroForm form = zero_form(code, words);
+  if (!decode_zeros(in.get(), words, code, plane.get())) {
+    EXPECT_TRUE(form == ZeroForm::kList || form == ZeroForm::kRuns)
+        << "a dense plane is never rejected";
     return false;
   }
-  if (!zeros_as_list(cap, words)) {
+  if (form == ZeroForm::kPlane) {
     EXPECT_EQ(std::memcmp(plane.get(), wire.data(), words * 8), 0);
     return true;
   }
-  EXPECT_LE(count_bits(plane.get(), words), cap);
+  if (form == ZeroForm::kList) {
+    EXPECT_LE(count_bits(plane.get(), words), code.zeros);
+  } else {
+    EXPECT_LE(count_runs(plane.get(), words), code.runs);
+  }
   std::vector<uint8_t> again(wire.size(), 0);
-  encode_zeros(plane.get(), words, cap, again.data());
-  EXPECT_EQ(again, wire) << "accepted a non-canonical list (words " << words << ", cap " << cap
-                         << ")";
+  encode_zeros(plane.get(), words, code, again.data());
+  EXPECT_EQ(again, wire) << "accepted a non-canonical " << zero_form_name(form) << " (words "
+                         << words << ", code " << code.zeros << "/" << code.runs << ")";
   return true;
 }
 
@@ -267,40 +284,75 @@ uint64_t random_capacity(size_t words, std::mt19937_64& rng) {
   }
 }
 
-TEST(FuzzZeros, RandomBytesDecodeToACanonicalPlaneOrFail) {
-  std::mt19937_64 rng(4242);
-  uint64_t lists = 0, accepted = 0;
-  for (uint64_t i = 0; i < 30000 * scale(); ++i) {
-    const size_t words = 1 + rng() % 300;
-    const uint64_t cap = random_capacity(words, rng);
-    std::vector<uint8_t> wire(zero_encoding_bytes(cap, words));
-    for (auto& b : wire) b = static_cast<uint8_t>(rng());
-    lists += zeros_as_list(cap, words);
-    accepted += decode_and_check(wire, words, cap) && zeros_as_list(cap, words);
-    if (HasFailure()) return;
+// A code as a peer could announce it: without runs (a list), or with up to
+// as many runs as zeros, around the runs/plane switch too.
+ZeroCode random_code(size_t words, std::mt19937_64& rng) {
+  const uint64_t zeros = random_capacity(words, rng);
+  switch (rng() % 3) {
+    case 0:
+      return ZeroCode::at_most(zeros);
+    case 1:
+      return ZeroCode{zeros, 1 + rng() % std::min<uint64_t>(zeros, 6)};
+    default:
+      return ZeroCode{zeros, 1 + rng() % std::min<uint64_t>(zeros, words + 2)};
   }
-  EXPECT_GT(lists, 10000u);
-  (void)accepted; // random lists are almost never valid
 }
 
-TEST(FuzzZeros, MutatedValidListsDecodeCanonicallyOrFail) {
+TEST(FuzzZeros, RandomBytesDecodeToACanonicalPlaneOrFail) {
+  std::mt19937_64 rng(4242);
+  uint64_t lists = 0, runs = 0;
+  for (uint64_t i = 0; i < 30000 * scale(); ++i) {
+    const size_t words = 1 + rng() % 300;
+    const ZeroCode code = random_code(words, rng);
+    std::vector<uint8_t> wire(zero_encoding_bytes(code, words));
+    for (auto& b : wire) b = static_cast<uint8_t>(rng());
+    lists += zero_form(code, words) == ZeroForm::kList;
+    runs += zero_form(code, words) == ZeroForm::kRuns;
+    decode_and_check(wire, words, code);
+    if (HasFailure()) return;
+  }
+  EXPECT_GT(lists, 5000u);
+  EXPECT_GT(runs, 5000u);
+}
+
+// A plane of bits (scattered) or of runs (clustered) no larger than `words`
+// words allow.
+std::vector<uint64_t> random_plane(size_t words, bool clustered, std::mt19937_64& rng) {
+  std::vector<uint64_t> plane(words, 0);
+  const uint64_t limit = words * kWordBits;
+  const uint64_t pieces = rng() % (words / 2 + 2);
+  for (uint64_t b = 0; b < pieces; ++b) {
+    const uint64_t at = rng() % limit;
+    const uint64_t len = clustered ? 1 + rng() % 200 : 1;
+    for (uint64_t i = at; i < std::min(limit, at + len); ++i) {
+      plane[i / 64] |= 1ull << (i % 64);
+    }
+  }
+  return plane;
+}
+
+TEST(FuzzZeros, MutatedValidEncodingsDecodeCanonicallyOrFail) {
   std::mt19937_64 rng(99);
-  uint64_t accepted = 0, rejected = 0;
+  uint64_t accepted = 0, rejected = 0, runs = 0;
   for (uint64_t i = 0; i < 30000 * scale(); ++i) {
     const size_t words = 2 + rng() % 300;
-    std::vector<uint64_t> plane(words, 0);
-    const uint64_t bits = rng() % (words / 2 + 2);
-    for (uint64_t b = 0; b < bits; ++b) {
-      const uint64_t idx = rng() % (words * kWordBits);
-      plane[idx / 64] |= 1ull << (idx % 64);
-    }
+    const bool clustered = rng() % 2;
+    const std::vector<uint64_t> plane = random_plane(words, clustered, rng);
     const uint64_t have = count_bits(plane.data(), words);
-    const uint64_t cap = std::max<uint64_t>(1, have + rng() % 3);
-    std::vector<uint8_t> wire(zero_encoding_bytes(cap, words));
-    encode_zeros(plane.data(), words, cap, wire.data());
-    if (!zeros_as_list(cap, words)) continue;
-    // The valid message itself decodes.
-    ASSERT_TRUE(decode_and_check(wire, words, cap));
+    const uint64_t have_runs = count_runs(plane.data(), words);
+    const ZeroCode code = clustered
+        ? ZeroCode{std::max<uint64_t>(1, have + rng() % 3), std::max<uint64_t>(1, have_runs + rng() % 2)}
+        : ZeroCode::at_most(std::max<uint64_t>(1, have + rng() % 3));
+    std::vector<uint8_t> wire(zero_encoding_bytes(code, words));
+    encode_zeros(plane.data(), words, code, wire.data());
+    const ZeroForm form = zero_form(code, words);
+    if (form != ZeroForm::kList && form != ZeroForm::kRuns) continue;
+    runs += form == ZeroForm::kRuns;
+    // The valid message itself decodes, to the plane.
+    std::vector<uint64_t> back(words);
+    ASSERT_TRUE(decode_zeros(wire.data(), words, code, back.data()));
+    ASSERT_EQ(back, plane);
+    ASSERT_TRUE(decode_and_check(wire, words, code));
     const int flips = 1 + static_cast<int>(rng() % 3);
     for (int f = 0; f < flips; ++f) {
       const size_t byte = rng() % wire.size();
@@ -310,23 +362,26 @@ TEST(FuzzZeros, MutatedValidListsDecodeCanonicallyOrFail) {
         wire[byte] = rng() % 2 ? 0xff : 0x00;
       }
     }
-    (decode_and_check(wire, words, cap) ? accepted : rejected) += 1;
+    (decode_and_check(wire, words, code) ? accepted : rejected) += 1;
     if (HasFailure()) return;
   }
   EXPECT_GT(rejected, 1000u);
-  EXPECT_GT(accepted, 100u); // a changed offset that is still in range and in order
+  EXPECT_GT(accepted, 100u); // a changed offset or run still in range and in order
+  EXPECT_GT(runs, 3000u);
 }
 
 TEST(FuzzZeros, HugePlanesNeverUseListsTheyCannotIndex) {
   // 32-bit offsets: a plane of 2^32 elements or more must go dense whatever
-  // capacity a peer announces; the list size must never exceed the plane.
+  // code a peer announces; no encoding may exceed the plane.
   for (size_t words :
        {size_t{1} << 26, (size_t{1} << 26) - 1, (size_t{1} << 26) + 1, size_t{1} << 30}) {
     for (uint64_t cap : {uint64_t{1}, uint64_t{2}, uint64_t{1} << 20, uint64_t{words}}) {
-      if (words * kWordBits >= kNoIndex) {
-        EXPECT_FALSE(zeros_as_list(cap, words)) << words << " " << cap;
+      for (const ZeroCode code : {ZeroCode::at_most(cap), ZeroCode{cap, 1}}) {
+        if (words * kWordBits >= kNoIndex) {
+          EXPECT_EQ(zero_form(code, words), ZeroForm::kPlane) << words << " " << cap;
+        }
+        EXPECT_LE(zero_encoding_bytes(code, words), words * 8);
       }
-      EXPECT_LE(zero_encoding_bytes(cap, words), words * 8);
     }
   }
 }

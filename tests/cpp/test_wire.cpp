@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <tuple>
 #include <vector>
 
 namespace lionbit::bits {
@@ -19,26 +20,33 @@ TEST(Wire, AgreeingHeadersPass) {
   auto h = agreeing(4);
   h[2].flags |= kHasZero;
   h[2].zero_capacity = 3;
+  h[2].zero_runs = 2;
   const HeaderSummary s = check_headers(h.data(), 4, h[1]);
   EXPECT_EQ(s.error, "");
   EXPECT_TRUE(s.any_zero);
-  EXPECT_EQ(s.zero_capacity, (std::vector<uint64_t>{0, 0, 3, 0}));
+  EXPECT_EQ(s.zero_codes, (std::vector<ZeroCode>{{0, 0}, {0, 0}, {3, 2}, {0, 0}}));
 }
 
 TEST(Wire, ZeroCapacityIsCheckedAgainstTheShard) {
   // 1000 elements over 4 ranks: shards of 256 elements.
-  for (auto [flag, cap] :
-       {std::pair{true, 0ull}, std::pair{false, 5ull}, std::pair{true, 257ull}}) {
+  // (flag, zeros, runs): no zeros with the flag, zeros without it, more
+  // zeros than the shard, zeros without runs, runs without zeros, more runs
+  // than zeros.
+  for (auto [flag, cap, runs] :
+       {std::tuple{true, 0ull, 0u}, std::tuple{false, 5ull, 1u}, std::tuple{true, 257ull, 1u},
+        std::tuple{true, 5ull, 0u}, std::tuple{false, 0ull, 1u}, std::tuple{true, 5ull, 6u}}) {
     auto h = agreeing(4);
     if (flag) h[3].flags |= kHasZero;
     h[3].zero_capacity = cap;
+    h[3].zero_runs = runs;
     const HeaderSummary s = check_headers(h.data(), 4, h[0]);
     EXPECT_NE(s.error.find("rank 3 sent a corrupt header (zero capacity"), std::string::npos)
-        << flag << " " << cap << ": " << s.error;
+        << flag << " " << cap << " " << runs << ": " << s.error;
   }
   auto h = agreeing(4);
   h[3].flags |= kHasZero;
   h[3].zero_capacity = 256; // a whole shard of zeros is fine
+  h[3].zero_runs = 1;
   EXPECT_EQ(check_headers(h.data(), 4, h[0]).error, "");
 }
 
@@ -141,6 +149,7 @@ TEST(Wire, ChunkSizeMustAgreeAndBoundsTheZeroCapacity) {
   h[1].chunk_elems = 1024;
   h[1].flags |= kHasZero;
   h[1].zero_capacity = 513;
+  h[1].zero_runs = 1;
   EXPECT_NE(check_headers(h.data(), 2, h[0]).error.find("zero capacity 513"), std::string::npos);
   h[1].zero_capacity = 512;
   EXPECT_EQ(check_headers(h.data(), 2, h[0]).error, "");
@@ -238,7 +247,7 @@ TEST(Wire, LevelsNeedTheirBitsAndOnlyVotesBreakTies) {
   std::vector<WireHeader> h;
   for (int r = 0; r < 2; ++r) {
     h.push_back(make_header(
-        SignOp::kLevels, DType::kBFloat16, r, 0, 1, 1000, 0, 0,
+        SignOp::kLevels, DType::kBFloat16, r, 0, 1, 1000, {}, 0,
         CallRule{TieRule{TieBreak::kRandom, 9}, 4}));
   }
   EXPECT_EQ(check_headers(h.data(), 2, h[0]).error, "");

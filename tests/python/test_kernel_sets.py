@@ -28,6 +28,7 @@ KERNELS = [
     "pack_levels",
     "clean",
     "count_bits",
+    "zero_codes",
     "encode_zeros",
     "decode_zeros",
     "count_code",

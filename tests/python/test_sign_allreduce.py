@@ -35,6 +35,12 @@ def _make(rank, n, shape, dtype, kind, seed):
     elif kind == "zeros":
         x = torch.zeros(shape, dtype=torch.float64)
         x[torch.rand(shape, generator=g) < 0.5] = -0.0
+    elif kind == "rows":  # zeros in runs (a channel, an embedding row): sent as runs
+        x = torch.randn(shape, generator=g, dtype=torch.float64)
+        flat = x.view(-1)
+        for start in range(rank % 3, flat.numel(), 40):  # every rank its own runs ...
+            flat[start : start + 13] = 0.0
+        flat[5:30] = 0.0  # ... and one on every rank
     elif kind == "stray":  # a handful of zeros: sent as lists of offsets
         x = torch.randn(shape, generator=g, dtype=torch.float64)
         flat = x.view(-1)
@@ -85,9 +91,9 @@ def check_against_reference(rank, n):
             if op == "avg" and dtype == torch.int8:
                 continue
             for shape in _shapes(n):
-                kinds = ["random", "zeros", "tie", "shared", "stray"] if shape == (64 * n + 3,) else ["random"]
+                kinds = ["random", "zeros", "tie", "shared", "stray", "rows"] if shape == (64 * n + 3,) else ["random"]
                 if shape == (257, 3):
-                    kinds.append("stray")
+                    kinds += ["stray", "rows"]
                 for kind in kinds:
                     for layout in ("contiguous", "strided") if shape in [(257, 3), (7,)] else ("contiguous",):
                         seed += 1
@@ -214,7 +220,7 @@ def measure_bytes(rank, n, numel, pattern):
     g = torch.Generator().manual_seed(1234)
     shared = torch.randn(numel, generator=g)
     mine = torch.randn(numel, generator=torch.Generator().manual_seed(99 + rank))
-    if pattern in ("majority", "stray_zero", "few_ties"):  # all but the last agree
+    if pattern in ("majority", "stray_zero", "few_ties", "channel_zeros"):  # all but the last agree
         x = shared.clone() if rank < n - 1 else mine
     else:  # "independent": independent random signs (ties at even N)
         x = mine
@@ -225,6 +231,13 @@ def measure_bytes(rank, n, numel, pattern):
     assert bool((x != 0).all())
     if pattern == "stray_zero":  # one exact zero per rank
         x[rank * 1000 + 7] = 0.0
+    if pattern == "channel_zeros":
+        # Whole rows of 576 (a conv channel) zero: 10 % on every rank, and 2 % on one rank only
+        # (rows of its own: where two ranks' own zeros met, the others' signs could tie there).
+        rows = x[: numel // 576 * 576].view(-1, 576)
+        rows[torch.rand(rows.shape[0], generator=torch.Generator().manual_seed(5)) < 0.1] = 0.0
+        own = torch.rand(rows.shape[0], generator=torch.Generator().manual_seed(50 + rank)) < 0.02 * n
+        rows[own & (torch.arange(rows.shape[0]) % n == rank)] = 0.0
     lionbit.reset_stats()
     lionbit.all_reduce_sign(x, "vote")
     return lionbit.stats()
@@ -236,7 +249,8 @@ def _one_bit_bytes(n, d):
 
 @pytest.mark.parametrize(
     "world_size,pattern",
-    [(4, "majority"), (3, "independent"), (5, "independent"), (4, "stray_zero"), (4, "few_ties")],
+    [(4, "majority"), (3, "independent"), (5, "independent"), (4, "stray_zero"), (4, "few_ties"),
+     (2, "channel_zeros"), (4, "channel_zeros")],
 )
 def test_vote_bytes_within_5_percent_of_one_bit(world_size, pattern):
     d = 1 << 20
@@ -247,6 +261,9 @@ def test_vote_bytes_within_5_percent_of_one_bit(world_size, pattern):
         assert s["bytes_sent"] <= bound, (s["bytes_sent"], bound)
         assert s["bytes_received"] <= bound, (s["bytes_received"], bound)
         assert s["bytes_sent"] >= _one_bit_bytes(world_size, d)  # the counter is not fooling itself
+        if pattern == "channel_zeros":  # the zero rows went as runs, never as a plane or positions
+            assert s["zero_runs_sent"] > 0 and s["zero_planes_sent"] == s["zero_lists_sent"] == 0, s
+            assert 0 < s["zero_bytes_sent"] < 0.02 * _one_bit_bytes(world_size, d), s
 
 
 def test_vote_bytes_over_many_chunks_stay_within_5_percent():

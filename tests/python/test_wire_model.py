@@ -41,6 +41,9 @@ def test_layout_is_the_backends():
 def test_zero_encoding_is_the_backends():
     for cap, words in itertools.product([0, 1, 2, 3, 15, 16, 17, 255, 4096, 1 << 20], [1, 2, 7, 64, 1000, 1 << 16]):
         assert estimate.zero_encoding_bytes(cap, words) == _C.zero_encoding_bytes(cap, words), (cap, words)
+        for runs in sorted(r for r in {1, 2, 7, cap // 3, cap // 2, cap} if 0 < r <= cap):  # the runs form
+            got = estimate.zero_encoding_bytes(cap, words, runs)
+            assert got == _C.zero_encoding_bytes(cap, words, runs), (cap, words, runs)
 
 
 def test_sign_wire_refuses_other_ops():
