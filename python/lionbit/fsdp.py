@@ -64,7 +64,10 @@ Checkpoints: ``opt.state_dict()`` (:func:`state_dict`, so also torch's
 shape (N, *param_shape) sharded on dim 0 of the FSDP mesh, so
 ``torch.distributed.checkpoint`` stores every rank's own momentum and a
 ``full_state_dict=True`` checkpoint holds all N of them (row r: rank r's).
-Resuming needs the same number of ranks.
+Resuming needs the same number of ranks. Under HSDP each state dict also
+carries the mesh's rank layout (:data:`MESH_SHAPE_KEY`) ahead of the momenta,
+so that ``dcp.load`` on another mesh fails on it first, naming both mesh
+shapes.
 """
 
 import copy
@@ -683,12 +686,49 @@ def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optiona
 #: state_dict(), the top level of sharded_state_dict()).
 MESH_KEY = "lionbit_mesh"
 
+#: Where an HSDP state dict carries the mesh's rank layout, a plain tensor
+#: of the mesh's shape (M, L), ahead of the momenta: the first entry of
+#: sharded_state_dict(), the first of every parameter's state in
+#: state_dict(). torch.distributed.checkpoint's load planner checks each
+#: entry's saved size in the state dict's order and stops at the first that
+#: differs, so on another mesh ``dcp.load`` refuses with "Size mismatch
+#: between saved torch.Size([2, 2]) and current: torch.Size([1, 4]) for
+#: optim...lionbit_mesh_shape" (the two meshes) rather than on a momentum
+#: (whose dim 0 only counts the nodes). The loaders check it and never keep
+#: it as optimizer state; a state dict without it (a 1-D mesh's, an older
+#: lionbit's) loads as before.
+MESH_SHAPE_KEY = "lionbit_mesh_shape"
 
-def _saved_mesh(att, d: dict):
+
+def _mesh_layout(att, device) -> torch.Tensor:
+    """HSDP: the mesh's rank layout as a new plain int64 tensor on the
+    momenta's device (DCP, which counts a plain tensor as replicated, writes
+    one rank's copy: it is the same on every rank; ``dcp.load`` writes into
+    it, so it is never the mesh's own)."""
+    return torch.as_tensor(att.dp.device_mesh.mesh).to(device=device, dtype=torch.int64, copy=True)
+
+
+def _check_mesh_layout(att, value, where: str) -> None:
+    """A state dict's :data:`MESH_SHAPE_KEY` entry against this run's mesh:
+    the clear error of :func:`_check_mesh` when its shape differs."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        raise ValueError(
+            f"{where} on rank {dist.get_rank()}: '{MESH_SHAPE_KEY}' is a {type(value).__name__}; expected the plain "
+            f"tensor of the mesh's rank layout that state_dict() gives (shape {tuple(att.dp.device_mesh.shape)} on "
+            f"the mesh {att.dp.describe()})"
+        )
+    shape = tuple(value.shape)
+    if shape != tuple(att.dp.device_mesh.shape):
+        _check_mesh(att, "x".join(str(n) for n in shape) or "of shape ()", where)
+
+
+def _saved_mesh(att, d: dict, has_layout: bool = False):
     """The mesh a state dict (or one of its groups) records: HSDP's own; a
-    1-D run's records none."""
+    1-D run's records none. None where it records none but carries the
+    mesh's layout (``has_layout``: MESH_SHAPE_KEY, which is checked
+    instead)."""
     saved = d.get(MESH_KEY)
-    if saved is None and att.replicas is not None:
+    if saved is None and att.replicas is not None and not has_layout:
         return "a 1-D mesh (FSDP without HSDP), or an older lionbit"
     return saved
 
@@ -740,7 +780,8 @@ def state_dict(att) -> dict:
     ``full_state_dict=True`` gathers the rows into one plain (N, *shape)
     tensor per parameter (``cpu_offload=True``: on rank 0 only), a
     consolidated checkpoint of every rank's momentum, N times a parameter's
-    size."""
+    size. HSDP: every parameter's state starts with :data:`MESH_SHAPE_KEY`
+    (and every parameter group records :data:`MESH_KEY`)."""
     opt = att.opt
     for hook in torch_internals.state_dict_hooks(opt, "state_dict_pre"):
         hook(opt)
@@ -759,7 +800,10 @@ def state_dict(att) -> dict:
             st = opt.state.get(p)
             if not st:
                 continue
-            state[index[id(p)]] = {
+            # HSDP: the mesh's layout first (MESH_SHAPE_KEY): torch's state_dict helpers keep a parameter's
+            # entries in order, so DCP meets it before the momentum
+            first = {MESH_SHAPE_KEY: _mesh_layout(att, p.device)} if att.replicas is not None else {}
+            state[index[id(p)]] = first | {
                 k: (_rows(att, p, v) if k == "exp_avg" and p in att.managed else v) for k, v in st.items()
             }
     sd = {"state": state, "param_groups": groups}
@@ -779,7 +823,8 @@ def load_state_dict(att, state_dict: dict) -> None:
     come from the state dict. The momentum is copied into the optimizer's own
     tensor in its momentum_dtype (torch's Optimizer.load_state_dict would cast
     it to the parameter's dtype). Everything is checked before anything
-    changes."""
+    changes. A parameter's :data:`MESH_SHAPE_KEY` entry is checked against
+    this run's mesh and dropped; a state dict without it loads alike."""
     where = "DistributedLion.load_state_dict (FSDP2)"
     opt = att.opt
     sd = dict(state_dict)
@@ -791,6 +836,7 @@ def load_state_dict(att, state_dict: dict) -> None:
     if len(saved_groups) != len(groups):
         raise ValueError(f"{where}: the state dict has {len(saved_groups)} parameter groups, this optimizer {len(groups)}")
     ids = {}
+    has_layout = any(isinstance(st, dict) and MESH_SHAPE_KEY in st for st in sd["state"].values())
     for i, (mine, saved) in enumerate(zip(groups, saved_groups)):
         if len(saved["params"]) != len(mine["params"]):
             raise ValueError(
@@ -798,7 +844,7 @@ def load_state_dict(att, state_dict: dict) -> None:
                 f"{len(mine['params'])} in this optimizer"
             )
         ids.update(zip(saved["params"], mine["params"]))
-        _check_mesh(att, _saved_mesh(att, saved), where)
+        _check_mesh(att, _saved_mesh(att, saved, has_layout), where)
     marker = sd.get("lionbit")  # optim.py's {"rank", "world_size"} of a per-rank state dict
     own_file = isinstance(marker, dict) and (marker.get("rank"), marker.get("world_size")) == (
         att.dp.row,
@@ -811,7 +857,12 @@ def load_state_dict(att, state_dict: dict) -> None:
         if p is None:
             raise ValueError(f"{where}: the state dict has state for parameter {key!r}, which no parameter group lists")
         name = att.fqns.get(p, str(key))
-        loaded[p] = {k: (_own_row(att, p, v, name, where, unsure) if k == "exp_avg" else v) for k, v in st.items()}
+        if MESH_SHAPE_KEY in st:  # the mesh's layout: checked, never kept
+            _check_mesh_layout(att, st[MESH_SHAPE_KEY], where)
+        loaded[p] = {
+            k: (_own_row(att, p, v, name, where, unsure) if k == "exp_avg" else v)
+            for k, v in st.items() if k != MESH_SHAPE_KEY
+        }
     if not own_file:
         _warn_unsure(att, unsure, where)
     # Checked: now change the optimizer. Its state becomes the state dict's.
@@ -844,7 +895,9 @@ def sharded_state_dict(att) -> dict:
     as the (N, *param_shape) DTensor above, keyed by the parameter's name;
     the hyperparameters of every parameter group as plain values. Its
     DTensors share memory with the momentum: ``dcp.load`` into it restores
-    in place; call :func:`load_sharded_state_dict` afterwards."""
+    in place; call :func:`load_sharded_state_dict` afterwards. HSDP: the
+    mesh's rank layout comes first (:data:`MESH_SHAPE_KEY`), and its
+    description is recorded (:data:`MESH_KEY`)."""
     opt = att.opt
     momentum = {}
     for p in att.managed:
@@ -855,6 +908,8 @@ def sharded_state_dict(att) -> dict:
     sd = {"momentum": momentum, "param_groups": hyper, "aggregation": opt.aggregation}
     if att.replicas is not None:  # HSDP: the mesh the rows belong to (a 1-D state dict stays as it was)
         sd[MESH_KEY] = att.dp.describe()
+        # its layout first: DCP then meets it before any momentum (MESH_SHAPE_KEY)
+        sd = {MESH_SHAPE_KEY: _mesh_layout(att, next(iter(att.managed)).device)} | sd
     return sd
 
 
@@ -870,7 +925,9 @@ def load_sharded_state_dict(att, sd: dict) -> None:
         raise ValueError(
             f"{where}: the checkpoint has {len(groups)} parameter groups, this optimizer {len(opt.param_groups)}"
         )
-    _check_mesh(att, _saved_mesh(att, sd), where)
+    _check_mesh(att, _saved_mesh(att, sd, MESH_SHAPE_KEY in sd), where)
+    if MESH_SHAPE_KEY in sd:  # the mesh's layout (absent from a 1-D or an older state dict)
+        _check_mesh_layout(att, sd[MESH_SHAPE_KEY], where)
     by_name = {n: p for p, n in att.fqns.items()}
     rows, unsure = {}, []
     for name, value in sd["momentum"].items():

@@ -1,8 +1,10 @@
 """DistributedLion on HSDP (2 nodes x 2 ranks) through checkpoints: each
 node's momentum, sharded over its ranks, saved and resumed bitwise through
 opt.sharded_state_dict() + dcp, torch's get/set_optimizer_state_dict + dcp,
-and a consolidated full_state_dict=True checkpoint; a change of mesh fails
-with an error naming both meshes.
+and a consolidated full_state_dict=True checkpoint, also as a lionbit
+before the mesh's layout entry (lionbit.fsdp.MESH_SHAPE_KEY) wrote them; a
+change of mesh fails with an error naming both meshes (through dcp.load:
+DCP's size check of that entry, the first it meets).
 
 Each path trains K steps (the lr changed before the save), checkpoints,
 trains J more (parameters P1, momenta); then a model from another seed with
@@ -64,7 +66,16 @@ def _save(model, opt, rank, mode, where):
     dist.barrier()
 
 
-def _load(model, opt, mode, where, broadcast=True):
+def _drop_mesh_layout(optim_sd):
+    """An HSDP optimizer state dict as a lionbit before MESH_SHAPE_KEY gave it."""
+    from lionbit.fsdp import MESH_SHAPE_KEY
+
+    optim_sd.pop(MESH_SHAPE_KEY, None)
+    for st in optim_sd.get("state", {}).values():
+        st.pop(MESH_SHAPE_KEY, None)
+
+
+def _load(model, opt, mode, where, broadcast=True, older=False):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -76,12 +87,16 @@ def _load(model, opt, mode, where, broadcast=True):
 
     if mode == "plain":
         sd = {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
+        if older:
+            _drop_mesh_layout(sd["optim"])
         dcp.load(sd, checkpoint_id=where)
         model.load_state_dict(sd["model"])
         opt.load_sharded_state_dict(sd["optim"])
         return
     if mode == "sharded":
         sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        if older:
+            _drop_mesh_layout(sd["optim"])
         dcp.load(sd, checkpoint_id=where)
         set_model_state_dict(model, sd["model"])
         set_optimizer_state_dict(model, opt, sd["optim"])
@@ -92,8 +107,34 @@ def _load(model, opt, mode, where, broadcast=True):
         return
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     sd = torch.load(where + ".pt", weights_only=False) if dist.get_rank() == 0 else {"model": {}, "optim": {}}
+    if older:
+        _drop_mesh_layout(sd["optim"])
     set_model_state_dict(model, sd["model"], options=options)
     set_optimizer_state_dict(model, opt, sd["optim"], options=options)
+
+
+def _layout_check(model, opt, mode, where):
+    """lionbit's own check of the mesh's layout (MESH_SHAPE_KEY) where the
+    mesh's description (MESH_KEY) is gone: a state dict of the 2x2 mesh given
+    to this run's loader."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    from lionbit.fsdp import MESH_KEY, MESH_SHAPE_KEY
+
+    try:
+        if mode == "plain":
+            sd = opt.sharded_state_dict()
+            del sd[MESH_KEY]
+            sd[MESH_SHAPE_KEY] = torch.arange(M * L).view(M, L)
+            opt.load_sharded_state_dict(sd)
+        else:
+            sd = torch.load(where + ".pt", weights_only=False)["optim"]
+            for g in sd["param_groups"]:
+                del g[MESH_KEY]
+            set_optimizer_state_dict(model, opt, sd)
+        return "no error"
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        return f"{type(err).__name__}: {err}"
 
 
 def hsdp_checkpoints(rank, world_size, path):
@@ -114,7 +155,13 @@ def hsdp_checkpoints(rank, world_size, path):
         model, opt = _build(mesh, 1, lr=0.123)  # other weights, other lr: all must come from the checkpoint
         _load(model, opt, mode, where)
         _train(model, opt, rank, range(K, K + J))
-        out[mode] = {"same": _state(model, opt) == uninterrupted, "momentum": uninterrupted[1][:8]}
+        out[mode] = {"same": _state(model, opt) == uninterrupted, "momentum": uninterrupted[1][:8],
+                     "state_keys": sorted({k for st in opt.state.values() for k in st})}
+
+        model, opt = _build(mesh, 2, lr=0.2)  # the same checkpoint without the mesh's layout (older lionbit)
+        _load(model, opt, mode, where, older=True)
+        _train(model, opt, rank, range(K, K + J))
+        out[mode]["older_same"] = _state(model, opt) == uninterrupted
 
         model, opt = _build(other, 0)  # the mesh changed: 2x2 -> 1x4
         try:
@@ -122,6 +169,8 @@ def hsdp_checkpoints(rank, world_size, path):
             out[mode]["mesh_change"] = "no error"
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported to the test
             out[mode]["mesh_change"] = f"{type(err).__name__}: {err}"
+        if mode != "sharded":
+            out[mode]["layout_check"] = _layout_check(model, opt, mode, where)
     return out
 
 
@@ -130,15 +179,23 @@ def test_hsdp_checkpoints_resume_bitwise_and_refuse_another_mesh(tmp_path):
     for mode in MODES:
         for rank, r in enumerate(res):
             assert r[mode]["same"], (mode, rank)
+            assert r[mode]["older_same"], (mode, rank)
+            assert r[mode]["state_keys"] == ["exp_avg"], (mode, rank, r[mode]["state_keys"])  # the layout not kept
         # the nodes' momenta differ (their own data); the replicas' agree
         assert res[0][mode]["momentum"] != res[L][mode]["momentum"]
     for rank, r in enumerate(res):
         # A consolidated checkpoint reaches lionbit, which names both meshes. Through dcp.load,
-        # DCP refuses first, naming the momentum's rows: one per worker (node), 2 saved, 1 now.
+        # DCP refuses first, at the mesh's layout (before any momentum): both mesh shapes.
         err = r["full"]["mesh_change"]
         assert "written on the mesh 2x2 (replicate, shard), this run shards over the mesh 1x4 (replicate, shard)" \
             in err, (rank, err)
-        for mode in ("plain", "sharded"):
+        first = {"plain": "optim.lionbit_mesh_shape", "sharded": "optim.state.emb.weight.lionbit_mesh_shape"}
+        for mode, key in first.items():
             err = r[mode]["mesh_change"]
-            assert "CheckpointException" in err and "Size mismatch between saved torch.Size([2, 37, 12]) and " \
-                "current: torch.Size([1, 37, 12]) for optim." in err, (mode, rank, err)
+            assert "CheckpointException" in err and "Size mismatch between saved torch.Size([2, 2]) and " \
+                f"current: torch.Size([1, 4]) for {key}\n" in err, (mode, rank, err)
+            assert "37, 12" not in err, (mode, rank, err)  # not a momentum's size
+        for mode, call in (("plain", "load_sharded_state_dict"), ("full", "load_state_dict (FSDP2)")):
+            err = r[mode]["layout_check"]
+            assert f"ValueError: DistributedLion.{call} on rank {rank}: the checkpoint was written on the mesh 2x2, " \
+                "this run shards over the mesh 1x4 (replicate, shard)" in err, (mode, rank, err)
