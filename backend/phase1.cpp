@@ -17,25 +17,6 @@ bits::ZeroCode max_shard_zeros(const SignCall& call, const at::Tensor& zero, siz
   return most;
 }
 
-namespace {
-
-// Counts the zero encodings this rank sends: `shards` of `words` words
-// each, announced with `code`.
-void count_zero_encodings(
-    const SignComm& c,
-    const bits::ZeroCode& code,
-    size_t words,
-    int64_t shards) {
-  const bits::ZeroForm form = bits::zero_form(code, words);
-  if (form == bits::ZeroForm::kNone || shards <= 0) {
-    return;
-  }
-  c.stats->zero_bytes_sent += static_cast<uint64_t>(shards) *
-      bits::zero_encoding_bytes(code, words);
-  c.stats->zero_encodings[static_cast<int>(form) - 1] += static_cast<uint64_t>(shards);
-}
-
-} // namespace
 
 Phase1 send_shards(
     const SignCall& call,

@@ -151,7 +151,9 @@ std::string Phase2::encode(
     case Phase2Format::kVoteSigns: {
       at::Tensor sign = msg.narrow(0, head, sb);
       vote_shard(k, op, rule, in, first_word, sign, ties);
-      put_word(msg, tie_word(k.zero_codes(ties, sw).at(0), sw));
+      // The runs only where there are ties: their round's form needs them.
+      const uint64_t n = k.count_bits(ties, sw).at(0);
+      put_word(msg, tie_word(n > 0 ? k.zero_codes(ties, sw).at(0) : bits::ZeroCode{}, sw));
       return "";
     }
     case Phase2Format::kVoteTrits: {
@@ -159,7 +161,8 @@ std::string Phase2::encode(
       at::Tensor sign = planes.narrow(0, 0, sb);
       at::Tensor zeros = planes.narrow(0, sb, sb);
       vote_shard(k, op, rule, in, first_word, sign, zeros);
-      put_word(msg, tie_word(k.zero_codes(zeros, sw).at(0), sw));
+      // The ties ride inline: no round whose form needs their runs.
+      put_word(msg, tie_word(bits::ZeroCode::at_most(k.count_bits(zeros, sw).at(0)), sw));
       msg.narrow(0, static_cast<int64_t>(message_bytes()) - 8, 8).zero_(); // the padding
       at::Tensor trits = msg.narrow(0, head, static_cast<int64_t>(bits::kTritBytesPerWord * sw));
       k.encode_trits(sign, zeros, trits);

@@ -432,8 +432,7 @@ class Run {
     Inflight f = issue_allgather(call_, call_.bytes(static_cast<size_t>(zb * N_)), mine_enc);
     at::Tensor gathered_zero = wait_data(call_, "all-gather of tie positions (phase 2)", f);
     count_allgather(c_, static_cast<size_t>(zb));
-    c_.stats->zero_bytes_sent += static_cast<uint64_t>(zb * (N_ - 1));
-    c_.stats->zero_encodings[static_cast<int>(form) - 1] += static_cast<uint64_t>(N_ - 1);
+    count_zero_encodings(c_, tie_code, ch.sw, N_ - 1);
     if (form == bits::ZeroForm::kPlane) {
       ch.tie_planes = gathered_zero;
       return;

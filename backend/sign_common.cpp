@@ -8,6 +8,7 @@
 
 #include "backend/sign_errors.hpp"
 #include "signbits/levels.h"
+#include "signbits/zeros.h"
 
 namespace lionbit {
 
@@ -54,6 +55,20 @@ void count_allgather(const SignComm& c, size_t chunk) {
   const uint64_t b = static_cast<uint64_t>(chunk) * (c.world_size - 1);
   c.stats->bytes_sent += b;
   c.stats->bytes_received += b;
+}
+
+void count_zero_encodings(
+    const SignComm& c,
+    const bits::ZeroCode& code,
+    size_t words,
+    int64_t messages) {
+  const bits::ZeroForm form = bits::zero_form(code, words);
+  if (form == bits::ZeroForm::kNone || messages <= 0) {
+    return;
+  }
+  c.stats->zero_bytes_sent += static_cast<uint64_t>(messages) *
+      bits::zero_encoding_bytes(code, words);
+  c.stats->zero_encodings[static_cast<int>(form) - 1] += static_cast<uint64_t>(messages);
 }
 
 namespace {

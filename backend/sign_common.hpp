@@ -117,6 +117,15 @@ void wait_inner(
 // Adds a ring all-gather of `chunk` bytes per rank to the byte counters.
 void count_allgather(const SignComm& c, size_t chunk);
 
+// Counts `messages` zero encodings this rank sent, each of a plane of
+// `words` words announced with `code` (Stats::zero_bytes_sent and the
+// form's count; nothing for kNone).
+void count_zero_encodings(
+    const SignComm& c,
+    const bits::ZeroCode& code,
+    size_t words,
+    int64_t messages);
+
 // The value of each count code of an avg / sum result (bits::count_code:
 // code = #positive, or 2 * #positive + #zero when some rank sent zeros), for
 // the 2^planes codes of `planes` code planes: Sum for "sum", Sum / N for
