@@ -1085,4 +1085,13 @@ std::vector<KernelMismatch> check_kernels(
   return ck.take();
 }
 
+std::vector<std::tuple<std::string, std::string>> as_pairs(
+    const std::vector<KernelMismatch>& mismatches) {
+  std::vector<std::tuple<std::string, std::string>> out;
+  for (const KernelMismatch& m : mismatches) {
+    out.emplace_back(kernel_name(m.kernel), m.case_);
+  }
+  return out;
+}
+
 } // namespace lionbit

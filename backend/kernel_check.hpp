@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/kernel_set.hpp"
@@ -29,5 +30,9 @@ std::vector<KernelMismatch> check_kernels(
     const KernelSet& reference,
     const c10::Device& device,
     uint64_t seed);
+
+// (kernel name, case) per mismatch: what Python receives.
+std::vector<std::tuple<std::string, std::string>> as_pairs(
+    const std::vector<KernelMismatch>& mismatches);
 
 } // namespace lionbit

@@ -129,6 +129,26 @@ const KernelSet& kernels_for(const c10::Device& device) {
   return aten_kernels();
 }
 
+const KernelSet& named_set(const char* op, const std::string& name, const c10::Device& device) {
+  if (name == "aten") {
+    return aten_kernels();
+  }
+#ifdef LIONBIT_WITH_CUDA
+  if (name == "cuda") {
+    TORCH_CHECK_VALUE(
+        device.is_cuda(), "lionbit.", op, ": the cuda set runs on CUDA devices only, not on ",
+        device);
+    return cuda_kernels(device, /*checked=*/false); // every custom kernel, unchecked
+  }
+#endif
+  TORCH_CHECK_VALUE(
+      name == "simd", "lionbit.", op,
+      ": a kernel set is 'simd', 'aten' or (CUDA builds) 'cuda', got '", name, "'");
+  TORCH_CHECK_VALUE(
+      device.is_cpu(), "lionbit.", op, ": the simd set runs on the CPU only, not on ", device);
+  return simd_kernels();
+}
+
 at::Tensor device_bytes(size_t n, const c10::Device& device) {
   return at::empty({static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte).device(device));
 }

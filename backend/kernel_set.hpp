@@ -232,6 +232,13 @@ const KernelSet& kernels_for(const c10::Device& device);
 const KernelSet& aten_kernels();
 const KernelSet& simd_kernels();
 
+// The set Python names `name` ("simd", "aten", or in CUDA builds "cuda":
+// every custom CUDA kernel, unchecked) for tensors on `device`: the kernel
+// check's candidate and reference, the tests' single kernels. Raises
+// ValueError naming `op` for an unknown name or a set that does not run on
+// `device`.
+const KernelSet& named_set(const char* op, const std::string& name, const c10::Device& device);
+
 // A table of `values` as `dtype` (bits::make_lut's rounding) on `device`.
 at::Tensor lut_tensor(
     bits::DType dtype,

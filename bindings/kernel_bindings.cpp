@@ -12,7 +12,6 @@
 #include "backend/kernels_cuda.hpp"
 #endif
 #include "backend/torch_adapter.hpp"
-#include "bindings/kernel_sets_by_name.hpp"
 #include "optimizer/lion.h"
 #include "signbits/copy_bits.h"
 #include "signbits/count.h"

@@ -93,9 +93,6 @@ void lion_apply(at::Tensor& x, const at::Tensor& delta, double lr, double decay)
 // Whether the fused kernels take these dtypes.
 bool lion_fused_supported(at::ScalarType param, at::ScalarType grad, at::ScalarType momentum);
 
-// The kernel sets of the sign collectives (backend/kernel_set.hpp), named as
-// in bindings/kernel_sets_by_name.hpp.
-
 // backend/kernel_check.hpp's check of `candidate` against `reference` on
 // `device` with inputs from `seed`: (kernel, case) per mismatch.
 std::vector<std::tuple<std::string, std::string>> check_kernel_sets(

@@ -13,7 +13,6 @@
 #include "backend/kernel_set.hpp"
 #include "backend/torch_adapter.hpp"
 #include "bindings/kernel_bindings.hpp"
-#include "bindings/kernel_sets_by_name.hpp"
 #include "signbits/count.h"
 #include "signbits/unpack.h"
 

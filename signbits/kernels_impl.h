@@ -424,8 +424,8 @@ void count_code_fixed(const Contribution* in, int n, size_t words, uint64_t* out
   for (; w + kLanes <= words; w += kLanes) {
     count_code_block<kLanes, P, Z>(in, n, words, w, out);
   }
-  for (; w < words; ++w) {
-    count_code_block<1, P, Z>(in, n, words, w, out);
+  for (; w < words; ++w) { // the tail: one copy for every P (see vote_levels_fixed)
+    count_code_block<1, 0, Z>(in, n, words, w, out);
   }
 }
 
@@ -509,8 +509,8 @@ struct VoteFn {
     for (; w + kLanes <= words; w += kLanes) {
       any |= vote_block<kLanes, P, Z>(in, n, w, out_sign, out_zero);
     }
-    for (; w < words; ++w) {
-      any |= vote_block<1, P, Z>(in, n, w, out_sign, out_zero);
+    for (; w < words; ++w) { // the tail, as in count_code_fixed
+      any |= vote_block<1, 0, Z>(in, n, w, out_sign, out_zero);
     }
     return any != 0;
   }

@@ -132,6 +132,9 @@ inline void vote_levels_block(
   store_lanes(out_tie + w0, eq);
 }
 
+// Whole blocks of kLanes words with W planes; the tail (under kLanes words)
+// one word at a time with the width known at run time (W = 0): one copy of
+// the tail per P, not one per (P, W).
 template <int P, int W>
 void vote_levels_fixed(
     const uint64_t* const* in,
@@ -145,12 +148,18 @@ void vote_levels_fixed(
     vote_levels_block<kLanes, P, W>(in, n, words, w, width, out_sign, out_tie);
   }
   for (; w < words; ++w) {
-    vote_levels_block<1, P, W>(in, n, words, w, width, out_sign, out_tie);
+    vote_levels_block<1, P, 0>(in, n, words, w, width, out_sign, out_tie);
   }
 }
 
-// P and W as compile-time constants (W up to kMaxFixedLevelWidth).
-template <int P, int W = P>
+// The counter's planes as a compile-time constant W >= width: the exact width
+// for N <= 4 ranks (width <= P + 2), else the next of P + 4 (N <= 16) and
+// kMaxFixedLevelWidth, else known at run time. More planes than the width
+// stay zero (the carry stops at the width) and compare as the threshold's
+// zero bits, so any W >= width gives the same vote; rounding up costs a few
+// comparisons a block and saves compiling a copy for every width (each copy
+// is 8-10 KB of code on AVX2).
+template <int P>
 void vote_levels_width(
     const uint64_t* const* in,
     int n,
@@ -158,14 +167,25 @@ void vote_levels_width(
     int width,
     uint64_t* out_sign,
     uint64_t* out_tie) {
-  if constexpr (W <= kMaxFixedLevelWidth) {
-    if (width == W) {
-      return vote_levels_fixed<P, W>(in, n, words, width, out_sign, out_tie);
-    }
-    return vote_levels_width<P, W + 1>(in, n, words, width, out_sign, out_tie);
-  } else {
-    return vote_levels_fixed<P, 0>(in, n, words, width, out_sign, out_tie);
+  static_assert(P + 2 <= kMaxFixedLevelWidth);
+  if (width == P) {
+    return vote_levels_fixed<P, P>(in, n, words, width, out_sign, out_tie);
   }
+  if (width == P + 1) {
+    return vote_levels_fixed<P, P + 1>(in, n, words, width, out_sign, out_tie);
+  }
+  if (width == P + 2) {
+    return vote_levels_fixed<P, P + 2>(in, n, words, width, out_sign, out_tie);
+  }
+  if constexpr (P + 4 < kMaxFixedLevelWidth) {
+    if (width <= P + 4) {
+      return vote_levels_fixed<P, P + 4>(in, n, words, width, out_sign, out_tie);
+    }
+  }
+  if (width <= kMaxFixedLevelWidth) {
+    return vote_levels_fixed<P, kMaxFixedLevelWidth>(in, n, words, width, out_sign, out_tie);
+  }
+  return vote_levels_fixed<P, 0>(in, n, words, width, out_sign, out_tie);
 }
 
 template <int P = kMinLevelBits>
