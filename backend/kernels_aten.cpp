@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "backend/kernel_set.hpp"
+#include "backend/torch_adapter.hpp"
 #include "signbits/levels.h"
 #include "signbits/trits.h"
 #include "signbits/zeros.h"
@@ -35,10 +36,6 @@ namespace lionbit {
 namespace {
 
 using at::Tensor;
-
-int64_t plane_words(const Tensor& plane) {
-  return plane.numel() / 8;
-}
 
 at::TensorOptions opts(const Tensor& like, at::ScalarType dtype) {
   return at::TensorOptions().dtype(dtype).device(like.device());
@@ -369,7 +366,7 @@ class AtenKernelSet final : public KernelSet {
   // clean: bits from n on cleared (from the end of the planes' words when n
   // lies past them, as the SIMD set), then a zero bit wins.
   void clean(Tensor& sign, Tensor& zero, size_t n) const override {
-    const size_t words = static_cast<size_t>(plane_words(sign));
+    const size_t words = plane_words(sign);
     const size_t limit = words >= bits::words_for(n) ? n : words * bits::kWordBits;
     const int64_t full = static_cast<int64_t>(limit / 8);
     const int64_t bytes = sign.numel();
@@ -387,7 +384,9 @@ class AtenKernelSet final : public KernelSet {
 
   // count_bits: popcounts() per block, summed on the device, one copy back.
   std::vector<uint64_t> count_bits(const Tensor& plane, size_t block) const override {
-    const int64_t blocks = block == 0 ? 0 : plane_words(plane) / static_cast<int64_t>(block);
+    const int64_t blocks = block == 0
+        ? 0
+        : static_cast<int64_t>(plane_words(plane)) / static_cast<int64_t>(block);
     std::vector<uint64_t> out(static_cast<size_t>(blocks));
     if (blocks == 0) {
       return out;
@@ -401,7 +400,9 @@ class AtenKernelSet final : public KernelSet {
   // zero_codes: the bits of each block and of its run starts (a set bit
   // whose predecessor in the block is clear), counted in one reduction.
   std::vector<bits::ZeroCode> zero_codes(const Tensor& plane, size_t block) const override {
-    const int64_t blocks = block == 0 ? 0 : plane_words(plane) / static_cast<int64_t>(block);
+    const int64_t blocks = block == 0
+        ? 0
+        : static_cast<int64_t>(plane_words(plane)) / static_cast<int64_t>(block);
     std::vector<bits::ZeroCode> out(static_cast<size_t>(blocks));
     if (blocks == 0) {
       return out;
@@ -424,7 +425,7 @@ class AtenKernelSet final : public KernelSet {
   // kNoIndex; decoding checks what zeros.cpp checks, on the device, and
   // reads one boolean back.
   void encode_zeros(const Tensor& plane, const bits::ZeroCode& code, Tensor& out) const override {
-    const int64_t words = plane_words(plane);
+    const int64_t words = static_cast<int64_t>(plane_words(plane));
     const bits::ZeroForm form = bits::zero_form(code, static_cast<size_t>(words));
     const Tensor x = plane.narrow(0, 0, words * 8);
     if (form == bits::ZeroForm::kNone) {
@@ -453,7 +454,7 @@ class AtenKernelSet final : public KernelSet {
   }
 
   bool decode_zeros(const Tensor& in, const bits::ZeroCode& code, Tensor& plane) const override {
-    const int64_t words = plane_words(plane);
+    const int64_t words = static_cast<int64_t>(plane_words(plane));
     const bits::ZeroForm form = bits::zero_form(code, static_cast<size_t>(words));
     if (form == bits::ZeroForm::kNone) {
       plane.zero_();
@@ -590,7 +591,7 @@ class AtenKernelSet final : public KernelSet {
       const Tensor& still,
       const bits::TieRule& rule,
       uint64_t first_word) const override {
-    const int64_t words = plane_words(sign);
+    const int64_t words = static_cast<int64_t>(plane_words(sign));
     if (rule.mode == bits::TieBreak::kZero || words == 0) {
       return;
     }
@@ -614,7 +615,7 @@ class AtenKernelSet final : public KernelSet {
   // per byte, sum of trit_j 3^j; decoding checks the bytes the C++ checks
   // (every byte of a whole word, the used bytes of a partial one).
   void encode_trits(const Tensor& sign, const Tensor& tie, Tensor& out) const override {
-    const int64_t words = plane_words(sign);
+    const int64_t words = static_cast<int64_t>(plane_words(sign));
     if (words == 0) {
       return;
     }

@@ -141,7 +141,7 @@ class CudaKernelSet final : public KernelSet {
       return aten_kernels().count_code(in, out);
     }
     const Strided s = stride_of(in);
-    const size_t words = static_cast<size_t>(in[0].sign.numel()) / 8;
+    const size_t words = plane_words(in[0].sign);
     cuda::count_code(
         cwords(s.sign), s.zero.defined() ? cwords(s.zero) : nullptr, words,
         static_cast<int>(in.size()), words, mwords(out), current_stream(out));
@@ -152,7 +152,7 @@ class CudaKernelSet final : public KernelSet {
       return aten_kernels().vote(in, sign, tie);
     }
     const Strided s = stride_of(in);
-    const size_t words = static_cast<size_t>(sign.numel()) / 8;
+    const size_t words = plane_words(sign);
     cuda::vote(
         cwords(s.sign), s.zero.defined() ? cwords(s.zero) : nullptr, words,
         static_cast<int>(in.size()), words, mwords(sign), mwords(tie), current_stream(sign));
@@ -177,8 +177,8 @@ class CudaKernelSet final : public KernelSet {
       return aten_kernels().break_ties(sign, tie, still, rule, first_word);
     }
     cuda::break_ties(
-        mwords(sign), cwords(tie), cwords(still), static_cast<size_t>(sign.numel()) / 8, rule,
-        first_word, current_stream(sign));
+        mwords(sign), cwords(tie), cwords(still), plane_words(sign), rule, first_word,
+        current_stream(sign));
   }
 
   void encode_trits(const at::Tensor& sign, const at::Tensor& tie, at::Tensor& out) const override {

@@ -20,10 +20,6 @@
 namespace lionbit {
 namespace {
 
-size_t words_in(const at::Tensor& plane) {
-  return static_cast<size_t>(plane.numel()) / 8;
-}
-
 std::vector<bits::Contribution> raw(const std::vector<PlaneIn>& in) {
   std::vector<bits::Contribution> out(in.size());
   for (size_t j = 0; j < in.size(); ++j) {
@@ -107,7 +103,7 @@ class SimdKernelSet final : public KernelSet {
   }
 
   void clean(at::Tensor& sign, at::Tensor& zero, size_t n) const override {
-    const size_t words = words_in(sign);
+    const size_t words = plane_words(sign);
     uint64_t* s = words_of(sign);
     uint64_t* z = words_of(zero);
     const size_t used = std::min(words, bits::words_for(n));
@@ -126,7 +122,7 @@ class SimdKernelSet final : public KernelSet {
   }
 
   std::vector<uint64_t> count_bits(const at::Tensor& plane, size_t block) const override {
-    const size_t words = words_in(plane);
+    const size_t words = plane_words(plane);
     std::vector<uint64_t> out(block == 0 ? 0 : words / block);
     for (size_t k = 0; k < out.size(); ++k) {
       out[k] = bits::count_bits(words_of(plane) + k * block, block);
@@ -135,7 +131,7 @@ class SimdKernelSet final : public KernelSet {
   }
 
   std::vector<bits::ZeroCode> zero_codes(const at::Tensor& plane, size_t block) const override {
-    const size_t words = words_in(plane);
+    const size_t words = plane_words(plane);
     std::vector<bits::ZeroCode> out(block == 0 ? 0 : words / block);
     for (size_t k = 0; k < out.size(); ++k) {
       const uint64_t* w = words_of(plane) + k * block;
@@ -146,22 +142,23 @@ class SimdKernelSet final : public KernelSet {
 
   void encode_zeros(const at::Tensor& plane, const bits::ZeroCode& code, at::Tensor& out)
       const override {
-    bits::encode_zeros(words_of(plane), words_in(plane), code, bytes_of(out));
+    bits::encode_zeros(words_of(plane), plane_words(plane), code, bytes_of(out));
   }
 
   bool decode_zeros(const at::Tensor& in, const bits::ZeroCode& code, at::Tensor& plane)
       const override {
-    return bits::decode_zeros(bytes_of(in), words_in(plane), code, words_of(plane));
+    return bits::decode_zeros(bytes_of(in), plane_words(plane), code, words_of(plane));
   }
 
   void count_code(const std::vector<PlaneIn>& in, at::Tensor& out) const override {
     const auto r = raw(in);
-    bits::count_code(r.data(), static_cast<int>(r.size()), words_in(in[0].sign), words_of(out));
+    bits::count_code(r.data(), static_cast<int>(r.size()), plane_words(in[0].sign), words_of(out));
   }
 
   void vote(const std::vector<PlaneIn>& in, at::Tensor& sign, at::Tensor& tie) const override {
     const auto r = raw(in);
-    bits::vote(r.data(), static_cast<int>(r.size()), words_in(sign), words_of(sign), words_of(tie));
+    bits::vote(
+        r.data(), static_cast<int>(r.size()), plane_words(sign), words_of(sign), words_of(tie));
   }
 
   void vote_levels(const std::vector<at::Tensor>& in, int p, at::Tensor& sign, at::Tensor& tie)
@@ -171,14 +168,14 @@ class SimdKernelSet final : public KernelSet {
       planes[j] = words_of(in[j]);
     }
     bits::vote_levels(
-        planes.data(), static_cast<int>(in.size()), p, words_in(sign), words_of(sign),
+        planes.data(), static_cast<int>(in.size()), p, plane_words(sign), words_of(sign),
         words_of(tie));
   }
 
   void all_zero(const std::vector<PlaneIn>& in, int value_bits, at::Tensor& out) const override {
     if (value_bits == 0) {
       const auto r = raw(in);
-      bits::all_zero(r.data(), static_cast<int>(r.size()), words_in(out), words_of(out));
+      bits::all_zero(r.data(), static_cast<int>(r.size()), plane_words(out), words_of(out));
       return;
     }
     std::vector<const uint64_t*> planes(in.size());
@@ -186,7 +183,7 @@ class SimdKernelSet final : public KernelSet {
       planes[j] = words_of(in[j].sign);
     }
     bits::all_zero_levels(
-        planes.data(), static_cast<int>(in.size()), value_bits, words_in(out), words_of(out));
+        planes.data(), static_cast<int>(in.size()), value_bits, plane_words(out), words_of(out));
   }
 
   void break_ties(
@@ -196,11 +193,11 @@ class SimdKernelSet final : public KernelSet {
       const bits::TieRule& rule,
       uint64_t first_word) const override {
     bits::break_ties(
-        words_of(sign), words_of(tie), words_of(still), words_in(sign), rule, first_word);
+        words_of(sign), words_of(tie), words_of(still), plane_words(sign), rule, first_word);
   }
 
   void encode_trits(const at::Tensor& sign, const at::Tensor& tie, at::Tensor& out) const override {
-    bits::encode_trits(words_of(sign), words_of(tie), words_in(sign), bytes_of(out));
+    bits::encode_trits(words_of(sign), words_of(tie), plane_words(sign), bytes_of(out));
   }
 
   bool decode_trits(const at::Tensor& trits, const at::Tensor& lut, at::Tensor& dst)
@@ -214,7 +211,7 @@ class SimdKernelSet final : public KernelSet {
       const override {
     const auto r = raw(in);
     return bits::encode_zero_counts(
-        r.data(), static_cast<int>(r.size()), words_in(in[0].sign), cap, bytes_of(out));
+        r.data(), static_cast<int>(r.size()), plane_words(in[0].sign), cap, bytes_of(out));
   }
 
   bool apply_zero_counts(

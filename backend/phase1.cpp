@@ -17,7 +17,6 @@ bits::ZeroCode max_shard_zeros(const SignCall& call, const at::Tensor& zero, siz
   return most;
 }
 
-
 Phase1 send_shards(
     const SignCall& call,
     const bits::HeaderSummary& hs,

@@ -253,9 +253,7 @@ class HierRun {
 
   // Set bits of a plane of this call's planes (none when it is empty).
   uint64_t zeros_in(const at::Tensor& plane) const {
-    return plane.numel() == 0
-        ? 0
-        : call_.k->count_bits(plane, static_cast<size_t>(plane.numel()) / 8).at(0);
+    return plane.numel() == 0 ? 0 : call_.k->count_bits(plane, plane_words(plane)).at(0);
   }
 
   void loaded(uint64_t zeros, uint64_t nans) {

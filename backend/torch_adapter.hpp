@@ -28,6 +28,11 @@ inline uint64_t* words_of(const at::Tensor& t) {
   return reinterpret_cast<uint64_t*>(t.data_ptr<uint8_t>());
 }
 
+// The 64-bit words of a bit-plane (a uint8 tensor of whole words).
+inline size_t plane_words(const at::Tensor& plane) {
+  return static_cast<size_t>(plane.numel()) / 8;
+}
+
 inline uint8_t* bytes_of(const at::Tensor& t) {
   return t.data_ptr<uint8_t>();
 }
