@@ -13,12 +13,12 @@ parameter with a gradient, chunk by chunk (lionbit.step_vote).
 """
 
 import gc
+import sys
 import weakref
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import lion_math, step_vote, user_warning
@@ -26,6 +26,22 @@ from . import lion_math, step_vote, user_warning
 #: DDP models that carry lionbit's comm hook (lionbit.ddp): they all-reduce
 #: no gradient, attached or not.
 HOOKED_DDP_MODELS: "weakref.WeakSet[DDP]" = weakref.WeakSet()
+
+
+def fsdp_loaded() -> bool:
+    """Whether torch's FSDP (FSDP1 and FSDP2) is imported: only then can a
+    model hold FSDP modules. torch imports lionbit at its own import (the
+    "torch.backends" entry point), and FSDP with DTensor under it would add
+    0.8 s to every ``import torch``; lionbit's FSDP halves (lionbit.fsdp,
+    lionbit.fsdp1) are imported at the first attach() that can need them."""
+    return "torch.distributed.fsdp" in sys.modules
+
+
+def is_dtensor(t) -> bool:
+    """isinstance(t, DTensor), without importing DTensor (no DTensor exists
+    before its module is imported)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def _registered(group) -> bool:
@@ -80,7 +96,7 @@ class Attachment:
         """Votes ``entries`` at step(); returns the function that applies them."""
         if not entries:
             return lambda: None
-        if any(isinstance(e.param, DTensor) for e in entries):
+        if any(is_dtensor(e.param) for e in entries):
             raise ValueError(
                 f"DistributedLion.step on rank {dist.get_rank(self.group) if _registered(self.group) else 0}: "
                 f"the parameters are DTensors (sharded by FSDP2's fully_shard) and this optimizer is not attached "

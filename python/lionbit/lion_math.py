@@ -26,14 +26,21 @@ def _f32(x: float) -> torch.Tensor:
 
 class Coefs:
     """A parameter group's hyperparameters: the float64 values of the
-    contract (the fused kernels round them to float32) and their float32
-    tensors (for the torch path)."""
+    contract (the fused kernels round them to float32) and, made at first
+    use, their float32 tensors (for the torch path): a step builds one per
+    parameter, and the fused kernels never need the tensors."""
 
     def __init__(self, group: dict):
         b1, b2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
         self.values = (b1, 1.0 - b1, b2, 1.0 - b2, lr, 1.0 - lr * wd)
-        self.b1, self.omb1, self.b2, self.omb2, self.lr, self.decay = (_f32(v) for v in self.values)
+        self._tensors = None
+
+    def tensors(self) -> tuple:
+        """(b1, 1 - b1, b2, 1 - b2, lr, 1 - lr * wd) as float32 tensors."""
+        if self._tensors is None:
+            self._tensors = tuple(_f32(v) for v in self.values)
+        return self._tensors
 
 
 def plane_bytes(numel: int) -> int:
@@ -102,7 +109,8 @@ def pack_levels(c, factor: float, bits: int, levels, bit_offset: int) -> int:
 
 
 def _direction_torch(g, m, k: Coefs):
-    return torch.add(torch.mul(m.float(), k.b1), torch.mul(g.float(), k.omb1))
+    b1, omb1 = k.tensors()[:2]
+    return torch.add(torch.mul(m.float(), b1), torch.mul(g.float(), omb1))
 
 
 def direction(g, m, k: Coefs) -> torch.Tensor:
@@ -182,7 +190,8 @@ def update_momentum(g, m, k: Coefs, fused: bool, scratch, counts=None) -> None:
             _C.lion_direction_into_device(g, m.view(-1), b1, omb1, b2, omb2, scratch[0], scratch[1], counts, 0)
         return
     mv = m.view(-1)
-    mv.copy_(torch.add(torch.mul(mv.float(), k.b2), torch.mul(g.float(), k.omb2)))
+    b2, omb2 = k.tensors()[2:4]
+    mv.copy_(torch.add(torch.mul(mv.float(), b2), torch.mul(g.float(), omb2)))
 
 
 def apply_update(p, delta, k: Coefs, fused: bool) -> None:
@@ -193,7 +202,8 @@ def apply_update(p, delta, k: Coefs, fused: bool) -> None:
         apply(p.view(-1), delta.reshape(-1), lr, decay)
         return
     xf = p.float()
-    p.copy_(torch.sub(torch.mul(xf, k.decay), torch.mul(delta.reshape(p.shape).float(), k.lr)))
+    lr, decay = k.tensors()[4:]
+    p.copy_(torch.sub(torch.mul(xf, decay), torch.mul(delta.reshape(p.shape).float(), lr)))
 
 
 def local_vote(sign, zero, numel: int, bits=None) -> torch.Tensor:

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
-from . import _C, ddp, fsdp, fsdp1, join, kernel_choice, lion_math, momentum_sync as msync, torch_internals
-from .attachment import Attachment
+from . import _C, ddp, join, kernel_choice, lion_math, momentum_sync as msync, torch_internals
+from .attachment import Attachment, fsdp_loaded
 from .hierarchy import optimizer_hierarchy
 from .voter import Voter
 
@@ -203,13 +203,11 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
         model = torch_internals.compiled_inner(model)  # torch.compile(model): the model inside
         if self._attachment.is_attached_to(model):
             raise RuntimeError("DistributedLion.attach: this optimizer is already attached to this model")
-        for kind in (ddp.DDPAttachment, fsdp.FSDP2Attachment, fsdp1.FSDP1Attachment):
-            if kind.accepts(model):
-                attached = kind(self, model, bool(overlap))  # checks everything, then installs
-                self._attachment.detach()
-                self._attachment = attached
-                return self
-        fsdp.check_not_partly_sharded(model)
+        kind = _attachment_kind(model)
+        if kind is not None:
+            attached = kind(self, model, bool(overlap))  # checks everything, then installs
+            self._attachment.detach()
+            self._attachment = attached
         return self
 
     def detach(self):
@@ -262,3 +260,20 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
     @property
     def join_process_group(self):
         return self._attachment.group
+
+
+def _attachment_kind(model):
+    """The attachment for ``model`` (DDP's, FSDP2's or FSDP1's), or None for
+    a plain module (a model that holds fully_shard-ed parts but is not one
+    itself is refused)."""
+    if ddp.DDPAttachment.accepts(model):
+        return ddp.DDPAttachment
+    if not fsdp_loaded():
+        return None
+    from . import fsdp, fsdp1  # optional: torch's FSDP, imported only by a program that uses it
+
+    for kind in (fsdp.FSDP2Attachment, fsdp1.FSDP1Attachment):
+        if kind.accepts(model):
+            return kind
+    fsdp.check_not_partly_sharded(model)
+    return None

@@ -76,3 +76,21 @@ def test_imports_in_function_bodies_say_why():
                         if "# optional:" not in text and "# cycle:" not in text:
                             found.append(f"{name}:{node.lineno}: {text.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_import_leaves_fsdp_and_dtensor_unloaded():
+    """torch imports lionbit at its own import (the "torch.backends" entry
+    point), so whatever lionbit imports, every ``import torch`` pays: torch's
+    FSDP and DTensor (sympy under them) cost 0.8 s of a 3.4 s import. lionbit
+    imports its FSDP halves at the first attach() to an FSDP model."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, torch, torch.distributed, lionbit\n"
+             "from torch.nn.parallel import DistributedDataParallel\n"
+             "assert 'lionbit' in sys.modules\n"
+             "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.tensor', 'sympy') "
+             "if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
