@@ -226,8 +226,10 @@ def _accelerate(rec, attach, outdir):
 
     # The README recipe: the group first (on CPU accelerate would create a
     # gloo group), Accelerator(cpu=True) (else no DDP on CPU), attach the
-    # optimizer you made to the model prepare() returned.
-    dist.init_process_group("lionbit")
+    # optimizer you made to the model prepare() returned. (The unattached
+    # run follows the attached one in the same processes.)
+    if not dist.is_initialized():
+        dist.init_process_group("lionbit")
     accelerator = accelerate.Accelerator(cpu=True)
     model = _net()
     rec["start"] = _eval_loss(model)
@@ -253,15 +255,26 @@ def _accelerate(rec, attach, outdir):
     return accelerator.unwrap_model(model)
 
 
-def _rank_main(framework, outdir, attach):
+def _rank_main(framework, outdir, modes):
+    """Runs the framework's loop once per mode ("attach" or "none"), one
+    after another in this process, and writes rank<r>.<mode>.json each."""
+    for mode in modes:
+        _rank_run(framework, outdir, mode)
+
+
+def _rank_run(framework, outdir, mode):
     import torch.distributed as dist
 
     import lionbit
 
-    _log_allreduces()
+    if not _LIBS:
+        _log_allreduces()
+    _ALLREDUCES.update(big=[], small=0)
+    if dist.is_initialized():
+        lionbit.reset_stats()
     rec = {}
     model = {"lightning": _lightning, "hf_trainer": _hf_trainer, "accelerate": _accelerate}[framework](
-        rec, attach, outdir
+        rec, mode == "attach", outdir
     )
     rec.update(
         rank=dist.get_rank(),
@@ -273,21 +286,23 @@ def _rank_main(framework, outdir, attach):
         big_allreduces=_ALLREDUCES["big"],
         small_allreduces=_ALLREDUCES["small"],
     )
-    with open(os.path.join(outdir, f"rank{rec['rank']}.json"), "w") as f:
+    with open(os.path.join(outdir, f"rank{rec['rank']}.{mode}.json"), "w") as f:
         json.dump(rec, f)
 
 
 # -- the tests ------------------------------------------------------------------
 
 
-def _torchrun(framework, attach=True):
+def _torchrun(framework, modes=("attach",)):
+    """One torchrun launch of NPROC ranks that runs the framework's loop for
+    each mode in turn; returns ({mode: every rank's record}, output)."""
     with tempfile.TemporaryDirectory(prefix="lionbit-fw-") as outdir:
         env = dict(os.environ)
         env.pop("LOCAL_WORLD_SIZE", None)
         env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
         cmd = [torchrun, "--standalone", f"--nproc-per-node={NPROC}", os.path.abspath(__file__),
-               framework, outdir, "attach" if attach else "none"]
+               framework, outdir, ",".join(modes)]
         proc = subprocess.Popen(cmd, cwd=outdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         try:
@@ -297,10 +312,12 @@ def _torchrun(framework, attach=True):
             out, _ = proc.communicate()
             pytest.fail(f"{framework} on {NPROC} ranks hung past {TIMEOUT}s:\n{out[-6000:]}")
         assert proc.returncode == 0, f"{framework} on {NPROC} ranks failed:\n{out[-6000:]}"
-        res = []
-        for r in range(NPROC):
-            with open(os.path.join(outdir, f"rank{r}.json")) as f:
-                res.append(json.load(f))
+        res = {}
+        for mode in modes:
+            res[mode] = []
+            for r in range(NPROC):
+                with open(os.path.join(outdir, f"rank{r}.{mode}.json")) as f:
+                    res[mode].append(json.load(f))
         return res, out
 
 
@@ -356,27 +373,35 @@ def _check(res, out):
 def test_lightning():
     pytest.importorskip("lightning")
     res, out = _torchrun("lightning")
-    _check(res, out)
+    _check(res["attach"], out)
 
 
 def test_hf_trainer():
     pytest.importorskip("accelerate")
     pytest.importorskip("transformers")
     res, out = _torchrun("hf_trainer")
-    _check(res, out)
+    _check(res["attach"], out)
+
+
+@functools.lru_cache(maxsize=None)
+def _accelerate_runs():
+    """The accelerate loop with attach, then without, in one launch (the
+    ranks' start is most of a launch's time)."""
+    return _torchrun("accelerate", modes=("attach", "none"))
 
 
 def test_accelerate():
     pytest.importorskip("accelerate")
-    res, out = _torchrun("accelerate")
-    _check(res, out)
+    res, out = _accelerate_runs()
+    _check(res["attach"], out)
 
 
 def test_unattached_ddp_is_caught():
     """The checks above see DDP's gradient all-reduce where it runs: the same
     accelerate loop without attach all-reduces every step's gradients."""
     pytest.importorskip("accelerate")
-    res, out = _torchrun("accelerate", attach=False)
+    res, out = _accelerate_runs()
+    res = res["none"]
     where = f"\n{json.dumps(res, indent=1)}"
     assert all(len(r["big_allreduces"]) >= STEPS for r in res), where
     assert len({r["first_grads"] for r in res}) == 1, where
@@ -384,4 +409,4 @@ def test_unattached_ddp_is_caught():
 
 
 if __name__ == "__main__":  # one rank, started by torchrun from _torchrun
-    _rank_main(sys.argv[1], sys.argv[2], sys.argv[3] == "attach")
+    _rank_main(sys.argv[1], sys.argv[2], sys.argv[3].split(","))
