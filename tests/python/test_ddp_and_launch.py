@@ -1,12 +1,13 @@
 """DDP over "lionbit" trains exactly like DDP over "gloo"; the backend starts
-under torchrun, with and without `import lionbit`, and as "cpu:lionbit"."""
+under torchrun, with and without `import lionbit`, and as "cpu:lionbit"; a
+rank that ends without destroy_process_group, calls in flight, exits
+cleanly."""
 
 import hashlib
 import os
 import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -53,32 +54,42 @@ def test_ddp_without_hook_matches_gloo_bit_for_bit(world_size):
 TORCHRUN_WORKER = os.path.join(HERE, "torchrun_worker.py")
 
 
-LAUNCHES = {"autoload": ("lionbit", False), "import": ("lionbit", True), "cpu-device-spec": ("cpu:lionbit", True)}
+#: id -> (backend spec, import lionbit first, how the ranks end: torchrun_worker.py). Two of
+#: them are also two of test_exit_without_destroy_process_group_is_clean's six exits.
+LAUNCHES = {"autoload": ("lionbit", False, "exit"), "import": ("lionbit", True, "destroy"),
+            "cpu-device-spec": ("cpu:lionbit", True, "exit")}
+
+
+def _torchrun_workers(args_list, timeout):
+    """torchrun launches of torchrun_worker.py (2 ranks each), started
+    together (each mostly waits on its ranks' start): one
+    (returncode, stdout, stderr) per launch."""
+    penv = dict(os.environ)
+    penv.pop("LOCAL_WORLD_SIZE", None)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    procs = [subprocess.Popen([torchrun, "--standalone", "--nproc-per-node=2", TORCHRUN_WORKER, *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=penv)
+             for args in args_list]
+    done = []
+    try:
+        for i, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"launch {i} ({args_list[i]}): torchrun did not end within {timeout} s") from None
+            done.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return done
 
 
 @pytest.fixture(scope="module")
 def launched():
-    """The three torchrun launches, started together (each mostly waits on its ranks' start):
-    id -> (returncode, stdout, stderr)."""
-    penv = dict(os.environ)
-    penv.pop("LOCAL_WORLD_SIZE", None)
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    procs = {
-        name: subprocess.Popen([torchrun, "--standalone", "--nproc-per-node=2", TORCHRUN_WORKER, spec,
-                                "import" if import_first else "noimport"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=penv)
-        for name, (spec, import_first) in LAUNCHES.items()
-    }
-    done = {}
-    try:
-        for name, p in procs.items():
-            out, err = p.communicate(timeout=180)
-            done[name] = (p.returncode, out, err)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-    return done
+    """The three torchrun launches: id -> (returncode, stdout, stderr)."""
+    args = [(spec, "import" if import_first else "noimport", end) for spec, import_first, end in LAUNCHES.values()]
+    return dict(zip(LAUNCHES, _torchrun_workers(args, 180)))
 
 
 @pytest.mark.parametrize("name", list(LAUNCHES))
@@ -105,45 +116,18 @@ def test_a_broken_lionbit_never_breaks_import_torch():
     assert r.stdout.strip().endswith("True"), r.stdout + r.stderr
 
 
-EXIT_WORKER = """
-import sys, torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-import lionbit
-dist.init_process_group("lionbit")
-model = DDP(torch.nn.Linear(8, 2))
-opt = lionbit.DistributedLion(model.parameters(), lr=1e-3).attach(model)
-for step in range(3):
-    opt.zero_grad()
-    model(torch.randn(4, 8)).sum().backward()
-    opt.step()
-pending = [lionbit.all_reduce_sign(torch.randn(1 << 16), async_op=True) for _ in range(3)]
-sys.stdout.write(f"EXITING {dist.get_rank()}\\n")
-sys.stdout.flush()
-# no destroy_process_group, calls possibly still in flight: the interpreter
-# finalizes while lionbit's worker thread exists
-"""
+def _exited_cleanly(rc, out, err) -> bool:
+    return rc == 0 and "terminate called" not in err and sorted(re.findall(r"EXITING (\d)", out)) == ["0", "1"]
 
 
-def test_exit_without_destroy_process_group_is_clean():
+def test_exit_without_destroy_process_group_is_clean(launched):
     # Regression: a worker releasing Python-owned tensors while the
     # interpreter finalized was killed mid-destructor (std::terminate) or
-    # deadlocked on the GIL, about 1 run in 10.
-    with tempfile.TemporaryDirectory() as d:
-        script = os.path.join(d, "exit_worker.py")
-        with open(script, "w") as f:
-            f.write(EXIT_WORKER)
-        penv = dict(os.environ)
-        penv.pop("LOCAL_WORLD_SIZE", None)
-        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        # Six launches, two at a time (each mostly waits on its ranks' start).
-        for pair in range(3):
-            runs = [subprocess.Popen([torchrun, "--standalone", "--nproc-per-node=2", script], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=penv) for _ in range(2)]
-            for i, p in enumerate(runs):
-                try:
-                    out, err = p.communicate(timeout=120)
-                except subprocess.TimeoutExpired:
-                    for q in runs:
-                        q.kill()
-                    raise AssertionError(f"launch {2 * pair + i}: torchrun did not end within 120 s") from None
-                assert p.returncode == 0 and "terminate called" not in err, (2 * pair + i, out + err)
+    # deadlocked on the GIL, about 1 run in 10. Six launches end so: the
+    # launches above whose ranks exit, and four more, two at a time.
+    exits = [launched[name] for name, (_, _, end) in LAUNCHES.items() if end == "exit"]
+    for _ in range(2):
+        exits += _torchrun_workers([("lionbit", "noimport", "exit")] * 2, 120)
+    assert len(exits) == 6
+    for i, (rc, out, err) in enumerate(exits):
+        assert _exited_cleanly(rc, out, err), (i, out + err)

@@ -1,12 +1,16 @@
 """Started by torchrun in test_ddp_and_launch.py: argv[1] is the backend spec,
-argv[2] "import" or "noimport" (rely on torch's backend autoloading)."""
+argv[2] "import" or "noimport" (rely on torch's backend autoloading), argv[3]
+how the rank ends: "destroy" (destroy_process_group) or "exit" (a few
+DistributedLion steps under DDP, sign calls left in flight, and no
+destroy_process_group: the interpreter finalizes while lionbit's worker
+thread exists)."""
 
 import sys
 
 import torch
 import torch.distributed as dist
 
-spec, how = sys.argv[1], sys.argv[2]
+spec, how, end = sys.argv[1], sys.argv[2], sys.argv[3]
 if how == "import":
     import lionbit  # noqa: F401
 
@@ -29,4 +33,19 @@ assert t.tolist() == [float(n)] * 3
 assert dist.get_backend() == spec.split(":")[-1] or spec.startswith("cpu:")
 sys.stdout.write(f"OK rank {rank} backend {dist.get_backend()}\n")  # one write: atomic on a pipe
 sys.stdout.flush()
-dist.destroy_process_group()
+if end == "destroy":
+    dist.destroy_process_group()
+    sys.exit(0)
+
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+model = DDP(torch.nn.Linear(8, 2))
+opt = lionbit.DistributedLion(model.parameters(), lr=1e-3).attach(model)
+for _ in range(3):
+    opt.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+pending = [lionbit.all_reduce_sign(torch.randn(1 << 16), async_op=True) for _ in range(3)]
+sys.stdout.write(f"EXITING {rank}\n")
+sys.stdout.flush()
+# no destroy_process_group, calls possibly still in flight
