@@ -310,7 +310,8 @@ class _FreshState:
         self.py_rng = random.getstate()
         self.dtype = torch.get_default_dtype()
         self.threads = torch.get_num_threads()
-        self.deterministic = torch.are_deterministic_algorithms_enabled()
+        self.deterministic = (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled())
         self.warning_filters = list(warnings.filters)
         self.np_rng = None
         if "numpy" in sys.modules:
@@ -337,7 +338,12 @@ class _FreshState:
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         torch.set_grad_enabled(True)
-        torch.use_deterministic_algorithms(self.deterministic)
+        # Only when a case changed it: the call imports torch._inductor (and under it
+        # dynamo, FSDP and DTensor), seconds of CPU a rank that no case needs.
+        deterministic = (torch.are_deterministic_algorithms_enabled(),
+                         torch.is_deterministic_algorithms_warn_only_enabled())
+        if deterministic != self.deterministic:
+            torch.use_deterministic_algorithms(self.deterministic[0], warn_only=self.deterministic[1])
         # A warning shown once in an earlier case must show again.
         for mod in list(sys.modules.values()):
             reg = getattr(mod, "__warningregistry__", None)
