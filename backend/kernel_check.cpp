@@ -401,12 +401,30 @@ struct ZeroCase {
   size_t words, k; // scattered: k bits
   size_t runs, len; // clustered: runs of len bits (runs > 0)
   bits::ZeroCode code;
+  Bytes fixed; // columns: this plane (not empty)
 
   Bytes plane(Rng& rng) const {
+    if (!fixed.empty()) {
+      return fixed;
+    }
     return runs > 0 ? plane_of_runs(rng, words * 8, runs, len)
                     : plane_with(rng, words * 8, k, words * 64);
   }
 };
+
+// The columns `cols` of a row-major matrix with `width` columns filling a
+// plane of `words` words (dead ReLU units' zeros: packed runs).
+Bytes plane_of_columns(size_t words, size_t width, const std::vector<size_t>& cols) {
+  Bytes b(words * 8, 0);
+  for (size_t row = 0; row * width < words * 64; ++row) {
+    for (size_t c : cols) {
+      if (row * width + c < words * 64) {
+        set_bit(b, row * width + c);
+      }
+    }
+  }
+  return b;
+}
 
 std::vector<ZeroCase> zero_cases() {
   std::vector<ZeroCase> out;
@@ -424,6 +442,18 @@ std::vector<ZeroCase> zero_cases() {
       out.push_back({words, 0, runs, len, bits::ZeroCode{bits + spare, runs + spare}});
     }
   }
+  for (const auto& [words, width, cols] :
+       std::vector<std::tuple<size_t, size_t, std::vector<size_t>>>{
+           {4, 20, {0, 7}}, {70, 100, {3, 4, 50}}, {70, 128, {1, 64, 127}}}) {
+    const Bytes plane = plane_of_columns(words, width, cols);
+    std::vector<uint64_t> w(words);
+    std::memcpy(w.data(), plane.data(), words * 8);
+    const bits::ZeroCode code = bits::zero_code_of(w.data(), words);
+    for (uint64_t spare : {uint64_t{0}, uint64_t{1}}) {
+      bits::ZeroCode c{code.zeros + spare, code.runs + spare, code.packed + 8 * spare};
+      out.push_back({words, 0, 0, 0, c, plane});
+    }
+  }
   return out;
 }
 
@@ -431,21 +461,22 @@ std::string zero_params(const ZeroCase& z, const char* variant) {
   return c10::str(
       "words=", z.words,
       z.runs > 0 ? c10::str(", runs=", z.runs, "x", z.len) : c10::str(", bits=", z.k), ", code=(",
-      z.code.zeros, ", ", z.code.runs, ") (",
+      z.code.zeros, ", ", z.code.runs, ", ", z.code.packed, ") (",
       bits::zero_form_name(bits::zero_form(z.code, z.words)), ")", variant);
 }
 
 void check_zero_codes(Checker& ck) {
   for (size_t words : {size_t{1}, size_t{4}, size_t{13}}) {
     for (size_t block : {size_t{0}, size_t{1}, size_t{2}, size_t{4}, words}) {
-      for (bool runs : {false, true}) {
+      for (const char* kind : {"random bits", "runs", "columns"}) {
         ck.run(
-            Kernel::kZeroCodes,
-            c10::str("words=", words, ", block=", block, runs ? ", runs" : ", random bits"),
+            Kernel::kZeroCodes, c10::str("words=", words, ", block=", block, ", ", kind),
             [&](Rng& rng) {
+              const std::string k(kind);
               const Tensor plane = ck.bytes(
-                  runs ? plane_of_runs(rng, words * 8, words * 2, 5)
-                       : random_bytes(rng, words * 8));
+                  k == "runs"          ? plane_of_runs(rng, words * 8, words * 2, 5)
+                      : k == "columns" ? plane_of_columns(words, 20, {0, 7})
+                                       : random_bytes(rng, words * 8));
               const std::vector<bits::ZeroCode> a = ck.cand.zero_codes(plane, block);
               const std::vector<bits::ZeroCode> b = ck.ref.zero_codes(plane, block);
               if (a.size() != b.size()) {
@@ -454,8 +485,8 @@ void check_zero_codes(Checker& ck) {
               for (size_t k = 0; k < a.size(); ++k) {
                 if (a[k] != b[k]) {
                   return c10::str(
-                      "block ", k, ": candidate (", a[k].zeros, ", ", a[k].runs, "), reference (",
-                      b[k].zeros, ", ", b[k].runs, ")");
+                      "block ", k, ": candidate (", a[k].zeros, ", ", a[k].runs, ", ", a[k].packed,
+                      "), reference (", b[k].zeros, ", ", b[k].runs, ", ", b[k].packed, ")");
                 }
               }
               return std::string();
@@ -572,13 +603,14 @@ void check_decode_zeros(Checker& ck) {
       });
     }
   }
-  // Noise in an encoding's place: lists, runs.
+  // Noise in an encoding's place: lists, runs, packed runs.
   for (const bits::ZeroCode code :
        {bits::ZeroCode::at_most(3), bits::ZeroCode::at_most(8), bits::ZeroCode{400, 3},
-        bits::ZeroCode{400, 8}}) {
+        bits::ZeroCode{400, 8}, bits::ZeroCode{400, 400, 64}}) {
     ck.run(
         Kernel::kDecodeZeros,
-        c10::str("words=70, code=(", code.zeros, ", ", code.runs, "), random bytes"),
+        c10::str(
+            "words=70, code=(", code.zeros, ", ", code.runs, ", ", code.packed, "), random bytes"),
         [&](Rng& rng) {
           const Tensor enc = ck.bytes(random_bytes(rng, bits::zero_encoding_bytes(code, 70)));
           const Bytes init = random_bytes(rng, 70 * 8);

@@ -19,6 +19,11 @@
 //    own (pack, unpack, trits, zero lists): bits_of expands, pack_bits packs.
 // Typed values (tables, dst) move through same-size integer views: a copy of
 // a NaN keeps its payload, and nothing is compared as a float.
+//
+// One exception: packed runs (signbits/packed_runs.h) are a serial code, a
+// greedy search over the runs; they are coded with signbits/'s own coder on
+// a host copy of the plane (here, not a second implementation: its oracle
+// is its own tests, a round trip over structured and random planes).
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -29,6 +34,7 @@
 #include "backend/kernel_set.hpp"
 #include "backend/torch_adapter.hpp"
 #include "signbits/levels.h"
+#include "signbits/packed_runs.h"
 #include "signbits/trits.h"
 #include "signbits/zeros.h"
 
@@ -413,9 +419,16 @@ class AtenKernelSet final : public KernelSet {
     const Tensor sums =
         popcounts(both).view({2, blocks, -1}).sum(2, false, at::kLong).cpu().contiguous();
     const int64_t* v = sums.data_ptr<int64_t>();
+    Tensor host; // the plane on the host, for the packed runs of blocks with zeros
     for (int64_t k = 0; k < blocks; ++k) {
-      out[static_cast<size_t>(k)] = bits::ZeroCode{
-          static_cast<uint64_t>(v[k]), static_cast<uint64_t>(v[blocks + k])};
+      bits::ZeroCode& c = out[static_cast<size_t>(k)];
+      c = bits::ZeroCode{static_cast<uint64_t>(v[k]), static_cast<uint64_t>(v[blocks + k])};
+      if (c.zeros > 0) {
+        if (!host.defined()) {
+          host = x.cpu().contiguous();
+        }
+        c.packed = bits::packed_offer(words_of(host) + k * block, block, c.runs);
+      }
     }
     return out;
   }
@@ -433,6 +446,14 @@ class AtenKernelSet final : public KernelSet {
     }
     if (form == bits::ZeroForm::kPlane) {
       out.narrow(0, 0, words * 8).copy_(x);
+      return;
+    }
+    if (form == bits::ZeroForm::kPacked) {
+      const Tensor host = x.cpu().contiguous();
+      Tensor enc = at::empty({static_cast<int64_t>(code.packed)}, host.options());
+      bits::encode_packed_runs(
+          words_of(host), static_cast<size_t>(words), bytes_of(enc), enc.numel());
+      out.narrow(0, 0, enc.numel()).copy_(enc);
       return;
     }
     Tensor idx;
@@ -462,6 +483,17 @@ class AtenKernelSet final : public KernelSet {
     }
     if (form == bits::ZeroForm::kPlane) {
       plane.copy_(in.narrow(0, 0, words * 8));
+      return true;
+    }
+    if (form == bits::ZeroForm::kPacked) {
+      const Tensor enc = in.narrow(0, 0, static_cast<int64_t>(code.packed)).cpu().contiguous();
+      Tensor host = at::empty({words * 8}, enc.options());
+      if (!bits::decode_packed_runs(
+              bytes_of(enc), static_cast<size_t>(enc.numel()), static_cast<size_t>(words),
+              words_of(host))) {
+        return false;
+      }
+      plane.copy_(host);
       return true;
     }
     const bool list = form == bits::ZeroForm::kList;

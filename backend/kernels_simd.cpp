@@ -134,8 +134,7 @@ class SimdKernelSet final : public KernelSet {
     const size_t words = plane_words(plane);
     std::vector<bits::ZeroCode> out(block == 0 ? 0 : words / block);
     for (size_t k = 0; k < out.size(); ++k) {
-      const uint64_t* w = words_of(plane) + k * block;
-      out[k] = bits::ZeroCode{bits::count_bits(w, block), bits::count_runs(w, block)};
+      out[k] = bits::zero_code_of(words_of(plane) + k * block, block);
     }
     return out;
   }

@@ -4,6 +4,7 @@
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 
 #include "backend/sign_common.hpp"
@@ -19,26 +20,29 @@
 namespace lionbit {
 namespace {
 
-constexpr size_t kTieCountBytes = 8; // the u64 ahead of a vote message
+constexpr size_t kTieCountBytes = 16; // the two u64 ahead of a vote message
 
-// The u64 ahead of a vote message: the code of its shard's ties, the count
-// in the low 32 bits and the runs in the high ones where a shard has fewer
-// than 2^32 elements (the only shards whose zeros can travel as runs), the
-// count alone otherwise (runs unknown: ZeroCode::at_most).
+// The two u64 ahead of a vote message: the code of its shard's ties. The
+// first holds the count in its low 32 bits and the runs in its high ones
+// where a shard has fewer than 2^32 elements (the only shards whose zeros
+// can travel as runs), the count alone otherwise (runs unknown:
+// ZeroCode::at_most); the second the packed runs' bytes (0: not offered).
 bool runs_fit(size_t sw) {
   return sw * bits::kWordBits < (uint64_t{1} << 32);
 }
 
-uint64_t tie_word(const bits::ZeroCode& ties, size_t sw) {
-  return runs_fit(sw) ? ties.zeros | (ties.runs << 32) : ties.zeros;
+std::array<uint64_t, 2> tie_words(const bits::ZeroCode& ties, size_t sw) {
+  return {
+      runs_fit(sw) ? ties.zeros | (ties.runs << 32) : ties.zeros, runs_fit(sw) ? ties.packed : 0};
 }
 
 // False: not a code a shard of sw words can have.
-bool tie_code(uint64_t word, size_t sw, bits::ZeroCode& ties) {
-  ties = runs_fit(sw) ? bits::ZeroCode{word & 0xffffffffu, word >> 32}
-                      : bits::ZeroCode::at_most(word);
+bool tie_code(const uint64_t* words, size_t sw, bits::ZeroCode& ties) {
+  ties = runs_fit(sw) ? bits::ZeroCode{words[0] & 0xffffffffu, words[0] >> 32, words[1]}
+                      : bits::ZeroCode::at_most(words[0]);
   return ties.zeros <= sw * bits::kWordBits && ties.runs <= ties.zeros &&
-      (ties.runs == 0) == (ties.zeros == 0);
+      (ties.runs == 0) == (ties.zeros == 0) && (runs_fit(sw) || words[1] == 0) &&
+      (ties.packed == 0 || (ties.zeros > 0 && ties.packed % 8 == 0 && ties.packed < sw * 8));
 }
 
 } // namespace
@@ -88,27 +92,29 @@ size_t Phase2::message_bytes() const {
 
 namespace {
 
-// Writes a host value into the first 8 bytes of a message on any device.
-void put_word(at::Tensor& msg, uint64_t value) {
-  at::Tensor host = byte_buffer(8);
-  std::memcpy(bytes_of(host), &value, 8);
-  msg.narrow(0, 0, 8).copy_(host);
+// Writes the tie code's words into the head of a message on any device.
+void put_words(at::Tensor& msg, const std::array<uint64_t, 2>& words) {
+  at::Tensor host = byte_buffer(kTieCountBytes);
+  std::memcpy(bytes_of(host), words.data(), kTieCountBytes);
+  msg.narrow(0, 0, static_cast<int64_t>(kTieCountBytes)).copy_(host);
 }
 
 } // namespace
 
 std::string Phase2::ties_in(const at::Tensor& gathered, std::vector<bits::ZeroCode>& ties) const {
   const int64_t msg = static_cast<int64_t>(message_bytes());
+  const int64_t head = static_cast<int64_t>(kTieCountBytes);
   const at::Tensor heads =
-      gathered.narrow(0, 0, msg * N).view({N, msg}).narrow(1, 0, 8).contiguous().cpu();
-  std::vector<uint64_t> words(static_cast<size_t>(N));
-  std::memcpy(words.data(), bytes_of(heads), 8 * static_cast<size_t>(N));
+      gathered.narrow(0, 0, msg * N).view({N, msg}).narrow(1, 0, head).contiguous().cpu();
+  std::vector<uint64_t> words(2 * static_cast<size_t>(N));
+  std::memcpy(words.data(), bytes_of(heads), kTieCountBytes * static_cast<size_t>(N));
   ties.assign(static_cast<size_t>(N), bits::ZeroCode{});
   for (int k = 0; k < N; ++k) {
-    if (!tie_code(words[k], sw, ties[k])) {
+    if (!tie_code(words.data() + 2 * k, sw, ties[k])) {
       return c10::str(
           "rank ", k, " sent a corrupt vote message (", ties[k].zeros, " ties in ", ties[k].runs,
-          " runs, a shard of ", sw * bits::kWordBits, " elements)");
+          " runs, ", ties[k].packed, " bytes packed, a shard of ", sw * bits::kWordBits,
+          " elements)");
     }
   }
   return "";
@@ -153,7 +159,7 @@ std::string Phase2::encode(
       vote_shard(k, op, rule, in, first_word, sign, ties);
       // The runs only where there are ties: their round's form needs them.
       const uint64_t n = k.count_bits(ties, sw).at(0);
-      put_word(msg, tie_word(n > 0 ? k.zero_codes(ties, sw).at(0) : bits::ZeroCode{}, sw));
+      put_words(msg, tie_words(n > 0 ? k.zero_codes(ties, sw).at(0) : bits::ZeroCode{}, sw));
       return "";
     }
     case Phase2Format::kVoteTrits: {
@@ -161,8 +167,12 @@ std::string Phase2::encode(
       at::Tensor sign = planes.narrow(0, 0, sb);
       at::Tensor zeros = planes.narrow(0, sb, sb);
       vote_shard(k, op, rule, in, first_word, sign, zeros);
-      // The ties ride inline: no round whose form needs their runs.
-      put_word(msg, tie_word(bits::ZeroCode::at_most(k.count_bits(zeros, sw).at(0)), sw));
+      // The ties ride inline, but their code decides whether they still
+      // should next time (kTieHint): the runs and packed runs too, or
+      // zeros that have become cheap (a dead unit's columns) would ride
+      // inline at 1.625 bits an element for good.
+      const uint64_t n = k.count_bits(zeros, sw).at(0);
+      put_words(msg, tie_words(n > 0 ? k.zero_codes(zeros, sw).at(0) : bits::ZeroCode{}, sw));
       msg.narrow(0, static_cast<int64_t>(message_bytes()) - 8, 8).zero_(); // the padding
       at::Tensor trits = msg.narrow(0, head, static_cast<int64_t>(bits::kTritBytesPerWord * sw));
       k.encode_trits(sign, zeros, trits);

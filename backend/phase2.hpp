@@ -5,14 +5,15 @@
 // every rank for every shard) side by side in phase2.cpp, so that a change
 // of the wire touches one place:
 //
-//   kVoteSigns       [zeros: u64][sign plane]; the positions of the result's
-//                    zeros (ties under the "zero" rule, elements every rank
-//                    voted 0 for under every rule: ties.h), when some shard
-//                    has any, follow in a round of their own (zeros.h); the
-//                    u64 is their ZeroCode (tie_word)
-//   kVoteTrits       [zeros: u64][results in base 3, 13 bytes a word, padded
-//                    to 8 bytes] (trits.h): every rank expects dense zeros
-//                    (kTieHint), so they ride inline at 1.625 bits an element
+//   kVoteSigns       [zeros: 2 u64][sign plane]; the positions of the
+//                    result's zeros (ties under the "zero" rule, elements
+//                    every rank voted 0 for under every rule: ties.h), when
+//                    some shard has any, follow in a round of their own
+//                    (zeros.h); the u64s are their ZeroCode (tie_words)
+//   kVoteTrits       [zeros: 2 u64][results in base 3, 13 bytes a word,
+//                    padded to 8 bytes] (trits.h): every rank expects dense
+//                    zeros (kTieHint), so they ride inline at 1.625 bits an
+//                    element
 //   kCounts          [P code planes] (count.h: code = #positive, or
 //                    2 * #positive + #zero when some rank sent a zero)
 //   kCountsZeroList  [P zero-free code planes][the elements with a zero, as

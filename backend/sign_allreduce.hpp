@@ -1,5 +1,5 @@
 // The two-phase 1-bit sign all-reduce:
-//   0. header round: an all-gather of a 64-byte header per rank (order, op,
+//   0. header round: an all-gather of a 72-byte header per rank (order, op,
 //      dtype, size, NaN flag, zero capacity), checked before anything else
 //      is used;
 //   1. pack signs to bit-planes; all-to-all of packed shards (zero positions

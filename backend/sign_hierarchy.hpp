@@ -1,7 +1,7 @@
 // The sign collectives over a cluster's two levels: M nodes of L ranks each
 // (N = L * M), a fast link inside a node and a slow one between nodes.
 //
-//   0. Header round over all N ranks: the flat call's 64-byte header, with
+//   0. Header round over all N ranks: the flat call's 72-byte header, with
 //      kHierExact or kHierNodeVote (every rank must agree).
 //   1. Inside the node, an all-to-all of packed shards (phase 1 over the
 //      node's L ranks, backend/phase1.hpp): local rank l receives from each

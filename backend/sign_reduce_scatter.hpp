@@ -1,7 +1,7 @@
 // The 1-bit sign reduce-scatter: phase 1 of the sign all-reduce alone, on a
 // shard layout given by the caller (FSDP's, not the all-reduce's 64·N
 // padding):
-//   0. header round (the all-reduce's 64-byte header, flag kReduceScatter,
+//   0. header round (the all-reduce's 72-byte header, flag kReduceScatter,
 //      numel = N · shard elements), checked before anything else moves;
 //   1. all-to-all of packed shards: rank k receives shard k of every rank's
 //      direction bits (zero positions only from ranks whose shard k holds a

@@ -27,16 +27,16 @@ struct Stats {
   std::atomic<uint64_t> late_zero_chunks{0};
   // The encodings of zero and tie planes this rank sent (signbits/zeros.h):
   // their bytes (part of bytes_sent), and how many went as a list of
-  // positions, a list of runs and a dense plane.
+  // positions, a list of runs, a dense plane and packed runs (by ZeroForm - 1).
   std::atomic<uint64_t> zero_bytes_sent{0};
-  std::atomic<uint64_t> zero_encodings[3] = {0, 0, 0};
+  std::atomic<uint64_t> zero_encodings[4] = {0, 0, 0, 0};
 
   void reset() {
     for (auto* c :
          {&bytes_sent, &bytes_received, &sign_allreduce_calls, &sign_reduce_scatter_calls,
           &elements, &pack_ns, &comm_ns, &vote_ns, &unpack_ns, &tie_rounds, &inline_tie_chunks,
           &late_zero_chunks, &zero_bytes_sent, &zero_encodings[0], &zero_encodings[1],
-          &zero_encodings[2]}) {
+          &zero_encodings[2], &zero_encodings[3]}) {
       c->store(0);
     }
   }
@@ -60,6 +60,7 @@ struct Stats {
         {"zero_lists_sent", static_cast<double>(zero_encodings[0].load())},
         {"zero_runs_sent", static_cast<double>(zero_encodings[1].load())},
         {"zero_planes_sent", static_cast<double>(zero_encodings[2].load())},
+        {"zero_packed_sent", static_cast<double>(zero_encodings[3].load())},
     };
   }
 };

@@ -64,7 +64,8 @@ from collectives import gather_rows, launch, machine  # noqa: E402
 
 MODELS = ("digits", "lm", "resnet18")
 COUNTERS = ("bytes_sent", "bytes_received", "sign_allreduce_calls", "elements", "tie_rounds", "inline_tie_chunks",
-            "late_zero_chunks", "zero_lists_sent", "zero_runs_sent", "zero_planes_sent", "zero_bytes_sent")
+            "late_zero_chunks", "zero_lists_sent", "zero_runs_sent", "zero_packed_sent", "zero_planes_sent",
+            "zero_bytes_sent")
 LOCAL = ("grad_zeros", "dir_zeros", "watched_zeros", "seconds")  # per update, measured in the loop
 LM_HP = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.9))  # suite 5's tuned vote (docs/benchmarks.md)
 RESNET = dict(classes=10, batch=16, size=64, lr=3e-4, weight_decay=0.05, clip=1.0)
@@ -255,7 +256,7 @@ def summary(r: dict) -> dict:
             out[who + key] = dict(bits=v, x=v / one_bit(r["world_size"]))
     dz = [z / r["d"] for z in r["per_update"]["dir_zeros"][0]]
     out["zero_dirs"] = dict(first=dz[0], later_mean=statistics.fmean(dz[1:] or dz))
-    forms = [k for k in ("zero_lists_sent", "zero_runs_sent", "zero_planes_sent", "zero_bytes_sent")
+    forms = [k for k in ("zero_lists_sent", "zero_runs_sent", "zero_packed_sent", "zero_planes_sent", "zero_bytes_sent")
              if k in r["per_update"]]
     out["zero_forms_rank0"] = {k: int(sum(r["per_update"][k][0])) for k in forms}
     out["seconds_per_update"] = statistics.fmean(r["per_update"]["seconds"][0])

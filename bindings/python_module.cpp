@@ -247,9 +247,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("gpu") = false);
   m.def(
       "zero_encoding_bytes",
-      [](uint64_t capacity, size_t words, std::optional<uint64_t> runs) {
+      [](uint64_t capacity, size_t words, std::optional<uint64_t> runs, uint64_t packed) {
         return lionbit::bits::zero_encoding_bytes(
-            lionbit::bits::ZeroCode{capacity, runs.value_or(capacity)}, words);
+            lionbit::bits::ZeroCode{capacity, runs.value_or(capacity), packed}, words);
       },
-      py::arg("capacity"), py::arg("words"), py::arg("runs") = py::none());
+      py::arg("capacity"), py::arg("words"), py::arg("runs") = py::none(), py::arg("packed") = 0);
 }

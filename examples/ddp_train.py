@@ -108,7 +108,7 @@ def main():
         print(f"                     fp32 DDP would send {fp32:,.0f} (32 bits a parameter, 32x the 1-bit figure): "
               f"{fp32 / sent:.1f}x lionbit's bytes")
         print("  why more than the 1-bit figure (it counts sign bits only): each vote also sends its headers and")
-        print("  the positions of directions that are exactly 0, which weigh more on a small model than a large one")
+        print("  the directions that are exactly 0 (where, not their signs), which weigh more on a small model")
         if world % 2 == 0 and stats["inline_tie_chunks"]:
             tie, inline = f"{world // 2}-{world // 2}", stats["inline_tie_chunks"]
             print(f"  and, at an even N, where the ranks tie ({tie}): in {inline} of {calls} votes the tie positions")

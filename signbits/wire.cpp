@@ -43,6 +43,8 @@ WireHeader make_header(
   h.numel = numel;
   h.zero_capacity = zeros.zeros;
   h.zero_runs = static_cast<uint32_t>(zeros.runs < kNoIndex ? zeros.runs : kNoIndex);
+  h.zero_packed = zeros.zeros > 0 && zeros.packed < kNoIndex ? static_cast<uint32_t>(zeros.packed)
+                                                             : 0;
   h.chunk_elems = chunk_elems;
   h.tie_seed = rule.tie.seed;
   h.tie_break = static_cast<uint8_t>(rule.tie.mode);
@@ -86,8 +88,9 @@ bool known_rule(const WireHeader& h) {
   const bool votes = h.op == static_cast<uint8_t>(SignOp::kVote) ||
       h.op == static_cast<uint8_t>(SignOp::kLevels);
   const bool levels = h.op == static_cast<uint8_t>(SignOp::kLevels);
-  const bool reserved_clear = std::all_of(
-      std::begin(h.reserved), std::end(h.reserved), [](uint8_t b) { return b == 0; });
+  const bool reserved_clear =
+      std::all_of(std::begin(h.reserved), std::end(h.reserved), [](uint8_t b) { return b == 0; }) &&
+      h.reserved_end == 0;
   return h.tie_break <= 2 && (votes || h.tie_break == 0) &&
       (levels ? h.value_bits >= kMinLevelBits && h.value_bits <= kMaxLevelBits
               : h.value_bits == 0) &&
@@ -264,7 +267,8 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
     return s;
   }
   // 5. Zero codes: consistent with the flag, at most a shard's size, no
-  //    more runs than zeros.
+  //    more runs than zeros, packed runs (if any) a multiple of 8 below the
+  //    shard's plane.
   const uint64_t largest_chunk = mine.chunk_elems == 0 ? mine.numel
                                                        : std::min(mine.numel, mine.chunk_elems);
   const uint64_t shard_elems = shard_words(largest_chunk, world_size) * kWordBits;
@@ -275,13 +279,17 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
     const bool flag = (h.flags & kHasZero) != 0;
     if (check.fail(
             flag != (h.zero_capacity > 0) || h.zero_capacity > shard_elems ||
-                (h.zero_runs > 0) != (h.zero_capacity > 0) || h.zero_runs > h.zero_capacity,
+                (h.zero_runs > 0) != (h.zero_capacity > 0) || h.zero_runs > h.zero_capacity ||
+                (h.zero_packed > 0 &&
+                 (h.zero_capacity == 0 || h.zero_packed % 8 != 0 ||
+                  h.zero_packed >= shard_elems / 8)),
             "rank ", r, " sent a corrupt header (zero capacity ", h.zero_capacity, " in ",
-            h.zero_runs, " runs, shard of ", shard_elems, " elements)")) {
+            h.zero_runs, " runs, ", h.zero_packed, " bytes packed, shard of ", shard_elems,
+            " elements)")) {
       s.zero_codes.clear();
       return s;
     }
-    s.zero_codes[static_cast<size_t>(r)] = ZeroCode{h.zero_capacity, h.zero_runs};
+    s.zero_codes[static_cast<size_t>(r)] = ZeroCode{h.zero_capacity, h.zero_runs, h.zero_packed};
     s.any_zero = s.any_zero || flag;
     s.inline_ties = s.inline_ties && (h.flags & kTieHint) != 0;
   }

@@ -41,7 +41,9 @@ constexpr uint32_t kWireMagic = 0x3153424cu; // "LBS1"
 // packed; the second round then gives the rest's zero capacities, and those
 // chunks' zeros follow in one message of their own. 12: zeros announced
 // with their runs (zero_runs); a plane of zeros may travel as runs (zeros.h).
-constexpr uint16_t kWireVersion = 12;
+// 13: and with their packed runs' bytes (zero_packed, packed_runs.h); the
+// header is 72 bytes.
+constexpr uint16_t kWireVersion = 13;
 
 enum WireFlags : uint32_t {
   kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane
@@ -66,7 +68,7 @@ enum WireFlags : uint32_t {
   kTwoPhase = 1u << 8,
 };
 
-// 64 bytes, little-endian (x86-64 and aarch64 both are).
+// 72 bytes, little-endian (x86-64 and aarch64 both are).
 struct WireHeader {
   uint32_t magic;
   uint16_t version;
@@ -92,8 +94,12 @@ struct WireHeader {
   // shards are too large for runs anyway): at most zero_capacity, 0 iff it
   // is 0.
   uint32_t zero_runs;
+  // The most bytes of any one shard's zeros as packed runs (a multiple of 8
+  // below the shard's plane), or 0 where not every shard offers them.
+  uint32_t zero_packed;
+  uint32_t reserved_end;
 };
-static_assert(sizeof(WireHeader) == 64, "WireHeader must be 64 bytes");
+static_assert(sizeof(WireHeader) == 72, "WireHeader must be 72 bytes");
 
 // What a call computes beyond its op: the tie rule (vote, levels) and the
 // levels' bits (kLevels).

@@ -2,6 +2,9 @@
 
 #include <cstring>
 
+#include "bit_runs.h"
+#include "packed_runs.h"
+
 namespace lionbit::bits {
 
 const char* zero_form_name(ZeroForm f) {
@@ -14,6 +17,8 @@ const char* zero_form_name(ZeroForm f) {
       return "runs";
     case ZeroForm::kPlane:
       return "plane";
+    case ZeroForm::kPacked:
+      return "packed";
   }
   return "unknown";
 }
@@ -56,34 +61,23 @@ uint32_t get_u32(const uint8_t* in, uint64_t slot) {
   return v;
 }
 
-// Index of the first set bit at or after `from` (limit when none).
-uint64_t next_set(const uint64_t* plane, size_t words, uint64_t from, bool set) {
-  const uint64_t limit = static_cast<uint64_t>(words) * kWordBits;
-  while (from < limit) {
-    const size_t w = from / kWordBits;
-    uint64_t x = set ? plane[w] : ~plane[w];
-    x &= ~uint64_t{0} << (from % kWordBits);
-    if (x != 0) {
-      return w * kWordBits + static_cast<uint64_t>(__builtin_ctzll(x));
-    }
-    from = (w + 1) * kWordBits;
-  }
-  return limit;
-}
-
-// Sets bits [first, end) of a plane.
-void set_range(uint64_t* plane, uint64_t first, uint64_t end) {
-  while (first < end) {
-    const size_t w = first / kWordBits;
-    const unsigned lo = static_cast<unsigned>(first % kWordBits);
-    const uint64_t n = end - first < kWordBits - lo ? end - first : kWordBits - lo;
-    const uint64_t mask = n == kWordBits ? ~uint64_t{0} : ((uint64_t{1} << n) - 1) << lo;
-    plane[w] |= mask;
-    first += n;
-  }
-}
-
 } // namespace
+
+uint64_t packed_offer(const uint64_t* plane, size_t words, uint64_t runs) {
+  if (runs == 0 || static_cast<uint64_t>(words) * kWordBits >= static_cast<uint64_t>(kNoIndex)) {
+    return 0;
+  }
+  return packed_runs_bytes(plane, words, runs, static_cast<uint64_t>(words) * 8 * 3 / 4 / 8 * 8);
+}
+
+ZeroCode zero_code_of(const uint64_t* plane, size_t words) {
+  const uint64_t zeros = count_bits(plane, words);
+  if (zeros == 0) {
+    return ZeroCode{};
+  }
+  const uint64_t runs = count_runs(plane, words);
+  return ZeroCode{zeros, runs, packed_offer(plane, words, runs)};
+}
 
 ZeroForm zero_form(const ZeroCode& code, size_t words) {
   if (code.zeros == 0) {
@@ -96,10 +90,14 @@ ZeroForm zero_form(const ZeroCode& code, size_t words) {
   const uint64_t list = list_slots(code.zeros) * 4;
   // runs <= zeros, so this never overflows for a list that could win.
   const uint64_t runs = code.runs <= code.zeros ? code.runs * 8 : plane;
-  if (list < plane && list <= runs) {
+  const uint64_t packed = code.packed > 0 && code.packed % 8 == 0 ? code.packed : plane;
+  if (list < plane && list <= runs && list <= packed) {
     return ZeroForm::kList;
   }
-  return runs < plane ? ZeroForm::kRuns : ZeroForm::kPlane;
+  if (runs < plane && runs <= packed) {
+    return ZeroForm::kRuns;
+  }
+  return packed < plane ? ZeroForm::kPacked : ZeroForm::kPlane;
 }
 
 size_t zero_encoding_bytes(const ZeroCode& code, size_t words) {
@@ -110,6 +108,8 @@ size_t zero_encoding_bytes(const ZeroCode& code, size_t words) {
       return static_cast<size_t>(list_slots(code.zeros)) * 4;
     case ZeroForm::kRuns:
       return static_cast<size_t>(code.runs) * 8;
+    case ZeroForm::kPacked:
+      return static_cast<size_t>(code.packed);
     case ZeroForm::kPlane:
       break;
   }
@@ -123,6 +123,10 @@ void encode_zeros(const uint64_t* plane, size_t words, const ZeroCode& code, uin
   }
   if (form == ZeroForm::kPlane) {
     std::memcpy(out, plane, words * 8);
+    return;
+  }
+  if (form == ZeroForm::kPacked) {
+    encode_packed_runs(plane, words, out, static_cast<size_t>(code.packed));
     return;
   }
   uint64_t k = 0;
@@ -140,9 +144,9 @@ void encode_zeros(const uint64_t* plane, size_t words, const ZeroCode& code, uin
     return;
   }
   const uint64_t limit = static_cast<uint64_t>(words) * kWordBits;
-  for (uint64_t at = next_set(plane, words, 0, true); at < limit && k < code.runs;
-       at = next_set(plane, words, at, true)) {
-    const uint64_t end = next_set(plane, words, at, false);
+  for (uint64_t at = next_bit(plane, words, 0, true); at < limit && k < code.runs;
+       at = next_bit(plane, words, at, true)) {
+    const uint64_t end = next_bit(plane, words, at, false);
     put_u32(out, 2 * k, static_cast<uint32_t>(at));
     put_u32(out, 2 * k + 1, static_cast<uint32_t>(end));
     ++k;
@@ -159,6 +163,9 @@ bool decode_zeros(const uint8_t* in, size_t words, const ZeroCode& code, uint64_
   if (form == ZeroForm::kPlane) {
     std::memcpy(plane, in, words * 8);
     return true;
+  }
+  if (form == ZeroForm::kPacked) {
+    return decode_packed_runs(in, static_cast<size_t>(code.packed), words, plane);
   }
   std::memset(plane, 0, words * 8);
   if (form == ZeroForm::kNone) {
@@ -201,7 +208,7 @@ bool decode_zeros(const uint8_t* in, size_t words, const ZeroCode& code, uint64_
     if (b <= a || b > limit || static_cast<int64_t>(a) <= last) {
       return false;
     }
-    set_range(plane, a, b);
+    set_bit_range(plane, a, b);
     last = b;
   }
   return true;

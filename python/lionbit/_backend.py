@@ -344,9 +344,11 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
     before the header round that announced zeros in them or in the chunks
     after them, so their zeros followed in a message of their own). Exact
     zeros (and a vote's tie positions) travel as the smallest of a list of
-    positions, a list of runs or a plane: ``zero_lists_sent``,
-    ``zero_runs_sent``, ``zero_planes_sent`` count the shard messages sent in
-    each form, ``zero_bytes_sent`` their bytes (part of ``bytes_sent``).
+    positions, a list of runs, the runs packed (variable-length gaps and
+    lengths with repeats: a dead ReLU unit's zero column costs a few bytes)
+    or a plane: ``zero_lists_sent``, ``zero_runs_sent``,
+    ``zero_packed_sent``, ``zero_planes_sent`` count the shard messages sent
+    in each form, ``zero_bytes_sent`` their bytes (part of ``bytes_sent``).
 
     Momentum synchronization (``DistributedLion(momentum_sync=...)``; not in
     the figures above): ``momentum_sync_calls`` (synchronizations),

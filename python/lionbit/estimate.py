@@ -149,8 +149,8 @@ HSDP_METHODS = (
 
 # --- lionbit's wire, as built (checked against lionbit._C.wire_layout by the tests) ---
 WORD_BITS = 64  # signbits/types.h kWordBits: a rank's shard is whole 64-bit words
-HEADER_BYTES = 64  # signbits/wire.h sizeof(WireHeader): the header round, a ring all-gather
-TIE_COUNT_BYTES = 8  # backend/phase2.cpp: a vote message starts with its count of zeros
+HEADER_BYTES = 72  # signbits/wire.h sizeof(WireHeader): the header round, a ring all-gather
+TIE_COUNT_BYTES = 16  # backend/phase2.cpp: a vote message starts with its zeros' code (two u64)
 TRIT_BYTES_PER_WORD = 13  # signbits/trits.h: 64 results in base 3 (ties riding inline)
 
 
@@ -175,11 +175,13 @@ def shard_words(numel: int, n: int) -> int:
     return (numel + unit - 1) // unit * unit // WORD_BITS // n
 
 
-def zero_encoding_bytes(capacity: int, words: int, runs: int | None = None) -> int:
+def zero_encoding_bytes(capacity: int, words: int, runs: int | None = None, packed: int = 0) -> int:
     """signbits/zeros.cpp: up to `capacity` zeros in at most `runs` runs (None: not known,
     as many as zeros) in a plane of `words` words, sent as the smallest of: 32-bit offsets
-    (padded to an even count), (first, end) pairs of 32-bit offsets a run, the plane.
-    Offsets are 32-bit: planes of 2^32 - 1 elements or more go dense."""
+    (padded to an even count), (first, end) pairs of 32-bit offsets a run, `packed` bytes
+    of packed runs (signbits/packed_runs.h: variable-length gaps and lengths with repeats,
+    a multiple of 8; 0: not offered), the plane. Offsets are 32-bit: planes of 2^32 - 1
+    elements or more go dense."""
     if capacity <= 0:
         return 0
     plane = words * 8
@@ -187,9 +189,8 @@ def zero_encoding_bytes(capacity: int, words: int, runs: int | None = None) -> i
         return plane
     listed = (capacity + (capacity & 1)) * 4
     ran = (capacity if runs is None else runs) * 8
-    if listed < plane and listed <= ran:
-        return listed
-    return ran if ran < plane else plane
+    packed = packed if packed > 0 and packed % 8 == 0 else plane
+    return min(listed, ran, packed, plane)
 
 
 def sign_wire(

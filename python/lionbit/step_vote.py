@@ -21,7 +21,7 @@ from .errors import NonFiniteInput
 
 log = logging.getLogger("lionbit")
 
-# Elements per vote: big enough that a vote's fixed costs (a 64-byte header
+# Elements per vote: big enough that a vote's fixed costs (a 72-byte header
 # round, the all-to-all's set-up) are small against its bytes, small enough
 # that a model has several chunks to pipeline.
 CHUNK_ELEMENTS = 1 << 22

@@ -7,6 +7,7 @@
 // `make test-valgrind`).
 //
 // LIONBIT_FUZZ_ITERS scales the number of cases (default 1: a few seconds).
+#include "signbits/packed_runs.h"
 #include "signbits/wire.h"
 #include "signbits/zeros.h"
 
@@ -47,6 +48,7 @@ bool acceptable(const std::vector<WireHeader>& h, int n, const WireHeader& mine)
     if (x.op == 4 ? (x.value_bits < 2 || x.value_bits > 8) : x.value_bits != 0) return false;
     for (uint8_t b : x.reserved)
       if (b != 0) return false;
+    if (x.reserved_end != 0) return false;
     if (x.tie_break != mine.tie_break || x.tie_seed != mine.tie_seed ||
         x.value_bits != mine.value_bits)
       return false;
@@ -68,6 +70,11 @@ bool acceptable(const std::vector<WireHeader>& h, int n, const WireHeader& mine)
     const bool has_zero = (x.flags & kHasZero) != 0;
     if (has_zero != (x.zero_capacity > 0) || x.zero_capacity > shard_elems) return false;
     if ((x.zero_runs > 0) != (x.zero_capacity > 0) || x.zero_runs > x.zero_capacity) return false;
+    // Packed runs: none, or a whole number of words below the shard's plane,
+    // only with zeros.
+    if (x.zero_packed > 0 &&
+        (x.zero_capacity == 0 || x.zero_packed % 8 != 0 || x.zero_packed >= shard_elems / 8))
+      return false;
   }
   return true;
 }
@@ -102,6 +109,9 @@ HeaderCase agreeing_case(std::mt19937_64& rng) {
     if (shard_elems > 0 && rng() % 3 == 0) {
       code.zeros = 1 + rng() % shard_elems;
       code.runs = 1 + rng() % code.zeros;
+      if (shard_elems >= 128 && rng() % 2) {
+        code.packed = 8 * (1 + rng() % (shard_elems / 64 - 1));
+      }
     }
     const uint32_t hint = rng() % 2 ? kTieHint : 0u; // a rank's own expectation
     c.h.push_back(make_header(
@@ -132,10 +142,13 @@ void mutate(HeaderCase& c, std::mt19937_64& rng) {
         if (rng() % 2) {
           x.zero_capacity = std::vector<uint64_t>{
               0, 1, x.numel, x.numel + 1, ~0ull, 1ull << 32}[rng() % 6];
-        } else {
+        } else if (rng() % 2) {
           x.zero_runs = std::vector<uint32_t>{
               0, 1, static_cast<uint32_t>(x.zero_capacity),
               static_cast<uint32_t>(x.zero_capacity + 1), ~0u}[rng() % 5];
+        } else {
+          x.zero_packed = std::vector<uint32_t>{
+              0, 4, 8, 9, static_cast<uint32_t>(x.numel / 8), ~0u, 1u << 20}[rng() % 7];
         }
         if (rng() % 2) x.flags ^= kHasZero;
         break;
@@ -178,6 +191,7 @@ void check_one(const HeaderCase& c) {
     const ZeroCode cap = s.zero_codes[static_cast<size_t>(r)];
     EXPECT_EQ(cap.zeros, c.h[static_cast<size_t>(r)].zero_capacity);
     EXPECT_EQ(cap.runs, c.h[static_cast<size_t>(r)].zero_runs);
+    EXPECT_EQ(cap.packed, c.h[static_cast<size_t>(r)].zero_packed);
     any = any || cap.zeros > 0;
     if (mine.numel > 0) {
       for (uint64_t len :
@@ -185,7 +199,7 @@ void check_one(const HeaderCase& c) {
         if (len == 0) continue;
         const size_t sw = shard_words(len, c.n);
         EXPECT_LE(zero_encoding_bytes(cap, sw), sw * 8)
-            << "cap " << cap.zeros << "/" << cap.runs << " sw " << sw;
+            << "cap " << cap.zeros << "/" << cap.runs << "/" << cap.packed << " sw " << sw;
       }
     }
   }
@@ -250,12 +264,26 @@ bool decode_and_check(const std::vector<uint8_t>& wire, size_t words, const Zero
   std::fill(plane.get(), plane.get() + words, 0x5a5a5a5a5a5a5a5aull);
   const ZeroForm form = zero_form(code, words);
   if (!decode_zeros(in.get(), words, code, plane.get())) {
-    EXPECT_TRUE(form == ZeroForm::kList || form == ZeroForm::kRuns)
+    EXPECT_TRUE(form == ZeroForm::kList || form == ZeroForm::kRuns || form == ZeroForm::kPacked)
         << "a dense plane is never rejected";
     return false;
   }
   if (form == ZeroForm::kPlane) {
     EXPECT_EQ(std::memcmp(plane.get(), wire.data(), words * 8), 0);
+    return true;
+  }
+  if (form == ZeroForm::kPacked) {
+    // Packed runs have many spellings (a repeat or the runs it stands for):
+    // what was accepted is a plane, and its own packing, where it fits the
+    // code, decodes to it.
+    const uint64_t bytes = packed_runs_bytes(plane.get(), words, 0, code.packed);
+    if (bytes > 0) {
+      std::vector<uint8_t> again(code.packed, 0);
+      encode_zeros(plane.get(), words, code, again.data());
+      std::vector<uint64_t> back(words);
+      EXPECT_TRUE(decode_zeros(again.data(), words, code, back.data()));
+      EXPECT_EQ(std::memcmp(back.data(), plane.get(), words * 8), 0);
+    }
     return true;
   }
   if (form == ZeroForm::kList) {
@@ -288,7 +316,10 @@ uint64_t random_capacity(size_t words, std::mt19937_64& rng) {
 // as many runs as zeros, around the runs/plane switch too.
 ZeroCode random_code(size_t words, std::mt19937_64& rng) {
   const uint64_t zeros = random_capacity(words, rng);
-  switch (rng() % 3) {
+  switch (rng() % (words >= 2 ? 4 : 3)) {
+    case 3: // packed runs, of a few bytes up to just below the plane
+      return ZeroCode{
+          zeros, zeros, 8 * (1 + rng() % std::min<uint64_t>(words - 1, rng() % 2 ? 4 : words))};
     case 0:
       return ZeroCode::at_most(zeros);
     case 1:
@@ -300,7 +331,7 @@ ZeroCode random_code(size_t words, std::mt19937_64& rng) {
 
 TEST(FuzzZeros, RandomBytesDecodeToACanonicalPlaneOrFail) {
   std::mt19937_64 rng(4242);
-  uint64_t lists = 0, runs = 0;
+  uint64_t lists = 0, runs = 0, packed = 0;
   for (uint64_t i = 0; i < 30000 * scale(); ++i) {
     const size_t words = 1 + rng() % 300;
     const ZeroCode code = random_code(words, rng);
@@ -308,11 +339,19 @@ TEST(FuzzZeros, RandomBytesDecodeToACanonicalPlaneOrFail) {
     for (auto& b : wire) b = static_cast<uint8_t>(rng());
     lists += zero_form(code, words) == ZeroForm::kList;
     runs += zero_form(code, words) == ZeroForm::kRuns;
+    packed += zero_form(code, words) == ZeroForm::kPacked;
+    if (packed % 3 == 0 && zero_form(code, words) == ZeroForm::kPacked && wire.size() >= 8) {
+      // A plausible L (random bytes give one rarely), so the tokens are read.
+      const uint32_t len = static_cast<uint32_t>(rng() % (wire.size() - 3));
+      std::memcpy(wire.data(), &len, 4);
+      std::fill(wire.begin() + 4 + len, wire.end(), 0);
+    }
     decode_and_check(wire, words, code);
     if (HasFailure()) return;
   }
   EXPECT_GT(lists, 5000u);
   EXPECT_GT(runs, 5000u);
+  EXPECT_GT(packed, 2000u);
 }
 
 // A plane of bits (scattered) or of runs (clustered) no larger than `words`

@@ -103,19 +103,19 @@ CLUSTER = estimate.Cluster(nodes=4, gpus_per_node=4, inter_bytes_per_s=1e9, inte
 def test_flat_vote_bytes():
     e = estimate.flat_vote(D, CLUSTER)
     # The wire as built: one GPU chunk (64M elements) padded to 64 * 16, a shard of 7813
-    # words (62,504 bytes, not 1M / 16), each vote message 8 bytes longer, and the
-    # 64-byte header round (a ring all-gather: 15 hops out of each node).
+    # words (62,504 bytes, not 1M / 16), each vote message 16 bytes longer, and the
+    # 72-byte header round (a ring all-gather: 15 hops out of each node).
     sb = 7813 * 8
     assert estimate.sign_wire("vote", 16, D, gpu=True)["shards"] == [(D, 1, 7813)]
     # all-to-all: each of a node's 4 ranks sends 12 of its 16 shards to other nodes;
     # ring all-gather: one hop out of the node per step, 15 steps of a vote message.
-    assert e.inter_bytes_per_node == 15 * 64 + 4 * 12 * sb + 15 * (8 + sb)
+    assert e.inter_bytes_per_node == 15 * 72 + 4 * 12 * sb + 15 * (16 + sb)
     assert e.inter_bytes_per_node == pytest.approx(3 * MB + 15 / 16 * MB, rel=1e-3)  # the d/8 approximation
     # The L * 2(N-1)/N * d/8 (7.5M) counts every byte a rank sends as leaving the
     # node: only an upper bound (it would be right for a direct all-gather).
     assert e.inter_bytes_per_node < 4 * 2 * 15 / 16 * MB
     # NVLink: 3 shards to the node's other ranks, then 15 forwarded in the ring.
-    assert e.intra_bytes_per_gpu == 15 * 64 + 3 * sb + 15 * (8 + sb)
+    assert e.intra_bytes_per_gpu == 15 * 72 + 3 * sb + 15 * (16 + sb)
     assert e.phases == ["header round", "all-to-all of the packed signs", "ring all-gather of the votes"]
 
 
@@ -182,7 +182,7 @@ def test_one_collective_on_one_link():
     core = estimate.CoreRates(pack=1e10, unpack=2e10, read=1e10, vote_a=1e-9, vote_b=1e-10, kappa=2.0)
     t = estimate.sign_allreduce_on_link("vote", 4, 1 << 20, link, core)
     sb = (1 << 20) // 64 // 4 * 8  # a shard: 4096 words
-    assert t["bytes"] == 3 * 64 + 3 * (sb + 8 + sb)  # header round; phase 1; phase 2
+    assert t["bytes"] == 3 * 72 + 3 * (sb + 16 + sb)  # header round; phase 1; phase 2
     assert t["steps"] == 3 + 1 + 3 and t["chunks"] == 1
     assert t["latency_s"] == pytest.approx(7e-4 + 3e-5)
     assert t["bandwidth_s"] == pytest.approx(t["bytes"] / 1e8)
@@ -205,18 +205,18 @@ def test_hsdp_lion_bytes_between_nodes_are_one_bit_a_shard_element():
     e = estimate.hsdp_lion(D, CLUSTER)
     closed = 2 * 3 / 4 * PART / 8  # 2 (M-1)/M (d/L)/8 = 375,000
     # The wire: one GPU chunk, a shard of ceil(2M / 64 / 4) = 7813 words; the header round
-    # (3 x 64), the all-to-all (3 shards) and the ring all-gather (3 votes of 8 + sb).
+    # (3 x 72), the all-to-all (3 shards) and the ring all-gather (3 votes of 16 + sb).
     sb = 7813 * 8
-    assert e.inter_bytes_per_rank == 3 * 64 + 3 * sb + 3 * (8 + sb)
-    headers = 3 * (64 + 8)  # the header round and each vote's count
+    assert e.inter_bytes_per_rank == 3 * 72 + 3 * sb + 3 * (16 + sb)
+    headers = 3 * (72 + 16)  # the header round and each vote's zero code
     padding = 2 * 3 * (sb - PART / 4 / 8)  # 2M / 4 = 500,000 elements padded to 500,032
     assert closed < e.inter_bytes_per_rank <= closed + headers + padding
     assert e.inter_bytes_per_node == 4 * e.inter_bytes_per_rank
     assert e.phases[-1].startswith("sign all-reduce")
-    # M = 2: one exchange of the packed shard (d/L/8) and a 64-byte header each way.
+    # M = 2: one exchange of the packed shard (d/L/8) and a 72-byte header each way.
     two = estimate.hsdp_lion(D, estimate.Cluster(nodes=2, gpus_per_node=4))
-    assert two.inter_bytes_per_rank == 64 + 2 * (PART // 2 // 8)
-    assert two.inter_bytes_per_rank == pytest.approx(2 * 1 / 2 * PART / 8, abs=64)
+    assert two.inter_bytes_per_rank == 72 + 2 * (PART // 2 // 8)
+    assert two.inter_bytes_per_rank == pytest.approx(2 * 1 / 2 * PART / 8, abs=72)
 
 
 def test_hsdp_adamw_bytes_and_lion_is_a_32nd_of_fp32():
