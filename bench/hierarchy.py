@@ -71,10 +71,10 @@ def formulas(d: int, L: int, M: int) -> dict:
     sb = 8 * sw
     P = max(1, L.bit_length())
     trits = 13 * sw
-    header = 64 * (N - 1)
+    header = 72 * (N - 1)  # the header round
     z = 1 if L % 2 == 0 else 0
     return {
-        "flat": header + L * (N - L) * sb + (N - 1) * (8 + 8 * -(-trits // 8)),
+        "flat": header + L * (N - L) * sb + (N - 1) * (16 + 8 * -(-trits // 8)),  # a 16-byte head a vote message
         "node": header + L * (M - 1) * (P * sb + trits),
         "node_vote": header + L * (M - 1) * ((1 + z) * sb + trits),
         "issue_flat": L * 2 * (N - 1) / N * d / 8,

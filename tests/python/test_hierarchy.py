@@ -212,7 +212,7 @@ def test_bytes_of_each_level_are_their_formulas():
     sb = 8 * sw
     P = 2  # planes that hold 0..L = 2 (no zeros)
     Q = 3  # planes that hold 0..N = 4
-    header = 64 * (N - 1)
+    header = 72 * (N - 1)  # the 72-byte header round
     want = {
         # intra: slices of M shards in the node's all-to-all, then the
         # gathered slices ([zeros: 8 bytes][sign plane] a shard) in the

@@ -465,8 +465,9 @@ def l1_bytes(rank, n, bits):
 def test_l1_bytes_are_p_plus_one_bits_per_element(n, bits):
     d = 1 << 16
     want = (n - 1) / n * d * (bits + 1) / 8
+    fixed = (n - 1) * (72 + 16)  # a call's header round and its phase-2 messages' heads
     for s in values(run_ranks("test_lion_cub:l1_bytes", n, kwargs={"bits": bits})):
-        assert want <= s["bytes_sent"] <= 1.01 * want, (s["bytes_sent"], want)
+        assert want <= s["bytes_sent"] <= 1.01 * want + fixed, (s["bytes_sent"], want)
 
 
 def test_bad_optimizer_arguments():

@@ -297,13 +297,14 @@ def test_dead_unit_zeros_travel_packed(world_size, op):
     """Dead ReLU units' zero columns: as runs or positions they would cost more than the
     plane (2 bits an element); packed, the vote stays within 5 % of the 1-bit figure. At
     N = 3 a unit dead on one rank leaves the other two to tie where they disagree: those
-    scattered ties are the result's own information (tie_break "zero"), so only the forms
-    are checked there."""
+    scattered ties are the result's own information (tie_break "zero"; they may go as a
+    plane), so only phase 1's packed zeros are checked there."""
     d = 1 << 20
     stats = values(run_ranks("test_sign_allreduce:dead_units", world_size, kwargs={"numel": d, "op": op}))
     for s in stats:
-        assert s["zero_packed_sent"] > 0 and s["zero_planes_sent"] == 0, s
-        if op == "vote" and world_size != 3:
+        assert s["zero_packed_sent"] > 0, s
+        if world_size != 3:
+            assert s["zero_planes_sent"] == 0, s
             assert s["bytes_sent"] <= 1.05 * _one_bit_bytes(world_size, d), s
 
 
