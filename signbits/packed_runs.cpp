@@ -205,11 +205,13 @@ bool decode_packed_runs(const uint8_t* in, size_t bytes, size_t words, uint64_t*
   const uint64_t limit = static_cast<uint64_t>(words) * kWordBits;
   // The last runs, for copies: a ring of kMaxCopyDistance (fewer for a plane
   // that cannot hold as many).
-  const size_t ring_size = static_cast<size_t>(limit / 2 + 1 < kMaxCopyDistance ? limit / 2 + 1 : kMaxCopyDistance);
+  const size_t ring_size = static_cast<size_t>(
+      limit / 2 + 1 < kMaxCopyDistance ? limit / 2 + 1 : kMaxCopyDistance);
   std::vector<Run> ring(ring_size);
   uint64_t count = 0, at = 0; // runs written, the last one's end
   auto append = [&](const Run& r) {
-    if ((count > 0 && r.gap == 0) || r.len == 0 || r.gap > limit - at || r.len > limit - at - r.gap) {
+    if ((count > 0 && r.gap == 0) || r.len == 0 || r.gap > limit - at ||
+        r.len > limit - at - r.gap) {
       return false;
     }
     set_bit_range(plane, at + r.gap, at + r.gap + r.len);

@@ -78,7 +78,8 @@ TEST(PackedRuns, RoundTripsStructuredPlanes) {
   // Dead columns and rows, aligned and not, row lengths a multiple of 64 and not.
   for (const uint64_t offset : {0ull, 37ull}) {
     for (const uint64_t cols : {128ull, 100ull, 64ull, 7ull}) {
-      const std::vector<uint64_t> dc = cols > 50 ? std::vector<uint64_t>{1, 5, 6, 50} : std::vector<uint64_t>{0, 6};
+      const std::vector<uint64_t> dc = cols > 50 ? std::vector<uint64_t>{1, 5, 6, 50}
+                                                 : std::vector<uint64_t>{0, 6};
       expect_round_trip(
           matrix_plane(200, offset, 64, cols, dc, {3, 4, 40}),
           "offset " + std::to_string(offset) + ", cols " + std::to_string(cols));
@@ -116,9 +117,12 @@ TEST(PackedRuns, DeadColumnsCostAFewBytesEach) {
   // 16 dead columns of a 64 x 128 matrix (1,024 zeros in 1,024 runs: 8 KB
   // as runs, 4 KB as a list, 1 KB the plane) and 16 dead rows of the
   // 128 x 64 matrix before it.
-  const std::vector<uint64_t> cols{2, 9, 11, 20, 33, 34, 47, 60, 71, 77, 90, 95, 101, 110, 119, 127};
+  const std::vector<uint64_t> cols{2,  9,  11, 20, 33,  34,  47,  60,
+                                   71, 77, 90, 95, 101, 110, 119, 127};
   Plane p = matrix_plane(3 * 128, 40, 64, 128, cols, {});
-  const Plane rows = matrix_plane(3 * 128, 40 + 8192, 128, 64, {}, {1, 8, 9, 30, 31, 32, 50, 70, 71, 88, 99, 100, 101, 110, 120, 127});
+  const Plane rows = matrix_plane(
+      3 * 128, 40 + 8192, 128, 64, {},
+      {1, 8, 9, 30, 31, 32, 50, 70, 71, 88, 99, 100, 101, 110, 120, 127});
   for (size_t w = 0; w < p.size(); ++w) {
     p[w] |= rows[w];
   }
@@ -144,7 +148,9 @@ TEST(PackedRuns, ALayerLikeTheLastIsACopy) {
     }
   }
   expect_round_trip(three, "three layers");
-  EXPECT_LE(packed_runs_bytes(three.data(), 500, 0, ~0ull), packed_runs_bytes(one.data(), 500, 0, ~0ull) + 16);
+  EXPECT_LE(
+      packed_runs_bytes(three.data(), 500, 0, ~0ull),
+      packed_runs_bytes(one.data(), 500, 0, ~0ull) + 16);
 }
 
 TEST(PackedRuns, DensePlanesAreNotOffered) {
@@ -153,7 +159,9 @@ TEST(PackedRuns, DensePlanesAreNotOffered) {
   for (auto& w : p) {
     w = rng();
   }
-  EXPECT_EQ(packed_offer(p.data(), p.size(), count_runs(p.data(), p.size())), 0u); // not within 3/4 of the plane's 8,000 bytes
+  EXPECT_EQ(
+      packed_offer(p.data(), p.size(), count_runs(p.data(), p.size())),
+      0u); // not within 3/4 of the plane's 8,000 bytes
   EXPECT_EQ(zero_form(zero_code_of(p.data(), p.size()), p.size()), ZeroForm::kPlane);
   Plane one(1, 1);
   EXPECT_EQ(packed_offer(one.data(), 1, 1), 0u); // a one-word plane is never smaller packed
@@ -207,9 +215,12 @@ TEST(PackedRuns, CorruptStreamsAreRejected) {
   EXPECT_TRUE(decode({6, 1, 1, 20})); // 21 copies: bits up to 109
   EXPECT_FALSE(decode({6})); // a run without its length
   EXPECT_FALSE(decode({6, 0x80})); // a number cut by L
-  EXPECT_FALSE(decode({0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0, 1}, 24)); // 11 bytes
-  EXPECT_FALSE(decode({0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x02, 1}, 24)); // past 64 bits
-  EXPECT_FALSE(decode({0x02, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01}, 24)); // length 2^64
+  EXPECT_FALSE(
+      decode({0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0, 1}, 24)); // 11 bytes
+  EXPECT_FALSE(
+      decode({0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x02, 1}, 24)); // past 64 bits
+  EXPECT_FALSE(decode(
+      {0x02, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01}, 24)); // length 2^64
   // L past the message; padding not zero; a message shorter than L's word.
   std::vector<uint8_t> s = stream({6, 1}, 16);
   s[0] = 13;
