@@ -162,8 +162,7 @@ PlaneIn contribution(
   at::Tensor plane = scratch.narrow(0, slot * sb, sb);
   TORCH_CHECK_VALUE(
       call.k->decode_zeros(block.narrow(0, sb, block.numel() - sb), code, plane), where(call),
-      "rank ", sender, " sent a corrupt list of zero ",
-      form == bits::ZeroForm::kRuns ? "runs" : "positions", " in ", step);
+      "rank ", sender, " sent a corrupt ", bits::zero_form_noun(form), " of zeros in ", step);
   in.zero = plane;
   return in;
 }

@@ -444,8 +444,7 @@ class Run {
       at::Tensor plane = ch.tie_planes.narrow(0, k * sb, sb);
       TORCH_CHECK_VALUE(
           call_.k->decode_zeros(gathered_zero.narrow(0, k * zb, zb), tie_code, plane), where(call_),
-          "rank ", k, " sent a corrupt list of tie ",
-          form == bits::ZeroForm::kRuns ? "runs" : "positions");
+          "rank ", k, " sent a corrupt ", bits::zero_form_noun(form), " of ties");
     }
   }
 

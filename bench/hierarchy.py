@@ -31,9 +31,9 @@ ceil(d / 64 N) words a shard, sb = 8 sw, P = bit_width(L) count planes,
 trits = 13 sw bytes, a shard's result in base 3; ring all-gathers over ranks
 numbered node by node cross a node's boundary once):
 
-    header round   64 (N - 1)                      (every method; a ring all-gather)
+    header round   72 (N - 1)                      (every method; a ring all-gather)
     flat           L (N - L) sb                     phase 1: to every rank of other nodes
-                   + (N - 1) (8 + ceil8(trits))     phase 2: the ring all-gather, inline ties
+                   + (N - 1) (16 + ceil8(trits))    phase 2: the ring all-gather, inline ties
     node           L (M - 1) (P sb + trits)         counts across nodes, results back
     node_vote      L (M - 1) ((1 + z) sb + trits)   node votes (z = 1: their zeros' plane,
                                                     "zero" ties at even L), results back
@@ -164,7 +164,7 @@ def summarize(d, method, recs, L, M, repeats, barrier_wire) -> dict:
         per_node = {}
         for r in recs:
             per_node[r["node"]] = per_node.get(r["node"], 0) + r["inter_counted"]
-        counted = statistics.mean(per_node.values()) / repeats + 64 * (L * M - 1)
+        counted = statistics.mean(per_node.values()) / repeats + 72 * (L * M - 1)
     return {"numel": d, "method": method, "nodes": M, "per_node": L,
             "median_s": max(r["median_s"] for r in recs), "wire_bytes_per_node": wire,
             "payload_bytes_per_node": payload, "counted_bytes_per_node": counted,

@@ -23,6 +23,22 @@ const char* zero_form_name(ZeroForm f) {
   return "unknown";
 }
 
+const char* zero_form_noun(ZeroForm f) {
+  switch (f) {
+    case ZeroForm::kNone:
+      return "nothing";
+    case ZeroForm::kList:
+      return "list of positions";
+    case ZeroForm::kRuns:
+      return "list of runs";
+    case ZeroForm::kPacked:
+      return "packed runs";
+    case ZeroForm::kPlane:
+      return "plane";
+  }
+  return "encoding";
+}
+
 uint64_t count_bits(const uint64_t* words, size_t n_words) {
   uint64_t c = 0;
   for (size_t w = 0; w < n_words; ++w) {

@@ -65,6 +65,10 @@ enum class ZeroForm : uint8_t { kNone = 0, kList = 1, kRuns = 2, kPlane = 3, kPa
 
 const char* zero_form_name(ZeroForm f);
 
+// The form as a message names it: "list of positions", "list of runs",
+// "packed runs", "plane" ("nothing" for kNone).
+const char* zero_form_noun(ZeroForm f);
+
 // Number of set bits in words[0..n_words).
 uint64_t count_bits(const uint64_t* words, size_t n_words);
 

@@ -45,6 +45,12 @@ TEST(Zeros, SizesPickTheSmallerEncoding) {
   EXPECT_EQ(zero_form(ZeroCode{64, 1}, 1), ZeroForm::kPlane); // never above a plane
 }
 
+TEST(Zeros, MessagesNameTheForm) {
+  EXPECT_STREQ(zero_form_noun(ZeroForm::kList), "list of positions");
+  EXPECT_STREQ(zero_form_noun(ZeroForm::kRuns), "list of runs");
+  EXPECT_STREQ(zero_form_noun(ZeroForm::kPacked), "packed runs");
+}
+
 TEST(Zeros, CountRunsSeesRunsAcrossWords) {
   std::vector<uint64_t> p(3, 0);
   EXPECT_EQ(count_runs(p.data(), 3), 0u);
