@@ -66,17 +66,20 @@ def parse_numel(s: str) -> int:
 
 
 def formulas(d: int, L: int, M: int) -> dict:
+    from lionbit.estimate import HEADER_BYTES, TIE_COUNT_BYTES  # the wire's sizes, stated once
+
     N = L * M
     sw = -(-d // (64 * N))
     sb = 8 * sw
     P = max(1, L.bit_length())
     trits = 13 * sw
-    header = 72 * (N - 1)  # the header round
+    header = HEADER_BYTES * (N - 1)  # the header round
     z = 1 if L % 2 == 0 else 0
     return {
-        "flat": header + L * (N - L) * sb + (N - 1) * (16 + 8 * -(-trits // 8)),  # a 16-byte head a vote message
+        "flat": header + L * (N - L) * sb + (N - 1) * (TIE_COUNT_BYTES + 8 * -(-trits // 8)),
         "node": header + L * (M - 1) * (P * sb + trits),
         "node_vote": header + L * (M - 1) * ((1 + z) * sb + trits),
+        "header": header,
         "issue_flat": L * 2 * (N - 1) / N * d / 8,
         "issue_node": d * (math.ceil(math.log2(2 * L + 1)) + 1) / 8 * (M - 1) / M,
     }
@@ -164,7 +167,7 @@ def summarize(d, method, recs, L, M, repeats, barrier_wire) -> dict:
         per_node = {}
         for r in recs:
             per_node[r["node"]] = per_node.get(r["node"], 0) + r["inter_counted"]
-        counted = statistics.mean(per_node.values()) / repeats + 72 * (L * M - 1)
+        counted = statistics.mean(per_node.values()) / repeats + f["header"]
     return {"numel": d, "method": method, "nodes": M, "per_node": L,
             "median_s": max(r["median_s"] for r in recs), "wire_bytes_per_node": wire,
             "payload_bytes_per_node": payload, "counted_bytes_per_node": counted,

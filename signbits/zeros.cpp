@@ -7,36 +7,33 @@
 
 namespace lionbit::bits {
 
+namespace {
+
+// Each form's name and how a message names it, by ZeroForm value.
+struct FormNames {
+  const char* name;
+  const char* noun;
+};
+constexpr FormNames kFormNames[] = {
+    {"none", "nothing"}, {"list", "list of positions"}, {"runs", "list of runs"},
+    {"plane", "plane"},  {"packed", "packed runs"},
+};
+
+const FormNames* names_of(ZeroForm f) {
+  const auto i = static_cast<size_t>(f);
+  return i < sizeof kFormNames / sizeof kFormNames[0] ? &kFormNames[i] : nullptr;
+}
+
+} // namespace
+
 const char* zero_form_name(ZeroForm f) {
-  switch (f) {
-    case ZeroForm::kNone:
-      return "none";
-    case ZeroForm::kList:
-      return "list";
-    case ZeroForm::kRuns:
-      return "runs";
-    case ZeroForm::kPlane:
-      return "plane";
-    case ZeroForm::kPacked:
-      return "packed";
-  }
-  return "unknown";
+  const FormNames* n = names_of(f);
+  return n != nullptr ? n->name : "unknown";
 }
 
 const char* zero_form_noun(ZeroForm f) {
-  switch (f) {
-    case ZeroForm::kNone:
-      return "nothing";
-    case ZeroForm::kList:
-      return "list of positions";
-    case ZeroForm::kRuns:
-      return "list of runs";
-    case ZeroForm::kPacked:
-      return "packed runs";
-    case ZeroForm::kPlane:
-      return "plane";
-  }
-  return "encoding";
+  const FormNames* n = names_of(f);
+  return n != nullptr ? n->noun : "encoding";
 }
 
 uint64_t count_bits(const uint64_t* words, size_t n_words) {
