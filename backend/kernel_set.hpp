@@ -245,6 +245,12 @@ at::Tensor lut_tensor(
     const std::vector<double>& values,
     const c10::Device& device);
 
+// Fills in the packed runs' bytes (bits::packed_offer) of each of `codes`
+// (the codes of consecutive blocks of `block` words of `plane`, their zeros
+// and runs counted) that has zeros: from a host copy of the plane, made once;
+// off the CPU only for blocks where bits::packed_worth_a_copy says so.
+void offer_packed(const at::Tensor& plane, size_t block, std::vector<bits::ZeroCode>& codes);
+
 // A uint8 tensor of n bytes on `device` (uninitialised).
 at::Tensor device_bytes(size_t n, const c10::Device& device);
 

@@ -168,6 +168,28 @@ Tensor run_edges(const Tensor& bytes, int64_t block, bool first) {
   return x.bitwise_and(neighbour.bitwise_not()).bitwise_and_(0xff).to(at::kByte);
 }
 
+} // namespace
+
+// The packed runs of each block of `plane` whose code has zeros; off the
+// CPU only where they are worth the plane's copy to the host
+// (bits::packed_worth_a_copy).
+void offer_packed(const Tensor& plane, size_t block, std::vector<bits::ZeroCode>& codes) {
+  Tensor host; // the plane on the host, copied at most once
+  for (size_t k = 0; k < codes.size(); ++k) {
+    bits::ZeroCode& c = codes[k];
+    if (c.zeros == 0 || (!plane.is_cpu() && !bits::packed_worth_a_copy(c.zeros, c.runs, block))) {
+      continue;
+    }
+    if (!host.defined()) {
+      host = plane.cpu().contiguous();
+    }
+    c.packed = bits::packed_offer(
+        reinterpret_cast<const uint64_t*>(host.data_ptr<uint8_t>()) + k * block, block, c.runs);
+  }
+}
+
+namespace {
+
 // A small host copy of an on-device value's bytes (a list's length).
 uint64_t host_u64(const Tensor& eight_bytes) {
   const Tensor h = eight_bytes.cpu().contiguous();
@@ -419,17 +441,11 @@ class AtenKernelSet final : public KernelSet {
     const Tensor sums =
         popcounts(both).view({2, blocks, -1}).sum(2, false, at::kLong).cpu().contiguous();
     const int64_t* v = sums.data_ptr<int64_t>();
-    Tensor host; // the plane on the host, for the packed runs of blocks with zeros
     for (int64_t k = 0; k < blocks; ++k) {
-      bits::ZeroCode& c = out[static_cast<size_t>(k)];
-      c = bits::ZeroCode{static_cast<uint64_t>(v[k]), static_cast<uint64_t>(v[blocks + k])};
-      if (c.zeros > 0) {
-        if (!host.defined()) {
-          host = x.cpu().contiguous();
-        }
-        c.packed = bits::packed_offer(words_of(host) + k * block, block, c.runs);
-      }
+      out[static_cast<size_t>(k)] = bits::ZeroCode{
+          static_cast<uint64_t>(v[k]), static_cast<uint64_t>(v[blocks + k])};
     }
+    offer_packed(x, block, out);
     return out;
   }
 

@@ -1,20 +1,21 @@
 // The CUDA kernel set: the custom kernels of signbits/cuda where there is one
-// (pack, pack_levels, count_code, vote, break_ties, unpack), the ATen set for
-// the rest (lists, base 3, the owner's sum of levels: small or rare work),
-// all on the current stream. The L1 levels from g and m (KernelSet's
-// level_abs_sum and pack_lion_levels) are the interface's defaults: c and
-// sum |c| with ATen, then this set's pack_levels.
-// In checked mode the first use on a device runs every custom kernel against
-// the ATen set (kernel_check.hpp) and keeps the ATen kernel for any that
-// disagrees.
+// (pack, pack_levels, clean, the zero and tie planes' tallies and their
+// lists of positions and runs, count_code, vote, break_ties, unpack), the
+// ATen set for the rest (packed runs, lists of counts, base 3, the owner's
+// sum of levels: small or rare work), all on the current stream. The L1 levels from g and m
+// (KernelSet's level_abs_sum and pack_lion_levels) are the interface's defaults: c and sum |c| with
+// ATen, then this set's pack_levels. In checked mode the first use on a device runs every custom
+// kernel against the ATen set (kernel_check.hpp) and keeps the ATen kernel for any that disagrees.
 #include "backend/kernels_cuda.hpp"
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -61,6 +62,53 @@ Strided stride_of(const std::vector<PlaneIn>& in) {
     s.zero = at::cat(zeros);
   }
   return s;
+}
+
+unsigned long long* counters(const at::Tensor& t) {
+  return reinterpret_cast<unsigned long long*>(t.data_ptr<int64_t>());
+}
+
+// cuda::count_blocks of `plane`'s whole blocks of `block` words, on the host:
+// (set bits, runs) of block k at [2k], [2k + 1].
+std::vector<uint64_t> block_tallies(const at::Tensor& plane, size_t block) {
+  const size_t blocks = block == 0 ? 0 : plane_words(plane) / block;
+  std::vector<uint64_t> out(2 * blocks);
+  if (blocks == 0) {
+    return out;
+  }
+  const at::Tensor dev = at::empty(
+      {static_cast<int64_t>(2 * blocks)}, plane.options().dtype(at::kLong));
+  cuda::count_blocks(cwords(plane), block, blocks, counters(dev), current_stream(plane));
+  const at::Tensor host = dev.cpu();
+  std::memcpy(out.data(), host.data_ptr<int64_t>(), out.size() * 8);
+  return out;
+}
+
+// bits::encode_zeros' list (width 1) or runs (width 2) of `plane` with at
+// most `cap` entries into `out`, padded with kNoIndex to `bytes`.
+void encode_entries(
+    const at::Tensor& plane,
+    uint64_t cap,
+    unsigned width,
+    size_t bytes,
+    at::Tensor& out) {
+  const size_t words = plane_words(plane);
+  out.narrow(0, 0, static_cast<int64_t>(bytes)).fill_(0xff);
+  const at::Tensor scratch = at::empty(
+      {static_cast<int64_t>(cuda::positions_scratch(words))}, plane.options().dtype(at::kLong));
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const cudaStream_t stream = current_stream(plane);
+  if (width == 1) {
+    cuda::positions(
+        cwords(plane), words, cuda::PlaneEdge::kBits, 0, 1, 0, cap, dst, counters(scratch), stream);
+    return;
+  }
+  cuda::positions(
+      cwords(plane), words, cuda::PlaneEdge::kRunFirst, 0, 2, 0, cap, dst, counters(scratch),
+      stream);
+  cuda::positions(
+      cwords(plane), words, cuda::PlaneEdge::kRunLast, 1, 2, 1, cap, dst, counters(scratch),
+      stream);
 }
 
 class CudaKernelSet final : public KernelSet {
@@ -115,25 +163,69 @@ class CudaKernelSet final : public KernelSet {
   }
 
   void clean(at::Tensor& sign, at::Tensor& zero, size_t n) const override {
-    aten_kernels().clean(sign, zero, n);
+    if (!use(Kernel::kClean)) {
+      return aten_kernels().clean(sign, zero, n);
+    }
+    const size_t words = plane_words(sign);
+    const uint64_t all = static_cast<uint64_t>(words) * bits::kWordBits;
+    cuda::clean(
+        mwords(sign), mwords(zero), words, std::min<uint64_t>(n, all), current_stream(sign));
   }
 
   std::vector<uint64_t> count_bits(const at::Tensor& plane, size_t block) const override {
-    return aten_kernels().count_bits(plane, block);
+    if (!use(Kernel::kCountBits)) {
+      return aten_kernels().count_bits(plane, block);
+    }
+    const std::vector<uint64_t> t = block_tallies(plane, block);
+    std::vector<uint64_t> out(t.size() / 2);
+    for (size_t k = 0; k < out.size(); ++k) {
+      out[k] = t[2 * k];
+    }
+    return out;
   }
 
   std::vector<bits::ZeroCode> zero_codes(const at::Tensor& plane, size_t block) const override {
-    return aten_kernels().zero_codes(plane, block);
+    if (!use(Kernel::kZeroCodes)) {
+      return aten_kernels().zero_codes(plane, block);
+    }
+    const std::vector<uint64_t> t = block_tallies(plane, block);
+    std::vector<bits::ZeroCode> out(t.size() / 2);
+    for (size_t k = 0; k < out.size(); ++k) {
+      out[k] = bits::ZeroCode{t[2 * k], t[2 * k + 1]};
+    }
+    offer_packed(plane, block, out);
+    return out;
   }
 
   void encode_zeros(const at::Tensor& plane, const bits::ZeroCode& code, at::Tensor& out)
       const override {
-    aten_kernels().encode_zeros(plane, code, out);
+    const size_t words = plane_words(plane);
+    const bits::ZeroForm form = bits::zero_form(code, words);
+    if (!use(Kernel::kEncodeZeros) ||
+        (form != bits::ZeroForm::kList && form != bits::ZeroForm::kRuns)) {
+      return aten_kernels().encode_zeros(plane, code, out);
+    }
+    const bool list = form == bits::ZeroForm::kList;
+    encode_entries(
+        plane, list ? code.zeros : code.runs, list ? 1 : 2, bits::zero_encoding_bytes(code, words),
+        out);
   }
 
   bool decode_zeros(const at::Tensor& in, const bits::ZeroCode& code, at::Tensor& plane)
       const override {
-    return aten_kernels().decode_zeros(in, code, plane);
+    const size_t words = plane_words(plane);
+    const bits::ZeroForm form = bits::zero_form(code, words);
+    if (!use(Kernel::kDecodeZeros) ||
+        (form != bits::ZeroForm::kList && form != bits::ZeroForm::kRuns)) {
+      return aten_kernels().decode_zeros(in, code, plane);
+    }
+    const bool list = form == bits::ZeroForm::kList;
+    const at::Tensor bad = at::empty({1}, plane.options().dtype(at::kInt));
+    cuda::decode_entries(
+        in.data_ptr<uint8_t>(), list ? (code.zeros + 1) & ~uint64_t{1} : code.runs,
+        list ? code.zeros : code.runs, list ? 1 : 2, words, mwords(plane),
+        reinterpret_cast<unsigned*>(bad.data_ptr<int32_t>()), current_stream(plane));
+    return bad.cpu().data_ptr<int32_t>()[0] == 0;
   }
 
   void count_code(const std::vector<PlaneIn>& in, at::Tensor& out) const override {
@@ -231,8 +323,10 @@ class CudaKernelSet final : public KernelSet {
 
  private:
   static bool has_custom(Kernel k) {
-    return k == Kernel::kPack || k == Kernel::kPackLevels || k == Kernel::kCountCode ||
-        k == Kernel::kVote || k == Kernel::kBreakTies || k == Kernel::kUnpack;
+    return k == Kernel::kPack || k == Kernel::kPackLevels || k == Kernel::kClean ||
+        k == Kernel::kCountBits || k == Kernel::kZeroCodes || k == Kernel::kEncodeZeros ||
+        k == Kernel::kDecodeZeros || k == Kernel::kCountCode || k == Kernel::kVote ||
+        k == Kernel::kBreakTies || k == Kernel::kUnpack;
   }
   bool use(Kernel k) const { return custom_[static_cast<size_t>(k)]; }
 

@@ -83,6 +83,11 @@ uint64_t packed_offer(const uint64_t* plane, size_t words, uint64_t runs) {
   return packed_runs_bytes(plane, words, runs, static_cast<uint64_t>(words) * 8 * 3 / 4 / 8 * 8);
 }
 
+bool packed_worth_a_copy(uint64_t zeros, uint64_t runs, size_t words) {
+  const size_t sparse = zero_encoding_bytes(ZeroCode{zeros, runs, 0}, words);
+  return sparse * 32 > words * 8;
+}
+
 ZeroCode zero_code_of(const uint64_t* plane, size_t words) {
   const uint64_t zeros = count_bits(plane, words);
   if (zeros == 0) {

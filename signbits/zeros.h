@@ -86,6 +86,15 @@ ZeroCode zero_code_of(const uint64_t* plane, size_t words);
 // 0 otherwise or where the plane has 2^32 - 1 bits or more.
 uint64_t packed_offer(const uint64_t* plane, size_t words, uint64_t runs);
 
+// Whether packed runs are worth a device's copy of the plane to the host
+// (the coder is serial: the GPU kernel sets run it on a host copy): only
+// where the plane's list or runs form takes more than 1/32 of the plane. A
+// plane with a few stray zeros (a 64M-element chunk with 7 exact zeros)
+// then travels as its list, its packing would save a few bytes for an 8 MB
+// copy; zeros that cost a real part of the 1-bit figure (dead units'
+// columns) are still packed.
+bool packed_worth_a_copy(uint64_t zeros, uint64_t runs, size_t words);
+
 // The form of a plane of `words` words announced with `code`.
 ZeroForm zero_form(const ZeroCode& code, size_t words);
 

@@ -1,4 +1,5 @@
-// The bit kernels of backend/bits on the GPU: pack, count / vote and unpack.
+// The bit kernels of backend/bits on the GPU: pack, count / vote, unpack and
+// the zero and tie planes' tallies and lists.
 // Same bit layouts and bitwise the same results as the CPU kernels. No torch
 // here; compiled by nvcc into the static library lionbit_bits_cuda.
 //
@@ -117,6 +118,63 @@ void unpack(
     size_t n,
     const void* lut,
     void* dst,
+    cudaStream_t stream);
+
+// ------------------------------------------- zero and tie planes ----
+// (zero_lists.cu)
+
+// Per-block tallies of a plane: for each of `blocks` consecutive blocks of
+// block_words words, out[2k] = its set bits and out[2k + 1] its runs (set
+// bits whose predecessor in the block is clear), as bits::count_bits and
+// bits::count_runs of the block. out: 2 * blocks counters, zeroed here.
+void count_blocks(
+    const uint64_t* plane,
+    size_t block_words,
+    size_t blocks,
+    unsigned long long* out,
+    cudaStream_t stream);
+
+// The backend's clean: bits from `limit` on cleared in both planes (words
+// words each), then sign &= ~zero.
+void clean(uint64_t* sign, uint64_t* zero, size_t words, uint64_t limit, cudaStream_t stream);
+
+// Which bits of a plane positions() lists: every set bit, the first bit of
+// each run, the last bit of each run.
+enum class PlaneEdge : int { kBits = 0, kRunFirst = 1, kRunLast = 2 };
+
+// Counters of scratch positions() needs for a plane of `words` words.
+size_t positions_scratch(size_t words);
+
+// The positions of the plane's `edge` bits in ascending order, the j-th (+
+// add) written as a little-endian uint32 into slot width * j + lane of `out`
+// (4-byte slots, any alignment) for j < cap; no other byte is written.
+// bits::encode_zeros' list is (kBits, 0, 1, 0), its runs (kRunFirst, 0, 2,
+// 0) and (kRunLast, 1, 2, 1), each after the slots were filled with
+// bits::kNoIndex. The plane must have fewer than 2^32 bits.
+void positions(
+    const uint64_t* plane,
+    size_t words,
+    PlaneEdge edge,
+    uint32_t add,
+    unsigned width,
+    unsigned lane,
+    uint64_t cap,
+    uint8_t* out,
+    unsigned long long* scratch,
+    cudaStream_t stream);
+
+// bits::decode_zeros of a list (width 1: `entries` offsets) or a run list
+// (width 2: `entries` runs), at most `count` of them used, into `plane` of
+// `words` words: the plane is zeroed, then set; *bad is set to 1 where the
+// message is corrupt (the plane is then unspecified), else 0.
+void decode_entries(
+    const uint8_t* in,
+    uint64_t entries,
+    uint64_t count,
+    unsigned width,
+    size_t words,
+    uint64_t* plane,
+    unsigned* bad,
     cudaStream_t stream);
 
 } // namespace lionbit::cuda

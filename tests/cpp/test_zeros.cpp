@@ -45,6 +45,19 @@ TEST(Zeros, SizesPickTheSmallerEncoding) {
   EXPECT_EQ(zero_form(ZeroCode{64, 1}, 1), ZeroForm::kPlane); // never above a plane
 }
 
+TEST(Zeros, PackedRunsAreWorthACopyOnlyWhereZerosCost) {
+  // 1M words (a 64M-element chunk: 8 MB): 7 stray zeros are a 32-byte list.
+  EXPECT_FALSE(packed_worth_a_copy(7, 7, 1u << 20));
+  // Lists and runs up to 1/32 of the plane (262,144 bytes) are not worth it ...
+  EXPECT_FALSE(packed_worth_a_copy(65536, 65536, 1u << 20));
+  EXPECT_FALSE(packed_worth_a_copy(1u << 24, 32768, 1u << 20)); // 32,768 runs: exactly 1/32
+  // ... more is.
+  EXPECT_TRUE(packed_worth_a_copy(65538, 65538, 1u << 20));
+  EXPECT_TRUE(packed_worth_a_copy(1u << 24, 32769, 1u << 20));
+  // A dense plane (its zeros' cheapest sparse form is the plane): always.
+  EXPECT_TRUE(packed_worth_a_copy(6000, 100, 100));
+}
+
 TEST(Zeros, MessagesNameTheForm) {
   EXPECT_STREQ(zero_form_noun(ZeroForm::kList), "list of positions");
   EXPECT_STREQ(zero_form_noun(ZeroForm::kRuns), "list of runs");
