@@ -5,7 +5,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
+#include <cstring>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "signbits/cuda/kernels.h"
 #include "backend/torch_adapter.hpp"
@@ -20,7 +23,141 @@ cuda::Counts* counts_of(at::Tensor& c) {
   return reinterpret_cast<cuda::Counts*>(c.data_ptr<int64_t>());
 }
 
+// A host table of list entries on `device`, for a kernel on the current
+// stream: copied from pinned memory without waiting (the caching host
+// allocator keeps the pinned block until the copy is done; the device
+// table's memory is reused only after the stream has passed the kernel).
+template <typename Seg>
+at::Tensor device_table(const std::vector<Seg>& host, const c10::Device& device) {
+  const int64_t bytes = static_cast<int64_t>(host.size() * sizeof(Seg));
+  at::Tensor pinned = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(pinned.data_ptr<uint8_t>(), host.data(), static_cast<size_t>(bytes));
+  return pinned.to(device, /*non_blocking=*/true);
+}
+
+// Every tensor of `ts` a float tensor on `device` of one dtype; returns it.
+bits::DType list_dtype(
+    const char* op,
+    const std::vector<at::Tensor>& ts,
+    const char* name,
+    const c10::Device& device) {
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const std::string what = std::string(name) + "[" + std::to_string(i) + "]";
+    require(op, check_float(ts[i], what.c_str(), device));
+    TORCH_CHECK_VALUE(
+        ts[i].scalar_type() == ts[0].scalar_type(), "lionbit.", op, ": ", what, " is ",
+        ts[i].scalar_type(), ", ", name, "[0] ", ts[0].scalar_type(),
+        " (one dtype a list: group the tensors)");
+  }
+  return *float_dtype(ts[0].scalar_type());
+}
+
 } // namespace
+
+void lion_direction_list_device(
+    const std::vector<at::Tensor>& gs,
+    const std::vector<at::Tensor>& ms,
+    double b1,
+    double omb1,
+    double b2,
+    double omb2,
+    const std::optional<at::Tensor>& sign,
+    const std::optional<at::Tensor>& zero,
+    const std::optional<at::Tensor>& counts,
+    const std::vector<int64_t>& bit_offsets,
+    bool update_momentum) {
+  const char* op = "lion_direction_list_device";
+  TORCH_CHECK_VALUE(
+      gs.size() == ms.size() && gs.size() == bit_offsets.size(), "lionbit.", op, ": ", gs.size(),
+      " gradients, ", ms.size(), " momenta and ", bit_offsets.size(), " bit offsets");
+  if (gs.empty()) {
+    return;
+  }
+  TORCH_CHECK_VALUE(
+      gs[0].defined() && gs[0].is_cuda(), "lionbit.", op,
+      ": argument 'gs' must hold CUDA tensors, got ", describe(gs[0]));
+  const c10::Device device = gs[0].device();
+  const bits::DType gd = list_dtype(op, gs, "gs", device);
+  const bits::DType md = list_dtype(op, ms, "ms", device);
+  TORCH_CHECK_VALUE(
+      optim::lion_direction_dtypes_supported(gd, md), "lionbit.", op,
+      ": momentum must be float32 or bfloat16, got ", ms[0].scalar_type());
+  const bool planes = sign.has_value();
+  TORCH_CHECK_VALUE(
+      planes == zero.has_value() && planes == counts.has_value(), "lionbit.", op,
+      ": sign, zero and counts are given together or not at all");
+  TORCH_CHECK_VALUE(
+      planes || update_momentum, "lionbit.", op,
+      ": without planes only the momentum update is left to do");
+  std::vector<optim::cuda::DirectionSeg> segs(gs.size());
+  for (size_t i = 0; i < gs.size(); ++i) {
+    TORCH_CHECK_VALUE(
+        gs[i].numel() == ms[i].numel(), "lionbit.", op, ": gs[", i, "] has ", gs[i].numel(),
+        " elements, ms[", i, "] ", ms[i].numel());
+    TORCH_CHECK_VALUE(bit_offsets[i] >= 0, "lionbit.", op, ": negative bit_offsets[", i, "]");
+    if (planes) {
+      require(op, check_planes(*sign, "sign", device, bit_offsets[i] + gs[i].numel()));
+      require(op, check_planes(*zero, "zero", device, bit_offsets[i] + gs[i].numel()));
+    }
+    segs[i] = optim::cuda::DirectionSeg{
+        gs[i].data_ptr(), ms[i].data_ptr(), static_cast<uint64_t>(gs[i].numel()),
+        static_cast<uint64_t>(bit_offsets[i]), 0};
+  }
+  if (planes) {
+    require(op, check_buffer(*counts, "counts", at::kLong, device, 2));
+  }
+  c10::cuda::CUDAGuard guard(device);
+  const uint64_t units = optim::cuda::direction_units(segs.data(), segs.size());
+  if (units == 0) {
+    return;
+  }
+  const at::Tensor table = device_table(segs, device);
+  optim::cuda::lion_direction_list(
+      gd, md, reinterpret_cast<const optim::cuda::DirectionSeg*>(table.data_ptr<uint8_t>()),
+      segs.size(), units, static_cast<float>(b1), static_cast<float>(omb1), static_cast<float>(b2),
+      static_cast<float>(omb2), planes ? words_of(*sign) : nullptr,
+      planes ? words_of(*zero) : nullptr,
+      planes ? reinterpret_cast<cuda::Counts*>(counts->data_ptr<int64_t>()) : nullptr,
+      c10::cuda::getCurrentCUDAStream(device.index()).stream(), update_momentum);
+}
+
+void lion_apply_list_device(
+    const std::vector<at::Tensor>& xs,
+    const std::vector<at::Tensor>& deltas,
+    double lr,
+    double decay) {
+  const char* op = "lion_apply_list_device";
+  TORCH_CHECK_VALUE(
+      xs.size() == deltas.size(), "lionbit.", op, ": ", xs.size(), " parameters and ",
+      deltas.size(), " deltas");
+  if (xs.empty()) {
+    return;
+  }
+  TORCH_CHECK_VALUE(
+      xs[0].defined() && xs[0].is_cuda(), "lionbit.", op,
+      ": argument 'xs' must hold CUDA tensors, got ", describe(xs[0]));
+  const c10::Device device = xs[0].device();
+  const bits::DType xd = list_dtype(op, xs, "xs", device);
+  const bits::DType dd = list_dtype(op, deltas, "deltas", device);
+  std::vector<optim::cuda::ApplySeg> segs(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    TORCH_CHECK_VALUE(
+        xs[i].numel() == deltas[i].numel(), "lionbit.", op, ": xs[", i, "] has ", xs[i].numel(),
+        " elements, deltas[", i, "] ", deltas[i].numel());
+    segs[i] = optim::cuda::ApplySeg{
+        xs[i].data_ptr(), deltas[i].data_ptr(), static_cast<uint64_t>(xs[i].numel()), 0, 0};
+  }
+  c10::cuda::CUDAGuard guard(device);
+  const uint64_t units = optim::cuda::apply_units(segs.data(), segs.size());
+  if (units == 0) {
+    return;
+  }
+  const at::Tensor table = device_table(segs, device);
+  optim::cuda::lion_apply_list(
+      xd, dd, reinterpret_cast<const optim::cuda::ApplySeg*>(table.data_ptr<uint8_t>()),
+      segs.size(), units, static_cast<float>(lr), static_cast<float>(decay),
+      c10::cuda::getCurrentCUDAStream(device.index()).stream());
+}
 
 void lion_direction_into_device(
     const at::Tensor& g,

@@ -9,6 +9,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+#include <vector>
+
 namespace lionbit {
 
 void lion_direction_into_device(
@@ -25,5 +28,29 @@ void lion_direction_into_device(
     bool update_momentum);
 
 void lion_apply_device(at::Tensor& x, const at::Tensor& delta, double lr, double decay);
+
+// The same over lists of tensors in one launch each (optim::cuda's list
+// kernels): every gradient of `gs` one dtype, every momentum of `ms` one
+// dtype, tensor i's bits at bit_offsets[i] of the shared planes; without
+// `sign` (None) the momentum update alone (no planes, no tallies).
+void lion_direction_list_device(
+    const std::vector<at::Tensor>& gs,
+    const std::vector<at::Tensor>& ms,
+    double b1,
+    double omb1,
+    double b2,
+    double omb2,
+    const std::optional<at::Tensor>& sign,
+    const std::optional<at::Tensor>& zero,
+    const std::optional<at::Tensor>& counts,
+    const std::vector<int64_t>& bit_offsets,
+    bool update_momentum);
+
+// lion_apply_device over xs[i], deltas[i] (each list one dtype).
+void lion_apply_list_device(
+    const std::vector<at::Tensor>& xs,
+    const std::vector<at::Tensor>& deltas,
+    double lr,
+    double decay);
 
 } // namespace lionbit

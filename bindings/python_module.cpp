@@ -203,6 +203,14 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "lion_apply_device", &lionbit::lion_apply_device, py::arg("x"), py::arg("delta"),
       py::arg("lr"), py::arg("decay"));
+  m.def(
+      "lion_direction_list_device", &lionbit::lion_direction_list_device, py::arg("gs"),
+      py::arg("ms"), py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"),
+      py::arg("sign"), py::arg("zero"), py::arg("counts"), py::arg("bit_offsets"),
+      py::arg("update_momentum"));
+  m.def(
+      "lion_apply_list_device", &lionbit::lion_apply_list_device, py::arg("xs"), py::arg("deltas"),
+      py::arg("lr"), py::arg("decay"));
 #endif
   m.def(
       "_shutdown_workers", &lionbit::LionBitBackend::shutdownAllWorkers,

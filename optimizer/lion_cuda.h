@@ -15,6 +15,7 @@
 
 #include "signbits/types.h"
 #include "signbits/cuda/kernels.h"
+#include "optimizer/lion_list.cuh"
 
 namespace lionbit::optim::cuda {
 
@@ -49,6 +50,46 @@ void lion_apply_dense(
     bits::DType delta_dtype,
     const void* delta,
     size_t n,
+    float lr,
+    float decay,
+    cudaStream_t stream);
+
+// ---------------------------------------------------------- lists ----
+// (lion_cuda_list.cu) The same kernels over many tensors in one launch: a
+// device-side table of the tensors (lion_list.cuh: DirectionSeg, ApplySeg,
+// their units), a warp or block finding its tensor by a binary search on
+// the units' first indices. A step of a model of hundreds of tensors is a
+// few launches.
+
+// lion_direction over the `count` tensors of the table `segs` (device
+// memory, direction_units filled in; `units` its result): every tensor
+// written at its bit offset of `sign` and `zero` (the tensors' bits may share
+// plane words: their edge words are written with atomics), or, with sign
+// == nullptr, the momentum update alone. One launch.
+void lion_direction_list(
+    bits::DType grad_dtype,
+    bits::DType momentum_dtype,
+    const DirectionSeg* segs,
+    size_t count,
+    uint64_t units,
+    float b1,
+    float omb1,
+    float b2,
+    float omb2,
+    uint64_t* sign,
+    uint64_t* zero,
+    lionbit::cuda::Counts* counts,
+    cudaStream_t stream,
+    bool update_momentum);
+
+// lion_apply_dense over the tensors of `segs` (device memory,
+// apply_units filled in). One launch.
+void lion_apply_list(
+    bits::DType param_dtype,
+    bits::DType delta_dtype,
+    const ApplySeg* segs,
+    size_t count,
+    uint64_t units,
     float lr,
     float decay,
     cudaStream_t stream);

@@ -4,9 +4,9 @@
 # the CUDA kernel set's launch code, the stream and event glue and the CUDA
 # bindings. Every other line of the GPU path is the device-generic code that
 # `make test` runs on CPU (the orchestration with the SIMD and the ATen
-# kernel sets). signbits/cuda/element.cuh and zero_lists.cuh are left out:
-# their __host__ __device__ functions are compiled for the host and tested
-# there (tests/cpp/test_cuda_host*.cpp).
+# kernel sets). signbits/cuda/element.cuh and zero_lists.cuh and
+# optimizer/lion_list.cuh are left out: their __host__ __device__ functions
+# are compiled for the host and tested there (tests/cpp/test_cuda_host*.cpp).
 #   tools/gpu_only_lines.sh [git-rev]   code lines (no blank or comment-only
 #                                       lines) per file and in all
 # Every file listed must exist in the working tree (a missing one is an
@@ -20,7 +20,7 @@ files=(
   signbits/cuda/count.cu signbits/cuda/pack.cu signbits/cuda/unpack.cu signbits/cuda/zero_lists.cu
   signbits/cuda/launch.cu
   signbits/cuda/launch.cuh signbits/cuda/warp_planes.cuh signbits/cuda/kernels.h
-  optimizer/lion_cuda.cu optimizer/lion_cuda.h
+  optimizer/lion_cuda.cu optimizer/lion_cuda_list.cu optimizer/lion_cuda.h
   backend/kernels_cuda.cpp backend/kernels_cuda.hpp backend/cuda_stream.cpp backend/cuda_stream.hpp
   bindings/kernel_bindings_cuda.cpp bindings/kernel_bindings_cuda.hpp
 )

@@ -2,8 +2,10 @@
 
 On CUDA: lionbit's custom kernel set ("cuda", unchecked) against the ATen set
 (backend/kernel_check.cpp, the check `LIONBIT_KERNELS=auto` runs at first
-use), over several seeds, and the fused Lion apply and direction kernels
-against the torch path (lionbit.kernel_choice.check_apply, check_direction).
+use), over several seeds, and the fused Lion apply and direction kernels,
+one tensor a launch and a list a launch, against the torch path
+(lionbit.kernel_choice.check_apply, check_direction, check_apply_list,
+check_direction_list).
 On CPU (no GPU): the SIMD set against the ATen set and the CPU fused apply
 and direction, the same checks on the CPU's kernels. Prints one line per kernel: ok, or the first case that disagrees.
 
@@ -20,9 +22,10 @@ import torch
 import lionbit
 from lionbit import _C, kernel_choice
 
-# The kernels a set may bring of its own (backend/kernel_set.hpp); the CUDA
-# set's custom ones are the first six, the rest are the ATen set's there.
-CUSTOM_CUDA = ("pack", "pack_levels", "count_code", "vote", "break_ties", "unpack")
+# The kernels the CUDA set brings of its own (backend/kernels_cuda.cpp); the
+# rest are the ATen set's there.
+CUSTOM_CUDA = ("pack", "pack_levels", "clean", "count_bits", "zero_codes", "encode_zeros", "decode_zeros",
+               "count_code", "vote", "break_ties", "unpack")
 
 
 def main(argv=None):
@@ -63,10 +66,35 @@ def main(argv=None):
         if case is not None and verdicts.get("lion_direction", "ok") == "ok":
             verdicts["lion_direction"] = f"differs: {case} (seed {seed})"
     verdicts.setdefault("lion_direction", "ok")
+    # The list kernels (many tensors a launch); on CPU the fused kernels tensor by tensor stand in.
+    if device.type == "cuda":
+        lists = {"lion_direction_list": (kernel_choice.check_direction_list, kernel_choice.LIST_CHECKS["cuda"][0]),
+                 "lion_apply_list": (kernel_choice.check_apply_list, kernel_choice.LIST_CHECKS["cuda"][1])}
+        lists = {name: (check, c.candidate) for name, (check, c) in lists.items()}
+    else:
+        def direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update):
+            for g, m, off in zip(gs, ms, offsets):
+                if sign is None:
+                    scratch = torch.zeros((g.numel() + 63) // 64 * 8, dtype=torch.uint8)
+                    _C.lion_direction_into(g, m, b1, omb1, b2, omb2, scratch, scratch.clone(), 0)
+                else:
+                    direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update)
+
+        def apply_list(xs, deltas, lr, decay):
+            for x, d in zip(xs, deltas):
+                apply(x, d, lr, decay)
+        lists = {"lion_direction_list": (kernel_choice.check_direction_list, direction_list),
+                 "lion_apply_list": (kernel_choice.check_apply_list, apply_list)}
+    for name, (check, kernel) in lists.items():
+        for seed in range(args.seeds):
+            case = check(kernel, device, seed)
+            if case is not None and verdicts.get(name, "ok") == "ok":
+                verdicts[name] = f"differs: {case} (seed {seed})"
+        verdicts.setdefault(name, "ok")
     print(f"kernel_verdicts: set '{candidate}' against 'aten' on {device}, {args.seeds} seeds; "
           f"lionbit.kernels: {lionbit.kernels(device)}")
     for name, verdict in verdicts.items():
-        print(f"  {name:14s} {verdict}")
+        print(f"  {name:19s} {verdict}")
     bad = [n for n, v in verdicts.items() if v != "ok"]
     print(f"kernel_verdicts: {len(verdicts) - len(bad)}/{len(verdicts)} kernels agree" +
           (f"; differ: {', '.join(bad)}" if bad else ""))

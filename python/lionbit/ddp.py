@@ -161,27 +161,17 @@ class DDPAttachment(Attachment):
                     plane.zero_()
         sign, zero = bv.planes
         groups = self.opt.param_group_of()
-        bad, off = 0, 0
+        off, items = 0, []
         bv.params, bv.sizes = list(params), []
         for p, g in zip(params, grads):
             self.opt.check_param(p, "attach (DDP hook)")
             if abstain:
                 lion_math.pack_abstain(g.numel(), sign, zero, off, bits)
-                bv.sizes.append(g.numel())
-                off += g.numel()
-                continue
-            bad += lion_math.pack_direction(
-                g,
-                self.opt.momentum_of(p),
-                lion_math.Coefs(groups[p]),
-                sign,
-                zero,
-                off,
-                self.opt.fused_for(p, g),
-                bits,
-            )
+            else:
+                items.append((g, self.opt.momentum_of(p), lion_math.Coefs(groups[p]), self.opt.fused_for(p, g), off))
             bv.sizes.append(g.numel())
             off += g.numel()
+        bad = step_vote.pack_directions(items, sign, zero, bits)
         if off != total:
             raise RuntimeError(f"{_WHERE}: DDP bucket holds {total} elements, its gradients {off}")
         bv.bad = bad

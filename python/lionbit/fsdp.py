@@ -567,12 +567,9 @@ def fsdp_vote(att):
 
     def apply() -> None:
         scratch = lion_math.planes(biggest, device) if biggest else None
-        for g, m, coefs, local, d in todo:
-            fused = opt.fused_for(m, g)
-            nb = lion_math.plane_bytes(g.numel())
-            lion_math.update_momentum(g, m, coefs, fused, (scratch[0][:nb], scratch[1][:nb]))
-            if d.numel():
-                lion_math.apply_update(local, d, coefs, opt.fused_for(local, d))
+        step_vote.update_state([(g, m, coefs, opt.fused_for(m, g)) for g, m, coefs, _, _ in todo],
+                               [(local, d, coefs, opt.fused_for(local, d)) for _, _, coefs, local, d in todo
+                                if d.numel()], scratch)
 
     return apply
 

@@ -132,6 +132,81 @@ def check_direction(candidate: Callable, device, seed: int = 0) -> Optional[str]
     return None
 
 
+def check_direction_list(candidate: Callable, device, seed: int = 0) -> Optional[str]:
+    """Runs ``candidate(gs, ms, b1, omb1, b2, omb2, sign, zero, counts,
+    bit_offsets, update_momentum)`` (the fused direction over a list of
+    tensors in one launch, their bits end to end in one pair of planes, so
+    that neighbours share plane words; with sign None the momentum update
+    alone) against the torch path tensor by tensor; returns the first case
+    that differs, or None."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    coefs = lion_math.Coefs({"betas": (0.9, 0.99), "lr": CHECK_LR, "weight_decay": 0.0})
+    b1, omb1, b2, omb2 = coefs.values[:4]
+    with torch.no_grad():
+        for gdt in CHECK_DTYPES:
+            for mdt in (torch.float32, torch.bfloat16):
+                pairs = [_inputs(n, gdt, mdt, gen) for n in CHECK_SIZES]
+                pairs[-1][0][3], pairs[-1][0][5] = float("inf"), float("nan")
+                gs = [g.to(device) for g, _ in pairs]
+                ms = [m.to(device) for _, m in pairs]
+                offsets, off = [], 5
+                for g in gs:
+                    offsets.append(off)
+                    off += g.numel()
+                nbytes = lion_math.plane_bytes(off) + 8
+                planes = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(4)]
+                counts = torch.zeros(2, dtype=torch.int64, device=device)
+                got_ms = [m.clone() for m in ms]
+                candidate(gs, got_ms, b1, omb1, b2, omb2, planes[0], planes[1], counts, offsets, False)
+                zeros = bad = 0
+                for g, m, at in zip(gs, ms, offsets):
+                    c = lion_math.direction(g, m, coefs)
+                    _C.pack_signs_into(c, planes[2], planes[3], at)
+                    zeros += int((c == 0).sum())
+                    bad += int((~torch.isfinite(c)).sum())
+                case = f"{_name(gdt)} gradients, {_name(mdt)} momenta, sizes {CHECK_SIZES}"
+                if not (torch.equal(planes[0], planes[2]) and torch.equal(planes[1], planes[3])):
+                    return case + ": direction bits"
+                if int(counts[0]) != zeros or int(counts[1]) != bad:
+                    return case + ": counts"
+                if any(not torch.equal(a, b) for a, b in zip(got_ms, ms)):
+                    return case + ": momentum written"
+                candidate(gs, got_ms, b1, omb1, b2, omb2, None, None, None, [0] * len(gs), True)
+                bits = torch.int32 if mdt == torch.float32 else torch.int16
+                for g, m, got in zip(gs, ms, got_ms):
+                    want = m.clone()
+                    lion_math.update_momentum(g, want, coefs, False, None)
+                    same_nan = torch.isnan(got) & torch.isnan(want)  # NaN payloads are not the contract
+                    if not bool((same_nan | (got.view(bits) == want.view(bits))).all()):
+                        return case + ": momentum"
+    return None
+
+
+def check_apply_list(candidate: Callable, device, seed: int = 0) -> Optional[str]:
+    """Runs ``candidate(xs, deltas, lr, decay)`` (the fused apply over a list
+    of tensors in one launch) against the torch path tensor by tensor;
+    returns the first case that differs, or None."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pdt in CHECK_DTYPES:
+            for ddt in CHECK_DTYPES:
+                for wd in CHECK_DECAYS:
+                    coefs = lion_math.Coefs({"betas": (0.9, 0.99), "lr": CHECK_LR, "weight_decay": wd})
+                    pairs = [tuple(t.to(device) for t in _inputs(n, pdt, ddt, gen)) for n in CHECK_SIZES]
+                    got = [x.clone() for x, _ in pairs]
+                    candidate(got, [d for _, d in pairs], coefs.values[4], coefs.values[5])
+                    bits = torch.int32 if pdt == torch.float32 else torch.int16
+                    for (x, d), g in zip(pairs, got):
+                        want = x.clone()
+                        lion_math.apply_update(want, d, coefs, False)
+                        if not torch.equal(g.view(bits), want.view(bits)):
+                            return (f"{_name(pdt)} parameters, {_name(ddt)} deltas, sizes {CHECK_SIZES}, "
+                                    f"weight_decay={wd}")
+    return None
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -142,10 +217,11 @@ class FirstUseCheck:
     verdict; a mismatch warns once (naming the kernel, the device and the
     case) and the device's verdict stays False."""
 
-    def __init__(self, name: str, candidate: Callable, check: Callable = check_apply):
+    def __init__(self, name: str, candidate: Callable, check: Callable = check_apply, fallback: str = "the torch path"):
         self.name = name
         self.candidate = candidate
-        self.check = check  # check_apply or check_direction
+        self.check = check  # check_apply, check_direction or a list kernel's check
+        self.fallback = fallback  # what DistributedLion runs instead
         self.verdicts: Dict[torch.device, bool] = {}
 
     def ok(self, device) -> bool:
@@ -157,7 +233,7 @@ class FirstUseCheck:
             if case is not None:
                 user_warning.warn(
                     f"lionbit: the fused Lion kernel {self.name} on {device} does not match the torch path "
-                    f"bit for bit ({case}); DistributedLion uses the torch path on {device} from now on "
+                    f"bit for bit ({case}); DistributedLion uses {self.fallback} on {device} from now on "
                     f"({ENV}=aten chooses it everywhere, {ENV}=custom skips this check)",
                     RuntimeWarning,
                 )
@@ -173,11 +249,30 @@ def _lion_direction_device(g, m, b1, omb1, b2, omb2, sign, zero, counts, bit_off
                                   update_momentum=update_momentum)
 
 
+def _lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, bit_offsets, update_momentum) -> None:
+    _C.lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, bit_offsets,
+                                  update_momentum=update_momentum)
+
+
+def _lion_apply_list_device(xs, deltas, lr, decay) -> None:
+    _C.lion_apply_list_device(xs, deltas, lr, decay)
+
+
 #: The first-use checks of ``auto``, by device type (tests add one for "cpu"):
 #: the fused apply, and the fused direction (DIRECTION_CHECKS).
 CHECKS: Dict[str, FirstUseCheck] = {"cuda": FirstUseCheck("lion_apply_device", _lion_apply_device)}
 DIRECTION_CHECKS: Dict[str, FirstUseCheck] = {
     "cuda": FirstUseCheck("lion_direction_into_device", _lion_direction_device, check_direction)
+}
+#: The list kernels (a launch for many tensors): where either fails its
+#: check, the step runs the per-tensor fused kernels.
+LIST_CHECKS: Dict[str, tuple] = {
+    "cuda": (
+        FirstUseCheck("lion_direction_list_device", _lion_direction_list_device, check_direction_list,
+                      "the fused kernels tensor by tensor"),
+        FirstUseCheck("lion_apply_list_device", _lion_apply_list_device, check_apply_list,
+                      "the fused kernels tensor by tensor"),
+    )
 }
 
 
@@ -190,6 +285,19 @@ def fused_lion_allowed(device) -> bool:
         return False
     kind = torch.device(device).type
     checks = [c for c in (CHECKS.get(kind), DIRECTION_CHECKS.get(kind)) if c is not None]
+    return choice == "custom" or all(c.ok(device) for c in checks)
+
+
+def list_kernels_allowed(device) -> bool:
+    """Whether DistributedLion may run the fused kernels of many tensors in
+    one launch on ``device`` (where it may run the fused kernels at all):
+    with ``auto`` where the list kernels' first-use checks passed."""
+    choice = requested()
+    if choice == "aten":
+        return False
+    checks = LIST_CHECKS.get(torch.device(device).type)
+    if checks is None:
+        return False
     return choice == "custom" or all(c.ok(device) for c in checks)
 
 

@@ -163,6 +163,43 @@ def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, bit
     return nans + int(torch.isinf(c).sum())
 
 
+def _by_dtypes(items):
+    """``items`` grouped by the dtypes of their first two tensors, in order."""
+    groups = {}
+    for item in items:
+        groups.setdefault((item[0].dtype, item[1].dtype), []).append(item)
+    return groups.values()
+
+
+def pack_directions_device(items, k: Coefs, sign, zero, counts) -> None:
+    """:func:`pack_direction` of many tensors on one GPU in a launch per
+    dtype pair (the fused list kernel): ``items`` are (g, m, bit_offset),
+    each g and m contiguous in the fused kernels' dtypes, m only read; the
+    tallies are added to ``counts``."""
+    b1, omb1, b2, omb2, _, _ = k.values
+    for group in _by_dtypes(items):
+        _C.lion_direction_list_device([g.reshape(-1) for g, _, _ in group], [m.view(-1) for _, m, _ in group],
+                                      b1, omb1, b2, omb2, sign, zero, counts, [off for _, _, off in group],
+                                      update_momentum=False)
+
+
+def update_momenta_device(items, k: Coefs) -> None:
+    """:func:`update_momentum` of many (g, m) pairs on one GPU, a launch per
+    dtype pair."""
+    b1, omb1, b2, omb2, _, _ = k.values
+    for group in _by_dtypes(items):
+        _C.lion_direction_list_device([g.reshape(-1) for g, _ in group], [m.view(-1) for _, m in group],
+                                      b1, omb1, b2, omb2, None, None, None, [0] * len(group), update_momentum=True)
+
+
+def apply_updates_device(items, k: Coefs) -> None:
+    """:func:`apply_update` of many (p, delta) pairs on one GPU, a launch per
+    dtype pair."""
+    _, _, _, _, lr, decay = k.values
+    for group in _by_dtypes(items):
+        _C.lion_apply_list_device([p.view(-1) for p, _ in group], [d.reshape(-1) for _, d in group], lr, decay)
+
+
 def pack_abstain(numel: int, sign, zero, bit_offset: int, bits=None) -> None:
     """Packs direction 0 for ``numel`` elements at bit_offset: the vote of a
     rank that has run out of data (it abstains; its momentum stays)."""

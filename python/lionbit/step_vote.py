@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
-from . import lion_math, torch_internals
+from . import kernel_choice, lion_math, torch_internals
 from .errors import NonFiniteInput
 
 log = logging.getLogger("lionbit")
@@ -106,6 +106,30 @@ def chunking(sizes: Sequence[int], limit: int = CHUNK_ELEMENTS) -> List[Tuple[in
     return chunks
 
 
+def pack_directions(items, sign, zero, bits=None) -> int:
+    """Packs the Lion directions of ``items`` ((g, m, coefs, fused,
+    bit_offset), on one device; m only read) into the planes; returns the
+    number of non-finite directions. On a GPU the tallies are added up on
+    the device and read once, and the fused tensors of the same
+    hyperparameters go in one launch per dtype pair (the list kernels, where
+    their first-use check passed)."""
+    if not items:
+        return 0
+    device = items[0][0].device
+    cuda = device.type == "cuda"
+    counts = torch.zeros(2, dtype=torch.int64, device=device) if cuda else None
+    listed = cuda and not bits and kernel_choice.list_kernels_allowed(device)
+    lists, bad = {}, 0
+    for g, m, coefs, fused, off in items:
+        if listed and fused:
+            lists.setdefault(coefs.values, (coefs, []))[1].append((g, m, off))
+        else:
+            bad += lion_math.pack_direction(g, m, coefs, sign, zero, off, fused, bits, counts=counts)
+    for coefs, group_items in lists.values():
+        lion_math.pack_directions_device(group_items, coefs, sign, zero, counts)
+    return bad + (int(counts[1]) if counts is not None else 0)
+
+
 def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteBuffers):
     """Packs and votes ``entries`` chunk by chunk. Returns the list of Delta
     views (one per entry); raises :class:`NonFinite` (on every rank alike)
@@ -115,18 +139,14 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
     buffers.prepare([e.grad.numel() for e in entries], device, voter.delta_dtype, voter.bits)
     works = []
     for (first, end, total), (sign, zero), out in zip(buffers.chunks, buffers.planes, buffers.outs):
-        bad, off = 0, 0
-        # On a GPU the fused kernels add their tallies up on the device: one read a chunk, not one a tensor.
-        counts = torch.zeros(2, dtype=torch.int64, device=device) if device.type == "cuda" else None
+        off, items = 0, []
         for e in entries[first:end]:
             if e.abstain:
                 lion_math.pack_abstain(e.grad.numel(), sign, zero, off, voter.bits)
             else:
-                bad += lion_math.pack_direction(e.grad, e.momentum, e.coefs, sign, zero, off, e.fused, voter.bits,
-                                                counts=counts)
+                items.append((e.grad, e.momentum, e.coefs, e.fused, off))
             off += e.grad.numel()
-        if counts is not None:
-            bad += int(counts[1])
+        bad = pack_directions(items, sign, zero, voter.bits)
         works.append(voter.all_reduce(sign, zero, total, bad, out, group, where))
     bad_ranks: List[int] = []
     first_error = None
@@ -154,18 +174,43 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
 
 def update(entries: Sequence[Entry], deltas, scratch) -> None:
     """The state change of a voted step: momentum, then parameters."""
-    counts = None  # the GPU kernels' tallies, not read here: one buffer for every tensor
-    if entries and entries[0].param.is_cuda:
-        counts = torch.zeros(2, dtype=torch.int64, device=entries[0].param.device)
-    for e, d in zip(entries, deltas):
-        n = e.grad.numel()
-        sc = None if scratch is None else (
-            scratch[0][: lion_math.plane_bytes(n)],
-            scratch[1][: lion_math.plane_bytes(n)],
-        )
-        if not e.abstain:
-            lion_math.update_momentum(e.grad, e.momentum, e.coefs, e.fused, sc, counts)
-        lion_math.apply_update(e.param, d, e.coefs, e.fused)
+    update_state([(e.grad, e.momentum, e.coefs, e.fused) for e in entries if not e.abstain],
+                 [(e.param, d, e.coefs, e.fused) for e, d in zip(entries, deltas)], scratch)
+
+
+def update_state(momenta, applies, scratch) -> None:
+    """The momentum updates ``momenta`` ((g, m, coefs, fused)), then the
+    parameter updates ``applies`` ((x, delta, coefs, fused)), on one device.
+    ``scratch``: two uint8 planes for the largest g (the per-tensor fused
+    CPU kernel's direction bits). On a GPU the fused tensors of the same
+    hyperparameters go in a launch per dtype pair (the list kernels, where
+    their first-use check passed)."""
+    first = (momenta or applies or [(None,)])[0][0]
+    if first is not None and first.is_cuda:
+        counts = torch.zeros(2, dtype=torch.int64, device=first.device)  # the kernels' tallies, never read
+        if kernel_choice.list_kernels_allowed(first.device):
+            listed_m, listed_a = {}, {}
+            for g, m, coefs, fused in momenta:
+                if fused:
+                    listed_m.setdefault(coefs.values, (coefs, []))[1].append((g, m))
+            for x, d, coefs, fused in applies:
+                if fused:
+                    listed_a.setdefault(coefs.values, (coefs, []))[1].append((x, d))
+            for coefs, pairs in listed_m.values():
+                lion_math.update_momenta_device(pairs, coefs)
+            momenta = [item for item in momenta if not item[3]]
+            # (Every momentum first: a parameter's update never reads another's momentum.)
+            for coefs, pairs in listed_a.values():
+                lion_math.apply_updates_device(pairs, coefs)
+            applies = [item for item in applies if not item[3]]
+    else:
+        counts = None
+    for g, m, coefs, fused in momenta:
+        nb = lion_math.plane_bytes(g.numel())
+        sc = None if scratch is None else (scratch[0][:nb], scratch[1][:nb])
+        lion_math.update_momentum(g, m, coefs, fused, sc, counts)
+    for x, d, coefs, fused in applies:
+        lion_math.apply_update(x, d, coefs, fused)
 
 
 def abstaining(opt, p, coefs) -> Entry:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import lion_math
 from ._backend import backend_for
 from .errors import NonFiniteInput
-from .step_vote import NonFinite, nonfinite_ranks
+from .step_vote import NonFinite, nonfinite_ranks, pack_directions
 
 
 class Voter:
@@ -62,7 +62,7 @@ class Voter:
         the ranks that had a non-finite direction. ``fused_for(m, g)``:
         whether the fused kernels serve a pair."""
         sign, zero = self.shard_planes(1 if replicated else group.size(), shard_numel, device)
-        nans = 0
+        nans, items = 0, []
         for g, m, coefs, spans in pieces:
             parts = [
                 (g[a : a + k], m[a : a + k], lion_math.shard_bit(r, shard_numel) + at) for r, a, k, at in spans if k
@@ -71,8 +71,8 @@ class Voter:
                 if parts:
                     nans += lion_math.pack_levels_pieces(parts, coefs, self.bits, sign)
                 continue
-            for gp, mp, bit in parts:
-                nans += lion_math.pack_direction(gp, mp, coefs, sign, zero, bit, fused_for(mp, gp))
+            items += [(gp, mp, coefs, fused_for(mp, gp), bit) for gp, mp, bit in parts]
+        nans += pack_directions(items, sign, zero)
         delta = torch.empty(shard_numel, dtype=self.delta_dtype, device=device)
         try:
             if replicated:

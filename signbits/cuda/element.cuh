@@ -212,6 +212,42 @@ LIONBIT_HD void commit_word(uint64_t* words, size_t k, unsigned o, size_t n, uin
   }
 }
 
+// commit_word where several launches' worth of tensors share the planes in
+// one launch (the list kernels): a word whose bits are all this tensor's is
+// stored, an edge word, whose other bits another tensor's thread may be
+// writing, has its bits replaced with two atomics (plainly on the host).
+LIONBIT_HD void commit_word_shared(uint64_t* words, size_t k, unsigned o, size_t n, uint64_t v) {
+  const uint64_t mask = word_mask(k, o, n);
+  if (mask == ~0ull) {
+    words[k] = v;
+    return;
+  }
+#if defined(__CUDA_ARCH__)
+  auto* w = reinterpret_cast<unsigned long long*>(words + k);
+  atomicAnd(w, static_cast<unsigned long long>(~mask));
+  atomicOr(w, static_cast<unsigned long long>(v & mask));
+#else
+  words[k] = (words[k] & ~mask) | (v & mask);
+#endif
+}
+
+// The list kernels' tensor of work unit u: the last s < count with
+// first_of(s) <= u (the firsts ascending from 0; tensors without units
+// share their first with the next and are never found).
+template <typename Seg>
+LIONBIT_HD size_t segment_of(const Seg* segs, size_t count, uint64_t u) {
+  size_t lo = 0, hi = count; // segs[lo].first <= u < segs[hi].first (hi == count: past the end)
+  while (hi - lo > 1) {
+    const size_t mid = lo + (hi - lo) / 2;
+    if (segs[mid].first <= u) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
 // Words each warp handles per iteration of its grid loop in the word-per-warp
 // kernels (pack, lion_direction, unpack): enough
 // independent loads in flight per thread.

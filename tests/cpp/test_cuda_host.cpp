@@ -6,6 +6,7 @@
 // plane as ballot_planes_host), so the index math, the bit offsets and the
 // read-modify-write of the boundary words are verified without a GPU.
 #include "signbits/cuda/element.cuh"
+#include "optimizer/lion_list.cuh"
 
 #include <gtest/gtest.h>
 
@@ -906,6 +907,210 @@ TEST(CudaHostLion, ApplyDenseVoteDeltasMatchesCpu) {
   check_apply_dense_votes<DType::kBFloat16, DType::kBFloat16>(rng);
   check_apply_dense_votes<DType::kFloat16, DType::kFloat32>(rng);
   check_apply_dense_votes<DType::kFloat16, DType::kFloat16>(rng);
+}
+
+// ------------------------------------------------------ list kernels ----
+
+using optim::cuda::ApplySeg;
+using optim::cuda::DirectionSeg;
+
+// direction_list_kernel of optimizer/lion_cuda_list.cu with `nwarps` warps:
+// each warp's units in its grid loop, the lanes' bodies, the ballots, the
+// edge words written as commit_word_shared writes them.
+template <DType G, DType M>
+bits::PackCounts emu_direction_list(
+    std::vector<DirectionSeg> segs,
+    const cd::LionCoefs& k,
+    uint64_t* sign,
+    uint64_t* zero,
+    size_t nwarps,
+    bool write_m) {
+  const uint64_t units = optim::cuda::direction_units(segs.data(), segs.size());
+  constexpr int U = cd::kWordsPerWarpIter;
+  unsigned long long zeros = 0, nans = 0;
+  for (size_t warp = 0; warp < nwarps; ++warp) {
+    for (uint64_t u = warp; u < units; u += nwarps) {
+      const optim::cuda::DirectionUnit d = optim::cuda::direction_unit(segs.data(), segs.size(), u);
+      const size_t n = static_cast<size_t>(d.seg.n);
+      unsigned f[U][32];
+      for (unsigned lane = 0; lane < 32; ++lane) {
+        unsigned fl[U];
+        cd::lion_direction_group<G, M>(
+            static_cast<const typename FloatStore<G>::U*>(d.seg.g),
+            static_cast<typename FloatStore<M>::U*>(d.seg.m), n, d.o, d.k0, d.nwords, lane, k, fl,
+            write_m);
+        for (int i = 0; i < U; ++i) {
+          f[i][lane] = fl[i];
+        }
+      }
+      for (int i = 0; i < U; ++i) {
+        for (unsigned lane = 0; lane < 32; ++lane) {
+          cd::tally_flags(f[i][lane], &zeros, &nans);
+        }
+        const cd::WordPair wp = cd::ballot_planes_host(f[i]);
+        if (sign != nullptr && d.k0 + i < d.nwords) {
+          const size_t first = static_cast<size_t>(d.seg.bit_offset / 64);
+          cd::commit_word_shared(sign + first, d.k0 + i, d.o, n, wp.sign);
+          cd::commit_word_shared(zero + first, d.k0 + i, d.o, n, wp.zero);
+        }
+      }
+    }
+  }
+  return {zeros, nans};
+}
+
+// A model's tensors end to end in one chunk's planes: sizes from one
+// element to a few words, none, and a larger one, from a bit offset `at`.
+std::vector<size_t> list_sizes() {
+  return {1, 0, 63, 64, 65, 5, 1000, 2, 130, 0, 4097, 31, 1};
+}
+
+template <DType G, DType M>
+void check_direction_list(std::mt19937_64& rng, size_t& runs) {
+  const std::vector<size_t> sizes = list_sizes();
+  for (const Coefs& cf : coef_sets()) {
+    const cd::LionCoefs k{cf.b1, cf.omb1, cf.b2, cf.omb2};
+    for (size_t at : {size_t{0}, size_t{3}, size_t{64}, size_t{127}}) {
+      std::vector<std::vector<uint8_t>> gs, m0s;
+      size_t total = at;
+      for (size_t n : sizes) {
+        gs.push_back(random_floats(G, n, rng));
+        m0s.push_back(random_floats(M, n, rng));
+        total += n;
+      }
+      const size_t words = total / 64 + 3;
+      const auto s0 = random_words(words, rng);
+      const auto z0 = random_words(words, rng);
+      // Reference: each tensor by the CPU kernel, its bits inserted at its offset.
+      auto es = s0, ez = z0;
+      auto mrefs = m0s;
+      uint64_t rzeros = 0, rnans = 0;
+      size_t off = at;
+      for (size_t t = 0; t < sizes.size(); ++t) {
+        const size_t n = sizes[t];
+        std::vector<uint64_t> rs(n / 64 + 2), rz(n / 64 + 2);
+        const auto rc = optim::lion_direction(
+            G, gs[t].data(), M, mrefs[t].data(), n, cf.b1, cf.omb1, cf.b2, cf.omb2, rs.data(),
+            rz.data());
+        insert_bits(rs.data(), n, es.data(), off);
+        insert_bits(rz.data(), n, ez.data(), off);
+        rzeros += rc.zeros;
+        rnans += rc.nonfinite;
+        off += n;
+      }
+      for (size_t nwarps : {size_t{1}, size_t{5}, size_t{64}}) {
+        for (bool write_m : {true, false}) {
+          auto ms = m0s;
+          auto s = s0, z = z0;
+          std::vector<DirectionSeg> segs;
+          off = at;
+          for (size_t t = 0; t < sizes.size(); ++t) {
+            segs.push_back(DirectionSeg{gs[t].data(), ms[t].data(), sizes[t], off, 0});
+            off += sizes[t];
+          }
+          const auto c = emu_direction_list<G, M>(segs, k, s.data(), z.data(), nwarps, write_m);
+          ASSERT_EQ(s, es) << dname(G) << "/" << dname(M) << " at=" << at << " nwarps=" << nwarps;
+          ASSERT_EQ(z, ez) << dname(G) << "/" << dname(M) << " at=" << at << " nwarps=" << nwarps;
+          ASSERT_EQ(c.zeros, rzeros);
+          ASSERT_EQ(c.nans, rnans);
+          for (size_t t = 0; t < sizes.size(); ++t) {
+            for (size_t i = 0; i < sizes[t]; ++i) {
+              ASSERT_TRUE(same_at(M, ms[t].data(), (write_m ? mrefs : m0s)[t].data(), i))
+                  << dname(G) << "/" << dname(M) << " tensor " << t << " momentum " << i;
+            }
+          }
+          // The momentum update alone: no planes.
+          if (write_m) {
+            auto mo = m0s;
+            for (size_t t = 0; t < sizes.size(); ++t) {
+              segs[t].m = mo[t].data();
+            }
+            emu_direction_list<G, M>(segs, k, nullptr, nullptr, nwarps, true);
+            for (size_t t = 0; t < sizes.size(); ++t) {
+              for (size_t i = 0; i < sizes[t]; ++i) {
+                ASSERT_TRUE(same_at(M, mo[t].data(), mrefs[t].data(), i));
+              }
+            }
+          }
+          ++runs;
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaHostLionList, DirectionListMatchesCpuPerTensor) {
+  std::mt19937_64 rng(61);
+  size_t runs = 0;
+  check_direction_list<DType::kFloat32, DType::kFloat32>(rng, runs);
+  check_direction_list<DType::kBFloat16, DType::kBFloat16>(rng, runs);
+  check_direction_list<DType::kBFloat16, DType::kFloat32>(rng, runs);
+  check_direction_list<DType::kFloat16, DType::kBFloat16>(rng, runs);
+  EXPECT_GT(runs, 50u);
+}
+
+// apply_list_kernel with `blocks` blocks of kApplyThreads threads.
+template <DType X, DType Dl>
+void emu_apply_list(std::vector<ApplySeg> segs, float lr, float decay, size_t blocks) {
+  const uint64_t units = optim::cuda::apply_units(segs.data(), segs.size());
+  for (size_t b = 0; b < blocks; ++b) {
+    for (uint64_t u = b; u < units; u += blocks) {
+      const ApplySeg s = segs[cd::segment_of(segs.data(), segs.size(), u)];
+      for (unsigned t = 0; t < optim::cuda::list_detail::kApplyThreads; ++t) {
+        cd::lion_apply_dense_group<X, Dl>(
+            static_cast<typename FloatStore<X>::U*>(s.x),
+            static_cast<const typename FloatStore<Dl>::U*>(s.delta), static_cast<size_t>(s.n),
+            optim::cuda::apply_first(s, u, t), optim::cuda::list_detail::kApplyThreads, lr, decay);
+      }
+    }
+  }
+}
+
+template <DType X, DType Dl>
+void check_apply_list(std::mt19937_64& rng) {
+  std::vector<size_t> sizes = list_sizes();
+  sizes.push_back(3000); // several units
+  std::vector<std::vector<uint8_t>> x0s, deltas;
+  for (size_t n : sizes) {
+    x0s.push_back(random_floats(X, n, rng));
+    deltas.push_back(random_floats(Dl, n, rng));
+  }
+  for (size_t blocks : {size_t{1}, size_t{2}, size_t{9}}) {
+    auto xs = x0s, xr = x0s;
+    std::vector<ApplySeg> segs;
+    for (size_t t = 0; t < sizes.size(); ++t) {
+      segs.push_back(ApplySeg{xs[t].data(), deltas[t].data(), sizes[t], 0, 0});
+      optim::lion_apply_dense(X, xr[t].data(), Dl, deltas[t].data(), sizes[t], 3e-4f, 0.99997f);
+    }
+    emu_apply_list<X, Dl>(segs, 3e-4f, 0.99997f, blocks);
+    for (size_t t = 0; t < sizes.size(); ++t) {
+      for (size_t i = 0; i < sizes[t]; ++i) {
+        ASSERT_TRUE(same_at(X, xs[t].data(), xr[t].data(), i))
+            << dname(X) << "/" << dname(Dl) << " tensor " << t << " i=" << i;
+      }
+    }
+  }
+}
+
+TEST(CudaHostLionList, ApplyListMatchesCpuPerTensor) {
+  std::mt19937_64 rng(67);
+  check_apply_list<DType::kFloat32, DType::kFloat32>(rng);
+  check_apply_list<DType::kBFloat16, DType::kBFloat16>(rng);
+  check_apply_list<DType::kBFloat16, DType::kFloat32>(rng);
+  check_apply_list<DType::kFloat16, DType::kFloat16>(rng);
+}
+
+TEST(CudaHostLionList, SegmentOfSkipsEmptyTensors) {
+  std::vector<DirectionSeg> segs{
+      {nullptr, nullptr, 0, 0, 0},
+      {nullptr, nullptr, 300, 0, 0},
+      {nullptr, nullptr, 0, 300, 0},
+      {nullptr, nullptr, 1, 300, 0}};
+  const uint64_t units = optim::cuda::direction_units(segs.data(), segs.size());
+  ASSERT_EQ(units, 2u + 1u); // 5 words: 2 groups; 1 element at bit 300: 1 group
+  EXPECT_EQ(cd::segment_of(segs.data(), segs.size(), 0), 1u);
+  EXPECT_EQ(cd::segment_of(segs.data(), segs.size(), 1), 1u);
+  EXPECT_EQ(cd::segment_of(segs.data(), segs.size(), 2), 3u);
 }
 
 } // namespace

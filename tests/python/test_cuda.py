@@ -159,6 +159,37 @@ def test_fused_apply_passes_its_first_use_check():
 
 
 @pytest.mark.gpu
+def test_list_kernels_pass_their_checks_and_a_step_equals_cpu():
+    """The fused kernels of many tensors in one launch: their first-use
+    checks, then a user's single-process loop (two parameter groups, tensors
+    from one element to a matrix, bf16 and fp32 parameters, a frozen one,
+    weight decay) on CUDA bit for bit the same as on CPU."""
+    _skip_without_gpu()
+    assert kernel_choice.check_direction_list(_C.lion_direction_list_device, "cuda") is None
+    assert kernel_choice.check_apply_list(_C.lion_apply_list_device, "cuda") is None
+    shapes = [(1,), (7,), (64,), (65,), (300, 129), (1024,), (3, 5), (4096, 33)]
+
+    def run(device):
+        gen = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(
+            torch.bfloat16 if i % 3 == 0 else torch.float32).to(device)) for i, s in enumerate(shapes)]
+        frozen = params[5]
+        opt = lionbit.DistributedLion([{"params": params[:4], "lr": 1e-2},
+                                       {"params": params[4:], "lr": 3e-3, "weight_decay": 0.1}],
+                                      momentum_dtype=torch.float32)
+        for step in range(4):
+            for p in params:
+                p.grad = None if p is frozen and step % 2 else (torch.randn(p.shape, generator=gen) * 0.5).to(
+                    p.dtype).to(device)
+            opt.step()
+        return [p.detach().cpu() for p in params]
+
+    for a, b in zip(run("cuda"), run("cpu")):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
+                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("gdt", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mdt", [torch.float32, torch.bfloat16])
 def test_fused_lion_kernels_equal_cpu(gdt, mdt):

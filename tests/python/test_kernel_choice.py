@@ -115,6 +115,64 @@ def test_the_direction_check_passes_the_right_kernel_and_names_wrong_ones():
         assert not check.ok("cpu")
 
 
+# -- the list kernels' checks (a launch for many tensors) -----------------------------
+
+
+def _right_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update):
+    """The CPU fused direction tensor by tensor: what a list kernel must give."""
+    for g, m, off in zip(gs, ms, offsets):
+        if sign is None:
+            scratch = torch.zeros(lion_math_plane_bytes(g.numel()), dtype=torch.uint8)
+            _C.lion_direction_into(g, m, b1, omb1, b2, omb2, scratch, scratch.clone(), 0, update_momentum=True)
+        else:
+            _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update)
+
+
+def _neighbours_overwritten(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update):
+    """Each tensor packed into fresh planes whose whole words are stored: a
+    tensor's edge word loses its neighbour's bits (a plain store where an
+    atomic was needed)."""
+    if sign is None:
+        return _right_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update)
+    for g, m, off in zip(gs, ms, offsets):
+        s, z = torch.zeros_like(sign), torch.zeros_like(zero)
+        _right_direction(g, m, b1, omb1, b2, omb2, s, z, counts, off, update)
+        first, end = off // 8, (off + g.numel() + 7) // 8
+        sign[first:end], zero[first:end] = s[first:end], z[first:end]
+
+
+def _momentum_update_skips_the_last(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update):
+    n = len(gs) - 1 if sign is None else len(gs)
+    _right_direction_list(gs[:n], ms[:n], b1, omb1, b2, omb2, sign, zero, counts, offsets[:n], update)
+
+
+def lion_math_plane_bytes(n):
+    return (n + 63) // 64 * 8
+
+
+def _right_apply_list(xs, deltas, lr, decay):
+    for x, d in zip(xs, deltas):
+        _C.lion_apply(x, d, lr, decay)
+
+
+def _apply_list_misses_the_second(xs, deltas, lr, decay):
+    _right_apply_list(xs[:1] + xs[2:], deltas[:1] + deltas[2:], lr, decay)
+
+
+def test_the_list_checks_pass_right_kernels_and_name_wrong_ones():
+    assert kernel_choice.check_direction_list(_right_direction_list, "cpu") is None
+    assert kernel_choice.check_apply_list(_right_apply_list, "cpu") is None
+    for wrong, what in ((_neighbours_overwritten, ": direction bits"), (_momentum_update_skips_the_last, ": momentum")):
+        case = kernel_choice.check_direction_list(wrong, "cpu")
+        assert case is not None and case.endswith(what) and "sizes" in case, (wrong.__name__, case)
+    case = kernel_choice.check_apply_list(_apply_list_misses_the_second, "cpu")
+    assert case is not None and "deltas, sizes" in case
+    check = kernel_choice.FirstUseCheck("broken_list", _neighbours_overwritten, kernel_choice.check_direction_list,
+                                        "the fused kernels tensor by tensor")
+    with pytest.warns(RuntimeWarning, match="broken_list on cpu .*uses the fused kernels tensor by tensor"):
+        assert not check.ok("cpu")
+
+
 def test_the_check_leaves_the_global_random_state_alone():
     torch.manual_seed(5)
     want = torch.rand(3)

@@ -1,0 +1,224 @@
+// The fused Lion kernels over a list of tensors in one launch
+// (optimizer/lion_cuda.h, "lists"): the per-tensor kernels of lion_cuda.cu
+// with a grid loop over the list's work units instead of one tensor's. A
+// unit is a group of kWordsPerWarpIter plane words of one tensor (the
+// direction: one warp) or kBlockThreads * kApplyDenseUnroll elements (the
+// apply: one block); the table gives each tensor's first unit, and a warp
+// or block finds its tensor with segment_of (a binary search over a table
+// the size of a model's parameter list, cached). The arithmetic and the
+// lanes' bodies are element.cuh's, so each tensor's bits and values are the
+// per-tensor kernel's; the only difference is the planes' edge words, which
+// two tensors of one launch may share (commit_word_shared).
+#include "optimizer/lion_cuda.h"
+#include "optimizer/lion_list.cuh"
+
+#include "signbits/cuda/element.cuh"
+#include "signbits/cuda/launch.cuh"
+#include "signbits/cuda/warp_planes.cuh"
+
+namespace lionbit::optim::cuda {
+namespace {
+
+using bits::DType;
+using lionbit::cuda::Counts;
+namespace cd = lionbit::cuda::detail;
+using cd::FloatStore;
+using cd::kBlockThreads;
+using cd::kMinBlocksPerSm;
+using cd::kWarpsPerBlock;
+
+using list_detail::kDirUnroll;
+static_assert(list_detail::kApplyThreads == kBlockThreads, "an apply unit is one block's");
+
+template <DType G, DType M>
+__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) direction_list_kernel(
+    const DirectionSeg* __restrict__ segs,
+    size_t count,
+    uint64_t units,
+    cd::LionCoefs k,
+    uint64_t* sign,
+    uint64_t* zero,
+    Counts* counts,
+    bool write_m) {
+  const unsigned lane = threadIdx.x & 31u;
+  const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
+  unsigned long long zeros = 0, nans = 0;
+  for (uint64_t u = warp; u < units; u += nwarps) {
+    const DirectionUnit d = direction_unit(segs, count, u);
+    const size_t n = static_cast<size_t>(d.seg.n);
+    unsigned f[kDirUnroll];
+    cd::lion_direction_group<G, M>(
+        static_cast<const typename FloatStore<G>::U*>(d.seg.g),
+        static_cast<typename FloatStore<M>::U*>(d.seg.m), n, d.o, d.k0, d.nwords, lane, k, f,
+        write_m);
+#pragma unroll
+    for (int i = 0; i < kDirUnroll; ++i) {
+      cd::tally_flags(f[i], &zeros, &nans);
+      const cd::WordPair wp = cd::ballot_planes(f[i]);
+      if (sign != nullptr && lane == static_cast<unsigned>(i) && d.k0 + i < d.nwords) {
+        const size_t first = static_cast<size_t>(d.seg.bit_offset / 64);
+        cd::commit_word_shared(sign + first, d.k0 + i, d.o, n, wp.sign);
+        cd::commit_word_shared(zero + first, d.k0 + i, d.o, n, wp.zero);
+      }
+    }
+  }
+  if (counts != nullptr) {
+    cd::add_counts(counts, zeros, nans);
+  }
+}
+
+template <DType X, DType Dl>
+__global__ void __launch_bounds__(kBlockThreads) apply_list_kernel(
+    const ApplySeg* __restrict__ segs,
+    size_t count,
+    uint64_t units,
+    float lr,
+    float decay) {
+  for (uint64_t u = blockIdx.x; u < units; u += gridDim.x) {
+    const ApplySeg s = segs[cd::segment_of(segs, count, u)];
+    cd::lion_apply_dense_group<X, Dl>(
+        static_cast<typename FloatStore<X>::U*>(s.x),
+        static_cast<const typename FloatStore<Dl>::U*>(s.delta), static_cast<size_t>(s.n),
+        apply_first(s, u, threadIdx.x), blockDim.x, lr, decay);
+  }
+}
+
+template <DType G, DType M>
+void launch_direction_list(
+    const DirectionSeg* segs,
+    size_t count,
+    uint64_t units,
+    const cd::LionCoefs& k,
+    uint64_t* sign,
+    uint64_t* zero,
+    Counts* counts,
+    cudaStream_t stream,
+    bool write_m) {
+  static const int resident = cd::resident_blocks(direction_list_kernel<G, M>);
+  const unsigned grid = cd::grid_for(units, size_t{kWarpsPerBlock}, resident);
+  direction_list_kernel<G, M>
+      <<<grid, kBlockThreads, 0, stream>>>(segs, count, units, k, sign, zero, counts, write_m);
+  cd::check_launch("lion_direction_list");
+}
+
+template <DType G>
+void direction_list_grad(
+    DType md,
+    const DirectionSeg* segs,
+    size_t count,
+    uint64_t units,
+    const cd::LionCoefs& k,
+    uint64_t* sign,
+    uint64_t* zero,
+    Counts* counts,
+    cudaStream_t stream,
+    bool write_m) {
+  switch (md) {
+    case DType::kFloat32:
+      return launch_direction_list<G, DType::kFloat32>(
+          segs, count, units, k, sign, zero, counts, stream, write_m);
+    case DType::kBFloat16:
+      return launch_direction_list<G, DType::kBFloat16>(
+          segs, count, units, k, sign, zero, counts, stream, write_m);
+    default:
+      return; // unsupported: nothing touched (the caller validates)
+  }
+}
+
+template <DType X, DType Dl>
+void launch_apply_list(
+    const ApplySeg* segs,
+    size_t count,
+    uint64_t units,
+    float lr,
+    float decay,
+    cudaStream_t stream) {
+  static const int resident = cd::resident_blocks(apply_list_kernel<X, Dl>);
+  const unsigned grid = cd::grid_for(units, 1, resident);
+  apply_list_kernel<X, Dl><<<grid, kBlockThreads, 0, stream>>>(segs, count, units, lr, decay);
+  cd::check_launch("lion_apply_list");
+}
+
+template <DType X>
+void apply_list_param(
+    DType dd,
+    const ApplySeg* segs,
+    size_t count,
+    uint64_t units,
+    float lr,
+    float decay,
+    cudaStream_t stream) {
+  switch (dd) {
+    case DType::kFloat32:
+      return launch_apply_list<X, DType::kFloat32>(segs, count, units, lr, decay, stream);
+    case DType::kBFloat16:
+      return launch_apply_list<X, DType::kBFloat16>(segs, count, units, lr, decay, stream);
+    case DType::kFloat16:
+      return launch_apply_list<X, DType::kFloat16>(segs, count, units, lr, decay, stream);
+    default:
+      return;
+  }
+}
+
+} // namespace
+
+void lion_direction_list(
+    DType grad_dtype,
+    DType momentum_dtype,
+    const DirectionSeg* segs,
+    size_t count,
+    uint64_t units,
+    float b1,
+    float omb1,
+    float b2,
+    float omb2,
+    uint64_t* sign,
+    uint64_t* zero,
+    Counts* counts,
+    cudaStream_t stream,
+    bool update_momentum) {
+  if (units == 0) {
+    return;
+  }
+  const cd::LionCoefs k{b1, omb1, b2, omb2};
+  switch (grad_dtype) {
+    case DType::kFloat32:
+      return direction_list_grad<DType::kFloat32>(
+          momentum_dtype, segs, count, units, k, sign, zero, counts, stream, update_momentum);
+    case DType::kBFloat16:
+      return direction_list_grad<DType::kBFloat16>(
+          momentum_dtype, segs, count, units, k, sign, zero, counts, stream, update_momentum);
+    case DType::kFloat16:
+      return direction_list_grad<DType::kFloat16>(
+          momentum_dtype, segs, count, units, k, sign, zero, counts, stream, update_momentum);
+    default:
+      return;
+  }
+}
+
+void lion_apply_list(
+    DType param_dtype,
+    DType delta_dtype,
+    const ApplySeg* segs,
+    size_t count,
+    uint64_t units,
+    float lr,
+    float decay,
+    cudaStream_t stream) {
+  if (units == 0) {
+    return;
+  }
+  switch (param_dtype) {
+    case DType::kFloat32:
+      return apply_list_param<DType::kFloat32>(delta_dtype, segs, count, units, lr, decay, stream);
+    case DType::kBFloat16:
+      return apply_list_param<DType::kBFloat16>(delta_dtype, segs, count, units, lr, decay, stream);
+    case DType::kFloat16:
+      return apply_list_param<DType::kFloat16>(delta_dtype, segs, count, units, lr, decay, stream);
+    default:
+      return;
+  }
+}
+
+} // namespace lionbit::optim::cuda
