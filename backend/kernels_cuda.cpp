@@ -2,10 +2,12 @@
 // (pack, pack_levels, clean, the zero and tie planes' tallies and their
 // lists of positions and runs, count_code, vote, break_ties, unpack), the
 // ATen set for the rest (packed runs, lists of counts, base 3, the owner's
-// sum of levels: small or rare work), all on the current stream. The L1 levels from g and m
-// (KernelSet's level_abs_sum and pack_lion_levels) are the interface's defaults: c and sum |c| with
-// ATen, then this set's pack_levels. In checked mode the first use on a device runs every custom
-// kernel against the ATen set (kernel_check.hpp) and keeps the ATen kernel for any that disagrees.
+// sum of levels: small or rare work), all on the current stream. The L1
+// levels from g and m (KernelSet's level_abs_sum and pack_lion_levels) are
+// the interface's defaults: c and sum |c| with ATen, then this set's
+// pack_levels. In checked mode the first use on a device runs every custom
+// kernel against the ATen set (kernel_check.hpp) and keeps the ATen kernel
+// for any that disagrees.
 #include "backend/kernels_cuda.hpp"
 
 #include <ATen/ATen.h>

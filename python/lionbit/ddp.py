@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import join, lion_math, step_vote, torch_internals
+from . import join, kernel_choice, lion_math, step_vote, torch_internals
 from ._backend import backend_for
 from .attachment import HOOKED_DDP_MODELS, Attachment
 from .errors import PeerRejected
@@ -161,6 +161,7 @@ class DDPAttachment(Attachment):
                     plane.zero_()
         sign, zero = bv.planes
         groups = self.opt.param_group_of()
+        allowed = kernel_choice.fused_lion_allowed(buffer.device)  # once a bucket
         off, items = 0, []
         bv.params, bv.sizes = list(params), []
         for p, g in zip(params, grads):
@@ -168,7 +169,8 @@ class DDPAttachment(Attachment):
             if abstain:
                 lion_math.pack_abstain(g.numel(), sign, zero, off, bits)
             else:
-                items.append((g, self.opt.momentum_of(p), lion_math.Coefs(groups[p]), self.opt.fused_for(p, g), off))
+                items.append((g, self.opt.momentum_of(p), lion_math.Coefs(groups[p]),
+                              self.opt.fused_for(p, g, allowed), off))
             bv.sizes.append(g.numel())
             off += g.numel()
         bad = step_vote.pack_directions(items, sign, zero, bits)
@@ -303,6 +305,7 @@ class DDPAttachment(Attachment):
         # gradients decide theirs; with the same gradients present, the same).
         stepped = None if self.layout is None else set(self.layout)
         plan, biggest, device = [], 0, None
+        allowed = {}  # LIONBIT_KERNELS and the first-use checks, once a device
         for bv in started:
             entries, deltas, off = [], [], 0
             for p, n in zip(bv.params, bv.sizes):
@@ -311,7 +314,10 @@ class DDPAttachment(Attachment):
                 if abstain and (stepped is None or p in stepped):
                     entries.append(step_vote.abstaining(self.opt, p, coefs))
                 elif not abstain and g is not None:
-                    entries.append(step_vote.Entry(p, g, self.opt.momentum_of(p), coefs, self.opt.fused_for(p, g)))
+                    if p.device not in allowed:
+                        allowed[p.device] = kernel_choice.fused_lion_allowed(p.device)
+                    entries.append(step_vote.Entry(p, g, self.opt.momentum_of(p), coefs,
+                                                   self.opt.fused_for(p, g, allowed[p.device])))
                 else:
                     # Unused on every rank (find_unused_parameters): DDP left no
                     # gradient, and the parameter is not stepped, as at step().

@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import lion_math, step_vote, torch_internals, user_warning
+from . import kernel_choice, lion_math, step_vote, torch_internals, user_warning
 from ._backend import backend_for
 from .attachment import Attachment
 
@@ -567,8 +567,9 @@ def fsdp_vote(att):
 
     def apply() -> None:
         scratch = lion_math.planes(biggest, device) if biggest else None
-        step_vote.update_state([(g, m, coefs, opt.fused_for(m, g)) for g, m, coefs, _, _ in todo],
-                               [(local, d, coefs, opt.fused_for(local, d)) for _, _, coefs, local, d in todo
+        ok = kernel_choice.fused_lion_allowed(device) if todo else False  # once a step
+        step_vote.update_state([(g, m, coefs, opt.fused_for(m, g, ok)) for g, m, coefs, _, _ in todo],
+                               [(local, d, coefs, opt.fused_for(local, d, ok)) for _, _, coefs, local, d in todo
                                 if d.numel()], scratch)
 
     return apply

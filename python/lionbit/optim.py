@@ -138,7 +138,11 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
     def coefs_of(self, p: torch.Tensor) -> lion_math.Coefs:
         return lion_math.Coefs(self.param_group_of()[p])
 
-    def fused_for(self, p: torch.Tensor, g: torch.Tensor) -> bool:
+    def fused_for(self, p: torch.Tensor, g: torch.Tensor, allowed: Optional[bool] = None) -> bool:
+        """Whether the fused kernels serve parameter (or momentum) p with g.
+        ``allowed``: kernel_choice.fused_lion_allowed(p.device), when the
+        caller asked once for many tensors (it reads LIONBIT_KERNELS: a few
+        microseconds a tensor otherwise)."""
         ok = p.is_contiguous() and g.is_contiguous() and _C.lion_fused_supported(p.dtype, g.dtype, self.momentum_dtype)
         if self.fused and not ok:
             raise ValueError(
@@ -146,7 +150,9 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
                 f"momentum {self.momentum_dtype} (contiguous float32/bfloat16/float16 parameters and gradients, "
                 f"float32/bfloat16 momentum)")
         use = ok if self.fused is None else bool(self.fused)
-        return use and kernel_choice.fused_lion_allowed(p.device)  # LIONBIT_KERNELS, the first-use check
+        if not use:
+            return False
+        return kernel_choice.fused_lion_allowed(p.device) if allowed is None else allowed
 
     def check_param(self, p: torch.Tensor, where: str) -> None:
         if p.grad is not None and p.grad.is_sparse:

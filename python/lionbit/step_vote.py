@@ -225,6 +225,7 @@ def step_entries(opt, params_groups) -> List[Entry]:
     """The entries of a step: every parameter with a gradient, in the
     optimizer's order."""
     entries = []
+    allowed = {}  # LIONBIT_KERNELS and the first-use checks, once a device and step
     for group in params_groups:
         coefs = None
         for p in group["params"]:
@@ -233,7 +234,9 @@ def step_entries(opt, params_groups) -> List[Entry]:
             opt.check_param(p, "step")
             coefs = coefs or lion_math.Coefs(group)
             g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-            entries.append(Entry(p, g, opt.momentum_of(p), coefs, opt.fused_for(p, g)))
+            if p.device not in allowed:
+                allowed[p.device] = kernel_choice.fused_lion_allowed(p.device)
+            entries.append(Entry(p, g, opt.momentum_of(p), coefs, opt.fused_for(p, g, allowed[p.device])))
     return entries
 
 
