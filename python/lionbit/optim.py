@@ -139,18 +139,14 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
         return lion_math.Coefs(self.param_group_of()[p])
 
     def fused_for(self, p: torch.Tensor, g: torch.Tensor, allowed: Optional[bool] = None) -> bool:
-        """Whether the fused kernels serve parameter (or momentum) p with g.
-        ``allowed``: kernel_choice.fused_lion_allowed(p.device), when the
-        caller asked once for many tensors (it reads LIONBIT_KERNELS: a few
-        microseconds a tensor otherwise)."""
+        # allowed: kernel_choice.fused_lion_allowed(p.device), asked once by a caller of many tensors
         ok = p.is_contiguous() and g.is_contiguous() and _C.lion_fused_supported(p.dtype, g.dtype, self.momentum_dtype)
         if self.fused and not ok:
             raise ValueError(
                 f"DistributedLion(fused=True): no fused kernel for parameter {p.dtype}, gradient {g.dtype}, "
                 f"momentum {self.momentum_dtype} (contiguous float32/bfloat16/float16 parameters and gradients, "
                 f"float32/bfloat16 momentum)")
-        use = ok if self.fused is None else bool(self.fused)
-        if not use:
+        if not (ok if self.fused is None else self.fused):
             return False
         return kernel_choice.fused_lion_allowed(p.device) if allowed is None else allowed
 
