@@ -23,8 +23,9 @@ profiler's device events; CUDA only).
 
 Prints one line per method: median ms per step over --steps timed steps
 (after 3 warm-ups), the ratio to torch Lion and to the floor, launches per
-step. Goals: DistributedLion <= 1.0x torch Lion on both lists; stretch
-<= 1.5x the floor.
+step and device allocations (cudaMalloc) per warm step. Goals:
+DistributedLion <= 1.0x torch Lion on both lists; stretch <= 1.5x the
+floor.
 """
 
 import argparse
@@ -67,6 +68,19 @@ def timed(step, device, steps):
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def device_allocs(step, device, steps=5):
+    """cudaMalloc calls a step makes once warm (the caching allocator's count over ``steps`` more
+    steps): a step that allocates device memory every time pays for it in host time; None on CPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats(device).get("num_device_alloc", 0)
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (torch.cuda.memory_stats(device).get("num_device_alloc", 0) - before) / steps
 
 
 def profile_step(step, device):
@@ -139,6 +153,7 @@ def run_list(name, shapes, device, steps, profile):
     torch_step = lambda: lion_foreach(params, grads, momenta, lr, wd, *betas)  # noqa: E731
     ms[TORCH] = timed(torch_step, device, steps)
     launched[TORCH] = launches(torch_step, device)
+    allocs = {TORCH: device_allocs(torch_step, device)}
     momenta.clear()
     for label, kwargs in (
         ("DistributedLion (bf16 momentum)", {"momentum_dtype": torch.bfloat16}),
@@ -151,12 +166,13 @@ def run_list(name, shapes, device, steps, profile):
         opt = lionbit.DistributedLion(leaves, lr=lr, betas=betas, weight_decay=wd, **kwargs)
         ms[label] = timed(opt.step, device, steps)
         launched[label] = launches(opt.step, device)
+        allocs[label] = device_allocs(opt.step, device)
         if profile and label == "DistributedLion (bf16 momentum)":
             profile_step(opt.step, device)
         del opt, leaves
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return n, len(shapes), ms, launched
+    return n, len(shapes), ms, launched, allocs
 
 
 def main(argv=None):
@@ -190,19 +206,20 @@ def main(argv=None):
         bandwidth = copy_bandwidth(device)
         print(f"gpu_lion_step: device-to-device copy {bandwidth / 1e9:.0f} GB/s (read + written)")
         for name in names:
-            n, tensors, ms, launched = run_list(name, makers[name](), device, args.steps, args.profile)
+            n, tensors, ms, launched, allocs = run_list(name, makers[name](), device, args.steps, args.profile)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the list's tensors are gone with run_list's frame
             floor = 10 * n / bandwidth * 1e3
             base = ms[TORCH]
             print(f"{name}: floor {floor:.2f} ms (10 B/parameter at {bandwidth / 1e9:.0f} GB/s)")
-            print(f"{'method':46s} {'ms/step':>9s} {'x torch':>8s} {'x floor':>8s} {'launches':>9s}")
+            print(f"{'method':46s} {'ms/step':>9s} {'x torch':>8s} {'x floor':>8s} {'launches':>9s} {'allocs':>7s}")
             for label, t in ms.items():
-                print(f"{label:46s} {t:9.2f} {t / base:7.2f}x {t / floor:7.2f}x {launched[label] or '-':>9}")
+                a = "-" if allocs[label] is None else f"{allocs[label]:.1f}"
+                print(f"{label:46s} {t:9.2f} {t / base:7.2f}x {t / floor:7.2f}x {launched[label] or '-':>9} {a:>7}")
             lists[name] = {"params": n, "tensors": tensors, "ms_per_step": ms, "floor_ms": floor,
                            "ratio_to_torch": {k: v / base for k, v in ms.items()},
                            "ratio_to_floor": {k: v / floor for k, v in ms.items()},
-                           "launches_per_step": launched}
+                           "launches_per_step": launched, "device_allocs_per_step": allocs}
     finally:
         dist.destroy_process_group()
 
