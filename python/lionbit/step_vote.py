@@ -106,6 +106,19 @@ def chunking(sizes: Sequence[int], limit: int = CHUNK_ELEMENTS) -> List[Tuple[in
     return chunks
 
 
+def _by_coefs(items):
+    """The fused ones of ``items`` ((a, b, coefs, fused, *rest)) grouped by
+    hyperparameter values (a launch of the GPU's list kernels each), as
+    (coefs, [(a, b, *rest)]), and the others as they are."""
+    groups, rest = {}, []
+    for item in items:
+        if item[3]:
+            groups.setdefault(item[2].values, (item[2], []))[1].append(item[:2] + item[4:])
+        else:
+            rest.append(item)
+    return groups.values(), rest
+
+
 def pack_directions(items, sign, zero, bits=None) -> int:
     """Packs the Lion directions of ``items`` ((g, m, coefs, fused,
     bit_offset), on one device; m only read) into the planes; returns the
@@ -118,14 +131,13 @@ def pack_directions(items, sign, zero, bits=None) -> int:
     device = items[0][0].device
     cuda = device.type == "cuda"
     counts = torch.zeros(2, dtype=torch.int64, device=device) if cuda else None
-    listed = cuda and not bits and kernel_choice.list_kernels_allowed(device)
-    lists, bad = {}, 0
-    for g, m, coefs, fused, off in items:
-        if listed and fused:
-            lists.setdefault(coefs.values, (coefs, []))[1].append((g, m, off))
-        else:
-            bad += lion_math.pack_direction(g, m, coefs, sign, zero, off, fused, bits, counts=counts)
-    for coefs, group_items in lists.values():
+    groups, rest = ((), items)
+    if cuda and not bits and kernel_choice.list_kernels_allowed(device):
+        groups, rest = _by_coefs(items)
+    bad = 0
+    for g, m, coefs, fused, off in rest:
+        bad += lion_math.pack_direction(g, m, coefs, sign, zero, off, fused, bits, counts=counts)
+    for coefs, group_items in groups:
         lion_math.pack_directions_device(group_items, coefs, sign, zero, counts)
     return bad + (int(counts[1]) if counts is not None else 0)
 
@@ -180,31 +192,23 @@ def update(entries: Sequence[Entry], deltas, scratch) -> None:
 
 def update_state(momenta, applies, scratch) -> None:
     """The momentum updates ``momenta`` ((g, m, coefs, fused)), then the
-    parameter updates ``applies`` ((x, delta, coefs, fused)), on one device.
-    ``scratch``: two uint8 planes for the largest g (the per-tensor fused
-    CPU kernel's direction bits). On a GPU the fused tensors of the same
-    hyperparameters go in a launch per dtype pair (the list kernels, where
-    their first-use check passed)."""
-    first = (momenta or applies or [(None,)])[0][0]
-    if first is not None and first.is_cuda:
-        counts = torch.zeros(2, dtype=torch.int64, device=first.device)  # the kernels' tallies, never read
-        if kernel_choice.list_kernels_allowed(first.device):
-            listed_m, listed_a = {}, {}
-            for g, m, coefs, fused in momenta:
-                if fused:
-                    listed_m.setdefault(coefs.values, (coefs, []))[1].append((g, m))
-            for x, d, coefs, fused in applies:
-                if fused:
-                    listed_a.setdefault(coefs.values, (coefs, []))[1].append((x, d))
-            for coefs, pairs in listed_m.values():
-                lion_math.update_momenta_device(pairs, coefs)
-            momenta = [item for item in momenta if not item[3]]
-            # (Every momentum first: a parameter's update never reads another's momentum.)
-            for coefs, pairs in listed_a.values():
-                lion_math.apply_updates_device(pairs, coefs)
-            applies = [item for item in applies if not item[3]]
-    else:
-        counts = None
+    parameter updates ``applies`` ((x, delta, coefs, fused)), on one device
+    (a parameter's update never reads another's momentum). ``scratch``: two
+    uint8 planes for the largest g (the per-tensor fused CPU kernel's
+    direction bits). On a GPU the fused tensors of the same hyperparameters
+    go in a launch per dtype pair (the list kernels, where their first-use
+    check passed)."""
+    tensors = momenta or applies
+    cuda = bool(tensors) and tensors[0][0].is_cuda
+    if cuda and kernel_choice.list_kernels_allowed(tensors[0][0].device):
+        m_groups, momenta = _by_coefs(momenta)
+        a_groups, applies = _by_coefs(applies)
+        for coefs, pairs in m_groups:
+            lion_math.update_momenta_device(pairs, coefs)
+        for coefs, pairs in a_groups:
+            lion_math.apply_updates_device(pairs, coefs)
+    # The per-tensor GPU kernels' tallies, never read: one buffer for every tensor.
+    counts = torch.zeros(2, dtype=torch.int64, device=momenta[0][0].device) if cuda and momenta else None
     for g, m, coefs, fused in momenta:
         nb = lion_math.plane_bytes(g.numel())
         sc = None if scratch is None else (scratch[0][:nb], scratch[1][:nb])
