@@ -27,34 +27,55 @@ Phase1 send_shards(
   const SignComm& c = call.c;
   const int N = c.world_size;
   const int64_t sb = static_cast<int64_t>(sw * 8);
-  const bits::ZeroCode my_code = hs.zero_codes[c.rank];
-  const int64_t my_zbytes = static_cast<int64_t>(bits::zero_encoding_bytes(my_code, sw));
+  TORCH_CHECK(
+      hs.sent.size() == static_cast<size_t>(N), where(call), "internal: no zero code per rank");
+  // What each rank gets: its shard (the exchange: every shard) with this
+  // rank's zeros encoded for the code announced to it.
+  std::vector<int64_t> zbytes(N);
+  std::vector<int64_t> send_splits(N);
+  int64_t send_total = 0;
+  bool any = false;
+  for (int j = 0; j < N; ++j) {
+    zbytes[j] = static_cast<int64_t>(bits::zero_encoding_bytes(hs.sent[j], sw));
+    send_splits[j] = sb + zbytes[j];
+    if (exchange) { // all N shards to the other rank, nothing to this one
+      TORCH_CHECK(N == 2, where(call), "internal: the exchange is for two ranks");
+      send_splits[j] = j == c.rank ? 0 : N * (sb + zbytes[j]);
+    }
+    send_total += send_splits[j];
+    any = any || zbytes[j] > 0;
+  }
   at::Tensor send = sign;
-  if (my_code.zeros > 0) {
+  if (any) {
     ScopedTimer t(c.stats->pack_ns, "lionbit::pack");
-    send = call.bytes(static_cast<size_t>(N * (sb + my_zbytes)));
-    for (int k = 0; k < N; ++k) {
-      const int64_t at = k * (sb + my_zbytes);
-      send.narrow(0, at, sb).copy_(sign.narrow(0, k * sb, sb));
-      at::Tensor enc = send.narrow(0, at + sb, my_zbytes);
-      call.k->encode_zeros(zero.narrow(0, k * sb, sb), my_code, enc);
+    send = call.bytes(static_cast<size_t>(send_total));
+    int64_t at = 0;
+    for (int j = 0; j < N; ++j) {
+      // Shards k of the block to j: j's own, or every one in the exchange.
+      const int first = exchange ? 0 : j;
+      const int end = exchange ? (j == c.rank ? 0 : N) : j + 1;
+      for (int k = first; k < end; ++k) {
+        send.narrow(0, at, sb).copy_(sign.narrow(0, k * sb, sb));
+        if (zbytes[j] > 0) {
+          at::Tensor enc = send.narrow(0, at + sb, zbytes[j]);
+          call.k->encode_zeros(zero.narrow(0, k * sb, sb), hs.sent[j], enc);
+        }
+        at += sb + zbytes[j];
+      }
     }
   }
-  count_zero_encodings(c, my_code, sw, exchange ? N : N - 1);
   Phase1 p;
   p.sw = sw;
-  std::vector<int64_t> send_splits(N, sb + my_zbytes);
   p.recv_splits.resize(N);
   int64_t recv_total = 0;
   for (int j = 0; j < N; ++j) {
     p.recv_splits[j] = sb + static_cast<int64_t>(bits::zero_encoding_bytes(hs.zero_codes[j], sw));
-    if (exchange) { // all N shards to the other rank, nothing to this one
-      TORCH_CHECK(N == 2, where(call), "internal: the exchange is for two ranks");
+    if (exchange) {
       p.recv_splits[j] = j == c.rank ? 0 : N * p.recv_splits[j];
-      send_splits[j] = j == c.rank ? 0 : N * (sb + my_zbytes);
     }
     recv_total += p.recv_splits[j];
     if (j != c.rank) {
+      count_zero_encodings(c, hs.sent[j], sw, exchange ? N : 1);
       c.stats->bytes_sent += static_cast<uint64_t>(send_splits[j]);
       c.stats->bytes_received += static_cast<uint64_t>(p.recv_splits[j]);
     }
@@ -73,7 +94,7 @@ Phase1 send_zeros(
   TORCH_CHECK(c.world_size == 2, where(call), "internal: the exchange is for two ranks");
   const int other = 1 - c.rank;
   const int64_t sb = static_cast<int64_t>(sw * 8);
-  const bits::ZeroCode my_code = hs.zero_codes[c.rank];
+  const bits::ZeroCode my_code = hs.sent.at(static_cast<size_t>(other));
   const int64_t mine = static_cast<int64_t>(bits::zero_encoding_bytes(my_code, sw));
   const int64_t theirs = static_cast<int64_t>(bits::zero_encoding_bytes(hs.zero_codes[other], sw));
   const int64_t chunks = static_cast<int64_t>(zero.size());
@@ -185,6 +206,14 @@ std::vector<PlaneIn> receive_shards(
         "phase 1");
     q += p.recv_splits[j];
   }
+  // The count code's width follows the header round's any_zero (the same on
+  // every rank), not the zeros this shard happens to get: a shard no rank
+  // sent a zero still counts with a (clear) zero plane.
+  const bool none = std::none_of(
+      in.begin(), in.end(), [](const PlaneIn& x) { return x.zero.defined(); });
+  if (hs.any_zero && none) {
+    in[0].zero = call.bytes(p.sw * 8).zero_();
+  }
   return in;
 }
 
@@ -202,7 +231,7 @@ std::vector<PlaneIn> exchanged_shard(
   ScopedTimer t(c.stats->vote_ns, "lionbit::count");
   std::vector<PlaneIn> in(2);
   in[c.rank].sign = sign.narrow(0, shard * sb, sb);
-  if (hs.zero_codes[c.rank].zeros > 0) {
+  if (hs.zero_most[static_cast<size_t>(c.rank)] > 0) {
     in[c.rank].zero = zero.narrow(0, shard * sb, sb);
   }
   const int64_t block = p.recv_splits[other] / 2; // [sign_k | zeros_k] per shard k

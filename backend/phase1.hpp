@@ -2,9 +2,10 @@
 // pipelined chunk) and the reduce-scatter: every rank's direction bits, cut
 // into N shards of `sw` words (shard k at words [k * sw, (k + 1) * sw) of the
 // sign and zero planes), go to their owners in one all-to-all. Rank k gets
-// [sign_k | zeros_k] from every rank j, zeros_k encoded for rank j's zero
-// code (signbits/zeros.h: a list of offsets or of runs when sparse, a plane
-// when dense, nothing when rank j holds no zero). The owner then has every rank's
+// [sign_k | zeros_k] from every rank j, zeros_k encoded for the zero code
+// rank j announced to rank k (signbits/zeros.h: a list of offsets or of
+// runs when sparse, a plane when dense, nothing when shard k of rank j
+// holds no zero). The owner then has every rank's
 // contribution to its shard. Written once for every device: the planes live
 // on the call's device and its kernel set encodes and decodes them.
 #pragma once
@@ -31,8 +32,8 @@ struct Phase1 {
   at::Tensor recv; // after wait_shards
 };
 
-// Encodes this rank's shards (its zero code is hs.zero_codes[rank])
-// and issues the all-to-all; counts its bytes. `sign` and `zero` hold
+// Encodes this rank's shards (shard j's zeros for the code announced to
+// rank j, hs.sent[j]) and issues the all-to-all; counts its bytes. `sign` and `zero` hold
 // N * sw words each (`zero` is not read when this rank holds no zero).
 // `exchange` (two ranks only): every shard goes to the other rank, none to
 // this one, so that each rank holds both ranks' whole planes (the exchange
@@ -49,7 +50,7 @@ Phase1 send_shards(
 // round that gave their zeros' capacities (hs): send_zeros sends the other
 // rank this rank's zeros of every shard of every chunk in `zero` (chunks of
 // sw words a shard) in one message, each encoded as send_shards would
-// (code hs.zero_codes[rank], nothing when it has no zeros), and counts the
+// (code hs.sent[other], nothing when it has no zeros), and counts the
 // bytes;
 // once both are waited for, join_zeros makes `signs` (the chunk at `index`
 // of them) what one sending with hs would have brought ([sign_k | zeros_k]
@@ -71,7 +72,9 @@ void wait_shards(const SignCall& call, Phase1& p);
 
 // After wait_shards: every rank's contribution to this rank's shard (views
 // of p.recv, or of `scratch` for zero lists, decoded there). Raises naming
-// the sender when a list is corrupt.
+// the sender when a list is corrupt. Where some rank has a zero (hs.any_zero)
+// at least one contribution has a zero plane, so that the count code is as
+// wide on every owner.
 std::vector<PlaneIn> receive_shards(
     const SignCall& call,
     const bits::HeaderSummary& hs,

@@ -53,7 +53,7 @@ Phase2 Phase2::choose(
     int N,
     size_t sw,
     bool inline_ties,
-    const std::vector<bits::ZeroCode>& zero_codes) {
+    const std::vector<uint64_t>& zero_most) {
   if (op == bits::SignOp::kVote || op == bits::SignOp::kLevels) {
     Phase2 fmt{inline_ties ? Phase2Format::kVoteTrits : Phase2Format::kVoteSigns, N, sw};
     fmt.op = op;
@@ -61,8 +61,8 @@ Phase2 Phase2::choose(
     return fmt;
   }
   uint64_t zeros = 0; // no shard holds more elements with a zero than this
-  for (const bits::ZeroCode& z : zero_codes) {
-    zeros += z.zeros;
+  for (const uint64_t z : zero_most) {
+    zeros += z;
   }
   const uint64_t shard_elems = sw * bits::kWordBits;
   zeros = std::min<uint64_t>(zeros, shard_elems);

@@ -45,16 +45,16 @@ struct Phase2 {
   bits::SignOp op = bits::SignOp::kVote;
   bits::CallRule rule{}; // vote formats: the tie rule; kLevels: the bits
 
-  // The format of one chunk of an all-reduce: `zero_codes` the ranks'
-  // announced zero codes (the header round's), `inline_ties` whether every
-  // rank expects dense ties.
+  // The format of one chunk of an all-reduce: `zero_most` the most zeros in
+  // any shard of each rank (the header round's: the same on every rank),
+  // `inline_ties` whether every rank expects dense ties.
   static Phase2 choose(
       bits::SignOp op,
       const bits::CallRule& rule,
       int N,
       size_t sw,
       bool inline_ties,
-      const std::vector<bits::ZeroCode>& zero_codes);
+      const std::vector<uint64_t>& zero_most);
 
   size_t message_bytes() const;
 

@@ -87,6 +87,8 @@ class Run {
         "internal: levels without op l1");
     chunk_elems_ = bits::chunk_elems_for(requested_chunk_elems(N_, tensor.device()), N_);
     no_zeros_.zero_codes.assign(static_cast<size_t>(N_), bits::ZeroCode{});
+    no_zeros_.sent = no_zeros_.zero_codes;
+    no_zeros_.zero_most.assign(static_cast<size_t>(N_), 0);
   }
 
   void run() {
@@ -219,9 +221,27 @@ class Run {
       }
       nans_ += pc.nans;
       if (pc.zeros > 0) {
-        zero_code_ = bits::max_code(zero_code_, max_shard_zeros(call_, ch.zero_plane, ch.sw));
+        add_zeros(call_.k->zero_codes(ch.zero_plane, ch.sw));
       }
       chunks_.push_back(std::move(ch));
+    }
+  }
+
+  // A packed chunk's zero codes (one a shard) join those announced at the
+  // next round: shard k goes to rank k, or every shard to the other rank in
+  // the exchange.
+  void add_zeros(const std::vector<bits::ZeroCode>& shards) {
+    if (to_.empty()) {
+      to_.assign(static_cast<size_t>(N_), bits::ZeroCode{});
+    }
+    for (size_t k = 0; k < shards.size(); ++k) {
+      zero_code_ = bits::max_code(zero_code_, shards[k]);
+      if (!exchange_) {
+        to_[k] = bits::max_code(to_[k], shards[k]);
+      }
+    }
+    if (exchange_) {
+      to_.assign(static_cast<size_t>(N_), zero_code_);
     }
   }
 
@@ -271,9 +291,10 @@ class Run {
     }
     const auto mine = bits::make_header(
         op_, dtype_, c_.rank, flags, call_.seq, n_, zero_code_, chunk_elems_, rule_);
-    headers_.push_back(header_round(call_, mine));
+    headers_.push_back(header_round(call_, mine, to_));
     const bits::HeaderSummary& hs = headers_.back();
     zero_code_ = bits::ZeroCode{};
+    to_.clear();
     nans_ = 0;
     if (headers_.size() > 1) {
       return; // the same call, announced in two groups
@@ -312,7 +333,7 @@ class Run {
     }
     const bits::HeaderSummary& hs = headers_[ch.group];
     const std::vector<PlaneIn> in = receive_shards(call_, hs, ch.p1, ch.decoded);
-    ch.fmt = Phase2::choose(op_, rule_, N_, ch.sw, inline_ties_, hs.zero_codes);
+    ch.fmt = Phase2::choose(op_, rule_, N_, ch.sw, inline_ties_, hs.zero_most);
     {
       ScopedTimer t(c_.stats->vote_ns, "lionbit::count");
       ch.msg = ch.fmt.message_bytes();
@@ -342,7 +363,7 @@ class Run {
   // would have fetched.
   void vote_every_shard(Chunk& ch) {
     const bits::HeaderSummary& hs = headers_[ch.group];
-    ch.fmt = Phase2::choose(op_, rule_, N_, ch.sw, inline_ties_, hs.zero_codes);
+    ch.fmt = Phase2::choose(op_, rule_, N_, ch.sw, inline_ties_, hs.zero_most);
     ScopedTimer t(c_.stats->vote_ns, "lionbit::count");
     ch.msg = ch.fmt.message_bytes();
     ch.gathered = call_.bytes(ch.msg * N_);
@@ -390,7 +411,7 @@ class Run {
         if (exchange_) {
           ch.tie_planes = ch.local_ties; // every shard's zeros are here already: no round
         } else {
-          fetch_ties(ch, tie_code);
+          fetch_ties(ch, ties);
           trace_.mark("ties_done", static_cast<int64_t>(idx));
         }
       }
@@ -422,29 +443,63 @@ class Run {
 
   // Some shard of the chunk has a tie (or an all-zero element): its tie
   // positions are needed everywhere, as a list of positions or runs, or a
-  // plane. Only then is this round paid.
-  void fetch_ties(Chunk& ch, const bits::ZeroCode& tie_code) {
+  // plane: each owner's at its own size (`ties`: their codes). Only then is
+  // this round paid.
+  void fetch_ties(Chunk& ch, const std::vector<bits::ZeroCode>& ties) {
     c_.stats->tie_rounds += 1;
-    const bits::ZeroForm form = bits::zero_form(tie_code, ch.sw);
-    const int64_t zb = static_cast<int64_t>(bits::zero_encoding_bytes(tie_code, ch.sw));
-    at::Tensor mine_enc = call_.bytes(static_cast<size_t>(zb));
-    call_.k->encode_zeros(ch.mine_zero, tie_code, mine_enc);
-    Inflight f = issue_allgather(call_, call_.bytes(static_cast<size_t>(zb * N_)), mine_enc);
+    const size_t me = static_cast<size_t>(c_.rank);
+    std::vector<int64_t> zb(ties.size());
+    bool same = true;
+    for (size_t k = 0; k < ties.size(); ++k) {
+      zb[k] = static_cast<int64_t>(bits::zero_encoding_bytes(ties[k], ch.sw));
+      same = same && zb[k] == zb[0];
+    }
+    // Owners whose encodings differ in size send theirs to every rank in an
+    // all-to-all; all of one size (dense ties everywhere), an all-gather.
+    at::Tensor mine_enc = call_.bytes(static_cast<size_t>(zb[me]));
+    call_.k->encode_zeros(ch.mine_zero, ties[me], mine_enc);
+    int64_t total = 0;
+    for (const int64_t b : zb) {
+      total += b;
+    }
+    at::Tensor recv = call_.bytes(static_cast<size_t>(total));
+    Inflight f;
+    if (same) {
+      f = issue_allgather(call_, recv, mine_enc);
+    } else {
+      at::Tensor send = mine_enc.repeat({N_});
+      f = issue_alltoall(call_, recv, send, zb, std::vector<int64_t>(ties.size(), zb[me]));
+    }
     at::Tensor gathered_zero = wait_data(call_, "all-gather of tie positions (phase 2)", f);
-    count_allgather(c_, static_cast<size_t>(zb));
-    count_zero_encodings(c_, tie_code, ch.sw, N_ - 1);
-    if (form == bits::ZeroForm::kPlane) {
+    c_.stats->bytes_sent += static_cast<uint64_t>(zb[me] * (N_ - 1));
+    c_.stats->bytes_received += static_cast<uint64_t>(total - zb[me]);
+    count_zero_encodings(c_, ties[me], ch.sw, N_ - 1);
+    const bool planes = std::all_of(ties.begin(), ties.end(), [&](const bits::ZeroCode& z) {
+      return bits::zero_form(z, ch.sw) == bits::ZeroForm::kPlane;
+    });
+    if (planes) {
       ch.tie_planes = gathered_zero;
       return;
     }
     ScopedTimer t(c_.stats->unpack_ns, "lionbit::unpack");
     const int64_t sb = static_cast<int64_t>(ch.sb);
     ch.tie_planes = call_.bytes(ch.sb * N_);
+    int64_t at = 0;
     for (int k = 0; k < N_; ++k) {
+      const size_t q = static_cast<size_t>(k);
       at::Tensor plane = ch.tie_planes.narrow(0, k * sb, sb);
-      TORCH_CHECK_VALUE(
-          call_.k->decode_zeros(gathered_zero.narrow(0, k * zb, zb), tie_code, plane), where(call_),
-          "rank ", k, " sent a corrupt ", bits::zero_form_noun(form), " of ties");
+      const bits::ZeroForm form = bits::zero_form(ties[q], ch.sw);
+      const at::Tensor enc = gathered_zero.narrow(0, at, zb[q]);
+      at += zb[q];
+      if (form == bits::ZeroForm::kNone) {
+        plane.zero_();
+      } else if (form == bits::ZeroForm::kPlane) {
+        plane.copy_(enc);
+      } else {
+        TORCH_CHECK_VALUE(
+            call_.k->decode_zeros(enc, ties[q], plane), where(call_), "rank ", k,
+            " sent a corrupt ", bits::zero_form_noun(form), " of ties");
+      }
     }
   }
 
@@ -474,6 +529,7 @@ class Run {
   size_t late_first_ = 0; // the first of them: late_zeros_ holds them in order
   bool dense_ties_ = false; // vote: some chunk's ties were cheapest as a plane
   bits::ZeroCode zero_code_; // of the chunks packed since the last round
+  std::vector<bits::ZeroCode> to_; // the same, per receiver (empty: no zeros)
   std::vector<Chunk> chunks_;
   size_t issued_ = 0; // chunks whose phase 1 is issued
   std::vector<bits::HeaderSummary> headers_; // one a group of chunks (Chunk::group)

@@ -139,20 +139,43 @@ uint32_t header_flags(const SignCall& call, uint64_t zero_capacity, uint64_t nan
 }
 
 namespace {
-bits::HeaderSummary exchange_headers(const SignCall& call, const bits::WireHeader& mine) {
+bits::HeaderSummary exchange_headers(
+    const SignCall& call,
+    const bits::WireHeader& mine,
+    const std::vector<bits::ZeroCode>& to) {
   const SignComm& c = call.c;
-  at::Tensor in = byte_buffer(sizeof(bits::WireHeader));
-  std::memcpy(bytes_of(in), &mine, sizeof mine);
-  at::Tensor out = byte_buffer(sizeof(bits::WireHeader) * c.world_size);
-  wait_inner(call, "header round", *c.comm, c.comm->_allgather_base(out, in));
-  count_allgather(c, sizeof(bits::WireHeader));
-  return bits::check_headers(
-      reinterpret_cast<const bits::WireHeader*>(bytes_of(out)), c.world_size, mine);
+  const size_t n = static_cast<size_t>(c.world_size);
+  constexpr size_t kBytes = sizeof(bits::WireHeader);
+  TORCH_CHECK(to.empty() || to.size() == n, where(call), "internal: a zero code per rank");
+  std::vector<bits::WireHeader> addressed(n, mine);
+  if (!to.empty()) {
+    for (size_t j = 0; j < n; ++j) {
+      addressed[j] = bits::address_header(mine, to[j]);
+    }
+  }
+  at::Tensor in = byte_buffer(kBytes * n);
+  std::memcpy(bytes_of(in), addressed.data(), kBytes * n);
+  at::Tensor out = byte_buffer(kBytes * n);
+  std::vector<int64_t> splits(n, static_cast<int64_t>(kBytes));
+  wait_inner(call, "header round", *c.comm, c.comm->alltoall_base(out, in, splits, splits));
+  count_allgather(c, kBytes); // the same bytes as an all-gather
+  bits::HeaderSummary hs = bits::check_headers(
+      reinterpret_cast<const bits::WireHeader*>(bytes_of(out)), c.world_size,
+      addressed[static_cast<size_t>(c.rank)]);
+  hs.sent.resize(n);
+  for (size_t j = 0; j < n; ++j) {
+    const bits::WireHeader& h = addressed[j];
+    hs.sent[j] = bits::ZeroCode{h.zero_capacity, h.zero_runs, h.zero_packed};
+  }
+  return hs;
 }
 } // namespace
 
-bits::HeaderSummary header_round(const SignCall& call, const bits::WireHeader& mine) {
-  bits::HeaderSummary hs = exchange_headers(call, mine);
+bits::HeaderSummary header_round(
+    const SignCall& call,
+    const bits::WireHeader& mine,
+    const std::vector<bits::ZeroCode>& to) {
+  bits::HeaderSummary hs = exchange_headers(call, mine, to);
   if (hs.error.empty()) {
     return hs;
   }
@@ -180,7 +203,7 @@ void reject_round(const SignCall& call) {
   }
   const auto mine = bits::make_header(
       call.op, bits::DType::kFloat32, call.c.rank, flags, call.seq, 0, {}, chunk, rule);
-  exchange_headers(call, mine); // its error is the caller's own: ignore it
+  exchange_headers(call, mine, {}); // its error is the caller's own: ignore it
 }
 
 std::vector<double> count_code_values(bits::SignOp op, int N, bool with_zeros, int planes) {

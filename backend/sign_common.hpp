@@ -141,11 +141,17 @@ bool two_rank_exchange_allowed();
 // (bits::kTwoPhase: no two-rank exchange, read once per process).
 uint32_t header_flags(const SignCall& call, uint64_t zero_capacity, uint64_t nans);
 
-// All-gathers every rank's header over c.comm (CPU) and checks them all;
-// raises the call's error on every rank when they disagree (or a rank
+// Sends every rank its header over c.comm (CPU; an all-to-all: `mine`
+// addressed to rank j with `to[j]`, the code of the zeros this rank sends j,
+// or with mine's own code for every rank when `to` is empty) and checks them
+// all; raises the call's error on every rank when they disagree (or a rank
 // rejected its input: PeerRejectedError, or holds a NaN:
-// NonFiniteInputError; backend/sign_errors.hpp).
-bits::HeaderSummary header_round(const SignCall& call, const bits::WireHeader& mine);
+// NonFiniteInputError; backend/sign_errors.hpp). The summary's `sent` holds
+// the codes announced.
+bits::HeaderSummary header_round(
+    const SignCall& call,
+    const bits::WireHeader& mine,
+    const std::vector<bits::ZeroCode>& to = {});
 
 // The header round alone, announcing that this rank rejected call #seq (its
 // own error is raised by the caller): peers fail at once instead of waiting.

@@ -283,6 +283,7 @@ class HierRun {
       hs.zero_codes.push_back(
           bits::ZeroCode{zeros, std::min(one.runs * static_cast<uint64_t>(M_), zeros)});
     }
+    hs.sent.assign(static_cast<size_t>(L_), hs.zero_codes[static_cast<size_t>(node_.c.rank)]);
     Phase1 p = send_shards(node_, hs, sign, zero, static_cast<size_t>(M_) * sw_);
     wait_shards(node_, p);
     std::vector<PlaneIn> in = receive_shards(node_, hs, p, node_scratch_);
@@ -391,6 +392,7 @@ class HierRun {
     hs.zero_codes.assign(
         static_cast<size_t>(M_),
         can_zero ? bits::ZeroCode::at_most(sw_ * bits::kWordBits) : bits::ZeroCode{});
+    hs.sent = hs.zero_codes;
     Phase1 p = send_shards(cross_, hs, sign, zero, sw_);
     wait_shards(cross_, p);
     at::Tensor scratch;

@@ -55,6 +55,7 @@ void sign_reduce_scatter_packed(
   at::Tensor sign = call.bytes(static_cast<size_t>(N * sb * p));
   at::Tensor zero = levels ? at::Tensor() : call.bytes(static_cast<size_t>(N * sb));
   bits::ZeroCode zero_code;
+  std::vector<bits::ZeroCode> to; // shard k's code goes to rank k
   if (levels && sb > 0) {
     ScopedTimer t(c.stats->pack_ns, "lionbit::pack");
     const unsigned tail = static_cast<unsigned>(S % bits::kWordBits);
@@ -77,7 +78,10 @@ void sign_reduce_scatter_packed(
       at::Tensor z = zero.narrow(0, r * sb, sb);
       k.clean(s, z, S);
     }
-    zero_code = max_shard_zeros(call, zero, sw);
+    to = k.zero_codes(zero, sw);
+    for (const bits::ZeroCode& z : to) {
+      zero_code = bits::max_code(zero_code, z);
+    }
   }
 
   // 0. Header round: same call, op, dtype and shard size everywhere; NaN and
@@ -85,7 +89,7 @@ void sign_reduce_scatter_packed(
   const auto mine = bits::make_header(
       op, *dt, c.rank, bits::kReduceScatter | header_flags(call, zero_code.zeros, in.nans), seq,
       static_cast<uint64_t>(S) * N, zero_code, 0, bits::CallRule{tie, levels ? p : 0});
-  const bits::HeaderSummary hs = header_round(call, mine);
+  const bits::HeaderSummary hs = header_round(call, mine, to);
   c.stats->sign_reduce_scatter_calls += 1;
   c.stats->elements += static_cast<uint64_t>(S) * N;
   if (S == 0) {

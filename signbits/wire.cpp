@@ -41,15 +41,20 @@ WireHeader make_header(
   h.flags = flags;
   h.seq = seq;
   h.numel = numel;
-  h.zero_capacity = zeros.zeros;
-  h.zero_runs = static_cast<uint32_t>(zeros.runs < kNoIndex ? zeros.runs : kNoIndex);
-  h.zero_packed = zeros.zeros > 0 && zeros.packed < kNoIndex ? static_cast<uint32_t>(zeros.packed)
-                                                             : 0;
+  h.zero_most = static_cast<uint32_t>(zeros.zeros < kNoIndex ? zeros.zeros : kNoIndex);
   h.chunk_elems = chunk_elems;
   h.tie_seed = rule.tie.seed;
   h.tie_break = static_cast<uint8_t>(rule.tie.mode);
   h.value_bits = static_cast<uint8_t>(rule.value_bits);
-  return h;
+  return address_header(h, zeros);
+}
+
+WireHeader address_header(const WireHeader& h, const ZeroCode& to) {
+  WireHeader a = h;
+  a.zero_capacity = to.zeros;
+  a.zero_runs = static_cast<uint32_t>(to.runs < kNoIndex ? to.runs : kNoIndex);
+  a.zero_packed = to.zeros > 0 && to.packed < kNoIndex ? static_cast<uint32_t>(to.packed) : 0;
+  return a;
 }
 
 uint64_t default_chunk_elems(int world_size, bool gpu) {
@@ -88,9 +93,8 @@ bool known_rule(const WireHeader& h) {
   const bool votes = h.op == static_cast<uint8_t>(SignOp::kVote) ||
       h.op == static_cast<uint8_t>(SignOp::kLevels);
   const bool levels = h.op == static_cast<uint8_t>(SignOp::kLevels);
-  const bool reserved_clear =
-      std::all_of(std::begin(h.reserved), std::end(h.reserved), [](uint8_t b) { return b == 0; }) &&
-      h.reserved_end == 0;
+  const bool reserved_clear = std::all_of(
+      std::begin(h.reserved), std::end(h.reserved), [](uint8_t b) { return b == 0; });
   return h.tie_break <= 2 && (votes || h.tie_break == 0) &&
       (levels ? h.value_bits >= kMinLevelBits && h.value_bits <= kMaxLevelBits
               : h.value_bits == 0) &&
@@ -266,30 +270,35 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
     s.ranks = nan_ranks;
     return s;
   }
-  // 5. Zero codes: consistent with the flag, at most a shard's size, no
-  //    more runs than zeros, packed runs (if any) a multiple of 8 below the
-  //    shard's plane.
+  // 5. Zeros: the most consistent with the flag and at most a shard's
+  //    size; the addressed code within the most, no more runs than zeros, packed runs (if any) a
+  //    multiple of 8 below the shard's plane.
   const uint64_t largest_chunk = mine.chunk_elems == 0 ? mine.numel
                                                        : std::min(mine.numel, mine.chunk_elems);
   const uint64_t shard_elems = shard_words(largest_chunk, world_size) * kWordBits;
   s.zero_codes.resize(static_cast<size_t>(world_size));
+  s.zero_most.resize(static_cast<size_t>(world_size));
   s.inline_ties = true;
   for (int r = 0; r < world_size; ++r) {
     const WireHeader& h = headers[r];
     const bool flag = (h.flags & kHasZero) != 0;
     if (check.fail(
-            flag != (h.zero_capacity > 0) || h.zero_capacity > shard_elems ||
-                (h.zero_runs > 0) != (h.zero_capacity > 0) || h.zero_runs > h.zero_capacity ||
+            flag != (h.zero_most > 0) || h.zero_most > shard_elems ||
+                (h.zero_capacity > h.zero_most && h.zero_most != kNoIndex) ||
+                h.zero_capacity > shard_elems || (h.zero_runs > 0) != (h.zero_capacity > 0) ||
+                h.zero_runs > h.zero_capacity ||
                 (h.zero_packed > 0 &&
                  (h.zero_capacity == 0 || h.zero_packed % 8 != 0 ||
                   h.zero_packed >= shard_elems / 8)),
             "rank ", r, " sent a corrupt header (zero capacity ", h.zero_capacity, " in ",
-            h.zero_runs, " runs, ", h.zero_packed, " bytes packed, shard of ", shard_elems,
-            " elements)")) {
+            h.zero_runs, " runs, ", h.zero_packed, " bytes packed, most zeros ", h.zero_most,
+            ", shard of ", shard_elems, " elements)")) {
       s.zero_codes.clear();
+      s.zero_most.clear();
       return s;
     }
     s.zero_codes[static_cast<size_t>(r)] = ZeroCode{h.zero_capacity, h.zero_runs, h.zero_packed};
+    s.zero_most[static_cast<size_t>(r)] = h.zero_most;
     s.any_zero = s.any_zero || flag;
     s.inline_ties = s.inline_ties && (h.flags & kTieHint) != 0;
   }

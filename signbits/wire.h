@@ -4,7 +4,8 @@
 // Trust model: like Gloo and NCCL, the transport is not authenticated; a
 // peer is trusted not to be hostile, but nothing it sends is used before it
 // has been checked, so a corrupt or mismatched header gives an error on every
-// rank instead of memory corruption or a hang.
+// rank instead of memory corruption or a hang (a zero code addressed to one
+// rank is checked there: see check_headers).
 #pragma once
 
 #include <string>
@@ -42,8 +43,12 @@ constexpr uint32_t kWireMagic = 0x3153424cu; // "LBS1"
 // chunks' zeros follow in one message of their own. 12: zeros announced
 // with their runs (zero_runs); a plane of zeros may travel as runs (zeros.h).
 // 13: and with their packed runs' bytes (zero_packed, packed_runs.h); the
-// header is 72 bytes.
-constexpr uint16_t kWireVersion = 13;
+// header is 72 bytes. 14: the header round is an all-to-all, and the zero
+// code in each header is that of what its sender sends its receiver (a
+// rank whose zeros sit in one shard sends the others signs alone); the most
+// zeros of any shard travel beside it (zero_most) for what every rank must
+// agree on. A vote's tie round sends each owner's ties at their own size.
+constexpr uint16_t kWireVersion = 14;
 
 enum WireFlags : uint32_t {
   kHasZero = 1u << 0, // this rank's input holds a zero: it sends a zero plane
@@ -78,9 +83,11 @@ struct WireHeader {
   uint32_t flags;
   uint64_t seq;
   uint64_t numel;
-  // The most zeros in any one shard of any chunk of this rank's input: with
-  // zero_runs, the code of the zero encoding in its phase-1 messages
-  // (zeros.h). 0 iff kHasZero is clear.
+  // Addressed to the header's receiver (each rank sends every rank a header
+  // of its own): the most zeros in what this rank sends it in phase 1 (its
+  // shard of any chunk; at two ranks' exchange, any shard): with zero_runs
+  // and zero_packed, the code of the zero encoding in those messages
+  // (zeros.h). At most zero_most (unless that is saturated).
   uint64_t zero_capacity;
   // Elements per pipelined chunk (a multiple of 64 * world size); every rank
   // must use the same.
@@ -90,14 +97,19 @@ struct WireHeader {
   uint8_t tie_break;
   uint8_t value_bits; // kLevels: p; otherwise 0
   uint8_t reserved[2];
-  // The most runs of zeros in any one shard (saturated at 2^32 - 1, where
-  // shards are too large for runs anyway): at most zero_capacity, 0 iff it
-  // is 0.
+  // Addressed like zero_capacity: the most runs of zeros in what the
+  // receiver gets (saturated at 2^32 - 1, where shards are too large for
+  // runs anyway): at most zero_capacity, 0 iff it is 0.
   uint32_t zero_runs;
-  // The most bytes of any one shard's zeros as packed runs (a multiple of 8
-  // below the shard's plane), or 0 where not every shard offers them.
+  // Addressed like zero_capacity: the most bytes of those zeros as packed
+  // runs (a multiple of 8 below the shard's plane), or 0 where not every
+  // shard offers them.
   uint32_t zero_packed;
-  uint32_t reserved_end;
+  // The same in every header of a round: the most zeros in any one shard of
+  // any chunk of this rank's input (saturated at 2^32 - 1), 0 iff kHasZero
+  // is clear. What every rank must agree on reads this (the count formats
+  // of phase 2), never the addressed code.
+  uint32_t zero_most;
 };
 static_assert(sizeof(WireHeader) == 72, "WireHeader must be 72 bytes");
 
@@ -108,6 +120,9 @@ struct CallRule {
   int value_bits = 0;
 };
 
+// The header of a call whose zeros are `zeros` (the most in any shard), to
+// be addressed (address_header) to each receiver; as it is, it announces
+// `zeros` to every receiver.
 WireHeader make_header(
     SignOp op,
     DType dtype,
@@ -118,6 +133,11 @@ WireHeader make_header(
     const ZeroCode& zeros = {},
     uint64_t chunk_elems = 0,
     const CallRule& rule = {});
+
+// `h` addressed to a receiver that gets zeros of code `to` (at most the
+// header's zero_most zeros, runs and packed bytes within those of make_header's
+// `zeros`).
+WireHeader address_header(const WireHeader& h, const ZeroCode& to);
 
 // Largest element count the sign path accepts (keeps all size arithmetic far
 // from overflow).
@@ -137,7 +157,14 @@ struct HeaderSummary {
   std::string error; // empty: all headers agree and are well formed
   HeaderVerdict verdict = HeaderVerdict::kAgree;
   std::vector<int> ranks; // kRejected, kNonFinite: the ranks it names
-  std::vector<ZeroCode> zero_codes; // per rank (zeros 0: it sends no zeros)
+  // Per rank r: the code of the zeros r sends this rank (zeros 0: none).
+  std::vector<ZeroCode> zero_codes;
+  // Per rank r: the most zeros in any shard of r's input (saturated at
+  // 2^32 - 1): the same on every rank.
+  std::vector<uint64_t> zero_most;
+  // Per rank r: the code of the zeros this rank sends r (its own headers';
+  // filled by the round, not by check_headers).
+  std::vector<ZeroCode> sent;
   bool any_zero = false;
   bool inline_ties = false; // every rank set kTieHint
 };
@@ -158,7 +185,11 @@ uint64_t default_chunk_elems(int world_size, bool gpu = false);
 
 // Checks the headers of all world_size ranks (zero codes against the
 // shard size of the largest chunk) (headers[r] came from rank r)
-// against each other and against this rank's own header `mine`.
+// against each other and against this rank's own header `mine` (any of its
+// addressed headers). Every check but the addressed zero codes' sees the
+// same on every rank, so all ranks fail together; an addressed code is
+// checked where it arrives (only a bug in its sender, or memory corrupted on
+// the way, makes one wrong: the transport is trusted, see above).
 HeaderSummary check_headers(const WireHeader* headers, int world_size, const WireHeader& mine);
 
 } // namespace lionbit::bits

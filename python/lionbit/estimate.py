@@ -149,7 +149,7 @@ HSDP_METHODS = (
 
 # --- lionbit's wire, as built (checked against lionbit._C.wire_layout by the tests) ---
 WORD_BITS = 64  # signbits/types.h kWordBits: a rank's shard is whole 64-bit words
-HEADER_BYTES = 72  # signbits/wire.h sizeof(WireHeader): the header round, a ring all-gather
+HEADER_BYTES = 72  # signbits/wire.h sizeof(WireHeader): the header round, one to each rank (all-to-all)
 TIE_COUNT_BYTES = 16  # backend/phase2.cpp: a vote message starts with its zeros' code (two u64)
 TRIT_BYTES_PER_WORD = 13  # signbits/trits.h: 64 results in base 3 (ties riding inline)
 
@@ -205,7 +205,7 @@ def sign_wire(
     """The bytes one rank sends in lionbit.all_reduce_sign of d elements over n ranks
     (op "vote" or "avg", inputs without exact zeros), and the call's dependent message steps:
 
-      header round   a ring all-gather of HEADER_BYTES                        (n-1) steps
+      header round   an all-to-all of HEADER_BYTES (one addressed to each)    1 step
       per chunk (padded to 64 n elements; sb = a shard's bytes):
         n = 2        one exchange of the rank's whole packed chunk: 2 sb      1 step
         phase 1      all-to-all of the packed shards: (n-1) sb                1 step
@@ -233,7 +233,7 @@ def sign_wire(
     ag = n - 1 if ag_steps is None else ag_steps
     chunks = full + (1 if rest else 0)
     rounds = 2 if n == 2 and chunks >= 2 else 1
-    nbytes, steps, inline_elems = rounds * (n - 1) * HEADER_BYTES, rounds * ag, 0
+    nbytes, steps, inline_elems = rounds * (n - 1) * HEADER_BYTES, rounds, 0
     for length, mult, sw in shards:
         sb = sw * 8
         if n == 2:
@@ -331,7 +331,8 @@ def sign_allreduce_on_link(
     """lionbit.all_reduce_sign of d float32 elements over n ranks: sign_wire's bytes and
     steps, and its time on one link a rank:
 
-      latency        steps * alpha, plus (n-1) o a chunk for the all-to-all's messages
+      latency        steps * alpha, plus (n-1) o for each all-to-all's messages (a chunk's,
+                     a header round's)
       bandwidth      bytes / goodput
       kernels        pack 4 d bytes, vote the own shard of every chunk with n inputs (at
                      n = 2 both shards; avg's count at the vote's rate), unpack 4 d bytes
@@ -347,7 +348,8 @@ def sign_allreduce_on_link(
     trits = core.unpack_trits or core.unpack
     kern = core.kappa * (4 * d / core.pack + vote_s + 4 * (d - inline) / core.unpack + 4 * inline / trits)
     nbytes, steps, chunks = wire["bytes"], wire["steps"], wire["chunks"]
-    lat = steps * link.alpha + chunks * (n - 1) * link.msg_overhead
+    rounds = 2 if n == 2 and chunks >= 2 else 1
+    lat = steps * link.alpha + (chunks + rounds) * (n - 1) * link.msg_overhead
     return terms(nbytes, lat, nbytes / link.goodput, kern, steps=steps, chunks=chunks, chunk_elems=wire["chunk_elems"])
 
 

@@ -48,7 +48,6 @@ bool acceptable(const std::vector<WireHeader>& h, int n, const WireHeader& mine)
     if (x.op == 4 ? (x.value_bits < 2 || x.value_bits > 8) : x.value_bits != 0) return false;
     for (uint8_t b : x.reserved)
       if (b != 0) return false;
-    if (x.reserved_end != 0) return false;
     if (x.tie_break != mine.tie_break || x.tie_seed != mine.tie_seed ||
         x.value_bits != mine.value_bits)
       return false;
@@ -67,8 +66,12 @@ bool acceptable(const std::vector<WireHeader>& h, int n, const WireHeader& mine)
     if (x.seq != mine.seq || x.op != mine.op || x.dtype != mine.dtype || x.numel != mine.numel ||
         x.chunk_elems != mine.chunk_elems || x.numel > kMaxNumel)
       return false;
+    // The most zeros of any shard: with the flag, at most a shard (or
+    // saturated); what this rank is sent: at most that and a shard.
     const bool has_zero = (x.flags & kHasZero) != 0;
-    if (has_zero != (x.zero_capacity > 0) || x.zero_capacity > shard_elems) return false;
+    if (has_zero != (x.zero_most > 0) || x.zero_most > shard_elems) return false;
+    if (x.zero_capacity > shard_elems || (x.zero_capacity > x.zero_most && x.zero_most != ~0u))
+      return false;
     if ((x.zero_runs > 0) != (x.zero_capacity > 0) || x.zero_runs > x.zero_capacity) return false;
     // Packed runs: none, or a whole number of words below the shard's plane,
     // only with zeros.
@@ -114,8 +117,16 @@ HeaderCase agreeing_case(std::mt19937_64& rng) {
       }
     }
     const uint32_t hint = rng() % 2 ? kTieHint : 0u; // a rank's own expectation
-    c.h.push_back(make_header(
-        op, dtype, r, (code.zeros ? kHasZero : 0u) | hint, seq, numel, code, chunk, rule));
+    WireHeader h = make_header(
+        op, dtype, r, (code.zeros ? kHasZero : 0u) | hint, seq, numel, code, chunk, rule);
+    if (code.zeros > 0 && rng() % 2) { // this rank's shard has fewer zeros, or none
+      ZeroCode to;
+      to.zeros = rng() % (code.zeros + 1);
+      to.runs = to.zeros > 0 ? 1 + rng() % std::min(to.zeros, code.runs) : 0;
+      to.packed = to.zeros > 0 && code.packed > 8 ? 8 * (1 + rng() % (code.packed / 8 - 1)) : 0;
+      h = address_header(h, to);
+    }
+    c.h.push_back(h);
   }
   return c;
 }
@@ -139,7 +150,15 @@ void mutate(HeaderCase& c, std::mt19937_64& rng) {
         x.numel = std::vector<uint64_t>{0, 1, kMaxNumel, kMaxNumel + 1, ~0ull}[rng() % 5];
         break;
       case 4: // zero capacity and runs at and past the shard, with or without the flag
-        if (rng() % 2) {
+        if (rng() % 4 == 0) {
+          x.zero_most = std::vector<uint32_t>{
+              0,
+              1,
+              static_cast<uint32_t>(x.zero_capacity),
+              static_cast<uint32_t>(x.zero_capacity) - 1,
+              static_cast<uint32_t>(x.numel),
+              ~0u}[rng() % 6];
+        } else if (rng() % 2) {
           x.zero_capacity = std::vector<uint64_t>{
               0, 1, x.numel, x.numel + 1, ~0ull, 1ull << 32}[rng() % 6];
         } else if (rng() % 2) {
@@ -202,6 +221,10 @@ void check_one(const HeaderCase& c) {
             << "cap " << cap.zeros << "/" << cap.runs << "/" << cap.packed << " sw " << sw;
       }
     }
+  }
+  for (int r = 0; r < c.n; ++r) {
+    EXPECT_EQ(s.zero_most[static_cast<size_t>(r)], c.h[static_cast<size_t>(r)].zero_most);
+    any = any || s.zero_most[static_cast<size_t>(r)] > 0;
   }
   EXPECT_EQ(s.any_zero, any);
   // The tie plane travels inline iff every rank hinted it: one answer on

@@ -19,12 +19,44 @@ std::vector<WireHeader> agreeing(int n, uint64_t numel = 1000) {
 TEST(Wire, AgreeingHeadersPass) {
   auto h = agreeing(4);
   h[2].flags |= kHasZero;
+  h[2].zero_most = 7;
   h[2].zero_capacity = 3;
   h[2].zero_runs = 2;
+  h[3].flags |= kHasZero;
+  h[3].zero_most = 5; // zeros elsewhere, none in what rank 3 sends this rank
   const HeaderSummary s = check_headers(h.data(), 4, h[1]);
   EXPECT_EQ(s.error, "");
   EXPECT_TRUE(s.any_zero);
   EXPECT_EQ(s.zero_codes, (std::vector<ZeroCode>{{0, 0}, {0, 0}, {3, 2}, {0, 0}}));
+  EXPECT_EQ(s.zero_most, (std::vector<uint64_t>{0, 0, 7, 5}));
+}
+
+TEST(Wire, HeadersAreAddressedToEachReceiver) {
+  // make_header announces the most zeros to everyone; address_header gives
+  // one receiver the code of what it is sent, the rest unchanged.
+  const WireHeader h = make_header(
+      SignOp::kVote, DType::kFloat32, 1, kHasZero, 7, 1000, ZeroCode{40, 9, 16});
+  EXPECT_EQ(h.zero_most, 40u);
+  EXPECT_EQ(h.zero_capacity, 40u);
+  EXPECT_EQ(h.zero_runs, 9u);
+  EXPECT_EQ(h.zero_packed, 16u);
+  const WireHeader a = address_header(h, ZeroCode{2, 1, 0});
+  EXPECT_EQ(a.zero_most, 40u);
+  EXPECT_EQ(a.zero_capacity, 2u);
+  EXPECT_EQ(a.zero_runs, 1u);
+  EXPECT_EQ(a.zero_packed, 0u);
+  EXPECT_EQ(a.numel, h.numel);
+  EXPECT_EQ(a.flags, h.flags);
+  const WireHeader none = address_header(h, ZeroCode{});
+  auto all = agreeing(4);
+  all[1] = none; // rank 1 sends this rank nothing but signs
+  const HeaderSummary s = check_headers(all.data(), 4, all[0]);
+  EXPECT_EQ(s.error, "");
+  EXPECT_TRUE(s.any_zero);
+  EXPECT_EQ(s.zero_codes[1], ZeroCode{});
+  // More zeros addressed than the sender's most: corrupt.
+  all[1] = address_header(h, ZeroCode{41, 1, 0});
+  EXPECT_NE(check_headers(all.data(), 4, all[0]).error.find("most zeros 40"), std::string::npos);
 }
 
 TEST(Wire, ZeroCapacityIsCheckedAgainstTheShard) {
@@ -37,6 +69,7 @@ TEST(Wire, ZeroCapacityIsCheckedAgainstTheShard) {
         std::tuple{true, 5ull, 0u}, std::tuple{false, 0ull, 1u}, std::tuple{true, 5ull, 6u}}) {
     auto h = agreeing(4);
     if (flag) h[3].flags |= kHasZero;
+    h[3].zero_most = static_cast<uint32_t>(cap);
     h[3].zero_capacity = cap;
     h[3].zero_runs = runs;
     const HeaderSummary s = check_headers(h.data(), 4, h[0]);
@@ -45,6 +78,7 @@ TEST(Wire, ZeroCapacityIsCheckedAgainstTheShard) {
   }
   auto h = agreeing(4);
   h[3].flags |= kHasZero;
+  h[3].zero_most = 256;
   h[3].zero_capacity = 256; // a whole shard of zeros is fine
   h[3].zero_runs = 1;
   EXPECT_EQ(check_headers(h.data(), 4, h[0]).error, "");
@@ -148,9 +182,11 @@ TEST(Wire, ChunkSizeMustAgreeAndBoundsTheZeroCapacity) {
   EXPECT_NE(check_headers(h.data(), 2, h[0]).error.find("chunk size differs"), std::string::npos);
   h[1].chunk_elems = 1024;
   h[1].flags |= kHasZero;
+  h[1].zero_most = 513;
   h[1].zero_capacity = 513;
   h[1].zero_runs = 1;
   EXPECT_NE(check_headers(h.data(), 2, h[0]).error.find("zero capacity 513"), std::string::npos);
+  h[1].zero_most = 512;
   h[1].zero_capacity = 512;
   EXPECT_EQ(check_headers(h.data(), 2, h[0]).error, "");
   EXPECT_EQ(chunk_elems_for(0, 4), 256u);

@@ -308,6 +308,70 @@ def test_dead_unit_zeros_travel_packed(world_size, op):
             assert s["bytes_sent"] <= 1.05 * _one_bit_bytes(world_size, d), s
 
 
+def frozen_rows(rank, n, numel, op, collective):
+    """A model whose exact zeros sit in one place: the first rows of an embedding
+    (tokens in no rank's batch: zero on every rank) and a few rows each rank's own
+    batch missed, all in shard 0. Exact against an all-gather reference on every rank;
+    the counters."""
+    import lionbit
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(50 + rank))
+    x[x == 0] = 1.0
+    shard = numel // n
+    x[64:64 + 300] = 0.0  # every rank's
+    x[1000 + 200 * rank:1000 + 200 * rank + 90] = 0.0  # this rank's own
+    assert 1000 + 200 * n + 90 < shard
+    lionbit.reset_stats()
+    if collective == "all_reduce":
+        expected = _reference(x, op, n)
+        lionbit.all_reduce_sign(x, op)
+        assert torch.equal(x, expected), "differs from the reference"
+        assert _all_ranks_identical(x)
+    else:
+        full = _reference(x, op, n)  # the all-reduce's result; this rank keeps its shard
+        out = torch.empty(shard)
+        lionbit.reduce_scatter_sign(out, x, op)
+        assert torch.equal(out, full[rank * shard:(rank + 1) * shard]), "differs from the reference"
+    return lionbit.stats()
+
+
+@pytest.mark.parametrize("collective,op", [("all_reduce", "vote"), ("all_reduce", "avg"),
+                                           ("reduce_scatter", "vote")])
+def test_zeros_in_one_shard_go_only_to_its_owner(collective, op):
+    """Each rank tells each owner the code of the zeros it sends that owner (an
+    all-to-all header round): zeros that sit in shard 0 travel to rank 0 alone, the
+    other owners get signs only; the vote's result zeros (every rank's zero rows, and
+    ties where one rank's zero splits the other two: N = 3) go from owner 0 alone in
+    the tie round. Every byte is accounted for: what is not a zero encoding is the
+    headers, the signs and phase 2's fixed messages."""
+    n, d = 3, 3 << 14
+    stats = values(run_ranks("test_sign_allreduce:frozen_rows", n,
+                             kwargs={"numel": d, "op": op, "collective": collective}))
+    shard_bytes = d // n // 8
+    header = 72
+    zero_msgs = ("zero_lists_sent", "zero_runs_sent", "zero_packed_sent", "zero_planes_sent")
+    for rank, s in enumerate(stats):
+        sent = sum(s[k] for k in zero_msgs)
+        fixed = (n - 1) * (header + shard_bytes)  # the header round and phase 1's signs
+        if collective == "all_reduce":
+            if op == "vote":
+                fixed += (n - 1) * (16 + shard_bytes)  # phase 2: the tie code's head and the signs
+                # Phase 1: ranks 1-3 send their zeros to rank 0 alone; the tie round: owner 0
+                # sends its result zeros (the common rows) to the three others.
+                assert sent == (n - 1 if rank == 0 else 1), (rank, s)
+                assert s["tie_rounds"] == 1, s
+            else:
+                # avg: the count planes of every shard plus the listed elements with a
+                # zero (a format every rank agrees on, chosen from the most zeros)
+                assert sent == (0 if rank == 0 else 1), (rank, s)
+        else:
+            assert sent == (0 if rank == 0 else 1), (rank, s)
+        assert (sent == 0) == (s["zero_bytes_sent"] == 0), (rank, s)
+        assert s["zero_bytes_sent"] <= shard_bytes // 4, (rank, s)  # lists or runs, never a plane
+        if not (collective == "all_reduce" and op == "avg"):
+            assert s["bytes_sent"] == fixed + s["zero_bytes_sent"], (rank, s)
+
+
 def test_vote_bytes_over_many_chunks_stay_within_5_percent():
     n, d = 4, 1 << 20
     stats = values(
