@@ -10,11 +10,7 @@
 namespace lionbit {
 
 bits::ZeroCode max_shard_zeros(const SignCall& call, const at::Tensor& zero, size_t sw) {
-  bits::ZeroCode most;
-  for (const bits::ZeroCode& c : call.k->zero_codes(zero, sw)) {
-    most = bits::max_code(most, c);
-  }
-  return most;
+  return bits::max_code(call.k->zero_codes(zero, sw));
 }
 
 Phase1 send_shards(

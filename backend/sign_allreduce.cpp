@@ -234,14 +234,13 @@ class Run {
     if (to_.empty()) {
       to_.assign(static_cast<size_t>(N_), bits::ZeroCode{});
     }
-    for (size_t k = 0; k < shards.size(); ++k) {
-      zero_code_ = bits::max_code(zero_code_, shards[k]);
-      if (!exchange_) {
-        to_[k] = bits::max_code(to_[k], shards[k]);
-      }
-    }
+    zero_code_ = bits::max_code(zero_code_, bits::max_code(shards));
     if (exchange_) {
       to_.assign(static_cast<size_t>(N_), zero_code_);
+      return;
+    }
+    for (size_t k = 0; k < shards.size(); ++k) {
+      to_[k] = bits::max_code(to_[k], shards[k]);
     }
   }
 

@@ -79,9 +79,7 @@ void sign_reduce_scatter_packed(
       k.clean(s, z, S);
     }
     to = k.zero_codes(zero, sw);
-    for (const bits::ZeroCode& z : to) {
-      zero_code = bits::max_code(zero_code, z);
-    }
+    zero_code = bits::max_code(to);
   }
 
   // 0. Header round: same call, op, dtype and shard size everywhere; NaN and

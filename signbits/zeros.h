@@ -25,6 +25,8 @@
 // bytes a column.
 #pragma once
 
+#include <vector>
+
 #include "types.h"
 
 namespace lionbit::bits {
@@ -58,6 +60,15 @@ inline ZeroCode max_code(const ZeroCode& a, const ZeroCode& b) {
       ? 0
       : (a.packed > b.packed ? a.packed : b.packed);
   return ZeroCode{a.zeros > b.zeros ? a.zeros : b.zeros, a.runs > b.runs ? a.runs : b.runs, packed};
+}
+
+// A code every plane of `codes` fits (max_code of them all; none: no zeros).
+inline ZeroCode max_code(const std::vector<ZeroCode>& codes) {
+  ZeroCode most;
+  for (const ZeroCode& c : codes) {
+    most = max_code(most, c);
+  }
+  return most;
 }
 
 // Values are not on the wire (every rank derives the form from the code).
