@@ -34,6 +34,8 @@ struct Kernels {
       size_t words,
       uint64_t* out_sign,
       uint64_t* out_tie);
+  uint64_t (*count_bits)(const uint64_t* words, size_t n_words);
+  uint64_t (*count_runs)(const uint64_t* words, size_t n_words);
 };
 
 const Kernels& kernels_scalar();

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "bit_runs.h"
+#include "kernels.h"
 #include "packed_runs.h"
 
 namespace lionbit::bits {
@@ -36,24 +37,12 @@ const char* zero_form_noun(ZeroForm f) {
   return n != nullptr ? n->noun : "encoding";
 }
 
-uint64_t count_bits(const uint64_t* words, size_t n_words) {
-  uint64_t c = 0;
-  for (size_t w = 0; w < n_words; ++w) {
-    c += static_cast<uint64_t>(__builtin_popcountll(words[w]));
-  }
-  return c;
+uint64_t count_bits(const uint64_t* words, size_t n_words, Isa isa) {
+  return detail::kernels_for(isa).count_bits(words, n_words);
 }
 
-uint64_t count_runs(const uint64_t* words, size_t n_words) {
-  // A run starts at a set bit whose predecessor (the previous word's top bit
-  // for bit 0) is clear.
-  uint64_t c = 0, carry = 0;
-  for (size_t w = 0; w < n_words; ++w) {
-    const uint64_t x = words[w];
-    c += static_cast<uint64_t>(__builtin_popcountll(x & ~((x << 1) | carry)));
-    carry = x >> 63;
-  }
-  return c;
+uint64_t count_runs(const uint64_t* words, size_t n_words, Isa isa) {
+  return detail::kernels_for(isa).count_runs(words, n_words);
 }
 
 namespace {

@@ -27,6 +27,7 @@
 
 #include <vector>
 
+#include "isa.h"
 #include "types.h"
 
 namespace lionbit::bits {
@@ -81,10 +82,10 @@ const char* zero_form_name(ZeroForm f);
 const char* zero_form_noun(ZeroForm f);
 
 // Number of set bits in words[0..n_words).
-uint64_t count_bits(const uint64_t* words, size_t n_words);
+uint64_t count_bits(const uint64_t* words, size_t n_words, Isa isa = default_isa());
 
 // Number of runs of set bits in words[0..n_words) (bit 0 of word 0 first).
-uint64_t count_runs(const uint64_t* words, size_t n_words);
+uint64_t count_runs(const uint64_t* words, size_t n_words, Isa isa = default_isa());
 
 // The code of one plane: its bits, its runs and, where that is smaller than
 // the plane, its packed runs' bytes.

@@ -6,6 +6,8 @@
 #include <random>
 #include <vector>
 
+#include "test_util.h"
+
 namespace lionbit::bits {
 namespace {
 
@@ -74,6 +76,31 @@ TEST(Zeros, CountRunsSeesRunsAcrossWords) {
   EXPECT_EQ(count_runs(p.data() + 1, 2), 3u); // word 1 alone starts its own run
   p.assign(3, ~0ull);
   EXPECT_EQ(count_runs(p.data(), 3), 1u);
+}
+
+// Every ISA's copy of count_bits / count_runs against the definition, bit by
+// bit: dense, sparse and all-set planes, runs across words and a plane's end.
+TEST(Zeros, CountsAreTheSameOnEveryIsa) {
+  std::mt19937_64 rng(7);
+  for (const size_t words : {size_t{0}, size_t{1}, size_t{3}, size_t{257}}) {
+    for (const double density : {0.0, 0.01, 0.5, 0.99, 1.0}) {
+      const std::vector<uint64_t> p = random_plane(words, density, rng);
+      uint64_t bits = 0, runs = 0;
+      bool prev = false;
+      for (size_t i = 0; i < words * 64; ++i) {
+        const bool b = ((p[i / 64] >> (i % 64)) & 1) != 0;
+        bits += b ? 1 : 0;
+        runs += b && !prev ? 1 : 0;
+        prev = b;
+      }
+      for (const Isa isa : test::supported_isas()) {
+        EXPECT_EQ(count_bits(p.data(), words, isa), bits)
+            << isa_name(isa) << " " << words << " " << density;
+        EXPECT_EQ(count_runs(p.data(), words, isa), runs)
+            << isa_name(isa) << " " << words << " " << density;
+      }
+    }
+  }
 }
 
 class ZerosRoundTrip : public ::testing::TestWithParam<std::tuple<size_t, double, int, bool>> {};
