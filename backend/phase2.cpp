@@ -272,4 +272,41 @@ std::string Phase2Decoder::decode(
   return "a message of an unknown phase-2 format";
 }
 
+std::string Phase2Decoder::decode_planes(
+    const KernelSet& k,
+    const at::Tensor& msg,
+    const at::Tensor& tie_plane,
+    at::Tensor& sign,
+    at::Tensor& zero,
+    uint64_t bit_offset,
+    size_t n) const {
+  if (n == 0) {
+    return "";
+  }
+  TORCH_CHECK(bit_offset % bits::kWordBits == 0, "internal: a shard's planes start on a word");
+  const int64_t from = static_cast<int64_t>(bit_offset / 8);
+  const int64_t bytes = static_cast<int64_t>(bits::words_for(n) * 8);
+  at::Tensor s_out = sign.narrow(0, from, bytes);
+  at::Tensor z_out = zero.narrow(0, from, bytes);
+  if (fmt_.format == Phase2Format::kVoteSigns) {
+    // Values lut[sign + 2 * tie] = {-1, +1, 0, 0}: a tie is a 0 whatever its sign bit.
+    const at::Tensor s = msg.narrow(0, static_cast<int64_t>(kTieCountBytes), bytes);
+    if (tie_planes_) {
+      const at::Tensor t = tie_plane.narrow(0, 0, bytes);
+      at::bitwise_and_out(s_out, s, at::bitwise_not(t));
+      z_out.copy_(t);
+    } else {
+      s_out.copy_(s);
+      z_out.zero_();
+    }
+    return "";
+  }
+  at::Tensor values = at::empty({static_cast<int64_t>(n)}, lut_.options());
+  std::string corrupt = decode(k, msg, tie_plane, values);
+  if (corrupt.empty()) {
+    k.pack(values, sign, zero, bit_offset);
+  }
+  return corrupt;
+}
+
 } // namespace lionbit

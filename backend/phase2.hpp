@@ -118,6 +118,20 @@ class Phase2Decoder {
       const at::Tensor& tie_plane,
       at::Tensor& dst) const;
 
+  // A vote's results of one shard as bits [bit_offset, bit_offset + n) of
+  // `sign` and `zero` (SignRequest::out_planes: +1 a sign bit, 0 a zero bit,
+  // -1 neither; bit_offset a multiple of 64): kVoteSigns's planes as they
+  // are (a tie is a 0), any other format decoded to values and packed.
+  // Returns as decode.
+  std::string decode_planes(
+      const KernelSet& k,
+      const at::Tensor& msg,
+      const at::Tensor& tie_plane,
+      at::Tensor& sign,
+      at::Tensor& zero,
+      uint64_t bit_offset,
+      size_t n) const;
+
  private:
   Phase2 fmt_;
   bool tie_planes_;

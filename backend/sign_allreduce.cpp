@@ -56,7 +56,8 @@ class Run {
       const bits::CallRule& rule,
       uint64_t seq,
       const PackedSigns* packed = nullptr,
-      const PackedLevels* levels = nullptr)
+      const PackedLevels* levels = nullptr,
+      bool planes = false)
       : c_(c),
         N_(c.world_size),
         op_(op),
@@ -66,6 +67,7 @@ class Run {
         tensor_(tensor),
         packed_(packed),
         levels_(levels),
+        planes_(planes),
         exchange_(N_ == 2 && levels == nullptr && two_rank_exchange_allowed()),
         trace_(
             c.rank,
@@ -73,13 +75,22 @@ class Run {
             bits::sign_op_name(op),
             seq,
             static_cast<uint64_t>(tensor.numel())) {
-    const auto d = bits_dtype(tensor.scalar_type());
-    TORCH_CHECK(d.has_value(), where(call_), "unsupported dtype ", tensor.scalar_type());
-    dtype_ = *d;
-    // Work on a contiguous 1-D buffer; for a non-contiguous input it is a
-    // copy and the result is copied back at the end.
-    buf_ = tensor.contiguous().view({-1});
-    n_ = static_cast<size_t>(buf_.numel());
+    if (planes_) {
+      // The result as planes (SignRequest::out_planes): formats other than
+      // sign planes decode to bfloat16 values (-1, 0, +1 exactly), packed.
+      TORCH_CHECK(packed != nullptr, where(call_), "internal: result planes without packed input");
+      dtype_ = bits::DType::kBFloat16;
+      buf_ = tensor;
+      n_ = static_cast<size_t>(packed->numel);
+    } else {
+      const auto d = bits_dtype(tensor.scalar_type());
+      TORCH_CHECK(d.has_value(), where(call_), "unsupported dtype ", tensor.scalar_type());
+      dtype_ = *d;
+      // Work on a contiguous 1-D buffer; for a non-contiguous input it is a
+      // copy and the result is copied back at the end.
+      buf_ = tensor.contiguous().view({-1});
+      n_ = static_cast<size_t>(buf_.numel());
+    }
     TORCH_CHECK(packed == nullptr || packed->numel == n_, where(call_), "packed size mismatch");
     TORCH_CHECK(levels == nullptr || levels->numel == n_, where(call_), "packed size mismatch");
     TORCH_CHECK(
@@ -425,14 +436,22 @@ class Run {
       const size_t per_shard = ch.sw * bits::kWordBits;
       const int64_t msg = static_cast<int64_t>(ch.msg);
       const int64_t sb = static_cast<int64_t>(ch.sb);
+      const int64_t plane = static_cast<int64_t>(bits::words_for(n_) * 8);
+      at::Tensor sign = planes_ ? buf_.narrow(0, 0, plane) : at::Tensor();
+      at::Tensor zero = planes_ ? buf_.narrow(0, plane, plane) : at::Tensor();
       for (int k = 0; k < N_ && static_cast<size_t>(k) * per_shard < ch.len; ++k) {
         const size_t begin = static_cast<size_t>(k) * per_shard;
-        at::Tensor dst = buf_.narrow(
-            0, static_cast<int64_t>(ch.begin + begin),
-            static_cast<int64_t>(std::min(per_shard, ch.len - begin)));
-        const std::string corrupt = decoder.decode(
-            *call_.k, ch.gathered.narrow(0, k * msg, msg),
-            tie_planes ? ch.tie_planes.narrow(0, k * sb, sb) : at::Tensor(), dst);
+        const size_t len = std::min(per_shard, ch.len - begin);
+        const at::Tensor in = ch.gathered.narrow(0, k * msg, msg);
+        const at::Tensor ties = tie_planes ? ch.tie_planes.narrow(0, k * sb, sb) : at::Tensor();
+        std::string corrupt;
+        if (planes_) {
+          corrupt = decoder.decode_planes(*call_.k, in, ties, sign, zero, ch.begin + begin, len);
+        } else {
+          at::Tensor dst = buf_.narrow(
+              0, static_cast<int64_t>(ch.begin + begin), static_cast<int64_t>(len));
+          corrupt = decoder.decode(*call_.k, in, ties, dst);
+        }
         TORCH_CHECK_VALUE(corrupt.empty(), where(call_), "rank ", k, " sent ", corrupt);
       }
     }
@@ -511,6 +530,7 @@ class Run {
   at::Tensor& tensor_;
   const PackedSigns* packed_;
   const PackedLevels* levels_;
+  const bool planes_; // the result as planes into tensor_ (SignRequest::out_planes)
   bits::DType dtype_;
   at::Tensor buf_;
   size_t n_ = 0;
@@ -554,6 +574,15 @@ void sign_allreduce_packed(
     const bits::CallRule& rule,
     uint64_t seq) {
   Run(c, out, op, rule, seq, &in).run();
+}
+
+void sign_allreduce_packed_planes(
+    const SignComm& c,
+    const PackedSigns& in,
+    at::Tensor& out,
+    const bits::TieRule& tie,
+    uint64_t seq) {
+  Run(c, out, bits::SignOp::kVote, bits::CallRule{tie, 0}, seq, &in, nullptr, true).run();
 }
 
 void levels_allreduce_packed(

@@ -84,6 +84,16 @@ void sign_allreduce_packed(
     const bits::CallRule& rule,
     uint64_t seq);
 
+// The same vote (op vote, flat) with its result as planes in `out` (uint8,
+// sign plane then zero plane, words_for(numel) words each; see
+// SignRequest::out_planes), not unpacked into values.
+void sign_allreduce_packed_planes(
+    const SignComm& c,
+    const PackedSigns& in,
+    at::Tensor& out,
+    const bits::TieRule& tie,
+    uint64_t seq);
+
 // Lion Cub's L1 aggregation: p-bit levels packed by the caller
 // (signbits/levels.h: plane b at word b * plane_words, at least
 // words_for(numel) words each; bits past numel ignored). Phase 1 sends each

@@ -193,6 +193,37 @@ std::string packed_out_problem(
   });
 }
 
+// The checks of a vote into planes (SignRequest::out_planes), in order: what
+// the call is, the counts, then `out` itself.
+std::string out_planes_problem(const SignRequest& r, bits::SignOp op) {
+  if (r.kind != Collective::kAllReduce || r.levels() || !r.packed()) {
+    return "argument 'out_planes' takes an all-reduce of packed signs (sign, zero)";
+  }
+  if (op != bits::SignOp::kVote) {
+    return std::string("argument 'out_planes' takes op 'vote' (a result of -1, 0 or +1), not '") +
+        bits::sign_op_name(op) + "'";
+  }
+  if (r.hierarchy != "flat") {
+    return "argument 'out_planes' takes hierarchy 'flat', not '" + r.hierarchy + "'";
+  }
+  if (r.numel < 0 || r.nans < 0) {
+    return "arguments 'numel' and 'nans' must be >= 0";
+  }
+  if (static_cast<uint64_t>(r.numel) > bits::kMaxNumel) {
+    return "argument 'numel' is too large (" + std::to_string(r.numel) + ")";
+  }
+  const at::Tensor& out = r.out;
+  const int64_t bytes = 16 * static_cast<int64_t>(bits::words_for(static_cast<uint64_t>(r.numel)));
+  if (!out.defined() || out.scalar_type() != at::kByte || !out.is_contiguous() ||
+      out.numel() != bytes || !out.is_cpu()) {
+    return c10::str(
+        "argument 'out' (out_planes) must be a contiguous uint8 CPU tensor of exactly ", bytes,
+        " bytes (two planes of ", bytes / 2, "), got ", describe(out),
+        out.defined() ? c10::str(" of ", out.numel(), " bytes") : "");
+  }
+  return "";
+}
+
 // The hierarchy `name` asks for, or an error naming the argument.
 std::string hierarchy_problem(
     const std::string& name,
@@ -271,6 +302,9 @@ std::string request_problem(
       [&] { return r.levels() ? bits_problem(r.value_bits) : sign_op_problem(op); },
       [&] { return hierarchy_problem(r.hierarchy, op, has_hierarchy, mode); },
       [&] {
+        if (r.out_planes) {
+          return out_planes_problem(r, op);
+        }
         return r.packed() ? packed_out_problem(r.out, op, world, count, r.numel, r.nans, scatter)
                           : result_problem(r.tensor, "tensor", op, world);
       },
@@ -311,7 +345,9 @@ void run_request(
     }
   } else {
     const PackedSigns in{r.sign, r.zero, numel, nans};
-    if (flat) {
+    if (r.out_planes) {
+      sign_allreduce_packed_planes(comm, in, r.out, tie, seq);
+    } else if (flat) {
       sign_allreduce_packed(comm, in, r.out, op, bits::CallRule{tie, 0}, seq);
     } else {
       sign_allreduce_hierarchical(comm, h, mode, r.out, &in, op, bits::CallRule{tie, 0}, seq);

@@ -277,6 +277,24 @@ void lion_apply(at::Tensor& x, const at::Tensor& delta, double lr, double decay)
       static_cast<float>(decay));
 }
 
+void lion_apply_planes(
+    at::Tensor& x,
+    const at::Tensor& sign,
+    const at::Tensor& zero,
+    int64_t bit_offset,
+    double lr,
+    double decay) {
+  const char* op = "lion_apply_planes";
+  require(op, check_float(x, "x", at::kCPU));
+  TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.", op, ": negative bit_offset");
+  require(op, check_planes(sign, "sign", at::kCPU, bit_offset + x.numel()));
+  require(op, check_planes(zero, "zero", at::kCPU, bit_offset + x.numel()));
+  optim::lion_apply_planes(
+      *float_dtype(x.scalar_type()), x.data_ptr(), words_of(sign), words_of(zero),
+      static_cast<uint64_t>(bit_offset), static_cast<size_t>(x.numel()), static_cast<float>(lr),
+      static_cast<float>(decay));
+}
+
 std::vector<std::tuple<std::string, std::string>> check_kernel_sets(
     const std::string& candidate,
     const std::string& reference,

@@ -90,6 +90,17 @@ int64_t lion_direction_into(
 // x = x * decay - lr * delta, in place (optimizer/lion.h).
 void lion_apply(at::Tensor& x, const at::Tensor& delta, double lr, double decay);
 
+// x = x * decay - lr * Delta, in place, Delta from a vote's result planes:
+// bits [bit_offset, bit_offset + x.numel()) of `sign` and `zero`
+// (optimizer/lion.h lion_apply_planes).
+void lion_apply_planes(
+    at::Tensor& x,
+    const at::Tensor& sign,
+    const at::Tensor& zero,
+    int64_t bit_offset,
+    double lr,
+    double decay);
+
 // Whether the fused kernels take these dtypes.
 bool lion_fused_supported(at::ScalarType param, at::ScalarType grad, at::ScalarType momentum);
 

@@ -102,7 +102,7 @@ PYBIND11_MODULE(_C, m) {
                       int64_t tie_seed, std::string hierarchy, std::optional<at::Tensor> tensor,
                       std::optional<at::Tensor> sign, std::optional<at::Tensor> zero,
                       std::optional<at::Tensor> planes, int64_t value_bits, int64_t numel,
-                      int64_t nans, std::optional<at::Tensor> out) {
+                      int64_t nans, std::optional<at::Tensor> out, bool out_planes) {
             lionbit::Collective kind;
             if (collective == "all_reduce") {
               kind = lionbit::Collective::kAllReduce;
@@ -123,13 +123,15 @@ PYBIND11_MODULE(_C, m) {
             r.numel = numel;
             r.nans = nans;
             r.out = out.value_or(at::Tensor());
+            r.out_planes = out_planes;
             return r;
           }),
           py::kw_only(), py::arg("collective"), py::arg("op") = "vote",
           py::arg("tie_break") = "zero", py::arg("tie_seed") = -1, py::arg("hierarchy") = "flat",
           py::arg("tensor") = py::none(), py::arg("sign") = py::none(),
           py::arg("zero") = py::none(), py::arg("planes") = py::none(), py::arg("value_bits") = 0,
-          py::arg("numel") = 0, py::arg("nans") = 0, py::arg("out") = py::none());
+          py::arg("numel") = 0, py::arg("nans") = 0, py::arg("out") = py::none(),
+          py::arg("out_planes") = false);
 
   py::class_<
       lionbit::LionBitBackend, c10d::Backend, lionbit::ReleasedWithoutGil<lionbit::LionBitBackend>>(
@@ -179,6 +181,10 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "lion_apply", &lionbit::lion_apply, py::arg("x"), py::arg("delta"), py::arg("lr"),
       py::arg("decay"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "lion_apply_planes", &lionbit::lion_apply_planes, py::arg("x"), py::arg("sign"),
+      py::arg("zero"), py::arg("bit_offset"), py::arg("lr"), py::arg("decay"),
+      py::call_guard<py::gil_scoped_release>());
   m.def("lion_fused_supported", &lionbit::lion_fused_supported);
   m.def(
       "pack_levels_into", &lionbit::pack_levels_into, py::arg("c"), py::arg("factor"),

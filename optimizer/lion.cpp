@@ -1,6 +1,10 @@
 #include "optimizer/lion.h"
 
+#include <algorithm>
+
 #include "optimizer/lion_kernels.h"
+#include "signbits/copy_bits.h"
+#include "signbits/unpack.h"
 
 namespace lionbit::optim {
 
@@ -95,6 +99,48 @@ void lion_apply_dense(
     return;
   }
   detail::lion_kernels_for(isa).apply_dense(param_dtype, x, delta_dtype, delta, n, lr, decay);
+}
+
+void lion_apply_planes(
+    DType param_dtype,
+    void* x,
+    const uint64_t* sign,
+    const uint64_t* zero,
+    uint64_t bit_offset,
+    size_t n,
+    float lr,
+    float decay,
+    Isa isa) {
+  if (n == 0 || !lion_param_dtype_supported(param_dtype)) {
+    return;
+  }
+  // Blocks of Delta unpacked into a float32 buffer that stays in L1, then
+  // the dense apply over it: the values the bf16 Delta of the unpack would
+  // widen to, so the same bits of x, without Delta's trip through memory.
+  constexpr size_t kBlock = 2048;
+  constexpr size_t kBlockWords = kBlock / bits::kWordBits;
+  static constexpr float kLut[4] = {-1.0f, 1.0f, 0.0f, 0.0f}; // code = sign + 2 * zero
+  alignas(64) uint64_t aligned[2][kBlockWords];
+  alignas(64) float delta[kBlock];
+  const detail::LionKernels& kernels = detail::lion_kernels_for(isa);
+  const size_t esize = param_dtype == DType::kFloat32 ? 4 : 2;
+  for (size_t i = 0; i < n; i += kBlock) {
+    const size_t len = std::min(kBlock, n - i);
+    const uint64_t bit = bit_offset + i;
+    const uint64_t* planes[2];
+    if (bit % bits::kWordBits == 0) {
+      planes[0] = sign + bit / bits::kWordBits;
+      planes[1] = zero + bit / bits::kWordBits;
+    } else {
+      bits::copy_bits(aligned[0], 0, sign, bit, len);
+      bits::copy_bits(aligned[1], 0, zero, bit, len);
+      planes[0] = aligned[0];
+      planes[1] = aligned[1];
+    }
+    bits::unpack(DType::kFloat32, planes, 2, len, kLut, delta, isa);
+    kernels.apply_dense(
+        param_dtype, static_cast<char*>(x) + i * esize, DType::kFloat32, delta, len, lr, decay);
+  }
 }
 
 double lion_level_abs_sum(

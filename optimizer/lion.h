@@ -129,6 +129,23 @@ void lion_apply_dense(
     float decay,
     bits::Isa isa = bits::default_isa());
 
+// Step 2 with Delta from a vote's result planes (the sign all-reduce's
+// out_planes): element i's Delta is bit bit_offset + i of the planes, 0 where
+// its `zero` bit is set, else +1 where its `sign` bit is set, else -1 (as the
+// unpack's table {-1, +1, 0, 0} of code sign + 2 * zero). Exactly
+// lion_apply_dense with that Delta in any float dtype: the same bits of x.
+// The planes need not start on a word: bit_offset is any bit.
+void lion_apply_planes(
+    bits::DType param_dtype,
+    void* x,
+    const uint64_t* sign,
+    const uint64_t* zero,
+    uint64_t bit_offset,
+    size_t n,
+    float lr,
+    float decay,
+    bits::Isa isa = bits::default_isa());
+
 // The instruction set whose kernels a call with `isa` runs: `isa` itself when
 // this build and CPU support it, otherwise the best supported one below it
 // (the same fall-back as the bits kernels; AVX2 also needs F16C).

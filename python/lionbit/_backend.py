@@ -75,10 +75,12 @@ def _all_reduce_sign(self, tensor, op="vote", tie_break="zero", tie_seed=-1, hie
 
 
 def _all_reduce_sign_packed(self, sign, zero, numel, nans, out, op="vote", tie_break="zero", tie_seed=-1,
-                            hierarchy="flat"):
-    """The same on direction bits the caller packed; the result into `out`."""
+                            hierarchy="flat", out_planes=False):
+    """The same on direction bits the caller packed; the result into `out` (``out_planes``: the
+    vote as a sign plane and a zero plane, one after the other in uint8 `out`)."""
     return self.call(_C.SignRequest(collective="all_reduce", op=op, tie_break=tie_break, tie_seed=tie_seed,
-                                    hierarchy=hierarchy, sign=sign, zero=zero, numel=numel, nans=nans, out=out))
+                                    hierarchy=hierarchy, sign=sign, zero=zero, numel=numel, nans=nans, out=out,
+                                    out_planes=out_planes))
 
 
 def _all_reduce_levels_packed(self, planes, bits, numel, nans, out, tie_break="zero", tie_seed=-1):

@@ -154,7 +154,10 @@ class DDPAttachment(Attachment):
             # (DDP rebuilds its buckets after the first step: sizes change once.)
             bv = self.buckets[idx] = _BucketVote()
             bv.planes = self.opt.voter.planes(total, buffer.device)
-            bv.out = torch.empty(total, dtype=self.opt.voter.delta_dtype, device=buffer.device)
+            if self.opt.voter.votes_into_planes(buffer.device):
+                bv.out = torch.empty(2 * lion_math.plane_bytes(total), dtype=torch.uint8, device=buffer.device)
+            else:
+                bv.out = torch.empty(total, dtype=self.opt.voter.delta_dtype, device=buffer.device)
         else:
             for plane in bv.planes:
                 if plane is not None:
@@ -177,7 +180,8 @@ class DDPAttachment(Attachment):
         if off != total:
             raise RuntimeError(f"{_WHERE}: DDP bucket holds {total} elements, its gradients {off}")
         bv.bad = bad
-        bv.work = self.opt.voter.all_reduce(sign, zero, total, bad, bv.out, self.group, "attach (DDP hook)")
+        bv.work = self.opt.voter.all_reduce(sign, zero, total, bad, bv.out, self.group, "attach (DDP hook)",
+                                            out_planes=bv.out.dtype == torch.uint8)
         self.started = [b for b in self.started if b is not bv] + [bv]
         if bucket.is_last() and not abstain:
             _after_ddp_finalize(self._record_versions)
@@ -308,6 +312,7 @@ class DDPAttachment(Attachment):
         allowed = {}  # LIONBIT_KERNELS and the first-use checks, once a device
         for bv in started:
             entries, deltas, off = [], [], 0
+            delta_of = _delta_views(bv)
             for p, n in zip(bv.params, bv.sizes):
                 g = p.grad
                 coefs = lion_math.Coefs(groups[p])
@@ -323,7 +328,7 @@ class DDPAttachment(Attachment):
                     # gradient, and the parameter is not stepped, as at step().
                     off += n
                     continue
-                deltas.append(bv.out[off : off + n])
+                deltas.append(delta_of(off, n))
                 biggest, device = max(biggest, n), p.device
                 off += n
             plan.append((bv, entries, deltas))
@@ -353,6 +358,16 @@ class DDPAttachment(Attachment):
             apply_rest()
 
         return apply
+
+
+def _delta_views(bv: _BucketVote):
+    """(offset, numel) -> that span's Delta in the bucket's vote: a view of
+    its values, or of its planes (lion_math.VotedPlanes)."""
+    if bv.out.dtype != torch.uint8:
+        return lambda off, n: bv.out[off : off + n]
+    half = bv.out.numel() // 2
+    sign, zero = bv.out[:half], bv.out[half:]
+    return lambda off, n: lion_math.VotedPlanes(sign, zero, off, n)
 
 
 def _drain(votes) -> Optional[BaseException]:

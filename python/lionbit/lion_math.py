@@ -66,6 +66,31 @@ def planes(numel: int, device=None, bits=None):
     )
 
 
+class VotedPlanes:
+    """One tensor's Delta as a vote's result planes (the sign all-reduce's
+    ``out_planes``): element i is bit ``offset + i`` of ``sign`` (+1) and
+    ``zero`` (0; it wins); -1 where neither bit is set. 2 bits an element
+    where a bfloat16 Delta takes 16: the DDP hook's votes on the CPU."""
+
+    __slots__ = ("sign", "zero", "offset", "numel")
+
+    def __init__(self, sign, zero, offset: int, numel: int):
+        self.sign, self.zero, self.offset, self.numel = sign, zero, offset, numel
+
+    def values(self) -> torch.Tensor:
+        """Delta as a bfloat16 tensor (-1, 0, +1: what the unpack writes)."""
+        w0, w1 = self.offset // 64, (self.offset + self.numel + 63) // 64
+        shifts = torch.arange(64, dtype=torch.int64, device=self.sign.device)
+
+        def bits(plane):
+            words = plane.view(torch.int64)[w0:w1]
+            start = self.offset - 64 * w0
+            return ((words.unsqueeze(1) >> shifts) & 1).reshape(-1)[start : start + self.numel]
+
+        s, z = bits(self.sign), bits(self.zero)
+        return torch.where(z.bool(), 0, 2 * s - 1).to(torch.bfloat16)
+
+
 def _fusable(g, m) -> bool:
     """Whether the fused L1 passes take g and m (lion_direction's dtypes)."""
     return (
@@ -232,7 +257,14 @@ def update_momentum(g, m, k: Coefs, fused: bool, scratch, counts=None) -> None:
 
 
 def apply_update(p, delta, k: Coefs, fused: bool) -> None:
-    """x = fl(fl(x * decay) - fl(lr * Delta)), in place."""
+    """x = fl(fl(x * decay) - fl(lr * Delta)), in place; ``delta`` a tensor
+    or :class:`VotedPlanes`."""
+    if isinstance(delta, VotedPlanes):
+        if fused and not p.is_cuda:
+            _, _, _, _, lr, decay = k.values
+            _C.lion_apply_planes(p.view(-1), delta.sign, delta.zero, delta.offset, lr, decay)
+            return
+        delta = delta.values()
     if fused:
         _, _, _, _, lr, decay = k.values
         apply = _C.lion_apply_device if p.is_cuda else _C.lion_apply

@@ -37,6 +37,13 @@ class Voter:
         """Delta's dtype: bfloat16 holds -1, 0, +1 exactly; avg needs more."""
         return torch.float32 if self.aggregation == "avg" else torch.bfloat16
 
+    def votes_into_planes(self, device) -> bool:
+        """Whether an all-reduce's Delta can come back as planes
+        (:class:`lion_math.VotedPlanes`, 2 bits an element) rather than
+        values: a flat vote on the CPU."""
+        return (self.aggregation == "vote" and not self.bits and self.hierarchy == "flat"
+                and torch.device(device).type == "cpu")
+
     def planes(self, numel: int, device=None):
         """Zeroed buffers for the packed directions of ``numel`` elements."""
         return lion_math.planes(numel, device, self.bits)
@@ -102,13 +109,17 @@ class Voter:
             return (self._counter.steps_taken << 20) + index
         return -1
 
-    def all_reduce(self, sign, zero, numel: int, nans: int, out: torch.Tensor, group, where: str):
+    def all_reduce(self, sign, zero, numel: int, nans: int, out: torch.Tensor, group, where: str,
+                   out_planes: bool = False):
         """Starts the all-reduce of packed directions (planes and ``out`` on
         one device, CPU or CUDA; ``nans``: this rank's non-finite count) into
-        ``out`` (Delta); returns its future. Without a process group: this
-        rank's own vote."""
+        ``out`` (Delta; with ``out_planes``, where :meth:`votes_into_planes`,
+        uint8: the sign plane, then the zero plane); returns its future.
+        Without a process group: this rank's own vote."""
         seed = self._seed()
         if group is None and not dist.is_initialized():
+            if out_planes:
+                raise ValueError(f"DistributedLion.{where}: out_planes needs a process group")
             fut = torch.futures.Future(devices=[out.device] if out.is_cuda else None)
             if nans:
                 # What the header round raises, so that callers treat both alike.
@@ -122,7 +133,7 @@ class Voter:
             work = backend.all_reduce_levels_packed(sign, self.bits, numel, nans, out, self.tie_break, seed)
         else:
             work = backend.all_reduce_sign_packed(
-                sign, zero, numel, nans, out, self.aggregation, self.tie_break, seed, self.hierarchy
+                sign, zero, numel, nans, out, self.aggregation, self.tie_break, seed, self.hierarchy, out_planes
             )
         return work.get_future()
 

@@ -1,0 +1,152 @@
+"""The vote into planes (all_reduce_sign_packed(..., out_planes=True)): the
+same Delta as the vote into values, bit for bit, in every phase-2 format
+(sign planes with and without a tie round, ties inline in base 3, the
+two-rank exchange and its two-phase twin), every tie rule, many chunks; and
+lion_apply_planes, the DDP hook's apply of it, equal to the apply of the
+values. Bad requests fail naming the argument."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks, values
+
+CHUNKS = {"LIONBIT_CHUNK_ELEMS": "4096"}
+
+
+def _directions(rank, numel, kind, seed):
+    """What a rank votes: independent signs (dense ties at even N), shared
+    ones (no ties), or independent with zeros in runs and scattered."""
+    g = torch.Generator().manual_seed(seed * 1000 + (0 if kind == "shared" else rank))
+    x = torch.randn(numel, generator=g)
+    if kind == "zeros":
+        x[numel // 5 : numel // 3] = 0  # a run (a frozen row)
+        x[torch.rand(numel, generator=g) < 0.05] = 0  # scattered
+    return x
+
+
+def _planes_and_values(backend, x, tie_break, seed):
+    """The vote of x's signs into planes and into values (the same seed):
+    (VotedPlanes, bf16 values)."""
+    from lionbit import _C, lion_math
+
+    n = x.numel()
+    nb = lion_math.plane_bytes(n)
+    sign, zero = torch.zeros(nb, dtype=torch.uint8), torch.zeros(nb, dtype=torch.uint8)
+    nans = _C.pack_signs_into(x, sign, zero, 0)[1]
+    out = torch.full((2 * nb,), 0xA5, dtype=torch.uint8)  # garbage: every bit is written
+    backend.all_reduce_sign_packed(sign, zero, n, nans, out, "vote", tie_break, seed, "flat", True).wait()
+    vals = torch.empty(n, dtype=torch.bfloat16)
+    backend.all_reduce_sign_packed(sign, zero, n, nans, vals, "vote", tie_break, seed, "flat", False).wait()
+    return lion_math.VotedPlanes(out[:nb], out[nb:], 0, n), vals
+
+
+def planes_equal_values(rank, n):
+    """Per case: whether the planes give the values bit for bit, never both
+    bits set, and the stats of the call."""
+    import lionbit
+    from lionbit import lion_math
+    from lionbit._backend import backend_for
+
+    backend = backend_for(None, torch.device("cpu"), "test")
+    out = []
+    numels = [1, 63, 4096 * n + 65, 40_003]
+    # Dense ties twice in a row: the second call carries its ties inline (base 3).
+    cases = [(d, kind, tie) for d in numels for kind in ("independent", "shared", "zeros")
+             for tie in ("zero", "alternate", "random")] + [(40_003, "independent", "zero")] * 2
+    for i, (d, kind, tie) in enumerate(cases):
+        x = _directions(rank, d, kind, i)
+        lionbit.reset_stats()
+        planes, vals = _planes_and_values(backend, x, tie, 7 + i)
+        s = lionbit.stats()
+        both = lion_math.VotedPlanes(planes.sign, planes.zero, 0, d)
+        sb = (both.sign.view(torch.int64) & both.zero.view(torch.int64))
+        last_bits = d % 64
+        if last_bits:  # bits past numel are unspecified
+            sb[-1] &= (1 << last_bits) - 1
+        # Offsets: the same planes read from a bit inside them.
+        off = d // 3
+        part = lion_math.VotedPlanes(planes.sign, planes.zero, off, d - off).values()
+        out.append({"case": [d, kind, tie], "equal": bool(torch.equal(planes.values(), vals)),
+                    "part": bool(torch.equal(part, vals[off:])), "both": int(sb.count_nonzero()),
+                    "inline": s["inline_tie_chunks"], "tie_rounds": s["tie_rounds"]})
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_planes_are_the_values_bit_for_bit(world_size):
+    for ranks in values(run_ranks("test_vote_planes:planes_equal_values", world_size, case_env=CHUNKS, timeout=400)):
+        for c in ranks:
+            assert c["equal"] and c["part"] and c["both"] == 0, c
+    if world_size == 4:
+        # The formats were all seen: a tie round, and ties inline in base 3 after dense ties.
+        assert any(c["tie_rounds"] for c in ranks) and any(c["inline"] for c in ranks), ranks
+
+
+def test_planes_in_the_two_phases_of_two_ranks():
+    # LIONBIT_SIGN_EXCHANGE=0: two ranks vote in two phases (phase 2's all-gather), not the exchange.
+    for ranks in values(run_ranks("test_vote_planes:planes_equal_values", 2, env={"LIONBIT_SIGN_EXCHANGE": "0"},
+                                  case_env=CHUNKS, timeout=400)):
+        for c in ranks:
+            assert c["equal"] and c["part"] and c["both"] == 0, c
+
+
+def apply_planes_equals_values(rank, n):
+    """lion_apply_planes against lion_apply of the values and against the
+    torch formula, every parameter dtype, at bit offsets inside the planes."""
+    from lionbit import _C, lion_math
+    from lionbit._backend import backend_for
+
+    backend = backend_for(None, torch.device("cpu"), "test")
+    x = _directions(rank, 10_000, "zeros", 3)
+    planes, vals = _planes_and_values(backend, x, "alternate", 11)
+    lr, decay = 0.01, 1 - 0.01 * 0.1
+    ok = []
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for off, k in ((0, 10_000), (1, 999), (63, 4000), (64, 5000), (4097, 5903)):
+            p = torch.randn(k, generator=g).to(dtype)
+            want = p.clone()
+            _C.lion_apply(want, vals[off : off + k], lr, decay)
+            got = p.clone()
+            _C.lion_apply_planes(got, planes.sign, planes.zero, off, lr, decay)
+            # The torch path (LIONBIT_KERNELS=aten, dtypes the fused kernels do not take).
+            torch_path = p.clone()
+            lion_math.apply_update(torch_path, lion_math.VotedPlanes(planes.sign, planes.zero, off, k),
+                                   lion_math.Coefs({"betas": (0.9, 0.99), "lr": lr, "weight_decay": 0.1}), False)
+            ok.append(bool(torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                                       want.view(torch.int16 if dtype != torch.float32 else torch.int32)))
+                      and bool(torch.equal(torch_path, want)))
+    return ok
+
+
+def test_apply_planes_equals_the_apply_of_the_values():
+    for ok in values(run_ranks("test_vote_planes:apply_planes_equals_values", 3)):
+        assert ok and all(ok), ok
+
+
+def bad_planes_requests(rank, n):
+    from lionbit._backend import backend_for
+
+    backend = backend_for(None, torch.device("cpu"), "test")
+    sign, zero = torch.zeros(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
+    out = torch.zeros(32, dtype=torch.uint8)
+    errors = []
+    for args in ((sign, zero, 100, 0, out, "avg"), (sign, zero, 100, 0, out[:24], "vote"),
+                 (sign, zero, 100, 0, torch.zeros(32, dtype=torch.int8), "vote")):
+        try:
+            backend.all_reduce_sign_packed(*args, "zero", -1, "flat", True).wait()
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
+    dist.barrier()
+    return errors
+
+
+def test_bad_planes_requests_name_the_argument():
+    for errors in values(run_ranks("test_vote_planes:bad_planes_requests", 2)):
+        avg, small, dtype = errors
+        assert "argument 'out_planes' takes op 'vote'" in avg and "'avg'" in avg, avg
+        assert "argument 'out' (out_planes) must be a contiguous uint8 CPU tensor of exactly 32 bytes" in small, small
+        assert "got 24 bytes" in small or "of 24 bytes" in small, small
+        assert "argument 'out' (out_planes)" in dtype and "on rank" in dtype, dtype
