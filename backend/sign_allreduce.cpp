@@ -74,7 +74,7 @@ class Run {
             c.world_size,
             bits::sign_op_name(op),
             seq,
-            static_cast<uint64_t>(tensor.numel())) {
+            packed != nullptr ? packed->numel : static_cast<uint64_t>(tensor.numel())) {
     if (planes_) {
       // The result as planes (SignRequest::out_planes): formats other than
       // sign planes decode to bfloat16 values (-1, 0, +1 exactly), packed.
