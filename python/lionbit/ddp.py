@@ -312,7 +312,7 @@ class DDPAttachment(Attachment):
         allowed = {}  # LIONBIT_KERNELS and the first-use checks, once a device
         for bv in started:
             entries, deltas, off = [], [], 0
-            delta_of = _delta_views(bv)
+            delta_of = lion_math.delta_views(bv.out, bv.out.dtype == torch.uint8)
             for p, n in zip(bv.params, bv.sizes):
                 g = p.grad
                 coefs = lion_math.Coefs(groups[p])
@@ -358,16 +358,6 @@ class DDPAttachment(Attachment):
             apply_rest()
 
         return apply
-
-
-def _delta_views(bv: _BucketVote):
-    """(offset, numel) -> that span's Delta in the bucket's vote: a view of
-    its values, or of its planes (lion_math.VotedPlanes)."""
-    if bv.out.dtype != torch.uint8:
-        return lambda off, n: bv.out[off : off + n]
-    half = bv.out.numel() // 2
-    sign, zero = bv.out[:half], bv.out[half:]
-    return lambda off, n: lion_math.VotedPlanes(sign, zero, off, n)
 
 
 def _drain(votes) -> Optional[BaseException]:

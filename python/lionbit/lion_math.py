@@ -91,6 +91,17 @@ class VotedPlanes:
         return torch.where(z.bool(), 0, 2 * s - 1).to(torch.bfloat16)
 
 
+def delta_views(out: torch.Tensor, into_planes: bool):
+    """(offset, numel) -> that span's Delta in a vote's result ``out``: a view
+    of its values, or (``into_planes``: uint8, the sign plane then the zero
+    plane) a :class:`VotedPlanes`."""
+    if not into_planes:
+        return lambda off, n: out[off : off + n]
+    half = out.numel() // 2
+    sign, zero = out[:half], out[half:]
+    return lambda off, n: VotedPlanes(sign, zero, off, n)
+
+
 def _fusable(g, m) -> bool:
     """Whether the fused L1 passes take g and m (lion_direction's dtypes)."""
     return (

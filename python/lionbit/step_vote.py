@@ -75,8 +75,10 @@ class VoteBuffers:
         self.outs = []
         self.scratch = None
 
-    def prepare(self, sizes: Sequence[int], device, delta_dtype, bits=None):
-        key = (tuple(sizes), str(device), delta_dtype, bits)
+    def prepare(self, sizes: Sequence[int], device, delta_dtype, bits=None, into_planes: bool = False):
+        """``into_planes``: each chunk's Delta as a vote's result planes (uint8:
+        the sign plane, then the zero plane), not values of ``delta_dtype``."""
+        key = (tuple(sizes), str(device), delta_dtype, bits, into_planes)
         if key == self.key:
             for sign, zero in self.planes:
                 sign.zero_()
@@ -86,7 +88,11 @@ class VoteBuffers:
         chunks = chunking(sizes, chunk_limit(device))
         self.key, self.chunks = key, chunks
         self.planes = [lion_math.planes(t, device, bits) for _, _, t in chunks]
-        self.outs = [torch.empty(t, dtype=delta_dtype, device=device) for _, _, t in chunks]
+        if into_planes:
+            self.outs = [torch.empty(2 * lion_math.plane_bytes(t), dtype=torch.uint8, device=device)
+                         for _, _, t in chunks]
+        else:
+            self.outs = [torch.empty(t, dtype=delta_dtype, device=device) for _, _, t in chunks]
         biggest = max(sizes, default=0)
         self.scratch = lion_math.planes(biggest, device) if biggest else None
 
@@ -148,7 +154,9 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
     if any rank had a non-finite direction. Changes no state."""
     device = entries[0].param.device
     voter = opt.voter
-    buffers.prepare([e.grad.numel() for e in entries], device, voter.delta_dtype, voter.bits)
+    # A rank's own vote (no process group) writes values.
+    into_planes = voter.votes_into_planes(device) and (group is not None or dist.is_initialized())
+    buffers.prepare([e.grad.numel() for e in entries], device, voter.delta_dtype, voter.bits, into_planes)
     works = []
     for (first, end, total), (sign, zero), out in zip(buffers.chunks, buffers.planes, buffers.outs):
         off, items = 0, []
@@ -159,7 +167,7 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
                 items.append((e.grad, e.momentum, e.coefs, e.fused, off))
             off += e.grad.numel()
         bad = pack_directions(items, sign, zero, voter.bits)
-        works.append(voter.all_reduce(sign, zero, total, bad, out, group, where))
+        works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, out_planes=into_planes))
     bad_ranks: List[int] = []
     first_error = None
     for fut in works:
@@ -177,9 +185,10 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
         raise NonFinite(bad_ranks)
     deltas = []
     for (first, end, _), out in zip(buffers.chunks, buffers.outs):
+        delta_of = lion_math.delta_views(out, into_planes)
         off = 0
         for e in entries[first:end]:
-            deltas.append(out[off : off + e.grad.numel()])
+            deltas.append(delta_of(off, e.grad.numel()))
             off += e.grad.numel()
     return deltas
 

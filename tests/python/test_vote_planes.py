@@ -150,3 +150,39 @@ def test_bad_planes_requests_name_the_argument():
         assert "argument 'out' (out_planes) must be a contiguous uint8 CPU tensor of exactly 32 bytes" in small, small
         assert "got 24 bytes" in small or "of 24 bytes" in small, small
         assert "argument 'out' (out_planes)" in dtype and "on rank" in dtype, dtype
+
+
+def planes_held_by_training_loops(rank, n):
+    """Three steps of each loop a user writes; the dtype of what each path
+    holds between the vote and the update: DDP with overlap (the hook's
+    votes), DDP after clip_grad_norm_ (votes at step()), a plain module."""
+    import lionbit
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    held = {}
+    for loop in ("ddp", "ddp_clip", "plain"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        net = DDP(model, bucket_cap_mb=0.005) if loop != "plain" else model
+        opt = lionbit.DistributedLion(model.parameters(), lr=1e-3)
+        if loop != "plain":
+            opt.attach(net)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(torch.randn(8, 32, generator=g)),
+                                              torch.randint(0, 4, (8,), generator=g)).backward()
+            if loop == "ddp_clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+        att = opt.attachment
+        outs = [bv.out for bv in att.buckets.values()] if loop == "ddp" else att.buffers.outs
+        held[loop] = sorted({str(o.dtype) for o in outs})
+    return held
+
+
+def test_training_loops_hold_planes_between_vote_and_update():
+    # The loops' results are checked against an independent simulation in
+    # test_training_loops.py and test_optim.py; here, that they ran on planes.
+    for held in values(run_ranks("test_vote_planes:planes_held_by_training_loops", 2)):
+        assert held == {"ddp": ["torch.uint8"], "ddp_clip": ["torch.uint8"], "plain": ["torch.uint8"]}, held
