@@ -156,8 +156,9 @@ def planes_held_by_training_loops(rank, n):
     """Three steps of each loop a user writes; the dtype of what each path
     holds between the vote and the update: DDP with overlap (the hook's
     votes), DDP after clip_grad_norm_ (votes at step()), a plain module."""
-    import lionbit
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
 
     held = {}
     for loop in ("ddp", "ddp_clip", "plain"):
