@@ -167,7 +167,8 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
                 items.append((e.grad, e.momentum, e.coefs, e.fused, off))
             off += e.grad.numel()
         bad = pack_directions(items, sign, zero, voter.bits)
-        works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, out_planes=into_planes))
+        planes_kw = {"out_planes": True} if into_planes else {}
+        works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, **planes_kw))
     bad_ranks: List[int] = []
     first_error = None
     for fut in works:
