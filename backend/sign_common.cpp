@@ -50,7 +50,7 @@ void wait_inner(
   }
 }
 
-// Ring all-gather: each rank sends and receives (N - 1) chunks.
+// An all-gather (ring or direct, issue_allgather): each rank sends and receives (N - 1) chunks.
 void count_allgather(const SignComm& c, size_t chunk) {
   const uint64_t b = static_cast<uint64_t>(chunk) * (c.world_size - 1);
   c.stats->bytes_sent += b;
@@ -108,8 +108,19 @@ Inflight issue_alltoall(
 }
 
 Inflight issue_allgather(const SignCall& call, at::Tensor out, const at::Tensor& in) {
+  const int64_t n = call.c.world_size;
+  const bool direct = n > 2 && in.dim() == 1 &&
+      static_cast<size_t>(n * in.numel() * in.element_size()) <= kDirectAllgatherBytes;
+  const c10d::Backend* cpu = call.c.comm.get();
   return issue_data(
-      call, std::move(out), in, [](c10d::Backend& via, at::Tensor& dst, at::Tensor& src) {
+      call, std::move(out), in, [&](c10d::Backend& via, at::Tensor& dst, at::Tensor& src) {
+        if (direct && &via == cpu) {
+          // Every peer gets this rank's piece at once: one round trip, not
+          // the ring's N - 1 in a row; the same bytes (count_allgather).
+          std::vector<int64_t> splits(static_cast<size_t>(n), src.numel());
+          at::Tensor copies = src.repeat({n});
+          return via.alltoall_base(dst, copies, splits, splits);
+        }
         return via._allgather_base(dst, src);
       });
 }

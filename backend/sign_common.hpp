@@ -63,7 +63,16 @@ Inflight issue_alltoall(
     std::vector<int64_t> out_splits,
     std::vector<int64_t> in_splits);
 
-// All-gather of `in` (the same size on every rank) into `out`.
+// All-gather of `in` (the same size on every rank) into `out`. Over the CPU
+// communicator, when `out` (N pieces, 1-D) is at most kDirectAllgatherBytes,
+// each rank's piece goes to every peer at once: an all-to-all of N copies,
+// one round trip where a ring of N ranks waits for N - 1 in a row, and a
+// round trip is what a small piece costs. A larger one, or N = 2, goes round
+// the ring. Each rank sends and receives (N - 1) pieces either way; what
+// crosses between nodes differs: the ring takes each piece over each node
+// boundary once, the direct way to every rank of every other node, so the
+// bound is on the whole result (at most that much leaves a rank).
+constexpr size_t kDirectAllgatherBytes = size_t{64} << 10;
 Inflight issue_allgather(const SignCall& call, at::Tensor out, const at::Tensor& in);
 
 // Waits for the collective (a failure raises naming `step`, see wait_inner)
@@ -114,7 +123,7 @@ void wait_inner(
     const c10d::Backend& via,
     const c10::intrusive_ptr<c10d::Work>& work);
 
-// Adds a ring all-gather of `chunk` bytes per rank to the byte counters.
+// Adds an all-gather of `chunk` bytes per rank to the byte counters.
 void count_allgather(const SignComm& c, size_t chunk);
 
 // Counts `messages` zero encodings this rank sent, each of a plane of

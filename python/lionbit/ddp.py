@@ -379,22 +379,21 @@ def _agree(group, changed: bool, bad: int, refused: bool = False) -> Tuple[bool,
     started: whether any rank's gradients changed since (then every rank
     drops them), which ranks had a non-finite direction (then no rank
     changes anything) and which ranks refused (a joined rank whose Join
-    lacks the optimizer). A CPU all-reduce on the group's standard path,
-    beside the sign path: it does not queue behind the votes still moving,
-    so the step knows at once that it will be applied. Returns (changed,
-    bad ranks, refused ranks)."""
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    flags = torch.zeros(1 + 2 * n, dtype=torch.float64)
-    flags[0], flags[1 + rank], flags[1 + n + rank] = float(changed), float(bad), float(refused)
+    lacks the optimizer). One round of CPU flags on the group's standard
+    path (step_vote.gather_flags), beside the sign path: it does not queue
+    behind the votes still moving, so the step knows at once that it will be
+    applied. Returns (changed, bad ranks, refused ranks)."""
+    rank = dist.get_rank(group)
+    flags = torch.tensor([int(changed), bad, int(refused)], dtype=torch.int64)
     try:
-        dist.all_reduce(flags, group=group)
+        rows = step_vote.gather_flags(flags, group).tolist()
     except RuntimeError as err:
         raise RuntimeError(
             f"lionbit {_WHERE} on rank {rank}: step()'s agreement round over the inner gloo communicator failed: {err}"
         ) from err
-    bad_ranks = [r for r in range(n) if flags[1 + r] > 0]
-    refused_ranks = [r for r in range(n) if flags[1 + n + r] > 0]
-    return bool(flags[0] > 0), bad_ranks, refused_ranks
+    bad_ranks = [r for r, row in enumerate(rows) if row[1] > 0]
+    refused_ranks = [r for r, row in enumerate(rows) if row[2] > 0]
+    return any(row[0] for row in rows), bad_ranks, refused_ranks
 
 
 def _reject_call(group, device) -> None:

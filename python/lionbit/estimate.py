@@ -152,6 +152,9 @@ WORD_BITS = 64  # signbits/types.h kWordBits: a rank's shard is whole 64-bit wor
 HEADER_BYTES = 72  # signbits/wire.h sizeof(WireHeader): the header round, one to each rank (all-to-all)
 TIE_COUNT_BYTES = 16  # backend/phase2.cpp: a vote message starts with its zeros' code (two u64)
 TRIT_BYTES_PER_WORD = 13  # signbits/trits.h: 64 results in base 3 (ties riding inline)
+# backend/sign_common.hpp kDirectAllgatherBytes: on the CPU (Gloo) communicator an all-gather whose
+# result (n pieces) is at most this many bytes goes to every peer at once (1 step), else round the ring
+DIRECT_ALLGATHER_BYTES = 64 << 10
 
 
 def default_chunk_elems(n: int, gpu: bool = False) -> int:
@@ -209,19 +212,21 @@ def sign_wire(
       per chunk (padded to 64 n elements; sb = a shard's bytes):
         n = 2        one exchange of the rank's whole packed chunk: 2 sb      1 step
         phase 1      all-to-all of the packed shards: (n-1) sb                1 step
-        phase 2      ring all-gather of the owner's message, (n-1) of them    (n-1) steps
+        phase 2      all-gather of the owner's message, (n-1) of them: on the CPU, when
+                     the n messages are at most DIRECT_ALLGATHER_BYTES, sent to every
+                     peer at once (1 step), else round the ring ((n-1) steps)
                      vote: TIE_COUNT_BYTES + sb, or with dense ties inline from the
                      second vote on (the steady state): TIE_COUNT_BYTES + 13 bytes a
                      word padded to 8; avg: bit_width(n) count planes of sb each
-        sparse ties  (vote) their positions, a list in a ring all-gather of its own
-                     ((n-1) steps), when smaller than a plane
+        sparse ties  (vote) their positions, a list in an all-gather of its own (its
+                     steps as phase 2's), when smaller than a plane
       n = 2, chunks >= 2: a second header round (the first chunk is announced alone;
                      half of the rest leaves as signs only while the rest is packed,
                      then the rest's round; zeros there would follow in a message of
                      its own, not modelled: inputs without exact zeros)      1 step
 
     tie_fraction: the fraction of a shard's elements that tie (their mean count is taken as
-    every shard's). ag_steps: steps of an all-gather (default n - 1, the ring).
+    every shard's). ag_steps: steps of every all-gather (default: as above, by size and device).
     Returns bytes, steps, chunks, chunk_elems, inline_elems (elements whose results rode
     in base 3) and shards: [(elements of a chunk, chunks of that length, shard words)]."""
     if op not in ("vote", "avg"):
@@ -230,7 +235,11 @@ def sign_wire(
     full, rest = divmod(int(d), chunk)
     counts = ((chunk, full), (rest, 1 if rest else 0))
     shards = [(length, mult, shard_words(length, n)) for length, mult in counts if mult]
-    ag = n - 1 if ag_steps is None else ag_steps
+    def ag(message: int) -> int:
+        if ag_steps is not None:
+            return ag_steps
+        return 1 if not gpu and n * message <= DIRECT_ALLGATHER_BYTES else n - 1
+
     chunks = full + (1 if rest else 0)
     rounds = 2 if n == 2 and chunks >= 2 else 1
     nbytes, steps, inline_elems = rounds * (n - 1) * HEADER_BYTES, rounds, 0
@@ -240,7 +249,7 @@ def sign_wire(
             nbytes += mult * 2 * sb
             steps += mult
             continue
-        message, chunk_steps = sb, 1 + ag
+        tie_steps = 0
         if op == "vote":
             ties = math.ceil(tie_fraction * sw * WORD_BITS)
             listed = zero_encoding_bytes(ties, sw)
@@ -249,11 +258,11 @@ def sign_wire(
                 inline_elems += mult * length
             else:
                 message = TIE_COUNT_BYTES + sb + listed
-                chunk_steps += ag if ties > 0 else 0
+                tie_steps = ag(listed) if ties > 0 else 0
         else:
             message = int(n).bit_length() * sb  # count planes
         nbytes += mult * (n - 1) * (sb + message)
-        steps += mult * chunk_steps
+        steps += mult * (1 + ag(message) + tie_steps)  # phase 1 (an all-to-all), phase 2, a tie list
     return {
         "bytes": nbytes,
         "steps": steps,
@@ -339,8 +348,8 @@ def sign_allreduce_on_link(
                      (base-3 results at their own rate); times kappa
 
     log_allgather: a what-if (not built): all-gathers by recursive doubling, ceil(log2 n)
-    steps instead of n - 1, the same bytes."""
-    ag_steps = math.ceil(math.log2(n)) if log_allgather else n - 1
+    steps each (in place of n - 1, or 1 for the direct ones), the same bytes."""
+    ag_steps = math.ceil(math.log2(n)) if log_allgather else None
     wire = sign_wire(op, n, d, tie_fraction, chunk_request, ag_steps=ag_steps)
     voted = 2 if n == 2 else 1  # the exchange: each rank votes both shards
     vote_s = sum(mult * voted * core.vote_s(sw * WORD_BITS, n) for _, mult, sw in wire["shards"])

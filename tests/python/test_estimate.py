@@ -183,8 +183,11 @@ def test_one_collective_on_one_link():
     t = estimate.sign_allreduce_on_link("vote", 4, 1 << 20, link, core)
     sb = (1 << 20) // 64 // 4 * 8  # a shard: 4096 words
     assert t["bytes"] == 3 * 72 + 3 * (sb + 16 + sb)  # header round; phase 1; phase 2
-    assert t["steps"] == 1 + 1 + 3 and t["chunks"] == 1  # header and phase 1: all-to-alls
+    # header and phase 1: all-to-alls; phase 2 (4 messages of 32 KiB) round the ring
+    assert t["steps"] == 1 + 1 + 3 and t["chunks"] == 1
     assert t["latency_s"] == pytest.approx(5e-4 + 2 * 3e-5)
+    small = estimate.sign_allreduce_on_link("vote", 4, 1 << 16, link, core)  # 4 messages of 2 KiB
+    assert small["steps"] == 1 + 1 + 1  # every message to every peer at once
     assert t["bandwidth_s"] == pytest.approx(t["bytes"] / 1e8)
     vote = (1 << 20) // 4 * (1e-9 + 4e-10)  # the own shard's elements
     assert t["kernel_s"] == pytest.approx(2.0 * (4 * (1 << 20) / 1e10 + vote + 4 * (1 << 20) / 2e10))

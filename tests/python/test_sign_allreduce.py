@@ -134,6 +134,37 @@ def test_pipelined_chunks_match_the_reference(world_size):
     assert len(set(counts)) == 1 and counts[0] > 100
 
 
+def check_both_allgathers(rank, n):
+    """Phase 2 gathers every owner's message: when the N messages come to
+    at most 64 KiB, each goes to every peer at once, else round the ring
+    (over the CPU communicator; backend/sign_common.hpp
+    kDirectAllgatherBytes). A vote of inputs without zeros sends its shard's
+    sign plane and 16 bytes: 3 x 20,016 bytes at 160K elements a shard,
+    3 x 25,016 at 200K. Then each op on inputs with zeros and infinities at
+    both sizes (avg and sum: count planes)."""
+    import lionbit
+
+    done = []
+    for numel in (160_000 * n, 200_000 * n):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(numel + rank))
+        expected = _reference(x, "vote", n)
+        lionbit.all_reduce_sign(x, "vote")
+        assert torch.equal(_bits(x), _bits(expected)), ("vote without zeros", numel)
+        assert _all_ranks_identical(x)
+        for op in OPS:
+            x = _make(rank, n, (numel,), torch.float32, "random", numel + len(op))
+            expected = _reference(x, op, n)
+            lionbit.all_reduce_sign(x, op)
+            assert torch.equal(_bits(x), _bits(expected)), (op, numel)
+            assert _all_ranks_identical(x)
+        done.append(numel)
+    return done
+
+
+def test_small_and_large_gathers_match_the_reference():
+    assert values(run_ranks("test_sign_allreduce:check_both_allgathers", 3)) == [[480_000, 600_000]] * 3
+
+
 def check_few_zeros(rank, n):
     """avg and sum with a few zeros in large shards: exact on every dtype,
     every chunking, and the count message carries a list of the elements
