@@ -10,7 +10,7 @@ averaged). ``step()`` uses the gradients as they stand then:
   local gradients and the momentum (read only) and starts their vote at
   once, overlapping the rest of backward. After DDP has written the
   gradients back, the version counter of every ``p.grad`` is recorded.
-  ``step()`` checks them and the ranks agree (one small all-reduce on the
+  ``step()`` checks them and the ranks agree (one round of flags on the
   group's standard path, beside the votes still moving): if no rank's
   gradients changed and no rank had a non-finite direction, the votes
   started in backward are the step's, and each bucket's parameters are
