@@ -199,10 +199,10 @@ def train(net, opt, x, y, seed, rank=0, world=1, batch=BATCH, epochs=EPOCHS, ste
 class _LocalVoter(Voter):
     """Each rank's own vote, no collective: what single-process Lion applies."""
 
-    def votes_into_planes(self, device) -> bool:
+    def votes_into_planes(self, device, group) -> bool:
         return False  # its own vote, as values
 
-    def all_reduce(self, sign, zero, numel, nans, out, group, where):
+    def all_reduce(self, sign, zero, numel, nans, out, group, where, out_planes=False):
         out.copy_(local_vote(sign, zero, numel))
         fut = torch.futures.Future()
         fut.set_result([out])

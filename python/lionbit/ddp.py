@@ -154,7 +154,7 @@ class DDPAttachment(Attachment):
             # (DDP rebuilds its buckets after the first step: sizes change once.)
             bv = self.buckets[idx] = _BucketVote()
             bv.planes = self.opt.voter.planes(total, buffer.device)
-            if self.opt.voter.votes_into_planes(buffer.device):
+            if self.opt.voter.votes_into_planes(buffer.device, self.group):
                 bv.out = torch.empty(2 * lion_math.plane_bytes(total), dtype=torch.uint8, device=buffer.device)
             else:
                 bv.out = torch.empty(total, dtype=self.opt.voter.delta_dtype, device=buffer.device)

@@ -154,8 +154,7 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
     if any rank had a non-finite direction. Changes no state."""
     device = entries[0].param.device
     voter = opt.voter
-    # A rank's own vote (no process group) writes values.
-    into_planes = voter.votes_into_planes(device) and (group is not None or dist.is_initialized())
+    into_planes = voter.votes_into_planes(device, group)
     buffers.prepare([e.grad.numel() for e in entries], device, voter.delta_dtype, voter.bits, into_planes)
     works = []
     for (first, end, total), (sign, zero), out in zip(buffers.chunks, buffers.planes, buffers.outs):
@@ -167,8 +166,7 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
                 items.append((e.grad, e.momentum, e.coefs, e.fused, off))
             off += e.grad.numel()
         bad = pack_directions(items, sign, zero, voter.bits)
-        planes_kw = {"out_planes": True} if into_planes else {}
-        works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, **planes_kw))
+        works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, out_planes=into_planes))
     bad_ranks: List[int] = []
     first_error = None
     for fut in works:
@@ -304,15 +302,15 @@ def node_agreed(vote: Callable[[], Callable[[], None]], replicas, shard_group, d
     except Exception as err:  # re-raised below, after the node heard of it (no peer waits forever)
         failure = err
         flags[world] = 1
-    flags = gather_flags(flags, shard_group).amax(0).tolist()
+    agreed = gather_flags(flags, shard_group).amax(0).tolist()  # any rank's flag, per entry
     if failure is not None:
         raise failure
-    if flags[world]:
+    if agreed[world]:
         raise RuntimeError(
             f"DistributedLion.step ({what}) on rank {dist.get_rank()}: another rank of this node failed its "
             f"vote (its own error says why); no parameter or momentum changed on this rank"
         )
-    ranks = [r for r in range(world) if flags[r]]
+    ranks = [r for r in range(world) if agreed[r]]
     if ranks:
         raise NonFinite(ranks)
     return apply

@@ -37,12 +37,13 @@ class Voter:
         """Delta's dtype: bfloat16 holds -1, 0, +1 exactly; avg needs more."""
         return torch.float32 if self.aggregation == "avg" else torch.bfloat16
 
-    def votes_into_planes(self, device) -> bool:
-        """Whether an all-reduce's Delta can come back as planes
-        (:class:`lion_math.VotedPlanes`, 2 bits an element) rather than
-        values: a flat vote on the CPU."""
+    def votes_into_planes(self, device, group) -> bool:
+        """Whether an all-reduce over ``group``'s ranks can return its Delta as
+        planes (:class:`lion_math.VotedPlanes`, 2 bits an element) rather than
+        values: a flat vote on the CPU, over a process group (without one,
+        this rank's own vote writes values)."""
         return (self.aggregation == "vote" and not self.bits and self.hierarchy == "flat"
-                and torch.device(device).type == "cpu")
+                and torch.device(device).type == "cpu" and (group is not None or dist.is_initialized()))
 
     def planes(self, numel: int, device=None):
         """Zeroed buffers for the packed directions of ``numel`` elements."""
