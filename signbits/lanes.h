@@ -23,8 +23,9 @@ constexpr int kLanes = 8; // words counted side by side (one zmm, two ymm)
 // and not others (a vote at N = 8..15 ran 5x slower per input than at N = 16).
 typedef uint64_t Lanes8 __attribute__((vector_size(8 * kLanes)));
 // (These helpers have internal linkage: how a non-AVX-512 copy passes a
-// 64-byte vector between them is nobody else's business.)
-#pragma GCC diagnostic ignored "-Wpsabi"
+// 64-byte vector between them is nobody else's business. GCC's note on it,
+// -Wpsabi, is turned off for this library in signbits/CMakeLists.txt: a
+// pragma here does not reach it.)
 template <int L>
 struct LaneType {
   using T = uint64_t;
