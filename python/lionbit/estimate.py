@@ -98,6 +98,15 @@ direction) and writes 1 bit per element, unpack reads 1 bit and writes 4 bytes
 an all-reduce reads 2 e and writes e bytes per element it reduces, and the bf16
 ones convert fp32 to bf16 and back (4 + 2 bytes each way; streaming).
 
+Measured kernels (--gpu-rates FILE, a `make gpu-check` JSON): lionbit's pack, vote, count and
+unpack at the seconds an element that run measured (GpuRates, each kernel at its largest size;
+a vote at N between the N measured read off their line), the streaming kernels at its
+device-to-device copy rate (bytes of traffic a second). --step then adds a whole step after the
+backward pass (step_estimates): the exchange and the optimizer's update, for DistributedLion
+(its measured direction and apply kernels), Lion and AdamW on NCCL's bf16 all-reduce (their
+update's bytes at the copy rate: a floor), PowerSGD with AdamW (rank r on a transformer's
+matrices, two fp32 all-reduces, 8 passes over the gradient) and the two HSDP rows.
+
 Assumptions (none is measured; every one is a constant below or an option):
 H100 SXM memory bandwidth 3.35 TB/s, of which streaming kernels reach 80 % and
 count kernels 50 %; NVLink 4: 900 GB/s per GPU both ways, 450 GB/s each way;
@@ -397,11 +406,120 @@ class Cluster:
 
 
 @dataclass(frozen=True)
+class GpuRates:
+    """lionbit's GPU kernels as `make gpu-check` measured them (lionbit_bench_cuda's rows of its
+    JSON, each kernel at the largest size measured): seconds an element, and the GPU's
+    device-to-device copy in bytes of memory traffic a second. The vote and count tables are
+    (N, seconds an output element), N ascending."""
+
+    source: str
+    device: str
+    copy_bytes_per_s: float
+    pack_s: float  # pack_signs f32: an fp32 direction read, 1 bit written
+    unpack_s: float  # unpack f32 (2 planes): the sign and zero planes read, an fp32 written
+    direction_s: float  # lion_direction f32/f32: the Lion direction from gradient and momentum
+    apply_s: float  # lion_apply_dense f32/f32: the voted direction applied, the momentum updated
+    vote: tuple
+    count: tuple
+
+    def per_element(self, table: tuple, n: float) -> float:
+        """Seconds an output element at N inputs: linear between the N measured, the first's below
+        them, the last two's line above (the kernels read N planes: linear in N)."""
+        if n <= table[0][0] or len(table) == 1:
+            return table[0][1]
+        pairs = list(zip(table, table[1:]))
+        (n0, s0), (n1, s1) = next((p for p in pairs if n <= p[1][0]), pairs[-1])
+        return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
+
+
+# make gpu-check's kernel rows (lionbit_bench_cuda) that GpuRates reads, by field
+GPU_KERNEL_ROWS = {
+    "pack_s": "pack_signs f32",
+    "unpack_s": "unpack f32 (2 planes)",
+    "direction_s": "lion_direction f32/f32",
+    "apply_s": "lion_apply_dense f32/f32",
+}
+GPU_COPY_ROW = "memcpy D2D (f32)"
+
+
+def gpu_rates(path: str) -> GpuRates:
+    """The kernel rates of a `make gpu-check` JSON (figures.bench_kernels; e.g.
+    docs/benchmarks/gpu_check_h200_5.json). ValueError naming the file and what it lacks."""
+    where = str(path)
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{where}: not a readable JSON file ({err})") from None
+    rows = doc.get("figures", {}).get("bench_kernels") if isinstance(doc, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{where}: no figures.bench_kernels (the kernel rates of a make gpu-check JSON)")
+    largest = {}  # kernel -> its row at the largest size
+    for row in rows:
+        ok = isinstance(row, dict) and isinstance(row.get("kernel"), str)
+        ok = ok and all(isinstance(row.get(key), (int, float)) and row[key] > 0 for key in ("elements_M", "time_us"))
+        if not ok:
+            raise ValueError(f"{where}: a bench_kernels row without kernel, elements_M > 0 and time_us > 0: {row!r}")
+        if row["kernel"] not in largest or row["elements_M"] > largest[row["kernel"]]["elements_M"]:
+            largest[row["kernel"]] = row
+
+    def seconds(name: str) -> float:
+        if name not in largest:
+            raise ValueError(f"{where}: no {name!r} row in figures.bench_kernels")
+        return largest[name]["time_us"] * 1e-6 / (largest[name]["elements_M"] * 1e6)
+
+    def table(prefix: str) -> tuple:
+        found = sorted((int(name[len(prefix):]), seconds(name)) for name in largest
+                       if name.startswith(prefix) and name[len(prefix):].isdigit())
+        if not found:
+            raise ValueError(f"{where}: no {prefix}<N> row in figures.bench_kernels")
+        return tuple(found)
+
+    singles = {field_name: seconds(name) for field_name, name in GPU_KERNEL_ROWS.items()}
+    vote, count = table("vote N="), table("count_code N=")
+    copy = largest.get(GPU_COPY_ROW)
+    if copy is None or not isinstance(copy.get("MB"), (int, float)) or copy["MB"] <= 0:
+        raise ValueError(f"{where}: no {GPU_COPY_ROW!r} row with its MB in figures.bench_kernels")
+    gpu = doc.get("gpu")
+    return GpuRates(
+        source=str(path),
+        device=str(gpu.get("name", "a GPU")) if isinstance(gpu, dict) else "a GPU",
+        copy_bytes_per_s=copy["MB"] * 1e6 / (copy["time_us"] * 1e-6),
+        vote=vote,
+        count=count,
+        **singles,
+    )
+
+
+@dataclass(frozen=True)
 class Kernels:
-    """GPU kernel rates, bytes of memory traffic per second (assumed, see above)."""
+    """GPU kernel rates: assumed, in bytes of memory traffic a second (see above), or measured
+    (Kernels.measured: lionbit's own kernels at make gpu-check's rates, the streaming ones,
+    NCCL's reductions and casts among them, at its device-to-device copy rate)."""
 
     stream_bytes_per_s: float = STREAM_FRACTION * GPU_MEMORY_BYTES_PER_S
     count_bytes_per_s: float = COUNT_FRACTION * GPU_MEMORY_BYTES_PER_S
+    gpu: GpuRates | None = None
+
+    @classmethod
+    def measured(cls, rates: GpuRates) -> Kernels:
+        return cls(rates.copy_bytes_per_s, rates.copy_bytes_per_s, rates)
+
+    def stream_s(self, nbytes: float) -> float:
+        return nbytes / self.stream_bytes_per_s
+
+    def lionbit_s(self, elems: float) -> float:
+        """lionbit's pack of `elems` fp32 directions and unpack of their result."""
+        if self.gpu is None:
+            return self.stream_s(lionbit_kernel_bytes(elems))
+        return elems * (self.gpu.pack_s + self.gpu.unpack_s)
+
+    def count_s(self, nbytes: float, out_elems: float, inputs: float, vote: bool = True) -> float:
+        """Counting `inputs` bit-planes into `out_elems` results, `nbytes` of planes read and
+        written: a vote's 1-bit result, or (vote=False) the exact counts (count_code)."""
+        if self.gpu is None:
+            return nbytes / self.count_bytes_per_s
+        return out_elems * self.gpu.per_element(self.gpu.vote if vote else self.gpu.count, inputs)
 
 
 @dataclass(frozen=True)
@@ -489,13 +607,13 @@ def combine(
     c: Cluster,
     phases: list,
     stream_bytes: float,
-    count_bytes: float,
-    k: Kernels | None,
+    own_s: float,
+    k: Kernels,
     hsdp: dict | None = None,
 ) -> Estimate:
-    """Adds the phases (each bounded by its slower link) and the kernels; with `hsdp`
-    (HsdpEstimate's own fields), an HsdpEstimate."""
-    k = k or Kernels()
+    """Adds the phases (each bounded by its slower link) and the kernels: `stream_bytes` of
+    streaming kernels and `own_s` seconds of lionbit's (Kernels.lionbit_s, count_s); with
+    `hsdp` (HsdpEstimate's own fields), an HsdpEstimate."""
     latency = inter = intra = 0.0
     for p in phases:
         t_latency, t_inter, t_intra = phase_terms(p, c)
@@ -504,7 +622,7 @@ def combine(
             inter += t_inter
         else:
             intra += t_intra
-    kern = stream_bytes / k.stream_bytes_per_s + count_bytes / k.count_bytes_per_s
+    kern = k.stream_s(stream_bytes) + own_s
     terms = {
         "latency": latency,
         "inter-node bandwidth": inter,
@@ -542,6 +660,7 @@ def flat_vote(d: float, c: Cluster, k: Kernels | None = None) -> Estimate:
     """lionbit's vote over all N ranks, its bytes as sign_wire states them (GPU chunks, no
     ties): the header round, an all-to-all of packed shards and a ring all-gather of the
     votes; at N = 2 one exchange of the packed signs, each rank voting every shard itself."""
+    k = k or Kernels()
     n, m, lpn = c.ranks, c.nodes, c.gpus_per_node
     wire = sign_wire("vote", n, int(math.ceil(d)), gpu=True)
     shard = sum(mult * sw * 8 for _, mult, sw in wire["shards"])  # a rank's shard of every chunk
@@ -562,8 +681,8 @@ def flat_vote(d: float, c: Cluster, k: Kernels | None = None) -> Estimate:
             "flat_vote",
             c,
             [header, ring_phase("exchange of the packed signs", 2 * shard, 1)],
-            lionbit_kernel_bytes(d),
-            2 * d / 8,
+            0.0,
+            k.lionbit_s(d) + k.count_s(2 * d / 8, d, 2),  # each rank votes every element
             k,
         )
     a2a = Phase(
@@ -576,13 +695,14 @@ def flat_vote(d: float, c: Cluster, k: Kernels | None = None) -> Estimate:
     )
     votes = sum(mult * (TIE_COUNT_BYTES + sw * 8) for _, mult, sw in wire["shards"])
     ring = ring_phase("ring all-gather of the votes", (n - 1) * votes, n - 1)
-    count = d / 8 + shard  # N shards in, one out
-    return combine("flat_vote", c, [header, a2a, ring], lionbit_kernel_bytes(d), count, k)
+    count = k.count_s(d / 8 + shard, 8 * shard, n)  # N shards in, one out
+    return combine("flat_vote", c, [header, a2a, ring], 0.0, k.lionbit_s(d) + count, k)
 
 
 def two_level_vote(method: str, d: float, c: Cluster, k: Kernels | None, cross_bits: int) -> Estimate:
     """Count inside the node, exchange `cross_bits`-bit values per element across nodes,
     vote, and bring the 1-bit result back across nodes and then inside the node."""
+    k = k or Kernels()
     m, lpn = c.nodes, c.gpus_per_node
     part = d / lpn  # elements each local rank owns across nodes
     phases = [
@@ -601,9 +721,11 @@ def two_level_vote(method: str, d: float, c: Cluster, k: Kernels | None, cross_b
         Phase("ring all-gather of the votes across nodes", inter_bytes=lpn * (m - 1) / m * part / 8, inter_steps=m - 1),
         Phase("ring all-gather of the votes inside the node", intra_bytes=(lpn - 1) / lpn * d / 8, intra_steps=lpn - 1),
     ]
-    count_in_node = d / 8 + part * cross_bits / 8  # L inputs of d/L bits in, counts out
-    count_across = part * cross_bits / 8 + part / m / 8  # M count sets of d/(L M) in, 1 bit out
-    return combine(method, c, phases, lionbit_kernel_bytes(d), count_in_node + count_across, k)
+    # L inputs of d/L bits in, counts out; then M count sets of d/(L M) in, 1 bit out (measured
+    # rates: the count of counts timed as a vote of M x cross_bits planes)
+    count_in_node = k.count_s(d / 8 + part * cross_bits / 8, part, lpn, vote=False)
+    count_across = k.count_s(part * cross_bits / 8 + part / m / 8, part / m, m * cross_bits)
+    return combine(method, c, phases, 0.0, k.lionbit_s(d) + count_in_node + count_across, k)
 
 
 def exact_hierarchical(d: float, c: Cluster, k: Kernels | None = None) -> Estimate:
@@ -636,7 +758,7 @@ def ring_allreduce(d: float, c: Cluster, elem_bytes: int = 4, k: Kernels | None 
     )
     reduce = wire["reduced_elems"] * 3 * elem_bytes  # read two, write one
     method = "ring_fp32" if elem_bytes == 4 else "ring_bf16"
-    return combine(method, c, [ring], reduce + cast_bytes(d, elem_bytes), 0.0, k)
+    return combine(method, c, [ring], reduce + cast_bytes(d, elem_bytes), 0.0, k or Kernels())
 
 
 def hierarchical_allreduce(d: float, c: Cluster, elem_bytes: int = 4, k: Kernels | None = None) -> Estimate:
@@ -654,7 +776,7 @@ def hierarchical_allreduce(d: float, c: Cluster, elem_bytes: int = 4, k: Kernels
     ]
     reduce = ((lpn - 1) / lpn * d + (m - 1) / m * d / lpn) * 3 * elem_bytes
     method = "hierarchical_fp32" if elem_bytes == 4 else "hierarchical_bf16"
-    return combine(method, c, phases, reduce + cast_bytes(d, elem_bytes), 0.0, k)
+    return combine(method, c, phases, reduce + cast_bytes(d, elem_bytes), 0.0, k or Kernels())
 
 
 # --- HSDP: FSDP2 on a (replicate, shard) mesh, a node one replica -----------------------
@@ -699,11 +821,11 @@ def hsdp_lion(d: float, c: Cluster, k: Kernels | None = None, f: Fsdp | None = N
     replicate group, a unit at a time, its bytes and steps as sign_wire states them: GPU
     chunks, no ties); the node's L ranks do so at once, sharing its link. One node: plain
     Lion on FSDP, nothing between nodes."""
-    f = f or Fsdp()
+    f, k = f or Fsdp(), k or Kernels()
     m, lpn = c.nodes, c.gpus_per_node
     part = d / lpn
     phases, stream = fsdp_phases(d, c, f)
-    per_rank, count, cross_s = 0.0, 0.0, 0.0
+    per_rank, own, cross_s = 0.0, 0.0, 0.0
     if m > 1:
         unit = int(math.ceil(part / f.units))
         wire = sign_wire("vote", m, unit, gpu=True)
@@ -717,12 +839,15 @@ def hsdp_lion(d: float, c: Cluster, k: Kernels | None = None, f: Fsdp | None = N
         )
         phases.append(cross)
         cross_s = phase_time(cross, c)
-        stream += lionbit_kernel_bytes(part)
-        count = 2 * part / 8 if m == 2 else part / 8 + f.units * shard
+        own = k.lionbit_s(part)
+        if m == 2:
+            own += k.count_s(2 * part / 8, part, 2)
+        else:
+            own += k.count_s(part / 8 + f.units * shard, 8 * f.units * shard, m)
     memory = hsdp_memory(d, c, f.momentum_bytes * part)
     extra = {"inter_bytes_per_rank": per_rank, "cross_node_s": cross_s, **memory}
     extra["fsdp_intra_bytes_per_gpu"] = sum(p.intra_bytes for p in phases)
-    return combine("hsdp_lion", c, phases, stream, count, k, extra)
+    return combine("hsdp_lion", c, phases, stream, own, k, extra)
 
 
 def hsdp_adamw(
@@ -733,7 +858,7 @@ def hsdp_adamw(
     shard, a ring of elem_bytes elements (2 (M-1)/M e d/L bytes, 2 (M-1) steps a unit);
     the node's L ranks share its link. A gradient of another dtype than the reduce-scatter's
     is cast to elem_bytes and back (streaming). AdamW's state: 2 fp32 elements a parameter."""
-    f = f or Fsdp()
+    f, k = f or Fsdp(), k or Kernels()
     m, lpn = c.nodes, c.gpus_per_node
     part = d / lpn
     phases, stream = fsdp_phases(d, c, f)
@@ -783,6 +908,123 @@ def recommend(estimates: list) -> Estimate:
     """The fastest exact method. The node vote is approximate: never recommended; nor is an
     HSDP method (estimate_hsdp), another memory regime than the replicated methods."""
     return min((e for e in estimates if e.exact and not isinstance(e, HsdpEstimate)), key=lambda e: e.time_s)
+
+
+# --- a whole step on measured GPU kernels: the gradient's exchange and the update -------
+
+# Bytes of memory an optimizer's update moves per fp32 parameter, timed at the measured copy rate:
+# a floor for torch's optimizers (its foreach Lion took about 4x its floor's time on an H100 and an
+# H200, docs/cuda.md), so the comparison favours them. AdamW reads p, g, m, v and writes p, m, v;
+# Lion reads p, g, m and writes p, m.
+ADAMW_UPDATE_BYTES = 28
+LION_UPDATE_BYTES = 20
+# PowerSGD (a DDP comm hook; torch's rank-r compression with error feedback) on a transformer's
+# matrices: the error added to the gradient (read 2, write 1), M Q and M^T P (M read twice), the
+# low-rank product written back and the new error kept (read 1, write 2): 8 fp32 passes.
+POWERSGD_BYTES = 32
+POWERSGD_RANK = 4
+# A transformer's width by its size (the GPT-3 family): PowerSGD's matrices are h x h and h x 4h.
+TRANSFORMER_WIDTHS = ((125e6, 768), (350e6, 1024), (760e6, 1536), (1.3e9, 2048), (2.7e9, 2560),
+                      (6.7e9, 4096), (13e9, 5120), (175e9, 12288))
+STEP_METHODS = (
+    # name, label, where its state lives
+    ("distributed_lion", "DistributedLion", "replicated"),
+    ("lion_bf16", "Lion + bf16 all-reduce", "replicated"),
+    ("adamw_bf16", "AdamW + bf16 all-reduce", "replicated"),
+    ("powersgd_adamw", "PowerSGD + AdamW", "replicated"),
+    ("hsdp_lion", "HSDP + DistributedLion", "HSDP"),
+    ("hsdp_adamw_bf16", "HSDP + AdamW, bf16", "HSDP"),
+)
+
+
+@dataclass
+class StepEstimate:
+    """One method's step after the backward pass: the gradient's exchange (an Estimate's time,
+    its kernels included) and the optimizer's update, both on the measured GPU."""
+
+    method: str
+    label: str
+    regime: str  # "replicated" (DDP) or "HSDP" (1/L of the state a rank): compare within one
+    exchange: str  # the exchange's own label
+    exchange_s: float
+    update_s: float
+    time_s: float
+    inter_bytes_per_node: float
+
+
+def transformer_width(d: float) -> int:
+    """The width h of the GPT-3 family's model nearest d parameters (in log scale)."""
+    return min(TRANSFORMER_WIDTHS, key=lambda row: abs(math.log(row[0] / d)))[1]
+
+
+def powersgd_exchange(d: float, c: Cluster, k: Kernels, rank: int, width: int) -> tuple:
+    """PowerSGD's two fp32 all-reduces (P, then Q) of a transformer's d parameters as layers of
+    12 h^2 (four h x h and two h x 4h matrices): 9 r h elements each a layer, each on the faster
+    of the ring and hierarchical all-reduce; plus its 8 passes over the gradient. Returns
+    (seconds, bytes a node's link carries)."""
+    elems = d / (12 * width * width) * 9 * rank * width
+    one = min((ring_allreduce(elems, c, 4, k), hierarchical_allreduce(elems, c, 4, k)), key=lambda e: e.time_s)
+    return 2 * one.time_s + k.stream_s(POWERSGD_BYTES * d), 2 * one.inter_bytes_per_node
+
+
+def step_estimates(d: float, c: Cluster, rates: GpuRates, rank: int = POWERSGD_RANK, width: int = 0) -> list:
+    """Every method of STEP_METHODS, in its order, on make gpu-check's measured kernels (fp32
+    parameters, gradients and state; one exchange of the whole gradient, no overlap with the
+    backward pass). DistributedLion takes lionbit's faster exact vote (flat or hierarchy="node")
+    and its measured direction and apply kernels; the all-reduces take NCCL's faster bf16 one."""
+    k = Kernels.measured(rates)
+    width = width or transformer_width(d)
+    replicated = estimate_all(d, c, k)
+    vote = min((e for e in replicated if e.method in ("flat_vote", "exact_hierarchical")), key=lambda e: e.time_s)
+    bf16 = min((e for e in replicated if e.method in ("ring_bf16", "hierarchical_bf16")), key=lambda e: e.time_s)
+    hsdp_lion_e, _, hsdp_bf16 = estimate_hsdp(d, c, k)
+    lion_s = d * (rates.direction_s + rates.apply_s)
+    psgd_s, psgd_bytes = powersgd_exchange(d, c, k, rank, width)
+    adamw_s = k.stream_s(ADAMW_UPDATE_BYTES * d)
+    part = 1 / c.gpus_per_node
+    rows = {
+        "distributed_lion": (vote.label, vote.time_s, lion_s, vote.inter_bytes_per_node),
+        "lion_bf16": (bf16.label, bf16.time_s, k.stream_s(LION_UPDATE_BYTES * d), bf16.inter_bytes_per_node),
+        "adamw_bf16": (bf16.label, bf16.time_s, adamw_s, bf16.inter_bytes_per_node),
+        "powersgd_adamw": (f"rank {rank}, h = {width}", psgd_s, adamw_s, psgd_bytes),
+        "hsdp_lion": (hsdp_lion_e.label, hsdp_lion_e.time_s, part * lion_s, hsdp_lion_e.inter_bytes_per_node),
+        "hsdp_adamw_bf16": (hsdp_bf16.label, hsdp_bf16.time_s, part * adamw_s, hsdp_bf16.inter_bytes_per_node),
+    }
+    out = []
+    for name, label, regime in STEP_METHODS:
+        exchange, exchange_s, update_s, inter = rows[name]
+        out.append(StepEstimate(name, label, regime, exchange, exchange_s, update_s, exchange_s + update_s, inter))
+    return out
+
+
+def report_step(d: int, c: Cluster, rates: GpuRates, steps: list) -> str:
+    lines = [
+        f"A step after the backward pass on {rates.device}'s measured kernels ({rates.source}): the gradient's "
+        f"exchange and the optimizer's update, fp32 parameters and state; {count_label(d)} parameters on "
+        f"{c.nodes} x {c.gpus_per_node} GPUs, {rate_label(c.inter_bytes_per_s)} per node",
+        "",
+        f"{'method':<26} {'step ms':>10} {'exchange ms':>12} {'update ms':>10} {'inter GB per node':>18}  exchange",
+    ]
+    for e in steps:
+        lines.append(
+            f"{e.label:<26} {e.time_s * 1e3:>10,.1f} {e.exchange_s * 1e3:>12,.1f} {e.update_s * 1e3:>10,.1f} "
+            f"{e.inter_bytes_per_node / 1e9:>18,.3f}  {e.exchange}"
+        )
+    for regime in ("replicated", "HSDP"):
+        mine = next(e for e in steps if e.regime == regime and e.method.endswith("lion"))
+        best = min((e for e in steps if e.regime == regime and e is not mine), key=lambda e: e.time_s)
+        ratio = best.time_s / mine.time_s
+        verdict = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+        lines.append(
+            f"{regime}: {mine.label} {mine.time_s * 1e3:,.1f} ms, {verdict} than the fastest other method, "
+            f"{best.label} ({best.time_s * 1e3:,.1f} ms)"
+        )
+    lines.append(
+        "updates at the measured copy rate for torch's optimizers (a floor), lionbit's at its measured kernels; "
+        "PowerSGD is approximate (rank-r with error feedback), DistributedLion's vote is exact; compare HSDP rows "
+        "with each other (1/L of the state a rank); time only: what each buys in quality is docs/benchmarks.md's"
+    )
+    return "\n".join(lines)
 
 
 # --- input ----------------------------------------------------------------------------
@@ -946,6 +1188,29 @@ def parser() -> argparse.ArgumentParser:
         help="fully_shard units, each its own collectives and their latency (default 1)",
     )
     h.add_argument("--momentum-dtype", default="fp32", choices=dtypes, help="DistributedLion's momentum (fp32)")
+    g = p.add_argument_group("measured GPU kernels", "make gpu-check's kernel rates instead of the assumed ones")
+    g.add_argument(
+        "--gpu-rates",
+        metavar="FILE",
+        type=arg_type(gpu_rates),
+        help="a make gpu-check JSON (e.g. docs/benchmarks/gpu_check_h200_5.json): lionbit's kernels at its "
+        "measured rates, the streaming ones at its device-to-device copy rate",
+    )
+    g.add_argument(
+        "--step",
+        action="store_true",
+        help="with --gpu-rates: also a whole step (exchange + optimizer update) against Lion and AdamW on NCCL's "
+        "bf16 all-reduce, PowerSGD and HSDP",
+    )
+    g.add_argument(
+        "--powersgd-rank", default=POWERSGD_RANK, type=arg_type(positive_int), help="PowerSGD's rank (default 4)"
+    )
+    g.add_argument(
+        "--width",
+        default=0,
+        type=arg_type(positive_int),
+        help="the transformer's width h for PowerSGD's matrices (default: the GPT-3 model nearest --params)",
+    )
     return p
 
 
@@ -964,6 +1229,12 @@ def fsdp_config(a: argparse.Namespace) -> Fsdp:
 
 
 def assumptions(c: Cluster, k: Kernels) -> str:
+    if k.gpu is not None:
+        kernels = (
+            f"GPU kernels as make gpu-check measured them on {k.gpu.device} ({k.gpu.source}; streaming ones at its "
+            f"copy rate, {k.stream_bytes_per_s / 1e12:.2f} TB/s of memory traffic); assumptions (not measurements): "
+        )
+        return kernels + assumptions(c, replace(k, gpu=None)).split("memory traffic ", 1)[1].split("; ", 1)[1]
     return (
         f"assumptions (not measurements): GPU kernels at {k.stream_bytes_per_s / 1e12:.2f} TB/s (pack, unpack, "
         f"reductions) and {k.count_bytes_per_s / 1e12:.2f} TB/s (counting) of memory traffic "
@@ -1049,10 +1320,15 @@ def main(argv=None) -> int:
         inter_latency_s=a.inter_latency_us * 1e-6,
         intra_latency_s=a.intra_latency_us * 1e-6,
     )
-    k = Kernels()
+    if a.step and a.gpu_rates is None:
+        parser().error(
+            "--step needs --gpu-rates FILE: a make gpu-check JSON, e.g. docs/benchmarks/gpu_check_h200_5.json"
+        )
+    k = Kernels() if a.gpu_rates is None else Kernels.measured(a.gpu_rates)
     estimates = estimate_all(a.params, c, k)
     f = fsdp_config(a)
     hsdp = estimate_hsdp(a.params, c, k, f) if a.hsdp else []
+    steps = step_estimates(a.params, c, a.gpu_rates, a.powersgd_rank, a.width) if a.step else []
     if a.json:
         doc = {
             "params": a.params,
@@ -1064,11 +1340,15 @@ def main(argv=None) -> int:
         }
         if a.hsdp:
             doc["hsdp"] = {"fsdp": asdict(f), "methods": [asdict(e) for e in hsdp]}
+        if a.step:
+            doc["step"] = [asdict(e) for e in steps]
         print(json.dumps(doc, indent=1))
     else:
         print(report(a.params, c, k, estimates))
         if a.hsdp:
             print("\n" + report_hsdp(c, f, hsdp))
+        if a.step:
+            print("\n" + report_step(a.params, c, a.gpu_rates, steps))
     return 0
 
 

@@ -4,6 +4,7 @@ match values worked out here by hand, with small round numbers."""
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -321,3 +322,111 @@ def test_cost_model_doc_hsdp_table_is_what_its_commands_print():
         assert cells[:3] == [estimate.count_label(args.params), estimate.rate_label(args.inter),
                              f"{args.nodes} ({c.ranks})"], row
         assert cells[3:-1] == figures, row
+
+
+# The kernel rates of a make gpu-check run (H200): lionbit.estimate --gpu-rates.
+ROOT = Path(__file__).resolve().parents[2]
+H200 = ROOT / "docs" / "benchmarks" / "gpu_check_h200_5.json"
+
+
+def test_gpu_rates_are_the_largest_rows_of_a_gpu_check_json():
+    rates = estimate.gpu_rates(str(H200))
+    rows = {(r["kernel"], r["elements_M"]): r for r in json.loads(H200.read_text())["figures"]["bench_kernels"]}
+    per_elem = lambda name: rows[(name, 256)]["time_us"] * 1e-6 / 256e6  # noqa: E731
+    assert rates.device == "NVIDIA H200"
+    assert rates.pack_s == pytest.approx(per_elem("pack_signs f32"))  # 673.1 us, not the 16M row's 49.9
+    assert rates.unpack_s == pytest.approx(per_elem("unpack f32 (2 planes)"))
+    assert rates.apply_s == pytest.approx(per_elem("lion_apply_dense f32/f32"))
+    copy = rows[("memcpy D2D (f32)", 256)]
+    assert rates.copy_bytes_per_s == pytest.approx(copy["MB"] * 1e6 / (copy["time_us"] * 1e-6))  # ~4.24 TB/s
+    assert [n for n, _ in rates.vote] == [2, 4, 8, 16, 32, 64]
+    v = dict(rates.vote)
+    assert rates.per_element(rates.vote, 1) == v[2]  # below the table: its first
+    assert rates.per_element(rates.vote, 8) == v[8]
+    assert rates.per_element(rates.vote, 12) == pytest.approx((v[8] + v[16]) / 2)
+    assert rates.per_element(rates.vote, 128) == pytest.approx(v[64] + (v[64] - v[32]) * 2)  # the last two's line
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("{not json", "not a readable JSON file"),
+        ('{"figures": {}}', "no figures.bench_kernels"),
+        ('{"figures": {"bench_kernels": [{"kernel": "vote N=2", "elements_M": 16}]}}', "time_us > 0"),
+        ('{"figures": {"bench_kernels": [{"kernel": "memcpy D2D (f32)", "elements_M": 16, "time_us": 37.5, '
+         '"MB": 134.2}]}}', "'pack_signs f32'"),
+    ],
+)
+def test_gpu_rates_refuse_a_file_naming_it_and_what_it_lacks(tmp_path, text, named):
+    bad = tmp_path / "rates.json"
+    bad.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(str(bad))) as err:
+        estimate.gpu_rates(str(bad))
+    assert named in str(err.value)
+    r = run_cli(*EXAMPLE, "--gpu-rates", str(bad))
+    assert r.returncode == 2 and "--gpu-rates" in r.stderr and named in r.stderr and "Traceback" not in r.stderr
+
+
+def test_measured_kernels_time_lionbit_per_element_and_streams_at_the_copy_rate():
+    rates = estimate.gpu_rates(str(H200))
+    k = estimate.Kernels.measured(rates)
+    two = estimate.Cluster(nodes=2, gpus_per_node=1, inter_bytes_per_s=1e9)
+    e = estimate.flat_vote(D, two, k)  # N = 2: each rank packs, votes every element and unpacks
+    assert e.kernel_s == pytest.approx(D * (rates.pack_s + rates.unpack_s + dict(rates.vote)[2]))
+    f = estimate.flat_vote(D, CLUSTER, k)  # N = 16: a rank votes its shard of 7813 words
+    assert f.kernel_s == pytest.approx(D * (rates.pack_s + rates.unpack_s) + 7813 * 64 * dict(rates.vote)[16])
+    r = estimate.ring_allreduce(D, CLUSTER, 4, k)
+    assert r.kernel_s == pytest.approx(15 / 16 * D * 12 / rates.copy_bytes_per_s)
+    assert estimate.flat_vote(D, CLUSTER).kernel_s != f.kernel_s  # the assumed rates differ
+
+
+def test_step_estimates_in_closed_form():
+    rates = estimate.gpu_rates(str(H200))
+    k, d = estimate.Kernels.measured(rates), 1.3e9
+    c = estimate.Cluster(nodes=8, gpus_per_node=8, inter_bytes_per_s=12.5e9)
+    steps = {e.method: e for e in estimate.step_estimates(d, c, rates)}
+    assert [e.label for e in steps.values()] == [m[1] for m in estimate.STEP_METHODS]
+    es = {e.method: e for e in estimate.estimate_all(d, c, k)}
+    vote = min(es["flat_vote"].time_s, es["exact_hierarchical"].time_s)
+    bf16 = min(es["ring_bf16"].time_s, es["hierarchical_bf16"].time_s)
+    lion_update = d * (rates.direction_s + rates.apply_s)
+    assert steps["distributed_lion"].time_s == pytest.approx(vote + lion_update)
+    assert steps["lion_bf16"].time_s == pytest.approx(bf16 + 20 * d / rates.copy_bytes_per_s)
+    assert steps["adamw_bf16"].time_s == pytest.approx(bf16 + 28 * d / rates.copy_bytes_per_s)
+    # PowerSGD, rank 4 on 1.3B's width 2048: P and Q of 9 r h elements a layer of 12 h^2
+    assert estimate.transformer_width(d) == 2048 and estimate.transformer_width(7e9) == 4096
+    elems = d / (12 * 2048**2) * 9 * 4 * 2048
+    one = min(estimate.ring_allreduce(elems, c, 4, k).time_s, estimate.hierarchical_allreduce(elems, c, 4, k).time_s)
+    assert steps["powersgd_adamw"].exchange_s == pytest.approx(2 * one + 32 * d / rates.copy_bytes_per_s)
+    hsdp_lion, _, hsdp_bf16 = estimate.estimate_hsdp(d, c, k)
+    assert steps["hsdp_lion"].time_s == pytest.approx(hsdp_lion.time_s + lion_update / 8)  # a rank updates d/L
+    assert steps["hsdp_adamw_bf16"].time_s == pytest.approx(hsdp_bf16.time_s + 28 * d / 8 / rates.copy_bytes_per_s)
+    assert steps["hsdp_lion"].regime == "HSDP" and steps["powersgd_adamw"].regime == "replicated"
+
+
+def test_cli_step_table_needs_the_rates():
+    r = run_cli(*EXAMPLE, "--step")
+    assert r.returncode == 2 and "--step needs --gpu-rates" in r.stderr
+    r = run_cli(*EXAMPLE, "--gpu-rates", str(H200), "--step")
+    assert r.returncode == 0, r.stdout + r.stderr
+    main_table, step_table = r.stdout.split("\nA step after the backward pass", 1)
+    assert "as make gpu-check measured them on NVIDIA H200" in main_table
+    for _, label, _ in estimate.STEP_METHODS:
+        assert f"\n{label} " in step_table, label
+    assert "replicated: DistributedLion" in step_table and "HSDP: HSDP + DistributedLion" in step_table
+    doc = json.loads(run_cli(*EXAMPLE, "--gpu-rates", str(H200), "--step", "--json").stdout)
+    assert [s["method"] for s in doc["step"]] == [m[0] for m in estimate.STEP_METHODS]
+    assert doc["kernels"]["gpu"]["device"] == "NVIDIA H200"
+
+
+def test_cost_model_doc_step_table_is_what_the_projection_prints():
+    """docs/cost-model.md's step table is bench/gpu_step_projection.py's on the H200's rates."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_step_projection
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    doc = (ROOT / "docs" / "cost-model.md").read_text()
+    assert "python bench/gpu_step_projection.py --gpu-rates docs/benchmarks/gpu_check_h200_5.json" in doc
+    table = gpu_step_projection.table(gpu_step_projection.projection(estimate.gpu_rates(str(H200))))
+    assert table in doc
