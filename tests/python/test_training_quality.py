@@ -1,4 +1,4 @@
-"""Training quality on scikit-learn's bundled digits at N = 4 (under 2 minutes):
+"""Training quality on scikit-learn's bundled digits at N = 4 (about a minute):
 issue 3's acceptance item, asserted as stated. Over seeds 0-3,
 DistributedLion vote and avg each end within 1.0 point of single-process
 Lion's mean test accuracy and at least as good as AdamW's.
@@ -32,7 +32,8 @@ def test_distributed_lion_matches_lion_and_adamw_on_digits():
         r = subprocess.run(
             [torchrun, "--standalone", "--nproc-per-node=4", EXAMPLE, "--seeds", "4", "--json", out],
             # A hang guard, not a speed target: 89 s in a quiet hour, 260 s alone with a quarter
-            # of the cores stolen (2026-11-29), over 300 s inside a slow suite.
+            # of the cores stolen (2026-11-29), over 300 s inside a slow suite; about half that
+            # since the seeds' models train side by side (2026-12-01: 53 s against 113 s).
             capture_output=True, text=True, timeout=900, env=env,
         )
         assert r.returncode == 0, r.stdout + r.stderr
