@@ -163,6 +163,10 @@ def kernels(path: str) -> str:
     return table
 
 
+def _x(v):
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
 def _ms(s):
     return "n/a" if s is None else f"{s * 1e3:,.1f}"
 
@@ -174,10 +178,12 @@ def training(path: str, md: str | None = None, png: str | None = None) -> str:
     res = doc["results"]
     base = os.path.splitext(path)[0]
     md, png = md or base + ".md", png or base + ".png"
+    # --interleave runs: each config's median ratio of step i to the floor's step i.
+    by_step = any(r.get("vs_floor_by_step") is not None for r in res)
     lines = ["| impl | link | N | median step ms | mean step ms | fwd+bwd ms | opt ms | exposed comm ms "
-             "| comm-alone ms | hidden % | vs floor | vs fused-Lion floor | vs lion_fp32 | payload MB/rank "
-             "| wire MB/rank |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| comm-alone ms | hidden % | vs floor | " + ("vs floor, step by step | " if by_step else "")
+             + "vs fused-Lion floor | vs lion_fp32 | payload MB/rank | wire MB/rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if by_step else "")]
     links = sorted({r["link"] for r in res}, key=lambda lk: (lk != "1gbit", lk))
     order = list(dict.fromkeys(r["impl"] for r in res))
     for link in links:
@@ -191,7 +197,8 @@ def training(path: str, md: str | None = None, png: str | None = None) -> str:
                 f"{_ms(r.get('comm_alone_s')) if r.get('comm_alone_s') is not None else '-'} | "
                 f"{'-' if h is None else format(100 * h, '.0f')} | "
                 f"{'n/a' if vf is None else format(vf, '.2f') + 'x'} | "
-                f"{'n/a' if vff is None else format(vff, '.2f') + 'x'} | "
+                + (f"{_x(r.get('vs_floor_by_step'))} | " if by_step else "")
+                + f"{'n/a' if vff is None else format(vff, '.2f') + 'x'} | "
                 f"{'n/a' if vl is None else format(vl, '.2f') + 'x'} | "
                 f"{_mb(r['bytes_per_rank'])} | {_mb(r.get('wire_bytes_per_rank'))} |")
     table = "\n".join(lines) + "\n"

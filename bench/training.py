@@ -4,6 +4,8 @@
     python bench/training.py                              # N 4; 1 and 10 Gbit/s; 5 warm-up + 20 timed steps
     python bench/training.py --links 1gbit --impls distlion_vote,no_comm --steps 10
     python bench/training.py --loopback                   # no namespaces (also the fallback without root)
+    python bench/training.py --ranks 2 --links 1gbit --interleave \
+        --impls no_comm,ddp_no_comm,ddp_no_comm_bv,distlion_vote,distlion_vote_bv   # a core per rank, step by step
 
 The cluster, the launch of one worker process per rank and the JSON/Markdown/
 PNG conventions are suite 1's (bench/collectives.py, bench/netns.py). Every
@@ -33,6 +35,15 @@ Implementations (all optimizers: lr 1e-4, weight decay 0.1; Lion betas 0.9, 0.99
                    loop that clips or unscales gradients falls back to)
     no_comm        the floor: the same model, forward, backward and Lion step on each
                    rank, no DDP and no collective (only the per-step barrier)
+
+Not in the default list:
+
+    ddp_no_comm    the floor under DDP: DDP with a comm hook that hands back the local
+                   gradient (no collective), the same Lion: what DDP itself costs a step
+                   (its autograd hooks and bucket copies), which every DDP config pays
+    ddp_no_comm_bv the same with DDP(gradient_as_bucket_view=True): the gradients are
+                   views of DDP's buckets, so DDP copies no bucket back into p.grad
+    distlion_vote_bv  distlion_vote with DDP(gradient_as_bucket_view=True)
 
 Lion Cub's levers (not in the default list; name them with --impls), each
 distlion_vote (attach, overlap) with one DistributedLion option (DISTLION):
@@ -71,7 +82,12 @@ loss.backward() returns (for DDP this includes waiting for every bucket's
 communication), opt = optimizer.step(). Figures are the slowest rank's
 median over the timed steps (each rank's median, then the max over ranks),
 as in suite 1; fwd_bwd and opt are that slowest rank's medians.
-exposed_comm = median step - the no_comm floor. The floor's optimizer step is
+exposed_comm = median step - the no_comm floor. With --interleave every config is
+built and warmed up first and the timed steps are taken in turn (step i of each
+config, then step i + 1), and each config also gets vs_floor_by_step: the
+median over i of its step i / the floor's step i (slowest rank each). On a
+machine whose pace moves by 10-30 % between runs minutes (or seconds) apart,
+that ratio moves least. The floor's optimizer step is
 the torch Lion; no_comm also times lionbit's fused Lion kernels (direction
 and apply, as DistributedLion runs them) on the same parameters, and
 floor_fused_lion = floor - its step + that time: the floor with a fused local
@@ -132,8 +148,15 @@ DISTLION = {
     "distlion_ms100": dict(momentum_sync=100),
     "distlion_node": dict(hierarchy="node"),
     "distlion_node_vote": dict(hierarchy="node_vote"),
+    "distlion_vote_bv": {},
 }
-KNOWN = IMPLS + [k for k in DISTLION if k not in IMPLS]
+# DDP without communication: the same step as no_comm under DDP (its autograd hooks and bucket copies)
+# with a comm hook that hands back the local gradient; what DDP itself costs a step.
+DDP_NO_COMM = ("ddp_no_comm", "ddp_no_comm_bv")
+# The configs that build DDP with more than init_sync=False.
+DDP_KWARGS = {"distlion_vote_bv": dict(gradient_as_bucket_view=True),
+              "ddp_no_comm_bv": dict(gradient_as_bucket_view=True)}
+KNOWN = IMPLS + [k for k in DISTLION if k not in IMPLS] + list(DDP_NO_COMM)
 
 MODEL = dict(vocab=16384, d_model=512, layers=3, heads=8, ffn=2048, seq=32, batch=4)
 LR, WD, BETAS = 1e-4, 0.1, (0.9, 0.99)
@@ -234,6 +257,15 @@ class traced_hook:
     def __exit__(self, *exc):
         if self.inner is not None:
             self.module._hook = self.inner
+
+
+def local_gradient_hook(state, bucket):
+    """A DDP comm hook that communicates nothing: the bucket's local gradient goes back to p.grad."""
+    import torch
+
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 def serialized(hook):
@@ -381,9 +413,13 @@ def worker(args) -> None:
         return F.cross_entropy(logits.reshape(-1, cfg["vocab"]), x[:, 1:].reshape(-1))
 
     results = []
-    d = None
     clock = [0.0]      # start of the current step, for the bucket trace
-    for impl in args.impls:
+
+    def run_impl(impl):
+        """One config, a generator: its set-up and warm-up, then its timed steps, each after a
+        yield (so that with --interleave the driver below takes every config's step i before any
+        config's step i + 1), then its comm-alone runs and figures (appended to results).
+        Collective: every rank advances the same generators in the same order."""
         trace = []
         torch.manual_seed(0)
         model = make_model(cfg)
@@ -397,7 +433,7 @@ def worker(args) -> None:
             net = model
         else:
             # Same seed on every rank: the replicas start identical, so skip DDP's initial broadcast.
-            net = DDP(model, init_sync=False)
+            net = DDP(model, init_sync=False, **DDP_KWARGS.get(impl, {}))
         if impl == "adamw_fp32":
             try:
                 opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, fused=True)
@@ -409,13 +445,15 @@ def worker(args) -> None:
                 opt.attach(net, overlap=overlap)
         else:
             opt = make_lion(net.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
-        if impl == "lion_bf16":
+        if impl in DDP_NO_COMM:
+            net.register_comm_hook(None, local_gradient_hook)
+        elif impl == "lion_bf16":
             net.register_comm_hook(None, default_hooks.bf16_compress_hook)
         elif impl == "lion_powersgd":
             psgd = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
                                                start_powerSGD_iter=POWERSGD_START, random_seed=0)
             net.register_comm_hook(psgd, serialized(powerSGD_hook.powerSGD_hook))
-        elif impl not in ("adamw_fp32", "lion_fp32", "no_comm") and impl not in DISTLION:
+        elif impl not in ("adamw_fp32", "lion_fp32", "no_comm", *DDP_NO_COMM) and impl not in DISTLION:
             raise ValueError(impl)
 
         steps_seen = []   # --timeline: (unix start, backward end, step end) of each step, s
@@ -441,25 +479,37 @@ def worker(args) -> None:
             raise RuntimeError(f"PowerSGD still in its uncompressed iterations after {args.warmup} warm-up steps")
         psgd_after0 = psgd.total_numel_after_compression if psgd is not None else 0
 
-        lionbit.reset_stats()
         times = []
         trace.clear()
         steps_seen.clear()
         synced0 = opt.steps_taken if impl in DISTLION else 0
-        dist.barrier()
-        w0 = wire_bytes()
-        c0, u0, t_0 = time.process_time(), busy_seconds(), time.perf_counter()
+        # Per timed step (a barrier, the step, a barrier), summed over the steps: the bytes on the
+        # wire, this process's CPU, the machine's busy and stolen core seconds, the wall time and
+        # lionbit's counters. With --interleave the other configs' steps fall between them.
+        keys = ("bytes_sent", "pack_seconds", "comm_seconds", "vote_seconds", "unpack_seconds",
+                "sign_allreduce_calls", "momentum_sync_bytes_sent", "intra_node_bytes_sent", "inter_node_bytes_sent")
+
+        def counters():
+            s = lionbit.stats()
+            return [wire_bytes(), time.process_time(), *busy_seconds()[:2], time.perf_counter(),
+                    *(float(s.get(k, 0)) for k in keys)]
+
+        total = None
         for i in range(args.steps):
+            yield
             dist.barrier()
+            before = counters()
             times.append(step(args.warmup + i))
-        dist.barrier()
-        c1, u1, t_1 = time.process_time(), busy_seconds(), time.perf_counter()
+            dist.barrier()
+            diff = [b - a for a, b in zip(before, counters())]
+            total = diff if total is None else [t + x for t, x in zip(total, diff)]
+        wire_s, cpu_s, busy_s, steal_s, wall_s = total[:5]
+        st = dict(zip(keys, total[5:]))
+        # As many bare barriers as the timed windows hold: their bytes are subtracted.
         w1 = wire_bytes()
-        # The same number of bare barriers: their bytes are subtracted.
-        for _ in range(args.steps + 1):
+        for _ in range(args.steps):
             dist.barrier()
         w2 = wire_bytes()
-        st = lionbit.stats()
         # The momentum sync's bytes, where lionbit counts them apart from the sign path's.
         sync_bytes = st["momentum_sync_bytes_sent"]
         schedule = getattr(opt, "_sync_schedule", None) if impl in DISTLION else None
@@ -518,10 +568,10 @@ def worker(args) -> None:
                 comm.append(time.perf_counter() - t0)
             del buckets, saved
 
-        # The DDP replicas must have stayed identical (no_comm: each rank trains alone).
+        # The DDP replicas must have stayed identical (no_comm, ddp_no_comm*: each rank trains alone).
         with torch.no_grad():
             check = torch.stack([q.double().sum() for q in net.parameters()]).sum().view(1)
-        same = bool((gather_rows(check) == check).all()) if impl != "no_comm" else None
+        same = bool((gather_rows(check) == check).all()) if impl not in ("no_comm", *DDP_NO_COMM) else None
 
         # The floor's Lion step against lionbit's fused Lion kernels on the same
         # parameters (one pass direction + momentum, one pass apply), all ranks
@@ -549,15 +599,17 @@ def worker(args) -> None:
         step_t, fb_t, opt_t = (statistics.median(t[k] for t in times) for k in range(3))
         mine = torch.tensor([step_t, fb_t, opt_t,
                              statistics.median(comm) if comm else statistics.median(fused) if fused else 0.0,
-                             (w1 - w0) - (w2 - w1) if w0 >= 0 else -1.0,
+                             wire_s - (w2 - w1) if w1 >= 0 else -1.0,
                              float(st["bytes_sent"]),
                              st["pack_seconds"], st["comm_seconds"], st["vote_seconds"], st["unpack_seconds"],
                              float(st["sign_allreduce_calls"]),
-                             c1 - c0, u1[0] - u0[0], t_1 - t_0, u1[1] - u0[1],
+                             cpu_s, busy_s, wall_s, steal_s,
                              statistics.fmean(t[0] for t in times), float(sync_bytes),
                              float(st.get("intra_node_bytes_sent", 0)), float(st.get("inter_node_bytes_sent", 0))],
                             dtype=torch.float64)
         every = gather_rows(mine)
+        # Each timed step's slowest rank (with --interleave, step i of every config ran in one round).
+        by_step = gather_rows(torch.tensor([t[0] for t in times], dtype=torch.float64)).max(dim=0).values
 
         slow = int(every[:, 0].argmax())
         f = 2 * (n - 1) / n
@@ -591,6 +643,7 @@ def worker(args) -> None:
             "payload_over_1bit": payload / (f * d / 8),
             "steps": args.steps, "warmup": args.warmup, "comm_repeats": args.comm_repeats,
             "per_rank_median_s": every[:, 0].tolist(),
+            "step_s_by_step": by_step.tolist(),
             "replicas_identical": same,
             # Cores busy during the timed steps and the share not charged to the N ranks.
             **load_columns(every[0, 12].item(), every[0, 14].item(), every[:, 11].sum().item(),
@@ -636,6 +689,20 @@ def worker(args) -> None:
         net = model = opt = psgd = None
         gc.collect()
 
+    runs = [run_impl(impl) for impl in args.impls]
+    if args.interleave:
+        # Every config is built and warmed up first, then step i of each config in turn: a
+        # machine whose pace drifts within seconds slows every config's step i alike.
+        live = list(runs)
+        while live:
+            for run in list(live):
+                if next(run, StopIteration) is StopIteration:
+                    live.remove(run)
+    else:
+        for run in runs:           # one config after the other
+            for _ in run:
+                pass
+
     # Relative figures against the floor and lion_fp32 of this run.
     by = {r["impl"]: r for r in results}
     nc = by.get("no_comm", {})
@@ -652,6 +719,10 @@ def worker(args) -> None:
         r["exposed_comm_s"] = (t - floor) if floor is not None else None
         r["vs_floor"] = (t / floor) if floor else None
         r["vs_floor_fused_lion"] = (t / floor_fused) if floor_fused else None
+        # --interleave: the median over the timed steps of step i / the floor's step i, both taken in
+        # the same round (the ratio a drifting machine moves least).
+        r["vs_floor_by_step"] = (statistics.median(a / b for a, b in zip(r["step_s_by_step"], nc["step_s_by_step"]))
+                                 if floor and args.interleave else None)
         r["speedup_vs_lion_fp32"] = (lion / t) if lion else None
         ca, ex = r["comm_alone_s"], r["exposed_comm_s"]
         r["hidden_fraction"] = (min(1.0, max(0.0, 1.0 - ex / ca))
@@ -682,12 +753,15 @@ def git_commit() -> str:
 
 
 def run_ranks(cluster, n: int, link: str, impls, warmup: int, steps: int, comm_repeats: int,
-              out: str, timeout: float, timeline: str | None = None, pin: bool = True) -> list:
+              out: str, timeout: float, timeline: str | None = None, pin: bool = True,
+              interleave: bool = False) -> list:
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--link", link,
             "--impls", ",".join(impls), "--warmup", str(warmup), "--steps", str(steps),
             "--comm-repeats", str(comm_repeats), "--out", out, "--pin" if pin else "--no-pin"]
     if timeline:
         argv += ["--timeline", timeline]
+    if interleave:
+        argv += ["--interleave"]
     return launch(cluster, n, argv, out, timeout)
 
 
@@ -712,6 +786,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900, help="seconds per (link, N) run")
     p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                    help="with N <= cores, pin rank r (all its threads) to core r (default on)")
+    p.add_argument("--interleave", action="store_true",
+                   help="take the configs' timed steps in turn (step i of each, then step i + 1; every config "
+                        "built first) and report each config's median ratio of step i to the floor's step i")
     p.add_argument("--timeline", default=None, metavar="DIR",
                    help="DistributedLion with overlap: print one step's timeline per rank (the median step: "
                         "each bucket's hook, its vote's header round, all-to-all, all-gather and end from "
@@ -739,7 +816,7 @@ def main() -> None:
     if not use_ns:
         links = ["loopback"]
     meta = dict(new_meta(use_ns), model=MODEL, lr=LR, weight_decay=WD, betas=BETAS, git=git_commit(),
-                pinned=a.pin, per_node=a.per_node)
+                pinned=a.pin, per_node=a.per_node, interleave=a.interleave)
     print(f"training: {meta['machine']['cores']} cores ({meta['machine']['cpu']}), "
           f"torch {meta['machine']['torch']}, lionbit {meta['machine']['lionbit']}; N {ranks}, links {links}, "
           f"impls {impls}; {warmup} warm-up + {steps} timed steps, comm alone x{comm_repeats}; "
@@ -754,7 +831,7 @@ def main() -> None:
         os.environ["LIONBIT_TRACE"] = os.path.join(a.timeline, "sign")
     run_cases("training", use_ns, links, ranks, a.json, meta,
               lambda c, n, link, tmp: run_ranks(c, n, link, impls, warmup, steps, comm_repeats, tmp, a.timeout,
-                                                a.timeline, a.pin), per_node=a.per_node)
+                                                a.timeline, a.pin, a.interleave), per_node=a.per_node)
     import report
     report.training(a.json, md=a.md, png=a.png)
 

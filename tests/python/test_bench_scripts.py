@@ -10,6 +10,7 @@ steps to target), never for speed."""
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -50,6 +51,39 @@ def test_training_suite_runs_and_reports_the_vote(tmp_path):
         for b in r["buckets"]:
             assert b["hook"] <= b["call"] <= b["header"] <= b["end"] <= r["step_end"], b
         assert r["backward_end"] <= r["step_end"]
+    assert all(row["vs_floor_by_step"] is None for row in rows.values())  # only with --interleave
+
+
+def test_training_suite_interleaves_the_configs_step_by_step(tmp_path):
+    """--interleave: every config built first, step i of each taken in turn; each config's ratio to
+    the floor step by step; DDP with no communication and DDP with bucket views run beside the vote."""
+    out = tmp_path / "training.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("LOCAL_WORLD_SIZE", None)
+    impls = ["no_comm", "ddp_no_comm", "distlion_vote_bv"]
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "training.py"), "--loopback", "--ranks", "2", "--interleave",
+         "--impls", ",".join(impls), "--warmup", "3", "--steps", "3", "--comm-repeats", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["interleave"] is True
+    rows = {row["impl"]: row for row in doc["results"]}
+    assert set(rows) == set(impls)
+    for impl, row in rows.items():
+        steps = row["step_s_by_step"]
+        assert len(steps) == 3 and all(t > 0 for t in steps), impl
+        assert row["vs_floor_by_step"] > 0, impl
+        assert statistics.median(steps) == pytest.approx(row["median_s"], rel=0.5), impl
+    assert rows["no_comm"]["vs_floor_by_step"] == 1.0
+    assert rows["ddp_no_comm"]["bytes_per_rank"] == 0 and rows["ddp_no_comm"]["replicas_identical"] is None
+    vote = rows["distlion_vote_bv"]
+    d = vote["numel"]
+    assert vote["replicas_identical"] is True
+    assert d / 8 <= vote["bytes_per_rank"] <= 2 * d / 8, vote["bytes_per_rank"]
+    assert vote["sign_allreduce_calls_per_step"] >= 1
+    assert "vs floor, step by step" in (tmp_path / "training.md").read_text()
 
 
 def test_time_to_target_quick_path_runs_every_phase(tmp_path):
