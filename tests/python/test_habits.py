@@ -9,7 +9,9 @@ as the user's script on N = 2 and 3 real processes:
   and without overlap;
 - re-wrapping: ``opt.detach()`` then ``opt.attach(new_ddp)``, or a direct
   ``opt.attach(new_ddp)``, keeps the momentum; a new process group after
-  ``destroy_process_group()``.
+  ``destroy_process_group()``;
+- ``DDP(gradient_as_bucket_view=True)``: ``p.grad`` a view of DDP's bucket,
+  bare and with clipping.
 
 Where they train, every rank compares its parameters bitwise with
 ``simulate``: Distributed Lion on N simulated ranks in one process, written
@@ -299,3 +301,35 @@ def new_process_group(rank, n, workdir):
 def test_a_new_process_group_after_destroy(n, tmp_path):
     res = values(run_ranks("test_habits:new_process_group", n, kwargs={"workdir": str(tmp_path)}))
     assert len(set(res)) == 1, "replicas differ"
+
+
+# -- 4. DDP's buckets as the gradients (gradient_as_bucket_view=True) ----------
+
+
+def bucket_views(rank, n, loop):
+    """``DDP(model, gradient_as_bucket_view=True)``, the setting that saves
+    DDP's copy of each bucket back into ``p.grad``: ``p.grad`` is then a view
+    of DDP's bucket. The loop trains as the simulation does; clipping edits
+    the bucket itself in place, which the attachment must see (its votes at
+    ``step()`` from then on)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
+
+    torch.set_num_threads(1)
+    model = _net()
+    ddp = DDP(model, bucket_cap_mb=0.001, gradient_as_bucket_view=True)
+    opt = lionbit.DistributedLion(ddp.parameters(), **LION)
+    opt.attach(ddp)
+    _train(ddp, opt, rank, range(STEPS), loop)
+    views = all(p.grad._base is not None for p in ddp.parameters())
+    _same(model, simulate([STEPS] * n, loop), f"bucket views, {loop}")
+    return {"digest": _digest(model.parameters()), "overlap_now": opt.attachment.overlap, "views": views}
+
+
+@pytest.mark.parametrize("loop", ["bare", "clip"])
+def test_ddp_with_gradients_as_bucket_views(loop):
+    res = values(run_ranks("test_habits:bucket_views", 2, kwargs={"loop": loop}))
+    assert len({r["digest"] for r in res}) == 1, "replicas differ"
+    assert all(r["views"] for r in res), "p.grad is not a view of DDP's bucket: the case is not tested"
+    assert all(r["overlap_now"] == (loop == "bare") for r in res), res
