@@ -74,6 +74,16 @@ def table(rows: list) -> str:
     return "\n".join(out)
 
 
+def summary(rows: list, rates) -> str:
+    """One line: each comparison's range over the grid, the other's step over DistributedLion's
+    (> 1: DistributedLion faster); the figure make gpu-check shows."""
+    parts = []
+    for label, mine, other in VERSUS:
+        r = [ratio(row["steps"], mine, other) for row in rows]
+        parts.append(f"{label} {min(r):.2f}-{max(r):.2f}x")
+    return f"on {rates.device}'s kernels, {len(rows)} cases: " + "; ".join(parts)
+
+
 def plot(rows: list, rates, path: str) -> bool:
     try:
         import matplotlib  # optional: the plot only
@@ -128,6 +138,7 @@ def main(argv=None) -> int:
     print(text)
     if plot(rows, a.gpu_rates, stem + ".png"):
         print(f"gpu_step_projection: {stem}.png")
+    print(summary(rows, a.gpu_rates))
     return 0
 
 

@@ -15,6 +15,10 @@ that a hang or a failure never stops the rest:
   verdicts     the first-use self-check's verdict for every custom kernel
   bench-kernels  bench/cuda_kernels.cu at 16M and 256M elements against the
                same GPU's device-to-device copy (goal: >= 80 %)
+  projection   bench/gpu_step_projection.py on the rates bench-kernels just measured:
+               a step of 1.3B / 7B models on 2-64 nodes of 8 GPUs against Lion / AdamW
+               with a bf16 all-reduce, PowerSGD and HSDP (lionbit.estimate); without a
+               GPU, on the newest committed rates (COMMITTED_RATES)
   lion-step    DistributedLion's local step against torch Lion (foreach ops) and
                the memory-traffic floor, on ~1B parameters in large bf16 matrices
                and a GPT-2-medium-shaped list (goal: <= 1.0x torch Lion on both)
@@ -48,6 +52,8 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The newest make gpu-check figures in the tree: the projection's kernel rates where this run has none.
+COMMITTED_RATES = os.path.join("docs", "benchmarks", "gpu_check_h200_5.json")
 
 
 class Step:
@@ -403,6 +409,26 @@ def main(argv=None):
         else:
             step.figure = no_gpu + f" (the script ran on CPU at {res['params'] / 1e6:.0f}M parameters)"
 
+    def projection(step):
+        """bench/gpu_step_projection.py on this run's kernel rates (without a GPU: the newest committed
+        ones), the step of 1.3B / 7B models on 2-64 nodes against the other methods (lionbit.estimate)."""
+        rates = os.path.join(r.out, "kernel_rates.json")
+        if "bench_kernels" in r.figures:
+            with open(rates, "w") as f:
+                json.dump({"gpu": gpu, "figures": {"bench_kernels": r.figures["bench_kernels"]}}, f)
+        else:
+            rates = COMMITTED_RATES
+        rc, out = r.run(step, "projection", [py, "bench/gpu_step_projection.py", "--gpu-rates", rates,
+                                             "--out", os.path.join(r.out, "projection")], timeout=60)
+        if rc != 0:
+            step.status, step.figure = "failed", f"exit {rc}: {_tail(out)}"
+            return
+        figure = _tail(out, 1)
+        if gpu and rates != COMMITTED_RATES:
+            step.status, step.figure = "passed", figure
+        else:
+            step.figure = (no_gpu if not gpu else "no kernel rates in this run") + f" (from {rates}: {figure})"
+
     def train_step(step):
         path = os.path.join(r.out, "train_step.json")
         cmd = [py, "bench/gpu_train_step.py", "--json", path]
@@ -457,6 +483,7 @@ def main(argv=None):
     r.step("pytest-aten", "pytest -m gpu, LIONBIT_KERNELS=aten", 0, pytest("aten", 270))
     rest = [("verdicts", "first-use self-check, every custom kernel", 10, verdicts),
             ("bench-kernels", "kernels vs D2D copy, 16M / 256M", 20, bench_kernels),
+            ("projection", "a step on 2-64 nodes on these kernels (lionbit.estimate)", 5, projection),
             ("lion-step", "DistributedLion vs torch Lion, 1B bf16", 30, lion_step),
             ("train-step", "DDP / FSDP2 + DistributedLion vs no communication, GPT-2-small", 30, train_step),
             ("equality", "DDP / FSDP2 / HSDP on CUDA == on CPU", 30, equality),

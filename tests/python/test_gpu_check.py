@@ -17,7 +17,8 @@ import pytest
 import lionbit
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-GPU_STEPS = ("ctest-gpu", "pytest-custom", "pytest-aten", "bench-kernels", "lion-step", "train-step", "profile")
+GPU_STEPS = ("ctest-gpu", "pytest-custom", "pytest-aten", "bench-kernels", "projection", "lion-step", "train-step",
+             "profile")
 
 
 def _has_gpu():
@@ -42,7 +43,7 @@ def test_gpu_check_cpu_mode(tmp_path):
     res = json.loads((tmp_path / "results.json").read_text())
     steps = {s["step"]: s for s in res["steps"]}
     assert list(steps) == ["build", "import", "ctest-gpu", "pytest-custom", "pytest-aten", "verdicts",
-                           "bench-kernels", "lion-step", "train-step", "equality", "profile"]
+                           "bench-kernels", "projection", "lion-step", "train-step", "equality", "profile"]
     for name in GPU_STEPS:
         assert steps[name]["status"] == "skipped" and "no GPU" in steps[name]["figure"], steps[name]
     for name in ("build", "import", "verdicts", "equality"):
@@ -64,9 +65,29 @@ def test_gpu_check_cpu_mode(tmp_path):
     assert checks["cpu hsdp vote: ranks agree"] and checks["hsdp: the runs moved the parameters"], checks
     assert (tmp_path / "ddp_step_cpu.txt").read_text().count("lionbit") >= 1
     assert (tmp_path / "ddp_step_cpu.trace.json.gz").stat().st_size > 0
+    # The projection ran on the committed rates: 2 models x 4 links x 3 cluster sizes.
+    proj = json.loads((tmp_path / "projection" / "gpu_step_projection.json").read_text())
+    assert len(proj["rows"]) == 24 and "24 cases" in steps["projection"]["figure"], steps["projection"]
     # The table comes last, one row per step.
     table = r.stdout.strip().splitlines()
-    assert table[-1].startswith("no GPU;") and sum(line.startswith("| ") for line in table[-15:]) == 13
+    assert table[-1].startswith("no GPU;") and sum(line.startswith("| ") for line in table[-16:]) == 14
+
+
+def test_projection_reads_the_rates_gpu_check_writes(tmp_path):
+    """With a GPU, gpu_check hands the projection this run's kernel rows as {"gpu", "figures":
+    {"bench_kernels"}}: the script reads that file and names the GPU."""
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "tools", "gpu_check.py"))
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    committed = json.loads(open(os.path.join(ROOT, gpu_check.COMMITTED_RATES)).read())
+    rates = tmp_path / "kernel_rates.json"
+    rates.write_text(json.dumps({"gpu": {"name": "Test GPU 9000"},
+                                 "figures": {"bench_kernels": committed["figures"]["bench_kernels"]}}))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_step_projection.py"), "--gpu-rates",
+                        str(rates), "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("on Test GPU 9000's kernels, 24 cases: Lion + bf16 all-reduce / DistributedLion "), last
 
 
 def test_extension_exports_no_libstdcxx():
