@@ -21,6 +21,14 @@ GPU_STEPS = ("ctest-gpu", "pytest-custom", "pytest-aten", "bench-kernels", "proj
              "profile")
 
 
+def _gpu_check_module():
+    """tools/gpu_check.py as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "tools", "gpu_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _has_gpu():
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
@@ -76,9 +84,7 @@ def test_gpu_check_cpu_mode(tmp_path):
 def test_projection_reads_the_rates_gpu_check_writes(tmp_path):
     """With a GPU, gpu_check hands the projection this run's kernel rows as {"gpu", "figures":
     {"bench_kernels"}}: the script reads that file and names the GPU."""
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "tools", "gpu_check.py"))
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = _gpu_check_module()
     committed = json.loads(open(os.path.join(ROOT, gpu_check.COMMITTED_RATES)).read())
     rates = tmp_path / "kernel_rates.json"
     rates.write_text(json.dumps({"gpu": {"name": "Test GPU 9000"},
@@ -94,9 +100,7 @@ def test_extension_exports_no_libstdcxx():
     """lionbit._C keeps whatever a toolchain links into it statically private
     (bindings/CMakeLists.txt: --exclude-libs): the first GPU run crashed in
     every sign collective because _C exported libstdc++'s locale symbols."""
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "tools", "gpu_check.py"))
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = _gpu_check_module()
     leaked = gpu_check.libstdcxx_exports(lionbit._C.__file__)
     if leaked is None:
         pytest.skip("no nm on this machine")
