@@ -4,7 +4,11 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <memory>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "backend/kernel_check.hpp"
 #include "backend/kernel_set.hpp"
@@ -219,6 +223,92 @@ bool lion_fused_supported(at::ScalarType param, at::ScalarType grad, at::ScalarT
       optim::lion_param_dtype_supported(*p);
 }
 
+namespace {
+
+// Lion's coefficients as the kernels take them (float32, rounded once).
+struct DirectionCoefs {
+  float b1, omb1, b2, omb2;
+};
+
+// One (g, m) pair of a fused direction call on the CPU: raises ValueError
+// naming the argument (`g_name`, `m_name`) that is not a CPU float tensor,
+// whose dtypes the kernels do not take, or whose sizes differ.
+void check_direction_pair(
+    const char* op,
+    const at::Tensor& g,
+    const at::Tensor& m,
+    const std::string& g_name,
+    const std::string& m_name) {
+  require(op, check_float(g, g_name.c_str(), at::kCPU));
+  require(op, check_float(m, m_name.c_str(), at::kCPU));
+  TORCH_CHECK_VALUE(
+      optim::lion_direction_dtypes_supported(
+          *float_dtype(g.scalar_type()), *float_dtype(m.scalar_type())),
+      "lionbit.", op, ": ", m_name, " must be float32 or bfloat16, got ", m.scalar_type());
+  TORCH_CHECK_VALUE(
+      g.numel() == m.numel(), "lionbit.", op, ": ", g_name, " has ", g.numel(), " elements, ",
+      m_name, " ", m.numel());
+}
+
+// Whether a pair's bits go straight into the planes: only where the kernel's
+// whole words (it writes the bits past n in its last word as 0) are the
+// pair's alone.
+bool in_place(bool planes, size_t bit_offset, size_t n) {
+  return planes && bit_offset % 64 == 0 && n % 64 == 0;
+}
+
+// Scratch for the bits of the pairs not written in place (not initialized:
+// the kernels write every word they use).
+std::unique_ptr<uint64_t[]> scratch_for(size_t elements) {
+  return std::unique_ptr<uint64_t[]>(new uint64_t[2 * bits::words_for(elements)]);
+}
+
+// The fused direction of one checked pair: the bits of its n elements go to
+// `sign` / `zero` (words; null: dropped) at `bit_offset`, through `scratch`
+// (2 * words_for(n) words) unless they fill whole words in place. Returns the
+// non-finite count.
+int64_t direction_into(
+    const at::Tensor& g,
+    at::Tensor& m,
+    const DirectionCoefs& k,
+    uint64_t* sign,
+    uint64_t* zero,
+    size_t bit_offset,
+    bool update_momentum,
+    uint64_t* scratch) {
+  const size_t n = static_cast<size_t>(g.numel());
+  if (n == 0) {
+    return 0;
+  }
+  const size_t w = bits::words_for(n);
+  const bool direct = in_place(sign != nullptr, bit_offset, n);
+  uint64_t* s = direct ? sign + bit_offset / 64 : scratch;
+  uint64_t* z = direct ? zero + bit_offset / 64 : scratch + w;
+  const auto gd = *float_dtype(g.scalar_type());
+  const auto md = *float_dtype(m.scalar_type());
+  const bits::PackCounts c = update_momentum
+      ? optim::lion_direction(
+            gd, g.data_ptr(), md, m.data_ptr(), n, k.b1, k.omb1, k.b2, k.omb2, s, z)
+      : optim::lion_direction_only(gd, g.data_ptr(), md, m.data_ptr(), n, k.b1, k.omb1, s, z);
+  if (sign != nullptr && !direct) {
+    bits::copy_bits(sign, bit_offset, s, 0, n);
+    bits::copy_bits(zero, bit_offset, z, 0, n);
+  }
+  return static_cast<int64_t>(c.nonfinite);
+}
+
+DirectionCoefs direction_coefs(double b1, double omb1, double b2, double omb2) {
+  return {
+      static_cast<float>(b1), static_cast<float>(omb1), static_cast<float>(b2),
+      static_cast<float>(omb2)};
+}
+
+std::string item(const char* name, size_t i) {
+  return std::string(name) + "[" + std::to_string(i) + "]";
+}
+
+} // namespace
+
 int64_t lion_direction_into(
     const at::Tensor& g,
     at::Tensor& m,
@@ -231,50 +321,95 @@ int64_t lion_direction_into(
     int64_t bit_offset,
     bool update_momentum) {
   const char* op = "lion_direction_into";
-  require(op, check_float(g, "g", at::kCPU));
-  require(op, check_float(m, "m", at::kCPU));
-  TORCH_CHECK_VALUE(
-      optim::lion_direction_dtypes_supported(
-          *float_dtype(g.scalar_type()), *float_dtype(m.scalar_type())),
-      "lionbit.", op, ": momentum must be float32 or bfloat16, got ", m.scalar_type());
-  TORCH_CHECK_VALUE(
-      g.numel() == m.numel(), "lionbit.", op, ": g has ", g.numel(), " elements, m ", m.numel());
+  check_direction_pair(op, g, m, "g", "m");
   TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.", op, ": negative bit_offset");
   const int64_t n = g.numel();
   require(op, check_planes(sign, "sign", at::kCPU, bit_offset + n));
   require(op, check_planes(zero, "zero", at::kCPU, bit_offset + n));
-  if (n == 0) {
-    return 0;
+  const auto scratch = scratch_for(
+      in_place(true, static_cast<size_t>(bit_offset), static_cast<size_t>(n)) ? 0 : n);
+  return direction_into(
+      g, m, direction_coefs(b1, omb1, b2, omb2), words_of(sign), words_of(zero),
+      static_cast<size_t>(bit_offset), update_momentum, scratch.get());
+}
+
+int64_t lion_direction_list(
+    const std::vector<at::Tensor>& gs,
+    std::vector<at::Tensor>& ms,
+    double b1,
+    double omb1,
+    double b2,
+    double omb2,
+    const std::optional<at::Tensor>& sign,
+    const std::optional<at::Tensor>& zero,
+    const std::vector<int64_t>& bit_offsets,
+    bool update_momentum) {
+  const char* op = "lion_direction_list";
+  TORCH_CHECK_VALUE(
+      gs.size() == ms.size() && gs.size() == bit_offsets.size(), "lionbit.", op, ": ", gs.size(),
+      " gradients, ", ms.size(), " momenta and ", bit_offsets.size(), " bit offsets");
+  const bool planes = sign.has_value();
+  TORCH_CHECK_VALUE(
+      planes == zero.has_value(), "lionbit.", op,
+      ": sign and zero are given together or not at all");
+  TORCH_CHECK_VALUE(
+      planes || update_momentum, "lionbit.", op,
+      ": without planes only the momentum update is left to do");
+  // Every check before any momentum changes.
+  size_t biggest = 0;
+  for (size_t i = 0; i < gs.size(); ++i) {
+    check_direction_pair(op, gs[i], ms[i], item("gs", i), item("ms", i));
+    TORCH_CHECK_VALUE(bit_offsets[i] >= 0, "lionbit.", op, ": negative bit_offsets[", i, "]");
+    if (planes) {
+      require(op, check_planes(*sign, "sign", at::kCPU, bit_offsets[i] + gs[i].numel()));
+      require(op, check_planes(*zero, "zero", at::kCPU, bit_offsets[i] + gs[i].numel()));
+    }
+    const auto n = static_cast<size_t>(gs[i].numel());
+    if (!in_place(planes, static_cast<size_t>(bit_offsets[i]), n)) {
+      biggest = std::max(biggest, n);
+    }
   }
-  const size_t w = bits::words_for(static_cast<size_t>(n));
-  at::Tensor tmp = at::empty({static_cast<int64_t>(2 * w * 8)}, at::kByte);
-  uint64_t* ts = words_of(tmp);
-  const auto gd = *float_dtype(g.scalar_type());
-  const auto md = *float_dtype(m.scalar_type());
-  const bits::PackCounts c = update_momentum
-      ? optim::lion_direction(
-            gd, g.data_ptr(), md, m.data_ptr(), static_cast<size_t>(n), static_cast<float>(b1),
-            static_cast<float>(omb1), static_cast<float>(b2), static_cast<float>(omb2), ts, ts + w)
-      : optim::lion_direction_only(
-            gd, g.data_ptr(), md, m.data_ptr(), static_cast<size_t>(n), static_cast<float>(b1),
-            static_cast<float>(omb1), ts, ts + w);
-  bits::copy_bits(words_of(sign), static_cast<size_t>(bit_offset), ts, 0, static_cast<size_t>(n));
-  bits::copy_bits(
-      words_of(zero), static_cast<size_t>(bit_offset), ts + w, 0, static_cast<size_t>(n));
-  return static_cast<int64_t>(c.nonfinite);
+  const auto scratch = scratch_for(biggest);
+  const DirectionCoefs k = direction_coefs(b1, omb1, b2, omb2);
+  int64_t nonfinite = 0;
+  for (size_t i = 0; i < gs.size(); ++i) {
+    nonfinite += direction_into(
+        gs[i], ms[i], k, planes ? words_of(*sign) : nullptr, planes ? words_of(*zero) : nullptr,
+        static_cast<size_t>(bit_offsets[i]), update_momentum, scratch.get());
+  }
+  return nonfinite;
 }
 
 void lion_apply(at::Tensor& x, const at::Tensor& delta, double lr, double decay) {
-  const char* op = "lion_apply";
-  require(op, check_float(x, "x", at::kCPU));
-  require(op, check_float(delta, "delta", at::kCPU));
+  std::vector<at::Tensor> xs{x};
+  lion_apply_list(xs, {delta}, lr, decay);
+}
+
+void lion_apply_list(
+    std::vector<at::Tensor>& xs,
+    const std::vector<at::Tensor>& deltas,
+    double lr,
+    double decay) {
+  const bool one = xs.size() == 1;
+  const char* op = one ? "lion_apply" : "lion_apply_list";
   TORCH_CHECK_VALUE(
-      x.numel() == delta.numel(), "lionbit.", op, ": x has ", x.numel(), " elements, delta ",
-      delta.numel());
-  optim::lion_apply_dense(
-      *float_dtype(x.scalar_type()), x.data_ptr(), *float_dtype(delta.scalar_type()),
-      delta.data_ptr(), static_cast<size_t>(x.numel()), static_cast<float>(lr),
-      static_cast<float>(decay));
+      xs.size() == deltas.size(), "lionbit.", op, ": ", xs.size(), " parameters and ",
+      deltas.size(), " deltas");
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const std::string x_name = one ? "x" : item("xs", i),
+                      d_name = one ? "delta" : item("deltas", i);
+    require(op, check_float(xs[i], x_name.c_str(), at::kCPU));
+    require(op, check_float(deltas[i], d_name.c_str(), at::kCPU));
+    TORCH_CHECK_VALUE(
+        xs[i].numel() == deltas[i].numel(), "lionbit.", op, ": ", x_name, " has ", xs[i].numel(),
+        " elements, ", d_name, " ", deltas[i].numel());
+  }
+  for (size_t i = 0; i < xs.size(); ++i) {
+    optim::lion_apply_dense(
+        *float_dtype(xs[i].scalar_type()), xs[i].data_ptr(), *float_dtype(deltas[i].scalar_type()),
+        deltas[i].data_ptr(), static_cast<size_t>(xs[i].numel()), static_cast<float>(lr),
+        static_cast<float>(decay));
+  }
 }
 
 void lion_apply_planes(
@@ -284,15 +419,37 @@ void lion_apply_planes(
     int64_t bit_offset,
     double lr,
     double decay) {
-  const char* op = "lion_apply_planes";
-  require(op, check_float(x, "x", at::kCPU));
-  TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.", op, ": negative bit_offset");
-  require(op, check_planes(sign, "sign", at::kCPU, bit_offset + x.numel()));
-  require(op, check_planes(zero, "zero", at::kCPU, bit_offset + x.numel()));
-  optim::lion_apply_planes(
-      *float_dtype(x.scalar_type()), x.data_ptr(), words_of(sign), words_of(zero),
-      static_cast<uint64_t>(bit_offset), static_cast<size_t>(x.numel()), static_cast<float>(lr),
-      static_cast<float>(decay));
+  std::vector<at::Tensor> xs{x};
+  lion_apply_planes_list(xs, sign, zero, {bit_offset}, lr, decay);
+}
+
+void lion_apply_planes_list(
+    std::vector<at::Tensor>& xs,
+    const at::Tensor& sign,
+    const at::Tensor& zero,
+    const std::vector<int64_t>& bit_offsets,
+    double lr,
+    double decay) {
+  const bool one = xs.size() == 1;
+  const char* op = one ? "lion_apply_planes" : "lion_apply_planes_list";
+  TORCH_CHECK_VALUE(
+      xs.size() == bit_offsets.size(), "lionbit.", op, ": ", xs.size(), " parameters and ",
+      bit_offsets.size(), " bit offsets");
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const std::string x_name = one ? "x" : item("xs", i);
+    require(op, check_float(xs[i], x_name.c_str(), at::kCPU));
+    TORCH_CHECK_VALUE(
+        bit_offsets[i] >= 0, "lionbit.", op, ": negative ",
+        one ? "bit_offset" : item("bit_offsets", i));
+    require(op, check_planes(sign, "sign", at::kCPU, bit_offsets[i] + xs[i].numel()));
+    require(op, check_planes(zero, "zero", at::kCPU, bit_offsets[i] + xs[i].numel()));
+  }
+  for (size_t i = 0; i < xs.size(); ++i) {
+    optim::lion_apply_planes(
+        *float_dtype(xs[i].scalar_type()), xs[i].data_ptr(), words_of(sign), words_of(zero),
+        static_cast<uint64_t>(bit_offsets[i]), static_cast<size_t>(xs[i].numel()),
+        static_cast<float>(lr), static_cast<float>(decay));
+  }
 }
 
 std::vector<std::tuple<std::string, std::string>> check_kernel_sets(

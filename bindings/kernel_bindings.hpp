@@ -87,17 +87,48 @@ int64_t lion_direction_into(
     int64_t bit_offset,
     bool update_momentum);
 
-// x = x * decay - lr * delta, in place (optimizer/lion.h).
+// lion_direction_into over a list of CPU tensors in one call (the step of a
+// model of many small tensors pays one call, not one a tensor): pair i's bits
+// at bit_offsets[i]; with sign and zero None, the momentum update alone
+// (update_momentum must be true). The pairs' dtypes may differ. Every pair is
+// checked before any momentum changes. Returns the non-finite count of all.
+int64_t lion_direction_list(
+    const std::vector<at::Tensor>& gs,
+    std::vector<at::Tensor>& ms,
+    double b1,
+    double omb1,
+    double b2,
+    double omb2,
+    const std::optional<at::Tensor>& sign,
+    const std::optional<at::Tensor>& zero,
+    const std::vector<int64_t>& bit_offsets,
+    bool update_momentum);
+
+// x = x * decay - lr * delta, in place (optimizer/lion.h); the list form
+// updates xs[i] from deltas[i], every pair checked first.
 void lion_apply(at::Tensor& x, const at::Tensor& delta, double lr, double decay);
+void lion_apply_list(
+    std::vector<at::Tensor>& xs,
+    const std::vector<at::Tensor>& deltas,
+    double lr,
+    double decay);
 
 // x = x * decay - lr * Delta, in place, Delta from a vote's result planes:
 // bits [bit_offset, bit_offset + x.numel()) of `sign` and `zero`
-// (optimizer/lion.h lion_apply_planes).
+// (optimizer/lion.h lion_apply_planes); the list form updates xs[i] from
+// the bits at bit_offsets[i] of the same planes, every one checked first.
 void lion_apply_planes(
     at::Tensor& x,
     const at::Tensor& sign,
     const at::Tensor& zero,
     int64_t bit_offset,
+    double lr,
+    double decay);
+void lion_apply_planes_list(
+    std::vector<at::Tensor>& xs,
+    const at::Tensor& sign,
+    const at::Tensor& zero,
+    const std::vector<int64_t>& bit_offsets,
     double lr,
     double decay);
 

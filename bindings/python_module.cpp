@@ -185,6 +185,18 @@ PYBIND11_MODULE(_C, m) {
       "lion_apply_planes", &lionbit::lion_apply_planes, py::arg("x"), py::arg("sign"),
       py::arg("zero"), py::arg("bit_offset"), py::arg("lr"), py::arg("decay"),
       py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "lion_direction_list", &lionbit::lion_direction_list, py::arg("gs"), py::arg("ms"),
+      py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("sign"),
+      py::arg("zero"), py::arg("bit_offsets"), py::arg("update_momentum"),
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "lion_apply_list", &lionbit::lion_apply_list, py::arg("xs"), py::arg("deltas"), py::arg("lr"),
+      py::arg("decay"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "lion_apply_planes_list", &lionbit::lion_apply_planes_list, py::arg("xs"), py::arg("sign"),
+      py::arg("zero"), py::arg("bit_offsets"), py::arg("lr"), py::arg("decay"),
+      py::call_guard<py::gil_scoped_release>());
   m.def("lion_fused_supported", &lionbit::lion_fused_supported);
   m.def(
       "pack_levels_into", &lionbit::pack_levels_into, py::arg("c"), py::arg("factor"),

@@ -207,33 +207,61 @@ def _by_dtypes(items):
     return groups.values()
 
 
-def pack_directions_device(items, k: Coefs, sign, zero, counts) -> None:
-    """:func:`pack_direction` of many tensors on one GPU in a launch per
-    dtype pair (the fused list kernel): ``items`` are (g, m, bit_offset),
-    each g and m contiguous in the fused kernels' dtypes, m only read; the
-    tallies are added to ``counts``."""
+def pack_directions_list(items, k: Coefs, sign, zero, counts=None) -> int:
+    """:func:`pack_direction` of many tensors on one device in one call (the
+    list kernels; on a GPU a launch per dtype pair): ``items`` are (g, m,
+    bit_offset), each g and m contiguous (of any shape) in the fused
+    kernels' dtypes, m only read. On a GPU the tallies are added to
+    ``counts`` and this returns 0; on the CPU it returns the non-finite
+    count."""
     b1, omb1, b2, omb2, _, _ = k.values
+    if not items[0][0].is_cuda:
+        gs, ms, offsets = zip(*items)
+        return _C.lion_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, offsets, update_momentum=False)
     for group in _by_dtypes(items):
-        _C.lion_direction_list_device([g.reshape(-1) for g, _, _ in group], [m.view(-1) for _, m, _ in group],
-                                      b1, omb1, b2, omb2, sign, zero, counts, [off for _, _, off in group],
-                                      update_momentum=False)
+        gs, ms, offsets = zip(*group)
+        _C.lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update_momentum=False)
+    return 0
 
 
-def update_momenta_device(items, k: Coefs) -> None:
-    """:func:`update_momentum` of many (g, m) pairs on one GPU, a launch per
-    dtype pair."""
+def update_momenta(items, k: Coefs) -> None:
+    """:func:`update_momentum` of many (g, m) pairs (contiguous, of any
+    shape) on one device in one call (on a GPU a launch per dtype pair)."""
     b1, omb1, b2, omb2, _, _ = k.values
+    if not items[0][0].is_cuda:
+        gs, ms = zip(*items)
+        _C.lion_direction_list(gs, ms, b1, omb1, b2, omb2, None, None, [0] * len(gs), update_momentum=True)
+        return
     for group in _by_dtypes(items):
-        _C.lion_direction_list_device([g.reshape(-1) for g, _ in group], [m.view(-1) for _, m in group],
-                                      b1, omb1, b2, omb2, None, None, None, [0] * len(group), update_momentum=True)
+        gs, ms = zip(*group)
+        _C.lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, None, None, None, [0] * len(gs),
+                                      update_momentum=True)
 
 
-def apply_updates_device(items, k: Coefs) -> None:
-    """:func:`apply_update` of many (p, delta) pairs on one GPU, a launch per
-    dtype pair."""
+def apply_updates(items, k: Coefs) -> None:
+    """:func:`apply_update` of many (p, delta) pairs (p contiguous, of any
+    shape) on one device in one call per kind of delta: values (on a GPU a
+    launch per dtype pair), or on the CPU :class:`VotedPlanes` (a call per
+    vote's planes)."""
     _, _, _, _, lr, decay = k.values
-    for group in _by_dtypes(items):
-        _C.lion_apply_list_device([p.view(-1) for p, _ in group], [d.reshape(-1) for _, d in group], lr, decay)
+    if items[0][0].is_cuda:
+        for group in _by_dtypes(items):
+            xs, deltas = zip(*group)
+            _C.lion_apply_list_device(xs, deltas, lr, decay)
+        return
+    values, voted = [], {}
+    for p, d in items:
+        if type(d) is VotedPlanes:
+            _, xs, offsets = voted.setdefault(id(d.sign), (d, [], []))
+            xs.append(p)
+            offsets.append(d.offset)
+        else:
+            values.append((p, d))
+    if values:
+        xs, deltas = zip(*values)
+        _C.lion_apply_list(xs, deltas, lr, decay)
+    for d, xs, offsets in voted.values():
+        _C.lion_apply_planes_list(xs, d.sign, d.zero, offsets, lr, decay)
 
 
 def pack_abstain(numel: int, sign, zero, bit_offset: int, bits=None) -> None:

@@ -55,10 +55,11 @@ class Entry:
     """One tensor of a step: its parameter (to update), gradient, momentum,
     hyperparameters and whether the fused kernels serve it."""
 
-    __slots__ = ("param", "grad", "momentum", "coefs", "fused", "abstain")
+    __slots__ = ("param", "grad", "momentum", "coefs", "fused", "abstain", "numel")
 
     def __init__(self, param, grad, momentum, coefs, fused, abstain=False):
         self.param, self.grad, self.momentum, self.coefs, self.fused = param, grad, momentum, coefs, fused
+        self.numel = grad.numel()
         # A rank that ran out of data (Join) votes 0 and keeps its momentum.
         self.abstain = abstain
 
@@ -128,23 +129,22 @@ def _by_coefs(items):
 def pack_directions(items, sign, zero, bits=None) -> int:
     """Packs the Lion directions of ``items`` ((g, m, coefs, fused,
     bit_offset), on one device; m only read) into the planes; returns the
-    number of non-finite directions. On a GPU the tallies are added up on
-    the device and read once, and the fused tensors of the same
-    hyperparameters go in one launch per dtype pair (the list kernels, where
-    their first-use check passed)."""
+    number of non-finite directions. The fused tensors of the same
+    hyperparameters go in one call (the list kernels: on a GPU a launch per
+    dtype pair, where their first-use check passed; not with ``bits``); on a
+    GPU the tallies are added up on the device and read once."""
     if not items:
         return 0
     device = items[0][0].device
-    cuda = device.type == "cuda"
-    counts = torch.zeros(2, dtype=torch.int64, device=device) if cuda else None
+    counts = torch.zeros(2, dtype=torch.int64, device=device) if device.type == "cuda" else None
     groups, rest = ((), items)
-    if cuda and not bits and kernel_choice.list_kernels_allowed(device):
+    if not bits and kernel_choice.list_kernels_allowed(device):
         groups, rest = _by_coefs(items)
     bad = 0
     for g, m, coefs, fused, off in rest:
         bad += lion_math.pack_direction(g, m, coefs, sign, zero, off, fused, bits, counts=counts)
     for coefs, group_items in groups:
-        lion_math.pack_directions_device(group_items, coefs, sign, zero, counts)
+        bad += lion_math.pack_directions_list(group_items, coefs, sign, zero, counts)
     return bad + (int(counts[1]) if counts is not None else 0)
 
 
@@ -155,16 +155,16 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
     device = entries[0].param.device
     voter = opt.voter
     into_planes = voter.votes_into_planes(device, group)
-    buffers.prepare([e.grad.numel() for e in entries], device, voter.delta_dtype, voter.bits, into_planes)
+    buffers.prepare([e.numel for e in entries], device, voter.delta_dtype, voter.bits, into_planes)
     works = []
     for (first, end, total), (sign, zero), out in zip(buffers.chunks, buffers.planes, buffers.outs):
         off, items = 0, []
         for e in entries[first:end]:
             if e.abstain:
-                lion_math.pack_abstain(e.grad.numel(), sign, zero, off, voter.bits)
+                lion_math.pack_abstain(e.numel, sign, zero, off, voter.bits)
             else:
                 items.append((e.grad, e.momentum, e.coefs, e.fused, off))
-            off += e.grad.numel()
+            off += e.numel
         bad = pack_directions(items, sign, zero, voter.bits)
         works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, out_planes=into_planes))
     bad_ranks: List[int] = []
@@ -187,8 +187,8 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
         delta_of = lion_math.delta_views(out, into_planes)
         off = 0
         for e in entries[first:end]:
-            deltas.append(delta_of(off, e.grad.numel()))
-            off += e.grad.numel()
+            deltas.append(delta_of(off, e.numel))
+            off += e.numel
     return deltas
 
 
@@ -203,18 +203,18 @@ def update_state(momenta, applies, scratch) -> None:
     parameter updates ``applies`` ((x, delta, coefs, fused)), on one device
     (a parameter's update never reads another's momentum). ``scratch``: two
     uint8 planes for the largest g (the per-tensor fused CPU kernel's
-    direction bits). On a GPU the fused tensors of the same hyperparameters
-    go in a launch per dtype pair (the list kernels, where their first-use
-    check passed)."""
+    direction bits, where the list kernels do not run). The fused tensors of
+    the same hyperparameters go in one call each (the list kernels: on a GPU
+    a launch per dtype pair, where their first-use check passed)."""
     tensors = momenta or applies
     cuda = bool(tensors) and tensors[0][0].is_cuda
-    if cuda and kernel_choice.list_kernels_allowed(tensors[0][0].device):
+    if tensors and kernel_choice.list_kernels_allowed(tensors[0][0].device):
         m_groups, momenta = _by_coefs(momenta)
         a_groups, applies = _by_coefs(applies)
         for coefs, pairs in m_groups:
-            lion_math.update_momenta_device(pairs, coefs)
+            lion_math.update_momenta(pairs, coefs)
         for coefs, pairs in a_groups:
-            lion_math.apply_updates_device(pairs, coefs)
+            lion_math.apply_updates(pairs, coefs)
     # The per-tensor GPU kernels' tallies, never read: one buffer for every tensor.
     counts = torch.zeros(2, dtype=torch.int64, device=momenta[0][0].device) if cuda and momenta else None
     for g, m, coefs, fused in momenta:

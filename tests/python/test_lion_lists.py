@@ -1,0 +1,288 @@
+"""DistributedLion's step over many tensors in one call on the CPU
+(``_C.lion_direction_list``, ``_C.lion_apply_list``,
+``_C.lion_apply_planes_list``): the fused kernels tensor by tensor in C++, so
+that a model of hundreds of small tensors pays a few calls a step, not three
+a tensor. Each call against plain torch in float32 one op at a time (the
+contract of lionbit.lion_math), with neighbours sharing plane words, tensors
+that fill whole words in place, mixed dtypes in one list and bits outside
+the tensors left alone; bad lists are refused, naming the element, before
+anything changes; and a transformer-shaped model in bfloat16 trained on two
+ranks equals the paper's rule computed independently."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks, values
+from lionbit import _C, lion_math
+
+B1, B2, LR = 0.9, 0.99, 3e-3
+
+# (gradient dtype, momentum dtype, elements, bit offset): end to end with gaps;
+# the 64- and 128-element tensors start on a word and fill whole words (written
+# in place), the others share words with their neighbours.
+LAYOUT = [
+    (torch.bfloat16, torch.bfloat16, 64, 0),
+    (torch.float32, torch.float32, 7, 64),
+    (torch.float16, torch.bfloat16, 53, 75),
+    (torch.bfloat16, torch.float32, 128, 128),
+    (torch.float32, torch.bfloat16, 0, 256),
+    (torch.bfloat16, torch.bfloat16, 1029, 259),
+    (torch.float16, torch.float32, 192, 1288),
+    (torch.float32, torch.float32, 3, 1480),
+]
+PLANE_BITS = 1536
+
+
+def _coefs(wd=0.1):
+    return lion_math.Coefs({"betas": (B1, B2), "lr": LR, "weight_decay": wd})
+
+
+def _f32(*vs):
+    return [torch.tensor(v, dtype=torch.float32) for v in vs]
+
+
+def _pairs(seed=0, nonfinite=True):
+    gen = torch.Generator().manual_seed(seed)
+    gs, ms = [], []
+    for gdt, mdt, n, _ in LAYOUT:
+        g = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-6, 7, (n,), generator=gen).float())
+        m = torch.randn(n, generator=gen)
+        g[torch.randint(0, 5, (n,), generator=gen) == 0] = 0.0
+        m[torch.randint(0, 5, (n,), generator=gen) == 0] = 0.0
+        gs.append(g.to(gdt))
+        ms.append(m.to(mdt))
+    if nonfinite:
+        gs[5][17], gs[5][900], ms[2][4] = float("inf"), float("nan"), float("-inf")
+    return gs, ms
+
+
+def _gap_planes():
+    """Planes whose bits outside every tensor are 1 (they must stay so) and 0 inside."""
+    inside = torch.zeros(PLANE_BITS, dtype=torch.bool)
+    for _, _, n, off in LAYOUT:
+        inside[off : off + n] = True
+    bits = (~inside).to(torch.uint8).view(-1, 8)
+    packed = (bits << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
+    return packed.clone(), packed.clone()
+
+
+def _bits_of(plane):
+    return ((plane.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1).bool()
+
+
+@pytest.mark.parametrize("update_momentum", [False, True])
+def test_the_direction_list_is_torch_tensor_by_tensor(update_momentum):
+    gs, ms = _pairs()
+    sign, zero = _gap_planes()
+    got_ms = [m.clone() for m in ms]
+    offsets = [off for *_, off in LAYOUT]
+    bad = _C.lion_direction_list(gs, got_ms, B1, 1 - B1, B2, 1 - B2, sign, zero, offsets, update_momentum)
+
+    b1, omb1, b2, omb2 = _f32(B1, 1 - B1, B2, 1 - B2)
+    want_sign, want_zero = (_bits_of(p) for p in _gap_planes())
+    want_bad = 0
+    for g, m, (_, _, n, off) in zip(gs, ms, LAYOUT):
+        c = torch.add(torch.mul(m.float(), b1), torch.mul(g.float(), omb1))
+        want_sign[off : off + n] = c > 0  # NaN: neither bit
+        want_zero[off : off + n] = c == 0
+        want_bad += int((~torch.isfinite(c)).sum())
+    assert bad == want_bad == 3
+    finite = torch.ones(PLANE_BITS, dtype=torch.bool)
+    for g, m, (_, _, n, off) in zip(gs, ms, LAYOUT):
+        finite[off : off + n] = torch.isfinite(torch.add(torch.mul(m.float(), b1), torch.mul(g.float(), omb1)))
+    # A NaN direction's bits are the packers' business (the vote refuses it); every other bit is exact.
+    assert torch.equal(_bits_of(sign)[finite], want_sign[finite])
+    assert torch.equal(_bits_of(zero)[finite], want_zero[finite])
+    for g, m, got in zip(gs, ms, got_ms):
+        want = torch.add(torch.mul(m.float(), b2), torch.mul(g.float(), omb2)).to(m.dtype) if update_momentum else m
+        same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+        assert bool(same.all()) and got.dtype == m.dtype
+
+
+def test_the_direction_list_is_the_per_tensor_kernel_call_by_call():
+    gs, ms = _pairs(seed=1)
+    sign, zero = _gap_planes()
+    ref_sign, ref_zero = _gap_planes()
+    got_ms, ref_ms = [m.clone() for m in ms], [m.clone() for m in ms]
+    bad = _C.lion_direction_list(gs, got_ms, B1, 1 - B1, B2, 1 - B2, sign, zero, [o for *_, o in LAYOUT], True)
+    ref_bad = sum(
+        _C.lion_direction_into(g, m, B1, 1 - B1, B2, 1 - B2, ref_sign, ref_zero, off, update_momentum=True)
+        for g, m, (*_, off) in zip(gs, ref_ms, LAYOUT)
+    )
+    assert bad == ref_bad
+    assert torch.equal(sign, ref_sign) and torch.equal(zero, ref_zero)
+    for a, b in zip(got_ms, ref_ms):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_the_momentum_list_alone_needs_no_planes():
+    gs, ms = _pairs(seed=2, nonfinite=False)
+    got = [m.clone() for m in ms]
+    assert _C.lion_direction_list(gs, got, B1, 1 - B1, B2, 1 - B2, None, None, [0] * len(gs), True) == 0
+    b2, omb2 = _f32(B2, 1 - B2)
+    for g, m, x in zip(gs, ms, got):
+        assert torch.equal(x, torch.add(torch.mul(m.float(), b2), torch.mul(g.float(), omb2)).to(m.dtype))
+
+
+def _apply_reference(x, delta, k):
+    lr, decay = _f32(*k.values[4:])
+    return torch.sub(torch.mul(x.float(), decay), torch.mul(delta.float(), lr)).to(x.dtype)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_the_apply_lists_are_torch_tensor_by_tensor(wd):
+    k = _coefs(wd)
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(n, generator=gen).to(gdt) for gdt, _, n, _ in LAYOUT]
+    deltas = [torch.randint(-1, 2, (n,), generator=gen).to(mdt) for _, mdt, n, _ in LAYOUT]
+    got = [x.clone() for x in xs]
+    _C.lion_apply_list(got, deltas, *k.values[4:])
+    for x, d, y in zip(xs, deltas, got):
+        assert torch.equal(y, _apply_reference(x, d, k))
+
+    # The same Deltas as a vote's result planes (sign, then zero): +1, -1 or 0 (zero bit set).
+    sign, zero = (torch.zeros(PLANE_BITS // 8, dtype=torch.uint8) for _ in range(2))
+    sign_bits, zero_bits = _bits_of(sign), _bits_of(zero)
+    for d, (_, _, n, off) in zip(deltas, LAYOUT):
+        sign_bits[off : off + n], zero_bits[off : off + n] = d > 0, d == 0
+    for plane, bits in ((sign, sign_bits), (zero, zero_bits)):
+        plane.copy_((bits.view(-1, 8).to(torch.uint8) << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8))
+    got = [x.clone().view(2, -1) if x.numel() % 2 == 0 and x.numel() else x.clone() for x in xs]  # any shape
+    _C.lion_apply_planes_list(got, sign, zero, [o for *_, o in LAYOUT], *k.values[4:])
+    for x, d, y in zip(xs, deltas, got):
+        assert torch.equal(y.reshape(-1), _apply_reference(x, d, k))
+
+
+def test_bad_lists_name_the_element_and_change_nothing():
+    gs, ms = _pairs(seed=4, nonfinite=False)
+    sign, zero = _gap_planes()
+    offsets = [o for *_, o in LAYOUT]
+    args = (B1, 1 - B1, B2, 1 - B2)
+
+    def refused(match, gs=gs, ms=ms, sign=sign, zero=zero, offsets=offsets, update=True):
+        before = [m.clone() for m in ms]
+        with pytest.raises(ValueError, match=match):
+            _C.lion_direction_list(gs, ms, *args, sign, zero, offsets, update)
+        assert all(torch.equal(a, b) for a, b in zip(before, ms)), "a momentum changed before the refusal"
+
+    refused(r"lion_direction_list: gs\[6\] has 192 elements, ms\[6\] 191",
+            ms=ms[:6] + [torch.zeros(191)] + ms[7:])
+    refused(r"argument 'gs\[3\]' must be a contiguous float32, bfloat16 or float16 tensor",
+            gs=gs[:3] + [torch.zeros(128, dtype=torch.int32)] + gs[4:])
+    refused(r"argument 'ms\[5\]' must be a contiguous", ms=ms[:5] + [torch.zeros(2058)[::2]] + ms[6:])
+    refused(r"ms\[1\] must be float32 or bfloat16, got Half", ms=ms[:1] + [ms[1].half()] + ms[2:])
+    refused(r"negative bit_offsets\[2\]", offsets=offsets[:2] + [-1] + offsets[3:])
+    refused(r"argument 'sign' must be .* holding at least 1544 bits", offsets=offsets[:-1] + [1541])
+    refused(r"sign and zero are given together or not at all", zero=None)
+    refused(r"8 gradients, 8 momenta and 7 bit offsets", offsets=offsets[1:])
+    with pytest.raises(ValueError, match="without planes only the momentum update"):
+        _C.lion_direction_list(gs, ms, *args, None, None, offsets, False)
+
+    xs = [torch.zeros(n) for *_, n, _ in LAYOUT]
+    with pytest.raises(ValueError, match=r"lion_apply_list: xs\[2\] has 53 elements, deltas\[2\] 52"):
+        _C.lion_apply_list(xs, [torch.ones(n) for *_, n, _ in LAYOUT[:2]] + [torch.ones(52)]
+                           + [torch.ones(n) for *_, n, _ in LAYOUT[3:]], LR, 1.0)
+    assert all(int(x.count_nonzero()) == 0 for x in xs), "a parameter changed before the refusal"
+    with pytest.raises(ValueError, match=r"lion_apply_planes_list: negative bit_offsets\[1\]"):
+        _C.lion_apply_planes_list(xs[:2], sign, zero, [0, -64], LR, 1.0)
+    with pytest.raises(ValueError, match=r"lion_apply: argument 'delta' must be a contiguous"):
+        _C.lion_apply(xs[0], torch.zeros(64, dtype=torch.int64), LR, 1.0)
+
+
+# -- a user's training script -------------------------------------------------------
+
+VOCAB, WIDTH, CONTEXT, LAYERS = 96, 32, 16, 2
+
+
+def _transformer():
+    """A GPT-shaped model: embeddings, per-block LayerNorms, qkv / proj / MLP
+    matrices with biases; 4 + 12 per block tensors, most of them small."""
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.ln_2 = torch.nn.LayerNorm(WIDTH), torch.nn.LayerNorm(WIDTH)
+            self.qkv, self.proj = torch.nn.Linear(WIDTH, 3 * WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+            self.up, self.down = torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.Linear(4 * WIDTH, WIDTH)
+
+        def forward(self, h):
+            q, k, v = self.qkv(self.ln_1(h)).chunk(3, dim=-1)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            h = h + self.proj(a)
+            return h + self.down(torch.nn.functional.gelu(self.up(self.ln_2(h))))
+
+    class GPT(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = torch.nn.Embedding(VOCAB, WIDTH), torch.nn.Embedding(CONTEXT, WIDTH)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(LAYERS))
+            self.ln_f = torch.nn.LayerNorm(WIDTH)
+
+        def forward(self, idx):
+            h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            for block in self.blocks:
+                h = block(h)
+            return self.ln_f(h).float() @ self.wte.weight.float().t()  # the head tied to the embedding
+
+    model = GPT().to(torch.bfloat16)
+    model.ln_f.float()  # a final norm kept in float32: the lists hold two dtypes
+    return model
+
+
+def _param_groups(model):
+    """nanoGPT's recipe: weight decay for matrices, none for biases, norms and embeddings' positions."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "wpe.weight"]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and n != "wpe.weight")]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 1e-3}]
+
+
+def _tokens(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (4, CONTEXT + 1), generator=g)
+
+
+def train_a_transformer(rank, world_size, steps=6):
+    """The script: bf16 model, bf16 momentum, decay / no-decay groups,
+    zero_grad(set_to_none=True), clipping; beside it the paper's rule on every
+    rank's gradients (gathered after clipping: what step() sees)."""
+    import lionbit
+
+    model = _transformer()
+    groups = _param_groups(model)
+    opt = lionbit.DistributedLion(groups, lr=3e-3, betas=(B1, B2), momentum_dtype=torch.bfloat16)
+    ref_x = [p.detach().clone() for g in groups for p in g["params"]]
+    ref_m = [[torch.zeros_like(x) for x in ref_x] for _ in range(world_size)]
+    hyper = [(g.get("lr", 3e-3), g["weight_decay"]) for g in groups for _ in g["params"]]
+    b1, omb1, b2, omb2 = _f32(B1, 1 - B1, B2, 1 - B2)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        idx = _tokens(rank, step)
+        logits = model(idx[:, :-1])
+        torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        params = [p for g in groups for p in g["params"]]
+        grads = []
+        for p in params:
+            parts = [torch.empty_like(p.grad) for _ in range(world_size)]
+            dist.all_gather(parts, p.grad.contiguous())
+            grads.append(parts)
+        opt.step()
+        for i, (x, (lr, wd)) in enumerate(zip(ref_x, hyper)):
+            votes = torch.zeros(x.shape)
+            for r in range(world_size):
+                g, m = grads[i][r].float(), ref_m[r][i].float()
+                votes += torch.sign(torch.add(torch.mul(m, b1), torch.mul(g, omb1)))
+                ref_m[r][i] = torch.add(torch.mul(m, b2), torch.mul(g, omb2)).to(torch.bfloat16)
+            clr, decay = _f32(lr, 1.0 - lr * wd)
+            ref_x[i] = torch.sub(torch.mul(x.float(), decay), torch.mul(torch.sign(votes), clr)).to(x.dtype)
+        for i, p in enumerate(params):
+            assert torch.equal(p.detach(), ref_x[i]), f"step {step}: parameter {i} ({tuple(p.shape)}) differs"
+            assert torch.equal(opt.state[p]["exp_avg"], ref_m[rank][i]), f"step {step}: momentum {i} differs"
+    return sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+
+
+def test_a_transformer_in_bfloat16_steps_as_the_papers_rule():
+    numel, tensors = values(run_ranks("test_lion_lists:train_a_transformer", 2))[0]
+    assert tensors == 4 + 12 * LAYERS and numel > 20_000
