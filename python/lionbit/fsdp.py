@@ -481,25 +481,26 @@ def _local_grad(att, p: torch.Tensor) -> Optional[torch.Tensor]:
     g = p.grad
     if g is None:
         return None
-    what = (
-        f"a DTensor placed {tuple(g.placements)} with local shape {tuple(g.to_local().shape)}"
-        if isinstance(g, DTensor) else f"a {type(g).__name__} of shape {tuple(g.shape)}"
-    )
     if att.replicas is not None:  # HSDP: FSDP's own sharded gradient, the node's mean
         if isinstance(g, DTensor) and tuple(g.placements) == tuple(p.placements):
             local = g.to_local()
             if local.shape == p.to_local().shape:
                 return local
+    elif isinstance(g, DTensor) and (tuple(g.placements) == (Replicate(),) or g.device_mesh.size() == 1):
+        local = g.to_local()
+        if tuple(local.shape) == tuple(p.shape):
+            return local
+    what = (
+        f"a DTensor placed {tuple(g.placements)} with local shape {tuple(g.to_local().shape)}"
+        if isinstance(g, DTensor) else f"a {type(g).__name__} of shape {tuple(g.shape)}"
+    )
+    if att.replicas is not None:
         raise RuntimeError(
             f"DistributedLion.step (FSDP2, HSDP) on rank {dist.get_rank()}: p.grad of '{att.fqns.get(p, '?')}' is "
             f"{what}; after backward it is this rank's shard of its node's mean gradient, a DTensor placed like the "
             f"parameter {tuple(p.placements)} with local shape {tuple(p.to_local().shape)}. Change it in place "
             f"(clipping, unscaling) or with DTensor ops, or set it to None, but do not replace it"
         )
-    if isinstance(g, DTensor) and (tuple(g.placements) == (Replicate(),) or g.device_mesh.size() == 1):
-        local = g.to_local()
-        if tuple(local.shape) == tuple(p.shape):
-            return local
     raise RuntimeError(
         f"DistributedLion.step (FSDP2) on rank {att.mesh.get_local_rank()}: p.grad of '{att.fqns.get(p, '?')}' is "
         f"{what}; after backward it is this rank's local gradient, a DTensor of the parameter's shape "
@@ -525,6 +526,13 @@ def fsdp_vote(att):
     hsdp = att.replicas is not None
     todo = []  # (gradient, momentum, coefs, local shard, Delta of the shard)
     biggest, device = 0, None
+    allowed = {}  # LIONBIT_KERNELS and the first-use checks, once a device and step
+
+    def fused_for(m, g):
+        if m.device not in allowed:
+            allowed[m.device] = kernel_choice.fused_lion_allowed(m.device)
+        return opt.fused_for(m, g, allowed[m.device])
+
     for comm in att.order:
         # FSDP's chunk layout over the shard group, and the group of the vote
         group = comm.group if comm.group is not None and not hsdp else att.dp.shard_group
@@ -560,16 +568,15 @@ def fsdp_vote(att):
             biggest = max(biggest, g.numel())
         if hsdp:
             delta = voter.sharded_vote(votes, s, att.replicas, device, "step (HSDP all-reduce over the replicate group)",
-                                       opt.fused_for, replicated=True)
+                                       fused_for, replicated=True)
         else:
-            delta = voter.sharded_vote(votes, s, group, device, "step (FSDP2 reduce-scatter)", opt.fused_for)
+            delta = voter.sharded_vote(votes, s, group, device, "step (FSDP2 reduce-scatter)", fused_for)
         todo += [(g, m, coefs, local, delta[off : off + own]) for g, m, coefs, local, off, own in unit]
 
     def apply() -> None:
         scratch = lion_math.planes(biggest, device) if biggest else None
-        ok = kernel_choice.fused_lion_allowed(device) if todo else False  # once a step
-        step_vote.update_state([(g, m, coefs, opt.fused_for(m, g, ok)) for g, m, coefs, _, _ in todo],
-                               [(local, d, coefs, opt.fused_for(local, d, ok)) for _, _, coefs, local, d in todo
+        step_vote.update_state([(g, m, coefs, fused_for(m, g)) for g, m, coefs, _, _ in todo],
+                               [(local, d, coefs, fused_for(local, d)) for _, _, coefs, local, d in todo
                                 if d.numel()], scratch)
 
     return apply

@@ -286,3 +286,40 @@ def train_a_transformer(rank, world_size, steps=6):
 def test_a_transformer_in_bfloat16_steps_as_the_papers_rule():
     numel, tensors = values(run_ranks("test_lion_lists:train_a_transformer", 2))[0]
     assert tensors == 4 + 12 * LAYERS and numel > 20_000
+
+
+class _Calls:
+    """lionbit._C with every call counted by name."""
+
+    def __init__(self, real):
+        self.real, self.counts = real, {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.real, name)
+        if not callable(fn):
+            return fn
+
+        def counted(*args, **kwargs):
+            self.counts[name] = self.counts.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def test_a_step_of_many_tensors_is_a_few_calls_not_three_a_tensor(monkeypatch):
+    """No process group: a plain single-process loop of the transformer
+    (28 tensors in two parameter groups of two dtypes each)."""
+    import lionbit
+
+    model = _transformer()
+    opt = lionbit.DistributedLion(_param_groups(model), lr=3e-3)
+    calls = _Calls(lion_math._C)
+    monkeypatch.setattr(lion_math, "_C", calls)
+    for step in range(2):
+        opt.zero_grad()
+        idx = _tokens(0, step)
+        torch.nn.functional.cross_entropy(model(idx[:, :-1]).reshape(-1, VOCAB), idx[:, 1:].reshape(-1)).backward()
+        opt.step()
+    per_step = {name: n / 2 for name, n in calls.counts.items()}
+    # Per group a step: the directions' pack, the momentum update and the apply.
+    assert per_step == {"lion_direction_list": 4, "lion_apply_list": 2}, per_step
