@@ -151,16 +151,13 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
         return kernel_choice.fused_lion_allowed(p.device) if allowed is None else allowed
 
     def check_param(self, p: torch.Tensor, where: str) -> None:
-        g = p.grad
-        if g is not None and g.is_sparse:
+        if p.grad is not None and p.grad.is_sparse:
             raise RuntimeError(f"DistributedLion.{where}: sparse gradients are not supported")
-        if p.is_cpu:
-            return  # (a step asks this of every parameter: the common case first)
-        if p.is_cuda and not _C.built_with_cuda:
+        if p.is_cuda and not _C.built_with_cuda:  # (is_cuda, is_cpu: a step asks every parameter; .device is slow)
             raise RuntimeError(
                 f"DistributedLion.{where}: parameters on {p.device}, but this build of lionbit has no CUDA path "
                 f"(rebuild it where nvcc and a CUDA build of torch are present)")
-        if not p.is_cuda:
+        if not (p.is_cpu or p.is_cuda):
             raise RuntimeError(
                 f"DistributedLion.{where}: parameters on {p.device} are not supported (CPU and CUDA are)")
 
