@@ -22,8 +22,10 @@ profiler's device events; CUDA only).
     python bench/gpu_lion_step.py [--lists stack,gpt2-medium] [--params 1e9] [--device cuda] [--json FILE]
 
 Prints one line per method: median ms per step over --steps timed steps
-(after 3 warm-ups), the ratio to torch Lion and to the floor, launches per
-step and device allocations (cudaMalloc) per warm step. Goals:
+(after 3 warm-ups), the host's ms until step() returned (before the closing
+device synchronisation: near the step's own ms, the step waits on the
+host), the ratio to torch Lion and to the floor, launches per step and
+device allocations (cudaMalloc) per warm step. Goals:
 DistributedLion <= 1.0x torch Lion on both lists; stretch <= 1.5x the
 floor.
 """
@@ -57,17 +59,28 @@ def lion_foreach(params, grads, momenta, lr, wd, b1, b2):
 
 def timed(step, device, steps):
     """Median wall-clock ms of step() (the device synchronised around each)."""
+    return timed_split(step, device, steps)[0]
+
+
+def timed_split(step, device, steps):
+    """Median wall-clock ms of step() (the device synchronised around each),
+    and median ms until step() returned, before the closing synchronisation:
+    the host's own time to issue the step (with its waits for the device
+    inside it). On a GPU, host ms close to the step's means the step waits
+    on the host; on the CPU the two are one."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(3):
         step()
     sync()
-    times = []
+    times, host = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
+        t1 = time.perf_counter()
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        host.append((t1 - t0) * 1e3)
+    return statistics.median(times), statistics.median(host)
 
 
 def device_allocs(step, device, steps=5):
@@ -148,10 +161,10 @@ def run_list(name, shapes, device, steps, profile):
     lr, wd, betas = 1e-4, 0.1, (0.9, 0.99)
     print(f"gpu_lion_step: {name}: {n / 1e9:.3f}B parameters in {len(shapes)} tensors (bf16) on {device}, "
           f"lionbit kernels {lionbit.kernels(device)}", flush=True)
-    ms, launched = {}, {}
+    ms, host, launched = {}, {}, {}
     momenta = [torch.zeros_like(p) for p in params]
     torch_step = lambda: lion_foreach(params, grads, momenta, lr, wd, *betas)  # noqa: E731
-    ms[TORCH] = timed(torch_step, device, steps)
+    ms[TORCH], host[TORCH] = timed_split(torch_step, device, steps)
     launched[TORCH] = launches(torch_step, device)
     allocs = {TORCH: device_allocs(torch_step, device)}
     momenta.clear()
@@ -164,7 +177,7 @@ def run_list(name, shapes, device, steps, profile):
         for leaf, g in zip(leaves, grads):
             leaf.grad = g
         opt = lionbit.DistributedLion(leaves, lr=lr, betas=betas, weight_decay=wd, **kwargs)
-        ms[label] = timed(opt.step, device, steps)
+        ms[label], host[label] = timed_split(opt.step, device, steps)
         launched[label] = launches(opt.step, device)
         allocs[label] = device_allocs(opt.step, device)
         if profile and label == "DistributedLion (bf16 momentum)":
@@ -172,7 +185,7 @@ def run_list(name, shapes, device, steps, profile):
         del opt, leaves
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return n, len(shapes), ms, launched, allocs
+    return n, len(shapes), ms, host, launched, allocs
 
 
 def main(argv=None):
@@ -206,17 +219,21 @@ def main(argv=None):
         bandwidth = copy_bandwidth(device)
         print(f"gpu_lion_step: device-to-device copy {bandwidth / 1e9:.0f} GB/s (read + written)")
         for name in names:
-            n, tensors, ms, launched, allocs = run_list(name, makers[name](), device, args.steps, args.profile)
+            n, tensors, ms, host, launched, allocs = run_list(name, makers[name](), device, args.steps,
+                                                              args.profile)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the list's tensors are gone with run_list's frame
             floor = 10 * n / bandwidth * 1e3
             base = ms[TORCH]
             print(f"{name}: floor {floor:.2f} ms (10 B/parameter at {bandwidth / 1e9:.0f} GB/s)")
-            print(f"{'method':46s} {'ms/step':>9s} {'x torch':>8s} {'x floor':>8s} {'launches':>9s} {'allocs':>7s}")
+            print(f"{'method':46s} {'ms/step':>9s} {'host ms':>8s} {'x torch':>8s} {'x floor':>8s} {'launches':>9s} "
+                  f"{'allocs':>7s}")
             for label, t in ms.items():
                 a = "-" if allocs[label] is None else f"{allocs[label]:.1f}"
-                print(f"{label:46s} {t:9.2f} {t / base:7.2f}x {t / floor:7.2f}x {launched[label] or '-':>9} {a:>7}")
-            lists[name] = {"params": n, "tensors": tensors, "ms_per_step": ms, "floor_ms": floor,
+                print(f"{label:46s} {t:9.2f} {host[label]:8.2f} {t / base:7.2f}x {t / floor:7.2f}x "
+                      f"{launched[label] or '-':>9} {a:>7}")
+            lists[name] = {"params": n, "tensors": tensors, "ms_per_step": ms, "host_ms_per_step": host,
+                           "floor_ms": floor,
                            "ratio_to_torch": {k: v / base for k, v in ms.items()},
                            "ratio_to_floor": {k: v / floor for k, v in ms.items()},
                            "launches_per_step": launched, "device_allocs_per_step": allocs}

@@ -6,16 +6,22 @@ vocabulary 50257, ~124M parameters, head tied to the embedding) trained in
 bf16 autocast on random tokens. Three steps, each forward + backward +
 optimizer step:
 
-  floor   the bare model and Lion in torch's foreach ops: no communication,
-          no hook (what the same step costs on one GPU without lionbit)
-  ddp     DistributedDataParallel + DistributedLion attached (its comm hook
-          votes each bucket's signs)
-  fsdp2   fully_shard per block and at the root + DistributedLion attached
+  floor        the bare model and Lion in torch's foreach ops: no
+               communication, no hook (what the same step costs on one GPU
+               without lionbit)
+  ddp_plain    DistributedDataParallel (its own all-reduce) + the foreach Lion:
+               DDP's own share of the step, without lionbit
+  ddp          DistributedDataParallel + DistributedLion attached (its comm hook
+               votes each bucket's signs)
+  fsdp2_plain  fully_shard per block and at the root (its own reduce-scatter) +
+               the foreach Lion on the local shards: FSDP2's own share
+  fsdp2        the same fully_shard + DistributedLion attached
 
 Prints each step's median ms over --steps timed steps (after 3 warm-ups),
-its ratio to the floor (goal: <= 1.05x) and its device events (kernels,
-copies, memsets) per step from torch.profiler; --profile also prints the
-profiler's top operators of one DDP step.
+its ratio to the floor (goal: <= 1.05x), for ddp and fsdp2 its ratio to the
+same wrapper without lionbit (what lionbit itself adds) and its device
+events (kernels, copies, memsets) per step from torch.profiler; --profile
+also prints the profiler's top operators of one DDP step.
 
     python bench/gpu_train_step.py [--device cuda] [--batch 8] [--seq 1024] [--json FILE]
 """
@@ -65,6 +71,10 @@ class GPT(torch.nn.Module):
         return self.ln_f(x) @ self.tok.weight.t()
 
 
+#: The steps measured, in order: the floor first (every ratio's denominator).
+KINDS = ("floor", "ddp_plain", "ddp", "fsdp2_plain", "fsdp2")
+
+
 @torch.no_grad()
 def lion_step(params, momenta):
     """gpu_lion_step's Lion in torch's foreach ops on the parameters' gradients."""
@@ -79,7 +89,7 @@ def build(kind, shape, device):
     if kind == "floor":
         momenta = [torch.zeros_like(p) for p in params]
         return model, lambda: lion_step(params, momenta)
-    if kind == "ddp":
+    if kind.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model)
@@ -91,6 +101,17 @@ def build(kind, shape, device):
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         model = fully_shard(model, mesh=mesh)
+    if kind.endswith("_plain"):
+        # The foreach Lion on what each rank holds: DDP's parameters, FSDP2's local shards.
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        momenta = [torch.zeros_like(x) for x in local]
+
+        @torch.no_grad()
+        def plain_step():
+            grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()]
+            lion_foreach(local, grads, momenta, 1e-4, 0.1, 0.9, 0.99)
+
+        return model, plain_step
     opt = lionbit.DistributedLion(model.parameters(), lr=1e-4, weight_decay=0.1).attach(model)
     return model, opt.step
 
@@ -135,7 +156,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--kinds", default="floor,ddp,fsdp2")
+    ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--profile", action="store_true", help="print the top operators of one DDP step")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
@@ -144,8 +165,8 @@ def main(argv=None):
         print("gpu_train_step: no CUDA device; nothing to measure")
         return 0
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    if "floor" not in kinds or set(kinds) - {"floor", "ddp", "fsdp2"}:
-        ap.error(f"--kinds: {args.kinds!r}: floor plus any of ddp, fsdp2")
+    if "floor" not in kinds or set(kinds) - set(KINDS):
+        ap.error(f"--kinds: {args.kinds!r}: floor plus any of {', '.join(KINDS[1:])}")
     if args.seq > 1024 or args.width % 12:
         ap.error(f"--seq must be <= 1024 (got {args.seq}) and --width a multiple of 12 (got {args.width})")
     if device.type == "cuda":
@@ -171,11 +192,15 @@ def main(argv=None):
     finally:
         dist.destroy_process_group()
     floor = results["floor"]["ms_per_step"]
-    for fig in results.values():
-        fig["ratio_to_floor"] = fig["ms_per_step"] / floor
-    print(f"{'step':8s} {'ms/step':>9s} {'x floor':>8s} {'events':>7s}")
     for kind, fig in results.items():
-        print(f"{kind:8s} {fig['ms_per_step']:9.2f} {fig['ratio_to_floor']:7.2f}x "
+        fig["ratio_to_floor"] = fig["ms_per_step"] / floor
+        plain = results.get(kind + "_plain")
+        if plain is not None:
+            fig["ratio_to_plain"] = fig["ms_per_step"] / plain["ms_per_step"]
+    print(f"{'step':12s} {'ms/step':>9s} {'x floor':>8s} {'x plain':>8s} {'events':>7s}")
+    for kind, fig in results.items():
+        vs_plain = f"{fig['ratio_to_plain']:7.2f}x" if "ratio_to_plain" in fig else f"{'-':>8s}"
+        print(f"{kind:12s} {fig['ms_per_step']:9.2f} {fig['ratio_to_floor']:7.2f}x {vs_plain} "
               f"{fig['device_events_per_step'] if fig['device_events_per_step'] is not None else '-':>7}")
     if args.json:
         with open(args.json, "w") as f:

@@ -396,7 +396,8 @@ def main(argv=None):
         for name, fig in res["lists"].items():
             ms, launched = fig["ms_per_step"], fig["launches_per_step"]
             parts.append(f"{name} {fig['params'] / 1e9:.2f}B/{fig['tensors']}: torch Lion "
-                         f"{ms['torch Lion (foreach, bf16 momentum)']:.1f} ms, DistributedLion {ms[key]:.1f} ms = "
+                         f"{ms['torch Lion (foreach, bf16 momentum)']:.1f} ms, DistributedLion {ms[key]:.1f} ms "
+                         f"(host {fig['host_ms_per_step'][key]:.1f}) = "
                          f"{fig['ratio_to_torch'][key]:.2f}x torch, {fig['ratio_to_floor'][key]:.2f}x floor"
                          + (f", {launched[key]} launches" if launched[key] else ""))
         figure = "; ".join(parts)
@@ -441,8 +442,9 @@ def main(argv=None):
         r.figures["train_step"] = res
         steps = res["results"]
         figure = f"{res['params'] / 1e6:.0f}M, bf16 autocast: floor {steps['floor']['ms_per_step']:.1f} ms; "
-        figure += ", ".join(f"{k} {v['ratio_to_floor']:.2f}x" + (f" ({v['device_events_per_step']} events)"
-                                                                 if v["device_events_per_step"] else "")
+        figure += ", ".join(f"{k} {v['ratio_to_floor']:.2f}x"
+                            + (f" ({v['ratio_to_plain']:.2f}x {k}_plain)" if "ratio_to_plain" in v else "")
+                            + (f" ({v['device_events_per_step']} events)" if v["device_events_per_step"] else "")
                             for k, v in steps.items() if k != "floor")
         if gpu:
             step.status, step.figure = "passed", figure
