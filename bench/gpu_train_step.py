@@ -12,14 +12,16 @@ optimizer step:
   ddp_plain    DistributedDataParallel (its own all-reduce) + the foreach Lion:
                DDP's own share of the step, without lionbit
   ddp          DistributedDataParallel + DistributedLion attached (its comm hook
-               votes each bucket's signs)
+               votes each bucket's signs during backward)
+  ddp_at_step  the same attached with overlap=False: the votes at step(), in
+               a few large calls instead of one a bucket
   fsdp2_plain  fully_shard per block and at the root (its own reduce-scatter) +
                the foreach Lion on the local shards: FSDP2's own share
   fsdp2        the same fully_shard + DistributedLion attached
 
 Prints each step's median ms over --steps timed steps (after 3 warm-ups),
-its ratio to the floor (goal: <= 1.05x), for ddp and fsdp2 its ratio to the
-same wrapper without lionbit (what lionbit itself adds) and its device
+its ratio to the floor (goal: <= 1.05x), for the lionbit steps the ratio to
+the same wrapper without lionbit (what lionbit itself adds) and its device
 events (kernels, copies, memsets) per step from torch.profiler; --profile
 also prints the profiler's top operators of one DDP step.
 
@@ -72,7 +74,7 @@ class GPT(torch.nn.Module):
 
 
 #: The steps measured, in order: the floor first (every ratio's denominator).
-KINDS = ("floor", "ddp_plain", "ddp", "fsdp2_plain", "fsdp2")
+KINDS = ("floor", "ddp_plain", "ddp", "ddp_at_step", "fsdp2_plain", "fsdp2")
 
 
 @torch.no_grad()
@@ -112,7 +114,8 @@ def build(kind, shape, device):
             lion_foreach(local, grads, momenta, 1e-4, 0.1, 0.9, 0.99)
 
         return model, plain_step
-    opt = lionbit.DistributedLion(model.parameters(), lr=1e-4, weight_decay=0.1).attach(model)
+    opt = lionbit.DistributedLion(model.parameters(), lr=1e-4, weight_decay=0.1)
+    opt.attach(model, overlap=kind != "ddp_at_step")
     return model, opt.step
 
 
@@ -194,7 +197,7 @@ def main(argv=None):
     floor = results["floor"]["ms_per_step"]
     for kind, fig in results.items():
         fig["ratio_to_floor"] = fig["ms_per_step"] / floor
-        plain = results.get(kind + "_plain")
+        plain = None if kind.endswith("_plain") else results.get(kind.split("_")[0] + "_plain")
         if plain is not None:
             fig["ratio_to_plain"] = fig["ms_per_step"] / plain["ms_per_step"]
     print(f"{'step':12s} {'ms/step':>9s} {'x floor':>8s} {'x plain':>8s} {'events':>7s}")

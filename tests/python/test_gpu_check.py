@@ -69,9 +69,9 @@ def test_gpu_check_cpu_mode(tmp_path):
     assert set(lion["lists"]) == {"stack", "gpt2-medium"} and lion["lists"]["gpt2-medium"]["tensors"] == 292
     assert lion["lists"]["stack"]["floor_ms"] > 0
     train = json.loads((tmp_path / "train_step.json").read_text())
-    assert set(train["results"]) == {"floor", "ddp_plain", "ddp", "fsdp2_plain", "fsdp2"}
+    assert set(train["results"]) == {"floor", "ddp_plain", "ddp", "ddp_at_step", "fsdp2_plain", "fsdp2"}
     # lionbit's own share: each wrapper against itself without lionbit.
-    assert all(train["results"][k]["ratio_to_plain"] > 0 for k in ("ddp", "fsdp2")), train["results"]
+    assert all(train["results"][k]["ratio_to_plain"] > 0 for k in ("ddp", "ddp_at_step", "fsdp2")), train["results"]
     assert "x ddp_plain)" in steps["train-step"]["figure"] or "no GPU" in steps["train-step"]["figure"]
     assert checks["cpu hsdp vote: ranks agree"] and checks["hsdp: the runs moved the parameters"], checks
     assert (tmp_path / "ddp_step_cpu.txt").read_text().count("lionbit") >= 1
