@@ -6,8 +6,9 @@ a tensor. Each call against plain torch in float32 one op at a time (the
 contract of lionbit.lion_math), with neighbours sharing plane words, tensors
 that fill whole words in place, mixed dtypes in one list and bits outside
 the tensors left alone; bad lists are refused, naming the element, before
-anything changes; and a transformer-shaped model in bfloat16 trained on two
-ranks equals the paper's rule computed independently."""
+anything changes; a transformer-shaped model in bfloat16 trained on two
+ranks equals the paper's rule computed independently; and the GPU branches
+(a launch per dtype pair) run here on tensors that say they are on a GPU."""
 
 import pytest
 import torch
@@ -323,3 +324,82 @@ def test_a_step_of_many_tensors_is_a_few_calls_not_three_a_tensor(monkeypatch):
     per_step = {name: n / 2 for name, n in calls.counts.items()}
     # Per group a step: the directions' pack, the momentum update and the apply.
     assert per_step == {"lion_direction_list": 4, "lion_apply_list": 2}, per_step
+
+
+class _OnGpu(torch.Tensor):
+    """A CPU tensor that says it is on a GPU: the GPU branches of lionbit.lion_math run on it
+    without one, against kernels that stand in for the device's (the CPU lists, checked above)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+class _DeviceLists:
+    """lionbit._C with the GPU's list kernels replaced by the CPU's, every call recorded."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    @staticmethod
+    def _plain(ts):
+        assert all(type(t) is _OnGpu for t in ts), "a tensor lost its device on the way"
+        return [t.as_subclass(torch.Tensor) for t in ts]
+
+    def lion_direction_list_device(self, gs, ms, b1, omb1, b2, omb2, sign, zero, counts, bit_offsets,
+                                   update_momentum):
+        assert len({(g.dtype, m.dtype) for g, m in zip(gs, ms)}) == 1, "one dtype pair a launch"
+        self.calls.append(("direction", gs[0].dtype, ms[0].dtype, len(gs), update_momentum))
+        bad = self.real.lion_direction_list(self._plain(gs), self._plain(ms), b1, omb1, b2, omb2, sign, zero,
+                                            bit_offsets, update_momentum)
+        if counts is not None:
+            counts[1] += bad
+
+    def lion_apply_list_device(self, xs, deltas, lr, decay):
+        assert len({(x.dtype, d.dtype) for x, d in zip(xs, deltas)}) == 1, "one dtype pair a launch"
+        self.calls.append(("apply", xs[0].dtype, deltas[0].dtype, len(xs)))
+        self.real.lion_apply_list(self._plain(xs), self._plain(deltas), lr, decay)
+
+
+def test_the_gpu_branches_launch_once_a_dtype_pair_and_match_the_cpu(monkeypatch):
+    """What runs only on a GPU (a launch per dtype pair, the tallies in a device
+    buffer) checked here, so that a GPU session finds it right."""
+    k = _coefs()
+    gs, ms = _pairs(seed=5)
+    offsets = [o for *_, o in LAYOUT]
+    want_sign, want_zero = _gap_planes()
+    want_ms = [m.clone() for m in ms]
+    want_bad = _C.lion_direction_list(gs, want_ms, *k.values[:4], want_sign, want_zero, offsets, False)
+
+    fake = _DeviceLists(_C)
+    monkeypatch.setattr(lion_math, "_C", fake)
+    on_gpu = [t.clone().as_subclass(_OnGpu) for t in gs], [t.clone().as_subclass(_OnGpu) for t in ms]
+    sign, zero = _gap_planes()
+    counts = torch.zeros(2, dtype=torch.int64)
+    items = list(zip(*on_gpu, offsets))
+    assert lion_math.pack_directions_list(items, k, sign, zero, counts) == 0
+    assert int(counts[1]) == want_bad and torch.equal(sign, want_sign) and torch.equal(zero, want_zero)
+    pairs = {(gdt, mdt) for gdt, mdt, _, _ in LAYOUT}
+    assert {c[1:3] for c in fake.calls} == pairs and len(fake.calls) == len(pairs), fake.calls
+    assert all(not c[4] for c in fake.calls)
+
+    fake.calls.clear()
+    lion_math.update_momenta(list(zip(*on_gpu)), k)
+    assert len(fake.calls) == len(pairs) and all(c[4] for c in fake.calls)
+    for g, m, got in zip(gs, ms, on_gpu[1]):
+        want = m.clone()
+        _C.lion_direction_list([g], [want], *k.values[:4], None, None, [0], True)
+        assert torch.equal(got.as_subclass(torch.Tensor).view(torch.uint8), want.view(torch.uint8))
+
+    fake.calls.clear()
+    gen = torch.Generator().manual_seed(6)
+    xs = [torch.randn(n, generator=gen).to(gdt) for gdt, _, n, _ in LAYOUT]
+    deltas = [torch.randint(-1, 2, (n,), generator=gen).to(torch.bfloat16) for *_, n, _ in LAYOUT]
+    got = [x.clone().as_subclass(_OnGpu) for x in xs]
+    lion_math.apply_updates(list(zip(got, [d.as_subclass(_OnGpu) for d in deltas])), k)
+    assert len(fake.calls) == len({gdt for gdt, *_ in LAYOUT}), fake.calls
+    for x, d, y in zip(xs, deltas, got):
+        assert torch.equal(y.as_subclass(torch.Tensor), _apply_reference(x, d, k))
