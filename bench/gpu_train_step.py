@@ -20,7 +20,9 @@ optimizer step:
   fsdp2        the same fully_shard + DistributedLion attached
 
 Prints each step's median ms over --steps timed steps (after 3 warm-ups),
-its ratio to the floor (goal: <= 1.05x), for the lionbit steps the ratio to
+the host's ms until the step's last call returned (before the closing
+synchronisation: near the step's ms, the step waits on the host), its
+ratio to the floor (goal: <= 1.05x), for the lionbit steps the ratio to
 the same wrapper without lionbit (what lionbit itself adds) and its device
 events (kernels, copies, memsets) per step from torch.profiler; --profile
 also prints the profiler's top operators of one DDP step.
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 import lionbit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_lion_step import lion_foreach, timed  # noqa: E402  (bench/ on the path first)
+from gpu_lion_step import lion_foreach, timed_split  # noqa: E402  (bench/ on the path first)
 
 
 class Block(torch.nn.Module):
@@ -134,7 +136,7 @@ def measure(kind, shape, device, batch, seq, steps, profile):
         loss.backward()
         optimizer_step()
 
-    ms = timed(step, device, steps)
+    ms, host = timed_split(step, device, steps)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     events, table = None, ""
     if device.type == "cuda":
@@ -147,7 +149,7 @@ def measure(kind, shape, device, batch, seq, steps, profile):
         if profile:
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=50)
     params = sum(p.numel() for p in model.parameters())
-    return ms, events, params, table
+    return ms, host, events, params, table
 
 
 def main(argv=None):
@@ -183,9 +185,9 @@ def main(argv=None):
     results = {}
     try:
         for kind in kinds:
-            ms, events, params, table = measure(kind, shape, device, args.batch, args.seq, args.steps,
+            ms, host, events, params, table = measure(kind, shape, device, args.batch, args.seq, args.steps,
                                                 args.profile and kind == "ddp")
-            results[kind] = {"ms_per_step": ms, "device_events_per_step": events}
+            results[kind] = {"ms_per_step": ms, "host_ms_per_step": host, "device_events_per_step": events}
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the model is gone with measure's frame
             print(f"gpu_train_step: {kind}: {ms:.2f} ms/step, {events if events is not None else '-'} device events "
@@ -200,11 +202,12 @@ def main(argv=None):
         plain = None if kind.endswith("_plain") else results.get(kind.split("_")[0] + "_plain")
         if plain is not None:
             fig["ratio_to_plain"] = fig["ms_per_step"] / plain["ms_per_step"]
-    print(f"{'step':12s} {'ms/step':>9s} {'x floor':>8s} {'x plain':>8s} {'events':>7s}")
+    print(f"{'step':12s} {'ms/step':>9s} {'host ms':>8s} {'x floor':>8s} {'x plain':>8s} {'events':>7s}")
     for kind, fig in results.items():
         vs_plain = f"{fig['ratio_to_plain']:7.2f}x" if "ratio_to_plain" in fig else f"{'-':>8s}"
-        print(f"{kind:12s} {fig['ms_per_step']:9.2f} {fig['ratio_to_floor']:7.2f}x {vs_plain} "
-              f"{fig['device_events_per_step'] if fig['device_events_per_step'] is not None else '-':>7}")
+        events = fig["device_events_per_step"]
+        print(f"{kind:12s} {fig['ms_per_step']:9.2f} {fig['host_ms_per_step']:8.2f} {fig['ratio_to_floor']:7.2f}x "
+              f"{vs_plain} {events if events is not None else '-':>7}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "params": params, "batch": args.batch, "seq": args.seq,
