@@ -380,24 +380,30 @@ int64_t lion_direction_list(
   return nonfinite;
 }
 
-void lion_apply(at::Tensor& x, const at::Tensor& delta, double lr, double decay) {
-  std::vector<at::Tensor> xs{x};
-  lion_apply_list(xs, {delta}, lr, decay);
-}
+namespace {
 
-void lion_apply_list(
+// How a call's errors name its op and arguments: the one-tensor entry points
+// "x", "delta", "bit_offset"; the list forms "xs[i]", "deltas[i]", ...
+struct ArgNames {
+  const char* op;
+  bool single;
+  std::string operator()(const char* one, const char* many, size_t i) const {
+    return single ? std::string(one) : item(many, i);
+  }
+};
+
+void apply_dense(
+    const ArgNames& names,
     std::vector<at::Tensor>& xs,
     const std::vector<at::Tensor>& deltas,
     double lr,
     double decay) {
-  const bool one = xs.size() == 1;
-  const char* op = one ? "lion_apply" : "lion_apply_list";
+  const char* op = names.op;
   TORCH_CHECK_VALUE(
       xs.size() == deltas.size(), "lionbit.", op, ": ", xs.size(), " parameters and ",
       deltas.size(), " deltas");
   for (size_t i = 0; i < xs.size(); ++i) {
-    const std::string x_name = one ? "x" : item("xs", i),
-                      d_name = one ? "delta" : item("deltas", i);
+    const std::string x_name = names("x", "xs", i), d_name = names("delta", "deltas", i);
     require(op, check_float(xs[i], x_name.c_str(), at::kCPU));
     require(op, check_float(deltas[i], d_name.c_str(), at::kCPU));
     TORCH_CHECK_VALUE(
@@ -412,35 +418,22 @@ void lion_apply_list(
   }
 }
 
-void lion_apply_planes(
-    at::Tensor& x,
-    const at::Tensor& sign,
-    const at::Tensor& zero,
-    int64_t bit_offset,
-    double lr,
-    double decay) {
-  std::vector<at::Tensor> xs{x};
-  lion_apply_planes_list(xs, sign, zero, {bit_offset}, lr, decay);
-}
-
-void lion_apply_planes_list(
+void apply_planes(
+    const ArgNames& names,
     std::vector<at::Tensor>& xs,
     const at::Tensor& sign,
     const at::Tensor& zero,
     const std::vector<int64_t>& bit_offsets,
     double lr,
     double decay) {
-  const bool one = xs.size() == 1;
-  const char* op = one ? "lion_apply_planes" : "lion_apply_planes_list";
+  const char* op = names.op;
   TORCH_CHECK_VALUE(
       xs.size() == bit_offsets.size(), "lionbit.", op, ": ", xs.size(), " parameters and ",
       bit_offsets.size(), " bit offsets");
   for (size_t i = 0; i < xs.size(); ++i) {
-    const std::string x_name = one ? "x" : item("xs", i);
-    require(op, check_float(xs[i], x_name.c_str(), at::kCPU));
+    require(op, check_float(xs[i], names("x", "xs", i).c_str(), at::kCPU));
     TORCH_CHECK_VALUE(
-        bit_offsets[i] >= 0, "lionbit.", op, ": negative ",
-        one ? "bit_offset" : item("bit_offsets", i));
+        bit_offsets[i] >= 0, "lionbit.", op, ": negative ", names("bit_offset", "bit_offsets", i));
     require(op, check_planes(sign, "sign", at::kCPU, bit_offsets[i] + xs[i].numel()));
     require(op, check_planes(zero, "zero", at::kCPU, bit_offsets[i] + xs[i].numel()));
   }
@@ -450,6 +443,42 @@ void lion_apply_planes_list(
         static_cast<uint64_t>(bit_offsets[i]), static_cast<size_t>(xs[i].numel()),
         static_cast<float>(lr), static_cast<float>(decay));
   }
+}
+
+} // namespace
+
+void lion_apply(at::Tensor& x, const at::Tensor& delta, double lr, double decay) {
+  std::vector<at::Tensor> xs{x};
+  apply_dense({"lion_apply", true}, xs, {delta}, lr, decay);
+}
+
+void lion_apply_list(
+    std::vector<at::Tensor>& xs,
+    const std::vector<at::Tensor>& deltas,
+    double lr,
+    double decay) {
+  apply_dense({"lion_apply_list", false}, xs, deltas, lr, decay);
+}
+
+void lion_apply_planes(
+    at::Tensor& x,
+    const at::Tensor& sign,
+    const at::Tensor& zero,
+    int64_t bit_offset,
+    double lr,
+    double decay) {
+  std::vector<at::Tensor> xs{x};
+  apply_planes({"lion_apply_planes", true}, xs, sign, zero, {bit_offset}, lr, decay);
+}
+
+void lion_apply_planes_list(
+    std::vector<at::Tensor>& xs,
+    const at::Tensor& sign,
+    const at::Tensor& zero,
+    const std::vector<int64_t>& bit_offsets,
+    double lr,
+    double decay) {
+  apply_planes({"lion_apply_planes_list", false}, xs, sign, zero, bit_offsets, lr, decay);
 }
 
 std::vector<std::tuple<std::string, std::string>> check_kernel_sets(
