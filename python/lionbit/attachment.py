@@ -111,7 +111,7 @@ class Attachment:
                 f"all of them together, so they must share a device (use one optimizer per device)"
             )
         deltas = step_vote.vote_chunks(self.opt, entries, self.group, "step", self.buffers)
-        return lambda: step_vote.update(entries, deltas, self.buffers.scratch)
+        return lambda: step_vote.update(entries, deltas)
 
     def warn_if_ddp_unattached(self) -> None:
         """Once, at the first step: a DDP model holding these parameters but

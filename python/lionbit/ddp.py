@@ -308,7 +308,7 @@ class DDPAttachment(Attachment):
         # A joined rank steps the parameters it stepped last (its peers'
         # gradients decide theirs; with the same gradients present, the same).
         stepped = None if self.layout is None else set(self.layout)
-        plan, biggest, device = [], 0, None
+        plan = []
         allowed = {}  # LIONBIT_KERNELS and the first-use checks, once a device
         for bv in started:
             entries, deltas, off = [], [], 0
@@ -329,7 +329,6 @@ class DDPAttachment(Attachment):
                     off += n
                     continue
                 deltas.append(delta_of(off, n))
-                biggest, device = max(biggest, n), p.device
                 off += n
             plan.append((bv, entries, deltas))
         # Parameters with a gradient in none of the buckets (unfrozen after
@@ -341,8 +340,6 @@ class DDPAttachment(Attachment):
         in_buckets = {p for bv in started for p in bv.params}
         rest = [] if abstain and self.layout is None else self.entries(abstain)
         apply_rest = self.vote([e for e in rest if e.param not in in_buckets])
-        scratch = lion_math.planes(biggest, device) if biggest else None
-
         def apply():
             for i, (bv, entries, deltas) in enumerate(plan):
                 try:
@@ -354,7 +351,7 @@ class DDPAttachment(Attachment):
                     raise
                 finally:
                     bv.work = None
-                step_vote.update(entries, deltas, scratch)
+                step_vote.update(entries, deltas)
             apply_rest()
 
         return apply

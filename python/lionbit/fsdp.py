@@ -525,7 +525,6 @@ def fsdp_vote(att):
     groups = opt.param_group_of()
     hsdp = att.replicas is not None
     todo = []  # (gradient, momentum, coefs, local shard, Delta of the shard)
-    biggest, device = 0, None
     allowed = {}  # LIONBIT_KERNELS and the first-use checks, once a device and step
 
     def fused_for(m, g):
@@ -565,7 +564,6 @@ def fsdp_vote(att):
                     f"{local.numel()} local elements, FSDP's layout {own}"
                 )
             unit.append((g, m, coefs, local, off, own))
-            biggest = max(biggest, g.numel())
         if hsdp:
             delta = voter.sharded_vote(votes, s, att.replicas, device, "step (HSDP all-reduce over the replicate group)",
                                        fused_for, replicated=True)
@@ -574,10 +572,9 @@ def fsdp_vote(att):
         todo += [(g, m, coefs, local, delta[off : off + own]) for g, m, coefs, local, off, own in unit]
 
     def apply() -> None:
-        scratch = lion_math.planes(biggest, device) if biggest else None
         step_vote.update_state([(g, m, coefs, fused_for(m, g)) for g, m, coefs, _, _ in todo],
                                [(local, d, coefs, fused_for(local, d)) for _, _, coefs, local, d in todo
-                                if d.numel()], scratch)
+                                if d.numel()])
 
     return apply
 

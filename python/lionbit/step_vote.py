@@ -74,7 +74,6 @@ class VoteBuffers:
         self.chunks: List[Tuple[int, int, int]] = []  # (first entry, end entry, elements)
         self.planes = []
         self.outs = []
-        self.scratch = None
 
     def prepare(self, sizes: Sequence[int], device, delta_dtype, bits=None, into_planes: bool = False):
         """``into_planes``: each chunk's Delta as a vote's result planes (uint8:
@@ -94,8 +93,6 @@ class VoteBuffers:
                          for _, _, t in chunks]
         else:
             self.outs = [torch.empty(t, dtype=delta_dtype, device=device) for _, _, t in chunks]
-        biggest = max(sizes, default=0)
-        self.scratch = lion_math.planes(biggest, device) if biggest else None
 
 
 def chunking(sizes: Sequence[int], limit: int = CHUNK_ELEMENTS) -> List[Tuple[int, int, int]]:
@@ -192,20 +189,20 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
     return deltas
 
 
-def update(entries: Sequence[Entry], deltas, scratch) -> None:
+def update(entries: Sequence[Entry], deltas) -> None:
     """The state change of a voted step: momentum, then parameters."""
     update_state([(e.grad, e.momentum, e.coefs, e.fused) for e in entries if not e.abstain],
-                 [(e.param, d, e.coefs, e.fused) for e, d in zip(entries, deltas)], scratch)
+                 [(e.param, d, e.coefs, e.fused) for e, d in zip(entries, deltas)])
 
 
-def update_state(momenta, applies, scratch) -> None:
+def update_state(momenta, applies) -> None:
     """The momentum updates ``momenta`` ((g, m, coefs, fused)), then the
     parameter updates ``applies`` ((x, delta, coefs, fused)), on one device
-    (a parameter's update never reads another's momentum). ``scratch``: two
-    uint8 planes for the largest g (the per-tensor fused CPU kernel's
-    direction bits, where the list kernels do not run). The fused tensors of
-    the same hyperparameters go in one call each (the list kernels: on a GPU
-    a launch per dtype pair, where their first-use check passed)."""
+    (a parameter's update never reads another's momentum). The fused tensors
+    of the same hyperparameters go in one call each (the list kernels: on a
+    GPU a launch per dtype pair, where their first-use check passed); where
+    the list kernels do not run, the per-tensor fused kernel writes its
+    direction bits (not needed) to planes made here for the largest g."""
     tensors = momenta or applies
     cuda = bool(tensors) and tensors[0][0].is_cuda
     if tensors and kernel_choice.list_kernels_allowed(tensors[0][0].device):
@@ -217,10 +214,12 @@ def update_state(momenta, applies, scratch) -> None:
             lion_math.apply_updates(pairs, coefs)
     # The per-tensor GPU kernels' tallies, never read: one buffer for every tensor.
     counts = torch.zeros(2, dtype=torch.int64, device=momenta[0][0].device) if cuda and momenta else None
-    for g, m, coefs, fused in momenta:
+    fused = [g.numel() for g, _, _, f in momenta if f]
+    scratch = lion_math.planes(max(fused), momenta[0][0].device) if fused else None
+    for g, m, coefs, f in momenta:
         nb = lion_math.plane_bytes(g.numel())
         sc = None if scratch is None else (scratch[0][:nb], scratch[1][:nb])
-        lion_math.update_momentum(g, m, coefs, fused, sc, counts)
+        lion_math.update_momentum(g, m, coefs, f, sc, counts)
     for x, d, coefs, fused in applies:
         lion_math.apply_update(x, d, coefs, fused)
 

@@ -403,3 +403,33 @@ def test_the_gpu_branches_launch_once_a_dtype_pair_and_match_the_cpu(monkeypatch
     assert len(fake.calls) == len({gdt for gdt, *_ in LAYOUT}), fake.calls
     for x, d, y in zip(xs, deltas, got):
         assert torch.equal(y.as_subclass(torch.Tensor), _apply_reference(x, d, k))
+
+
+def test_without_the_list_calls_the_per_tensor_kernels_give_the_same_bits(monkeypatch):
+    """Where the list kernels may not run (on a GPU whose list check failed),
+    the step falls back to the fused kernels tensor by tensor, which make their
+    own scratch planes: the same parameters and momenta, bit for bit."""
+    import lionbit
+    from lionbit import kernel_choice
+
+    def train(lists: bool):
+        model = _transformer()
+        opt = lionbit.DistributedLion(_param_groups(model), lr=3e-3, momentum_dtype=torch.bfloat16)
+        calls = _Calls(lion_math._C)
+        with monkeypatch.context() as m:
+            m.setattr(lion_math, "_C", calls)
+            if not lists:
+                m.setattr(kernel_choice, "list_kernels_allowed", lambda device: False)
+            for step in range(3):
+                opt.zero_grad()
+                idx = _tokens(0, step)
+                logits = model(idx[:, :-1]).reshape(-1, VOCAB)
+                torch.nn.functional.cross_entropy(logits, idx[:, 1:].reshape(-1)).backward()
+                opt.step()
+        momenta = [s["exp_avg"].clone() for s in opt.state.values()]
+        return [p.detach().clone() for p in model.parameters()], momenta, calls
+
+    xs, ms, with_lists = train(True)
+    ys, ns, per_tensor = train(False)
+    assert "lion_direction_into" not in with_lists.counts and per_tensor.counts["lion_direction_into"] == 2 * 28 * 3
+    assert all(torch.equal(a, b) for a, b in zip(xs, ys)) and all(torch.equal(a, b) for a, b in zip(ms, ns))
