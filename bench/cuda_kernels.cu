@@ -175,6 +175,12 @@ int main(int argc, char** argv) {
       lionbit::cuda::pack_signs(DType::kBFloat16, a, n, out, out + words, 0, counts, stream);
     }),
         2.0 * n + n / 4.0, copy_gbs);
+    // The same at bit offset 1: no 16-byte boundary, so the ballot path
+    // (not a goal row: what the vector path gains).
+    row("pack_signs bf16 @bit 1", n, timer.median_ms([&] {
+      lionbit::cuda::pack_signs(DType::kBFloat16, a, n, out, out + words + 1, 1, counts, stream);
+    }),
+        2.0 * n + n / 4.0, copy_gbs);
     row("pack_levels f32 p=4", n, timer.median_ms([&] {
       lionbit::cuda::pack_levels(
           static_cast<const float*>(a), n, 3.0, 4, out, words, 0, counts, stream);
@@ -216,6 +222,18 @@ int main(int argc, char** argv) {
           0, counts, stream);
     }),
         6.0 * n + n / 4.0, copy_gbs);
+    row("lion_direction bf16/bf16 @bit 1", n, timer.median_ms([&] {
+      lionbit::optim::cuda::lion_direction(
+          DType::kBFloat16, a, DType::kBFloat16, b, n, 0.9f, 0.1f, 0.99f, 0.01f, out,
+          out + words + 1, 1, counts, stream);
+    }),
+        6.0 * n + n / 4.0, copy_gbs);
+    row("lion_direction bf16/f32", n, timer.median_ms([&] {
+      lionbit::optim::cuda::lion_direction(
+          DType::kBFloat16, a, DType::kFloat32, b, n, 0.9f, 0.1f, 0.99f, 0.01f, out, out + words, 0,
+          counts, stream);
+    }),
+        10.0 * n + n / 4.0, copy_gbs);
     row("lion_apply_dense f32/f32", n, timer.median_ms([&] {
       lionbit::optim::cuda::lion_apply_dense(
           DType::kFloat32, b, DType::kFloat32, a, n, 1e-4f, 0.99999f, stream);

@@ -5,13 +5,17 @@
 // contracts into an FMA (the library is also built with --fmad=false), and
 // float16 / bfloat16 conversions done on the bit patterns, never flushing.
 //
-//  * lion_direction: as pack_signs, one warp per 64-bit word of the sign and
-//    zero planes, lane l handling elements l and l + 32 (coalesced loads of g
-//    and m, coalesced store of m unless the momentum is only read), two
-//    ballots per plane, the boundary words read-modify-written; the zero /
-//    non-finite tallies summed per block, one atomic per block.
-//  * lion_apply_dense: one element per thread and iteration, 4 iterations in
-//    flight per thread.
+//  * lion_direction: as pack_signs, a warp makes kWordsPerWarpIter words of
+//    the sign and zero planes at a time: whole groups with g and m at 16-byte
+//    boundaries by the vector path (lane l: 8 elements in 16-byte loads and
+//    stores, shuffles join the bytes), the others by the ballot path (lane l:
+//    elements l and l + 32 of a word, coalesced loads of g and m, coalesced
+//    store of m unless the momentum is only read, two ballots per plane); the
+//    boundary words read-modify-written; the zero / non-finite tallies summed
+//    per block, one atomic per block.
+//  * lion_apply_dense: a block per unit of kApplyUnit elements and iteration:
+//    16-byte loads and stores of 8 elements a thread where the unit is whole
+//    and x and delta aligned, else 8 elements a thread kBlockThreads apart.
 #include "optimizer/lion_cuda.h"
 
 #include "signbits/cuda/element.cuh"
@@ -30,7 +34,7 @@ using cd::kMinBlocksPerSm;
 using cd::kWarpsPerBlock;
 
 constexpr int kDirUnroll = cd::kWordsPerWarpIter;
-constexpr int kApplyUnroll = cd::kApplyDenseUnroll;
+static_assert(cd::kApplyThreads == kBlockThreads, "an apply unit is one block's");
 
 template <DType G, DType M>
 __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) direction_kernel(
@@ -48,7 +52,18 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) direction_kern
   const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
   unsigned long long zeros = 0, nans = 0;
+  const bool vec = cd::direction_vec_aligned<G, M>(g, m, o);
   for (size_t k0 = warp * kDirUnroll; k0 < nwords; k0 += nwarps * kDirUnroll) {
+    if (vec && cd::group_full(k0, o, n)) { // warp-uniform
+      const cd::Frag fr = cd::lion_direction_vec<G, M>(g, m, o, k0, lane, k, write_m);
+      cd::tally_frag(fr, &zeros, &nans);
+      const cd::WordPair wp = cd::join_fragments(fr);
+      if ((lane & 7u) == 0) {
+        cd::commit_word(sign, k0 + lane / 8, o, n, wp.sign);
+        cd::commit_word(zero, k0 + lane / 8, o, n, wp.zero);
+      }
+      continue;
+    }
     unsigned f[kDirUnroll];
     cd::lion_direction_group<G, M>(g, m, n, o, k0, nwords, lane, k, f, write_m);
 #pragma unroll
@@ -121,10 +136,10 @@ __global__ void __launch_bounds__(kBlockThreads) apply_dense_kernel(
     size_t n,
     float lr,
     float decay) {
-  const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t i0 = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i0 < n;
-       i0 += step * kApplyUnroll) {
-    cd::lion_apply_dense_group<X, Dl>(x, delta, n, i0, step, lr, decay);
+  const bool vec = cd::apply_vec_aligned(x, delta);
+  const size_t units = (n + cd::kApplyUnit - 1) / cd::kApplyUnit;
+  for (size_t u = blockIdx.x; u < units; u += gridDim.x) {
+    cd::lion_apply_unit<X, Dl>(x, delta, n, u * cd::kApplyUnit, threadIdx.x, vec, lr, decay);
   }
 }
 
@@ -137,7 +152,7 @@ void launch_apply_dense(
     float decay,
     cudaStream_t stream) {
   static const int resident = cd::resident_blocks(apply_dense_kernel<X, Dl>);
-  const unsigned grid = cd::grid_for(n, size_t{kBlockThreads} * kApplyUnroll, resident);
+  const unsigned grid = cd::grid_for(n, cd::kApplyUnit, resident);
   apply_dense_kernel<X, Dl><<<grid, kBlockThreads, 0, stream>>>(
       static_cast<typename FloatStore<X>::U*>(x),
       static_cast<const typename FloatStore<Dl>::U*>(delta), n, lr, decay);

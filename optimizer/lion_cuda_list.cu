@@ -2,9 +2,8 @@
 // (optimizer/lion_cuda.h, "lists"): the per-tensor kernels of lion_cuda.cu
 // with a grid loop over the list's work units instead of one tensor's. A
 // unit is a group of kWordsPerWarpIter plane words of one tensor (the
-// direction: one warp) or kBlockThreads * kApplyDenseUnroll elements (the
-// apply: one block); the table gives each tensor's first unit, and a warp
-// or block finds its tensor with segment_of (a binary search over a table
+// direction: one warp) or kApplyUnit elements (the apply: one block); the table gives each tensor's
+// first unit, and a warp or block finds its tensor with segment_of (a binary search over a table
 // the size of a model's parameter list, cached). The arithmetic and the
 // lanes' bodies are element.cuh's, so each tensor's bits and values are the
 // per-tensor kernel's; the only difference is the planes' edge words, which
@@ -47,17 +46,26 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) direction_list
   for (uint64_t u = warp; u < units; u += nwarps) {
     const DirectionUnit d = direction_unit(segs, count, u);
     const size_t n = static_cast<size_t>(d.seg.n);
+    const auto* g = static_cast<const typename FloatStore<G>::U*>(d.seg.g);
+    auto* m = static_cast<typename FloatStore<M>::U*>(d.seg.m);
+    const size_t first = static_cast<size_t>(d.seg.bit_offset / 64);
+    if (cd::direction_vec_aligned<G, M>(g, m, d.o) && cd::group_full(d.k0, d.o, n)) {
+      const cd::Frag fr = cd::lion_direction_vec<G, M>(g, m, d.o, d.k0, lane, k, write_m);
+      cd::tally_frag(fr, &zeros, &nans);
+      const cd::WordPair wp = cd::join_fragments(fr);
+      if (sign != nullptr && (lane & 7u) == 0) {
+        cd::commit_word_shared(sign + first, d.k0 + lane / 8, d.o, n, wp.sign);
+        cd::commit_word_shared(zero + first, d.k0 + lane / 8, d.o, n, wp.zero);
+      }
+      continue;
+    }
     unsigned f[kDirUnroll];
-    cd::lion_direction_group<G, M>(
-        static_cast<const typename FloatStore<G>::U*>(d.seg.g),
-        static_cast<typename FloatStore<M>::U*>(d.seg.m), n, d.o, d.k0, d.nwords, lane, k, f,
-        write_m);
+    cd::lion_direction_group<G, M>(g, m, n, d.o, d.k0, d.nwords, lane, k, f, write_m);
 #pragma unroll
     for (int i = 0; i < kDirUnroll; ++i) {
       cd::tally_flags(f[i], &zeros, &nans);
       const cd::WordPair wp = cd::ballot_planes(f[i]);
       if (sign != nullptr && lane == static_cast<unsigned>(i) && d.k0 + i < d.nwords) {
-        const size_t first = static_cast<size_t>(d.seg.bit_offset / 64);
         cd::commit_word_shared(sign + first, d.k0 + i, d.o, n, wp.sign);
         cd::commit_word_shared(zero + first, d.k0 + i, d.o, n, wp.zero);
       }
@@ -77,10 +85,10 @@ __global__ void __launch_bounds__(kBlockThreads) apply_list_kernel(
     float decay) {
   for (uint64_t u = blockIdx.x; u < units; u += gridDim.x) {
     const ApplySeg s = segs[cd::segment_of(segs, count, u)];
-    cd::lion_apply_dense_group<X, Dl>(
+    cd::lion_apply_unit<X, Dl>(
         static_cast<typename FloatStore<X>::U*>(s.x),
         static_cast<const typename FloatStore<Dl>::U*>(s.delta), static_cast<size_t>(s.n),
-        apply_first(s, u, threadIdx.x), blockDim.x, lr, decay);
+        apply_first(s, u), threadIdx.x, cd::apply_vec_aligned(s.x, s.delta), lr, decay);
   }
 }
 

@@ -34,12 +34,10 @@ struct ApplySeg {
 namespace list_detail {
 
 // A direction unit: a warp's group of plane words (as lion_cuda.cu's grid
-// loop); an apply unit: one block's kApplyThreads * kApplyDenseUnroll
-// elements.
+// loop); an apply unit: one block's kApplyUnit elements (element.cuh).
 constexpr int kDirUnroll = lionbit::cuda::detail::kWordsPerWarpIter;
-constexpr unsigned kApplyThreads = 256;
-constexpr uint64_t kApplyUnit = static_cast<uint64_t>(kApplyThreads) *
-    lionbit::cuda::detail::kApplyDenseUnroll;
+constexpr unsigned kApplyThreads = lionbit::cuda::detail::kApplyThreads;
+constexpr uint64_t kApplyUnit = lionbit::cuda::detail::kApplyUnit;
 
 } // namespace list_detail
 
@@ -84,9 +82,9 @@ LIONBIT_HD DirectionUnit direction_unit(const DirectionSeg* segs, size_t count, 
   return d;
 }
 
-// The first element of a thread of an apply unit (its block's thread t).
-LIONBIT_HD size_t apply_first(const ApplySeg& s, uint64_t u, unsigned t) {
-  return static_cast<size_t>((u - s.first) * list_detail::kApplyUnit) + t;
+// The first element of apply unit u (of tensor s).
+LIONBIT_HD size_t apply_first(const ApplySeg& s, uint64_t u) {
+  return static_cast<size_t>((u - s.first) * list_detail::kApplyUnit);
 }
 
 } // namespace lionbit::optim::cuda

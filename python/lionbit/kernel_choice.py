@@ -106,8 +106,8 @@ def check_direction(candidate: Callable, device, seed: int = 0) -> Optional[str]
                     if n > 7:  # an Inf and a NaN gradient: counted, never applied
                         g[3], g[5] = float("inf"), float("nan")
                     g, m = g.to(device), m.to(device)
-                    for update in (False, True):
-                        off = 5 if update else 64
+                    # a word-aligned offset (the GPU's 16-byte vector path) and an odd one
+                    for update, off in ((False, 5), (False, 64), (True, 5), (True, 64)):
                         nbytes = lion_math.plane_bytes(off + n) + 8
                         planes = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(4)]
                         counts = torch.zeros(2, dtype=torch.int64, device=device)
@@ -120,7 +120,7 @@ def check_direction(candidate: Callable, device, seed: int = 0) -> Optional[str]
                             lion_math.update_momentum(g, want_m, coefs, False, None)
                         bits = torch.int32 if mdt == torch.float32 else torch.int16
                         case = (f"{_name(gdt)} gradient, {_name(mdt)} momentum, n={n}, "
-                                f"update_momentum={update}")
+                                f"bit_offset={off}, update_momentum={update}")
                         if not (torch.equal(planes[0], planes[2]) and torch.equal(planes[1], planes[3])):
                             return case + ": direction bits"
                         if int(counts[1]) != int((~torch.isfinite(c)).sum()) or int(counts[0]) != int((c == 0).sum()):

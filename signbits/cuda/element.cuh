@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "signbits/float16.h"
@@ -420,6 +421,209 @@ LIONBIT_HD uint64_t join_halves(uint32_t lo, uint32_t hi) {
   return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
 }
 
+// ------------------------------------------------------- vector groups ----
+// A group of kWordsPerWarpIter words whose bits are all elements (group_full)
+// and whose first element is 16-byte aligned in every buffer a kernel reads
+// (vec_aligned) is read in 16-byte loads: lane l takes the group's elements
+// 8l .. 8l + 7 (one load of 2-byte values, two of float32) and makes their
+// sign and zero bits, a byte each (a Frag); the 8 lanes of a word join their
+// bytes into it (warp_planes.cuh's join_fragments, three shuffles a plane;
+// join_fragments_host below). The ballot path classifies two elements a lane
+// and takes four ballots a word; the per-word kernels ran at the same elements
+// per second in float32 and bfloat16, so they were bound by instructions, not
+// by memory.
+
+// Elements a lane takes of a vector group.
+constexpr int kVecLane = 8;
+static_assert(32 * kVecLane == kWordsPerWarpIter * 64, "a vector group is the warp's words");
+
+// A lane's 8 elements of a vector group: bit i of sign / zero is element i;
+// nans counts its NaN (pack) or non-finite (direction) elements.
+struct Frag {
+  uint32_t sign;
+  uint32_t zero;
+  uint32_t nans;
+};
+
+// The dtypes the vector path reads (2- and 4-byte floats).
+template <DType D>
+constexpr bool kVecDtype = D == DType::kFloat32 || D == DType::kBFloat16 || D == DType::kFloat16;
+
+// True when element -o of p (the first element of word 0) lies on a 16-byte
+// boundary: then the first element of every word does, each lane's 8 too.
+template <size_t S>
+LIONBIT_HD bool vec_aligned(const void* p, unsigned o) {
+  return ((reinterpret_cast<uintptr_t>(p) - static_cast<uintptr_t>(o) * S) % 16u) == 0u;
+}
+
+#if !defined(__CUDA_ARCH__)
+// The host emulation of a 16-byte access: the GPU faults on an unaligned one,
+// so the emulation stops the test where the kernel would fail.
+inline void check_vec_address(const void* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 16u != 0u) {
+    std::abort();
+  }
+}
+#endif
+
+// The 8 S-byte values at p (16-byte aligned) as 2 * S 32-bit words: a 2-byte
+// value 2i + h is half h (low, high) of word i. Device: S / 2 16-byte loads.
+template <size_t S>
+LIONBIT_HD void load8(const void* p, uint32_t (&w)[2 * S]) {
+#if defined(__CUDA_ARCH__)
+  LIONBIT_UNROLL
+  for (size_t i = 0; i < S / 2; ++i) {
+    const uint4 v = static_cast<const uint4*>(p)[i];
+    w[4 * i] = v.x;
+    w[4 * i + 1] = v.y;
+    w[4 * i + 2] = v.z;
+    w[4 * i + 3] = v.w;
+  }
+#else
+  check_vec_address(p);
+  std::memcpy(w, p, 8 * S);
+#endif
+}
+
+template <size_t S>
+LIONBIT_HD void store8(void* p, const uint32_t (&w)[2 * S]) {
+#if defined(__CUDA_ARCH__)
+  LIONBIT_UNROLL
+  for (size_t i = 0; i < S / 2; ++i) {
+    static_cast<uint4*>(p)[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
+  }
+#else
+  check_vec_address(p);
+  std::memcpy(p, w, 8 * S);
+#endif
+}
+
+// Signs of 8 stored values (load8's words), as classify<D> element by
+// element: on whole words, two 2-byte values at a time. For a 2-byte half
+// with magnitude m (<= 0x7fff, so no sum below carries into the next half):
+// m + 0x7fff sets the half's top bit iff m != 0; m + 0x7fff - kInf iff
+// m > kInf (NaN).
+template <DType D>
+LIONBIT_HD Frag classify8(const uint32_t (&w)[2 * sizeof(typename Elem<D>::U)]) {
+  using E = Elem<D>;
+  Frag f{0, 0, 0};
+  if constexpr (sizeof(typename E::U) == 2) {
+    constexpr uint32_t kTop = 0x80008000u;
+    constexpr uint32_t kNanAdd = (0x7fffu - E::kInf) * 0x10001u;
+    uint32_t pos = 0, zer = 0;
+    LIONBIT_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t m = w[i] & 0x7fff7fffu;
+      const uint32_t nz = (m + 0x7fff7fffu) & kTop;
+      const uint32_t nan = (m + kNanAdd) & kTop;
+      pos |= (nz & ~nan & ~w[i]) >> (15 - 2 * i); // bits 2i and 16 + 2i
+      zer |= (~nz & kTop) >> (15 - 2 * i);
+      f.nans += static_cast<uint32_t>(popc64(nan));
+    }
+    f.sign = (pos | (pos >> 15)) & 0xffu;
+    f.zero = (zer | (zer >> 15)) & 0xffu;
+  } else {
+    static_assert(D == DType::kFloat32, "vector groups read 2- and 4-byte floats");
+    LIONBIT_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t m = w[i] & 0x7fffffffu;
+      const uint32_t nz = (m + 0x7fffffffu) >> 31;
+      const uint32_t nan = (m + (0x7fffffffu - E::kInf)) >> 31;
+      f.sign |= (nz & ~nan & ~(w[i] >> 31)) << i;
+      f.zero |= (nz ^ 1u) << i;
+      f.nans += nan;
+    }
+  }
+  return f;
+}
+
+// Value i of load8's words as float32 (FloatStore<D>::load).
+template <DType D>
+LIONBIT_HD float value8(const uint32_t (&w)[2 * sizeof(typename FloatStore<D>::U)], int i) {
+  if constexpr (sizeof(typename FloatStore<D>::U) == 4) {
+    return bits_f32(w[i]);
+  } else {
+    return FloatStore<D>::load(static_cast<uint16_t>(w[i / 2] >> (16 * (i & 1))));
+  }
+}
+
+// Sets value i of load8-shaped words to the stored form of v (2-byte values:
+// set in order 0 .. 7, an even one clears its word's high half).
+template <DType D>
+LIONBIT_HD void put8(uint32_t (&w)[2 * sizeof(typename FloatStore<D>::U)], int i, float v) {
+  if constexpr (sizeof(typename FloatStore<D>::U) == 4) {
+    w[i] = f32_bits(v);
+  } else {
+    const uint32_t h = FloatStore<D>::store(v);
+    w[i / 2] = (i & 1) != 0 ? (w[i / 2] & 0xffffu) | (h << 16) : h;
+  }
+}
+
+// pack: lane `lane`'s Frag of the vector group from word k0.
+template <DType D>
+LIONBIT_HD Frag pack_vec(const typename Elem<D>::U* src, unsigned o, size_t k0, unsigned lane) {
+  uint32_t w[2 * sizeof(typename Elem<D>::U)];
+  load8<sizeof(typename Elem<D>::U)>(src + (k0 * 64 - o + kVecLane * lane), w);
+  return classify8<D>(w);
+}
+
+// lion_direction: lane `lane`'s Frag of the vector group from word k0 (the
+// new momentum written when write_m); nans counts non-finite c, as the flags.
+template <DType G, DType M>
+LIONBIT_HD Frag lion_direction_vec(
+    const typename FloatStore<G>::U* g,
+    typename FloatStore<M>::U* m,
+    unsigned o,
+    size_t k0,
+    unsigned lane,
+    const LionCoefs& c,
+    bool write_m) {
+  constexpr size_t SG = sizeof(typename FloatStore<G>::U);
+  constexpr size_t SM = sizeof(typename FloatStore<M>::U);
+  const size_t e0 = k0 * 64 - o + kVecLane * lane;
+  uint32_t gw[2 * SG], mw[2 * SM], out[2 * SM];
+  load8<SG>(g + e0, gw);
+  load8<SM>(m + e0, mw);
+  Frag f{0, 0, 0};
+  LIONBIT_UNROLL
+  for (int i = 0; i < kVecLane; ++i) {
+    float mn;
+    const unsigned fl = lion_direction_math(value8<G>(gw, i), value8<M>(mw, i), c, &mn);
+    put8<M>(out, i, mn);
+    f.sign |= (fl & kPos) << i;
+    f.zero |= ((fl & kZero) >> 1) << i;
+    f.nans += (fl & kNan) >> 2;
+  }
+  if (write_m) {
+    store8<SM>(m + e0, out);
+  }
+  return f;
+}
+
+// The vector path's condition for lion_direction's buffers (both aligned).
+template <DType G, DType M>
+LIONBIT_HD bool direction_vec_aligned(const void* g, const void* m, unsigned o) {
+  return vec_aligned<sizeof(typename FloatStore<G>::U)>(g, o) &&
+      vec_aligned<sizeof(typename FloatStore<M>::U)>(m, o);
+}
+
+// Adds a Frag's zeros and NaNs to a lane's tallies.
+LIONBIT_HD void tally_frag(const Frag& f, unsigned long long* zeros, unsigned long long* nans) {
+  *zeros += static_cast<unsigned>(popc64(f.zero));
+  *nans += f.nans;
+}
+
+// Word w (< kWordsPerWarpIter) of a vector group from the warp's Frags (the
+// host emulation; the device joins them with shuffles, join_fragments).
+inline WordPair join_fragments_host(const Frag (&f)[32], unsigned w) {
+  WordPair r{0, 0};
+  for (unsigned q = 0; q < 8; ++q) {
+    r.sign |= static_cast<uint64_t>(f[8 * w + q].sign) << (8 * q);
+    r.zero |= static_cast<uint64_t>(f[8 * w + q].zero) << (8 * q);
+  }
+  return r;
+}
+
 // -------------------------------------------------------------- levels ----
 
 // u = q + s of one value, exactly bits::level_value (signbits/levels.h):
@@ -593,10 +797,17 @@ LIONBIT_HD void unpack_group(
   }
 }
 
-// lion_apply_dense: the elements i0 + u * step, u < kApplyDenseUnroll (loads
-// first, then the math and the stores).
-constexpr int kApplyDenseUnroll = 4;
+// lion_apply_dense works in units of kApplyUnit elements, a block's
+// (kApplyThreads threads) per iteration of its grid loop. A whole unit of
+// 16-byte aligned x and delta: thread t updates its 8 elements 8t .. 8t + 7
+// of the unit in 16-byte loads and stores (the vector path); any other unit
+// (a tensor's last, or unaligned buffers) elements t + u * kApplyThreads.
+constexpr unsigned kApplyThreads = 256;
+constexpr int kApplyDenseUnroll = kVecLane;
+constexpr size_t kApplyUnit = size_t{kApplyThreads} * kApplyDenseUnroll;
 
+// The elements i0 + u * step, u < kApplyDenseUnroll (loads first, then the
+// math and the stores).
 template <DType X, DType Dl>
 LIONBIT_HD void lion_apply_dense_group(
     typename FloatStore<X>::U* x,
@@ -631,16 +842,38 @@ LIONBIT_HD void lion_apply_dense_group(
   }
 }
 
-// lion_apply_dense: element i.
+// The vector path's condition for lion_apply_dense's buffers.
+LIONBIT_HD bool apply_vec_aligned(const void* x, const void* delta) {
+  return (reinterpret_cast<uintptr_t>(x) % 16u) == 0u &&
+      (reinterpret_cast<uintptr_t>(delta) % 16u) == 0u;
+}
+
+// Thread t's share of the unit from element `first` (vec: apply_vec_aligned).
 template <DType X, DType Dl>
-LIONBIT_HD void lion_apply_dense_elem(
+LIONBIT_HD void lion_apply_unit(
     typename FloatStore<X>::U* x,
     const typename FloatStore<Dl>::U* delta,
-    size_t i,
+    size_t n,
+    size_t first,
+    unsigned t,
+    bool vec,
     float lr,
     float decay) {
-  x[i] = FloatStore<X>::store(lion_apply_math(
-      FloatStore<X>::load(x[i]), decay, mul_rn(lr, FloatStore<Dl>::load(delta[i]))));
+  if (vec && first + kApplyUnit <= n) {
+    constexpr size_t SX = sizeof(typename FloatStore<X>::U);
+    constexpr size_t SD = sizeof(typename FloatStore<Dl>::U);
+    const size_t e = first + size_t{kVecLane} * t;
+    uint32_t xw[2 * SX], dw[2 * SD], out[2 * SX];
+    load8<SX>(x + e, xw);
+    load8<SD>(delta + e, dw);
+    LIONBIT_UNROLL
+    for (int i = 0; i < kVecLane; ++i) {
+      put8<X>(out, i, lion_apply_math(value8<X>(xw, i), decay, mul_rn(lr, value8<Dl>(dw, i))));
+    }
+    store8<SX>(x + e, out);
+    return;
+  }
+  lion_apply_dense_group<X, Dl>(x, delta, n, first + t, kApplyThreads, lr, decay);
 }
 
 // ------------------------------------------------- bit-sliced counting ----

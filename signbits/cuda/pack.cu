@@ -1,8 +1,13 @@
-// pack_signs on the GPU: one warp per 64-bit output word, lane l classifies
-// elements l and l + 32 of the word (two coalesced loads), two 32-bit ballots
-// give the word. Lane u of the warp writes word u of its group of kUnroll
-// words; only the first and last word of a launch are read-modify-written
-// (bits outside [bit_offset, bit_offset + n) keep their values).
+// pack_signs on the GPU: a warp makes a group of kWordsPerWarpIter output
+// words at a time. A whole group of float32 / bfloat16 / float16 values at a
+// 16-byte boundary takes the vector path (element.cuh, "vector groups": lane
+// l reads 8 elements in 16-byte loads, shuffles join the lanes' bytes, lane 8w
+// writes word w); any other group (the launch's edges, int8, float64, an
+// unaligned tensor) the ballot path: lane l classifies elements l and l + 32
+// of each word (two coalesced loads), two 32-bit ballots give the word, lane u
+// writes word u. Only the first and last word of a launch are
+// read-modify-written (bits outside [bit_offset, bit_offset + n) keep their
+// values).
 #include "signbits/cuda/element.cuh"
 #include "signbits/cuda/kernels.h"
 #include "signbits/cuda/launch.cuh"
@@ -27,7 +32,20 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) pack_kernel(
   const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
   unsigned long long zeros = 0, nans = 0;
+  const bool vec = kVecDtype<D> && vec_aligned<sizeof(typename Elem<D>::U)>(src, o);
   for (size_t k0 = warp * kPackUnroll; k0 < nwords; k0 += nwarps * kPackUnroll) {
+    if constexpr (kVecDtype<D>) {
+      if (vec && group_full(k0, o, n)) { // warp-uniform
+        const Frag fr = pack_vec<D>(src, o, k0, lane);
+        tally_frag(fr, &zeros, &nans);
+        const WordPair wp = join_fragments(fr);
+        if ((lane & 7u) == 0) {
+          commit_word(sign, k0 + lane / 8, o, n, wp.sign);
+          commit_word(zero, k0 + lane / 8, o, n, wp.zero);
+        }
+        continue;
+      }
+    }
     unsigned f[kPackUnroll];
     pack_group<D>(src, n, o, k0, nwords, lane, f);
 #pragma unroll

@@ -33,6 +33,20 @@ std::string dname(DType d) {
 
 // ----------------------------------------------------- emulated kernels ----
 
+// Vector groups the emulated kernels took (element.cuh, "vector groups"): the
+// tests check that their data reaches both paths.
+size_t g_vec_groups = 0;
+
+// The stores of a vector group from word k0: lane 8w's word w (join_fragments
+// on the device), written as `commit` writes it.
+template <typename Commit>
+void emu_vec_words(const cd::Frag (&fr)[32], size_t k0, Commit commit) {
+  for (unsigned w = 0; w < static_cast<unsigned>(cd::kWordsPerWarpIter); ++w) {
+    commit(k0 + w, cd::join_fragments_host(fr, w));
+  }
+  ++g_vec_groups;
+}
+
 // pack_kernel of signbits/cuda/pack.cu with `nwarps` warps in the grid.
 template <DType D>
 bits::PackCounts emu_pack(
@@ -48,8 +62,24 @@ bits::PackCounts emu_pack(
   const size_t nwords = cd::words_out(o, n);
   constexpr int U = cd::kWordsPerWarpIter;
   unsigned long long zeros = 0, nans = 0;
+  const auto* sp = static_cast<const typename Elem<D>::U*>(src);
+  const bool vec = cd::kVecDtype<D> && cd::vec_aligned<sizeof(typename Elem<D>::U)>(src, o);
   for (size_t warp = 0; warp < nwarps; ++warp) {
     for (size_t k0 = warp * U; k0 < nwords; k0 += nwarps * U) {
+      if constexpr (cd::kVecDtype<D>) {
+        if (vec && cd::group_full(k0, o, n)) {
+          cd::Frag fr[32];
+          for (unsigned lane = 0; lane < 32; ++lane) {
+            fr[lane] = cd::pack_vec<D>(sp, o, k0, lane);
+            cd::tally_frag(fr[lane], &zeros, &nans);
+          }
+          emu_vec_words(fr, k0, [&](size_t k, const cd::WordPair& wp) {
+            cd::commit_word(s, k, o, n, wp.sign);
+            cd::commit_word(z, k, o, n, wp.zero);
+          });
+          continue;
+        }
+      }
       unsigned f[U][32];
       for (unsigned lane = 0; lane < 32; ++lane) {
         unsigned fl[U];
@@ -195,8 +225,23 @@ bits::PackCounts emu_direction(
   const size_t nwords = cd::words_out(o, n);
   constexpr int U = cd::kWordsPerWarpIter;
   unsigned long long zeros = 0, nans = 0;
+  const auto* gp = static_cast<const typename FloatStore<G>::U*>(g);
+  auto* mp = static_cast<typename FloatStore<M>::U*>(m);
+  const bool vec = cd::direction_vec_aligned<G, M>(g, m, o);
   for (size_t warp = 0; warp < nwarps; ++warp) {
     for (size_t k0 = warp * U; k0 < nwords; k0 += nwarps * U) {
+      if (vec && cd::group_full(k0, o, n)) {
+        cd::Frag fr[32];
+        for (unsigned lane = 0; lane < 32; ++lane) {
+          fr[lane] = cd::lion_direction_vec<G, M>(gp, mp, o, k0, lane, k, write_m);
+          cd::tally_frag(fr[lane], &zeros, &nans);
+        }
+        emu_vec_words(fr, k0, [&](size_t kw, const cd::WordPair& wp) {
+          cd::commit_word(s, kw, o, n, wp.sign);
+          cd::commit_word(z, kw, o, n, wp.zero);
+        });
+        continue;
+      }
       unsigned f[U][32];
       for (unsigned lane = 0; lane < 32; ++lane) {
         unsigned fl[U];
@@ -222,15 +267,27 @@ bits::PackCounts emu_direction(
   return {zeros, nans};
 }
 
-// apply_dense_kernel of optimizer/lion_cuda.cu: its grid loop with a grid of
-// `threads` threads.
+// One block's apply unit from element `first`: its threads' shares, the
+// unit counted in g_vec_groups where it takes the vector path.
 template <DType X, DType Dl>
-void emu_apply_dense(void* x, const void* delta, size_t n, float lr, float decay, size_t threads) {
-  for (size_t t = 0; t < threads; ++t) {
-    for (size_t i0 = t; i0 < n; i0 += threads * cd::kApplyDenseUnroll) {
-      cd::lion_apply_dense_group<X, Dl>(
-          static_cast<typename FloatStore<X>::U*>(x),
-          static_cast<const typename FloatStore<Dl>::U*>(delta), n, i0, threads, lr, decay);
+void emu_apply_unit(void* x, const void* delta, size_t n, size_t first, float lr, float decay) {
+  const bool vec = cd::apply_vec_aligned(x, delta);
+  g_vec_groups += vec && first + cd::kApplyUnit <= n ? 1 : 0;
+  for (unsigned t = 0; t < cd::kApplyThreads; ++t) {
+    cd::lion_apply_unit<X, Dl>(
+        static_cast<typename FloatStore<X>::U*>(x),
+        static_cast<const typename FloatStore<Dl>::U*>(delta), n, first, t, vec, lr, decay);
+  }
+}
+
+// apply_dense_kernel of optimizer/lion_cuda.cu: its grid loop with a grid of
+// `blocks` blocks.
+template <DType X, DType Dl>
+void emu_apply_dense(void* x, const void* delta, size_t n, float lr, float decay, size_t blocks) {
+  const size_t units = (n + cd::kApplyUnit - 1) / cd::kApplyUnit;
+  for (size_t b = 0; b < blocks; ++b) {
+    for (size_t u = b; u < units; u += blocks) {
+      emu_apply_unit<X, Dl>(x, delta, n, u * cd::kApplyUnit, lr, decay);
     }
   }
 }
@@ -379,6 +436,61 @@ TEST(CudaHostPack, ClassifyMatchesCpuOnEveryHalfPattern) {
   }
 }
 
+// classify8 (the vector groups' 8 values on whole words) against classify,
+// value by value: every 2-byte pattern in every position of the 8, float32
+// specials and random patterns.
+template <DType D>
+void check_classify8(const std::vector<typename Elem<D>::U>& vals) {
+  using U = typename Elem<D>::U;
+  for (size_t at = 0; at < 8; ++at) { // vals[j] at position (j + at) % 8
+    for (size_t j0 = 0; j0 + 8 <= vals.size(); j0 += 8) {
+      U v[8];
+      for (size_t i = 0; i < 8; ++i) {
+        v[(i + at) % 8] = vals[j0 + i];
+      }
+      uint32_t w[2 * sizeof(U)];
+      std::memcpy(w, v, sizeof v);
+      const cd::Frag f = cd::classify8<D>(w);
+      uint32_t nans = 0;
+      for (unsigned i = 0; i < 8; ++i) {
+        const unsigned c = cd::classify<D>(v[i]);
+        ASSERT_EQ((f.sign >> i) & 1u, (c & cd::kPos) != 0 ? 1u : 0u)
+            << dname(D) << std::hex << " value " << +v[i] << " at " << i;
+        ASSERT_EQ((f.zero >> i) & 1u, (c & cd::kZero) != 0 ? 1u : 0u)
+            << dname(D) << std::hex << " value " << +v[i] << " at " << i;
+        nans += (c & cd::kNan) != 0 ? 1u : 0u;
+      }
+      ASSERT_EQ(f.sign >> 8, 0u);
+      ASSERT_EQ(f.zero >> 8, 0u);
+      ASSERT_EQ(f.nans, nans) << dname(D) << " values from " << j0;
+    }
+  }
+}
+
+TEST(CudaHostPack, Classify8MatchesClassify) {
+  std::vector<uint16_t> halves(65536);
+  for (uint32_t h = 0; h < 65536; ++h) {
+    halves[h] = static_cast<uint16_t>(h);
+  }
+  check_classify8<DType::kBFloat16>(halves);
+  check_classify8<DType::kFloat16>(halves);
+  std::mt19937_64 rng(13);
+  std::vector<uint32_t> words;
+  for (uint32_t sp : special_f32()) {
+    words.push_back(sp);
+  }
+  for (uint32_t e :
+       {0x00000000u, 0x00000001u, 0x007fffffu, 0x7f7fffffu, 0x7f800000u, 0x7f800001u, 0x7fc00000u,
+        0x7fffffffu}) {
+    words.push_back(e);
+    words.push_back(e | 0x80000000u);
+  }
+  while (words.size() % 8 != 0 || words.size() < 200000) {
+    words.push_back(static_cast<uint32_t>(rng()));
+  }
+  check_classify8<DType::kFloat32>(words);
+}
+
 // The emulated pack kernel at every bit offset 0..130, all dtypes, sizes
 // around word boundaries, several grid sizes, against bits::pack_signs; the
 // bits around the written range (random) must be unchanged.
@@ -386,6 +498,7 @@ TEST(CudaHostPack, EmulatedKernelMatchesCpuAtEveryOffset) {
   std::mt19937_64 rng(11);
   size_t runs = 0;
   for (DType d : bits::test::all_dtypes()) {
+    const size_t vec0 = g_vec_groups;
     for (size_t n : small_sizes()) {
       const auto src = bits::test::random_buffer(d, n, rng, true);
       for (size_t off = 0; off <= 130; ++off) {
@@ -407,6 +520,9 @@ TEST(CudaHostPack, EmulatedKernelMatchesCpuAtEveryOffset) {
         }
       }
     }
+    // Both paths ran: the aligned offsets' whole groups by vectors.
+    const bool vectors = d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat16;
+    EXPECT_EQ(g_vec_groups > vec0, vectors) << dname(d);
   }
   RecordProperty("runs", static_cast<int>(runs));
 }
@@ -744,6 +860,7 @@ std::vector<Coefs> coef_sets() {
 
 template <DType G, DType M>
 void check_direction(std::mt19937_64& rng, size_t& runs) {
+  const size_t vec0 = g_vec_groups;
   for (const Coefs& cf : coef_sets()) {
     const cd::LionCoefs k{cf.b1, cf.omb1, cf.b2, cf.omb2};
     for (size_t n : small_sizes()) {
@@ -791,6 +908,7 @@ void check_direction(std::mt19937_64& rng, size_t& runs) {
       }
     }
   }
+  EXPECT_GT(g_vec_groups, vec0) << dname(G) << "/" << dname(M) << ": no vector group";
 }
 
 TEST(CudaHostLion, DirectionMatchesCpu) {
@@ -839,21 +957,30 @@ TEST(CudaHostLion, DirectionSpecialPairs) {
 
 template <DType X, DType Dl>
 void check_apply_dense(std::mt19937_64& rng) {
-  for (size_t n : small_sizes()) {
+  const size_t vec0 = g_vec_groups;
+  std::vector<size_t> sizes = small_sizes();
+  sizes.push_back(3 * cd::kApplyUnit + 5);
+  for (size_t n : sizes) {
     const auto x0 = random_floats(X, n, rng);
-    const auto delta = random_floats(Dl, n, rng);
-    for (float lr : {3e-4f, 0.5f, 1e-30f}) {
-      for (float decay : {1.0f, 0.99997f, 0.5f}) {
-        auto xr = x0, xg = x0;
-        optim::lion_apply_dense(X, xr.data(), Dl, delta.data(), n, lr, decay);
-        emu_apply_dense<X, Dl>(xg.data(), delta.data(), n, lr, decay, 1 + n % 70);
-        for (size_t i = 0; i < n; ++i) {
-          ASSERT_TRUE(same_at(X, xg.data(), xr.data(), i))
-              << dname(X) << "/" << dname(Dl) << " i=" << i << " lr=" << lr;
+    const auto delta_buf = random_floats(Dl, n + 1, rng);
+    // delta from a 16-byte boundary (whole units by vectors) and one value on
+    for (size_t shift : {size_t{0}, size_t{1}}) {
+      const uint8_t* delta = delta_buf.data() + shift * bits::dtype_size(Dl);
+      for (float lr : {3e-4f, 0.5f, 1e-30f}) {
+        for (float decay : {1.0f, 0.99997f, 0.5f}) {
+          auto xr = x0, xg = x0;
+          optim::lion_apply_dense(X, xr.data(), Dl, delta, n, lr, decay);
+          emu_apply_dense<X, Dl>(xg.data(), delta, n, lr, decay, 1 + n % 7);
+          for (size_t i = 0; i < n; ++i) {
+            ASSERT_TRUE(same_at(X, xg.data(), xr.data(), i))
+                << dname(X) << "/" << dname(Dl) << " n=" << n << " shift=" << shift << " i=" << i
+                << " lr=" << lr;
+          }
         }
       }
     }
   }
+  EXPECT_GT(g_vec_groups, vec0) << dname(X) << "/" << dname(Dl) << ": no vector unit";
 }
 
 TEST(CudaHostLion, ApplyDenseMatchesCpu) {
@@ -932,6 +1059,23 @@ bits::PackCounts emu_direction_list(
     for (uint64_t u = warp; u < units; u += nwarps) {
       const optim::cuda::DirectionUnit d = optim::cuda::direction_unit(segs.data(), segs.size(), u);
       const size_t n = static_cast<size_t>(d.seg.n);
+      const size_t first = static_cast<size_t>(d.seg.bit_offset / 64);
+      if (cd::direction_vec_aligned<G, M>(d.seg.g, d.seg.m, d.o) && cd::group_full(d.k0, d.o, n)) {
+        cd::Frag fr[32];
+        for (unsigned lane = 0; lane < 32; ++lane) {
+          fr[lane] = cd::lion_direction_vec<G, M>(
+              static_cast<const typename FloatStore<G>::U*>(d.seg.g),
+              static_cast<typename FloatStore<M>::U*>(d.seg.m), d.o, d.k0, lane, k, write_m);
+          cd::tally_frag(fr[lane], &zeros, &nans);
+        }
+        emu_vec_words(fr, d.k0, [&](size_t kw, const cd::WordPair& wp) {
+          if (sign != nullptr) {
+            cd::commit_word_shared(sign + first, kw, d.o, n, wp.sign);
+            cd::commit_word_shared(zero + first, kw, d.o, n, wp.zero);
+          }
+        });
+        continue;
+      }
       unsigned f[U][32];
       for (unsigned lane = 0; lane < 32; ++lane) {
         unsigned fl[U];
@@ -949,7 +1093,6 @@ bits::PackCounts emu_direction_list(
         }
         const cd::WordPair wp = cd::ballot_planes_host(f[i]);
         if (sign != nullptr && d.k0 + i < d.nwords) {
-          const size_t first = static_cast<size_t>(d.seg.bit_offset / 64);
           cd::commit_word_shared(sign + first, d.k0 + i, d.o, n, wp.sign);
           cd::commit_word_shared(zero + first, d.k0 + i, d.o, n, wp.zero);
         }
@@ -967,10 +1110,11 @@ std::vector<size_t> list_sizes() {
 
 template <DType G, DType M>
 void check_direction_list(std::mt19937_64& rng, size_t& runs) {
+  const size_t vec0 = g_vec_groups;
   const std::vector<size_t> sizes = list_sizes();
   for (const Coefs& cf : coef_sets()) {
     const cd::LionCoefs k{cf.b1, cf.omb1, cf.b2, cf.omb2};
-    for (size_t at : {size_t{0}, size_t{3}, size_t{64}, size_t{127}}) {
+    for (size_t at : {size_t{0}, size_t{3}, size_t{58}, size_t{64}, size_t{127}}) {
       std::vector<std::vector<uint8_t>> gs, m0s;
       size_t total = at;
       for (size_t n : sizes) {
@@ -1037,6 +1181,7 @@ void check_direction_list(std::mt19937_64& rng, size_t& runs) {
       }
     }
   }
+  EXPECT_GT(g_vec_groups, vec0) << dname(G) << "/" << dname(M) << ": no vector group";
 }
 
 TEST(CudaHostLionList, DirectionListMatchesCpuPerTensor) {
@@ -1056,31 +1201,34 @@ void emu_apply_list(std::vector<ApplySeg> segs, float lr, float decay, size_t bl
   for (size_t b = 0; b < blocks; ++b) {
     for (uint64_t u = b; u < units; u += blocks) {
       const ApplySeg s = segs[cd::segment_of(segs.data(), segs.size(), u)];
-      for (unsigned t = 0; t < optim::cuda::list_detail::kApplyThreads; ++t) {
-        cd::lion_apply_dense_group<X, Dl>(
-            static_cast<typename FloatStore<X>::U*>(s.x),
-            static_cast<const typename FloatStore<Dl>::U*>(s.delta), static_cast<size_t>(s.n),
-            optim::cuda::apply_first(s, u, t), optim::cuda::list_detail::kApplyThreads, lr, decay);
-      }
+      emu_apply_unit<X, Dl>(
+          s.x, s.delta, static_cast<size_t>(s.n), optim::cuda::apply_first(s, u), lr, decay);
     }
   }
 }
 
 template <DType X, DType Dl>
 void check_apply_list(std::mt19937_64& rng) {
+  const size_t vec0 = g_vec_groups;
   std::vector<size_t> sizes = list_sizes();
-  sizes.push_back(3000); // several units
+  sizes.push_back(3 * cd::kApplyUnit + 100); // several units, by vectors
+  sizes.push_back(2 * cd::kApplyUnit); // the same with delta one value off a boundary
   std::vector<std::vector<uint8_t>> x0s, deltas;
   for (size_t n : sizes) {
     x0s.push_back(random_floats(X, n, rng));
-    deltas.push_back(random_floats(Dl, n, rng));
+    deltas.push_back(random_floats(Dl, n + 1, rng));
   }
+  std::vector<const uint8_t*> dptr;
+  for (const auto& d : deltas) {
+    dptr.push_back(d.data());
+  }
+  dptr.back() += bits::dtype_size(Dl);
   for (size_t blocks : {size_t{1}, size_t{2}, size_t{9}}) {
     auto xs = x0s, xr = x0s;
     std::vector<ApplySeg> segs;
     for (size_t t = 0; t < sizes.size(); ++t) {
-      segs.push_back(ApplySeg{xs[t].data(), deltas[t].data(), sizes[t], 0, 0});
-      optim::lion_apply_dense(X, xr[t].data(), Dl, deltas[t].data(), sizes[t], 3e-4f, 0.99997f);
+      segs.push_back(ApplySeg{xs[t].data(), dptr[t], sizes[t], 0, 0});
+      optim::lion_apply_dense(X, xr[t].data(), Dl, dptr[t], sizes[t], 3e-4f, 0.99997f);
     }
     emu_apply_list<X, Dl>(segs, 3e-4f, 0.99997f, blocks);
     for (size_t t = 0; t < sizes.size(); ++t) {
@@ -1090,6 +1238,7 @@ void check_apply_list(std::mt19937_64& rng) {
       }
     }
   }
+  EXPECT_GT(g_vec_groups, vec0) << dname(X) << "/" << dname(Dl) << ": no vector unit";
 }
 
 TEST(CudaHostLionList, ApplyListMatchesCpuPerTensor) {
