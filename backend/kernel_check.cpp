@@ -1070,22 +1070,28 @@ void check_unpack(Checker& ck) {
   size_t i = 0;
   for (int P : {1, 2, 3, 4, 5, 9}) {
     for (const Format& f : kFormats) {
-      const size_t n = kSizes[i++ % kSizes.size()];
-      ck.run(Kernel::kUnpack, c10::str(f.name, ", planes=", P, ", n=", n), [&](Rng& rng) {
-        // The planes as views into one buffer, one spare word apart.
-        const size_t words = bits::words_for(n) + 1;
-        const Tensor buf = ck.bytes(random_bytes(rng, (P * words + 1) * 8));
-        std::vector<Tensor> planes;
-        for (int b = 0; b < P; ++b) {
-          planes.push_back(buf.narrow(0, (b * static_cast<int64_t>(words) + 1) * 8, words * 8));
+      // one size per case, in turn; one and two planes (the CUDA kernel's
+      // vector path) also at 1000, several whole groups of 256
+      for (size_t n : {kSizes[i++ % kSizes.size()], P <= 2 ? size_t{1000} : size_t{0}}) {
+        if (n == 0) {
+          continue;
         }
-        const Tensor lut = ck.bytes(random_bytes(rng, (size_t{1} << P) * f.bytes)).view(f.type);
-        const Bytes init = random_bytes(rng, n * f.bytes);
-        Tensor a = ck.bytes(init).view(f.type), b = ck.bytes(init).view(f.type);
-        ck.cand.unpack(planes, lut, a);
-        ck.ref.unpack(planes, lut, b);
-        return same("dst", a, b);
-      });
+        ck.run(Kernel::kUnpack, c10::str(f.name, ", planes=", P, ", n=", n), [&](Rng& rng) {
+          // The planes as views into one buffer, one spare word apart.
+          const size_t words = bits::words_for(n) + 1;
+          const Tensor buf = ck.bytes(random_bytes(rng, (P * words + 1) * 8));
+          std::vector<Tensor> planes;
+          for (int b = 0; b < P; ++b) {
+            planes.push_back(buf.narrow(0, (b * static_cast<int64_t>(words) + 1) * 8, words * 8));
+          }
+          const Tensor lut = ck.bytes(random_bytes(rng, (size_t{1} << P) * f.bytes)).view(f.type);
+          const Bytes init = random_bytes(rng, n * f.bytes);
+          Tensor a = ck.bytes(init).view(f.type), b = ck.bytes(init).view(f.type);
+          ck.cand.unpack(planes, lut, a);
+          ck.ref.unpack(planes, lut, b);
+          return same("dst", a, b);
+        });
+      }
     }
   }
 }

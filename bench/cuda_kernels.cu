@@ -209,6 +209,10 @@ int main(int argc, char** argv) {
       lionbit::cuda::unpack(DType::kFloat32, {planes, 2, words}, n, lut, b, stream);
     }),
         4.0 * n + n / 4.0, copy_gbs);
+    row("unpack bf16 (2 planes)", n, timer.median_ms([&] {
+      lionbit::cuda::unpack(DType::kBFloat16, {planes, 2, words}, n, lut, b, stream);
+    }),
+        2.0 * n + n / 4.0, copy_gbs);
     fill(b, n * 4, 2, 0x807fffffu, 0x3f800000u);
     row("lion_direction f32/f32", n, timer.median_ms([&] {
       lionbit::optim::cuda::lion_direction(

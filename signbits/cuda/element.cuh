@@ -613,15 +613,24 @@ LIONBIT_HD void tally_frag(const Frag& f, unsigned long long* zeros, unsigned lo
   *nans += f.nans;
 }
 
-// Word w (< kWordsPerWarpIter) of a vector group from the warp's Frags (the
-// host emulation; the device joins them with shuffles, join_fragments).
-inline WordPair join_fragments_host(const Frag (&f)[32], unsigned w) {
-  WordPair r{0, 0};
+// Word w (< kWordsPerWarpIter) of a vector group from the lanes' bytes (the
+// host emulation; the device joins them with shuffles, join_bytes).
+inline uint64_t join_bytes_host(const uint32_t (&bytes)[32], unsigned w) {
+  uint64_t r = 0;
   for (unsigned q = 0; q < 8; ++q) {
-    r.sign |= static_cast<uint64_t>(f[8 * w + q].sign) << (8 * q);
-    r.zero |= static_cast<uint64_t>(f[8 * w + q].zero) << (8 * q);
+    r |= static_cast<uint64_t>(bytes[8 * w + q]) << (8 * q);
   }
   return r;
+}
+
+// The same for both planes of the warp's Frags (join_fragments).
+inline WordPair join_fragments_host(const Frag (&f)[32], unsigned w) {
+  uint32_t s[32], z[32];
+  for (unsigned l = 0; l < 32; ++l) {
+    s[l] = f[l].sign;
+    z[l] = f[l].zero;
+  }
+  return {join_bytes_host(s, w), join_bytes_host(z, w)};
 }
 
 // -------------------------------------------------------------- levels ----
@@ -678,6 +687,42 @@ LIONBIT_HD unsigned levels_lane(
     }
   }
   return f;
+}
+
+// The 8 x 8 bit matrix x (byte i = row i, bit j of it = column j)
+// transposed: bit i of byte j of the result is bit j of byte i of x.
+LIONBIT_HD uint64_t transpose8x8(uint64_t x) {
+  uint64_t t = (x ^ (x >> 7)) & 0x00aa00aa00aa00aaull;
+  x ^= t ^ (t << 7);
+  t = (x ^ (x >> 14)) & 0x0000cccc0000ccccull;
+  x ^= t ^ (t << 14);
+  t = (x ^ (x >> 28)) & 0x00000000f0f0f0f0ull;
+  x ^= t ^ (t << 28);
+  return x;
+}
+
+// pack_levels' vector path (vector groups, above): lane `lane`'s 8 values of
+// the group from word k0 (c + k0 * 64 - o on a 16-byte boundary). Byte b of
+// the result holds bit b of each value's level u (bit i: value i), the
+// planes' bits; *bad counts the non-finite values.
+LIONBIT_HD uint64_t levels_vec(
+    const float* c,
+    unsigned o,
+    size_t k0,
+    unsigned lane,
+    double factor,
+    int s,
+    unsigned* bad) {
+  uint32_t w[8];
+  load8<4>(c + (k0 * 64 - o + kVecLane * lane), w);
+  uint64_t rows = 0; // byte i: value i's level (< 2^8: p <= 8)
+  LIONBIT_UNROLL
+  for (int i = 0; i < kVecLane; ++i) {
+    unsigned b = 0;
+    rows |= static_cast<uint64_t>(level_of(bits_f32(w[i]), factor, s, &b)) << (8 * i);
+    *bad += b;
+  }
+  return transpose8x8(rows);
 }
 
 // Plane b's word of one warp's level flags (the host emulation of the two
@@ -795,6 +840,62 @@ LIONBIT_HD void unpack_group(
   for (int u = 0; u < U; ++u) {
     unpack_lane<S>(base, nplanes, shard_words, n, k0 + u, lane, lut, dst);
   }
+}
+
+// unpack's vector path: NP = 1 or 2 planes (a sign, a vote) and 2- or 4-byte
+// values.
+template <typename S, int NP>
+constexpr bool kUnpackVec = (NP == 1 || NP == 2) && (sizeof(S) == 2 || sizeof(S) == 4);
+
+// LUT entry `code` (< 2^NP) of the entries held in registers: selects, since
+// a register array indexed at run time would live in local memory.
+template <typename S, int NP>
+LIONBIT_HD S lut_pick(const S (&lut)[1 << NP], unsigned code) {
+  if constexpr (NP == 1) {
+    return code != 0 ? lut[1] : lut[0];
+  } else {
+    const S lo = (code & 1u) != 0 ? lut[1] : lut[0];
+    const S hi = (code & 1u) != 0 ? lut[3] : lut[2];
+    return (code & 2u) != 0 ? hi : lo;
+  }
+}
+
+// unpack, vector path (vector groups, above): lane `lane` writes the group's
+// elements 8l .. 8l + 7 from word k0 (the group whole, dst + k0 * 64 on a
+// 16-byte boundary) in 16-byte stores; their codes from its byte of each
+// plane word, their values from the LUT's entries in registers.
+template <typename S, int NP>
+LIONBIT_HD void unpack_vec(
+    const uint64_t* base,
+    size_t shard_words,
+    size_t k0,
+    unsigned lane,
+    const S (&lut)[1 << NP],
+    S* dst) {
+  const size_t k = k0 + lane / 8;
+  const size_t first = sharded_first(k, NP, shard_words);
+  const unsigned sh = 8u * (lane % 8u);
+  uint32_t bytes[NP];
+  LIONBIT_UNROLL
+  for (int b = 0; b < NP; ++b) {
+    bytes[b] = static_cast<uint32_t>(base[first + static_cast<size_t>(b) * shard_words] >> sh);
+  }
+  uint32_t w[2 * sizeof(S)];
+  LIONBIT_UNROLL
+  for (int i = 0; i < kVecLane; ++i) {
+    unsigned code = 0;
+    LIONBIT_UNROLL
+    for (int b = 0; b < NP; ++b) {
+      code |= ((bytes[b] >> i) & 1u) << b;
+    }
+    const uint32_t v = lut_pick<S, NP>(lut, code);
+    if constexpr (sizeof(S) == 4) {
+      w[i] = v;
+    } else {
+      w[i / 2] = (i & 1) != 0 ? w[i / 2] | (v << 16) : v;
+    }
+  }
+  store8<sizeof(S)>(dst + (k0 * 64 + kVecLane * lane), w);
 }
 
 // lion_apply_dense works in units of kApplyUnit elements, a block's

@@ -83,9 +83,13 @@ void launch_pack(
   check_launch("pack_signs");
 }
 
-// pack_levels: one warp per 64-bit word of the planes; lane l quantizes
-// elements l and l + 32 of the word, two ballots per plane give plane b's
-// word, and lane b ORs it in (p <= 8 lanes store).
+// pack_levels: a warp makes a group of kWordsPerWarpIter words of each plane
+// at a time. A whole group of values from a 16-byte boundary: lane l reads 8
+// values in two 16-byte loads, transposes their levels into a byte a plane
+// (levels_vec), shuffles join each plane's bytes (join_bytes) and lane 8w ORs
+// word w in. Other groups, word by word: lane l quantizes elements l and
+// l + 32 of the word, two ballots per plane give plane b's word, and lane b
+// ORs it in (p <= 8 lanes store).
 __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) pack_levels_kernel(
     const float* __restrict__ c,
     size_t n,
@@ -100,21 +104,36 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) pack_levels_ke
   const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
   const int s = (1 << (p - 1)) - 1;
+  const bool vec = vec_aligned<4>(c, o);
   unsigned long long bad = 0;
-  for (size_t k = warp; k < nwords; k += nwarps) {
-    const unsigned f = levels_lane(c, n, o, k, lane, factor, s);
-    bad += ((f >> 16) & 1u) + ((f >> 17) & 1u);
-    uint64_t mine = 0;
-    for (int b = 0; b < p; ++b) {
-      const uint64_t w = join_halves(
-          __ballot_sync(kFullMask, ((f >> b) & 1u) != 0),
-          __ballot_sync(kFullMask, ((f >> (8 + b)) & 1u) != 0));
-      if (lane == static_cast<unsigned>(b)) {
-        mine = w;
+  for (size_t k0 = warp * kWordsPerWarpIter; k0 < nwords; k0 += nwarps * kWordsPerWarpIter) {
+    if (vec && group_full(k0, o, n)) { // warp-uniform
+      unsigned nonfinite = 0;
+      const uint64_t bytes = levels_vec(c, o, k0, lane, factor, s, &nonfinite);
+      bad += nonfinite;
+      for (int b = 0; b < p; ++b) {
+        const uint64_t w = join_bytes(static_cast<uint32_t>(bytes >> (8 * b)) & 0xffu);
+        if ((lane & 7u) == 0) {
+          or_word(planes + b * plane_words, k0 + lane / 8, o, n, w);
+        }
       }
+      continue;
     }
-    if (lane < static_cast<unsigned>(p)) {
-      or_word(planes + lane * plane_words, k, o, n, mine);
+    for (size_t k = k0; k < k0 + kWordsPerWarpIter && k < nwords; ++k) {
+      const unsigned f = levels_lane(c, n, o, k, lane, factor, s);
+      bad += ((f >> 16) & 1u) + ((f >> 17) & 1u);
+      uint64_t mine = 0;
+      for (int b = 0; b < p; ++b) {
+        const uint64_t w = join_halves(
+            __ballot_sync(kFullMask, ((f >> b) & 1u) != 0),
+            __ballot_sync(kFullMask, ((f >> (8 + b)) & 1u) != 0));
+        if (lane == static_cast<unsigned>(b)) {
+          mine = w;
+        }
+      }
+      if (lane < static_cast<unsigned>(p)) {
+        or_word(planes + lane * plane_words, k, o, n, mine);
+      }
     }
   }
   if (counts != nullptr) {
@@ -141,7 +160,8 @@ void pack_levels(
   const unsigned o = static_cast<unsigned>(bit_offset % 64);
   const size_t nwords = detail::words_out(o, n);
   static const int resident = detail::resident_blocks(detail::pack_levels_kernel);
-  const unsigned grid = detail::grid_for(nwords, size_t{detail::kWarpsPerBlock}, resident);
+  const unsigned grid = detail::grid_for(
+      nwords, size_t{detail::kWarpsPerBlock} * detail::kWordsPerWarpIter, resident);
   detail::pack_levels_kernel<<<grid, detail::kBlockThreads, 0, stream>>>(
       c, n, factor, p, planes + bit_offset / 64, plane_words, o, nwords, counts);
   detail::check_launch("pack_levels");

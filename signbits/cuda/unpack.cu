@@ -1,8 +1,12 @@
-// unpack on the GPU: one warp per 64-bit word position, lane l writes elements
-// l and l + 32 of the word. The plane words of a position are the same for the
-// whole warp (one broadcast load per plane); the LUT (2^nplanes entries in
-// device memory) is read through the cache. Elements are moved as raw 1, 2, 4
-// or 8-byte patterns, so every dtype is exact.
+// unpack on the GPU: a warp writes a group of kWordsPerWarpIter words'
+// elements at a time. With one or two planes (a sign, a vote) and 2- or
+// 4-byte values, a whole group at a 16-byte boundary takes the vector path
+// (element.cuh's unpack_vec: lane l writes 8 elements in 16-byte stores, the
+// LUT's entries in registers); other groups: lane l writes elements l and
+// l + 32 of each word, the plane words of a position the same for the whole
+// warp (one broadcast load per plane), the LUT (2^nplanes entries in device
+// memory) read through the cache. Elements are moved as raw 1, 2, 4 or 8-byte
+// patterns, so every dtype is exact.
 #include "signbits/cuda/element.cuh"
 #include "signbits/cuda/kernels.h"
 #include "signbits/cuda/launch.cuh"
@@ -25,8 +29,23 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) unpack_kernel(
   const unsigned lane = threadIdx.x & 31u;
   const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
-  for (size_t k0 = warp * kUnpackUnroll; k0 < nwords; k0 += nwarps * kUnpackUnroll) {
-    unpack_group<S, NP>(base, nplanes, shard_words, n, k0, lane, lut, dst);
+  if constexpr (kUnpackVec<S, NP>) {
+    S regs[1 << NP];
+    for (int j = 0; j < (1 << NP); ++j) {
+      regs[j] = lut[j];
+    }
+    const bool vec = reinterpret_cast<uintptr_t>(dst) % 16u == 0u;
+    for (size_t k0 = warp * kUnpackUnroll; k0 < nwords; k0 += nwarps * kUnpackUnroll) {
+      if (vec && (k0 + kUnpackUnroll) * 64 <= n) { // warp-uniform
+        unpack_vec<S, NP>(base, shard_words, k0, lane, regs, dst);
+      } else {
+        unpack_group<S, NP>(base, nplanes, shard_words, n, k0, lane, lut, dst);
+      }
+    }
+  } else {
+    for (size_t k0 = warp * kUnpackUnroll; k0 < nwords; k0 += nwarps * kUnpackUnroll) {
+      unpack_group<S, NP>(base, nplanes, shard_words, n, k0, lane, lut, dst);
+    }
   }
 }
 

@@ -21,25 +21,22 @@ __device__ __forceinline__ WordPair ballot_planes(unsigned f) {
   return r;
 }
 
-// The words of a vector group (element.cuh, "vector groups"): lane l holds
-// the bytes of bits 8(l % 8) .. 8(l % 8) + 7 of word l / 8; lanes 8w .. 8w + 3
-// make the word's low half, 8w + 4 .. 8w + 7 its high half, and every lane of
-// the eight returns word w (join_fragments_host on the host).
-__device__ __forceinline__ WordPair join_fragments(const Frag& f) {
+// A word of a vector group (element.cuh, "vector groups"): lane l holds
+// byte l % 8 of word l / 8 (its 8 bits of the plane); lanes 8w .. 8w + 3 make
+// the word's low half, 8w + 4 .. 8w + 7 its high half, and every lane of the
+// eight returns word w (join_bytes_host on the host).
+__device__ __forceinline__ uint64_t join_bytes(uint32_t byte) {
   const unsigned lane = threadIdx.x & 31u;
-  const unsigned shift = 8u * (lane & 3u);
-  uint32_t s = f.sign << shift;
-  uint32_t z = f.zero << shift;
-  for (int d = 1; d <= 2; d <<= 1) {
-    s |= __shfl_xor_sync(kFullMask, s, d);
-    z |= __shfl_xor_sync(kFullMask, z, d);
-  }
-  const uint32_t s_other = __shfl_xor_sync(kFullMask, s, 4);
-  const uint32_t z_other = __shfl_xor_sync(kFullMask, z, 4);
-  if ((lane & 4u) == 0) {
-    return {join_halves(s, s_other), join_halves(z, z_other)};
-  }
-  return {join_halves(s_other, s), join_halves(z_other, z)};
+  uint32_t h = byte << (8u * (lane & 3u));
+  h |= __shfl_xor_sync(kFullMask, h, 1);
+  h |= __shfl_xor_sync(kFullMask, h, 2);
+  const uint32_t other = __shfl_xor_sync(kFullMask, h, 4);
+  return (lane & 4u) == 0 ? join_halves(h, other) : join_halves(other, h);
+}
+
+// Both planes of the lanes' Frags.
+__device__ __forceinline__ WordPair join_fragments(const Frag& f) {
+  return {join_bytes(f.sign), join_bytes(f.zero)};
 }
 
 } // namespace lionbit::cuda::detail

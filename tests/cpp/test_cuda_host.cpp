@@ -196,8 +196,22 @@ void emu_unpack(
     size_t nwarps) {
   const size_t nwords = (n + 63) / 64;
   constexpr int U = cd::kWordsPerWarpIter;
+  const bool vec = reinterpret_cast<uintptr_t>(dst) % 16u == 0u;
   for (size_t warp = 0; warp < nwarps; ++warp) {
     for (size_t k0 = warp * U; k0 < nwords; k0 += nwarps * U) {
+      if constexpr (cd::kUnpackVec<S, NP>) {
+        if (vec && (k0 + U) * 64 <= n) {
+          S regs[1 << NP];
+          for (int j = 0; j < (1 << NP); ++j) {
+            regs[j] = static_cast<const S*>(lut)[j];
+          }
+          for (unsigned lane = 0; lane < 32; ++lane) {
+            cd::unpack_vec<S, NP>(base, shard_words, k0, lane, regs, static_cast<S*>(dst));
+          }
+          ++g_vec_groups;
+          continue;
+        }
+      }
       for (unsigned lane = 0; lane < 32; ++lane) {
         cd::unpack_group<S, NP>(
             base, nplanes, shard_words, n, k0, lane, static_cast<const S*>(lut),
@@ -595,20 +609,56 @@ uint64_t emu_pack_levels(
   uint64_t* base = planes + bit_offset / 64;
   const size_t nwords = cd::words_out(o, n);
   const int s = bits::level_span(p);
+  constexpr size_t U = cd::kWordsPerWarpIter;
+  const bool vec = cd::vec_aligned<4>(c, o);
   uint64_t bad = 0;
   for (size_t warp = 0; warp < nwarps; ++warp) {
-    for (size_t k = warp; k < nwords; k += nwarps) {
-      unsigned f[32];
-      for (unsigned lane = 0; lane < 32; ++lane) {
-        f[lane] = cd::levels_lane(c, n, o, k, lane, factor, s);
-        bad += ((f[lane] >> 16) & 1u) + ((f[lane] >> 17) & 1u);
+    for (size_t k0 = warp * U; k0 < nwords; k0 += nwarps * U) {
+      if (vec && cd::group_full(k0, o, n)) {
+        uint64_t bytes[32];
+        for (unsigned lane = 0; lane < 32; ++lane) {
+          unsigned nonfinite = 0;
+          bytes[lane] = cd::levels_vec(c, o, k0, lane, factor, s, &nonfinite);
+          bad += nonfinite;
+        }
+        for (int b = 0; b < p; ++b) {
+          uint32_t plane[32];
+          for (unsigned lane = 0; lane < 32; ++lane) {
+            plane[lane] = static_cast<uint32_t>(bytes[lane] >> (8 * b)) & 0xffu;
+          }
+          for (unsigned w = 0; w < U; ++w) { // lane 8w's store
+            cd::or_word(base + b * plane_words, k0 + w, o, n, cd::join_bytes_host(plane, w));
+          }
+        }
+        ++g_vec_groups;
+        continue;
       }
-      for (int b = 0; b < p; ++b) { // lane b's store
-        cd::or_word(base + b * plane_words, k, o, n, cd::level_plane_host(f, b));
+      for (size_t k = k0; k < k0 + U && k < nwords; ++k) {
+        unsigned f[32];
+        for (unsigned lane = 0; lane < 32; ++lane) {
+          f[lane] = cd::levels_lane(c, n, o, k, lane, factor, s);
+          bad += ((f[lane] >> 16) & 1u) + ((f[lane] >> 17) & 1u);
+        }
+        for (int b = 0; b < p; ++b) { // lane b's store
+          cd::or_word(base + b * plane_words, k, o, n, cd::level_plane_host(f, b));
+        }
       }
     }
   }
   return bad;
+}
+
+TEST(CudaHostLevels, Transpose8x8) {
+  std::mt19937_64 rng(33);
+  for (int t = 0; t < 2000; ++t) {
+    const uint64_t x = t < 64 ? 1ull << t : rng();
+    const uint64_t y = cd::transpose8x8(x);
+    for (unsigned i = 0; i < 8; ++i) {
+      for (unsigned j = 0; j < 8; ++j) {
+        ASSERT_EQ((y >> (8 * j + i)) & 1u, (x >> (8 * i + j)) & 1u) << std::hex << x;
+      }
+    }
+  }
 }
 
 // Every element's level (level_of) against the CPU's definition, on values
@@ -645,6 +695,7 @@ TEST(CudaHostLevels, LevelOfIsLevelValue) {
 // The emulated kernel at many offsets and grid sizes against
 // bits::pack_levels; bits outside the range (random) must be unchanged.
 TEST(CudaHostLevels, EmulatedKernelMatchesCpuAtEveryOffset) {
+  const size_t vec0 = g_vec_groups;
   std::mt19937_64 rng(37);
   std::normal_distribution<float> normal(0.f, 2.f);
   for (int p : {2, 3, 4, 8}) {
@@ -680,6 +731,7 @@ TEST(CudaHostLevels, EmulatedKernelMatchesCpuAtEveryOffset) {
       }
     }
   }
+  EXPECT_GT(g_vec_groups, vec0) << "no vector group";
 }
 
 // ----------------------------------------------------------------- count ----
@@ -783,19 +835,24 @@ void check_unpack(DType d, std::mt19937_64& rng) {
         }
         const auto plain = unshard(sharded, nplanes, sw, shards);
         const auto ptrs = plane_ptrs(plain, nplanes, sw * shards);
-        std::vector<S> ref(n + 3, S(0x5a)), got(n + 3, S(0x5a));
-        bits::unpack(d, ptrs.data(), nplanes, n, lut.data(), ref.data());
-        for (size_t nwarps : {size_t{1}, size_t{5}}) {
-          std::fill(got.begin(), got.end(), S(0x5a));
-          if (nplanes == 1) {
-            emu_unpack<S, 1>(sharded.data(), nplanes, sw, n, lut.data(), got.data(), nwarps);
-          } else if (nplanes == 2) {
-            emu_unpack<S, 2>(sharded.data(), nplanes, sw, n, lut.data(), got.data(), nwarps);
-          } else {
-            emu_unpack<S>(sharded.data(), nplanes, sw, n, lut.data(), got.data(), nwarps);
+        std::vector<S> ref(n + 4, S(0x5a)), got(n + 4, S(0x5a));
+        // dst at a 16-byte boundary (the vector path) and one value past it
+        for (size_t at : {size_t{0}, size_t{1}}) {
+          std::fill(ref.begin(), ref.end(), S(0x5a));
+          bits::unpack(d, ptrs.data(), nplanes, n, lut.data(), ref.data() + at);
+          for (size_t nwarps : {size_t{1}, size_t{5}}) {
+            std::fill(got.begin(), got.end(), S(0x5a));
+            S* dst = got.data() + at;
+            if (nplanes == 1) {
+              emu_unpack<S, 1>(sharded.data(), nplanes, sw, n, lut.data(), dst, nwarps);
+            } else if (nplanes == 2) {
+              emu_unpack<S, 2>(sharded.data(), nplanes, sw, n, lut.data(), dst, nwarps);
+            } else {
+              emu_unpack<S>(sharded.data(), nplanes, sw, n, lut.data(), dst, nwarps);
+            }
+            ASSERT_EQ(got, ref) << dname(d) << " nplanes=" << nplanes << " shards=" << shards
+                                << " n=" << n << " at=" << at;
           }
-          ASSERT_EQ(got, ref) << dname(d) << " nplanes=" << nplanes << " shards=" << shards
-                              << " n=" << n;
         }
       }
     }
@@ -804,11 +861,14 @@ void check_unpack(DType d, std::mt19937_64& rng) {
 
 TEST(CudaHostUnpack, EmulatedKernelMatchesCpu) {
   std::mt19937_64 rng(31);
+  const size_t vec0 = g_vec_groups;
   check_unpack<uint8_t>(DType::kInt8, rng);
+  check_unpack<unsigned long long>(DType::kFloat64, rng);
+  EXPECT_EQ(g_vec_groups, vec0) << "1- and 8-byte values take the word path";
   check_unpack<uint16_t>(DType::kFloat16, rng);
   check_unpack<uint16_t>(DType::kBFloat16, rng);
   check_unpack<uint32_t>(DType::kFloat32, rng);
-  check_unpack<unsigned long long>(DType::kFloat64, rng);
+  EXPECT_GT(g_vec_groups, vec0) << "no vector group";
 }
 
 // A vote unpacked with make_lut tables: the path the backend takes.
