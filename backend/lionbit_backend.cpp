@@ -300,7 +300,7 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::call(SignRequest r) {
   HierarchyMode mode = HierarchyMode::kFlat;
   const bits::SignOp op = validate(r, tie, mode);
   std::vector<at::Tensor> uses{r.result()};
-  for (const at::Tensor* t : {&r.sign, &r.zero, &r.planes}) {
+  for (const at::Tensor* t : {&r.sign, &r.zero, &r.planes, &r.nans_tally}) {
     if (t->defined()) {
       uses.push_back(*t);
     }

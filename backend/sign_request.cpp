@@ -288,6 +288,23 @@ std::string planes_problem(const SignRequest& r, int world) {
   return why;
 }
 
+// The deferred non-finite count (SignRequest::nans_tally), if any.
+std::string nans_tally_problem(const SignRequest& r) {
+  const at::Tensor& t = r.nans_tally;
+  if (!t.defined()) {
+    return "";
+  }
+  if (!r.packed()) {
+    return "argument 'nans_tally' takes packed signs or levels, not 'tensor'";
+  }
+  if (t.scalar_type() != at::kLong || t.numel() != 1 || t.device() != r.out.device()) {
+    return c10::str(
+        "argument 'nans_tally' must be a one-element int64 tensor on ", r.out.device(), ", got ",
+        describe(t), t.numel() != 1 ? c10::str(" of ", t.numel(), " elements") : "");
+  }
+  return "";
+}
+
 } // namespace
 
 std::string request_problem(
@@ -309,6 +326,7 @@ std::string request_problem(
                           : result_problem(r.tensor, "tensor", op, world);
       },
       [&] { return r.packed() ? planes_problem(r, world) : ""; },
+      [&] { return nans_tally_problem(r); },
   });
 }
 
@@ -322,7 +340,10 @@ void run_request(
     uint64_t seq) {
   const bool flat = mode == HierarchyMode::kFlat;
   const auto numel = static_cast<uint64_t>(r.numel);
-  const auto nans = static_cast<uint64_t>(r.nans);
+  auto nans = static_cast<uint64_t>(r.nans);
+  if (r.nans_tally.defined()) {
+    nans += static_cast<uint64_t>(std::max<int64_t>(r.nans_tally.item<int64_t>(), 0));
+  }
   if (r.kind == Collective::kReduceScatter) {
     PackedShards in{r.levels() ? r.planes : r.sign, r.zero, numel, nans};
     in.value_bits = static_cast<int>(r.value_bits);

@@ -70,6 +70,12 @@ struct SignRequest {
   // unspecified. What lionbit.DistributedLion's DDP hook applies
   // (optim::lion_apply_planes): 2 bits an element written, not a value.
   bool out_planes = false;
+  // Non-finite values the caller's kernels are still counting (packed calls):
+  // a one-element int64 tensor on out's device, added to `nans` when the
+  // collective runs. The sign path's worker reads it (on CUDA on its stream,
+  // which follows the caller's): a GPU caller never waits for its pack
+  // kernels to learn the count.
+  at::Tensor nans_tally;
 
   bool packed() const { return !tensor.defined(); }
   bool levels() const { return planes.defined(); }

@@ -102,7 +102,8 @@ PYBIND11_MODULE(_C, m) {
                       int64_t tie_seed, std::string hierarchy, std::optional<at::Tensor> tensor,
                       std::optional<at::Tensor> sign, std::optional<at::Tensor> zero,
                       std::optional<at::Tensor> planes, int64_t value_bits, int64_t numel,
-                      int64_t nans, std::optional<at::Tensor> out, bool out_planes) {
+                      int64_t nans, std::optional<at::Tensor> out, bool out_planes,
+                      std::optional<at::Tensor> nans_tally) {
             lionbit::Collective kind;
             if (collective == "all_reduce") {
               kind = lionbit::Collective::kAllReduce;
@@ -124,6 +125,7 @@ PYBIND11_MODULE(_C, m) {
             r.nans = nans;
             r.out = out.value_or(at::Tensor());
             r.out_planes = out_planes;
+            r.nans_tally = nans_tally.value_or(at::Tensor());
             return r;
           }),
           py::kw_only(), py::arg("collective"), py::arg("op") = "vote",
@@ -131,7 +133,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("tensor") = py::none(), py::arg("sign") = py::none(),
           py::arg("zero") = py::none(), py::arg("planes") = py::none(), py::arg("value_bits") = 0,
           py::arg("numel") = 0, py::arg("nans") = 0, py::arg("out") = py::none(),
-          py::arg("out_planes") = false);
+          py::arg("out_planes") = false, py::arg("nans_tally") = py::none());
 
   py::class_<
       lionbit::LionBitBackend, c10d::Backend, lionbit::ReleasedWithoutGil<lionbit::LionBitBackend>>(

@@ -231,7 +231,7 @@ class _LocalVoter(Voter):
     def votes_into_planes(self, device, group) -> bool:
         return False  # its own vote, as values
 
-    def all_reduce(self, sign, zero, numel, nans, out, group, where, out_planes=False):
+    def all_reduce(self, sign, zero, numel, nans, out, group, where, out_planes=False, nans_tally=None):
         out.copy_(local_vote(sign, zero, numel))
         fut = torch.futures.Future()
         fut.set_result([out])

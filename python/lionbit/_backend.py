@@ -75,12 +75,14 @@ def _all_reduce_sign(self, tensor, op="vote", tie_break="zero", tie_seed=-1, hie
 
 
 def _all_reduce_sign_packed(self, sign, zero, numel, nans, out, op="vote", tie_break="zero", tie_seed=-1,
-                            hierarchy="flat", out_planes=False):
+                            hierarchy="flat", out_planes=False, nans_tally=None):
     """The same on direction bits the caller packed; the result into `out` (``out_planes``: the
-    vote as a sign plane and a zero plane, one after the other in uint8 `out`)."""
+    vote as a sign plane and a zero plane, one after the other in uint8 `out`). ``nans_tally``: a
+    one-element int64 tensor on out's device that the caller's kernels are still adding
+    non-finite counts to; the collective adds it to `nans` when it runs (the caller never waits)."""
     return self.call(_C.SignRequest(collective="all_reduce", op=op, tie_break=tie_break, tie_seed=tie_seed,
                                     hierarchy=hierarchy, sign=sign, zero=zero, numel=numel, nans=nans, out=out,
-                                    out_planes=out_planes))
+                                    out_planes=out_planes, nans_tally=nans_tally))
 
 
 def _all_reduce_levels_packed(self, planes, bits, numel, nans, out, tie_break="zero", tie_seed=-1):
@@ -90,11 +92,12 @@ def _all_reduce_levels_packed(self, planes, bits, numel, nans, out, tie_break="z
 
 
 def _reduce_scatter_sign_packed(self, sign, zero, shard_numel, nans, out, op="vote", tie_break="zero",
-                                tie_seed=-1, hierarchy="flat"):
-    """The sign reduce-scatter of N packed shards; this rank's shard into `out`."""
+                                tie_seed=-1, hierarchy="flat", nans_tally=None):
+    """The sign reduce-scatter of N packed shards; this rank's shard into `out` (``nans_tally``:
+    as all_reduce_sign_packed's)."""
     return self.call(_C.SignRequest(collective="reduce_scatter", op=op, tie_break=tie_break, tie_seed=tie_seed,
                                     hierarchy=hierarchy, sign=sign, zero=zero, numel=shard_numel, nans=nans,
-                                    out=out))
+                                    out=out, nans_tally=nans_tally))
 
 
 def _reduce_scatter_levels_packed(self, planes, bits, shard_numel, nans, out, tie_break="zero", tie_seed=-1):

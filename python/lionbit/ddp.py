@@ -64,11 +64,15 @@ _JOIN_FIX = "`with Join([model, opt]):` (from torch.distributed.algorithms.join 
 
 
 class _BucketVote:
-    __slots__ = ("params", "sizes", "planes", "out", "work", "bad")
+    __slots__ = ("params", "sizes", "planes", "out", "work", "bad", "tally")
 
     def __init__(self):
         self.params, self.sizes, self.planes, self.out, self.work = [], [], None, None, None
-        self.bad = 0  # this rank's non-finite directions in the bucket
+        self.bad = 0  # this rank's non-finite directions in the bucket counted on the host
+        self.tally = None  # and on a GPU the device tally of the rest (read at step(), not in the hook)
+
+    def nonfinite(self) -> int:
+        return self.bad + (int(self.tally) if self.tally is not None else 0)
 
 
 class _HookSlot:
@@ -176,12 +180,12 @@ class DDPAttachment(Attachment):
                               self.opt.fused_for(p, g, allowed), off))
             bv.sizes.append(g.numel())
             off += g.numel()
-        bad = step_vote.pack_directions(items, sign, zero, bits)
+        bad, tally = step_vote.pack_directions(items, sign, zero, bits)
         if off != total:
             raise RuntimeError(f"{_WHERE}: DDP bucket holds {total} elements, its gradients {off}")
-        bv.bad = bad
+        bv.bad, bv.tally = bad, tally
         bv.work = self.opt.voter.all_reduce(sign, zero, total, bad, bv.out, self.group, "attach (DDP hook)",
-                                            out_planes=bv.out.dtype == torch.uint8)
+                                            out_planes=bv.out.dtype == torch.uint8, nans_tally=tally)
         self.started = [b for b in self.started if b is not bv] + [bv]
         if bucket.is_last() and not abstain:
             _after_ddp_finalize(self._record_versions)
@@ -274,7 +278,7 @@ class DDPAttachment(Attachment):
                     for p in bv.params
                 )
             )
-            changed, bad_ranks, refused = _agree(self.group, changed, sum(bv.bad for bv in started))
+            changed, bad_ranks, refused = _agree(self.group, changed, sum(bv.nonfinite() for bv in started))
             if refused:
                 # Their hooks' calls were rejected: the votes fail with the backend's error, naming them.
                 err = _drain(started)

@@ -123,17 +123,20 @@ def _by_coefs(items):
     return groups.values(), rest
 
 
-def pack_directions(items, sign, zero, bits=None) -> int:
+def pack_directions(items, sign, zero, bits=None):
     """Packs the Lion directions of ``items`` ((g, m, coefs, fused,
-    bit_offset), on one device; m only read) into the planes; returns the
-    number of non-finite directions. The fused tensors of the same
-    hyperparameters go in one call (the list kernels: on a GPU a launch per
-    dtype pair, where their first-use check passed; not with ``bits``); on a
-    GPU the tallies are added up on the device and read once."""
+    bit_offset), on one device; m only read) into the planes; returns
+    (non-finite directions counted, tally): on a GPU the fused kernels add
+    theirs to ``tally``, a one-element int64 tensor on the device that the
+    vote reads when it runs (its ``nans_tally``: reading it here would wait
+    for the kernels, inside backward for DDP's hook); on the CPU None. The
+    fused tensors of the same hyperparameters go in one call (the list
+    kernels: on a GPU a launch per dtype pair, where their first-use check
+    passed; not with ``bits``)."""
     if not items:
-        return 0
+        return 0, None
     device = items[0][0].device
-    counts = torch.zeros(2, dtype=torch.int64, device=device) if device.type == "cuda" else None
+    counts = torch.zeros(2, dtype=torch.int64, device=device) if items[0][0].is_cuda else None
     groups, rest = ((), items)
     if not bits and kernel_choice.list_kernels_allowed(device):
         groups, rest = _by_coefs(items)
@@ -142,7 +145,7 @@ def pack_directions(items, sign, zero, bits=None) -> int:
         bad += lion_math.pack_direction(g, m, coefs, sign, zero, off, fused, bits, counts=counts)
     for coefs, group_items in groups:
         bad += lion_math.pack_directions_list(group_items, coefs, sign, zero, counts)
-    return bad + (int(counts[1]) if counts is not None else 0)
+    return bad, (counts[1:] if counts is not None else None)
 
 
 def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteBuffers):
@@ -162,8 +165,9 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
             else:
                 items.append((e.grad, e.momentum, e.coefs, e.fused, off))
             off += e.numel
-        bad = pack_directions(items, sign, zero, voter.bits)
-        works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, out_planes=into_planes))
+        bad, tally = pack_directions(items, sign, zero, voter.bits)
+        works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, out_planes=into_planes,
+                                      nans_tally=tally))
     bad_ranks: List[int] = []
     first_error = None
     for fut in works:

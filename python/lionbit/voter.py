@@ -80,13 +80,14 @@ class Voter:
                     nans += lion_math.pack_levels_pieces(parts, coefs, self.bits, sign)
                 continue
             items += [(gp, mp, coefs, fused_for(mp, gp), bit) for gp, mp, bit in parts]
-        nans += pack_directions(items, sign, zero)
+        packed, tally = pack_directions(items, sign, zero)
+        nans += packed
         delta = torch.empty(shard_numel, dtype=self.delta_dtype, device=device)
         try:
             if replicated:
-                self.all_reduce(sign, zero, shard_numel, nans, delta, group, where).wait()
+                self.all_reduce(sign, zero, shard_numel, nans, delta, group, where, nans_tally=tally).wait()
             else:
-                self.reduce_scatter(sign, zero, shard_numel, nans, delta, group, where)
+                self.reduce_scatter(sign, zero, shard_numel, nans, delta, group, where, nans_tally=tally)
         except (RuntimeError, ValueError) as err:
             ranks = nonfinite_ranks(err)
             if ranks is None:
@@ -111,9 +112,10 @@ class Voter:
         return -1
 
     def all_reduce(self, sign, zero, numel: int, nans: int, out: torch.Tensor, group, where: str,
-                   out_planes: bool = False):
+                   out_planes: bool = False, nans_tally=None):
         """Starts the all-reduce of packed directions (planes and ``out`` on
-        one device, CPU or CUDA; ``nans``: this rank's non-finite count) into
+        one device, CPU or CUDA; ``nans``: this rank's non-finite count, plus
+        ``nans_tally``'s where given: pack_directions' device tally) into
         ``out`` (Delta; with ``out_planes``, where :meth:`votes_into_planes`,
         uint8: the sign plane, then the zero plane); returns its future.
         Without a process group: this rank's own vote."""
@@ -121,6 +123,8 @@ class Voter:
         if group is None and not dist.is_initialized():
             if out_planes:
                 raise ValueError(f"DistributedLion.{where}: out_planes needs a process group")
+            if nans_tally is not None:
+                nans += int(nans_tally)
             fut = torch.futures.Future(devices=[out.device] if out.is_cuda else None)
             if nans:
                 # What the header round raises, so that callers treat both alike.
@@ -134,19 +138,23 @@ class Voter:
             work = backend.all_reduce_levels_packed(sign, self.bits, numel, nans, out, self.tie_break, seed)
         else:
             work = backend.all_reduce_sign_packed(
-                sign, zero, numel, nans, out, self.aggregation, self.tie_break, seed, self.hierarchy, out_planes
+                sign, zero, numel, nans, out, self.aggregation, self.tie_break, seed, self.hierarchy, out_planes,
+                nans_tally
             )
         return work.get_future()
 
-    def reduce_scatter(self, sign, zero, shard_numel: int, nans: int, delta: torch.Tensor, group, where: str) -> None:
+    def reduce_scatter(self, sign, zero, shard_numel: int, nans: int, delta: torch.Tensor, group, where: str,
+                       nans_tally=None) -> None:
         """The FSDP reduce-scatter of packed directions (``zero`` is None for
-        "l1"): this rank's shard of Delta into ``delta``; waits."""
+        "l1"): this rank's shard of Delta into ``delta``; waits. ``nans_tally``:
+        as :meth:`all_reduce`'s (sign planes only)."""
         seed = self._seed()
         backend = backend_for(group, delta.device, where)
         if self.bits:
             work = backend.reduce_scatter_levels_packed(sign, self.bits, shard_numel, nans, delta, self.tie_break, seed)
         else:
             work = backend.reduce_scatter_sign_packed(
-                sign, zero, shard_numel, nans, delta, self.aggregation, self.tie_break, seed, self.hierarchy
+                sign, zero, shard_numel, nans, delta, self.aggregation, self.tie_break, seed, self.hierarchy,
+                nans_tally
             )
         work.wait()

@@ -203,6 +203,61 @@ def case_nan_on_one_rank(rank, n):
     torch.testing.assert_close(x, before, rtol=0, atol=0, equal_nan=True)  # nothing written
 
 
+def _packed(rank, numel, seed=0):
+    """This rank's clean directions packed as DistributedLion packs them: (sign, zero)."""
+    from lionbit import _C, lion_math
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed * 10 + rank))
+    sign, zero = (torch.zeros(lion_math.plane_bytes(numel), dtype=torch.uint8) for _ in range(2))
+    assert _C.pack_signs_into(x, sign, zero, 0)[1] == 0
+    return sign, zero
+
+
+def case_nans_tally_on_one_rank(rank, n):
+    """A packed call's non-finite count still in a tensor (what a GPU's pack
+    kernels leave, read by the collective when it runs): counted as nans, so
+    a count on one rank fails the call on every rank, naming it, with
+    nothing written; a zero count changes nothing."""
+    import lionbit
+    from lionbit._backend import backend_for
+
+    backend = backend_for(None, torch.device("cpu"), "test")
+    numel = 1000
+    sign, zero = _packed(rank, numel)
+    want = torch.empty(numel, dtype=torch.bfloat16)
+    backend.all_reduce_sign_packed(sign, zero, numel, 0, want, "vote").wait()
+    got = torch.full((numel,), 7.0, dtype=torch.bfloat16)
+    tally = torch.tensor([0], dtype=torch.int64)
+    backend.all_reduce_sign_packed(sign, zero, numel, 0, got, "vote", nans_tally=tally).wait()
+    _same(got, want)
+    out = torch.full((numel,), 7.0, dtype=torch.bfloat16)
+    counts = torch.tensor([5, 2 if rank == 1 else 0], dtype=torch.int64)  # (zeros, non-finite)
+    work = backend.all_reduce_sign_packed(sign, zero, numel, 0, out, "vote", nans_tally=counts[1:])
+    _raises(work.wait, r"all_reduce_sign\(op=vote\) on rank %d: input contains NaN on rank\(s\) \[1\]" % rank,
+            lionbit.NonFiniteInput, [1])
+    _same(out, torch.full((numel,), 7.0, dtype=torch.bfloat16))
+    shard = torch.full((numel,), 7.0, dtype=torch.bfloat16)
+    planes = [torch.cat([_packed(rank, numel, seed=r + 1)[i] for r in range(n)]) for i in range(2)]
+    work = backend.reduce_scatter_sign_packed(*planes, numel, 0, shard, "vote", nans_tally=counts[1:])
+    _raises(work.wait, r"reduce_scatter_sign\(op=vote\) on rank %d: input contains NaN on rank\(s\) \[1\]" % rank,
+            lionbit.NonFiniteInput, [1])
+
+
+def case_nans_tally_not_a_count(rank, n):
+    from lionbit._backend import backend_for
+
+    backend = backend_for(None, torch.device("cpu"), "test")
+    sign, zero = _packed(rank, 100)
+    out = torch.empty(100, dtype=torch.bfloat16)
+    for tally, got in ((torch.zeros(2, dtype=torch.int64), "of 2 elements"),
+                       (torch.zeros(1, dtype=torch.float32), "got Float on cpu"),
+                       (torch.zeros(1, dtype=torch.int64, device="meta"), "meta")):
+        msg = _raises(lambda t=tally: backend.all_reduce_sign_packed(sign, zero, 100, 0, out, "vote", nans_tally=t),
+                      r"ValueError: lionbit all_reduce_sign\(op=vote\) on rank %d: argument 'nans_tally' must be a "
+                      r"one-element int64 tensor on cpu, got" % rank, ValueError)
+        assert got in msg, msg
+
+
 def case_nan_async_bfloat16(rank, n):
     import lionbit
 

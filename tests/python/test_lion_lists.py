@@ -386,6 +386,15 @@ def test_the_gpu_branches_launch_once_a_dtype_pair_and_match_the_cpu(monkeypatch
     assert {c[1:3] for c in fake.calls} == pairs and len(fake.calls) == len(pairs), fake.calls
     assert all(not c[4] for c in fake.calls)
 
+    # What DDP's hook and a step's votes call: the count stays in a device tally
+    # (the vote reads it when it runs), never read here.
+    from lionbit import step_vote
+
+    sign, zero = _gap_planes()
+    bad, tally = step_vote.pack_directions([(g, m, k, True, off) for g, m, off in items], sign, zero)
+    assert bad == 0 and tally.dtype == torch.int64 and tally.shape == (1,), (bad, tally)
+    assert int(tally) == want_bad and torch.equal(sign, want_sign) and torch.equal(zero, want_zero)
+
     fake.calls.clear()
     lion_math.update_momenta(list(zip(*on_gpu)), k)
     assert len(fake.calls) == len(pairs) and all(c[4] for c in fake.calls)
