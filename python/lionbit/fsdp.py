@@ -80,6 +80,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from . import kernel_choice, lion_math, step_vote, torch_internals, user_warning
 from ._backend import backend_for
 from .attachment import Attachment
+from .voter import end_to_end, runs
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -516,9 +517,11 @@ def fsdp_vote(att):
     mesh (:class:`_Mesh`): on a 1-D mesh the sign reduce-scatter of every
     chunk of the local gradients over the FSDP group; on HSDP the sign
     all-reduce of this rank's chunk over the replicate group. Either gives
-    Delta of this rank's chunk. Returns the function that updates the
-    momenta and applies Delta to the local shards; raises
-    step_vote.NonFinite (on every rank alike)."""
+    Delta of this rank's chunk. Consecutive units share one collective
+    (their chunks end to end in each shard) up to step_vote.chunk_limit
+    elements of planes. Returns the function that updates the momenta and
+    applies Delta to the local shards; raises step_vote.NonFinite (on every
+    rank alike)."""
     opt = att.opt
     att.stepped = True
     voter = opt.voter
@@ -532,6 +535,7 @@ def fsdp_vote(att):
             allowed[m.device] = kernel_choice.fused_lion_allowed(m.device)
         return opt.fused_for(m, g, allowed[m.device])
 
+    units = []  # per unit: (group, device, chunk elements, its pieces, its (g, m, coefs, local, at, own))
     for comm in att.order:
         # FSDP's chunk layout over the shard group, and the group of the vote
         group = comm.group if comm.group is not None and not hsdp else att.dp.shard_group
@@ -564,12 +568,22 @@ def fsdp_vote(att):
                     f"{local.numel()} local elements, FSDP's layout {own}"
                 )
             unit.append((g, m, coefs, local, off, own))
+        units.append((group, device, s, votes, unit))
+
+    # Consecutive units in one call, their chunks end to end in each shard.
+    def planes_of(u):  # elements of planes a unit adds to its call
+        return u[2] * (1 if hsdp else u[0].size())
+
+    for run in runs(units, lambda u: (id(u[0]), u[1]), planes_of, lambda u: step_vote.chunk_limit(u[1])):
+        pieces, s, bases = end_to_end([(u[3], u[2]) for u in run])
+        group, device = run[0][0], run[0][1]
         if hsdp:
-            delta = voter.sharded_vote(votes, s, att.replicas, device, "step (HSDP all-reduce over the replicate group)",
-                                       fused_for, replicated=True)
+            delta = voter.sharded_vote(pieces, s, att.replicas, device, "step (HSDP all-reduce over the replicate "
+                                       "group)", fused_for, replicated=True)
         else:
-            delta = voter.sharded_vote(votes, s, group, device, "step (FSDP2 reduce-scatter)", fused_for)
-        todo += [(g, m, coefs, local, delta[off : off + own]) for g, m, coefs, local, off, own in unit]
+            delta = voter.sharded_vote(pieces, s, group, device, "step (FSDP2 reduce-scatter)", fused_for)
+        for u, base in zip(run, bases):
+            todo += [(g, m, coefs, local, delta[base + off : base + off + own]) for g, m, coefs, local, off, own in u[4]]
 
     def apply() -> None:
         step_vote.update_state([(g, m, coefs, fused_for(m, g)) for g, m, coefs, _, _ in todo],

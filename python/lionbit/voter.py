@@ -21,6 +21,38 @@ from .errors import NonFiniteInput
 from .step_vote import NonFinite, nonfinite_ranks, pack_directions
 
 
+def runs(items, key, size, limit) -> list:
+    """``items`` in order as runs, one sharded vote each: consecutive items
+    of equal ``key(item)`` while the run's ``size(item)`` (elements of
+    planes) add up to at most ``limit(item)``; an item over the limit is a
+    run of its own. FSDP's units voted at step() in a few calls, not one a
+    unit (on a GPU a call is ~130 launches)."""
+    out, total = [], 0
+    for item in items:
+        n = size(item)
+        if out and key(item) == key(out[-1][0]) and total + n <= limit(item):
+            out[-1].append(item)
+            total += n
+        else:
+            out.append([item])
+            total = n
+    return out
+
+
+def end_to_end(parts):
+    """The pieces of one :meth:`Voter.sharded_vote` from ``parts``, each
+    (pieces, shard_numel) laid out in shards of its own: part i's chunk after
+    the earlier parts' in every shard. Returns (pieces, shard_numel, each
+    part's first element in a shard)."""
+    pieces, bases, total = [], [], 0
+    for part, s in parts:
+        pieces += [(g, m, coefs, [(r, start, k, total + at) for r, start, k, at in spans])
+                   for g, m, coefs, spans in part]
+        bases.append(total)
+        total += s
+    return pieces, total, bases
+
+
 class Voter:
     """The aggregation of one DistributedLion and its collectives."""
 

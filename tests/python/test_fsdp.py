@@ -321,9 +321,12 @@ def test_fsdp2_grad_scaler_unscale_and_clip_equal_ddp():
         assert r[0][1:] == [512.0, 3], r  # one skipped step, one back-off
 
 
-def fsdp_bytes(rank, world_size, steps):
+def fsdp_bytes(rank, world_size, steps, limit=None):
     import lionbit
+    from lionbit import step_vote
 
+    if limit is not None:  # the most elements of planes a call (step_vote.chunk_limit)
+        step_vote.CHUNK_ELEMENTS = limit
     model, opt, _ = _train_fsdp(rank, 1, 1, "vote")
     # Per-rank shard sizes of the three units: a, b, root (head).
     units = []
@@ -346,21 +349,42 @@ def fsdp_bytes(rank, world_size, steps):
     return {"stats": st, "units": units}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_fsdp2_bytes_per_step_are_the_phase1_figure(world_size):
+def test_runs_keep_order_key_and_limit():
+    """voter.runs, which groups FSDP's units into calls: consecutive items of
+    one key while their sizes fit the limit; an item over it alone."""
+    from lionbit.voter import end_to_end, runs
+
+    items = [("a", 3), ("a", 4), ("a", 2), ("b", 1), ("b", 20), ("b", 5), ("a", 1), ("a", 10)]
+    got = runs(items, lambda it: it[0], lambda it: it[1], lambda it: 10)
+    assert got == [[("a", 3), ("a", 4), ("a", 2)], [("b", 1)], [("b", 20)], [("b", 5)], [("a", 1)], [("a", 10)]]
+    assert runs([], lambda it: it, lambda it: 1, lambda it: 1) == []
+    # end_to_end: part i's spans land after the earlier parts' chunk in every shard
+    g = torch.zeros(1)
+    first, second = [(g, g, None, [(0, 0, 2, 1), (1, 2, 3, 0)])], [(g, g, None, [(1, 0, 1, 4)])]
+    pieces, s, bases = end_to_end([(first, 5), (second, 7)])
+    assert (s, bases) == (12, [0, 5])
+    assert [p[3] for p in pieces] == [[(0, 0, 2, 1), (1, 2, 3, 0)], [(1, 0, 1, 9)]]
+
+
+@pytest.mark.parametrize("world_size,limit", [(2, None), (4, None), (2, 1)])
+def test_fsdp2_bytes_per_step_are_the_phase1_figure(world_size, limit):
+    """The units' chunks end to end in one reduce-scatter a step, or (a limit
+    below any unit's planes) one a unit: the bytes are the phase-1 figure of
+    what each call carries."""
     steps = 3
-    res = values(run_ranks("test_fsdp:fsdp_bytes", world_size, kwargs=dict(steps=steps)))
+    res = values(run_ranks("test_fsdp:fsdp_bytes", world_size, kwargs=dict(steps=steps, limit=limit)))
     n = world_size
     for r in res:
         st, units = r["stats"], r["units"]
-        assert st["sign_reduce_scatter_calls"] == steps * len(units)
+        calls = [sum(units)] if limit is None else units  # each call's shard elements
+        assert st["sign_reduce_scatter_calls"] == steps * len(calls)
         assert st["sign_allreduce_calls"] == 0
-        payload = sum((n - 1) * 8 * -(-s // 64) for s in units)  # (N-1)/N of the N shards' packed bits
-        header = len(units) * 72 * (n - 1)  # the 72-byte header round
+        payload = sum((n - 1) * 8 * -(-s // 64) for s in calls)  # (N-1)/N of the N shards' packed bits
+        header = len(calls) * 72 * (n - 1)  # the 72-byte header round
         # zero-free directions: exactly the formula, nothing else
         assert st["bytes_sent"] == steps * (payload + header), (st, units)
         d = sum(units) * n
-        assert payload <= (n - 1) / n * d / 8 + len(units) * (n - 1) * 8
+        assert payload <= (n - 1) / n * d / 8 + len(calls) * (n - 1) * 8
 
 
 def fsdp_checkpoint(rank, world_size, path):
