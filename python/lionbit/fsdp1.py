@@ -73,6 +73,7 @@ import torch.distributed as dist
 from . import lion_math, step_vote, torch_internals
 from ._backend import backend_for
 from .attachment import Attachment
+from .voter import end_to_end, runs
 
 try:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
@@ -401,21 +402,40 @@ def _shard_grad(unit: _Unit) -> Optional[torch.Tensor]:
     return g.view(-1) if g.is_contiguous() else g.contiguous().view(-1)
 
 
-def _vote_sharded(unit: _Unit, grad: torch.Tensor) -> torch.Tensor:
-    """The vote of the directions of ``grad`` (the unit's kept gradient;
-    hybrid: its shard of the node's mean): this rank's shard of Delta, by
-    the sign reduce-scatter over the unit's group (hybrid: the sign
-    all-reduce of the shard over its replicas). Changes no state; raises
-    step_vote.NonFinite if any rank had a non-finite direction."""
-    s, opt = unit.shard_numel, unit.opt
-    pieces = _pieces(unit, grad, s)
-    if unit.hybrid:
-        delta = opt.voter.sharded_vote(pieces, s, unit.replicas, unit.device, "step (FSDP1 hybrid: the replicas' "
-                                       "all-reduce)", opt.fused_for, replicated=True)
-    else:
-        delta = opt.voter.sharded_vote(pieces, s, unit.group, unit.device, "step (FSDP1)", opt.fused_for)
-    _zero_padding(unit, delta, unit.base)
-    return delta
+def _vote_units(units, grads) -> list:
+    """The vote of the directions of each unit's gradient in ``grads`` (the
+    kept gradient; hybrid: its shard of the node's mean): this rank's shard
+    of Delta per unit (padding 0; a view of its call's), by the sign
+    reduce-scatter over the units' group (hybrid: the sign all-reduce of the
+    shards over their replicas). Consecutive units of one group and device
+    share one call, their shards end to end in each of its shards, while its
+    planes stay within step_vote.chunk_limit (a larger unit is a call of its
+    own). Changes no state; raises step_vote.NonFinite if any rank had a
+    non-finite direction."""
+    deltas = []
+
+    def group_of(unit):
+        return unit.replicas if unit.hybrid else unit.group
+
+    def planes_of(item):  # elements of planes a unit adds to its call
+        unit = item[0]
+        return unit.shard_numel * (1 if unit.hybrid else unit.group.size())
+
+    for run in runs(list(zip(units, grads)), lambda item: (id(group_of(item[0])), item[0].hybrid, item[0].device),
+                    planes_of, lambda item: step_vote.chunk_limit(item[0].device)):
+        pieces, s, bases = end_to_end([(_pieces(unit, grad, unit.shard_numel), unit.shard_numel)
+                                       for unit, grad in run])
+        first, opt = run[0][0], run[0][0].opt
+        if first.hybrid:
+            delta = opt.voter.sharded_vote(pieces, s, first.replicas, first.device, "step (FSDP1 hybrid: the "
+                                           "replicas' all-reduce)", opt.fused_for, replicated=True)
+        else:
+            delta = opt.voter.sharded_vote(pieces, s, first.group, first.device, "step (FSDP1)", opt.fused_for)
+        for (unit, _), base in zip(run, bases):
+            mine = delta[base : base + unit.shard_numel]
+            _zero_padding(unit, mine, unit.base)
+            deltas.append(mine)
+    return deltas
 
 
 def _update_sharded(unit: _Unit, grad: torch.Tensor, delta: torch.Tensor, scratch) -> None:
@@ -600,7 +620,7 @@ class FSDP1Attachment(Attachment):
             units = list(self.order)
         for unit in units:
             _local_shard(unit)  # before any collective
-        deltas = [_vote_sharded(unit, unit.kept) for unit in units]
+        deltas = _vote_units(units, [unit.kept for unit in units])
         no_shard = self.vote(no_shard_entries(self))
         return self._applier(units, [unit.kept for unit in units], deltas, no_shard)
 
@@ -646,7 +666,7 @@ class FSDP1Attachment(Attachment):
                 _local_shard(unit)  # before any collective
                 units.append(unit)
                 grads.append(g)
-        deltas = [_vote_sharded(unit, g) for unit, g in zip(units, grads)]
+        deltas = _vote_units(units, grads)
         return self._applier(units, grads, deltas)
 
     def momenta(self):

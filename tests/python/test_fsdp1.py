@@ -88,9 +88,12 @@ def test_fsdp1_equals_ddp_bitwise(world_size, configs):
         assert len({r[i]["digest"] for r in res}) == 1, cfg
 
 
-def fsdp1_bytes(rank, world_size, steps):
+def fsdp1_bytes(rank, world_size, steps, limit=None):
     import lionbit
+    from lionbit import step_vote
 
+    if limit is not None:  # the most elements of planes a call (step_vote.chunk_limit)
+        step_vote.CHUNK_ELEMENTS = limit
     out = {}
     for strategy in ("FULL_SHARD", "NO_SHARD"):
         model, opt = _train_fsdp1(rank, 1, 1, "vote", strategy, False)
@@ -103,20 +106,26 @@ def fsdp1_bytes(rank, world_size, steps):
     return out
 
 
-def test_fsdp1_bytes_per_step_are_the_phase1_figure():
+@pytest.mark.parametrize("limit", [None, 1])
+def test_fsdp1_bytes_per_step_are_the_phase1_figure(limit):
+    """The units' shards end to end in one reduce-scatter a step, or (a limit
+    below any unit's planes) one a unit."""
     steps, n = 3, 4  # N = 4 pads every unit (429, 238 and 24 elements)
     units = [12 * 33 + 33, 33 * 7 + 7, 7 * 3 + 3]  # a, b, root (head): flat numels
-    res = values(run_ranks("test_fsdp1:fsdp1_bytes", n, kwargs=dict(steps=steps)))
+    res = values(run_ranks("test_fsdp1:fsdp1_bytes", n, kwargs=dict(steps=steps, limit=limit)))
     for r in res:
         st = r["FULL_SHARD"]
-        assert st["sign_reduce_scatter_calls"] == steps * len(units)
-        assert st["sign_allreduce_calls"] == 0
         shards = [-(-d // n) for d in units]  # FSDP pads each flat parameter to a multiple of N
-        payload = sum((n - 1) * 8 * -(-s // 64) for s in shards)
-        header = len(units) * 72 * (n - 1)  # the 72-byte header round
+        calls = [sum(shards)] if limit is None else shards  # each call's shard elements
+        assert st["sign_reduce_scatter_calls"] == steps * len(calls)
+        assert st["sign_allreduce_calls"] == 0
+        payload = sum((n - 1) * 8 * -(-s // 64) for s in calls)
+        header = len(calls) * 72 * (n - 1)  # the 72-byte header round
         # zero-free directions: exactly the formula, nothing else
         assert st["bytes_sent"] == steps * (payload + header), (st, shards)
-        assert payload <= (n - 1) / n * sum(units) / 8 + len(units) * (n - 1) * 8
+        assert payload <= (n - 1) / n * sum(units) / 8 + len(calls) * (n - 1) * 8
+        if limit is not None:
+            continue  # (the limit splits NO_SHARD's votes too)
         # NO_SHARD is DDP's path: step() votes every unit's directions in one
         # sign all-reduce (they fit one chunk), about twice the bytes
         st = r["NO_SHARD"]
