@@ -80,11 +80,16 @@ class Attachment:
         entries = self.entries(abstain)
         return step_vote.voted_step(self.opt, grad_scaler, lambda: self.vote(entries), self.group, abstain)
 
-    def entries(self, abstain: bool) -> List[step_vote.Entry]:
+    def entries(self, abstain: bool, skip=frozenset()) -> List[step_vote.Entry]:
+        """The step's entries (recording its layout: the parameters with a
+        gradient); with ``skip``, only those of the others (voted already)."""
         if not abstain:
-            entries = step_vote.step_entries(self.opt, self.opt.param_groups)
-            self.layout = [e.param for e in entries]
-            return entries
+            if not skip:
+                entries = step_vote.step_entries(self.opt, self.opt.param_groups)
+                self.layout = [e.param for e in entries]
+                return entries
+            self.layout = [p for group in self.opt.param_groups for p in group["params"] if p.grad is not None]
+            return step_vote.step_entries(self.opt, self.opt.param_groups, skip)
         # The parameters this rank stepped last (its peers' step has the same
         # layout while the gradients that exist stay the same; a mismatch is
         # a clear error of the vote's header round, never a hang).

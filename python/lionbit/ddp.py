@@ -342,7 +342,7 @@ class DDPAttachment(Attachment):
         # the buckets' and can still find a non-finite direction: it is done
         # before anything changes.
         in_buckets = {p for bv in started for p in bv.params}
-        rest = [] if abstain and self.layout is None else self.entries(abstain)
+        rest = [] if abstain and self.layout is None else self.entries(abstain, in_buckets)
         apply_rest = self.vote([e for e in rest if e.param not in in_buckets])
         def apply():
             for i, (bv, entries, deltas) in enumerate(plan):

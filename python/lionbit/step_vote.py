@@ -236,15 +236,15 @@ def abstaining(opt, p, coefs) -> Entry:
     return Entry(p, zero, None, coefs, opt.fused_for(p, p), True)
 
 
-def step_entries(opt, params_groups) -> List[Entry]:
+def step_entries(opt, params_groups, skip=frozenset()) -> List[Entry]:
     """The entries of a step: every parameter with a gradient, in the
-    optimizer's order."""
+    optimizer's order, but those in ``skip``."""
     entries = []
     allowed = {}  # LIONBIT_KERNELS and the first-use checks, once a device and step
     for group in params_groups:
         coefs = None
         for p in group["params"]:
-            if p.grad is None:
+            if p.grad is None or p in skip:
                 continue
             opt.check_param(p, "step")
             coefs = coefs or lion_math.Coefs(group)
