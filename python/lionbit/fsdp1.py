@@ -438,23 +438,24 @@ def _vote_units(units, grads) -> list:
     return deltas
 
 
-def _update_sharded(unit: _Unit, grad: torch.Tensor, delta: torch.Tensor, scratch) -> None:
-    """The state change: the momentum from ``grad`` (full-size; hybrid: this
-    rank's shard), then the local shard of the parameters, original
-    parameter by parameter."""
+def _state_changes(unit: _Unit, grad: torch.Tensor, delta: torch.Tensor):
+    """A unit's state change as step_vote.update_state's items, original
+    parameter by original parameter: the momenta from ``grad`` (full-size;
+    hybrid: this rank's shard), and the local shard of the parameters."""
     opt = unit.opt
     m, x = unit.momentum_tensor(), _local_shard(unit)
     s, base = unit.shard_numel, unit.base
     origin = base if unit.hybrid else 0
+    momenta, applies = [], []
     for (off, numel, group, _), start, end in _segments(unit):
         coefs = lion_math.Coefs(group)
         gs, ms = grad[start - origin : end - origin], m[start - origin : end - origin]
-        nbytes = lion_math.plane_bytes(end - start)
-        lion_math.update_momentum(gs, ms, coefs, opt.fused_for(ms, gs), (scratch[0][:nbytes], scratch[1][:nbytes]))
+        momenta.append((gs, ms, coefs, opt.fused_for(ms, gs)))
         lo, hi = max(off, base), min(off + numel, base + s)
         if lo < hi:
             xs, ds = x[lo - base : hi - base], delta[lo - base : hi - base]
-            lion_math.apply_update(xs, ds, coefs, opt.fused_for(xs, ds))
+            applies.append((xs, ds, coefs, opt.fused_for(xs, ds)))
+    return momenta, applies
 
 
 def no_shard_entries(att) -> list:
@@ -626,14 +627,18 @@ class FSDP1Attachment(Attachment):
 
     @staticmethod
     def _applier(units, grads, deltas, then=None):
-        """The function that applies voted deltas: each unit's momentum from
-        its gradient, then its local shard."""
-        biggest = max((end - start for unit in units for _, start, end in _segments(unit)), default=0)
-        scratch = lion_math.planes(biggest, units[0].device if units else None)
+        """The function that applies voted deltas: the units' momenta from
+        their gradients, then their local shards, in a few list calls
+        (step_vote.update_state: on a GPU a launch per dtype pair)."""
 
         def apply():
+            momenta, applies = [], []
             for unit, grad, delta in zip(units, grads, deltas):
-                _update_sharded(unit, grad, delta, scratch)
+                unit_momenta, unit_applies = _state_changes(unit, grad, delta)
+                momenta += unit_momenta
+                applies += unit_applies
+            if momenta or applies:
+                step_vote.update_state(momenta, applies)
             if then is not None:
                 then()
 
