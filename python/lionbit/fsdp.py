@@ -71,7 +71,7 @@ shapes.
 """
 
 import copy
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -510,6 +510,16 @@ def _local_grad(att, p: torch.Tensor) -> Optional[torch.Tensor]:
     )
 
 
+class _UnitVote(NamedTuple):
+    """One FSDP2 unit's part of a step's vote (:func:`fsdp_vote`)."""
+
+    group: "dist.ProcessGroup"  # FSDP's shard group of the unit
+    device: torch.device
+    chunk: int  # its chunk's elements in each shard (padding included)
+    pieces: list  # Voter.sharded_vote's pieces, laid out in the unit's own chunk
+    entries: list  # (g, m, coefs, local shard, element of the chunk, elements) per parameter
+
+
 def fsdp_vote(att):
     """Votes the step (changing no state): per unit in the order of its
     reduce-scatter in backward, the directions of the parameters that have
@@ -535,7 +545,7 @@ def fsdp_vote(att):
             allowed[m.device] = kernel_choice.fused_lion_allowed(m.device)
         return opt.fused_for(m, g, allowed[m.device])
 
-    units = []  # per unit: (group, device, chunk elements, its pieces, its (g, m, coefs, local, at, own))
+    units: List[_UnitVote] = []
     for comm in att.order:
         # FSDP's chunk layout over the shard group, and the group of the vote
         group = comm.group if comm.group is not None and not hsdp else att.dp.shard_group
@@ -568,22 +578,22 @@ def fsdp_vote(att):
                     f"{local.numel()} local elements, FSDP's layout {own}"
                 )
             unit.append((g, m, coefs, local, off, own))
-        units.append((group, device, s, votes, unit))
+        units.append(_UnitVote(group, device, s, votes, unit))
 
     # Consecutive units in one call, their chunks end to end in each shard.
     def planes_of(u):  # elements of planes a unit adds to its call
-        return u[2] * (1 if hsdp else u[0].size())
+        return u.chunk * (1 if hsdp else u.group.size())
 
-    for run in runs(units, lambda u: (id(u[0]), u[1]), planes_of, lambda u: step_vote.chunk_limit(u[1])):
-        pieces, s, bases = end_to_end([(u[3], u[2]) for u in run])
-        group, device = run[0][0], run[0][1]
+    for run in runs(units, lambda u: (id(u.group), u.device), planes_of, lambda u: step_vote.chunk_limit(u.device)):
+        pieces, s, bases = end_to_end([(u.pieces, u.chunk) for u in run])
+        group, device = run[0].group, run[0].device
         if hsdp:
             delta = voter.sharded_vote(pieces, s, att.replicas, device, "step (HSDP all-reduce over the replicate "
                                        "group)", fused_for, replicated=True)
         else:
             delta = voter.sharded_vote(pieces, s, group, device, "step (FSDP2 reduce-scatter)", fused_for)
         for u, base in zip(run, bases):
-            todo += [(g, m, coefs, local, delta[base + off : base + off + own]) for g, m, coefs, local, off, own in u[4]]
+            todo += [(g, m, coefs, local, delta[base + off : base + off + own]) for g, m, coefs, local, off, own in u.entries]
 
     def apply() -> None:
         step_vote.update_state([(g, m, coefs, fused_for(m, g)) for g, m, coefs, _, _ in todo],
