@@ -20,6 +20,7 @@
 #include "signbits/count.h"
 #include "signbits/cuda/kernels.h"
 #include "optimizer/lion_cuda.h"
+#include "optimizer/lion_list.cuh"
 
 namespace {
 
@@ -137,6 +138,8 @@ int main(int argc, char** argv) {
   uint64_t *planes = nullptr, *out = nullptr;
   float* lut = nullptr;
   lionbit::cuda::Counts* counts = nullptr;
+  lionbit::optim::cuda::ApplySeg* seg = nullptr; // the planes apply's table: one tensor
+  check(cudaMalloc(&seg, sizeof(lionbit::optim::cuda::ApplySeg)), "malloc");
   check(cudaMalloc(&a, max_n * 4), "malloc");
   check(cudaMalloc(&b, max_n * 4), "malloc");
   check(cudaMalloc(&planes, 2 * kMaxRanks * words_max * 8), "malloc");
@@ -248,6 +251,22 @@ int main(int argc, char** argv) {
           DType::kBFloat16, b, DType::kBFloat16, a, n, 1e-4f, 0.99999f, stream);
     }),
         6.0 * n, copy_gbs);
+    // Delta from a vote's result planes (sign and the sparse zero plane of
+    // contribution 0): 2 bits an element instead of a bfloat16 value.
+    lionbit::optim::cuda::ApplySeg host_seg{b, nullptr, n, 0, 0};
+    const uint64_t units = lionbit::optim::cuda::apply_units(&host_seg, 1);
+    check(cudaMemcpy(seg, &host_seg, sizeof host_seg, cudaMemcpyHostToDevice), "table");
+    const uint64_t* vote_zero = planes + kMaxRanks * words_max;
+    row("lion_apply_planes f32", n, timer.median_ms([&] {
+      lionbit::optim::cuda::lion_apply_planes_list(
+          DType::kFloat32, seg, 1, units, planes, vote_zero, 1e-4f, 0.99999f, stream);
+    }),
+        8.0 * n + n / 4.0, copy_gbs);
+    row("lion_apply_planes bf16", n, timer.median_ms([&] {
+      lionbit::optim::cuda::lion_apply_planes_list(
+          DType::kBFloat16, seg, 1, units, planes, vote_zero, 1e-4f, 0.99999f, stream);
+    }),
+        4.0 * n + n / 4.0, copy_gbs);
   }
   check(cudaStreamSynchronize(stream), "final sync");
   check(cudaGetLastError(), "last error");
@@ -257,6 +276,7 @@ int main(int argc, char** argv) {
   cudaFree(out);
   cudaFree(lut);
   cudaFree(counts);
+  cudaFree(seg);
   cudaStreamDestroy(stream);
   return 0;
 }

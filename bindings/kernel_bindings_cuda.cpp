@@ -159,6 +159,46 @@ void lion_apply_list_device(
       c10::cuda::getCurrentCUDAStream(device.index()).stream());
 }
 
+void lion_apply_planes_list_device(
+    const std::vector<at::Tensor>& xs,
+    const at::Tensor& sign,
+    const at::Tensor& zero,
+    const std::vector<int64_t>& bit_offsets,
+    double lr,
+    double decay) {
+  const char* op = "lion_apply_planes_list_device";
+  TORCH_CHECK_VALUE(
+      xs.size() == bit_offsets.size(), "lionbit.", op, ": ", xs.size(), " parameters and ",
+      bit_offsets.size(), " bit offsets");
+  if (xs.empty()) {
+    return;
+  }
+  TORCH_CHECK_VALUE(
+      xs[0].defined() && xs[0].is_cuda(), "lionbit.", op,
+      ": argument 'xs' must hold CUDA tensors, got ", describe(xs[0]));
+  const c10::Device device = xs[0].device();
+  const bits::DType xd = list_dtype(op, xs, "xs", device);
+  std::vector<optim::cuda::ApplySeg> segs(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    TORCH_CHECK_VALUE(bit_offsets[i] >= 0, "lionbit.", op, ": negative bit_offsets[", i, "]");
+    require(op, check_planes(sign, "sign", device, bit_offsets[i] + xs[i].numel()));
+    require(op, check_planes(zero, "zero", device, bit_offsets[i] + xs[i].numel()));
+    segs[i] = optim::cuda::ApplySeg{
+        xs[i].data_ptr(), nullptr, static_cast<uint64_t>(xs[i].numel()),
+        static_cast<uint64_t>(bit_offsets[i]), 0};
+  }
+  c10::cuda::CUDAGuard guard(device);
+  const uint64_t units = optim::cuda::apply_units(segs.data(), segs.size());
+  if (units == 0) {
+    return;
+  }
+  const at::Tensor table = device_table(segs, device);
+  optim::cuda::lion_apply_planes_list(
+      xd, reinterpret_cast<const optim::cuda::ApplySeg*>(table.data_ptr<uint8_t>()), segs.size(),
+      units, words_of(sign), words_of(zero), static_cast<float>(lr), static_cast<float>(decay),
+      c10::cuda::getCurrentCUDAStream(device.index()).stream());
+}
+
 void lion_direction_into_device(
     const at::Tensor& g,
     at::Tensor& m,

@@ -231,6 +231,9 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "lion_apply_list_device", &lionbit::lion_apply_list_device, py::arg("xs"), py::arg("deltas"),
       py::arg("lr"), py::arg("decay"));
+  m.def(
+      "lion_apply_planes_list_device", &lionbit::lion_apply_planes_list_device, py::arg("xs"),
+      py::arg("sign"), py::arg("zero"), py::arg("bit_offsets"), py::arg("lr"), py::arg("decay"));
 #endif
   m.def(
       "_shutdown_workers", &lionbit::LionBitBackend::shutdownAllWorkers,

@@ -94,4 +94,18 @@ void lion_apply_list(
     float decay,
     cudaStream_t stream);
 
+// lion_apply_planes over the tensors of `segs` (device memory, apply_units
+// filled in): tensor s's Delta from bits segs[s].bit_offset .. + n of the
+// vote's result planes `sign` and `zero`. One launch.
+void lion_apply_planes_list(
+    bits::DType param_dtype,
+    const ApplySeg* segs,
+    size_t count,
+    uint64_t units,
+    const uint64_t* sign,
+    const uint64_t* zero,
+    float lr,
+    float decay,
+    cudaStream_t stream);
+
 } // namespace lionbit::optim::cuda

@@ -92,6 +92,23 @@ __global__ void __launch_bounds__(kBlockThreads) apply_list_kernel(
   }
 }
 
+template <DType X>
+__global__ void __launch_bounds__(kBlockThreads) apply_planes_list_kernel(
+    const ApplySeg* __restrict__ segs,
+    size_t count,
+    uint64_t units,
+    const uint64_t* __restrict__ sign,
+    const uint64_t* __restrict__ zero,
+    float lr,
+    float decay) {
+  for (uint64_t u = blockIdx.x; u < units; u += gridDim.x) {
+    const ApplySeg s = segs[cd::segment_of(segs, count, u)];
+    cd::lion_apply_planes_unit<X>(
+        static_cast<typename FloatStore<X>::U*>(s.x), static_cast<size_t>(s.n), apply_first(s, u),
+        threadIdx.x, cd::apply_vec_aligned(s.x, s.x), sign, zero, s.bit_offset, lr, decay);
+  }
+}
+
 template <DType G, DType M>
 void launch_direction_list(
     const DirectionSeg* segs,
@@ -169,6 +186,23 @@ void apply_list_param(
   }
 }
 
+template <DType X>
+void launch_apply_planes_list(
+    const ApplySeg* segs,
+    size_t count,
+    uint64_t units,
+    const uint64_t* sign,
+    const uint64_t* zero,
+    float lr,
+    float decay,
+    cudaStream_t stream) {
+  static const int resident = cd::resident_blocks(apply_planes_list_kernel<X>);
+  const unsigned grid = cd::grid_for(units, 1, resident);
+  apply_planes_list_kernel<X>
+      <<<grid, kBlockThreads, 0, stream>>>(segs, count, units, sign, zero, lr, decay);
+  cd::check_launch("lion_apply_planes_list");
+}
+
 } // namespace
 
 void lion_direction_list(
@@ -224,6 +258,34 @@ void lion_apply_list(
       return apply_list_param<DType::kBFloat16>(delta_dtype, segs, count, units, lr, decay, stream);
     case DType::kFloat16:
       return apply_list_param<DType::kFloat16>(delta_dtype, segs, count, units, lr, decay, stream);
+    default:
+      return;
+  }
+}
+
+void lion_apply_planes_list(
+    DType param_dtype,
+    const ApplySeg* segs,
+    size_t count,
+    uint64_t units,
+    const uint64_t* sign,
+    const uint64_t* zero,
+    float lr,
+    float decay,
+    cudaStream_t stream) {
+  if (units == 0) {
+    return;
+  }
+  switch (param_dtype) {
+    case DType::kFloat32:
+      return launch_apply_planes_list<DType::kFloat32>(
+          segs, count, units, sign, zero, lr, decay, stream);
+    case DType::kBFloat16:
+      return launch_apply_planes_list<DType::kBFloat16>(
+          segs, count, units, sign, zero, lr, decay, stream);
+    case DType::kFloat16:
+      return launch_apply_planes_list<DType::kFloat16>(
+          segs, count, units, sign, zero, lr, decay, stream);
     default:
       return;
   }

@@ -22,12 +22,14 @@ struct DirectionSeg {
   uint64_t first;
 };
 
-// One tensor of lion_apply_list: parameter and delta of `n` elements.
+// One tensor of lion_apply_list: parameter and delta of `n` elements; of
+// lion_apply_planes_list: the parameter (delta unused) and its Delta's first
+// bit in the planes.
 struct ApplySeg {
   void* x;
   const void* delta;
   uint64_t n;
-  uint64_t unused;
+  uint64_t bit_offset;
   uint64_t first;
 };
 

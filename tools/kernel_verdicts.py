@@ -5,7 +5,7 @@ On CUDA: lionbit's custom kernel set ("cuda", unchecked) against the ATen set
 use), over several seeds, and the fused Lion apply and direction kernels,
 one tensor a launch and a list a launch, against the torch path
 (lionbit.kernel_choice.check_apply, check_direction, check_apply_list,
-check_direction_list).
+check_direction_list, check_apply_planes_list).
 On CPU (no GPU): the SIMD set against the ATen set and the CPU fused apply
 and direction, the same checks on the CPU's kernels. Prints one line per kernel: ok, or the first case that disagrees.
 
@@ -69,7 +69,9 @@ def main(argv=None):
     # The list kernels (many tensors a launch); on CPU the fused kernels tensor by tensor stand in.
     if device.type == "cuda":
         lists = {"lion_direction_list": (kernel_choice.check_direction_list, kernel_choice.LIST_CHECKS["cuda"][0]),
-                 "lion_apply_list": (kernel_choice.check_apply_list, kernel_choice.LIST_CHECKS["cuda"][1])}
+                 "lion_apply_list": (kernel_choice.check_apply_list, kernel_choice.LIST_CHECKS["cuda"][1]),
+                 "lion_apply_planes_list": (kernel_choice.check_apply_planes_list,
+                                            kernel_choice.LIST_CHECKS["cuda"][2])}
         lists = {name: (check, c.candidate) for name, (check, c) in lists.items()}
     else:
         def direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update):
@@ -84,7 +86,8 @@ def main(argv=None):
             for x, d in zip(xs, deltas):
                 apply(x, d, lr, decay)
         lists = {"lion_direction_list": (kernel_choice.check_direction_list, direction_list),
-                 "lion_apply_list": (kernel_choice.check_apply_list, apply_list)}
+                 "lion_apply_list": (kernel_choice.check_apply_list, apply_list),
+                 "lion_apply_planes_list": (kernel_choice.check_apply_planes_list, _C.lion_apply_planes_list)}
     for name, (check, kernel) in lists.items():
         for seed in range(args.seeds):
             case = check(kernel, device, seed)
@@ -94,7 +97,7 @@ def main(argv=None):
     print(f"kernel_verdicts: set '{candidate}' against 'aten' on {device}, {args.seeds} seeds; "
           f"lionbit.kernels: {lionbit.kernels(device)}")
     for name, verdict in verdicts.items():
-        print(f"  {name:19s} {verdict}")
+        print(f"  {name:22s} {verdict}")
     bad = [n for n, v in verdicts.items() if v != "ok"]
     print(f"kernel_verdicts: {len(verdicts) - len(bad)}/{len(verdicts)} kernels agree" +
           (f"; differ: {', '.join(bad)}" if bad else ""))

@@ -207,6 +207,41 @@ def check_apply_list(candidate: Callable, device, seed: int = 0) -> Optional[str
     return None
 
 
+def check_apply_planes_list(candidate: Callable, device, seed: int = 0) -> Optional[str]:
+    """Runs ``candidate(xs, sign, zero, bit_offsets, lr, decay)`` (the fused
+    apply over a list of tensors in one launch, each tensor's Delta from
+    its bits of a vote's result planes: -1, +1 and 0 where the zero bit is
+    set) against the torch path tensor by tensor, the tensors end to end
+    from an odd bit and from a word; returns the first case that differs,
+    or None."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pdt in CHECK_DTYPES:
+            for wd in CHECK_DECAYS:
+                coefs = lion_math.Coefs({"betas": (0.9, 0.99), "lr": CHECK_LR, "weight_decay": wd})
+                for start in (5, 64):
+                    xs = [_inputs(n, pdt, pdt, gen)[0].to(device) for n in CHECK_SIZES]
+                    offsets, off = [], start
+                    for x in xs:
+                        offsets.append(off)
+                        off += x.numel()
+                    nbytes = lion_math.plane_bytes(off) + 8
+                    sign = torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8).to(device)
+                    zero = (torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8)
+                            & torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8)).to(device)
+                    got = [x.clone() for x in xs]
+                    candidate(got, sign, zero, offsets, coefs.values[4], coefs.values[5])
+                    bits = torch.int32 if pdt == torch.float32 else torch.int16
+                    for x, at, g in zip(xs, offsets, got):
+                        want = x.clone()
+                        lion_math.apply_update(want, lion_math.VotedPlanes(sign, zero, at, x.numel()), coefs, False)
+                        if not torch.equal(g.view(bits), want.view(bits)):
+                            return (f"{_name(pdt)} parameters, sizes {CHECK_SIZES} from bit {start}, "
+                                    f"weight_decay={wd}")
+    return None
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -258,19 +293,26 @@ def _lion_apply_list_device(xs, deltas, lr, decay) -> None:
     _C.lion_apply_list_device(xs, deltas, lr, decay)
 
 
+def _lion_apply_planes_list_device(xs, sign, zero, bit_offsets, lr, decay) -> None:
+    _C.lion_apply_planes_list_device(xs, sign, zero, bit_offsets, lr, decay)
+
+
 #: The first-use checks of ``auto``, by device type (tests add one for "cpu"):
 #: the fused apply, and the fused direction (DIRECTION_CHECKS).
 CHECKS: Dict[str, FirstUseCheck] = {"cuda": FirstUseCheck("lion_apply_device", _lion_apply_device)}
 DIRECTION_CHECKS: Dict[str, FirstUseCheck] = {
     "cuda": FirstUseCheck("lion_direction_into_device", _lion_direction_device, check_direction)
 }
-#: The list kernels (a launch for many tensors): where either fails its
-#: check, the step runs the per-tensor fused kernels.
+#: The list kernels (a launch for many tensors): where one fails its
+#: check, the step runs the per-tensor fused kernels (and its votes return
+#: Delta as values, not planes).
 LIST_CHECKS: Dict[str, tuple] = {
     "cuda": (
         FirstUseCheck("lion_direction_list_device", _lion_direction_list_device, check_direction_list,
                       "the fused kernels tensor by tensor"),
         FirstUseCheck("lion_apply_list_device", _lion_apply_list_device, check_apply_list,
+                      "the fused kernels tensor by tensor"),
+        FirstUseCheck("lion_apply_planes_list_device", _lion_apply_planes_list_device, check_apply_planes_list,
                       "the fused kernels tensor by tensor"),
     )
 }

@@ -241,27 +241,31 @@ def update_momenta(items, k: Coefs) -> None:
 def apply_updates(items, k: Coefs) -> None:
     """:func:`apply_update` of many (p, delta) pairs (p contiguous, of any
     shape) on one device in one call per kind of delta: values (on a GPU a
-    launch per dtype pair), or on the CPU :class:`VotedPlanes` (a call per
-    vote's planes)."""
+    launch per dtype pair), or :class:`VotedPlanes` (a call per vote's
+    planes; on a GPU per vote's planes and parameter dtype)."""
     _, _, _, _, lr, decay = k.values
-    if items[0][0].is_cuda:
-        for group in _by_dtypes(items):
-            xs, deltas = zip(*group)
-            _C.lion_apply_list_device(xs, deltas, lr, decay)
-        return
+    cuda = items[0][0].is_cuda
     values, voted = [], {}
     for p, d in items:
         if type(d) is VotedPlanes:
-            _, xs, offsets = voted.setdefault(id(d.sign), (d, [], []))
+            key = (id(d.sign), p.dtype) if cuda else id(d.sign)
+            _, xs, offsets = voted.setdefault(key, (d, [], []))
             xs.append(p)
             offsets.append(d.offset)
         else:
             values.append((p, d))
-    if values:
-        xs, deltas = zip(*values)
-        _C.lion_apply_list(xs, deltas, lr, decay)
+    if cuda:
+        for group in _by_dtypes(values):
+            xs, deltas = zip(*group)
+            _C.lion_apply_list_device(xs, deltas, lr, decay)
+        apply_planes = _C.lion_apply_planes_list_device
+    else:
+        if values:
+            xs, deltas = zip(*values)
+            _C.lion_apply_list(xs, deltas, lr, decay)
+        apply_planes = _C.lion_apply_planes_list
     for d, xs, offsets in voted.values():
-        _C.lion_apply_planes_list(xs, d.sign, d.zero, offsets, lr, decay)
+        apply_planes(xs, d.sign, d.zero, offsets, lr, decay)
 
 
 def pack_abstain(numel: int, sign, zero, bit_offset: int, bits=None) -> None:

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import lion_math
+from . import kernel_choice, lion_math
 from ._backend import backend_for
 from .errors import NonFiniteInput
 from .step_vote import NonFinite, nonfinite_ranks, pack_directions
@@ -72,10 +72,15 @@ class Voter:
     def votes_into_planes(self, device, group) -> bool:
         """Whether an all-reduce over ``group``'s ranks can return its Delta as
         planes (:class:`lion_math.VotedPlanes`, 2 bits an element) rather than
-        values: a flat vote on the CPU, over a process group (without one,
-        this rank's own vote writes values)."""
-        return (self.aggregation == "vote" and not self.bits and self.hierarchy == "flat"
-                and torch.device(device).type == "cpu" and (group is not None or dist.is_initialized()))
+        values: a flat vote over a process group (without one, this rank's
+        own vote writes values), on the CPU, or on a GPU where the list
+        kernels (the apply from planes among them) passed their first-use
+        checks."""
+        if not (self.aggregation == "vote" and not self.bits and self.hierarchy == "flat"
+                and (group is not None or dist.is_initialized())):
+            return False
+        device = torch.device(device)
+        return device.type == "cpu" or kernel_choice.list_kernels_allowed(device)
 
     def planes(self, numel: int, device=None):
         """Zeroed buffers for the packed directions of ``numel`` elements."""

@@ -977,6 +977,68 @@ LIONBIT_HD void lion_apply_unit(
   lion_apply_dense_group<X, Dl>(x, delta, n, first + t, kApplyThreads, lr, decay);
 }
 
+// Delta from a vote's result planes (the sign all-reduce's out_planes): the
+// code sign + 2 * zero of an element reads {-1, +1, 0, 0}, the float32 values
+// the CPU's lion_apply_planes unpacks before its dense apply.
+LIONBIT_HD float planes_delta(unsigned sign, unsigned zero) {
+  return (zero & 1u) != 0u ? 0.0f : ((sign & 1u) != 0u ? 1.0f : -1.0f);
+}
+
+// Bits bit .. bit + 7 of a plane (the word after bit's only where they reach into it).
+LIONBIT_HD uint32_t plane_byte(const uint64_t* plane, uint64_t bit) {
+  const uint64_t* w = plane + bit / 64;
+  const unsigned s = static_cast<unsigned>(bit % 64);
+  uint64_t v = w[0] >> s;
+  if (s > 56u) {
+    v |= w[1] << (64u - s);
+  }
+  return static_cast<uint32_t>(v & 0xffu);
+}
+
+// lion_apply_unit with Delta from the planes: element i's code at bit
+// bit0 + i. The vector path (vec: x on a 16-byte boundary) reads each
+// thread's 8 codes as a byte of each plane and its 8 values in 16-byte
+// loads; the planes are 1/8 of a bfloat16 Delta's bytes.
+template <DType X>
+LIONBIT_HD void lion_apply_planes_unit(
+    typename FloatStore<X>::U* x,
+    size_t n,
+    size_t first,
+    unsigned t,
+    bool vec,
+    const uint64_t* sign,
+    const uint64_t* zero,
+    uint64_t bit0,
+    float lr,
+    float decay) {
+  if (vec && first + kApplyUnit <= n) {
+    constexpr size_t SX = sizeof(typename FloatStore<X>::U);
+    const size_t e = first + size_t{kVecLane} * t;
+    const uint32_t s = plane_byte(sign, bit0 + e);
+    const uint32_t z = plane_byte(zero, bit0 + e);
+    uint32_t xw[2 * SX], out[2 * SX];
+    load8<SX>(x + e, xw);
+    LIONBIT_UNROLL
+    for (int i = 0; i < kVecLane; ++i) {
+      put8<X>(
+          out, i,
+          lion_apply_math(value8<X>(xw, i), decay, mul_rn(lr, planes_delta(s >> i, z >> i))));
+    }
+    store8<SX>(x + e, out);
+    return;
+  }
+  for (int u = 0; u < kApplyDenseUnroll; ++u) {
+    const size_t i = first + t + static_cast<size_t>(u) * kApplyThreads;
+    if (i < n) {
+      const uint64_t b = bit0 + i;
+      const float d = planes_delta(
+          static_cast<unsigned>(sign[b / 64] >> (b % 64)),
+          static_cast<unsigned>(zero[b / 64] >> (b % 64)));
+      x[i] = FloatStore<X>::store(lion_apply_math(FloatStore<X>::load(x[i]), decay, mul_rn(lr, d)));
+    }
+  }
+}
+
 // ------------------------------------------------- bit-sliced counting ----
 // One 64-bit word position, n contributions. P counter planes (a compile-time
 // bound, P >= width_of(n), so the counters live in registers): c[b] holds bit b

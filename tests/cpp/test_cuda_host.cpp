@@ -1309,6 +1309,102 @@ TEST(CudaHostLionList, ApplyListMatchesCpuPerTensor) {
   check_apply_list<DType::kFloat16, DType::kFloat16>(rng);
 }
 
+// apply_planes_list_kernel with `blocks` blocks of kApplyThreads threads;
+// a unit counted in g_vec_groups where it takes the vector path.
+template <DType X>
+void emu_apply_planes_list(
+    const std::vector<ApplySeg>& segs,
+    const uint64_t* sign,
+    const uint64_t* zero,
+    float lr,
+    float decay,
+    size_t blocks) {
+  std::vector<ApplySeg> table = segs;
+  const uint64_t units = optim::cuda::apply_units(table.data(), table.size());
+  for (size_t b = 0; b < blocks; ++b) {
+    for (uint64_t u = b; u < units; u += blocks) {
+      const ApplySeg s = table[cd::segment_of(table.data(), table.size(), u)];
+      const size_t first = optim::cuda::apply_first(s, u);
+      const bool vec = cd::apply_vec_aligned(s.x, s.x);
+      g_vec_groups += vec && first + cd::kApplyUnit <= s.n ? 1 : 0;
+      for (unsigned t = 0; t < cd::kApplyThreads; ++t) {
+        cd::lion_apply_planes_unit<X>(
+            static_cast<typename FloatStore<X>::U*>(s.x), static_cast<size_t>(s.n), first, t, vec,
+            sign, zero, s.bit_offset, lr, decay);
+      }
+    }
+  }
+}
+
+// The list's tensors end to end in a vote's result planes from bit `at`
+// (random codes: -1, +1 and both kinds of 0), against the CPU's
+// lion_apply_planes tensor by tensor; the last tensor's x one value off a
+// 16-byte boundary (no vector unit).
+template <DType X>
+void check_apply_planes_list(std::mt19937_64& rng) {
+  const size_t vec0 = g_vec_groups;
+  std::vector<size_t> sizes = list_sizes();
+  sizes.push_back(3 * cd::kApplyUnit + 100);
+  sizes.push_back(2 * cd::kApplyUnit);
+  const size_t esize = bits::dtype_size(X);
+  for (size_t at : {size_t{0}, size_t{3}, size_t{57}, size_t{64}, size_t{127}}) {
+    size_t total = at;
+    for (size_t n : sizes) {
+      total += n;
+    }
+    std::vector<uint64_t> sign(total / 64 + 2), zero(total / 64 + 2);
+    for (size_t w = 0; w < sign.size(); ++w) {
+      sign[w] = rng();
+      zero[w] = rng() & rng(); // a quarter of the codes 0
+    }
+    std::vector<std::vector<uint8_t>> x0s;
+    for (size_t n : sizes) {
+      x0s.push_back(random_floats(X, n + 1, rng));
+    }
+    for (float lr : {3e-4f, 0.5f}) {
+      const float decay = lr > 0.1f ? 1.0f : 0.99997f;
+      for (size_t blocks : {size_t{1}, size_t{2}, size_t{9}}) {
+        auto xs = x0s, xr = x0s;
+        std::vector<ApplySeg> segs;
+        size_t bit = at;
+        for (size_t t = 0; t < sizes.size(); ++t) {
+          const size_t shift = t + 1 == sizes.size() ? esize : 0;
+          segs.push_back(ApplySeg{xs[t].data() + shift, nullptr, sizes[t], bit, 0});
+          optim::lion_apply_planes(
+              X, xr[t].data() + shift, sign.data(), zero.data(), bit, sizes[t], lr, decay);
+          bit += sizes[t];
+        }
+        emu_apply_planes_list<X>(segs, sign.data(), zero.data(), lr, decay, blocks);
+        for (size_t t = 0; t < sizes.size(); ++t) {
+          ASSERT_EQ(xs[t], xr[t]) << dname(X) << " at=" << at << " tensor " << t
+                                  << " (n=" << sizes[t] << ") lr=" << lr << " blocks=" << blocks;
+        }
+      }
+    }
+  }
+  EXPECT_GT(g_vec_groups, vec0) << dname(X) << ": no vector unit";
+}
+
+TEST(CudaHostLionList, ApplyPlanesListMatchesCpuPerTensor) {
+  std::mt19937_64 rng(71);
+  check_apply_planes_list<DType::kFloat32>(rng);
+  check_apply_planes_list<DType::kBFloat16>(rng);
+  check_apply_planes_list<DType::kFloat16>(rng);
+}
+
+// plane_byte reads 8 bits from any bit, the next word only past bit 56.
+TEST(CudaHostLionList, PlaneByteAtEveryBit) {
+  std::mt19937_64 rng(73);
+  const uint64_t words[3] = {rng(), rng(), rng()};
+  for (uint64_t bit = 0; bit + 8 <= 192; ++bit) {
+    uint32_t want = 0;
+    for (unsigned i = 0; i < 8; ++i) {
+      want |= static_cast<uint32_t>((words[(bit + i) / 64] >> ((bit + i) % 64)) & 1u) << i;
+    }
+    ASSERT_EQ(cd::plane_byte(words, bit), want) << bit;
+  }
+}
+
 TEST(CudaHostLionList, SegmentOfSkipsEmptyTensors) {
   std::vector<DirectionSeg> segs{
       {nullptr, nullptr, 0, 0, 0},

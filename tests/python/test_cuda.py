@@ -167,6 +167,7 @@ def test_list_kernels_pass_their_checks_and_a_step_equals_cpu():
     _skip_without_gpu()
     assert kernel_choice.check_direction_list(_C.lion_direction_list_device, "cuda") is None
     assert kernel_choice.check_apply_list(_C.lion_apply_list_device, "cuda") is None
+    assert kernel_choice.check_apply_planes_list(_C.lion_apply_planes_list_device, "cuda") is None
     shapes = [(1,), (7,), (64,), (65,), (300, 129), (1024,), (3, 5), (4096, 33)]
 
     def run(device):

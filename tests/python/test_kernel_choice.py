@@ -11,7 +11,7 @@ import torch
 
 import lionbit
 from harness import run_ranks, values
-from lionbit import _C, kernel_choice
+from lionbit import _C, kernel_choice, lion_math
 
 # make test-aten runs the files marked so again through the ATen kernel set.
 pytestmark = pytest.mark.kernels
@@ -171,6 +171,22 @@ def test_the_list_checks_pass_right_kernels_and_name_wrong_ones():
                                         "the fused kernels tensor by tensor")
     with pytest.warns(RuntimeWarning, match="broken_list on cpu .*uses the fused kernels tensor by tensor"):
         assert not check.ok("cpu")
+
+
+def _planes_apply_reads_one_bit_late(xs, sign, zero, offsets, lr, decay):
+    _C.lion_apply_planes_list(xs, sign, zero, [o + 1 for o in offsets], lr, decay)
+
+
+def _planes_apply_as_values(xs, sign, zero, offsets, lr, decay):
+    for x, off in zip(xs, offsets):
+        _C.lion_apply(x, lion_math.VotedPlanes(sign, zero, off, x.numel()).values(), lr, decay)
+
+
+def test_the_planes_apply_check_passes_right_kernels_and_names_wrong_ones():
+    assert kernel_choice.check_apply_planes_list(_C.lion_apply_planes_list, "cpu") is None
+    assert kernel_choice.check_apply_planes_list(_planes_apply_as_values, "cpu") is None
+    case = kernel_choice.check_apply_planes_list(_planes_apply_reads_one_bit_late, "cpu")
+    assert case is not None and case.startswith("float32 parameters, sizes") and "from bit 5" in case, case
 
 
 def test_the_check_leaves_the_global_random_state_alone():

@@ -363,6 +363,11 @@ class _DeviceLists:
         self.calls.append(("apply", xs[0].dtype, deltas[0].dtype, len(xs)))
         self.real.lion_apply_list(self._plain(xs), self._plain(deltas), lr, decay)
 
+    def lion_apply_planes_list_device(self, xs, sign, zero, bit_offsets, lr, decay):
+        assert len({x.dtype for x in xs}) == 1, "one parameter dtype a launch"
+        self.calls.append(("apply_planes", xs[0].dtype, id(sign), len(xs)))
+        self.real.lion_apply_planes_list(self._plain(xs), sign, zero, bit_offsets, lr, decay)
+
 
 def test_the_gpu_branches_launch_once_a_dtype_pair_and_match_the_cpu(monkeypatch):
     """What runs only on a GPU (a launch per dtype pair, the tallies in a device
@@ -412,6 +417,27 @@ def test_the_gpu_branches_launch_once_a_dtype_pair_and_match_the_cpu(monkeypatch
     assert len(fake.calls) == len({gdt for gdt, *_ in LAYOUT}), fake.calls
     for x, d, y in zip(xs, deltas, got):
         assert torch.equal(y.as_subclass(torch.Tensor), _apply_reference(x, d, k))
+
+    # Delta as two votes' result planes (a step's votes on a GPU): a launch per
+    # vote and parameter dtype, beside a tensor whose Delta is values.
+    fake.calls.clear()
+    votes = [torch.randint(0, 256, (2 * lion_math.plane_bytes(2000),), generator=gen, dtype=torch.uint8)
+             for _ in range(2)]
+    planes = [lion_math.delta_views(v, True) for v in votes]
+    spans, at = [], [0, 0]
+    for i, (_, _, n, _) in enumerate(LAYOUT):
+        spans.append((i % 2, at[i % 2], n))
+        at[i % 2] += n
+    got = [x.clone().as_subclass(_OnGpu) for x in xs]
+    items = [(y, planes[v](off, n)) for y, (v, off, n) in zip(got, spans)]
+    items[0] = (got[0], deltas[0].as_subclass(_OnGpu))
+    lion_math.apply_updates(items, k)
+    launches = {(c[1], c[2]) for c in fake.calls if c[0] == "apply_planes"}
+    want = {(x.dtype, id(planes[v](0, 1).sign)) for x, (v, _, _) in list(zip(xs, spans))[1:]}
+    assert launches == want and len(fake.calls) == len(want) + 1, fake.calls
+    for i, (x, y) in enumerate(zip(xs, got)):
+        d = deltas[0] if i == 0 else planes[spans[i][0]](spans[i][1], spans[i][2]).values()
+        assert torch.equal(y.as_subclass(torch.Tensor), _apply_reference(x, d, k)), i
 
 
 def test_without_the_list_calls_the_per_tensor_kernels_give_the_same_bits(monkeypatch):

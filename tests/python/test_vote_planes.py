@@ -147,7 +147,7 @@ def test_bad_planes_requests_name_the_argument():
     for errors in values(run_ranks("test_vote_planes:bad_planes_requests", 2)):
         avg, small, dtype = errors
         assert "argument 'out_planes' takes op 'vote'" in avg and "'avg'" in avg, avg
-        assert "argument 'out' (out_planes) must be a contiguous uint8 CPU tensor of exactly 32 bytes" in small, small
+        assert "argument 'out' (out_planes) must be a contiguous uint8 tensor of exactly 32 bytes" in small, small
         assert "got 24 bytes" in small or "of 24 bytes" in small, small
         assert "argument 'out' (out_planes)" in dtype and "on rank" in dtype, dtype
 
