@@ -187,3 +187,26 @@ def test_training_loops_hold_planes_between_vote_and_update():
     # test_training_loops.py and test_optim.py; here, that they ran on planes.
     for held in values(run_ranks("test_vote_planes:planes_held_by_training_loops", 2)):
         assert held == {"ddp": ["torch.uint8"], "ddp_clip": ["torch.uint8"], "plain": ["torch.uint8"]}, held
+
+
+def test_a_gpu_votes_into_planes_where_its_list_kernels_passed(monkeypatch):
+    """On a GPU the apply from planes is a list kernel: votes come back as
+    planes where the device's list kernels passed their first-use checks
+    (with "custom" unchecked), as values where one failed or with "aten";
+    the CPU always takes planes. Flat votes only, over a process group."""
+    from lionbit import kernel_choice
+    from lionbit.voter import Voter
+
+    verdicts = {}
+    monkeypatch.setattr(kernel_choice, "list_kernels_allowed", lambda device: verdicts[torch.device(device)])
+    group = object()  # any process group
+    vote = Voter("vote", None, "zero", None)
+    for passed in (True, False):
+        verdicts[torch.device("cuda:1")] = passed
+        assert vote.votes_into_planes("cuda:1", group) is passed
+        assert vote.votes_into_planes("cpu", group)
+    verdicts[torch.device("cuda:1")] = True
+    assert not vote.votes_into_planes("cuda:1", None)  # no group, no process group: this rank's own vote
+    for other in (Voter("avg", None, "zero", None), Voter("l1", 2, "zero", None),
+                  Voter("vote", None, "zero", None, hierarchy="node")):
+        assert not other.votes_into_planes("cuda:1", group) and not other.votes_into_planes("cpu", group)
