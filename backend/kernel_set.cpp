@@ -158,10 +158,14 @@ at::Tensor lut_tensor(
     const std::vector<double>& values,
     const c10::Device& device) {
   const size_t esize = bits::dtype_size(dtype);
-  at::Tensor host = byte_buffer(values.size() * esize);
+  // Off the CPU from pinned memory without waiting: a copy from pageable
+  // memory would make the host wait for the stream once a chunk.
+  at::Tensor host = at::empty(
+      {static_cast<int64_t>(values.size() * esize)},
+      at::TensorOptions().dtype(at::kByte).pinned_memory(!device.is_cpu()));
   bits::make_lut(dtype, values.data(), values.size(), bytes_of(host));
   at::Tensor typed = host.view(torch_dtype(dtype));
-  return device.is_cpu() ? typed : typed.to(device);
+  return device.is_cpu() ? typed : typed.to(device, /*non_blocking=*/true);
 }
 
 } // namespace lionbit

@@ -92,11 +92,24 @@ size_t Phase2::message_bytes() const {
 
 namespace {
 
-// Writes the tie code's words into the head of a message on any device.
+// Writes the tie code's words into the head of a message on any device
+// (off the CPU from pinned memory, without waiting for the stream).
 void put_words(at::Tensor& msg, const std::array<uint64_t, 2>& words) {
-  at::Tensor host = byte_buffer(kTieCountBytes);
+  if (msg.is_cpu()) {
+    std::memcpy(bytes_of(msg), words.data(), kTieCountBytes);
+    return;
+  }
+  at::Tensor host = at::empty(
+      {static_cast<int64_t>(kTieCountBytes)},
+      at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   std::memcpy(bytes_of(host), words.data(), kTieCountBytes);
-  msg.narrow(0, 0, static_cast<int64_t>(kTieCountBytes)).copy_(host);
+  msg.narrow(0, 0, static_cast<int64_t>(kTieCountBytes)).copy_(host, /*non_blocking=*/true);
+}
+
+// The code of a shard's ties (ZeroCode{} without any): one read of the
+// plane's tallies, a host round trip on a GPU.
+bits::ZeroCode ties_code(const KernelSet& k, const at::Tensor& ties, size_t sw) {
+  return k.zero_codes(ties, sw).at(0);
 }
 
 } // namespace
@@ -157,9 +170,8 @@ std::string Phase2::encode(
     case Phase2Format::kVoteSigns: {
       at::Tensor sign = msg.narrow(0, head, sb);
       vote_shard(k, op, rule, in, first_word, sign, ties);
-      // The runs only where there are ties: their round's form needs them.
-      const uint64_t n = k.count_bits(ties, sw).at(0);
-      put_words(msg, tie_words(n > 0 ? k.zero_codes(ties, sw).at(0) : bits::ZeroCode{}, sw));
+      // The runs too where there are ties: their round's form needs them.
+      put_words(msg, tie_words(ties_code(k, ties, sw), sw));
       return "";
     }
     case Phase2Format::kVoteTrits: {
@@ -171,8 +183,7 @@ std::string Phase2::encode(
       // should next time (kTieHint): the runs and packed runs too, or
       // zeros that have become cheap (a dead unit's columns) would ride
       // inline at 1.625 bits an element for good.
-      const uint64_t n = k.count_bits(zeros, sw).at(0);
-      put_words(msg, tie_words(n > 0 ? k.zero_codes(zeros, sw).at(0) : bits::ZeroCode{}, sw));
+      put_words(msg, tie_words(ties_code(k, zeros, sw), sw));
       msg.narrow(0, static_cast<int64_t>(message_bytes()) - 8, 8).zero_(); // the padding
       at::Tensor trits = msg.narrow(0, head, static_cast<int64_t>(bits::kTritBytesPerWord * sw));
       k.encode_trits(sign, zeros, trits);
