@@ -2,8 +2,10 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,20 +35,27 @@ void sign_reduce_scatter_packed(
     at::Tensor& out,
     bits::SignOp op,
     const bits::TieRule& tie,
-    uint64_t seq) {
+    uint64_t seq,
+    bool planes) {
   const SignCall call{c, op, Collective::kReduceScatter, seq, out.device()};
   const KernelSet& k = *call.k;
   const bool levels = op == bits::SignOp::kLevels;
   const int p = levels ? in.value_bits : 1; // planes per shard
   const int N = c.world_size;
-  const auto dt = bits_dtype(out.scalar_type());
+  TORCH_CHECK(
+      !planes || op == bits::SignOp::kVote, where(call), "internal: result planes of a vote only");
+  // The result as planes: announced as bfloat16 values (-1, 0, +1), as the all-reduce's.
+  const auto dt = planes ? std::optional<bits::DType>(bits::DType::kBFloat16)
+                         : bits_dtype(out.scalar_type());
   TORCH_CHECK(dt.has_value(), where(call), "unsupported dtype ", out.scalar_type());
   const size_t S = static_cast<size_t>(in.shard_numel);
-  TORCH_CHECK(
-      static_cast<size_t>(out.numel()) == S && out.is_contiguous(), where(call),
-      "output must be contiguous with ", S, " elements");
   const size_t sw = bits::words_for(S);
   const int64_t sb = static_cast<int64_t>(sw * 8);
+  TORCH_CHECK(
+      static_cast<int64_t>(out.numel()) == (planes ? 2 * sb : static_cast<int64_t>(S)) &&
+          out.is_contiguous(),
+      where(call), "output must be contiguous with ",
+      planes ? c10::str(2 * sb, " bytes (two planes)") : c10::str(S, " elements"));
 
   // This rank's planes, shard k at words [k * sw, (k + 1) * sw), cleaned
   // shard by shard (KernelSet::clean). Levels: shard k's p planes one after
@@ -102,16 +111,20 @@ void sign_reduce_scatter_packed(
   const std::vector<PlaneIn> contrib = receive_shards(call, hs, p1, decoded);
 
   // 2. Count / vote the own shard.
-  std::vector<at::Tensor> planes;
+  std::vector<at::Tensor> result; // the result's code planes
   {
     ScopedTimer t(c.stats->vote_ns, "lionbit::count");
     if (op == bits::SignOp::kVote || levels) {
-      at::Tensor s_plane = call.bytes(static_cast<size_t>(sb));
-      at::Tensor z_plane = call.bytes(static_cast<size_t>(sb));
+      // Into the result's own planes, or planes to unpack.
+      at::Tensor s_plane = planes ? out.narrow(0, 0, sb) : call.bytes(static_cast<size_t>(sb));
+      at::Tensor z_plane = planes ? out.narrow(0, sb, sb) : call.bytes(static_cast<size_t>(sb));
       Phase2::vote_shard(
           k, op, bits::CallRule{tie, levels ? p : 0}, contrib, static_cast<uint64_t>(c.rank) * sw,
           s_plane, z_plane);
-      planes = {s_plane, z_plane};
+      if (planes) {
+        s_plane.bitwise_and_(z_plane.bitwise_not()); // a 0 is a zero bit alone, as the all-reduce's
+      }
+      result = {s_plane, z_plane};
     } else {
       const int P = bits::code_planes(N, hs.any_zero);
       TORCH_CHECK(
@@ -120,18 +133,21 @@ void sign_reduce_scatter_packed(
       at::Tensor codes = call.bytes(static_cast<size_t>(P * sb));
       k.count_code(contrib, codes);
       for (int b = 0; b < P; ++b) {
-        planes.push_back(codes.narrow(0, b * sb, sb));
+        result.push_back(codes.narrow(0, b * sb, sb));
       }
     }
   }
   p1 = Phase1();
   decoded = at::Tensor();
 
+  if (planes) {
+    return; // the vote's planes are the result
+  }
   // 3. Unpack the own shard's result into the output.
   ScopedTimer t(c.stats->unpack_ns, "lionbit::unpack");
-  const auto values = code_values(op, N, hs.any_zero, static_cast<int>(planes.size()));
+  const auto values = code_values(op, N, hs.any_zero, static_cast<int>(result.size()));
   at::Tensor flat = out.view({-1});
-  k.unpack(planes, lut_tensor(*dt, values, call.device), flat);
+  k.unpack(result, lut_tensor(*dt, values, call.device), flat);
 }
 
 } // namespace lionbit

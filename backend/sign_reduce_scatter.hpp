@@ -42,7 +42,9 @@ inline size_t reduce_scatter_plane_bytes(uint64_t shard_numel, int world) {
 
 // Writes this rank's shard of vote / avg / sum / l1 of the N ranks'
 // directions into `out` (contiguous, shard_numel elements, a supported
-// dtype); a vote's or l1's ties follow `tie`. Throws c10::Error naming
+// dtype); a vote's or l1's ties follow `tie`. With `planes` (a vote:
+// SignRequest::out_planes) `out` is uint8, the shard's sign plane then its
+// zero plane, words_for(shard_numel) words each. Throws c10::Error naming
 // lionbit, the op and the rank on any failure.
 void sign_reduce_scatter_packed(
     const SignComm& c,
@@ -50,6 +52,7 @@ void sign_reduce_scatter_packed(
     at::Tensor& out,
     bits::SignOp op,
     const bits::TieRule& tie,
-    uint64_t seq);
+    uint64_t seq,
+    bool planes = false);
 
 } // namespace lionbit

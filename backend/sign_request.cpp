@@ -195,9 +195,10 @@ std::string packed_out_problem(
 
 // The checks of a vote into planes (SignRequest::out_planes), in order: what
 // the call is, the counts, then `out` itself.
-std::string out_planes_problem(const SignRequest& r, bits::SignOp op) {
-  if (r.kind != Collective::kAllReduce || r.levels() || !r.packed()) {
-    return "argument 'out_planes' takes an all-reduce of packed signs (sign, zero)";
+std::string out_planes_problem(const SignRequest& r, bits::SignOp op, int world) {
+  const bool scatter = r.kind == Collective::kReduceScatter;
+  if (r.levels() || !r.packed()) {
+    return "argument 'out_planes' takes an all-reduce or a reduce-scatter of packed signs (sign, zero)";
   }
   if (op != bits::SignOp::kVote) {
     return std::string("argument 'out_planes' takes op 'vote' (a result of -1, 0 or +1), not '") +
@@ -206,11 +207,14 @@ std::string out_planes_problem(const SignRequest& r, bits::SignOp op) {
   if (r.hierarchy != "flat") {
     return "argument 'out_planes' takes hierarchy 'flat', not '" + r.hierarchy + "'";
   }
+  const char* count = scatter ? "shard_numel" : "numel";
   if (r.numel < 0 || r.nans < 0) {
-    return "arguments 'numel' and 'nans' must be >= 0";
+    return std::string("arguments '") + count + "' and 'nans' must be >= 0";
   }
-  if (static_cast<uint64_t>(r.numel) > bits::kMaxNumel) {
-    return "argument 'numel' is too large (" + std::to_string(r.numel) + ")";
+  if (static_cast<uint64_t>(r.numel) * static_cast<uint64_t>(scatter ? world : 1) >
+      bits::kMaxNumel) {
+    return std::string("argument '") + count + "' is too large (" + std::to_string(r.numel) +
+        (scatter ? " per rank)" : ")");
   }
   const at::Tensor& out = r.out;
   const int64_t bytes = 16 * static_cast<int64_t>(bits::words_for(static_cast<uint64_t>(r.numel)));
@@ -320,7 +324,7 @@ std::string request_problem(
       [&] { return hierarchy_problem(r.hierarchy, op, has_hierarchy, mode); },
       [&] {
         if (r.out_planes) {
-          return out_planes_problem(r, op);
+          return out_planes_problem(r, op, world);
         }
         return r.packed() ? packed_out_problem(r.out, op, world, count, r.numel, r.nans, scatter)
                           : result_problem(r.tensor, "tensor", op, world);
@@ -348,7 +352,7 @@ void run_request(
     PackedShards in{r.levels() ? r.planes : r.sign, r.zero, numel, nans};
     in.value_bits = static_cast<int>(r.value_bits);
     if (flat) {
-      sign_reduce_scatter_packed(comm, in, r.out, op, tie, seq);
+      sign_reduce_scatter_packed(comm, in, r.out, op, tie, seq, r.out_planes);
     } else {
       sign_reduce_scatter_hierarchical(comm, h, mode, in, r.out, op, tie, seq);
     }

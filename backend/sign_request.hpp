@@ -62,13 +62,15 @@ struct SignRequest {
   int64_t numel = 0;
   int64_t nans = 0;
   at::Tensor out;
-  // The vote as bit-planes instead of values (all-reduce of packed signs,
-  // op "vote", hierarchy "flat", on the CPU): `out` is uint8, two planes of
-  // ceil(numel / 64) * 8 bytes one after the other, sign then zero; element
-  // i is +1 where bit i of the sign plane is set, 0 where bit i of the zero
-  // plane is (never both), -1 where neither is; bits past numel are
-  // unspecified. What lionbit.DistributedLion's DDP hook applies
-  // (optim::lion_apply_planes): 2 bits an element written, not a value.
+  // The vote as bit-planes instead of values (an all-reduce or a
+  // reduce-scatter of packed signs, op "vote", hierarchy "flat"): `out` is
+  // uint8, two planes of ceil(numel / 64) * 8 bytes one after the other
+  // (a reduce-scatter: of this rank's shard), sign then zero; element i is
+  // +1 where bit i of the sign plane is set, 0 where bit i of the zero
+  // plane is (never both), -1 where neither is;
+  // bits past numel are unspecified. What lionbit.DistributedLion applies
+  // (optim::lion_apply_planes, its CUDA list kernel): 2 bits an element
+  // written, not a value.
   bool out_planes = false;
   // Non-finite values the caller's kernels are still counting (packed calls):
   // a one-element int64 tensor on out's device, added to `nans` when the

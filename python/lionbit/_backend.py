@@ -92,12 +92,12 @@ def _all_reduce_levels_packed(self, planes, bits, numel, nans, out, tie_break="z
 
 
 def _reduce_scatter_sign_packed(self, sign, zero, shard_numel, nans, out, op="vote", tie_break="zero",
-                                tie_seed=-1, hierarchy="flat", nans_tally=None):
-    """The sign reduce-scatter of N packed shards; this rank's shard into `out` (``nans_tally``:
-    as all_reduce_sign_packed's)."""
+                                tie_seed=-1, hierarchy="flat", out_planes=False, nans_tally=None):
+    """The sign reduce-scatter of N packed shards; this rank's shard into `out` (``out_planes``,
+    ``nans_tally``: as all_reduce_sign_packed's, of the shard)."""
     return self.call(_C.SignRequest(collective="reduce_scatter", op=op, tie_break=tie_break, tie_seed=tie_seed,
                                     hierarchy=hierarchy, sign=sign, zero=zero, numel=shard_numel, nans=nans,
-                                    out=out, nans_tally=nans_tally))
+                                    out=out, out_planes=out_planes, nans_tally=nans_tally))
 
 
 def _reduce_scatter_levels_packed(self, planes, bits, shard_numel, nans, out, tie_break="zero", tie_seed=-1):

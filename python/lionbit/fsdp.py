@@ -537,7 +537,7 @@ def fsdp_vote(att):
     voter = opt.voter
     groups = opt.param_group_of()
     hsdp = att.replicas is not None
-    todo = []  # (gradient, momentum, coefs, local shard, Delta of the shard)
+    todo = []  # (gradient, momentum, coefs, local shard, Delta of the shard, its elements)
     allowed = {}  # LIONBIT_KERNELS and the first-use checks, once a device and step
 
     def fused_for(m, g):
@@ -587,18 +587,23 @@ def fsdp_vote(att):
     for run in runs(units, lambda u: (id(u.group), u.device), planes_of, lambda u: step_vote.chunk_limit(u.device)):
         pieces, s, bases = end_to_end([(u.pieces, u.chunk) for u in run])
         group, device = run[0].group, run[0].device
+        # Delta as the vote's two planes (2 bits an element) where the apply can read them
+        planes = voter.votes_into_planes(device, att.replicas if hsdp else group)
         if hsdp:
             delta = voter.sharded_vote(pieces, s, att.replicas, device, "step (HSDP all-reduce over the replicate "
-                                       "group)", fused_for, replicated=True)
+                                       "group)", fused_for, replicated=True, into_planes=planes)
         else:
-            delta = voter.sharded_vote(pieces, s, group, device, "step (FSDP2 reduce-scatter)", fused_for)
+            delta = voter.sharded_vote(pieces, s, group, device, "step (FSDP2 reduce-scatter)", fused_for,
+                                       into_planes=planes)
+        delta_of = lion_math.delta_views(delta, planes)
         for u, base in zip(run, bases):
-            todo += [(g, m, coefs, local, delta[base + off : base + off + own]) for g, m, coefs, local, off, own in u.entries]
+            todo += [(g, m, coefs, local, delta_of(base + off, own), own) for g, m, coefs, local, off, own in u.entries]
 
     def apply() -> None:
-        step_vote.update_state([(g, m, coefs, fused_for(m, g)) for g, m, coefs, _, _ in todo],
-                               [(local, d, coefs, fused_for(local, d)) for _, _, coefs, local, d in todo
-                                if d.numel()])
+        # The apply's fused kernels by the parameter's dtype (Delta's too where it is values).
+        step_vote.update_state([(g, m, coefs, fused_for(m, g)) for g, m, coefs, *_ in todo],
+                               [(local, d, coefs, fused_for(local, local if type(d) is lion_math.VotedPlanes else d))
+                                for _, _, coefs, local, d, own in todo if own])
 
     return apply
 

@@ -367,16 +367,6 @@ def _pieces(unit: _Unit, grad: torch.Tensor, shard: int):
     return pieces
 
 
-def _zero_padding(unit: _Unit, delta: torch.Tensor, base: int) -> None:
-    """Zeroes Delta wherever the flat elements [base, base + len) are padding."""
-    keep = torch.zeros(delta.numel(), dtype=torch.bool, device=delta.device)
-    for off, numel, _, _ in unit.segments:
-        lo, hi = max(off, base), min(off + numel, base + delta.numel())
-        if lo < hi:
-            keep[lo - base : hi - base] = True
-    delta.masked_fill_(~keep, 0)
-
-
 def _local_shard(unit: _Unit) -> torch.Tensor:
     local = unit.flat_param.data
     if local.numel() != unit.shard_numel or not local.is_contiguous():
@@ -405,12 +395,14 @@ def _shard_grad(unit: _Unit) -> Optional[torch.Tensor]:
 def _vote_units(units, grads) -> list:
     """The vote of the directions of each unit's gradient in ``grads`` (the
     kept gradient; hybrid: its shard of the node's mean): this rank's shard
-    of Delta per unit (padding 0; a view of its call's), by the sign
-    reduce-scatter over the units' group (hybrid: the sign all-reduce of the
-    shards over their replicas). Consecutive units of one group and device
-    share one call, their shards end to end in each of its shards, while its
-    planes stay within step_vote.chunk_limit (a larger unit is a call of its
-    own). Changes no state; raises step_vote.NonFinite if any rank had a
+    of Delta per unit, as (element, count) -> Delta of those elements of the
+    shard (a view of its call's values, or lion_math.VotedPlanes where the
+    vote returns planes; padding is never read), by the sign reduce-scatter
+    over the units' group (hybrid: the sign all-reduce of the shards over
+    their replicas). Consecutive units of one group and device share one
+    call, their shards end to end in each of its shards, while its planes
+    stay within step_vote.chunk_limit (a larger unit is a call of its own).
+    Changes no state; raises step_vote.NonFinite if any rank had a
     non-finite direction."""
     deltas = []
 
@@ -426,22 +418,25 @@ def _vote_units(units, grads) -> list:
         pieces, s, bases = end_to_end([(_pieces(unit, grad, unit.shard_numel), unit.shard_numel)
                                        for unit, grad in run])
         first, opt = run[0][0], run[0][0].opt
+        planes = opt.voter.votes_into_planes(first.device, group_of(first))
         if first.hybrid:
             delta = opt.voter.sharded_vote(pieces, s, first.replicas, first.device, "step (FSDP1 hybrid: the "
-                                           "replicas' all-reduce)", opt.fused_for, replicated=True)
+                                           "replicas' all-reduce)", opt.fused_for, replicated=True,
+                                           into_planes=planes)
         else:
-            delta = opt.voter.sharded_vote(pieces, s, first.group, first.device, "step (FSDP1)", opt.fused_for)
-        for (unit, _), base in zip(run, bases):
-            mine = delta[base : base + unit.shard_numel]
-            _zero_padding(unit, mine, unit.base)
-            deltas.append(mine)
+            delta = opt.voter.sharded_vote(pieces, s, first.group, first.device, "step (FSDP1)", opt.fused_for,
+                                           into_planes=planes)
+        delta_of = lion_math.delta_views(delta, planes)
+        for _, base in zip(run, bases):
+            deltas.append(lambda at, n, base=base, delta_of=delta_of: delta_of(base + at, n))
     return deltas
 
 
-def _state_changes(unit: _Unit, grad: torch.Tensor, delta: torch.Tensor):
+def _state_changes(unit: _Unit, grad: torch.Tensor, delta):
     """A unit's state change as step_vote.update_state's items, original
     parameter by original parameter: the momenta from ``grad`` (full-size;
-    hybrid: this rank's shard), and the local shard of the parameters."""
+    hybrid: this rank's shard), and the local shard of the parameters by
+    ``delta`` (:func:`_vote_units`' accessor of the unit's shard)."""
     opt = unit.opt
     m, x = unit.momentum_tensor(), _local_shard(unit)
     s, base = unit.shard_numel, unit.base
@@ -453,8 +448,8 @@ def _state_changes(unit: _Unit, grad: torch.Tensor, delta: torch.Tensor):
         momenta.append((gs, ms, coefs, opt.fused_for(ms, gs)))
         lo, hi = max(off, base), min(off + numel, base + s)
         if lo < hi:
-            xs, ds = x[lo - base : hi - base], delta[lo - base : hi - base]
-            applies.append((xs, ds, coefs, opt.fused_for(xs, ds)))
+            xs, ds = x[lo - base : hi - base], delta(lo - base, hi - lo)
+            applies.append((xs, ds, coefs, opt.fused_for(xs, xs if type(ds) is lion_math.VotedPlanes else ds)))
     return momenta, applies
 
 

@@ -92,10 +92,12 @@ class Voter:
         return lion_math.planes(lion_math.shard_bit(shards, shard_numel), device, self.bits)
 
     def sharded_vote(self, pieces, shard_numel: int, group, device, where: str, fused_for,
-                     replicated: bool = False) -> torch.Tensor:
+                     replicated: bool = False, into_planes: bool = False) -> torch.Tensor:
         """The vote of directions laid out in N shards of ``shard_numel``
         elements (FSDP2's chunks, FSDP1's flat parameter), as a sign
-        reduce-scatter: this rank's shard of Delta. ``replicated`` (HSDP):
+        reduce-scatter: this rank's shard of Delta (``into_planes``, where
+        :meth:`votes_into_planes`: as its two result planes, uint8, for
+        lion_math.delta_views). ``replicated`` (HSDP):
         the pieces are one shard only, which every rank of ``group`` holds
         (the replicas of a shard), every span's r is 0, and a sign
         all-reduce over ``group`` gives all of that shard's Delta. Each piece is
@@ -119,12 +121,17 @@ class Voter:
             items += [(gp, mp, coefs, fused_for(mp, gp), bit) for gp, mp, bit in parts]
         packed, tally = pack_directions(items, sign, zero)
         nans += packed
-        delta = torch.empty(shard_numel, dtype=self.delta_dtype, device=device)
+        if into_planes:
+            delta = torch.empty(2 * lion_math.plane_bytes(shard_numel), dtype=torch.uint8, device=device)
+        else:
+            delta = torch.empty(shard_numel, dtype=self.delta_dtype, device=device)
         try:
             if replicated:
-                self.all_reduce(sign, zero, shard_numel, nans, delta, group, where, nans_tally=tally).wait()
+                self.all_reduce(sign, zero, shard_numel, nans, delta, group, where, out_planes=into_planes,
+                                nans_tally=tally).wait()
             else:
-                self.reduce_scatter(sign, zero, shard_numel, nans, delta, group, where, nans_tally=tally)
+                self.reduce_scatter(sign, zero, shard_numel, nans, delta, group, where, out_planes=into_planes,
+                                    nans_tally=tally)
         except (RuntimeError, ValueError) as err:
             ranks = nonfinite_ranks(err)
             if ranks is None:
@@ -181,10 +188,11 @@ class Voter:
         return work.get_future()
 
     def reduce_scatter(self, sign, zero, shard_numel: int, nans: int, delta: torch.Tensor, group, where: str,
-                       nans_tally=None) -> None:
+                       out_planes: bool = False, nans_tally=None) -> None:
         """The FSDP reduce-scatter of packed directions (``zero`` is None for
-        "l1"): this rank's shard of Delta into ``delta``; waits. ``nans_tally``:
-        as :meth:`all_reduce`'s (sign planes only)."""
+        "l1"): this rank's shard of Delta into ``delta`` (``out_planes``: as
+        :meth:`all_reduce`'s, of the shard); waits. ``nans_tally``: as
+        :meth:`all_reduce`'s (sign planes only)."""
         seed = self._seed()
         backend = backend_for(group, delta.device, where)
         if self.bits:
@@ -192,6 +200,6 @@ class Voter:
         else:
             work = backend.reduce_scatter_sign_packed(
                 sign, zero, shard_numel, nans, delta, self.aggregation, self.tie_break, seed, self.hierarchy,
-                nans_tally
+                out_planes=out_planes, nans_tally=nans_tally
             )
         work.wait()

@@ -73,6 +73,48 @@ def planes_equal_values(rank, n):
     return out
 
 
+def scattered_planes_equal_values(rank, n):
+    """The reduce-scatter (FSDP's vote) into planes and into values, per
+    case: whether this rank's shard is the same, and no element with both
+    bits set."""
+    from lionbit import _C, lion_math
+    from lionbit._backend import backend_for
+
+    backend = backend_for(None, torch.device("cpu"), "test")
+    out = []
+    cases = [(s, kind, tie) for s in (1, 63, 64, 2049) for kind in ("independent", "shared", "zeros")
+             for tie in ("zero", "alternate", "random")]
+    for i, (s, kind, tie) in enumerate(cases):
+        x = _directions(rank, n * s, kind, 100 + i)
+        nb = lion_math.plane_bytes(lion_math.shard_bit(n, s))
+        sign, zero = torch.zeros(nb, dtype=torch.uint8), torch.zeros(nb, dtype=torch.uint8)
+        nans = 0
+        for r in range(n):
+            nans += _C.pack_signs_into(x[r * s : (r + 1) * s], sign, zero, lion_math.shard_bit(r, s))[1]
+        sb = lion_math.plane_bytes(s)
+        planes = torch.full((2 * sb,), 0xA5, dtype=torch.uint8)  # garbage: every bit is written
+        backend.reduce_scatter_sign_packed(sign, zero, s, nans, planes, "vote", tie, 3 + i, "flat",
+                                           out_planes=True).wait()
+        vals = torch.empty(s, dtype=torch.bfloat16)
+        backend.reduce_scatter_sign_packed(sign, zero, s, nans, vals, "vote", tie, 3 + i, "flat").wait()
+        got = lion_math.VotedPlanes(planes[:sb], planes[sb:], 0, s)
+        both = planes[:sb].view(torch.int64) & planes[sb:].view(torch.int64)
+        if s % 64:  # bits past the shard are unspecified
+            both[-1] &= (1 << (s % 64)) - 1
+        part = lion_math.VotedPlanes(planes[:sb], planes[sb:], s // 3, s - s // 3).values()
+        out.append({"case": [s, kind, tie], "equal": bool(torch.equal(got.values(), vals)),
+                    "part": bool(torch.equal(part, vals[s // 3 :])), "both": int(both.count_nonzero())})
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_scattered_planes_are_the_values_bit_for_bit(world_size):
+    for ranks in values(run_ranks("test_vote_planes:scattered_planes_equal_values", world_size, timeout=400)):
+        assert len(ranks) == 36
+        for c in ranks:
+            assert c["equal"] and c["part"] and c["both"] == 0, c
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_planes_are_the_values_bit_for_bit(world_size):
     for ranks in values(run_ranks("test_vote_planes:planes_equal_values", world_size, case_env=CHUNKS, timeout=400)):
@@ -139,14 +181,25 @@ def bad_planes_requests(rank, n):
             errors.append(None)
         except ValueError as err:
             errors.append(str(err))
+    # A reduce-scatter's planes hold this rank's shard: 64 elements a shard, 16 bytes.
+    shards = torch.zeros(8 * n, dtype=torch.uint8)
+    for args in ((shards, shards.clone(), 64, 0, torch.zeros(32, dtype=torch.uint8), "vote"),
+                 (shards, shards.clone(), 64, 0, torch.zeros(16, dtype=torch.uint8), "sum")):
+        try:
+            backend.reduce_scatter_sign_packed(*args, "zero", -1, "flat", out_planes=True).wait()
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
     dist.barrier()
     return errors
 
 
 def test_bad_planes_requests_name_the_argument():
     for errors in values(run_ranks("test_vote_planes:bad_planes_requests", 2)):
-        avg, small, dtype = errors
+        avg, small, dtype, scatter_size, scatter_sum = errors
         assert "argument 'out_planes' takes op 'vote'" in avg and "'avg'" in avg, avg
+        assert "uint8 tensor of exactly 16 bytes" in scatter_size and "of 32 bytes" in scatter_size, scatter_size
+        assert "argument 'out_planes' takes op 'vote'" in scatter_sum and "'sum'" in scatter_sum, scatter_sum
         assert "argument 'out' (out_planes) must be a contiguous uint8 tensor of exactly 32 bytes" in small, small
         assert "got 24 bytes" in small or "of 24 bytes" in small, small
         assert "argument 'out' (out_planes)" in dtype and "on rank" in dtype, dtype
