@@ -70,8 +70,9 @@ class Voter:
         return torch.float32 if self.aggregation == "avg" else torch.bfloat16
 
     def votes_into_planes(self, device, group) -> bool:
-        """Whether an all-reduce over ``group``'s ranks can return its Delta as
-        planes (:class:`lion_math.VotedPlanes`, 2 bits an element) rather than
+        """Whether a vote over ``group``'s ranks (an all-reduce, or FSDP's
+        reduce-scatter) can return its Delta as planes
+        (:class:`lion_math.VotedPlanes`, 2 bits an element) rather than
         values: a flat vote over a process group (without one, this rank's
         own vote writes values), on the CPU, or on a GPU where the list
         kernels (the apply from planes among them) passed their first-use
