@@ -169,15 +169,18 @@ class DDPAttachment(Attachment):
         sign, zero = bv.planes
         groups = self.opt.param_group_of()
         allowed = kernel_choice.fused_lion_allowed(buffer.device)  # once a bucket
-        off, items = 0, []
+        off, items, coefs = 0, [], {}  # coefs: one a parameter group
         bv.params, bv.sizes = list(params), []
         for p, g in zip(params, grads):
             self.opt.check_param(p, "attach (DDP hook)")
             if abstain:
                 lion_math.pack_abstain(g.numel(), sign, zero, off, bits)
             else:
-                items.append((g, self.opt.momentum_of(p), lion_math.Coefs(groups[p]),
-                              self.opt.fused_for(p, g, allowed), off))
+                group = groups[p]
+                k = coefs.get(id(group))
+                if k is None:
+                    k = coefs[id(group)] = lion_math.Coefs(group)
+                items.append((g, self.opt.momentum_of(p), k, self.opt.fused_for(p, g, allowed), off))
             bv.sizes.append(g.numel())
             off += g.numel()
         bad, tally = step_vote.pack_directions(items, sign, zero, bits)

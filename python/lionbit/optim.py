@@ -62,6 +62,18 @@ def _checked_bits(lr, betas, weight_decay, aggregation, bits, tie_break, momentu
     return bits
 
 
+_FUSED_DTYPES: Dict[tuple, bool] = {}  # (parameter, gradient, momentum) dtypes -> a fused kernel serves them
+
+
+def _fused_dtypes(pdt: torch.dtype, gdt: torch.dtype, mdt: torch.dtype) -> bool:
+    """_C.lion_fused_supported, asked once a dtype triple (a step asks every parameter)."""
+    key = (pdt, gdt, mdt)
+    ok = _FUSED_DTYPES.get(key)
+    if ok is None:
+        ok = _FUSED_DTYPES[key] = bool(_C.lion_fused_supported(pdt, gdt, mdt))
+    return ok
+
+
 class DistributedLion(torch.optim.Optimizer, Joinable):
     """Lion with 1-bit majority-vote (or average) updates across ranks.
 
@@ -140,7 +152,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
 
     def fused_for(self, p: torch.Tensor, g: torch.Tensor, allowed: Optional[bool] = None) -> bool:
         # allowed: kernel_choice.fused_lion_allowed(p.device), asked once by a caller of many tensors
-        ok = p.is_contiguous() and g.is_contiguous() and _C.lion_fused_supported(p.dtype, g.dtype, self.momentum_dtype)
+        ok = p.is_contiguous() and g.is_contiguous() and _fused_dtypes(p.dtype, g.dtype, self.momentum_dtype)
         if self.fused and not ok:
             raise ValueError(
                 f"DistributedLion(fused=True): no fused kernel for parameter {p.dtype}, gradient {g.dtype}, "
