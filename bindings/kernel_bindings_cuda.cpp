@@ -52,6 +52,32 @@ bits::DType list_dtype(
   return *float_dtype(ts[0].scalar_type());
 }
 
+// The CUDA device of an apply list `xs` (not empty), or an error naming `op`.
+c10::Device apply_list_device(const char* op, const std::vector<at::Tensor>& xs) {
+  TORCH_CHECK_VALUE(
+      xs[0].defined() && xs[0].is_cuda(), "lionbit.", op,
+      ": argument 'xs' must hold CUDA tensors, got ", describe(xs[0]));
+  return xs[0].device();
+}
+
+// `launch(table, units, stream)` over the apply list `segs` on `device`, its
+// table copied there; nothing where the list has no element.
+template <typename Launch>
+void run_apply_list(
+    std::vector<optim::cuda::ApplySeg>& segs,
+    const c10::Device& device,
+    Launch launch) {
+  c10::cuda::CUDAGuard guard(device);
+  const uint64_t units = optim::cuda::apply_units(segs.data(), segs.size());
+  if (units == 0) {
+    return;
+  }
+  const at::Tensor table = device_table(segs, device);
+  launch(
+      reinterpret_cast<const optim::cuda::ApplySeg*>(table.data_ptr<uint8_t>()), units,
+      c10::cuda::getCurrentCUDAStream(device.index()).stream());
+}
+
 } // namespace
 
 void lion_direction_list_device(
@@ -133,10 +159,7 @@ void lion_apply_list_device(
   if (xs.empty()) {
     return;
   }
-  TORCH_CHECK_VALUE(
-      xs[0].defined() && xs[0].is_cuda(), "lionbit.", op,
-      ": argument 'xs' must hold CUDA tensors, got ", describe(xs[0]));
-  const c10::Device device = xs[0].device();
+  const c10::Device device = apply_list_device(op, xs);
   const bits::DType xd = list_dtype(op, xs, "xs", device);
   const bits::DType dd = list_dtype(op, deltas, "deltas", device);
   std::vector<optim::cuda::ApplySeg> segs(xs.size());
@@ -147,16 +170,12 @@ void lion_apply_list_device(
     segs[i] = optim::cuda::ApplySeg{
         xs[i].data_ptr(), deltas[i].data_ptr(), static_cast<uint64_t>(xs[i].numel()), 0, 0};
   }
-  c10::cuda::CUDAGuard guard(device);
-  const uint64_t units = optim::cuda::apply_units(segs.data(), segs.size());
-  if (units == 0) {
-    return;
-  }
-  const at::Tensor table = device_table(segs, device);
-  optim::cuda::lion_apply_list(
-      xd, dd, reinterpret_cast<const optim::cuda::ApplySeg*>(table.data_ptr<uint8_t>()),
-      segs.size(), units, static_cast<float>(lr), static_cast<float>(decay),
-      c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  run_apply_list(
+      segs, device, [&](const optim::cuda::ApplySeg* table, uint64_t units, cudaStream_t stream) {
+        optim::cuda::lion_apply_list(
+            xd, dd, table, segs.size(), units, static_cast<float>(lr), static_cast<float>(decay),
+            stream);
+      });
 }
 
 void lion_apply_planes_list_device(
@@ -173,10 +192,7 @@ void lion_apply_planes_list_device(
   if (xs.empty()) {
     return;
   }
-  TORCH_CHECK_VALUE(
-      xs[0].defined() && xs[0].is_cuda(), "lionbit.", op,
-      ": argument 'xs' must hold CUDA tensors, got ", describe(xs[0]));
-  const c10::Device device = xs[0].device();
+  const c10::Device device = apply_list_device(op, xs);
   const bits::DType xd = list_dtype(op, xs, "xs", device);
   std::vector<optim::cuda::ApplySeg> segs(xs.size());
   for (size_t i = 0; i < xs.size(); ++i) {
@@ -187,16 +203,12 @@ void lion_apply_planes_list_device(
         xs[i].data_ptr(), nullptr, static_cast<uint64_t>(xs[i].numel()),
         static_cast<uint64_t>(bit_offsets[i]), 0};
   }
-  c10::cuda::CUDAGuard guard(device);
-  const uint64_t units = optim::cuda::apply_units(segs.data(), segs.size());
-  if (units == 0) {
-    return;
-  }
-  const at::Tensor table = device_table(segs, device);
-  optim::cuda::lion_apply_planes_list(
-      xd, reinterpret_cast<const optim::cuda::ApplySeg*>(table.data_ptr<uint8_t>()), segs.size(),
-      units, words_of(sign), words_of(zero), static_cast<float>(lr), static_cast<float>(decay),
-      c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  run_apply_list(
+      segs, device, [&](const optim::cuda::ApplySeg* table, uint64_t units, cudaStream_t stream) {
+        optim::cuda::lion_apply_planes_list(
+            xd, table, segs.size(), units, words_of(sign), words_of(zero), static_cast<float>(lr),
+            static_cast<float>(decay), stream);
+      });
 }
 
 void lion_direction_into_device(
