@@ -600,10 +600,8 @@ def fsdp_vote(att):
             todo += [(g, m, coefs, local, delta_of(base + off, own), own) for g, m, coefs, local, off, own in u.entries]
 
     def apply() -> None:
-        # The apply's fused kernels by the parameter's dtype (Delta's too where it is values).
         step_vote.update_state([(g, m, coefs, fused_for(m, g)) for g, m, coefs, *_ in todo],
-                               [(local, d, coefs, fused_for(local, local if type(d) is lion_math.VotedPlanes else d))
-                                for _, _, coefs, local, d, own in todo if own])
+                               [(local, d, coefs, fused_for(local, d)) for _, _, coefs, local, d, own in todo if own])
 
     return apply
 

@@ -449,7 +449,7 @@ def _state_changes(unit: _Unit, grad: torch.Tensor, delta):
         lo, hi = max(off, base), min(off + numel, base + s)
         if lo < hi:
             xs, ds = x[lo - base : hi - base], delta(lo - base, hi - lo)
-            applies.append((xs, ds, coefs, opt.fused_for(xs, xs if type(ds) is lion_math.VotedPlanes else ds)))
+            applies.append((xs, ds, coefs, opt.fused_for(xs, ds)))
     return momenta, applies
 
 

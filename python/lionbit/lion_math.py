@@ -74,8 +74,16 @@ class VotedPlanes:
 
     __slots__ = ("sign", "zero", "offset", "numel")
 
+    #: What the fused kernels' verdict (DistributedLion.fused_for(x, delta))
+    #: reads of a Delta: the dtype of its values (-1, 0, +1), always contiguous.
+    dtype = torch.bfloat16
+
     def __init__(self, sign, zero, offset: int, numel: int):
         self.sign, self.zero, self.offset, self.numel = sign, zero, offset, numel
+
+    @staticmethod
+    def is_contiguous() -> bool:
+        return True
 
     def values(self) -> torch.Tensor:
         """Delta as a bfloat16 tensor (-1, 0, +1: what the unpack writes)."""
