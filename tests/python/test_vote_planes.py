@@ -1,4 +1,5 @@
-"""The vote into planes (all_reduce_sign_packed(..., out_planes=True)): the
+"""The vote into planes (all_reduce_sign_packed(..., out_planes=True), and
+FSDP's reduce_scatter_sign_packed(..., out_planes=True)): the
 same Delta as the vote into values, bit for bit, in every phase-2 format
 (sign planes with and without a tie round, ties inline in base 3, the
 two-rank exchange and its two-phase twin), every tie rule, many chunks; and
@@ -107,19 +108,20 @@ def scattered_planes_equal_values(rank, n):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_scattered_planes_are_the_values_bit_for_bit(world_size):
-    for ranks in values(run_ranks("test_vote_planes:scattered_planes_equal_values", world_size, timeout=400)):
-        assert len(ranks) == 36
-        for c in ranks:
-            assert c["equal"] and c["part"] and c["both"] == 0, c
+def every_vote_into_planes(rank, n):
+    """Both collectives into planes, in one launch: the all-reduce's cases and the reduce-scatter's."""
+    return {"all_reduce": planes_equal_values(rank, n), "reduce_scatter": scattered_planes_equal_values(rank, n)}
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_planes_are_the_values_bit_for_bit(world_size):
-    for ranks in values(run_ranks("test_vote_planes:planes_equal_values", world_size, case_env=CHUNKS, timeout=400)):
-        for c in ranks:
+    """The all-reduce (every phase-2 format) and FSDP's reduce-scatter into planes."""
+    res = values(run_ranks("test_vote_planes:every_vote_into_planes", world_size, case_env=CHUNKS, timeout=400))
+    for r in res:
+        assert len(r["reduce_scatter"]) == 36
+        for c in r["all_reduce"] + r["reduce_scatter"]:
             assert c["equal"] and c["part"] and c["both"] == 0, c
+    ranks = res[-1]["all_reduce"]
     if world_size == 4:
         # The formats were all seen: a tie round, and ties inline in base 3 after dense ties.
         assert any(c["tie_rounds"] for c in ranks) and any(c["inline"] for c in ranks), ranks
