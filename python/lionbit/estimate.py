@@ -100,7 +100,8 @@ ones convert fp32 to bf16 and back (4 + 2 bytes each way; streaming).
 
 Measured kernels (--gpu-rates FILE, a `make gpu-check` JSON): lionbit's pack, vote, count and
 unpack at the seconds an element that run measured (GpuRates, each kernel at its largest size;
-a vote at N between the N measured read off their line), the streaming kernels at its
+a vote at N between the N measured read off their line; where the run has the apply from the
+vote's planes, a flat vote unpacks nothing and its update applies from them), the streaming kernels at its
 device-to-device copy rate (bytes of traffic a second). --step then adds a whole step after the
 backward pass (step_estimates): the exchange and the optimizer's update, for DistributedLion
 (its measured direction and apply kernels), Lion and AdamW on NCCL's bf16 all-reduce (their
@@ -421,6 +422,16 @@ class GpuRates:
     apply_s: float  # lion_apply_dense f32/f32: the voted direction applied, the momentum updated
     vote: tuple
     count: tuple
+    # lion_apply_planes f32: the apply from the vote's two result planes (a flat vote's, and
+    # HSDP's replicate vote), no unpack before it; None where the run predates that row (the
+    # flat vote then pays the unpack and the dense apply, as the hierarchical votes do)
+    apply_planes_s: float | None = None
+
+    def update_s(self, planes: bool) -> float:
+        """Seconds an element of DistributedLion's update: the direction, then the apply from
+        the vote's planes (``planes``, where measured) or from its unpacked values."""
+        apply = self.apply_planes_s if planes and self.apply_planes_s is not None else self.apply_s
+        return self.direction_s + apply
 
     def per_element(self, table: tuple, n: float) -> float:
         """Seconds an output element at N inputs: linear between the N measured, the first's below
@@ -440,6 +451,7 @@ GPU_KERNEL_ROWS = {
     "apply_s": "lion_apply_dense f32/f32",
 }
 GPU_COPY_ROW = "memcpy D2D (f32)"
+GPU_PLANES_ROW = "lion_apply_planes f32"  # optional: GpuRates.apply_planes_s
 
 
 def gpu_rates(path: str) -> GpuRates:
@@ -487,6 +499,7 @@ def gpu_rates(path: str) -> GpuRates:
         copy_bytes_per_s=copy["MB"] * 1e6 / (copy["time_us"] * 1e-6),
         vote=vote,
         count=count,
+        apply_planes_s=seconds(GPU_PLANES_ROW) if GPU_PLANES_ROW in largest else None,
         **singles,
     )
 
@@ -508,11 +521,14 @@ class Kernels:
     def stream_s(self, nbytes: float) -> float:
         return nbytes / self.stream_bytes_per_s
 
-    def lionbit_s(self, elems: float) -> float:
-        """lionbit's pack of `elems` fp32 directions and unpack of their result."""
+    def lionbit_s(self, elems: float, planes: bool = False) -> float:
+        """lionbit's pack of `elems` fp32 directions and unpack of their result; on measured
+        rates with ``planes`` (a vote whose apply reads its result planes) no unpack: the
+        apply's share is GpuRates.update_s(True)'s."""
         if self.gpu is None:
             return self.stream_s(lionbit_kernel_bytes(elems))
-        return elems * (self.gpu.pack_s + self.gpu.unpack_s)
+        unpack = 0.0 if planes and self.gpu.apply_planes_s is not None else self.gpu.unpack_s
+        return elems * (self.gpu.pack_s + unpack)
 
     def count_s(self, nbytes: float, out_elems: float, inputs: float, vote: bool = True) -> float:
         """Counting `inputs` bit-planes into `out_elems` results, `nbytes` of planes read and
@@ -682,7 +698,7 @@ def flat_vote(d: float, c: Cluster, k: Kernels | None = None) -> Estimate:
             c,
             [header, ring_phase("exchange of the packed signs", 2 * shard, 1)],
             0.0,
-            k.lionbit_s(d) + k.count_s(2 * d / 8, d, 2),  # each rank votes every element
+            k.lionbit_s(d, planes=True) + k.count_s(2 * d / 8, d, 2),  # each rank votes every element
             k,
         )
     a2a = Phase(
@@ -696,7 +712,7 @@ def flat_vote(d: float, c: Cluster, k: Kernels | None = None) -> Estimate:
     votes = sum(mult * (TIE_COUNT_BYTES + sw * 8) for _, mult, sw in wire["shards"])
     ring = ring_phase("ring all-gather of the votes", (n - 1) * votes, n - 1)
     count = k.count_s(d / 8 + shard, 8 * shard, n)  # N shards in, one out
-    return combine("flat_vote", c, [header, a2a, ring], 0.0, k.lionbit_s(d) + count, k)
+    return combine("flat_vote", c, [header, a2a, ring], 0.0, k.lionbit_s(d, planes=True) + count, k)
 
 
 def two_level_vote(method: str, d: float, c: Cluster, k: Kernels | None, cross_bits: int) -> Estimate:
@@ -839,7 +855,7 @@ def hsdp_lion(d: float, c: Cluster, k: Kernels | None = None, f: Fsdp | None = N
         )
         phases.append(cross)
         cross_s = phase_time(cross, c)
-        own = k.lionbit_s(part)
+        own = k.lionbit_s(part, planes=True)
         if m == 2:
             own += k.count_s(2 * part / 8, part, 2)
         else:
@@ -972,24 +988,28 @@ def powersgd_exchange(d: float, c: Cluster, k: Kernels, rank: int, width: int) -
 def step_estimates(d: float, c: Cluster, rates: GpuRates, rank: int = POWERSGD_RANK, width: int = 0) -> list:
     """Every method of STEP_METHODS, in its order, on make gpu-check's measured kernels (fp32
     parameters, gradients and state; one exchange of the whole gradient, no overlap with the
-    backward pass). DistributedLion takes lionbit's faster exact vote (flat or hierarchy="node")
-    and its measured direction and apply kernels; the all-reduces take NCCL's faster bf16 one."""
+    backward pass). DistributedLion takes the exact vote (flat or hierarchy="node") whose step is faster
+    and its measured direction and apply kernels (a flat vote's apply from its result planes
+    where the rates have that row); the all-reduces take NCCL's faster bf16 one."""
     k = Kernels.measured(rates)
     width = width or transformer_width(d)
     replicated = estimate_all(d, c, k)
-    vote = min((e for e in replicated if e.method in ("flat_vote", "exact_hierarchical")), key=lambda e: e.time_s)
+    votes = [e for e in replicated if e.method in ("flat_vote", "exact_hierarchical")]
+    # the faster step, not the faster exchange: a flat vote's update reads planes (where measured)
+    vote = min(votes, key=lambda e: e.time_s + d * rates.update_s(planes=e.method == "flat_vote"))
     bf16 = min((e for e in replicated if e.method in ("ring_bf16", "hierarchical_bf16")), key=lambda e: e.time_s)
     hsdp_lion_e, _, hsdp_bf16 = estimate_hsdp(d, c, k)
-    lion_s = d * (rates.direction_s + rates.apply_s)
+    lion_s = d * rates.update_s(planes=vote.method == "flat_vote")
     psgd_s, psgd_bytes = powersgd_exchange(d, c, k, rank, width)
     adamw_s = k.stream_s(ADAMW_UPDATE_BYTES * d)
     part = 1 / c.gpus_per_node
+    hsdp_lion_s = part * d * rates.update_s(planes=c.nodes > 1)  # the replicate vote is a flat one
     rows = {
         "distributed_lion": (vote.label, vote.time_s, lion_s, vote.inter_bytes_per_node),
         "lion_bf16": (bf16.label, bf16.time_s, k.stream_s(LION_UPDATE_BYTES * d), bf16.inter_bytes_per_node),
         "adamw_bf16": (bf16.label, bf16.time_s, adamw_s, bf16.inter_bytes_per_node),
         "powersgd_adamw": (f"rank {rank}, h = {width}", psgd_s, adamw_s, psgd_bytes),
-        "hsdp_lion": (hsdp_lion_e.label, hsdp_lion_e.time_s, part * lion_s, hsdp_lion_e.inter_bytes_per_node),
+        "hsdp_lion": (hsdp_lion_e.label, hsdp_lion_e.time_s, hsdp_lion_s, hsdp_lion_e.inter_bytes_per_node),
         "hsdp_adamw_bf16": (hsdp_bf16.label, hsdp_bf16.time_s, part * adamw_s, hsdp_bf16.inter_bytes_per_node),
     }
     out = []

@@ -7,6 +7,7 @@ import math
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -402,6 +403,55 @@ def test_step_estimates_in_closed_form():
     assert steps["hsdp_lion"].time_s == pytest.approx(hsdp_lion.time_s + lion_update / 8)  # a rank updates d/L
     assert steps["hsdp_adamw_bf16"].time_s == pytest.approx(hsdp_bf16.time_s + 28 * d / 8 / rates.copy_bytes_per_s)
     assert steps["hsdp_lion"].regime == "HSDP" and steps["powersgd_adamw"].regime == "replicated"
+
+
+def test_a_flat_vote_applies_from_its_planes_where_the_rates_have_that_row(tmp_path):
+    """A make gpu-check run with lion_apply_planes f32: the flat vote (and HSDP's replicate vote)
+    unpacks nothing and its update applies from the planes; the hierarchical vote still unpacks.
+    A run without the row (the H200's) keeps the unpack and the dense apply."""
+    assert estimate.gpu_rates(str(H200)).apply_planes_s is None
+    doc = json.loads(H200.read_text())
+    doc["figures"]["bench_kernels"] += [
+        {"kernel": "lion_apply_planes f32", "elements_M": 16, "time_us": 99.0},
+        {"kernel": "lion_apply_planes f32", "elements_M": 256, "time_us": 800.0},
+    ]
+    with_row = tmp_path / "rates.json"
+    with_row.write_text(json.dumps(doc))
+    old, rates = estimate.gpu_rates(str(H200)), estimate.gpu_rates(str(with_row))
+    assert rates.apply_planes_s == pytest.approx(800e-6 / 256e6)  # the largest row
+    k, d = estimate.Kernels.measured(rates), 1.3e9
+    two = estimate.Cluster(nodes=2, gpus_per_node=1, inter_bytes_per_s=1e9)
+    assert estimate.flat_vote(D, two, k).kernel_s == pytest.approx(D * (rates.pack_s + dict(rates.vote)[2]))
+    c = estimate.Cluster(nodes=8, gpus_per_node=8, inter_bytes_per_s=12.5e9)
+    flat_old = estimate.flat_vote(d, c, estimate.Kernels.measured(old))
+    assert flat_old.time_s - estimate.flat_vote(d, c, k).time_s == pytest.approx(d * rates.unpack_s)
+    hier = [estimate.exact_hierarchical(d, c, estimate.Kernels.measured(r)).time_s for r in (old, rates)]
+    assert hier[0] == pytest.approx(hier[1])
+    for cluster in (two, c):
+        steps = {e.method: e for e in estimate.step_estimates(d, cluster, rates)}
+        es = {e.method: e for e in estimate.estimate_all(d, cluster, k)}
+        flat_s = es["flat_vote"].time_s + d * (rates.direction_s + rates.apply_planes_s)
+        hier_s = es["exact_hierarchical"].time_s + d * (rates.direction_s + rates.apply_s)
+        assert steps["distributed_lion"].time_s == pytest.approx(min(flat_s, hier_s))
+        hsdp = estimate.estimate_hsdp(d, cluster, k)[0]
+        hsdp_old = estimate.estimate_hsdp(d, cluster, estimate.Kernels.measured(old))[0]
+        part = d / cluster.gpus_per_node
+        update = part * (rates.direction_s + rates.apply_planes_s)
+        assert steps["hsdp_lion"].time_s == pytest.approx(hsdp.time_s + update)
+        assert hsdp.kernel_s == pytest.approx(hsdp_old.kernel_s - part * rates.unpack_s)
+
+
+def test_the_step_takes_the_vote_whose_step_is_faster_not_its_exchange():
+    """On 8 nodes of 8 at 100 Gbit/s the hierarchical vote's exchange is the faster, but with a
+    dense apply far slower than the planes' the flat vote's step is: DistributedLion's row takes it."""
+    base = estimate.gpu_rates(str(H200))
+    rates = replace(base, apply_planes_s=base.apply_s, apply_s=base.apply_s + 1e-9)  # + 1 s a 1e9 elements
+    d, c = 7e9, estimate.Cluster(nodes=8, gpus_per_node=8, inter_bytes_per_s=12.5e9)
+    es = {e.method: e for e in estimate.estimate_all(d, c, estimate.Kernels.measured(rates))}
+    assert es["exact_hierarchical"].time_s < es["flat_vote"].time_s
+    step = next(e for e in estimate.step_estimates(d, c, rates) if e.method == "distributed_lion")
+    assert step.exchange_s == pytest.approx(es["flat_vote"].time_s)
+    assert step.update_s == pytest.approx(d * (rates.direction_s + rates.apply_planes_s))
 
 
 def test_cli_step_table_needs_the_rates():
