@@ -37,9 +37,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from sklearn.datasets import load_digits
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lionbit
@@ -108,6 +105,11 @@ N_TEST = 360
 
 
 def _permuted():
+    # Imported here, as FSDP is in hsdp(): other scripts import this module for its schedule and
+    # helpers (bench/time_to_target.py, in every rank it starts), and scikit-learn and FSDP
+    # take about 3 s of a process's start on a 2-core machine.
+    from sklearn.datasets import load_digits
+
     d = load_digits()
     x = torch.tensor(d.data, dtype=torch.float32)
     y = torch.tensor(d.target, dtype=torch.int64)
@@ -323,6 +325,9 @@ def hsdp(net, world, per_node):
     """net sharded by FSDP2 over a 2-D (replicate, shard) mesh: nodes of `per_node` consecutive ranks."""
     if not per_node or world % per_node:
         raise SystemExit(f"the HSDP variants need --per-node dividing N = {world} (got {per_node})")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh("cpu", (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
     return fully_shard(net, mesh=mesh)
 
