@@ -427,11 +427,14 @@ class GpuRates:
     # flat vote then pays the unpack and the dense apply, as the hierarchical votes do)
     apply_planes_s: float | None = None
 
+    def from_planes(self, planes: bool) -> bool:
+        """Whether a vote whose apply can read its planes (``planes``) is timed so: the row measured."""
+        return planes and self.apply_planes_s is not None
+
     def update_s(self, planes: bool) -> float:
         """Seconds an element of DistributedLion's update: the direction, then the apply from
         the vote's planes (``planes``, where measured) or from its unpacked values."""
-        apply = self.apply_planes_s if planes and self.apply_planes_s is not None else self.apply_s
-        return self.direction_s + apply
+        return self.direction_s + (self.apply_planes_s if self.from_planes(planes) else self.apply_s)
 
     def per_element(self, table: tuple, n: float) -> float:
         """Seconds an output element at N inputs: linear between the N measured, the first's below
@@ -527,8 +530,7 @@ class Kernels:
         apply's share is GpuRates.update_s(True)'s."""
         if self.gpu is None:
             return self.stream_s(lionbit_kernel_bytes(elems))
-        unpack = 0.0 if planes and self.gpu.apply_planes_s is not None else self.gpu.unpack_s
-        return elems * (self.gpu.pack_s + unpack)
+        return elems * (self.gpu.pack_s + (0.0 if self.gpu.from_planes(planes) else self.gpu.unpack_s))
 
     def count_s(self, nbytes: float, out_elems: float, inputs: float, vote: bool = True) -> float:
         """Counting `inputs` bit-planes into `out_elems` results, `nbytes` of planes read and
@@ -995,11 +997,14 @@ def step_estimates(d: float, c: Cluster, rates: GpuRates, rank: int = POWERSGD_R
     width = width or transformer_width(d)
     replicated = estimate_all(d, c, k)
     votes = [e for e in replicated if e.method in ("flat_vote", "exact_hierarchical")]
-    # the faster step, not the faster exchange: a flat vote's update reads planes (where measured)
-    vote = min(votes, key=lambda e: e.time_s + d * rates.update_s(planes=e.method == "flat_vote"))
+
+    def update(e: Estimate) -> float:  # a flat vote's apply reads its planes
+        return d * rates.update_s(planes=e.method == "flat_vote")
+
+    vote = min(votes, key=lambda e: e.time_s + update(e))  # the faster step, not the faster exchange
     bf16 = min((e for e in replicated if e.method in ("ring_bf16", "hierarchical_bf16")), key=lambda e: e.time_s)
     hsdp_lion_e, _, hsdp_bf16 = estimate_hsdp(d, c, k)
-    lion_s = d * rates.update_s(planes=vote.method == "flat_vote")
+    lion_s = update(vote)
     psgd_s, psgd_bytes = powersgd_exchange(d, c, k, rank, width)
     adamw_s = k.stream_s(ADAMW_UPDATE_BYTES * d)
     part = 1 / c.gpus_per_node
