@@ -17,6 +17,7 @@ import harness
 def _rank_pools_per_session():
     yield
     harness.close_pools()
+    harness.close_zygote()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,7 +9,9 @@ backend, process-group timeout, environment), started at the first call that
 needs it and kept for the rest of the test session, so later modules find
 it warm (tests/python/conftest.py closes the pools at the session's end). Starting ranks (a process, ``import
 torch``, a process group) costs seconds; a case on a warm pool costs what the
-case does. Before each case every rank puts back what a fresh process would
+case does. Rank processes, pooled or fresh, are forked from a zygote that has
+imported torch once (zygote.py; LIONBIT_TEST_ZYGOTE=0 starts each as its own
+interpreter). Before each case every rank puts back what a fresh process would
 have: the environment, the working directory, the random number generators
 (torch, Python, NumPy), torch's default dtype, thread count, grad mode and
 deterministic flag, the warning registries, torch.compile's caches and
@@ -45,6 +47,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
+
+import zygote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -89,13 +93,27 @@ def _spawn(workdir: str, world_size: int, backend: Optional[str], pg_timeout: fl
         spec = dict(extra, rank=rank, world_size=world_size, backend=backend, workdir=workdir,
                     store=os.path.join(workdir, "store"), pg_timeout=pg_timeout, pool=pool)
         log = open(os.path.join(workdir, f"rank{rank}.log"), "w+")
-        p = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "harness.py"), json.dumps(spec)],
-            stdin=subprocess.PIPE if pool else subprocess.DEVNULL,
-            stdout=log, stderr=subprocess.STDOUT, env=penv, start_new_session=True,
-        )
+        argv = [os.path.join(HERE, "harness.py"), json.dumps(spec)]
+        if zygote.enabled():
+            p = _zygote().spawn(argv, penv, log, pool)
+        else:
+            p = subprocess.Popen(
+                [sys.executable, *argv], stdin=subprocess.PIPE if pool else subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, env=penv, start_new_session=True,
+            )
         procs.append((p, log))
     return procs
+
+
+_the_zygote: Optional[zygote.Zygote] = None
+
+
+def _zygote() -> zygote.Zygote:
+    """The session's zygote (zygote.py), started at the first rank; a new one if it has ended."""
+    global _the_zygote
+    if _the_zygote is None or _the_zygote.proc.poll() is not None:
+        _the_zygote = zygote.Zygote(_rank_env(None))
+    return _the_zygote
 
 
 def _kill(procs: list) -> None:
@@ -192,6 +210,14 @@ def close_pools() -> None:
     """Ends every pool (tests/python/conftest.py: at the session's end)."""
     while _pools:
         _pools.popitem()[1].close()
+
+
+def close_zygote() -> None:
+    """Ends the zygote (conftest.py: at the session's end, after the pools)."""
+    global _the_zygote
+    if _the_zygote is not None:
+        _the_zygote.close()
+        _the_zygote = None
 
 
 def _run_pooled(target, world_size, backend, timeout, pg_timeout, kwargs, env, tag) -> List[RankResult]:
