@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+import harness
 import zygote
 
 RANK = """
@@ -21,7 +22,7 @@ if what == "describe":
     line = sys.stdin.readline()
     print("to stderr", file=sys.stderr)
     print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "only": os.environ.get("ONLY_THIS_RANK"),
-                      "gone": "ZYGOTE_TEST_GONE" in os.environ, "stdin": line.strip(),
+                      "gone": "PYTHONPATH" in os.environ, "stdin": line.strip(),
                       "isa": lionbit._C.cpu_isa(), "random": random.random(), "pgid": os.getpgid(0) == os.getpid()}))
 elif what == "exit":
     sys.exit(int(sys.argv[2]))
@@ -37,19 +38,20 @@ elif what == "sleep":
 
 @pytest.fixture(scope="module")
 def zyg(tmp_path_factory):
-    env = dict(os.environ, OMP_NUM_THREADS="1", ZYGOTE_TEST_GONE="1")
-    z = zygote.Zygote(env)
-    z.script = tmp_path_factory.mktemp("zygote") / "rank_script.py"
-    z.script.write_text(RANK)
-    yield z
-    z.close()
+    """The session's zygote, the one the harness's ranks come from."""
+    z = harness._zygote()
+    assert "PYTHONPATH" in z.env  # harness._rank_env sets it; the ranks below go without
+    script = tmp_path_factory.mktemp("zygote") / "rank_script.py"
+    script.write_text(RANK)
+    return z, str(script)
 
 
 def _spawn(zyg, tmp_path, args, env=None, pool=False, name="rank"):
+    z, script = zyg
     log = open(tmp_path / f"{name}.log", "w+")
     env = dict(env if env is not None else os.environ)
-    env.pop("ZYGOTE_TEST_GONE", None)
-    return zyg.spawn([str(zyg.script), *args], env, log, pool), log
+    env.pop("PYTHONPATH", None)
+    return z.spawn([script, *args], env, log, pool), log
 
 
 def _output(log) -> str:

@@ -1,13 +1,14 @@
 """Rank processes forked from one that has already imported torch.
 
-A rank started as a new interpreter first pays ``import torch``: 3-5 s of
+A rank started as a new interpreter first pays ``import torch``: 4-5 s of
 CPU on the 2-core machines this project is tested on, for each of the
-hundreds of ranks a ``make test`` starts. The zygote is one process per test
-session that imports what every rank imports before anything else (torch and
-torch.distributed; torch's autoload imports lionbit, whose Python package and
-extension read no variable at import) and then forks a rank for each
-request, with the rank's own argv, environment, working directory, log file
-and standard input.
+hundred-odd ranks a ``make test`` starts, and nearly 3 s more for
+torch._dynamo, which the first torch optimizer (``Optimizer.add_param_group``)
+or DistributedDataParallel a rank builds imports. The zygote is one process per test session that imports these
+(torch, torch.distributed, torch._dynamo and, under it, FSDP and DTensor;
+torch's autoload imports lionbit, whose Python package and extension read no
+variable at import) and then forks a rank for each request, with the rank's
+own argv, environment, working directory, log file and standard input.
 
 A forked rank is the fresh process it stands for: lionbit and torch read
 their variables (LIONBIT_KERNELS, LIONBIT_TRACE, OMP_NUM_THREADS, ...) at
@@ -15,8 +16,10 @@ first use, which comes after the fork; the zygote has created no thread (it
 runs with OMP_NUM_THREADS=1 unless told otherwise, like the ranks), touched no
 device and made no group; Python reseeds ``random`` in the child. What a
 fork cannot give: a different PYTHONPATH at interpreter start (every rank
-gets the zygote's sys.path) and variables read while torch imports; a test
-that needs those passes ``fresh`` ranks with LIONBIT_TEST_ZYGOTE=0.
+gets the zygote's sys.path), variables read while torch imports, and a rank
+without the modules above (a test of what ``import lionbit`` or a step
+imports runs its own interpreter, as test_package_shape does);
+LIONBIT_TEST_ZYGOTE=0 starts each rank as its own interpreter.
 
 ``Zygote.spawn`` returns a ``ForkedRank``: the part of ``subprocess.Popen``
 that harness.py uses (pid, stdin, poll, wait, returncode). The rank leads a
@@ -86,6 +89,7 @@ class Zygote:
         self.workdir = tempfile.mkdtemp(prefix="lionbit-zygote-")
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._log = open(os.path.join(self.workdir, "zygote.log"), "w+")
+        self.env = dict(env)
         self.proc = subprocess.Popen([sys.executable, _SELF, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
                                      stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -192,6 +196,7 @@ def _become_rank(req: dict, fds: list, sock: socket.socket) -> None:
 
 def _serve(fd: int) -> None:
     import torch  # noqa: F401 - what every rank imports first
+    import torch._dynamo  # noqa: F401 - what the first optimizer or DDP a rank builds imports: 2.7 s more
     import torch.distributed  # noqa: F401
 
     sock = socket.socket(fileno=fd)
@@ -253,6 +258,8 @@ def _serve(fd: int) -> None:
             os.close(x)
         sock.send(str(pid).encode())
         reap()
+    reap()
+    os._exit(0)  # no interpreter teardown: seconds with torch and dynamo loaded, and nothing to save
 
 
 if __name__ == "__main__":
