@@ -4,11 +4,12 @@ A rank started as a new interpreter first pays ``import torch``: 4-5 s of
 CPU on the 2-core machines this project is tested on, for each of the
 hundred-odd ranks a ``make test`` starts, and nearly 3 s more for
 torch._dynamo, which the first torch optimizer (``Optimizer.add_param_group``)
-or DistributedDataParallel a rank builds imports. The zygote is one process per test session that imports these
-(torch, torch.distributed, torch._dynamo and, under it, FSDP and DTensor;
-torch's autoload imports lionbit, whose Python package and extension read no
-variable at import) and then forks a rank for each request, with the rank's
-own argv, environment, working directory, log file and standard input.
+or DistributedDataParallel a rank builds imports. The zygote is one process
+per test session that imports these (torch, torch.distributed, torch._dynamo
+and, under it, FSDP and DTensor; torch's autoload imports lionbit, whose
+Python package and extension read no variable at import) and then forks a
+rank for each request, with the rank's own argv, environment, working
+directory, log file and standard input.
 
 A forked rank is the fresh process it stands for: lionbit and torch read
 their variables (LIONBIT_KERNELS, LIONBIT_TRACE, OMP_NUM_THREADS, ...) at
@@ -18,8 +19,7 @@ device and made no group; Python reseeds ``random`` in the child. What a
 fork cannot give: a different PYTHONPATH at interpreter start (every rank
 gets the zygote's sys.path), variables read while torch imports, and a rank
 without the modules above (a test of what ``import lionbit`` or a step
-imports runs its own interpreter, as test_package_shape does);
-LIONBIT_TEST_ZYGOTE=0 starts each rank as its own interpreter.
+imports runs its own interpreter, as test_package_shape does).
 
 ``Zygote.spawn`` returns a ``ForkedRank``: the part of ``subprocess.Popen``
 that harness.py uses (pid, stdin, poll, wait, returncode). The rank leads a
@@ -31,6 +31,7 @@ LIONBIT_TEST_ZYGOTE=0 starts every rank as its own interpreter instead.
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -144,8 +145,6 @@ class Zygote:
             self.proc.kill()
             self.proc.wait()
         self._log.close()
-        import shutil
-
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -224,12 +223,10 @@ def _serve(fd: int) -> None:
     while True:
         ready, _, _ = select.select([sock, wake_r], [], [])
         if wake_r in ready:
-            while True:
-                try:
-                    if not os.read(wake_r, 512):
-                        break
-                except BlockingIOError:
-                    break
+            try:
+                os.read(wake_r, 4096)  # what is left over wakes the next select
+            except BlockingIOError:
+                pass
             reap()
         if sock not in ready:
             continue
@@ -257,7 +254,6 @@ def _serve(fd: int) -> None:
         for x in fds:
             os.close(x)
         sock.send(str(pid).encode())
-        reap()
     reap()
     os._exit(0)  # no interpreter teardown: seconds with torch and dynamo loaded, and nothing to save
 
