@@ -47,13 +47,14 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+import rank_fork  # noqa: E402  (bench/ on the path first)
 
 IMPLS = ["lionbit_vote", "lionbit_vote_tiefree", "lionbit_vote_alternate", "lionbit_vote_random", "lionbit_avg",
          "gloo_fp32", "gloo_bf16", "allgather_bits", "int8_counts"]
@@ -358,7 +359,7 @@ def launch(cluster, n: int, argv: list, out: str, timeout: float) -> list:
                 env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "LOCAL_RANK")}
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n),
                            LIONBIT_BENCH_IF="lo" if r == 0 else "")
-                procs.append(subprocess.Popen(argv, env=env, start_new_session=True))
+                procs.append(rank_fork.start(argv, env))  # forked from a process that has imported torch
         deadline = time.time() + timeout
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.time()))
@@ -368,8 +369,7 @@ def launch(cluster, n: int, argv: list, out: str, timeout: float) -> list:
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
+                rank_fork.kill(p)
     with open(out) as f:
         return json.load(f)
 

@@ -10,6 +10,7 @@ steps to target), never for speed."""
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -166,3 +167,87 @@ def test_hierarchy_suite_counts_the_bytes_between_nodes(tmp_path):
     for method in ("node", "node_vote"):  # lionbit's counters are exact
         assert rows[method]["counted_bytes_per_node"] == rows[method]["formula_bytes_per_node"], rows[method]
     assert (tmp_path / "hierarchy.md").exists()
+
+
+_RANK = """
+import json, os, sys, time
+mode, out = sys.argv[1], sys.argv[2]
+facts = {"rank": int(os.environ["RANK"]), "argv": sys.argv[1:], "omp": os.environ.get("OMP_NUM_THREADS"),
+         "mine": os.environ.get("ONLY_HERE"), "leads_group": os.getpgid(0) == os.getpid(),
+         "dynamo_loaded": "torch._dynamo" in sys.modules}
+if mode == "hang" and facts["rank"] == 1:
+    os.system(f"exec sleep {os.environ['SLEEPER']} </dev/null >/dev/null 2>&1 &")  # a child in its process group
+    time.sleep(600)
+if mode == "fail" and facts["rank"] == 1:
+    raise ValueError("rank 1 fails")
+if mode == "exit" and facts["rank"] == 1:
+    sys.exit(3)
+import torch
+facts["threads"] = torch.get_num_threads()
+with open(f"{out}.{facts['rank']}", "w") as f:
+    json.dump(facts, f)
+if facts["rank"] == 0:
+    time.sleep(0.5)
+    with open(out, "w") as f:
+        json.dump([json.load(open(f"{out}.{r}")) for r in (0, 1)], f)
+"""
+
+_LAUNCHER = """
+import json, os, subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+import collectives
+
+def main():
+    rank, out = sys.argv[2], sys.argv[3]
+    os.environ.update(OMP_NUM_THREADS="1", ONLY_HERE="yes")
+    report = {"ok": collectives.launch(None, 2, [sys.executable, rank, "ok", out], out, 120)}
+    del os.environ["ONLY_HERE"]
+    report["second"] = collectives.launch(None, 2, [sys.executable, rank, "ok", out + "2"], out + "2", 120)
+    for mode in ("fail", "exit"):
+        try:
+            collectives.launch(None, 2, [sys.executable, rank, mode, out], out, 120)
+        except RuntimeError as err:
+            report[mode] = str(err)
+    start = time.monotonic()
+    try:
+        collectives.launch(None, 2, [sys.executable, rank, "hang", out], out, 2)
+    except subprocess.TimeoutExpired:
+        report["hang_s"] = time.monotonic() - start
+    time.sleep(0.5)
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+    report["sleepers"] = [line for line in ps if line.strip() == "sleep " + os.environ["SLEEPER"]]
+    print(json.dumps(report))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_loopback_ranks_are_forked_with_their_own_argv_environment_and_session(tmp_path):
+    """collectives.launch on loopback (every bench script's ranks here) forks
+    each rank from a process that has imported torch (bench/rank_fork.py):
+    each rank has its own argv and environment (as the launcher's os.environ
+    stands at each launch), leads its process group, and its failure, exit
+    status or hang reaches the launcher (a hang ends at the timeout with the
+    rank's own children). LIONBIT_BENCH_FORK=0 (fresh interpreters, as in
+    network namespaces) passes the same checks but dynamo_loaded: run by hand."""
+    (tmp_path / "rank.py").write_text(_RANK)
+    (tmp_path / "launcher.py").write_text(_LAUNCHER)
+    fork = os.environ.get("LIONBIT_BENCH_FORK", "1")
+    env = dict(os.environ, SLEEPER=f"{600 + random.random():.9f}")  # this run's, not a concurrent run's
+    env.pop("OMP_NUM_THREADS", None)
+    r = subprocess.run([sys.executable, str(tmp_path / "launcher.py"), os.path.join(ROOT, "bench"),
+                        str(tmp_path / "rank.py"), str(tmp_path / "out.json")],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads(r.stdout.splitlines()[-1])
+    for launch, mine in (("ok", "yes"), ("second", None)):
+        ranks = report[launch]
+        assert [f["rank"] for f in ranks] == [0, 1], launch
+        for f in ranks:
+            assert f["argv"][0] == "ok" and f["omp"] == "1" and f["threads"] == 1 and f["mine"] == mine, (launch, f)
+            assert f["leads_group"], (launch, f)
+            assert f["dynamo_loaded"] == (fork == "1"), (launch, f)  # forked: torch came with the fork
+    assert "exit codes [0, 1]" in report["fail"] and "ValueError: rank 1 fails" in r.stderr
+    assert "exit codes [0, 3]" in report["exit"]
+    assert 1.5 < report["hang_s"] < 60 and report["sleepers"] == []
