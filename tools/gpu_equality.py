@@ -162,11 +162,21 @@ def main(argv=None):
     return 0 if all(checks.values()) else 1
 
 
+#: What the ranks' fork server imports once, so that no rank pays it (4-7 s of CPU a rank on
+#: 2-core machines). Importing them initialises no CUDA device (nor does the server do
+#: anything else with CUDA): each rank's first CUDA call comes after its fork.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+
+
 def _launch(devices, world, kinds):
-    """Each rank's final parameters (as int32 bits) per "device/kind/config", from `world` spawned ranks."""
+    """Each rank's final parameters (as int32 bits) per "device/kind/config", from `world` ranks
+    forked from a server that has imported torch (start method "forkserver"; with
+    LIONBIT_BENCH_FORK=0, as for the bench scripts' ranks, fresh interpreters: "spawn")."""
+    method = "spawn" if os.environ.get("LIONBIT_BENCH_FORK", "1") == "0" else "forkserver"
+    mp.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_rank, args=(_free_port(), devices, tmp, world, kinds), nprocs=world,
-                           start_method="spawn")
+                           start_method=method)
         return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
 
 
