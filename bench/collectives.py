@@ -359,7 +359,7 @@ def launch(cluster, n: int, argv: list, out: str, timeout: float) -> list:
                 env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "LOCAL_RANK")}
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n),
                            LIONBIT_BENCH_IF="lo" if r == 0 else "")
-                procs.append(rank_fork.start(argv, env))  # forked from a process that has imported torch
+                procs.append(rank_fork.start(argv, env))  # forked where it can be: torch is imported already
         deadline = time.time() + timeout
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.time()))

@@ -22,6 +22,7 @@ The ranks in network namespaces (``ip netns exec``) stay fresh interpreters;
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import runpy
 import subprocess
@@ -31,7 +32,9 @@ import traceback
 #: What the fork server imports before it forks a rank.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
-_context = None
+# The server starts at the first rank forked, not here.
+_FORKSERVER = multiprocessing.get_context("forkserver")
+_FORKSERVER.set_forkserver_preload(PRELOAD)
 
 
 def forkable(argv: list) -> bool:
@@ -69,14 +72,8 @@ class ForkedRank:
     that ``collectives.launch`` uses (pid, wait, poll, returncode)."""
 
     def __init__(self, argv: list, env: dict):
-        global _context
-        if _context is None:
-            import multiprocessing
-
-            _context = multiprocessing.get_context("forkserver")
-            _context.set_forkserver_preload(PRELOAD)
         self.args = argv
-        self._process = _context.Process(target=_run, args=(argv, env))
+        self._process = _FORKSERVER.Process(target=_run, args=(argv, env))
         self._process.start()
         self.pid = self._process.pid
 

@@ -233,7 +233,10 @@ def test_loopback_ranks_are_forked_with_their_own_argv_environment_and_session(t
     network namespaces) passes the same checks but dynamo_loaded: run by hand."""
     (tmp_path / "rank.py").write_text(_RANK)
     (tmp_path / "launcher.py").write_text(_LAUNCHER)
-    fork = os.environ.get("LIONBIT_BENCH_FORK", "1")
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import rank_fork
+
+    forked = rank_fork.forkable([sys.executable, str(tmp_path / "rank.py")])
     env = dict(os.environ, SLEEPER=f"{600 + random.random():.9f}")  # this run's, not a concurrent run's
     env.pop("OMP_NUM_THREADS", None)
     r = subprocess.run([sys.executable, str(tmp_path / "launcher.py"), os.path.join(ROOT, "bench"),
@@ -247,7 +250,7 @@ def test_loopback_ranks_are_forked_with_their_own_argv_environment_and_session(t
         for f in ranks:
             assert f["argv"][0] == "ok" and f["omp"] == "1" and f["threads"] == 1 and f["mine"] == mine, (launch, f)
             assert f["leads_group"], (launch, f)
-            assert f["dynamo_loaded"] == (fork == "1"), (launch, f)  # forked: torch came with the fork
+            assert f["dynamo_loaded"] == forked, (launch, f)  # forked: torch came with the fork
     assert "exit codes [0, 1]" in report["fail"] and "ValueError: rank 1 fails" in r.stderr
     assert "exit codes [0, 3]" in report["exit"]
     assert 1.5 < report["hang_s"] < 60 and report["sleepers"] == []
