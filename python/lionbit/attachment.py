@@ -93,9 +93,9 @@ class Attachment:
         # The parameters this rank stepped last (its peers' step has the same
         # layout while the gradients that exist stay the same; a mismatch is
         # a clear error of the vote's header round, never a hang).
-        groups = self.opt.param_group_of()
-        params = self.layout if self.layout is not None else [p for p in groups if p.requires_grad]
-        return [step_vote.abstaining(self.opt, p, lion_math.Coefs(groups[p])) for p in params]
+        coefs_of = lion_math.coefs_by_param(self.opt.param_groups)
+        params = self.layout if self.layout is not None else [p for p in coefs_of if p.requires_grad]
+        return [step_vote.abstaining(self.opt, p, coefs_of[p]) for p in params]
 
     def vote(self, entries):
         """Votes ``entries`` at step(); returns the function that applies them."""

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import join, kernel_choice, lion_math, step_vote, torch_internals
+from . import join, lion_math, step_vote, torch_internals
 from ._backend import backend_for
 from .attachment import HOOKED_DDP_MODELS, Attachment
 from .errors import PeerRejected
@@ -167,20 +167,16 @@ class DDPAttachment(Attachment):
                 if plane is not None:
                     plane.zero_()
         sign, zero = bv.planes
-        groups = self.opt.param_group_of()
-        allowed = kernel_choice.fused_lion_allowed(buffer.device)  # once a bucket
-        off, items, coefs = 0, [], {}  # coefs: one a parameter group
+        coefs_of = lion_math.coefs_by_param(self.opt.param_groups)
+        fused_for = step_vote.fused_verdicts(self.opt)
+        off, items = 0, []
         bv.params, bv.sizes = list(params), []
         for p, g in zip(params, grads):
             self.opt.check_param(p, "attach (DDP hook)")
             if abstain:
                 lion_math.pack_abstain(g.numel(), sign, zero, off, bits)
             else:
-                group = groups[p]
-                k = coefs.get(id(group))
-                if k is None:
-                    k = coefs[id(group)] = lion_math.Coefs(group)
-                items.append((g, self.opt.momentum_of(p), k, self.opt.fused_for(p, g, allowed), off))
+                items.append((g, self.opt.momentum_of(p), coefs_of[p], fused_for(p, g), off))
             bv.sizes.append(g.numel())
             off += g.numel()
         bad, tally = step_vote.pack_directions(items, sign, zero, bits)
@@ -311,25 +307,22 @@ class DDPAttachment(Attachment):
         its directions are finite, so each bucket's parameters are updated
         as soon as its vote is in: the last buckets' bits still move while
         the first buckets' parameters change."""
-        groups = self.opt.param_group_of()
+        coefs_of = lion_math.coefs_by_param(self.opt.param_groups)
         # A joined rank steps the parameters it stepped last (its peers'
         # gradients decide theirs; with the same gradients present, the same).
         stepped = None if self.layout is None else set(self.layout)
         plan = []
-        allowed = {}  # LIONBIT_KERNELS and the first-use checks, once a device
+        fused_for = step_vote.fused_verdicts(self.opt)
         for bv in started:
             entries, deltas, off = [], [], 0
             delta_of = lion_math.delta_views(bv.out, bv.out.dtype == torch.uint8)
             for p, n in zip(bv.params, bv.sizes):
                 g = p.grad
-                coefs = lion_math.Coefs(groups[p])
+                coefs = coefs_of[p]
                 if abstain and (stepped is None or p in stepped):
                     entries.append(step_vote.abstaining(self.opt, p, coefs))
                 elif not abstain and g is not None:
-                    if p.device not in allowed:
-                        allowed[p.device] = kernel_choice.fused_lion_allowed(p.device)
-                    entries.append(step_vote.Entry(p, g, self.opt.momentum_of(p), coefs,
-                                                   self.opt.fused_for(p, g, allowed[p.device])))
+                    entries.append(step_vote.Entry(p, g, self.opt.momentum_of(p), coefs, fused_for(p, g)))
                 else:
                     # Unused on every rank (find_unused_parameters): DDP left no
                     # gradient, and the parameter is not stepped, as at step().

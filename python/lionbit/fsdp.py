@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import kernel_choice, lion_math, step_vote, torch_internals, user_warning
+from . import lion_math, step_vote, torch_internals, user_warning
 from ._backend import backend_for
 from .attachment import Attachment
 from .voter import end_to_end, runs
@@ -133,6 +133,7 @@ class _SignReduceScatter(torch_internals.LayoutLearner):
         self.group = None  # its process group
         self.default_comm = torch_internals.fsdp2_reduce_scatter_comm(param_group, _WHERE)
         self.undo_learning = torch_internals.fsdp2_learn_layouts(param_group, self, _WHERE)
+        self._vote_layout = None  # (key, the FSDPParams it holds alive, vote_layout's answer)
 
     def learn_layout(self, fsdp_params, sizes) -> None:
         """FSDP is about to reduce the unit's gradients, laid out as ``sizes``
@@ -141,6 +142,30 @@ class _SignReduceScatter(torch_internals.LayoutLearner):
         self.layout = (list(fsdp_params), tuple(sizes))
         self.params = self.layout[0]
         self.att.reduced(self)
+
+    def vote_layout(self, fsdp_params, group, hsdp: bool):
+        """Where the step's vote puts the unit's parameters that have a
+        gradient (``fsdp_params``, in FSDP's order) in the chunks of
+        ``group``'s ranks: per parameter (its first element in a chunk, this
+        rank's elements of it, its spans for Voter.sharded_vote), and a
+        chunk's elements. The same every step while those parameters and the
+        group's size stay (integers only: the tensors are read each step)."""
+        n, rank = group.size(), group.rank()
+        key = (tuple(id(fp) for fp in fsdp_params), n, rank, hsdp)
+        if self._vote_layout is not None and self._vote_layout[0] == key:
+            return self._vote_layout[2]
+        pieces, s = _pieces(fsdp_params, n)
+        layout = []
+        for fp, off, rows, row in pieces:
+            dim0 = torch_internals.fsdp2_orig_size(fp)[0]
+            own = _valid(dim0, rows, rank) * row
+            if hsdp:  # g, m: this rank's chunk alone; the replicas hold the same chunk
+                spans = [(0, 0, own, off)]
+            else:  # FSDP's chunk r of the parameter: its rows [r * rows, (r + 1) * rows), padding left out.
+                spans = [(r, r * rows * row, _valid(dim0, rows, r) * row, off) for r in range(n)]
+            layout.append((off, own, spans))
+        self._vote_layout = (key, list(fsdp_params), (layout, s))
+        return layout, s
 
     def uninstall(self) -> None:
         """Gives FSDP its own reduce-scatter back."""
@@ -192,6 +217,7 @@ class FSDP2Attachment(Attachment):
         super().__init__(opt, opt.group if opt.group is not None and mesh.replicas is None else mesh.vote_group)
         self.model = model
         self.mesh = next(iter(self.managed)).device_mesh
+        self.mesh_size = self.mesh.size()  # (DeviceMesh.size() is not a stored number)
         # sharded parameter -> its local gradient, from the reduce-scatter
         # until FSDP's grad hook puts it into p.grad
         self.captured: Dict[torch.Tensor, torch.Tensor] = {}
@@ -455,7 +481,7 @@ def fsdp_capture(att, layout, inp, out, group, where) -> None:
     for fp, off, rows, row in pieces:
         p = fp.sharded_param
         old = p.grad
-        if isinstance(old, DTensor) and tuple(old.placements) == (Replicate(),):
+        if isinstance(old, DTensor) and _replicated(old):
             # This rank's local gradient from an earlier backward (no
             # zero_grad since): FSDP would add its sharded gradient into it.
             old = old.to_local()
@@ -476,6 +502,18 @@ def fsdp_capture(att, layout, inp, out, group, where) -> None:
     out.zero_()
 
 
+def _replicated(t) -> bool:
+    """Whether DTensor t is placed (Replicate(),), without comparing a Replicate
+    to another placement type (3 us through pybind11, against 0.1 for an isinstance)."""
+    placements = t.placements
+    return len(placements) == 1 and isinstance(placements[0], Replicate)
+
+
+def _mesh_size(att, mesh) -> int:
+    """mesh.size(), the attachment's own mesh's read once."""
+    return att.mesh_size if mesh is att.mesh else mesh.size()
+
+
 def _local_grad(att, p: torch.Tensor) -> Optional[torch.Tensor]:
     """p's local gradient as step() reads it: the local tensor of p.grad
     (None: no gradient)."""
@@ -487,7 +525,7 @@ def _local_grad(att, p: torch.Tensor) -> Optional[torch.Tensor]:
             local = g.to_local()
             if local.shape == p.to_local().shape:
                 return local
-    elif isinstance(g, DTensor) and (tuple(g.placements) == (Replicate(),) or g.device_mesh.size() == 1):
+    elif isinstance(g, DTensor) and (_replicated(g) or _mesh_size(att, g.device_mesh) == 1):
         local = g.to_local()
         if tuple(local.shape) == tuple(p.shape):
             return local
@@ -535,46 +573,36 @@ def fsdp_vote(att):
     opt = att.opt
     att.stepped = True
     voter = opt.voter
-    groups = opt.param_group_of()
+    coefs_of = lion_math.coefs_by_param(opt.param_groups)
     hsdp = att.replicas is not None
     todo = []  # (gradient, momentum, coefs, local shard, Delta of the shard, its elements)
-    allowed = {}  # LIONBIT_KERNELS and the first-use checks, once a device and step
-
-    def fused_for(m, g):
-        if m.device not in allowed:
-            allowed[m.device] = kernel_choice.fused_lion_allowed(m.device)
-        return opt.fused_for(m, g, allowed[m.device])
+    fused_for = step_vote.fused_verdicts(opt)
 
     units: List[_UnitVote] = []
     for comm in att.order:
         # FSDP's chunk layout over the shard group, and the group of the vote
         group = comm.group if comm.group is not None and not hsdp else att.dp.shard_group
-        n, rank = group.size(), group.rank()
-        params = []
+        params, grads = [], []
         for fp in comm.params:
             p = fp.sharded_param
             g = _local_grad(att, p) if p.requires_grad else None
             if g is not None:
-                params.append((fp, g.reshape(-1) if g.is_contiguous() else g.contiguous().reshape(-1)))
+                params.append(fp)
+                grads.append(g.reshape(-1) if g.is_contiguous() else g.contiguous().reshape(-1))
         if not params:
             continue
-        pieces, s = _pieces([fp for fp, _ in params], n)
-        device = params[0][0].sharded_param.device  # every buffer of the vote lives on the parameters' device
+        layout, s = comm.vote_layout(params, group, hsdp)
+        device = params[0].sharded_param.device  # every buffer of the vote lives on the parameters' device
         votes, unit = [], []
-        for (fp, off, rows, row), (_, g) in zip(pieces, params):
+        for fp, g, (off, own, spans) in zip(params, grads, layout):
             p = fp.sharded_param
             m = att.momentum(p).view(-1)
-            coefs = lion_math.Coefs(groups[p])
-            dim0 = torch_internals.fsdp2_orig_size(fp)[0]
-            own = _valid(dim0, rows, rank) * row
-            if hsdp:  # g, m: this rank's chunk alone; the replicas hold the same chunk
-                votes.append((g, m, coefs, [(0, 0, own, off)]))
-            else:  # FSDP's chunk r of the parameter: its rows [r * rows, (r + 1) * rows), padding left out.
-                votes.append((g, m, coefs, [(r, r * rows * row, _valid(dim0, rows, r) * row, off) for r in range(n)]))
+            coefs = coefs_of[p]
+            votes.append((g, m, coefs, spans))
             local = p.to_local()
             if local.numel() != own:
                 raise RuntimeError(
-                    f"DistributedLion.step (FSDP2) on rank {rank}: parameter '{att.fqns.get(p, '?')}' has "
+                    f"DistributedLion.step (FSDP2) on rank {group.rank()}: parameter '{att.fqns.get(p, '?')}' has "
                     f"{local.numel()} local elements, FSDP's layout {own}"
                 )
             unit.append((g, m, coefs, local, off, own))

@@ -43,6 +43,17 @@ class Coefs:
         return self._tensors
 
 
+def coefs_by_param(param_groups) -> dict:
+    """Every parameter's hyperparameters as they stand now, one Coefs a
+    parameter group (a step asks once, not once a parameter)."""
+    out = {}
+    for group in param_groups:
+        coefs = Coefs(group)
+        for p in group["params"]:
+            out[p] = coefs
+    return out
+
+
 def plane_bytes(numel: int) -> int:
     return (numel + 63) // 64 * 8
 

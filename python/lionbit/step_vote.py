@@ -228,6 +228,21 @@ def update_state(momenta, applies) -> None:
         lion_math.apply_update(x, d, coefs, fused)
 
 
+def fused_verdicts(opt) -> Callable[[torch.Tensor, torch.Tensor], bool]:
+    """``opt.fused_for`` for a step's many pairs: each kind of pair (the two
+    dtypes, their contiguity, the first tensor's device) asked once."""
+    memo = {}
+
+    def verdict(p, g) -> bool:
+        key = (p.dtype, g.dtype, p.is_contiguous(), g.is_contiguous(), p.get_device())
+        ok = memo.get(key)
+        if ok is None:
+            ok = memo[key] = opt.fused_for(p, g)
+        return ok
+
+    return verdict
+
+
 def abstaining(opt, p, coefs) -> Entry:
     """The entry of a parameter on a rank that has run out of data (torch's
     Join): it votes direction 0, keeps its momentum and applies the voted
@@ -240,7 +255,7 @@ def step_entries(opt, params_groups, skip=frozenset()) -> List[Entry]:
     """The entries of a step: every parameter with a gradient, in the
     optimizer's order, but those in ``skip``."""
     entries = []
-    allowed = {}  # LIONBIT_KERNELS and the first-use checks, once a device and step
+    fused_for = fused_verdicts(opt)  # LIONBIT_KERNELS and the first-use checks, once a kind of pair
     for group in params_groups:
         coefs = None
         for p in group["params"]:
@@ -249,9 +264,7 @@ def step_entries(opt, params_groups, skip=frozenset()) -> List[Entry]:
             opt.check_param(p, "step")
             coefs = coefs or lion_math.Coefs(group)
             g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-            if p.device not in allowed:
-                allowed[p.device] = kernel_choice.fused_lion_allowed(p.device)
-            entries.append(Entry(p, g, opt.momentum_of(p), coefs, opt.fused_for(p, g, allowed[p.device])))
+            entries.append(Entry(p, g, opt.momentum_of(p), coefs, fused_for(p, g)))
     return entries
 
 

@@ -391,6 +391,39 @@ def test_bfloat16_momentum():
     assert len(set(hashes)) == 1
 
 
+def mixed_dtypes_match_reference(rank, n, steps=6):
+    """A float32 layer, then a float64 one: the step asks the fused kernels
+    once per kind of pair, so the float32 pairs take them and the float64
+    pairs (no fused kernel) the torch path, which computes in float32 too."""
+    import lionbit
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(12, 16), torch.nn.Linear(16, 3).double()
+    params = list(a.parameters()) + list(b.parameters())
+    ref = ReferenceLion([p.float() for p in params], n, 1e-3, (0.9, 0.99), 0.1, "vote")
+    opt = lionbit.DistributedLion(params, lr=1e-3, weight_decay=0.1)
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = _batch(rank, step)
+        torch.nn.functional.cross_entropy(b(torch.tanh(a(x)).double()).float(), y).backward()
+        grads = [[] for _ in range(n)]
+        for p in params:
+            parts = [torch.empty_like(p.grad) for _ in range(n)]
+            dist.all_gather(parts, p.grad)
+            for r in range(n):
+                grads[r].append(parts[r].numpy().astype(F32))
+        ref.step(grads)
+        opt.step()
+    for x, p in zip(ref.x, params):
+        assert p.dtype in (torch.float32, torch.float64)
+        assert np.array_equal(x.view(np.int32), p.detach().float().numpy().view(np.int32)), p.dtype
+    return _hash(a) + _hash(b)
+
+
+def test_a_step_of_two_dtypes_equals_the_reference():
+    assert len(set(values(run_ranks("test_optim:mixed_dtypes_match_reference", 2)))) == 1
+
+
 def test_a_gpu_step_votes_a_many_tensor_model_in_few_calls():
     """Each vote has fixed costs (on a GPU about 130 kernel launches and some host round trips): a
     GPT-2-medium-shaped model's 292 tensors go in 2 votes on a GPU, in the CPU's 4M-element votes
