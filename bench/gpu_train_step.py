@@ -23,17 +23,26 @@ Prints each step's median ms over --steps timed steps (after 3 warm-ups),
 the host's ms until the step's last call returned (before the closing
 synchronisation: near the step's ms, the step waits on the host), its
 ratio to the floor (goal: <= 1.05x), for the lionbit steps the ratio to
-the same wrapper without lionbit (what lionbit itself adds) and its device
-events (kernels, copies, memsets) per step from torch.profiler; --profile
-also prints the profiler's top operators of one DDP step.
+the same wrapper without lionbit (what lionbit itself adds) and, on a GPU,
+from one profiled step: its device events (kernels, copies, memsets), the
+ms the device was busy (their union: a step much longer than that waits on
+the host), the host syncs of the calling thread (torch's sync debug mode,
+with the Python lines that made them) and cudaMalloc calls a step.
+--profile also prints the top operators of one DDP and one FSDP2 step by
+device and by host time; --trace-dir writes each kind's profiled step as
+a gzipped Chrome trace.
 
-    python bench/gpu_train_step.py [--device cuda] [--batch 8] [--seq 1024] [--json FILE]
+    python bench/gpu_train_step.py [--device cuda] [--batch 8] [--seq 1024] [--json FILE] [--trace-dir DIR]
 """
 
 import argparse
+import collections
+import gzip
 import json
 import os
+import shutil
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -42,7 +51,7 @@ import torch.nn.functional as F
 import lionbit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_lion_step import lion_foreach, timed_split  # noqa: E402  (bench/ on the path first)
+from gpu_lion_step import device_allocs, lion_foreach, timed_split  # noqa: E402  (bench/ on the path first)
 
 
 class Block(torch.nn.Module):
@@ -121,7 +130,80 @@ def build(kind, shape, device):
     return model, opt.step
 
 
-def measure(kind, shape, device, batch, seq, steps, profile):
+def union_ms(ranges) -> float:
+    """The ms covered by the union of (start, end) ranges in microseconds:
+    how long the device was busy, however its events overlap."""
+    busy, end = 0.0, None
+    for a, b in sorted(ranges):
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return busy / 1e3
+
+
+def host_syncs(step):
+    """The calling thread's host syncs in one step (torch.cuda's sync debug
+    mode warns at each), by the Python line that made them: (count, {"file:line": n}).
+    Syncs on other threads (lionbit's worker, autograd's device thread) are
+    not seen here; the trace shows them."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    sites = collections.Counter(f"{_where(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    return sum(sites.values()), dict(sites.most_common())
+
+
+def _where(filename: str) -> str:
+    """A source file as a sync site names it: from site-packages or the tree on, else its name."""
+    for mark in ("site-packages" + os.sep, os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep):
+        if mark in filename:
+            return filename.split(mark, 1)[1]
+    return os.path.basename(filename)
+
+
+def profiled(kind, step, device, trace_dir, tables):
+    """One profiled step: (device events, device busy ms), None on the CPU;
+    its Chrome trace gzipped into trace_dir; with ``tables`` the top
+    operators by device and by host time."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=acts) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = busy = None
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        events = len(kernels)
+        busy = union_ms((e.time_range.start, e.time_range.end) for e in kernels)
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        trace = os.path.join(trace_dir, f"train_step_{kind}_{device.type}.trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace, "rb") as raw, gzip.open(trace + ".gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        os.remove(trace)
+    table = ""
+    if tables:
+        averages = prof.key_averages()
+        for key in (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
+            table += f"{kind}: top operators by {key}\n"
+            table += averages.table(sort_by=key, row_limit=15, max_name_column_width=50) + "\n"
+    return events, busy, table
+
+
+def measure(kind, shape, device, batch, seq, steps, profile, trace_dir=None):
     model, optimizer_step = build(kind, shape, device)
     gen = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(0, shape["vocab"], (batch, seq + 1), device=device, generator=gen)
@@ -137,19 +219,16 @@ def measure(kind, shape, device, batch, seq, steps, profile):
         optimizer_step()
 
     ms, host = timed_split(step, device, steps)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    events, table = None, ""
+    fig = {"ms_per_step": ms, "host_ms_per_step": host, "device_events_per_step": None}
+    table = ""
+    if device.type == "cuda" or trace_dir:
+        events, busy, table = profiled(kind, step, device, trace_dir, profile)
+        fig.update(device_events_per_step=events, device_busy_ms_per_step=busy)
     if device.type == "cuda":
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            step()
-            sync()
-        events = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-        if profile:
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=50)
+        fig["host_syncs_per_step"], fig["host_sync_sites"] = host_syncs(step)
+        fig["device_allocs_per_step"] = device_allocs(step, device)
     params = sum(p.numel() for p in model.parameters())
-    return ms, host, events, params, table
+    return fig, params, table
 
 
 def main(argv=None):
@@ -162,7 +241,9 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--kinds", default=",".join(KINDS))
-    ap.add_argument("--profile", action="store_true", help="print the top operators of one DDP step")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the top operators of one DDP and one FSDP2 step (device and host time)")
+    ap.add_argument("--trace-dir", help="write each kind's profiled step here as a gzipped Chrome trace")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -185,13 +266,16 @@ def main(argv=None):
     results = {}
     try:
         for kind in kinds:
-            ms, host, events, params, table = measure(kind, shape, device, args.batch, args.seq, args.steps,
-                                                args.profile and kind == "ddp")
-            results[kind] = {"ms_per_step": ms, "host_ms_per_step": host, "device_events_per_step": events}
+            fig, params, table = measure(kind, shape, device, args.batch, args.seq, args.steps,
+                                         args.profile and kind in ("ddp", "fsdp2"), args.trace_dir)
+            results[kind] = fig
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the model is gone with measure's frame
-            print(f"gpu_train_step: {kind}: {ms:.2f} ms/step, {events if events is not None else '-'} device events "
-                  f"({params / 1e6:.1f}M parameters)", flush=True)
+            events = fig["device_events_per_step"]
+            print(f"gpu_train_step: {kind}: {fig['ms_per_step']:.2f} ms/step, {events if events is not None else '-'} "
+                  f"device events ({params / 1e6:.1f}M parameters)", flush=True)
+            if fig.get("host_sync_sites"):
+                print(f"gpu_train_step: {kind}: host syncs of the calling thread: {fig['host_sync_sites']}")
             if table:
                 print(table)
     finally:
@@ -202,12 +286,18 @@ def main(argv=None):
         plain = None if kind.endswith("_plain") else results.get(kind.split("_")[0] + "_plain")
         if plain is not None:
             fig["ratio_to_plain"] = fig["ms_per_step"] / plain["ms_per_step"]
-    print(f"{'step':12s} {'ms/step':>9s} {'host ms':>8s} {'x floor':>8s} {'x plain':>8s} {'events':>7s}")
+    print(f"{'step':12s} {'ms/step':>9s} {'host ms':>8s} {'x floor':>8s} {'x plain':>8s} {'events':>7s} "
+          f"{'busy ms':>8s} {'syncs':>6s} {'allocs':>7s}")
+
+    def cell(value, width, fmt):
+        return f"{'-' if value is None else format(value, fmt):>{width}s}"
+
     for kind, fig in results.items():
         vs_plain = f"{fig['ratio_to_plain']:7.2f}x" if "ratio_to_plain" in fig else f"{'-':>8s}"
-        events = fig["device_events_per_step"]
         print(f"{kind:12s} {fig['ms_per_step']:9.2f} {fig['host_ms_per_step']:8.2f} {fig['ratio_to_floor']:7.2f}x "
-              f"{vs_plain} {events if events is not None else '-':>7}")
+              f"{vs_plain} {cell(fig['device_events_per_step'], 7, 'd')} "
+              f"{cell(fig.get('device_busy_ms_per_step'), 8, '.2f')} {cell(fig.get('host_syncs_per_step'), 6, 'd')} "
+              f"{cell(fig.get('device_allocs_per_step'), 7, '.1f')}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "params": params, "batch": args.batch, "seq": args.seq,

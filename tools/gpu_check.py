@@ -435,7 +435,8 @@ def main(argv=None):
 
     def train_step(step):
         path = os.path.join(r.out, "train_step.json")
-        cmd = [py, "bench/gpu_train_step.py", "--json", path]
+        # each kind's profiled step as a Chrome trace, for the sessions after this one (bundled)
+        cmd = [py, "bench/gpu_train_step.py", "--json", path, "--trace-dir", os.path.join(r.out, "traces")]
         cmd += ["--profile"] if gpu else ["--device", "cpu", "--batch", "2", "--seq", "64", "--width", "48",
                                           "--layers", "2", "--vocab", "512", "--steps", "3"]
         rc, out = r.run(step, "train-step", cmd, timeout=180)
@@ -450,6 +451,8 @@ def main(argv=None):
             text = f"{k} {v['ratio_to_floor']:.2f}x (host {v['host_ms_per_step']:.1f} ms)"
             if "ratio_to_plain" in v:  # lionbit's own share: against the same wrapper without it
                 text += f" ({v['ratio_to_plain']:.2f}x {k.split('_')[0]}_plain)"
+            if v.get("device_busy_ms_per_step") is not None and v.get("host_syncs_per_step") is not None:
+                text += f" (device busy {v['device_busy_ms_per_step']:.1f} ms, {v['host_syncs_per_step']} syncs)"
             return text + (f" ({v['device_events_per_step']} events)" if v["device_events_per_step"] else "")
 
         figure += ", ".join(describe(k, v) for k, v in steps.items() if k != "floor")
@@ -517,10 +520,12 @@ def main(argv=None):
 
         extra = [n for n in ("verdicts.json", "equality.json", "lion_step.json", "train_step.json")
                  if os.path.exists(os.path.join(r.out, n))]
+        folders = ["logs"] + [n for n in ("traces",) if os.path.isdir(os.path.join(r.out, n))]
         with tarfile.open(os.path.join(r.out, "logs.tgz"), "w:gz") as tar:
-            for name in ["logs"] + extra:
+            for name in folders + extra:
                 tar.add(os.path.join(r.out, name), arcname=name)
-        shutil.rmtree(r.logs)
+        for name in folders:
+            shutil.rmtree(os.path.join(r.out, name))
         for name in extra:
             os.remove(os.path.join(r.out, name))
     print("\n" + "\n".join(lines))

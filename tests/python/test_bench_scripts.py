@@ -254,3 +254,13 @@ def test_loopback_ranks_are_forked_with_their_own_argv_environment_and_session(t
     assert "exit codes [0, 1]" in report["fail"] and "ValueError: rank 1 fails" in r.stderr
     assert "exit codes [0, 3]" in report["exit"]
     assert 1.5 < report["hang_s"] < 60 and report["sleepers"] == []
+
+
+def test_train_step_device_busy_is_the_union_of_its_events():
+    """gpu_train_step's "busy ms": overlapping device events (two streams) count once, gaps not at all."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from gpu_train_step import union_ms
+
+    assert union_ms([]) == 0.0
+    assert union_ms([(30.0, 40.0), (0.0, 10.0), (5.0, 20.0), (6.0, 8.0)]) == pytest.approx(0.030)
+    assert union_ms([(0.0, 1000.0), (100.0, 200.0)]) == pytest.approx(1.0)

@@ -6,6 +6,7 @@ inputs; the GPU steps say "skipped" with the reason. It reuses the tests'
 builds (the installed package, make test-cpp's build/cpp with the CUDA
 targets where nvcc is)."""
 
+import gzip
 import importlib.util
 import json
 import os
@@ -73,6 +74,11 @@ def test_gpu_check_cpu_mode(tmp_path):
     # lionbit's own share: each wrapper against itself without lionbit.
     assert all(train["results"][k]["ratio_to_plain"] > 0 for k in ("ddp", "ddp_at_step", "fsdp2")), train["results"]
     assert "x ddp_plain)" in steps["train-step"]["figure"] or "no GPU" in steps["train-step"]["figure"]
+    # Each kind's profiled step as a Chrome trace, for a session without a GPU to read.
+    traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
+    assert traces == sorted(f"train_step_{k}_cpu.trace.json.gz" for k in train["results"]), traces
+    with gzip.open(tmp_path / "traces" / "train_step_fsdp2_cpu.trace.json.gz") as f:
+        assert "Optimizer.step#DistributedLion.step" in f.read().decode()
     assert checks["cpu hsdp vote: ranks agree"] and checks["hsdp: the runs moved the parameters"], checks
     assert (tmp_path / "ddp_step_cpu.txt").read_text().count("lionbit") >= 1
     assert (tmp_path / "ddp_step_cpu.trace.json.gz").stat().st_size > 0
