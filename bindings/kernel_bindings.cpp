@@ -267,6 +267,7 @@ std::unique_ptr<uint64_t[]> scratch_for(size_t elements) {
 // `sign` / `zero` (words; null: dropped) at `bit_offset`, through `scratch`
 // (2 * words_for(n) words) unless they fill whole words in place. Returns the
 // non-finite count.
+// The pair's elements [start, start + n) (checked by the caller).
 int64_t direction_into(
     const at::Tensor& g,
     at::Tensor& m,
@@ -275,8 +276,9 @@ int64_t direction_into(
     uint64_t* zero,
     size_t bit_offset,
     bool update_momentum,
-    uint64_t* scratch) {
-  const size_t n = static_cast<size_t>(g.numel());
+    uint64_t* scratch,
+    size_t start,
+    size_t n) {
   if (n == 0) {
     return 0;
   }
@@ -286,10 +288,11 @@ int64_t direction_into(
   uint64_t* z = direct ? zero + bit_offset / 64 : scratch + w;
   const auto gd = *float_dtype(g.scalar_type());
   const auto md = *float_dtype(m.scalar_type());
+  const void* gp = static_cast<const char*>(g.data_ptr()) + start * g.element_size();
+  void* mp = static_cast<char*>(m.data_ptr()) + start * m.element_size();
   const bits::PackCounts c = update_momentum
-      ? optim::lion_direction(
-            gd, g.data_ptr(), md, m.data_ptr(), n, k.b1, k.omb1, k.b2, k.omb2, s, z)
-      : optim::lion_direction_only(gd, g.data_ptr(), md, m.data_ptr(), n, k.b1, k.omb1, s, z);
+      ? optim::lion_direction(gd, gp, md, mp, n, k.b1, k.omb1, k.b2, k.omb2, s, z)
+      : optim::lion_direction_only(gd, gp, md, mp, n, k.b1, k.omb1, s, z);
   if (sign != nullptr && !direct) {
     bits::copy_bits(sign, bit_offset, s, 0, n);
     bits::copy_bits(zero, bit_offset, z, 0, n);
@@ -330,7 +333,35 @@ int64_t lion_direction_into(
       in_place(true, static_cast<size_t>(bit_offset), static_cast<size_t>(n)) ? 0 : n);
   return direction_into(
       g, m, direction_coefs(b1, omb1, b2, omb2), words_of(sign), words_of(zero),
-      static_cast<size_t>(bit_offset), update_momentum, scratch.get());
+      static_cast<size_t>(bit_offset), update_momentum, scratch.get(), 0, static_cast<size_t>(n));
+}
+
+std::vector<Span> list_spans(
+    const char* op,
+    const std::vector<at::Tensor>& gs,
+    const std::optional<std::vector<int64_t>>& starts,
+    const std::optional<std::vector<int64_t>>& lengths) {
+  TORCH_CHECK_VALUE(
+      starts.has_value() == lengths.has_value(), "lionbit.", op,
+      ": starts and lengths are given together or not at all");
+  TORCH_CHECK_VALUE(
+      !starts || (starts->size() == gs.size() && lengths->size() == gs.size()), "lionbit.", op,
+      ": ", gs.size(), " gradients, ", starts ? starts->size() : 0, " starts and ",
+      lengths ? lengths->size() : 0, " lengths");
+  std::vector<Span> spans(gs.size());
+  for (size_t i = 0; i < gs.size(); ++i) {
+    const int64_t numel = gs[i].defined() ? gs[i].numel() : 0;
+    if (!starts) {
+      spans[i] = Span{0, static_cast<size_t>(numel)};
+      continue;
+    }
+    const int64_t a = (*starts)[i], k = (*lengths)[i];
+    TORCH_CHECK_VALUE(
+        a >= 0 && k >= 0 && a <= numel && k <= numel - a, "lionbit.", op, ": elements [", a, ", ",
+        a, " + ", k, ") of gs[", i, "] (", numel, " elements) are out of range");
+    spans[i] = Span{static_cast<size_t>(a), static_cast<size_t>(k)};
+  }
+  return spans;
 }
 
 int64_t lion_direction_list(
@@ -343,11 +374,14 @@ int64_t lion_direction_list(
     const std::optional<at::Tensor>& sign,
     const std::optional<at::Tensor>& zero,
     const std::vector<int64_t>& bit_offsets,
-    bool update_momentum) {
+    bool update_momentum,
+    const std::optional<std::vector<int64_t>>& starts,
+    const std::optional<std::vector<int64_t>>& lengths) {
   const char* op = "lion_direction_list";
   TORCH_CHECK_VALUE(
       gs.size() == ms.size() && gs.size() == bit_offsets.size(), "lionbit.", op, ": ", gs.size(),
       " gradients, ", ms.size(), " momenta and ", bit_offsets.size(), " bit offsets");
+  const std::vector<Span> spans = list_spans(op, gs, starts, lengths);
   const bool planes = sign.has_value();
   TORCH_CHECK_VALUE(
       planes == zero.has_value(), "lionbit.", op,
@@ -360,13 +394,13 @@ int64_t lion_direction_list(
   for (size_t i = 0; i < gs.size(); ++i) {
     check_direction_pair(op, gs[i], ms[i], item("gs", i), item("ms", i));
     TORCH_CHECK_VALUE(bit_offsets[i] >= 0, "lionbit.", op, ": negative bit_offsets[", i, "]");
+    const auto n = static_cast<int64_t>(spans[i].count);
     if (planes) {
-      require(op, check_planes(*sign, "sign", at::kCPU, bit_offsets[i] + gs[i].numel()));
-      require(op, check_planes(*zero, "zero", at::kCPU, bit_offsets[i] + gs[i].numel()));
+      require(op, check_planes(*sign, "sign", at::kCPU, bit_offsets[i] + n));
+      require(op, check_planes(*zero, "zero", at::kCPU, bit_offsets[i] + n));
     }
-    const auto n = static_cast<size_t>(gs[i].numel());
-    if (!in_place(planes, static_cast<size_t>(bit_offsets[i]), n)) {
-      biggest = std::max(biggest, n);
+    if (!in_place(planes, static_cast<size_t>(bit_offsets[i]), spans[i].count)) {
+      biggest = std::max(biggest, spans[i].count);
     }
   }
   const auto scratch = scratch_for(biggest);
@@ -375,7 +409,8 @@ int64_t lion_direction_list(
   for (size_t i = 0; i < gs.size(); ++i) {
     nonfinite += direction_into(
         gs[i], ms[i], k, planes ? words_of(*sign) : nullptr, planes ? words_of(*zero) : nullptr,
-        static_cast<size_t>(bit_offsets[i]), update_momentum, scratch.get());
+        static_cast<size_t>(bit_offsets[i]), update_momentum, scratch.get(), spans[i].start,
+        spans[i].count);
   }
   return nonfinite;
 }

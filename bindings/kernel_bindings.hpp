@@ -87,11 +87,27 @@ int64_t lion_direction_into(
     int64_t bit_offset,
     bool update_momentum);
 
+// The elements a list call takes of its pair i: [start, start + count).
+struct Span {
+  size_t start, count;
+};
+
+// A direction list's spans: every pair whole (starts and lengths None), or
+// pair i's elements [starts[i], starts[i] + lengths[i]), so that a caller
+// passes the pieces of a tensor without making a view of each (FSDP's
+// chunks of a parameter). Raises ValueError naming `op` and the entry.
+std::vector<Span> list_spans(
+    const char* op,
+    const std::vector<at::Tensor>& gs,
+    const std::optional<std::vector<int64_t>>& starts,
+    const std::optional<std::vector<int64_t>>& lengths);
+
 // lion_direction_into over a list of CPU tensors in one call (the step of a
 // model of many small tensors pays one call, not one a tensor): pair i's bits
-// at bit_offsets[i]; with sign and zero None, the momentum update alone
-// (update_momentum must be true). The pairs' dtypes may differ. Every pair is
-// checked before any momentum changes. Returns the non-finite count of all.
+// (of its span, list_spans) at bit_offsets[i]; with sign and zero None, the
+// momentum update alone (update_momentum must be true). The pairs' dtypes may
+// differ. Every pair is checked before any momentum changes. Returns the
+// non-finite count of all.
 int64_t lion_direction_list(
     const std::vector<at::Tensor>& gs,
     std::vector<at::Tensor>& ms,
@@ -102,7 +118,9 @@ int64_t lion_direction_list(
     const std::optional<at::Tensor>& sign,
     const std::optional<at::Tensor>& zero,
     const std::vector<int64_t>& bit_offsets,
-    bool update_momentum);
+    bool update_momentum,
+    const std::optional<std::vector<int64_t>>& starts = std::nullopt,
+    const std::optional<std::vector<int64_t>>& lengths = std::nullopt);
 
 // x = x * decay - lr * delta, in place (optimizer/lion.h); the list form
 // updates xs[i] from deltas[i], every pair checked first.

@@ -91,11 +91,14 @@ void lion_direction_list_device(
     const std::optional<at::Tensor>& zero,
     const std::optional<at::Tensor>& counts,
     const std::vector<int64_t>& bit_offsets,
-    bool update_momentum) {
+    bool update_momentum,
+    const std::optional<std::vector<int64_t>>& starts,
+    const std::optional<std::vector<int64_t>>& lengths) {
   const char* op = "lion_direction_list_device";
   TORCH_CHECK_VALUE(
       gs.size() == ms.size() && gs.size() == bit_offsets.size(), "lionbit.", op, ": ", gs.size(),
       " gradients, ", ms.size(), " momenta and ", bit_offsets.size(), " bit offsets");
+  const std::vector<Span> spans = list_spans(op, gs, starts, lengths);
   if (gs.empty()) {
     return;
   }
@@ -121,13 +124,16 @@ void lion_direction_list_device(
         gs[i].numel() == ms[i].numel(), "lionbit.", op, ": gs[", i, "] has ", gs[i].numel(),
         " elements, ms[", i, "] ", ms[i].numel());
     TORCH_CHECK_VALUE(bit_offsets[i] >= 0, "lionbit.", op, ": negative bit_offsets[", i, "]");
+    const auto n = static_cast<int64_t>(spans[i].count);
     if (planes) {
-      require(op, check_planes(*sign, "sign", device, bit_offsets[i] + gs[i].numel()));
-      require(op, check_planes(*zero, "zero", device, bit_offsets[i] + gs[i].numel()));
+      require(op, check_planes(*sign, "sign", device, bit_offsets[i] + n));
+      require(op, check_planes(*zero, "zero", device, bit_offsets[i] + n));
     }
+    const size_t start = spans[i].start;
     segs[i] = optim::cuda::DirectionSeg{
-        gs[i].data_ptr(), ms[i].data_ptr(), static_cast<uint64_t>(gs[i].numel()),
-        static_cast<uint64_t>(bit_offsets[i]), 0};
+        static_cast<const char*>(gs[i].data_ptr()) + start * gs[i].element_size(),
+        static_cast<char*>(ms[i].data_ptr()) + start * ms[i].element_size(),
+        static_cast<uint64_t>(n), static_cast<uint64_t>(bit_offsets[i]), 0};
   }
   if (planes) {
     require(op, check_buffer(*counts, "counts", at::kLong, device, 2));

@@ -31,8 +31,9 @@ void lion_apply_device(at::Tensor& x, const at::Tensor& delta, double lr, double
 
 // The same over lists of tensors in one launch each (optim::cuda's list
 // kernels): every gradient of `gs` one dtype, every momentum of `ms` one
-// dtype, tensor i's bits at bit_offsets[i] of the shared planes; without
-// `sign` (None) the momentum update alone (no planes, no tallies).
+// dtype, tensor i's bits (of its span: list_spans) at bit_offsets[i] of the
+// shared planes; without `sign` (None) the momentum update alone (no planes,
+// no tallies).
 void lion_direction_list_device(
     const std::vector<at::Tensor>& gs,
     const std::vector<at::Tensor>& ms,
@@ -44,7 +45,9 @@ void lion_direction_list_device(
     const std::optional<at::Tensor>& zero,
     const std::optional<at::Tensor>& counts,
     const std::vector<int64_t>& bit_offsets,
-    bool update_momentum);
+    bool update_momentum,
+    const std::optional<std::vector<int64_t>>& starts = std::nullopt,
+    const std::optional<std::vector<int64_t>>& lengths = std::nullopt);
 
 // lion_apply_device over xs[i], deltas[i] (each list one dtype).
 void lion_apply_list_device(

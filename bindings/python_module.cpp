@@ -191,6 +191,7 @@ PYBIND11_MODULE(_C, m) {
       "lion_direction_list", &lionbit::lion_direction_list, py::arg("gs"), py::arg("ms"),
       py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("sign"),
       py::arg("zero"), py::arg("bit_offsets"), py::arg("update_momentum"),
+      py::arg("starts") = py::none(), py::arg("lengths") = py::none(),
       py::call_guard<py::gil_scoped_release>());
   m.def(
       "lion_apply_list", &lionbit::lion_apply_list, py::arg("xs"), py::arg("deltas"), py::arg("lr"),
@@ -227,7 +228,7 @@ PYBIND11_MODULE(_C, m) {
       "lion_direction_list_device", &lionbit::lion_direction_list_device, py::arg("gs"),
       py::arg("ms"), py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"),
       py::arg("sign"), py::arg("zero"), py::arg("counts"), py::arg("bit_offsets"),
-      py::arg("update_momentum"));
+      py::arg("update_momentum"), py::arg("starts") = py::none(), py::arg("lengths") = py::none());
   m.def(
       "lion_apply_list_device", &lionbit::lion_apply_list_device, py::arg("xs"), py::arg("deltas"),
       py::arg("lr"), py::arg("decay"));

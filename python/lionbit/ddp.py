@@ -176,7 +176,7 @@ class DDPAttachment(Attachment):
             if abstain:
                 lion_math.pack_abstain(g.numel(), sign, zero, off, bits)
             else:
-                items.append((g, self.opt.momentum_of(p), coefs_of[p], fused_for(p, g), off))
+                items.append((g, self.opt.momentum_of(p), coefs_of[p], fused_for(p, g), off, 0, g.numel()))
             bv.sizes.append(g.numel())
             off += g.numel()
         bad, tally = step_vote.pack_directions(items, sign, zero, bits)

@@ -229,18 +229,26 @@ def _by_dtypes(items):
 def pack_directions_list(items, k: Coefs, sign, zero, counts=None) -> int:
     """:func:`pack_direction` of many tensors on one device in one call (the
     list kernels; on a GPU a launch per dtype pair): ``items`` are (g, m,
-    bit_offset), each g and m contiguous (of any shape) in the fused
-    kernels' dtypes, m only read. On a GPU the tallies are added to
-    ``counts`` and this returns 0; on the CPU it returns the non-finite
-    count."""
+    bit_offset, start, length): elements [start, start + length) of g and m
+    (each contiguous, of any shape, in the fused kernels' dtypes; m only
+    read), so that the pieces of a tensor need no view each. On a GPU the
+    tallies are added to ``counts`` and this returns 0; on the CPU it
+    returns the non-finite count."""
     b1, omb1, b2, omb2, _, _ = k.values
     if not items[0][0].is_cuda:
-        gs, ms, offsets = zip(*items)
-        return _C.lion_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, offsets, update_momentum=False)
+        gs, ms, offsets, starts, lengths = zip(*items)
+        return _C.lion_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, offsets, update_momentum=False,
+                                      starts=starts, lengths=lengths)
     for group in _by_dtypes(items):
-        gs, ms, offsets = zip(*group)
-        _C.lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update_momentum=False)
+        gs, ms, offsets, starts, lengths = zip(*group)
+        _C.lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update_momentum=False,
+                                      starts=starts, lengths=lengths)
     return 0
+
+
+def span(t, start: int, length: int):
+    """Elements [start, start + length) of t, flat (t itself when that is all of it)."""
+    return t if start == 0 and length == t.numel() else t.reshape(-1)[start : start + length]
 
 
 def update_momenta(items, k: Coefs) -> None:

@@ -125,7 +125,8 @@ def _by_coefs(items):
 
 def pack_directions(items, sign, zero, bits=None):
     """Packs the Lion directions of ``items`` ((g, m, coefs, fused,
-    bit_offset), on one device; m only read) into the planes; returns
+    bit_offset, start, length): elements [start, start + length) of g and m,
+    on one device; m only read) into the planes; returns
     (non-finite directions counted, tally): on a GPU the fused kernels add
     theirs to ``tally``, a one-element int64 tensor on the device that the
     vote reads when it runs (its ``nans_tally``: reading it here would wait
@@ -141,8 +142,9 @@ def pack_directions(items, sign, zero, bits=None):
     if not bits and kernel_choice.list_kernels_allowed(device):
         groups, rest = _by_coefs(items)
     bad = 0
-    for g, m, coefs, fused, off in rest:
-        bad += lion_math.pack_direction(g, m, coefs, sign, zero, off, fused, bits, counts=counts)
+    for g, m, coefs, fused, off, a, k in rest:
+        bad += lion_math.pack_direction(lion_math.span(g, a, k), lion_math.span(m, a, k), coefs, sign, zero, off,
+                                        fused, bits, counts=counts)
     for coefs, group_items in groups:
         bad += lion_math.pack_directions_list(group_items, coefs, sign, zero, counts)
     return bad, (counts[1:] if counts is not None else None)
@@ -163,7 +165,7 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
             if e.abstain:
                 lion_math.pack_abstain(e.numel, sign, zero, off, voter.bits)
             else:
-                items.append((e.grad, e.momentum, e.coefs, e.fused, off))
+                items.append((e.grad, e.momentum, e.coefs, e.fused, off, 0, e.numel))
             off += e.numel
         bad, tally = pack_directions(items, sign, zero, voter.bits)
         works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, out_planes=into_planes,

@@ -111,15 +111,15 @@ class Voter:
         whether the fused kernels serve a pair."""
         sign, zero = self.shard_planes(1 if replicated else group.size(), shard_numel, device)
         nans, items = 0, []
+        stride = lion_math.shard_bit(1, shard_numel)  # bits from one shard to the next
         for g, m, coefs, spans in pieces:
-            parts = [
-                (g[a : a + k], m[a : a + k], lion_math.shard_bit(r, shard_numel) + at) for r, a, k, at in spans if k
-            ]
             if self.bits:
+                parts = [(g[a : a + k], m[a : a + k], stride * r + at) for r, a, k, at in spans if k]
                 if parts:
                     nans += lion_math.pack_levels_pieces(parts, coefs, self.bits, sign)
                 continue
-            items += [(gp, mp, coefs, fused_for(mp, gp), bit) for gp, mp, bit in parts]
+            fused = fused_for(m, g)  # (what a span of them would be asked)
+            items += [(g, m, coefs, fused, stride * r + at, a, k) for r, a, k, at in spans if k]
         packed, tally = pack_directions(items, sign, zero)
         nans += packed
         if into_planes:

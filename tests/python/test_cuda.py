@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import lionbit
 from harness import run_ranks, values
-from lionbit import _C, kernel_choice
+from lionbit import _C, kernel_choice, lion_math
 
 HAVE_GPU = torch.cuda.is_available()
 if not lionbit.built_with_cuda:
@@ -156,6 +156,46 @@ def test_fused_apply_passes_its_first_use_check():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert lionbit.kernels("cuda")["lion"] == "fused"
+
+
+@pytest.mark.gpu
+def test_the_direction_list_takes_spans_on_cuda_as_on_cpu():
+    """FSDP's chunks of a parameter as (tensor, start, length) on the device: the bits,
+    tallies and momenta of the CPU's list call over the same spans (bf16 gradients, whose
+    spans start off a 16-byte boundary, and float32, one span of each tensor empty)."""
+    _skip_without_gpu()
+    gen = torch.Generator().manual_seed(11)
+    args = (0.9, 0.1, 0.99, 0.01)
+    for gdt, mdt in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        gs = [torch.randn(n, generator=gen).to(gdt) for n in (1000, 4099)]
+        ms = [torch.randn(n, generator=gen).to(mdt) for n in (1000, 4099)]
+        cuts = [(0, 3, 500), (0, 503, 0), (1, 0, 4099), (0, 503, 497), (1, 17, 2000)]
+        offsets, off = [], 5
+        for *_, n in cuts:
+            offsets.append(off)
+            off += n + 3
+        nbytes = lion_math.plane_bytes(off)
+        starts, lengths = [a for _, a, _ in cuts], [n for *_, n in cuts]
+        want = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
+        want_bad = _C.lion_direction_list([gs[i] for i, _, _ in cuts], [ms[i].clone() for i, _, _ in cuts], *args,
+                                          *want, offsets, False, starts=starts, lengths=lengths)
+        got = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+        counts = torch.zeros(2, dtype=torch.int64, device="cuda")
+        dev_ms = [m.cuda() for m in ms]
+        _C.lion_direction_list_device([gs[i].cuda() for i, _, _ in cuts], [dev_ms[i] for i, _, _ in cuts], *args,
+                                      *got, counts, offsets, False, starts=starts, lengths=lengths)
+        assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]), (gdt, mdt)
+        assert int(counts[1]) == want_bad
+        # the momentum update of non-overlapping spans: those elements only
+        spans = [(1, 0, 17), (1, 2017, 2082)]
+        want_ms = [m.clone() for m in ms]
+        _C.lion_direction_list([gs[i] for i, _, _ in spans], [want_ms[i] for i, _, _ in spans], *args, None, None,
+                               [0, 0], True, starts=[a for _, a, _ in spans], lengths=[n for *_, n in spans])
+        _C.lion_direction_list_device([gs[i].cuda() for i, _, _ in spans], [dev_ms[i] for i, _, _ in spans], *args,
+                                      None, None, None, [0, 0], True, starts=[a for _, a, _ in spans],
+                                      lengths=[n for *_, n in spans])
+        for a, b in zip(dev_ms, want_ms):
+            assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)), (gdt, mdt)
 
 
 @pytest.mark.gpu

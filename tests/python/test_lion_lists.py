@@ -191,6 +191,51 @@ def test_bad_lists_name_the_element_and_change_nothing():
         _C.lion_apply(xs[0], torch.zeros(64, dtype=torch.int64), LR, 1.0)
 
 
+@pytest.mark.parametrize("update_momentum", [False, True])
+def test_the_direction_list_takes_spans_as_it_takes_their_views(update_momentum):
+    """FSDP's chunks of a parameter pass as (tensor, start, length), no view made each: the same
+    bits at the same offsets as the views themselves, and only the span's momentum updated.
+    Spans of one tensor in any order, empty ones, one whole, edges inside words."""
+    gs, ms = _pairs(seed=7)
+    cuts = [(5, 0, 1029), (5, 0, 0), (5, 700, 329), (5, 1, 699), (2, 0, 53), (6, 64, 128), (6, 0, 64), (7, 1, 2)]
+    offsets, off = [], 3
+    for _, _, n in cuts:
+        offsets.append(off)
+        off += n + 5
+    nbytes = lion_math.plane_bytes(off)
+    args = (B1, 1 - B1, B2, 1 - B2)
+    if update_momentum:  # spans of the momentum update must not overlap: one tensor's, end to end
+        cuts = [(5, 0, 1), (5, 1, 699), (5, 700, 0), (5, 700, 329)]
+        offsets = offsets[: len(cuts)]
+    got = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
+    want = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
+    got_ms, want_ms = [m.clone() for m in ms], [m.clone() for m in ms]
+    bad = _C.lion_direction_list([gs[i] for i, _, _ in cuts], [got_ms[i] for i, _, _ in cuts], *args, *got, offsets,
+                                 update_momentum, starts=[a for _, a, _ in cuts], lengths=[n for *_, n in cuts])
+    want_bad = _C.lion_direction_list([gs[i][a : a + n] for i, a, n in cuts],
+                                      [want_ms[i][a : a + n] for i, a, n in cuts], *args, *want, offsets,
+                                      update_momentum)
+    assert bad == want_bad and bad > 0
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for a, b in zip(got_ms, want_ms):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert update_momentum == any(not torch.equal(a.view(torch.uint8), m.view(torch.uint8))
+                                  for a, m in zip(got_ms, ms))
+
+    def refused(match, **kw):
+        before = [m.clone() for m in got_ms]
+        with pytest.raises(ValueError, match=match):
+            _C.lion_direction_list(gs[:2], got_ms[:2], *args, *got, [0, 64], True, **kw)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, got_ms)), \
+            "a momentum changed before the refusal"
+
+    refused(r"elements \[60, 60 \+ 5\) of gs\[0\] \(64 elements\) are out of range", starts=[60, 0], lengths=[5, 7])
+    refused(r"elements \[-1, -1 \+ 1\) of gs\[1\]", starts=[0, -1], lengths=[64, 1])
+    refused(r"elements \[0, 0 \+ -2\) of gs\[1\]", starts=[0, 0], lengths=[64, -2])
+    refused("starts and lengths are given together or not at all", starts=[0, 0])
+    refused("2 gradients, 1 starts and 1 lengths", starts=[0], lengths=[1])
+
+
 # -- a user's training script -------------------------------------------------------
 
 VOCAB, WIDTH, CONTEXT, LAYERS = 96, 32, 16, 2
@@ -350,11 +395,11 @@ class _DeviceLists:
         return [t.as_subclass(torch.Tensor) for t in ts]
 
     def lion_direction_list_device(self, gs, ms, b1, omb1, b2, omb2, sign, zero, counts, bit_offsets,
-                                   update_momentum):
+                                   update_momentum, starts=None, lengths=None):
         assert len({(g.dtype, m.dtype) for g, m in zip(gs, ms)}) == 1, "one dtype pair a launch"
         self.calls.append(("direction", gs[0].dtype, ms[0].dtype, len(gs), update_momentum))
         bad = self.real.lion_direction_list(self._plain(gs), self._plain(ms), b1, omb1, b2, omb2, sign, zero,
-                                            bit_offsets, update_momentum)
+                                            bit_offsets, update_momentum, starts=starts, lengths=lengths)
         if counts is not None:
             counts[1] += bad
 
@@ -384,7 +429,7 @@ def test_the_gpu_branches_launch_once_a_dtype_pair_and_match_the_cpu(monkeypatch
     on_gpu = [t.clone().as_subclass(_OnGpu) for t in gs], [t.clone().as_subclass(_OnGpu) for t in ms]
     sign, zero = _gap_planes()
     counts = torch.zeros(2, dtype=torch.int64)
-    items = list(zip(*on_gpu, offsets))
+    items = [(g, m, off, 0, g.numel()) for g, m, off in zip(*on_gpu, offsets)]
     assert lion_math.pack_directions_list(items, k, sign, zero, counts) == 0
     assert int(counts[1]) == want_bad and torch.equal(sign, want_sign) and torch.equal(zero, want_zero)
     pairs = {(gdt, mdt) for gdt, mdt, _, _ in LAYOUT}
@@ -396,7 +441,7 @@ def test_the_gpu_branches_launch_once_a_dtype_pair_and_match_the_cpu(monkeypatch
     from lionbit import step_vote
 
     sign, zero = _gap_planes()
-    bad, tally = step_vote.pack_directions([(g, m, k, True, off) for g, m, off in items], sign, zero)
+    bad, tally = step_vote.pack_directions([(g, m, k, True, off, a, n) for g, m, off, a, n in items], sign, zero)
     assert bad == 0 and tally.dtype == torch.int64 and tally.shape == (1,), (bad, tally)
     assert int(tally) == want_bad and torch.equal(sign, want_sign) and torch.equal(zero, want_zero)
 
