@@ -421,11 +421,11 @@ def _vote_units(units, grads) -> list:
         planes = opt.voter.votes_into_planes(first.device, group_of(first))
         if first.hybrid:
             delta = opt.voter.sharded_vote(pieces, s, first.replicas, first.device, "step (FSDP1 hybrid: the "
-                                           "replicas' all-reduce)", opt.fused_for, replicated=True,
+                                           "replicas' all-reduce)", step_vote.fused_verdicts(opt), replicated=True,
                                            into_planes=planes)
         else:
-            delta = opt.voter.sharded_vote(pieces, s, first.group, first.device, "step (FSDP1)", opt.fused_for,
-                                           into_planes=planes)
+            delta = opt.voter.sharded_vote(pieces, s, first.group, first.device, "step (FSDP1)",
+                                           step_vote.fused_verdicts(opt), into_planes=planes)
         delta_of = lion_math.delta_views(delta, planes)
         for _, base in zip(run, bases):
             deltas.append(lambda at, n, base=base, delta_of=delta_of: delta_of(base + at, n))
@@ -442,14 +442,15 @@ def _state_changes(unit: _Unit, grad: torch.Tensor, delta):
     s, base = unit.shard_numel, unit.base
     origin = base if unit.hybrid else 0
     momenta, applies = [], []
+    fused_for = step_vote.fused_verdicts(opt)
     for (off, numel, group, _), start, end in _segments(unit):
         coefs = lion_math.Coefs(group)
         gs, ms = grad[start - origin : end - origin], m[start - origin : end - origin]
-        momenta.append((gs, ms, coefs, opt.fused_for(ms, gs)))
+        momenta.append((gs, ms, coefs, fused_for(ms, gs)))
         lo, hi = max(off, base), min(off + numel, base + s)
         if lo < hi:
             xs, ds = x[lo - base : hi - base], delta(lo - base, hi - lo)
-            applies.append((xs, ds, coefs, opt.fused_for(xs, ds)))
+            applies.append((xs, ds, coefs, fused_for(xs, ds)))
     return momenta, applies
 
 
@@ -458,6 +459,7 @@ def no_shard_entries(att) -> list:
     original parameter's segment of the flat parameter."""
     opt = att.opt
     entries = []
+    fused_for = step_vote.fused_verdicts(opt)
     for unit in att.units:
         fp = unit.flat_param
         if unit.sharded or fp.grad is None:
@@ -469,7 +471,7 @@ def no_shard_entries(att) -> list:
             )
         for off, numel, group, _ in unit.segments:
             gs, xs, ms = g[off : off + numel], x[off : off + numel], m[off : off + numel]
-            entries.append(step_vote.Entry(xs, gs, ms, lion_math.Coefs(group), opt.fused_for(xs, gs)))
+            entries.append(step_vote.Entry(xs, gs, ms, lion_math.Coefs(group), fused_for(xs, gs)))
     return entries
 
 
