@@ -453,6 +453,8 @@ def main(argv=None):
                 text += f" ({v['ratio_to_plain']:.2f}x {k.split('_')[0]}_plain)"
             if v.get("device_busy_ms_per_step") is not None and v.get("host_syncs_per_step") is not None:
                 text += f" (device busy {v['device_busy_ms_per_step']:.1f} ms, {v['host_syncs_per_step']} syncs)"
+            if "diagnostics_error" in v:
+                text += f" (diagnostics failed: {v['diagnostics_error'][:80]})"
             return text + (f" ({v['device_events_per_step']} events)" if v["device_events_per_step"] else "")
 
         figure += ", ".join(describe(k, v) for k, v in steps.items() if k != "floor")
