@@ -458,6 +458,19 @@ def main(argv=None):
             return text + (f" ({v['device_events_per_step']} events)" if v["device_events_per_step"] else "")
 
         figure += ", ".join(describe(k, v) for k, v in steps.items() if k != "floor")
+        # Where each kind's step left the device idle, and what the host did meanwhile (its log).
+        traces = os.path.join(r.out, "traces")
+        found = sorted(os.listdir(traces)) if os.path.isdir(traces) else []
+        paths = [os.path.join(traces, n) for n in found if n.endswith(".trace.json.gz")]
+        summary_path = os.path.join(r.out, "trace_summary.json")
+        cmd = [py, "tools/trace_summary.py", *paths, "--json", summary_path]
+        if paths and r.run(step, "trace-summary", cmd, timeout=60)[0] == 0:
+            summaries = {os.path.basename(k): v for k, v in json.load(open(summary_path)).items()}
+            r.figures["trace_summary"] = summaries
+            idle = [f"{n.split('train_step_')[-1].split('_cuda')[0]} {v['idle_ms']:.1f}"
+                    for n, v in summaries.items() if v["device_events"]]
+            if idle:
+                figure += "; device idle ms in the traced step: " + ", ".join(idle)
         if gpu:
             step.status, step.figure = "passed", figure
         else:
@@ -520,8 +533,8 @@ def main(argv=None):
     if args.bundle:
         import tarfile
 
-        extra = [n for n in ("verdicts.json", "equality.json", "lion_step.json", "train_step.json")
-                 if os.path.exists(os.path.join(r.out, n))]
+        extra = [n for n in ("verdicts.json", "equality.json", "lion_step.json", "train_step.json",
+                             "trace_summary.json") if os.path.exists(os.path.join(r.out, n))]
         folders = ["logs"] + [n for n in ("traces",) if os.path.isdir(os.path.join(r.out, n))]
         with tarfile.open(os.path.join(r.out, "logs.tgz"), "w:gz") as tar:
             for name in folders + extra:

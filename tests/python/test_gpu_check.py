@@ -79,6 +79,8 @@ def test_gpu_check_cpu_mode(tmp_path):
     assert traces == sorted(f"train_step_{k}_cpu.trace.json.gz" for k in train["results"]), traces
     with gzip.open(tmp_path / "traces" / "train_step_fsdp2_cpu.trace.json.gz") as f:
         assert "Optimizer.step#DistributedLion.step" in f.read().decode()
+    summaries = res["figures"]["trace_summary"]  # tools/trace_summary.py over them (no device events here)
+    assert set(summaries) == set(traces) and all(s["host_events"] > 0 for s in summaries.values()), summaries
     assert checks["cpu hsdp vote: ranks agree"] and checks["hsdp: the runs moved the parameters"], checks
     assert (tmp_path / "ddp_step_cpu.txt").read_text().count("lionbit") >= 1
     assert (tmp_path / "ddp_step_cpu.trace.json.gz").stat().st_size > 0
@@ -114,3 +116,40 @@ def test_extension_exports_no_libstdcxx():
     if leaked is None:
         pytest.skip("no nm on this machine")
     assert leaked == []
+
+
+def test_trace_summary_finds_the_gaps_and_who_made_them(tmp_path):
+    """tools/trace_summary.py on a GPU step's trace (made up here: a CPU run has no device
+    events): the device's busy ms counts overlapping kernels once, the idle gaps are the
+    complement within the step, each gap names the host work under it (a sync on the main
+    thread, the vote on lionbit's worker), and the sync calls are counted."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import trace_summary
+
+    def ev(cat, name, ts, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+    events = [
+        ev("cpu_op", "aten::mm", 0, 50),
+        ev("cuda_runtime", "cudaLaunchKernel", 10, 5),
+        ev("kernel", "gemm", 20, 1000, tid=7),
+        ev("kernel", "gemm_b", 500, 1000, tid=8),  # another stream, overlapping: counted once
+        ev("cuda_runtime", "cudaStreamSynchronize", 1500, 3000),  # main thread waits...
+        ev("user_annotation", "lionbit::issue", 1600, 2600, tid=2),  # ...on the worker's vote
+        ev("kernel", "vote", 4500, 200, tid=7),
+        ev("cpu_op", "Optimizer.step#DistributedLion.step", 4700, 1300),
+        ev("gpu_memcpy", "Memcpy DtoH", 6000, 100, tid=7),
+    ]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events + [{"ph": "M", "name": "process_name"}]}, f)
+    s = trace_summary.summarize(trace_summary._events(str(path)), gaps=5, min_gap_ms=0.2)
+    assert s["span_ms"] == pytest.approx(6.1) and s["busy_ms"] == pytest.approx(1.78)
+    assert s["idle_ms"] == pytest.approx(6.1 - 1.78)
+    assert [round(g["ms"], 2) for g in s["gaps"]] == [3.0, 1.3]  # 1.5-4.5 ms and 4.7-6.0 ms (the 20 us lead: too short)
+    first = s["gaps"][0]["host"]
+    assert first[0] == {"name": "cudaStreamSynchronize", "tid": 1, "ms": pytest.approx(3.0)}
+    assert first[1] == {"name": "lionbit::issue", "tid": 2, "ms": pytest.approx(2.6)}
+    assert s["gaps"][1]["host"][0]["name"] == "Optimizer.step#DistributedLion.step"
+    assert s["syncs"] == {"cudaStreamSynchronize": {"calls": 1, "ms": pytest.approx(3.0)}}
+    assert "gap of 3.00 ms" in trace_summary.describe(s)
