@@ -55,6 +55,8 @@ import torch.nn.functional as F
 import lionbit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import trace_summary  # noqa: E402  (tools/: a trace's busy time, the same union as there)
 from gpu_lion_step import device_allocs, lion_foreach, timed_split  # noqa: E402  (bench/ on the path first)
 
 
@@ -137,15 +139,7 @@ def build(kind, shape, device):
 def union_ms(ranges) -> float:
     """The ms covered by the union of (start, end) ranges in microseconds:
     how long the device was busy, however its events overlap."""
-    busy, end = 0.0, None
-    for a, b in sorted(ranges):
-        if end is None or a > end:
-            busy += b - a
-            end = b
-        elif b > end:
-            busy += b - end
-            end = b
-    return busy / 1e3
+    return sum(b - a for a, b in trace_summary.merged(ranges)) / 1e3
 
 
 def host_syncs(step):

@@ -39,8 +39,8 @@ def _events(path: str) -> list:
     return [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
 
 
-def _union(ranges):
-    """Sorted, merged (start, end) ranges."""
+def merged(ranges) -> list:
+    """(start, end) ranges sorted and merged where they overlap: the time they cover, once."""
     merged = []
     for a, b in sorted(ranges):
         if merged and a <= merged[-1][1]:
@@ -60,14 +60,14 @@ def summarize(events, gaps: int = 5, min_gap_ms: float = 0.2) -> dict:
         return {**out, "span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": [], "syncs": {}}
     start = min(e["ts"] for e in timed)
     end = max(e["ts"] + e["dur"] for e in timed)
-    busy = _union((e["ts"], e["ts"] + e["dur"]) for e in device)
+    busy = merged((e["ts"], e["ts"] + e["dur"]) for e in device)
     out["span_ms"] = (end - start) / 1e3
     out["busy_ms"] = sum(b - a for a, b in busy) / 1e3
     idle, at = [], start
     for a, b in busy:
         if a > at:
             idle.append((at, a))
-        at = max(at, b)
+        at = b
     if device and end > at:
         idle.append((at, end))
     out["idle_ms"] = sum(b - a for a, b in idle) / 1e3 if device else 0.0

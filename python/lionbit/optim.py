@@ -150,8 +150,8 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
     def coefs_of(self, p: torch.Tensor) -> lion_math.Coefs:
         return lion_math.Coefs(self.param_group_of()[p])
 
-    def fused_for(self, p: torch.Tensor, g: torch.Tensor, allowed: Optional[bool] = None) -> bool:
-        # allowed: kernel_choice.fused_lion_allowed(p.device), asked once by a caller of many tensors
+    def fused_for(self, p: torch.Tensor, g: torch.Tensor) -> bool:
+        # (a step of many tensors asks once a kind of pair: step_vote.fused_verdicts)
         ok = p.is_contiguous() and g.is_contiguous() and _fused_dtypes(p.dtype, g.dtype, self.momentum_dtype)
         if self.fused and not ok:
             raise ValueError(
@@ -160,7 +160,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
                 f"float32/bfloat16 momentum)")
         if not (ok if self.fused is None else self.fused):
             return False
-        return kernel_choice.fused_lion_allowed(p.device) if allowed is None else allowed
+        return kernel_choice.fused_lion_allowed(p.device)
 
     def check_param(self, p: torch.Tensor, where: str) -> None:
         if p.grad is not None and p.grad.is_sparse:
