@@ -74,7 +74,10 @@ def main(argv=None):
                                             kernel_choice.LIST_CHECKS["cuda"][2])}
         lists = {name: (check, c.candidate) for name, (check, c) in lists.items()}
     else:
-        def direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update):
+        def direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts=None, lengths=None):
+            if starts is not None:  # FSDP's chunks: the views the spans stand for
+                gs = [g.view(-1)[a : a + k] for g, a, k in zip(gs, starts, lengths)]
+                ms = [m.view(-1)[a : a + k] for m, a, k in zip(ms, starts, lengths)]
             for g, m, off in zip(gs, ms, offsets):
                 if sign is None:
                     scratch = torch.zeros((g.numel() + 63) // 64 * 8, dtype=torch.uint8)

@@ -134,15 +134,21 @@ def check_direction(candidate: Callable, device, seed: int = 0) -> Optional[str]
 
 def check_direction_list(candidate: Callable, device, seed: int = 0) -> Optional[str]:
     """Runs ``candidate(gs, ms, b1, omb1, b2, omb2, sign, zero, counts,
-    bit_offsets, update_momentum)`` (the fused direction over a list of
-    tensors in one launch, their bits end to end in one pair of planes, so
-    that neighbours share plane words; with sign None the momentum update
-    alone) against the torch path tensor by tensor; returns the first case
-    that differs, or None."""
+    bit_offsets, update_momentum, starts=None, lengths=None)`` (the fused
+    direction over a list of tensors in one launch, their bits end to end in
+    one pair of planes, so that neighbours share plane words; with sign None
+    the momentum update alone; with starts and lengths, elements [start,
+    start + length) of each pair, FSDP's chunks) against the torch path
+    tensor by tensor (on views, for spans); returns the first case that
+    differs, or None."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     coefs = lion_math.Coefs({"betas": (0.9, 0.99), "lr": CHECK_LR, "weight_decay": 0.0})
-    b1, omb1, b2, omb2 = coefs.values[:4]
+    # Whole tensors, then spans of them (FSDP's chunks, in shard order, not
+    # the tensors'): an empty one, odd starts, spans that cross words.
+    whole = [(i, 0, n) for i, n in enumerate(CHECK_SIZES)]
+    spans = [(3, 3, 500), (1, 2, 5), (3, 503, 0), (2, 0, 67), (3, 503, 526), (0, 0, 1)]
+    updated = [(3, 0, 3), (2, 1, 66), (3, 503, 526)]  # disjoint: the momentum update's
     with torch.no_grad():
         for gdt in CHECK_DTYPES:
             for mdt in (torch.float32, torch.bfloat16):
@@ -150,36 +156,58 @@ def check_direction_list(candidate: Callable, device, seed: int = 0) -> Optional
                 pairs[-1][0][3], pairs[-1][0][5] = float("inf"), float("nan")
                 gs = [g.to(device) for g, _ in pairs]
                 ms = [m.to(device) for _, m in pairs]
-                offsets, off = [], 5
-                for g in gs:
-                    offsets.append(off)
-                    off += g.numel()
-                nbytes = lion_math.plane_bytes(off) + 8
-                planes = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(4)]
-                counts = torch.zeros(2, dtype=torch.int64, device=device)
-                got_ms = [m.clone() for m in ms]
-                candidate(gs, got_ms, b1, omb1, b2, omb2, planes[0], planes[1], counts, offsets, False)
-                zeros = bad = 0
-                for g, m, at in zip(gs, ms, offsets):
-                    c = lion_math.direction(g, m, coefs)
-                    _C.pack_signs_into(c, planes[2], planes[3], at)
-                    zeros += int((c == 0).sum())
-                    bad += int((~torch.isfinite(c)).sum())
-                case = f"{_name(gdt)} gradients, {_name(mdt)} momenta, sizes {CHECK_SIZES}"
-                if not (torch.equal(planes[0], planes[2]) and torch.equal(planes[1], planes[3])):
-                    return case + ": direction bits"
-                if int(counts[0]) != zeros or int(counts[1]) != bad:
-                    return case + ": counts"
-                if any(not torch.equal(a, b) for a, b in zip(got_ms, ms)):
-                    return case + ": momentum written"
-                candidate(gs, got_ms, b1, omb1, b2, omb2, None, None, None, [0] * len(gs), True)
-                bits = torch.int32 if mdt == torch.float32 else torch.int16
-                for g, m, got in zip(gs, ms, got_ms):
-                    want = m.clone()
-                    lion_math.update_momentum(g, want, coefs, False, None)
-                    same_nan = torch.isnan(got) & torch.isnan(want)  # NaN payloads are not the contract
-                    if not bool((same_nan | (got.view(bits) == want.view(bits))).all()):
-                        return case + ": momentum"
+                for cuts, moved, layout in ((whole, whole, ""), (spans, updated, ", spans")):
+                    case = f"{_name(gdt)} gradients, {_name(mdt)} momenta, sizes {CHECK_SIZES}{layout}"
+                    wrong = _direction_list_differs(candidate, gs, ms, coefs, cuts, moved, bool(layout))
+                    if wrong:
+                        return f"{case}: {wrong}"
+    return None
+
+
+def _direction_list_differs(candidate: Callable, gs, ms, coefs, cuts, moved, spans: bool) -> Optional[str]:
+    """One layout of :func:`check_direction_list`: ``cuts`` (tensor, start,
+    length) packed end to end from bit 5 (neighbours share plane words),
+    then the momentum update of the disjoint ``moved``; what differs
+    ("direction bits", "counts", "momentum written", "momentum") or None."""
+    b1, omb1, b2, omb2 = coefs.values[:4]
+    device = gs[0].device
+
+    def call(cs, ms_, sign, zero, counts, offsets, update):
+        pick = [i for i, _, _ in cs]
+        kw = {"starts": [a for _, a, _ in cs], "lengths": [k for *_, k in cs]} if spans else {}
+        candidate([gs[i] for i in pick], [ms_[i] for i in pick], b1, omb1, b2, omb2, sign, zero, counts, offsets,
+                  update, **kw)
+
+    offsets, off = [], 5
+    for *_, k in cuts:
+        offsets.append(off)
+        off += k
+    nbytes = lion_math.plane_bytes(off) + 8
+    planes = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(4)]
+    counts = torch.zeros(2, dtype=torch.int64, device=device)
+    got_ms = [m.clone() for m in ms]
+    call(cuts, got_ms, planes[0], planes[1], counts, offsets, False)
+    zeros = bad = 0
+    for (i, a, k), at in zip(cuts, offsets):
+        c = lion_math.direction(lion_math.span(gs[i], a, k), lion_math.span(ms[i], a, k), coefs)
+        _C.pack_signs_into(c, planes[2], planes[3], at)
+        zeros += int((c == 0).sum())
+        bad += int((~torch.isfinite(c)).sum())
+    if not (torch.equal(planes[0], planes[2]) and torch.equal(planes[1], planes[3])):
+        return "direction bits"
+    if int(counts[0]) != zeros or int(counts[1]) != bad:
+        return "counts"
+    if any(not torch.equal(a, b) for a, b in zip(got_ms, ms)):
+        return "momentum written"
+    call(moved, got_ms, None, None, None, [0] * len(moved), True)
+    want_ms = [m.clone() for m in ms]
+    for i, a, k in moved:
+        lion_math.update_momentum(lion_math.span(gs[i], a, k), lion_math.span(want_ms[i], a, k), coefs, False, None)
+    bits = torch.int32 if ms[0].dtype == torch.float32 else torch.int16
+    for got, want in zip(got_ms, want_ms):
+        same_nan = torch.isnan(got) & torch.isnan(want)  # NaN payloads are not the contract
+        if not bool((same_nan | (got.view(bits) == want.view(bits))).all()):
+            return "momentum"
     return None
 
 
@@ -284,9 +312,10 @@ def _lion_direction_device(g, m, b1, omb1, b2, omb2, sign, zero, counts, bit_off
                                   update_momentum=update_momentum)
 
 
-def _lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, bit_offsets, update_momentum) -> None:
+def _lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, bit_offsets, update_momentum,
+                                starts=None, lengths=None) -> None:
     _C.lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, bit_offsets,
-                                  update_momentum=update_momentum)
+                                  update_momentum=update_momentum, starts=starts, lengths=lengths)
 
 
 def _lion_apply_list_device(xs, deltas, lr, decay) -> None:

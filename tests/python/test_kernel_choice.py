@@ -6,6 +6,7 @@ off and changes no bit of a run; the packers' device checks."""
 import hashlib
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,32 +119,72 @@ def test_the_direction_check_passes_the_right_kernel_and_names_wrong_ones():
 # -- the list kernels' checks (a launch for many tensors) -----------------------------
 
 
-def _right_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update):
+def _spans(gs, ms, starts, lengths):
+    """The pairs of a list call as the views its spans stand for."""
+    if starts is None:
+        return gs, ms
+    return ([g.view(-1)[a : a + k] for g, a, k in zip(gs, starts, lengths)],
+            [m.view(-1)[a : a + k] for m, a, k in zip(ms, starts, lengths)])
+
+
+def _right_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts=None, lengths=None):
     """The CPU fused direction tensor by tensor: what a list kernel must give."""
+    gs, ms = _spans(gs, ms, starts, lengths)
     for g, m, off in zip(gs, ms, offsets):
         if sign is None:
-            scratch = torch.zeros(lion_math_plane_bytes(g.numel()), dtype=torch.uint8)
+            scratch = torch.zeros(lion_math_plane_bytes(g.numel()) + 8, dtype=torch.uint8)
             _C.lion_direction_into(g, m, b1, omb1, b2, omb2, scratch, scratch.clone(), 0, update_momentum=True)
         else:
             _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update)
 
 
-def _neighbours_overwritten(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update):
+def _neighbours_overwritten(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, **spans):
     """Each tensor packed into fresh planes whose whole words are stored: a
     tensor's edge word loses its neighbour's bits (a plain store where an
     atomic was needed)."""
     if sign is None:
-        return _right_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update)
-    for g, m, off in zip(gs, ms, offsets):
+        return _right_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, **spans)
+    for g, m, off in zip(*_spans(gs, ms, spans.get("starts"), spans.get("lengths")), offsets):
         s, z = torch.zeros_like(sign), torch.zeros_like(zero)
         _right_direction(g, m, b1, omb1, b2, omb2, s, z, counts, off, update)
         first, end = off // 8, (off + g.numel() + 7) // 8
         sign[first:end], zero[first:end] = s[first:end], z[first:end]
 
 
-def _momentum_update_skips_the_last(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update):
+def _momentum_update_skips_the_last(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, **spans):
     n = len(gs) - 1 if sign is None else len(gs)
-    _right_direction_list(gs[:n], ms[:n], b1, omb1, b2, omb2, sign, zero, counts, offsets[:n], update)
+    spans = {key: v[:n] for key, v in spans.items()}
+    _right_direction_list(gs[:n], ms[:n], b1, omb1, b2, omb2, sign, zero, counts, offsets[:n], update, **spans)
+
+
+def _cpu_list_kernel(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts=None, lengths=None):
+    """The CPU's list kernel (which returns the non-finite count and counts no
+    zeros) in the device list kernels' form."""
+    if sign is None:
+        _C.lion_direction_list(gs, ms, b1, omb1, b2, omb2, None, None, offsets, update_momentum=update,
+                               starts=starts, lengths=lengths)
+        return
+    before = int(np.unpackbits(zero.numpy()).sum())
+    counts[1] += _C.lion_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, offsets, update_momentum=update,
+                                        starts=starts, lengths=lengths)
+    counts[0] += int(np.unpackbits(zero.numpy()).sum()) - before
+
+
+def _starts_ignored(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts=None, lengths=None):
+    """Each span read from its tensor's first element (a table whose data
+    pointers were not moved by the span's start)."""
+    starts = None if starts is None else [0] * len(starts)
+    _right_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts, lengths)
+
+
+def _spans_updated_whole(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts=None, lengths=None):
+    """The momentum update of whole tensors where spans were asked for."""
+    if sign is None:
+        starts = lengths = None
+        seen = {id(m): (g, m) for g, m in zip(gs, ms)}
+        gs, ms = [g for g, _ in seen.values()], [m for _, m in seen.values()]
+        offsets = [0] * len(gs)
+    _right_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts, lengths)
 
 
 def lion_math_plane_bytes(n):
@@ -162,9 +203,13 @@ def _apply_list_misses_the_second(xs, deltas, lr, decay):
 def test_the_list_checks_pass_right_kernels_and_name_wrong_ones():
     assert kernel_choice.check_direction_list(_right_direction_list, "cpu") is None
     assert kernel_choice.check_apply_list(_right_apply_list, "cpu") is None
-    for wrong, what in ((_neighbours_overwritten, ": direction bits"), (_momentum_update_skips_the_last, ": momentum")):
+    assert kernel_choice.check_direction_list(_cpu_list_kernel, "cpu") is None
+    for wrong, layout, what in ((_neighbours_overwritten, "(1, 7, 67, 1029): ", "direction bits"),
+                                (_momentum_update_skips_the_last, "(1, 7, 67, 1029): ", "momentum"),
+                                (_starts_ignored, ", spans: ", "direction bits"),
+                                (_spans_updated_whole, ", spans: ", "momentum")):
         case = kernel_choice.check_direction_list(wrong, "cpu")
-        assert case is not None and case.endswith(what) and "sizes" in case, (wrong.__name__, case)
+        assert case is not None and case.endswith(layout + what), (wrong.__name__, case)
     case = kernel_choice.check_apply_list(_apply_list_misses_the_second, "cpu")
     assert case is not None and "deltas, sizes" in case
     check = kernel_choice.FirstUseCheck("broken_list", _neighbours_overwritten, kernel_choice.check_direction_list,
