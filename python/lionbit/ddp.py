@@ -71,8 +71,14 @@ class _BucketVote:
         self.bad = 0  # this rank's non-finite directions in the bucket counted on the host
         self.tally = None  # and on a GPU the device tally of the rest (read at step(), not in the hook)
 
-    def nonfinite(self) -> int:
-        return self.bad + (int(self.tally) if self.tally is not None else 0)
+
+def _nonfinite(votes) -> int:
+    """This rank's non-finite directions in ``votes``: the host's counts and,
+    on a GPU, the buckets' device tallies summed there and read in one round
+    trip (one host sync a step, not one a bucket)."""
+    tallies = [bv.tally.view(-1) for bv in votes if bv.tally is not None]
+    device = int(torch.cat(tallies).sum()) if len(tallies) > 1 else int(tallies[0]) if tallies else 0
+    return sum(bv.bad for bv in votes) + device
 
 
 class _HookSlot:
@@ -277,7 +283,7 @@ class DDPAttachment(Attachment):
                     for p in bv.params
                 )
             )
-            changed, bad_ranks, refused = _agree(self.group, changed, sum(bv.nonfinite() for bv in started))
+            changed, bad_ranks, refused = _agree(self.group, changed, _nonfinite(started))
             if refused:
                 # Their hooks' calls were rejected: the votes fail with the backend's error, naming them.
                 err = _drain(started)

@@ -485,6 +485,34 @@ def test_the_gpu_branches_launch_once_a_dtype_pair_and_match_the_cpu(monkeypatch
         assert torch.equal(y.as_subclass(torch.Tensor), _apply_reference(x, d, k)), i
 
 
+def test_ddps_step_reads_its_buckets_device_tallies_in_one_round_trip():
+    """On a GPU each DDP bucket's pack leaves its non-finite count in a device
+    tally; step()'s agreement needs their sum on the host: one read (a host
+    sync) a step, not one a bucket. Reads counted as ATen's scalar reads."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lionbit import ddp
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    votes = []
+    for bad, tally in ((1, None), (0, torch.tensor([3])), (2, torch.tensor([0])), (0, torch.tensor([4]))):
+        bv = ddp._BucketVote()
+        bv.bad, bv.tally = bad, tally
+        votes.append(bv)
+    with Reads() as reads:
+        assert ddp._nonfinite(votes) == 10
+    assert reads.n == 1
+    assert ddp._nonfinite(votes[:2]) == 4 and ddp._nonfinite(votes[:1]) == 1 and ddp._nonfinite([]) == 0
+
+
 def test_without_the_list_calls_the_per_tensor_kernels_give_the_same_bits(monkeypatch):
     """Where the list kernels may not run (on a GPU whose list check failed),
     the step falls back to the fused kernels tensor by tensor, which make their
