@@ -5,22 +5,25 @@
 // contracts into an FMA (the library is also built with --fmad=false), and
 // float16 / bfloat16 conversions done on the bit patterns, never flushing.
 //
-//  * lion_direction: as pack_signs, a warp makes kWordsPerWarpIter words of
-//    the sign and zero planes at a time: whole groups with g and m at 16-byte
-//    boundaries by the vector path (lane l: 8 elements in 16-byte loads and
-//    stores, shuffles join the bytes), the others by the ballot path (lane l:
+//  * lion_direction: as pack_signs, a warp makes kDirGroups groups of
+//    kWordsPerWarpIter words of the sign and zero planes at a time
+//    (optimizer/lion_warp.cuh): whole groups with g and m at 16-byte
+//    boundaries by the vector path (lane l: 8 elements a group in 16-byte
+//    loads and stores, kDirBatch groups' loads in flight at once, shuffles
+//    join the bytes), the others by the ballot path (lane l:
 //    elements l and l + 32 of a word, coalesced loads of g and m, coalesced
 //    store of m unless the momentum is only read, two ballots per plane); the
 //    boundary words read-modify-written; the zero / non-finite tallies summed
 //    per block, one atomic per block.
 //  * lion_apply_dense: a block per unit of kApplyUnit elements and iteration:
-//    16-byte loads and stores of 8 elements a thread where the unit is whole
-//    and x and delta aligned, else 8 elements a thread kBlockThreads apart.
+//    16-byte loads and stores of kApplyGroups groups of 8 elements a thread
+//    where the unit is whole and x and delta aligned (every group's loads
+//    first), else kApplyDenseUnroll elements a thread kBlockThreads apart.
 #include "optimizer/lion_cuda.h"
 
+#include "optimizer/lion_warp.cuh"
 #include "signbits/cuda/element.cuh"
 #include "signbits/cuda/launch.cuh"
-#include "signbits/cuda/warp_planes.cuh"
 
 namespace lionbit::optim::cuda {
 namespace {
@@ -33,7 +36,8 @@ using cd::kBlockThreads;
 using cd::kMinBlocksPerSm;
 using cd::kWarpsPerBlock;
 
-constexpr int kDirUnroll = cd::kWordsPerWarpIter;
+// Plane words a warp takes per iteration of the grid loop (optimizer/lion_warp.cuh).
+constexpr size_t kDirUnitWords = size_t{cd::kDirGroups} * cd::kWordsPerWarpIter;
 static_assert(cd::kApplyThreads == kBlockThreads, "an apply unit is one block's");
 
 template <DType G, DType M>
@@ -48,33 +52,13 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) direction_kern
     size_t nwords,
     Counts* counts,
     bool write_m) {
-  const unsigned lane = threadIdx.x & 31u;
   const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
   unsigned long long zeros = 0, nans = 0;
   const bool vec = cd::direction_vec_aligned<G, M>(g, m, o);
-  for (size_t k0 = warp * kDirUnroll; k0 < nwords; k0 += nwarps * kDirUnroll) {
-    if (vec && cd::group_full(k0, o, n)) { // warp-uniform
-      const cd::Frag fr = cd::lion_direction_vec<G, M>(g, m, o, k0, lane, k, write_m);
-      cd::tally_frag(fr, &zeros, &nans);
-      const cd::WordPair wp = cd::join_fragments(fr);
-      if ((lane & 7u) == 0) {
-        cd::commit_word(sign, k0 + lane / 8, o, n, wp.sign);
-        cd::commit_word(zero, k0 + lane / 8, o, n, wp.zero);
-      }
-      continue;
-    }
-    unsigned f[kDirUnroll];
-    cd::lion_direction_group<G, M>(g, m, n, o, k0, nwords, lane, k, f, write_m);
-#pragma unroll
-    for (int u = 0; u < kDirUnroll; ++u) {
-      cd::tally_flags(f[u], &zeros, &nans);
-      const cd::WordPair wp = cd::ballot_planes(f[u]);
-      if (lane == static_cast<unsigned>(u) && k0 + u < nwords) {
-        cd::commit_word(sign, k0 + u, o, n, wp.sign);
-        cd::commit_word(zero, k0 + u, o, n, wp.zero);
-      }
-    }
+  for (size_t k0 = warp * kDirUnitWords; k0 < nwords; k0 += nwarps * kDirUnitWords) {
+    warp_unit::direction_words<G, M, false>(
+        g, m, n, o, k0, nwords, vec, k, sign, zero, write_m, &zeros, &nans);
   }
   if (counts != nullptr) {
     cd::add_counts(counts, zeros, nans);
@@ -97,7 +81,7 @@ void launch_direction(
   const size_t first = bit_offset / 64;
   const size_t nwords = cd::words_out(o, n);
   static const int resident = cd::resident_blocks(direction_kernel<G, M>);
-  const unsigned grid = cd::grid_for(nwords, size_t{kWarpsPerBlock} * kDirUnroll, resident);
+  const unsigned grid = cd::grid_for(nwords, size_t{kWarpsPerBlock} * kDirUnitWords, resident);
   direction_kernel<G, M><<<grid, kBlockThreads, 0, stream>>>(
       static_cast<const typename FloatStore<G>::U*>(g), static_cast<typename FloatStore<M>::U*>(m),
       n, k, sign + first, zero + first, o, nwords, counts, write_m);

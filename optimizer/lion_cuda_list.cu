@@ -1,19 +1,18 @@
 // The fused Lion kernels over a list of tensors in one launch
 // (optimizer/lion_cuda.h, "lists"): the per-tensor kernels of lion_cuda.cu
 // with a grid loop over the list's work units instead of one tensor's. A
-// unit is a group of kWordsPerWarpIter plane words of one tensor (the
-// direction: one warp) or kApplyUnit elements (the apply: one block); the table gives each tensor's
-// first unit, and a warp or block finds its tensor with segment_of (a binary search over a table
-// the size of a model's parameter list, cached). The arithmetic and the
-// lanes' bodies are element.cuh's, so each tensor's bits and values are the
-// per-tensor kernel's; the only difference is the planes' edge words, which
-// two tensors of one launch may share (commit_word_shared).
+// unit is kDirUnitWords plane words of one tensor (the direction: one warp,
+// optimizer/lion_warp.cuh) or kApplyUnit elements (the apply: one block); the table gives each
+// tensor's first unit, and a warp or block finds its tensor with segment_of (a binary search over a
+// table the size of a model's parameter list, cached). The arithmetic and the lanes' bodies are
+// element.cuh's, so each tensor's bits and values are the per-tensor kernel's; the only difference
+// is the planes' edge words, which two tensors of one launch may share (commit_word_shared).
 #include "optimizer/lion_cuda.h"
 #include "optimizer/lion_list.cuh"
 
+#include "optimizer/lion_warp.cuh"
 #include "signbits/cuda/element.cuh"
 #include "signbits/cuda/launch.cuh"
-#include "signbits/cuda/warp_planes.cuh"
 
 namespace lionbit::optim::cuda {
 namespace {
@@ -26,7 +25,6 @@ using cd::kBlockThreads;
 using cd::kMinBlocksPerSm;
 using cd::kWarpsPerBlock;
 
-using list_detail::kDirUnroll;
 static_assert(list_detail::kApplyThreads == kBlockThreads, "an apply unit is one block's");
 
 template <DType G, DType M>
@@ -39,37 +37,18 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) direction_list
     uint64_t* zero,
     Counts* counts,
     bool write_m) {
-  const unsigned lane = threadIdx.x & 31u;
   const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
   unsigned long long zeros = 0, nans = 0;
   for (uint64_t u = warp; u < units; u += nwarps) {
     const DirectionUnit d = direction_unit(segs, count, u);
-    const size_t n = static_cast<size_t>(d.seg.n);
     const auto* g = static_cast<const typename FloatStore<G>::U*>(d.seg.g);
     auto* m = static_cast<typename FloatStore<M>::U*>(d.seg.m);
     const size_t first = static_cast<size_t>(d.seg.bit_offset / 64);
-    if (cd::direction_vec_aligned<G, M>(g, m, d.o) && cd::group_full(d.k0, d.o, n)) {
-      const cd::Frag fr = cd::lion_direction_vec<G, M>(g, m, d.o, d.k0, lane, k, write_m);
-      cd::tally_frag(fr, &zeros, &nans);
-      const cd::WordPair wp = cd::join_fragments(fr);
-      if (sign != nullptr && (lane & 7u) == 0) {
-        cd::commit_word_shared(sign + first, d.k0 + lane / 8, d.o, n, wp.sign);
-        cd::commit_word_shared(zero + first, d.k0 + lane / 8, d.o, n, wp.zero);
-      }
-      continue;
-    }
-    unsigned f[kDirUnroll];
-    cd::lion_direction_group<G, M>(g, m, n, d.o, d.k0, d.nwords, lane, k, f, write_m);
-#pragma unroll
-    for (int i = 0; i < kDirUnroll; ++i) {
-      cd::tally_flags(f[i], &zeros, &nans);
-      const cd::WordPair wp = cd::ballot_planes(f[i]);
-      if (sign != nullptr && lane == static_cast<unsigned>(i) && d.k0 + i < d.nwords) {
-        cd::commit_word_shared(sign + first, d.k0 + i, d.o, n, wp.sign);
-        cd::commit_word_shared(zero + first, d.k0 + i, d.o, n, wp.zero);
-      }
-    }
+    warp_unit::direction_words<G, M, true>(
+        g, m, static_cast<size_t>(d.seg.n), d.o, d.k0, d.nwords,
+        cd::direction_vec_aligned<G, M>(g, m, d.o), k, sign != nullptr ? sign + first : nullptr,
+        zero != nullptr ? zero + first : nullptr, write_m, &zeros, &nans);
   }
   if (counts != nullptr) {
     cd::add_counts(counts, zeros, nans);

@@ -35,9 +35,11 @@ struct ApplySeg {
 
 namespace list_detail {
 
-// A direction unit: a warp's group of plane words (as lion_cuda.cu's grid
-// loop); an apply unit: one block's kApplyUnit elements (element.cuh).
-constexpr int kDirUnroll = lionbit::cuda::detail::kWordsPerWarpIter;
+// A direction unit: a warp's kDirGroups groups of plane words (as
+// lion_cuda.cu's grid loop, optimizer/lion_warp.cuh); an apply unit: one
+// block's kApplyUnit elements (element.cuh).
+constexpr size_t kDirUnitWords = size_t{lionbit::cuda::detail::kDirGroups} *
+    lionbit::cuda::detail::kWordsPerWarpIter;
 constexpr unsigned kApplyThreads = lionbit::cuda::detail::kApplyThreads;
 constexpr uint64_t kApplyUnit = lionbit::cuda::detail::kApplyUnit;
 
@@ -51,7 +53,7 @@ inline uint64_t direction_units(DirectionSeg* segs, size_t count) {
     if (segs[i].n > 0) {
       const size_t words = lionbit::cuda::detail::words_out(
           static_cast<unsigned>(segs[i].bit_offset % 64), static_cast<size_t>(segs[i].n));
-      units += (words + list_detail::kDirUnroll - 1) / list_detail::kDirUnroll;
+      units += (words + list_detail::kDirUnitWords - 1) / list_detail::kDirUnitWords;
     }
   }
   return units;
@@ -80,7 +82,7 @@ LIONBIT_HD DirectionUnit direction_unit(const DirectionSeg* segs, size_t count, 
   d.seg = segs[lionbit::cuda::detail::segment_of(segs, count, u)];
   d.o = static_cast<unsigned>(d.seg.bit_offset % 64);
   d.nwords = lionbit::cuda::detail::words_out(d.o, static_cast<size_t>(d.seg.n));
-  d.k0 = static_cast<size_t>(u - d.seg.first) * list_detail::kDirUnroll;
+  d.k0 = static_cast<size_t>(u - d.seg.first) * list_detail::kDirUnitWords;
   return d;
 }
 

@@ -28,10 +28,11 @@ from . import _C, lion_math, user_warning
 ENV = "LIONBIT_KERNELS"
 CHOICES = ("auto", "custom", "aten")
 
-#: Parameter and delta dtypes, sizes (not whole vectors or words) and weight
-#: decays the first-use check runs.
+#: Parameter and delta dtypes, sizes (not whole vectors or words; the last
+#: holds two whole units of the GPU apply kernels' vector path, 4096 elements
+#: each, and a tail) and weight decays the first-use check runs.
 CHECK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-CHECK_SIZES = (1, 7, 67, 1029)
+CHECK_SIZES = (1, 7, 67, 1029, 8259)
 CHECK_DECAYS = (0.0, 0.1)
 CHECK_LR = 3e-3
 
@@ -147,13 +148,13 @@ def check_direction_list(candidate: Callable, device, seed: int = 0) -> Optional
     # Whole tensors, then spans of them (FSDP's chunks, in shard order, not
     # the tensors'): an empty one, odd starts, spans that cross words.
     whole = [(i, 0, n) for i, n in enumerate(CHECK_SIZES)]
-    spans = [(3, 3, 500), (1, 2, 5), (3, 503, 0), (2, 0, 67), (3, 503, 526), (0, 0, 1)]
-    updated = [(3, 0, 3), (2, 1, 66), (3, 503, 526)]  # disjoint: the momentum update's
+    spans = [(3, 3, 500), (1, 2, 5), (3, 503, 0), (2, 0, 67), (3, 503, 526), (0, 0, 1), (4, 64, 8000)]
+    updated = [(3, 0, 3), (2, 1, 66), (3, 503, 526), (4, 64, 8000)]  # disjoint: the momentum update's
     with torch.no_grad():
         for gdt in CHECK_DTYPES:
             for mdt in (torch.float32, torch.bfloat16):
                 pairs = [_inputs(n, gdt, mdt, gen) for n in CHECK_SIZES]
-                pairs[-1][0][3], pairs[-1][0][5] = float("inf"), float("nan")
+                pairs[3][0][3], pairs[3][0][5] = float("inf"), float("nan")
                 gs = [g.to(device) for g, _ in pairs]
                 ms = [m.to(device) for _, m in pairs]
                 for cuts, moved, layout in ((whole, whole, ""), (spans, updated, ", spans")):
@@ -166,8 +167,9 @@ def check_direction_list(candidate: Callable, device, seed: int = 0) -> Optional
 
 def _direction_list_differs(candidate: Callable, gs, ms, coefs, cuts, moved, spans: bool) -> Optional[str]:
     """One layout of :func:`check_direction_list`: ``cuts`` (tensor, start,
-    length) packed end to end from bit 5 (neighbours share plane words),
-    then the momentum update of the disjoint ``moved``; what differs
+    length) packed end to end from bit 5 (neighbours share plane words; a
+    long one from the next plane word), then the momentum update of the
+    disjoint ``moved``; what differs
     ("direction bits", "counts", "momentum written", "momentum") or None."""
     b1, omb1, b2, omb2 = coefs.values[:4]
     device = gs[0].device
@@ -180,6 +182,8 @@ def _direction_list_differs(candidate: Callable, gs, ms, coefs, cuts, moved, spa
 
     offsets, off = [], 5
     for *_, k in cuts:
+        if k > 4096:  # a long one from a plane word: the GPU's vector path, several groups at once
+            off = (off + 63) // 64 * 64
         offsets.append(off)
         off += k
     nbytes = lion_math.plane_bytes(off) + 8

@@ -307,13 +307,18 @@ LIONBIT_HD unsigned lion_direction_lane(
   return f;
 }
 
-// True when the kWordsPerWarpIter-word group from word k0 is made of whole
-// words inside the launch (every bit an element): the kernels then issue all
-// the group's loads before using any (memory-level parallelism), without
+// True when the kWordsPerWarpIter-word group from word k0 (groups_full: the
+// `groups` groups from word k0) is made of whole words inside the launch (every bit an element):
+// the kernels then issue all the group's loads before using any (memory-level parallelism), without
 // per-element bounds checks. Element of bit lane + 32 * i of the group:
 // k0 * 64 - o + lane + 32 * i.
+LIONBIT_HD bool groups_full(size_t k0, unsigned o, size_t n, int groups) {
+  return (k0 > 0 || o == 0) &&
+      (k0 + static_cast<size_t>(groups) * kWordsPerWarpIter) * 64 <= static_cast<size_t>(o) + n;
+}
+
 LIONBIT_HD bool group_full(size_t k0, unsigned o, size_t n) {
-  return (k0 > 0 || o == 0) && (k0 + kWordsPerWarpIter) * 64 <= static_cast<size_t>(o) + n;
+  return groups_full(k0, o, n, 1);
 }
 
 // pack: the lane's flags for the words k0 .. k0 + kWordsPerWarpIter - 1.
@@ -559,45 +564,119 @@ LIONBIT_HD void put8(uint32_t (&w)[2 * sizeof(typename FloatStore<D>::U)], int i
   }
 }
 
-// pack: lane `lane`'s Frag of the vector group from word k0.
+// Vector groups a lane loads before it uses any (the word-per-warp kernels'
+// batches: group b from word k0 + b * kWordsPerWarpIter), from the bytes its
+// loads of one group take: at least 64 bytes in flight a lane. On an H200
+// (4 blocks of 256 threads an SM) these kernels ran at a share of the copy
+// bandwidth that followed the bytes a lane had in flight: 16 bytes 21 %, 32
+// bytes 40 %, 64 bytes 87-92 % (docs/benchmarks/gpu_check_h200_5.json): the
+// memory's latency under load wants about 64 KB in flight an SM.
+template <size_t LaneBytes>
+constexpr int kVecBatch = LaneBytes >= 64 ? 1 : (LaneBytes >= 32 ? 2 : 4);
+
+// Vector groups a warp of pack_signs takes per iteration of its grid loop
+// (signbits/cuda/pack.cu), their loads in flight at once: 4 of 2-byte
+// values, 2 of float32, 1 where only the ballot path runs.
 template <DType D>
-LIONBIT_HD Frag pack_vec(const typename Elem<D>::U* src, unsigned o, size_t k0, unsigned lane) {
-  uint32_t w[2 * sizeof(typename Elem<D>::U)];
-  load8<sizeof(typename Elem<D>::U)>(src + (k0 * 64 - o + kVecLane * lane), w);
-  return classify8<D>(w);
+constexpr int kPackGroups = kVecDtype<D> ? kVecBatch<kVecLane * sizeof(typename Elem<D>::U)> : 1;
+
+// The first of lane `lane`'s 8 elements in vector group b of a batch from
+// word k0 (group b from word k0 + b * kWordsPerWarpIter).
+LIONBIT_HD size_t vec_elem(size_t k0, int b, unsigned o, unsigned lane) {
+  return (k0 + static_cast<size_t>(b) * kWordsPerWarpIter) * 64 - o + kVecLane * lane;
 }
 
-// lion_direction: lane `lane`'s Frag of the vector group from word k0 (the
-// new momentum written when write_m); nans counts non-finite c, as the flags.
-template <DType G, DType M>
-LIONBIT_HD Frag lion_direction_vec(
+// pack: lane `lane`'s Frags of the B vector groups from word k0, every
+// group's loads issued before any is classified.
+template <DType D, int B>
+LIONBIT_HD void pack_vec_batch(
+    const typename Elem<D>::U* src,
+    unsigned o,
+    size_t k0,
+    unsigned lane,
+    Frag* fr) {
+  constexpr size_t S = sizeof(typename Elem<D>::U);
+  uint32_t w[B][2 * S];
+  LIONBIT_UNROLL
+  for (int b = 0; b < B; ++b) {
+    load8<S>(src + vec_elem(k0, b, o, lane), w[b]);
+  }
+  LIONBIT_UNROLL
+  for (int b = 0; b < B; ++b) {
+    fr[b] = classify8<D>(w[b]);
+  }
+}
+
+// lion_direction: lane `lane`'s Frags of the B vector groups from word k0
+// (the new momentum written when write_m), every group's loads issued before
+// any math; nans counts non-finite c, as the flags.
+template <DType G, DType M, int B>
+LIONBIT_HD void lion_direction_vec_batch(
     const typename FloatStore<G>::U* g,
     typename FloatStore<M>::U* m,
     unsigned o,
     size_t k0,
     unsigned lane,
     const LionCoefs& c,
-    bool write_m) {
+    bool write_m,
+    Frag* fr) {
   constexpr size_t SG = sizeof(typename FloatStore<G>::U);
   constexpr size_t SM = sizeof(typename FloatStore<M>::U);
-  const size_t e0 = k0 * 64 - o + kVecLane * lane;
-  uint32_t gw[2 * SG], mw[2 * SM], out[2 * SM];
-  load8<SG>(g + e0, gw);
-  load8<SM>(m + e0, mw);
-  Frag f{0, 0, 0};
+  uint32_t gw[B][2 * SG], mw[B][2 * SM];
   LIONBIT_UNROLL
-  for (int i = 0; i < kVecLane; ++i) {
-    float mn;
-    const unsigned fl = lion_direction_math(value8<G>(gw, i), value8<M>(mw, i), c, &mn);
-    put8<M>(out, i, mn);
-    f.sign |= (fl & kPos) << i;
-    f.zero |= ((fl & kZero) >> 1) << i;
-    f.nans += (fl & kNan) >> 2;
+  for (int b = 0; b < B; ++b) {
+    load8<SG>(g + vec_elem(k0, b, o, lane), gw[b]);
+    load8<SM>(m + vec_elem(k0, b, o, lane), mw[b]);
   }
-  if (write_m) {
-    store8<SM>(m + e0, out);
+  LIONBIT_UNROLL
+  for (int b = 0; b < B; ++b) {
+    uint32_t out[2 * SM];
+    Frag f{0, 0, 0};
+    LIONBIT_UNROLL
+    for (int i = 0; i < kVecLane; ++i) {
+      float mn;
+      const unsigned fl = lion_direction_math(value8<G>(gw[b], i), value8<M>(mw[b], i), c, &mn);
+      put8<M>(out, i, mn);
+      f.sign |= (fl & kPos) << i;
+      f.zero |= ((fl & kZero) >> 1) << i;
+      f.nans += (fl & kNan) >> 2;
+    }
+    if (write_m) {
+      store8<SM>(m + vec_elem(k0, b, o, lane), out);
+    }
+    fr[b] = f;
   }
-  return f;
+}
+
+// Vector groups a lion_direction batch loads at once (kVecBatch of g's and
+// m's bytes): 1 for float32 / float32, 2 otherwise.
+template <DType G, DType M>
+constexpr int kDirBatch =
+    kVecBatch<kVecLane*(sizeof(typename FloatStore<G>::U) + sizeof(typename FloatStore<M>::U))>;
+
+// Vector groups of a lion_direction work unit (a warp's, per iteration of
+// the grid loop; optimizer/lion_warp.cuh): kDirBatch groups at a time.
+constexpr int kDirGroups = 2;
+
+// lion_direction: lane `lane`'s Frags of the `Groups` vector groups from word
+// k0, kDirBatch<G, M> groups' loads at a time.
+template <DType G, DType M, int Groups>
+LIONBIT_HD void lion_direction_vec_groups(
+    const typename FloatStore<G>::U* g,
+    typename FloatStore<M>::U* m,
+    unsigned o,
+    size_t k0,
+    unsigned lane,
+    const LionCoefs& c,
+    bool write_m,
+    Frag* fr) {
+  constexpr int B = kDirBatch<G, M> < Groups ? kDirBatch<G, M> : Groups;
+  static_assert(Groups % B == 0, "a unit is whole batches");
+  LIONBIT_UNROLL
+  for (int b = 0; b < Groups; b += B) {
+    lion_direction_vec_batch<G, M, B>(
+        g, m, o, k0 + static_cast<size_t>(b) * kWordsPerWarpIter, lane, c, write_m, fr + b);
+  }
 }
 
 // The vector path's condition for lion_direction's buffers (both aligned).
@@ -900,12 +979,22 @@ LIONBIT_HD void unpack_vec(
 
 // lion_apply_dense works in units of kApplyUnit elements, a block's
 // (kApplyThreads threads) per iteration of its grid loop. A whole unit of
-// 16-byte aligned x and delta: thread t updates its 8 elements 8t .. 8t + 7
-// of the unit in 16-byte loads and stores (the vector path); any other unit
-// (a tensor's last, or unaligned buffers) elements t + u * kApplyThreads.
+// 16-byte aligned x and delta: thread t updates kApplyGroups groups of 8
+// elements, group b at elements 8 (b * kApplyThreads + t) .. + 7 of the unit
+// (apply_vec_first; a warp's 16-byte accesses of one group side by side),
+// every group's loads issued before any math (as kVecBatch: a bfloat16 pair
+// has 64 bytes in flight a thread); any other unit (a tensor's last, or
+// unaligned buffers) elements t + u * kApplyThreads, a group's
+// (kApplyDenseUnroll of them) at a time.
 constexpr unsigned kApplyThreads = 256;
-constexpr int kApplyDenseUnroll = kVecLane;
-constexpr size_t kApplyUnit = size_t{kApplyThreads} * kApplyDenseUnroll;
+constexpr int kApplyGroups = 2;
+constexpr int kApplyDenseUnroll = kVecLane; // the other units: elements a thread a group
+constexpr size_t kApplyUnit = size_t{kApplyThreads} * kVecLane * kApplyGroups;
+
+// The first element of thread t's group b of the apply unit from `first`.
+LIONBIT_HD size_t apply_vec_first(size_t first, int b, unsigned t) {
+  return first + (static_cast<size_t>(b) * kApplyThreads + t) * kVecLane;
+}
 
 // The elements i0 + u * step, u < kApplyDenseUnroll (loads first, then the
 // math and the stores).
@@ -963,18 +1052,29 @@ LIONBIT_HD void lion_apply_unit(
   if (vec && first + kApplyUnit <= n) {
     constexpr size_t SX = sizeof(typename FloatStore<X>::U);
     constexpr size_t SD = sizeof(typename FloatStore<Dl>::U);
-    const size_t e = first + size_t{kVecLane} * t;
-    uint32_t xw[2 * SX], dw[2 * SD], out[2 * SX];
-    load8<SX>(x + e, xw);
-    load8<SD>(delta + e, dw);
+    uint32_t xw[kApplyGroups][2 * SX], dw[kApplyGroups][2 * SD];
     LIONBIT_UNROLL
-    for (int i = 0; i < kVecLane; ++i) {
-      put8<X>(out, i, lion_apply_math(value8<X>(xw, i), decay, mul_rn(lr, value8<Dl>(dw, i))));
+    for (int b = 0; b < kApplyGroups; ++b) {
+      load8<SX>(x + apply_vec_first(first, b, t), xw[b]);
+      load8<SD>(delta + apply_vec_first(first, b, t), dw[b]);
     }
-    store8<SX>(x + e, out);
+    LIONBIT_UNROLL
+    for (int b = 0; b < kApplyGroups; ++b) {
+      uint32_t out[2 * SX];
+      LIONBIT_UNROLL
+      for (int i = 0; i < kVecLane; ++i) {
+        put8<X>(
+            out, i, lion_apply_math(value8<X>(xw[b], i), decay, mul_rn(lr, value8<Dl>(dw[b], i))));
+      }
+      store8<SX>(x + apply_vec_first(first, b, t), out);
+    }
     return;
   }
-  lion_apply_dense_group<X, Dl>(x, delta, n, first + t, kApplyThreads, lr, decay);
+  LIONBIT_UNROLL
+  for (int b = 0; b < kApplyGroups; ++b) {
+    lion_apply_dense_group<X, Dl>(
+        x, delta, n, first + size_t{kApplyThreads} * kVecLane * b + t, kApplyThreads, lr, decay);
+  }
 }
 
 // Delta from a vote's result planes (the sign all-reduce's out_planes): the
@@ -996,9 +1096,10 @@ LIONBIT_HD uint32_t plane_byte(const uint64_t* plane, uint64_t bit) {
 }
 
 // lion_apply_unit with Delta from the planes: element i's code at bit
-// bit0 + i. The vector path (vec: x on a 16-byte boundary) reads each
-// thread's 8 codes as a byte of each plane and its 8 values in 16-byte
-// loads; the planes are 1/8 of a bfloat16 Delta's bytes.
+// bit0 + i. The vector path (vec: x on a 16-byte boundary) reads each of a
+// thread's groups' 8 codes as a byte of each plane and its 8 values in
+// 16-byte loads, every group's before any math; the planes are 1/8 of a
+// bfloat16 Delta's bytes.
 template <DType X>
 LIONBIT_HD void lion_apply_planes_unit(
     typename FloatStore<X>::U* x,
@@ -1013,21 +1114,29 @@ LIONBIT_HD void lion_apply_planes_unit(
     float decay) {
   if (vec && first + kApplyUnit <= n) {
     constexpr size_t SX = sizeof(typename FloatStore<X>::U);
-    const size_t e = first + size_t{kVecLane} * t;
-    const uint32_t s = plane_byte(sign, bit0 + e);
-    const uint32_t z = plane_byte(zero, bit0 + e);
-    uint32_t xw[2 * SX], out[2 * SX];
-    load8<SX>(x + e, xw);
+    uint32_t s[kApplyGroups], z[kApplyGroups], xw[kApplyGroups][2 * SX];
     LIONBIT_UNROLL
-    for (int i = 0; i < kVecLane; ++i) {
-      put8<X>(
-          out, i,
-          lion_apply_math(value8<X>(xw, i), decay, mul_rn(lr, planes_delta(s >> i, z >> i))));
+    for (int b = 0; b < kApplyGroups; ++b) {
+      const size_t e = apply_vec_first(first, b, t);
+      s[b] = plane_byte(sign, bit0 + e);
+      z[b] = plane_byte(zero, bit0 + e);
+      load8<SX>(x + e, xw[b]);
     }
-    store8<SX>(x + e, out);
+    LIONBIT_UNROLL
+    for (int b = 0; b < kApplyGroups; ++b) {
+      uint32_t out[2 * SX];
+      LIONBIT_UNROLL
+      for (int i = 0; i < kVecLane; ++i) {
+        put8<X>(
+            out, i,
+            lion_apply_math(
+                value8<X>(xw[b], i), decay, mul_rn(lr, planes_delta(s[b] >> i, z[b] >> i))));
+      }
+      store8<SX>(x + apply_vec_first(first, b, t), out);
+    }
     return;
   }
-  for (int u = 0; u < kApplyDenseUnroll; ++u) {
+  for (int u = 0; u < kApplyGroups * kVecLane; ++u) {
     const size_t i = first + t + static_cast<size_t>(u) * kApplyThreads;
     if (i < n) {
       const uint64_t b = bit0 + i;

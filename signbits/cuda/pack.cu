@@ -1,8 +1,9 @@
-// pack_signs on the GPU: a warp makes a group of kWordsPerWarpIter output
-// words at a time. A whole group of float32 / bfloat16 / float16 values at a
-// 16-byte boundary takes the vector path (element.cuh, "vector groups": lane
-// l reads 8 elements in 16-byte loads, shuffles join the lanes' bytes, lane 8w
-// writes word w); any other group (the launch's edges, int8, float64, an
+// pack_signs on the GPU: a warp makes kPackGroups groups of kWordsPerWarpIter
+// output words at a time. Whole groups of float32 / bfloat16 / float16
+// values at a 16-byte boundary take the vector path (element.cuh, "vector
+// groups": lane l reads 8 elements a group in 16-byte loads, every group's
+// loads in flight at once (kVecBatch), shuffles join the lanes' bytes, lane
+// 8w writes word w); any other group (the launch's edges, int8, float64, an
 // unaligned tensor) the ballot path: lane l classifies elements l and l + 32
 // of each word (two coalesced loads), two 32-bit ballots give the word, lane u
 // writes word u. Only the first and last word of a launch are
@@ -28,33 +29,46 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) pack_kernel(
     unsigned o,
     size_t nwords,
     Counts* counts) {
+  constexpr int B = kPackGroups<D>;
+  constexpr size_t kUnitWords = size_t{B} * kPackUnroll;
   const unsigned lane = threadIdx.x & 31u;
   const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
   unsigned long long zeros = 0, nans = 0;
   const bool vec = kVecDtype<D> && vec_aligned<sizeof(typename Elem<D>::U)>(src, o);
-  for (size_t k0 = warp * kPackUnroll; k0 < nwords; k0 += nwarps * kPackUnroll) {
+  for (size_t k0 = warp * kUnitWords; k0 < nwords; k0 += nwarps * kUnitWords) {
     if constexpr (kVecDtype<D>) {
-      if (vec && group_full(k0, o, n)) { // warp-uniform
-        const Frag fr = pack_vec<D>(src, o, k0, lane);
-        tally_frag(fr, &zeros, &nans);
-        const WordPair wp = join_fragments(fr);
-        if ((lane & 7u) == 0) {
-          commit_word(sign, k0 + lane / 8, o, n, wp.sign);
-          commit_word(zero, k0 + lane / 8, o, n, wp.zero);
-        }
+      if (vec && groups_full(k0, o, n, B)) { // warp-uniform
+        Frag fr[B];
+        pack_vec_batch<D, B>(src, o, k0, lane, fr);
+        commit_frags<false>(fr, B, k0, o, n, sign, zero, &zeros, &nans);
         continue;
       }
     }
-    unsigned f[kPackUnroll];
-    pack_group<D>(src, n, o, k0, nwords, lane, f);
+#pragma unroll 1 // the edges' path: one copy of its body
+    for (int b = 0; b < B; ++b) {
+      const size_t k = k0 + static_cast<size_t>(b) * kPackUnroll;
+      if (k >= nwords) {
+        break;
+      }
+      if constexpr (kVecDtype<D>) {
+        if (vec && group_full(k, o, n)) {
+          Frag fr[1];
+          pack_vec_batch<D, 1>(src, o, k, lane, fr);
+          commit_frags<false>(fr, 1, k, o, n, sign, zero, &zeros, &nans);
+          continue;
+        }
+      }
+      unsigned f[kPackUnroll];
+      pack_group<D>(src, n, o, k, nwords, lane, f);
 #pragma unroll
-    for (int u = 0; u < kPackUnroll; ++u) {
-      tally_flags(f[u], &zeros, &nans);
-      const WordPair wp = ballot_planes(f[u]);
-      if (lane == static_cast<unsigned>(u) && k0 + u < nwords) {
-        commit_word(sign, k0 + u, o, n, wp.sign);
-        commit_word(zero, k0 + u, o, n, wp.zero);
+      for (int u = 0; u < kPackUnroll; ++u) {
+        tally_flags(f[u], &zeros, &nans);
+        const WordPair wp = ballot_planes(f[u]);
+        if (lane == static_cast<unsigned>(u) && k + u < nwords) {
+          commit_word(sign, k + u, o, n, wp.sign);
+          commit_word(zero, k + u, o, n, wp.zero);
+        }
       }
     }
   }
@@ -76,7 +90,8 @@ void launch_pack(
   const size_t first = bit_offset / 64;
   const size_t nwords = words_out(o, n);
   static const int resident = resident_blocks(pack_kernel<D>);
-  const unsigned grid = grid_for(nwords, size_t{kWarpsPerBlock} * kPackUnroll, resident);
+  const unsigned grid = grid_for(
+      nwords, size_t{kWarpsPerBlock} * kPackUnroll * kPackGroups<D>, resident);
   pack_kernel<D><<<grid, kBlockThreads, 0, stream>>>(
       static_cast<const typename Elem<D>::U*>(src), n, sign + first, zero + first, o, nwords,
       counts);

@@ -39,4 +39,47 @@ __device__ __forceinline__ WordPair join_fragments(const Frag& f) {
   return {join_bytes(f.sign), join_bytes(f.zero)};
 }
 
+// Word k of a plane: stored (Shared: as the list kernels store a word that
+// another tensor of the launch may share, commit_word_shared).
+template <bool Shared>
+__device__ __forceinline__ void commit(
+    uint64_t* plane,
+    size_t k,
+    unsigned o,
+    size_t n,
+    uint64_t v) {
+  if constexpr (Shared) {
+    commit_word_shared(plane, k, o, n, v);
+  } else {
+    commit_word(plane, k, o, n, v);
+  }
+}
+
+// The lanes' Frags of `count` vector groups from word k0 (group b from word
+// k0 + b * kWordsPerWarpIter): tallied, joined and stored (without planes,
+// sign null: tallied only).
+template <bool Shared>
+__device__ __forceinline__ void commit_frags(
+    const Frag* fr,
+    int count,
+    size_t k0,
+    unsigned o,
+    size_t n,
+    uint64_t* sign,
+    uint64_t* zero,
+    unsigned long long* zeros,
+    unsigned long long* nans) {
+  const unsigned lane = threadIdx.x & 31u;
+#pragma unroll
+  for (int b = 0; b < count; ++b) {
+    tally_frag(fr[b], zeros, nans);
+    const WordPair wp = join_fragments(fr[b]);
+    if (sign != nullptr && (lane & 7u) == 0) {
+      const size_t k = k0 + static_cast<size_t>(b) * kWordsPerWarpIter + lane / 8;
+      commit<Shared>(sign, k, o, n, wp.sign);
+      commit<Shared>(zero, k, o, n, wp.zero);
+    }
+  }
+}
+
 } // namespace lionbit::cuda::detail

@@ -204,8 +204,9 @@ def test_the_list_checks_pass_right_kernels_and_name_wrong_ones():
     assert kernel_choice.check_direction_list(_right_direction_list, "cpu") is None
     assert kernel_choice.check_apply_list(_right_apply_list, "cpu") is None
     assert kernel_choice.check_direction_list(_cpu_list_kernel, "cpu") is None
-    for wrong, layout, what in ((_neighbours_overwritten, "(1, 7, 67, 1029): ", "direction bits"),
-                                (_momentum_update_skips_the_last, "(1, 7, 67, 1029): ", "momentum"),
+    whole = f"{kernel_choice.CHECK_SIZES}: "
+    for wrong, layout, what in ((_neighbours_overwritten, whole, "direction bits"),
+                                (_momentum_update_skips_the_last, whole, "momentum"),
                                 (_starts_ignored, ", spans: ", "direction bits"),
                                 (_spans_updated_whole, ", spans: ", "momentum")):
         case = kernel_choice.check_direction_list(wrong, "cpu")
