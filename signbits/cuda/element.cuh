@@ -781,28 +781,42 @@ LIONBIT_HD uint64_t transpose8x8(uint64_t x) {
 }
 
 // pack_levels' vector path (vector groups, above): lane `lane`'s 8 values of
-// the group from word k0 (c + k0 * 64 - o on a 16-byte boundary). Byte b of
-// the result holds bit b of each value's level u (bit i: value i), the
-// planes' bits; *bad counts the non-finite values.
-LIONBIT_HD uint64_t levels_vec(
+// each of the B groups from word k0 (group b from word k0 + b *
+// kWordsPerWarpIter; c + k0 * 64 - o on a 16-byte boundary), every group's
+// loads issued before any is quantized. Byte b of bytes[g] holds bit b of
+// each value's level u in group g (bit i: value i), the planes' bits; *bad
+// counts the non-finite values.
+template <int B>
+LIONBIT_HD void levels_vec_batch(
     const float* c,
     unsigned o,
     size_t k0,
     unsigned lane,
     double factor,
     int s,
-    unsigned* bad) {
-  uint32_t w[8];
-  load8<4>(c + (k0 * 64 - o + kVecLane * lane), w);
-  uint64_t rows = 0; // byte i: value i's level (< 2^8: p <= 8)
+    unsigned* bad,
+    uint64_t* bytes) {
+  uint32_t w[B][8];
   LIONBIT_UNROLL
-  for (int i = 0; i < kVecLane; ++i) {
-    unsigned b = 0;
-    rows |= static_cast<uint64_t>(level_of(bits_f32(w[i]), factor, s, &b)) << (8 * i);
-    *bad += b;
+  for (int g = 0; g < B; ++g) {
+    load8<4>(c + vec_elem(k0, g, o, lane), w[g]);
   }
-  return transpose8x8(rows);
+  LIONBIT_UNROLL
+  for (int g = 0; g < B; ++g) {
+    uint64_t rows = 0; // byte i: value i's level (< 2^8: p <= 8)
+    LIONBIT_UNROLL
+    for (int i = 0; i < kVecLane; ++i) {
+      unsigned b = 0;
+      rows |= static_cast<uint64_t>(level_of(bits_f32(w[g][i]), factor, s, &b)) << (8 * i);
+      *bad += b;
+    }
+    bytes[g] = transpose8x8(rows);
+  }
 }
+
+// Vector groups a warp of pack_levels takes per iteration of its grid loop,
+// their loads in flight at once (kVecBatch of float32's 32 bytes a lane).
+constexpr int kLevelGroups = kVecBatch<kVecLane * sizeof(float)>;
 
 // Plane b's word of one warp's level flags (the host emulation of the two
 // ballots the kernel takes per plane).

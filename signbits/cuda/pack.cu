@@ -98,13 +98,39 @@ void launch_pack(
   check_launch("pack_signs");
 }
 
-// pack_levels: a warp makes a group of kWordsPerWarpIter words of each plane
-// at a time. A whole group of values from a 16-byte boundary: lane l reads 8
-// values in two 16-byte loads, transposes their levels into a byte a plane
-// (levels_vec), shuffles join each plane's bytes (join_bytes) and lane 8w ORs
-// word w in. Other groups, word by word: lane l quantizes elements l and
-// l + 32 of the word, two ballots per plane give plane b's word, and lane b
-// ORs it in (p <= 8 lanes store).
+// The lanes' level bytes of `count` vector groups from word k0 (levels_vec_batch):
+// each plane's bytes joined, and lane 8w ORs word w of the group in.
+__device__ __forceinline__ void or_level_groups(
+    const uint64_t* bytes,
+    int count,
+    size_t k0,
+    int p,
+    uint64_t* planes,
+    size_t plane_words,
+    unsigned o,
+    size_t n) {
+  const unsigned lane = threadIdx.x & 31u;
+#pragma unroll
+  for (int g = 0; g < count; ++g) {
+    for (int b = 0; b < p; ++b) {
+      const uint64_t w = join_bytes(static_cast<uint32_t>(bytes[g] >> (8 * b)) & 0xffu);
+      if ((lane & 7u) == 0) {
+        or_word(
+            planes + b * plane_words, k0 + static_cast<size_t>(g) * kWordsPerWarpIter + lane / 8, o,
+            n, w);
+      }
+    }
+  }
+}
+
+// pack_levels: a warp makes kLevelGroups groups of kWordsPerWarpIter words of
+// each plane at a time. Whole groups of values from a 16-byte boundary: lane
+// l reads 8 values a group in two 16-byte loads, every group's loads in
+// flight at once, transposes their levels into a byte a plane
+// (levels_vec_batch), shuffles join each plane's bytes (join_bytes) and lane
+// 8w ORs word w in. Other groups, word by word: lane l quantizes elements l
+// and l + 32 of the word, two ballots per plane give plane b's word, and lane
+// b ORs it in (p <= 8 lanes store).
 __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) pack_levels_kernel(
     const float* __restrict__ c,
     size_t n,
@@ -115,39 +141,51 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) pack_levels_ke
     unsigned o,
     size_t nwords,
     Counts* counts) {
+  constexpr size_t kUnitWords = size_t{kLevelGroups} * kWordsPerWarpIter;
   const unsigned lane = threadIdx.x & 31u;
   const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
   const int s = (1 << (p - 1)) - 1;
   const bool vec = vec_aligned<4>(c, o);
   unsigned long long bad = 0;
-  for (size_t k0 = warp * kWordsPerWarpIter; k0 < nwords; k0 += nwarps * kWordsPerWarpIter) {
-    if (vec && group_full(k0, o, n)) { // warp-uniform
+  for (size_t k0 = warp * kUnitWords; k0 < nwords; k0 += nwarps * kUnitWords) {
+    if (vec && groups_full(k0, o, n, kLevelGroups)) { // warp-uniform
       unsigned nonfinite = 0;
-      const uint64_t bytes = levels_vec(c, o, k0, lane, factor, s, &nonfinite);
+      uint64_t bytes[kLevelGroups];
+      levels_vec_batch<kLevelGroups>(c, o, k0, lane, factor, s, &nonfinite, bytes);
       bad += nonfinite;
-      for (int b = 0; b < p; ++b) {
-        const uint64_t w = join_bytes(static_cast<uint32_t>(bytes >> (8 * b)) & 0xffu);
-        if ((lane & 7u) == 0) {
-          or_word(planes + b * plane_words, k0 + lane / 8, o, n, w);
-        }
-      }
+      or_level_groups(bytes, kLevelGroups, k0, p, planes, plane_words, o, n);
       continue;
     }
-    for (size_t k = k0; k < k0 + kWordsPerWarpIter && k < nwords; ++k) {
-      const unsigned f = levels_lane(c, n, o, k, lane, factor, s);
-      bad += ((f >> 16) & 1u) + ((f >> 17) & 1u);
-      uint64_t mine = 0;
-      for (int b = 0; b < p; ++b) {
-        const uint64_t w = join_halves(
-            __ballot_sync(kFullMask, ((f >> b) & 1u) != 0),
-            __ballot_sync(kFullMask, ((f >> (8 + b)) & 1u) != 0));
-        if (lane == static_cast<unsigned>(b)) {
-          mine = w;
-        }
+#pragma unroll 1 // the edges' path: one copy of its body
+    for (int g = 0; g < kLevelGroups; ++g) {
+      const size_t kg = k0 + static_cast<size_t>(g) * kWordsPerWarpIter;
+      if (kg >= nwords) {
+        break;
       }
-      if (lane < static_cast<unsigned>(p)) {
-        or_word(planes + lane * plane_words, k, o, n, mine);
+      if (vec && group_full(kg, o, n)) {
+        unsigned nonfinite = 0;
+        uint64_t bytes[1];
+        levels_vec_batch<1>(c, o, kg, lane, factor, s, &nonfinite, bytes);
+        bad += nonfinite;
+        or_level_groups(bytes, 1, kg, p, planes, plane_words, o, n);
+        continue;
+      }
+      for (size_t k = kg; k < kg + kWordsPerWarpIter && k < nwords; ++k) {
+        const unsigned f = levels_lane(c, n, o, k, lane, factor, s);
+        bad += ((f >> 16) & 1u) + ((f >> 17) & 1u);
+        uint64_t mine = 0;
+        for (int b = 0; b < p; ++b) {
+          const uint64_t w = join_halves(
+              __ballot_sync(kFullMask, ((f >> b) & 1u) != 0),
+              __ballot_sync(kFullMask, ((f >> (8 + b)) & 1u) != 0));
+          if (lane == static_cast<unsigned>(b)) {
+            mine = w;
+          }
+        }
+        if (lane < static_cast<unsigned>(p)) {
+          or_word(planes + lane * plane_words, k, o, n, mine);
+        }
       }
     }
   }
@@ -176,7 +214,8 @@ void pack_levels(
   const size_t nwords = detail::words_out(o, n);
   static const int resident = detail::resident_blocks(detail::pack_levels_kernel);
   const unsigned grid = detail::grid_for(
-      nwords, size_t{detail::kWarpsPerBlock} * detail::kWordsPerWarpIter, resident);
+      nwords, size_t{detail::kWarpsPerBlock} * detail::kWordsPerWarpIter * detail::kLevelGroups,
+      resident);
   detail::pack_levels_kernel<<<grid, detail::kBlockThreads, 0, stream>>>(
       c, n, factor, p, planes + bit_offset / 64, plane_words, o, nwords, counts);
   detail::check_launch("pack_levels");

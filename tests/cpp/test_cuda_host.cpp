@@ -704,36 +704,51 @@ uint64_t emu_pack_levels(
   const int s = bits::level_span(p);
   constexpr size_t U = cd::kWordsPerWarpIter;
   const bool vec = cd::vec_aligned<4>(c, o);
+  constexpr int B = cd::kLevelGroups;
   uint64_t bad = 0;
-  for (size_t warp = 0; warp < nwarps; ++warp) {
-    for (size_t k0 = warp * U; k0 < nwords; k0 += nwarps * U) {
-      if (vec && cd::group_full(k0, o, n)) {
-        uint64_t bytes[32];
+  // C vector groups from word k0: every lane's bytes, each plane's words ORed in.
+  const auto vec_groups = [&](auto groups, size_t k0) {
+    constexpr int C = decltype(groups)::value;
+    uint64_t bytes[32][C];
+    for (unsigned lane = 0; lane < 32; ++lane) {
+      unsigned nonfinite = 0;
+      cd::levels_vec_batch<C>(c, o, k0, lane, factor, s, &nonfinite, bytes[lane]);
+      bad += nonfinite;
+    }
+    for (int g = 0; g < C; ++g) {
+      for (int b = 0; b < p; ++b) {
+        uint32_t plane[32];
         for (unsigned lane = 0; lane < 32; ++lane) {
-          unsigned nonfinite = 0;
-          bytes[lane] = cd::levels_vec(c, o, k0, lane, factor, s, &nonfinite);
-          bad += nonfinite;
+          plane[lane] = static_cast<uint32_t>(bytes[lane][g] >> (8 * b)) & 0xffu;
         }
-        for (int b = 0; b < p; ++b) {
-          uint32_t plane[32];
-          for (unsigned lane = 0; lane < 32; ++lane) {
-            plane[lane] = static_cast<uint32_t>(bytes[lane] >> (8 * b)) & 0xffu;
-          }
-          for (unsigned w = 0; w < U; ++w) { // lane 8w's store
-            cd::or_word(base + b * plane_words, k0 + w, o, n, cd::join_bytes_host(plane, w));
-          }
+        for (unsigned w = 0; w < U; ++w) { // lane 8w's store
+          cd::or_word(base + b * plane_words, k0 + g * U + w, o, n, cd::join_bytes_host(plane, w));
         }
-        ++g_vec_groups;
+      }
+      ++g_vec_groups;
+    }
+    g_vec_batches += C > 1 ? 1 : 0;
+  };
+  for (size_t warp = 0; warp < nwarps; ++warp) {
+    for (size_t k0 = warp * U * B; k0 < nwords; k0 += nwarps * U * B) {
+      if (vec && cd::groups_full(k0, o, n, B)) {
+        vec_groups(std::integral_constant<int, B>{}, k0);
         continue;
       }
-      for (size_t k = k0; k < k0 + U && k < nwords; ++k) {
-        unsigned f[32];
-        for (unsigned lane = 0; lane < 32; ++lane) {
-          f[lane] = cd::levels_lane(c, n, o, k, lane, factor, s);
-          bad += ((f[lane] >> 16) & 1u) + ((f[lane] >> 17) & 1u);
+      for (size_t kg = k0; kg < k0 + U * B && kg < nwords; kg += U) {
+        if (vec && cd::group_full(kg, o, n)) {
+          vec_groups(std::integral_constant<int, 1>{}, kg);
+          continue;
         }
-        for (int b = 0; b < p; ++b) { // lane b's store
-          cd::or_word(base + b * plane_words, k, o, n, cd::level_plane_host(f, b));
+        for (size_t k = kg; k < kg + U && k < nwords; ++k) {
+          unsigned f[32];
+          for (unsigned lane = 0; lane < 32; ++lane) {
+            f[lane] = cd::levels_lane(c, n, o, k, lane, factor, s);
+            bad += ((f[lane] >> 16) & 1u) + ((f[lane] >> 17) & 1u);
+          }
+          for (int b = 0; b < p; ++b) { // lane b's store
+            cd::or_word(base + b * plane_words, k, o, n, cd::level_plane_host(f, b));
+          }
         }
       }
     }
@@ -788,7 +803,7 @@ TEST(CudaHostLevels, LevelOfIsLevelValue) {
 // The emulated kernel at many offsets and grid sizes against
 // bits::pack_levels; bits outside the range (random) must be unchanged.
 TEST(CudaHostLevels, EmulatedKernelMatchesCpuAtEveryOffset) {
-  const size_t vec0 = g_vec_groups;
+  const size_t vec0 = g_vec_groups, batch0 = g_vec_batches;
   std::mt19937_64 rng(37);
   std::normal_distribution<float> normal(0.f, 2.f);
   for (int p : {2, 3, 4, 8}) {
@@ -825,6 +840,7 @@ TEST(CudaHostLevels, EmulatedKernelMatchesCpuAtEveryOffset) {
     }
   }
   EXPECT_GT(g_vec_groups, vec0) << "no vector group";
+  EXPECT_GT(g_vec_batches, batch0) << "no batch of groups";
 }
 
 // ----------------------------------------------------------------- count ----
