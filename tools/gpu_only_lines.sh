@@ -20,7 +20,7 @@ files=(
   signbits/cuda/count.cu signbits/cuda/pack.cu signbits/cuda/unpack.cu signbits/cuda/zero_lists.cu
   signbits/cuda/launch.cu
   signbits/cuda/launch.cuh signbits/cuda/warp_planes.cuh signbits/cuda/kernels.h
-  optimizer/lion_cuda.cu optimizer/lion_cuda_list.cu optimizer/lion_cuda.h
+  optimizer/lion_cuda.cu optimizer/lion_cuda_list.cu optimizer/lion_cuda.h optimizer/lion_warp.cuh
   backend/kernels_cuda.cpp backend/kernels_cuda.hpp backend/cuda_stream.cpp backend/cuda_stream.hpp
   bindings/kernel_bindings_cuda.cpp bindings/kernel_bindings_cuda.hpp
 )
