@@ -20,6 +20,7 @@ device-to-device copy bandwidth) and the kernel launches of one step (the
 profiler's device events; CUDA only).
 
     python bench/gpu_lion_step.py [--lists stack,gpt2-medium] [--params 1e9] [--device cuda] [--json FILE]
+                                  [--trace-dir DIR]
 
 Prints one line per method: median ms per step over --steps timed steps
 (after 3 warm-ups), the host's ms until step() returned (before the closing
@@ -27,7 +28,9 @@ device synchronisation: near the step's own ms, the step waits on the
 host), the ratio to torch Lion and to the floor, launches per step and
 device allocations (cudaMalloc) per warm step. Goals:
 DistributedLion <= 1.0x torch Lion on both lists; stretch <= 1.5x the
-floor.
+floor. --trace-dir writes each method's profiled step on each list as a
+gzipped Chrome trace (lion_step_LIST_METHOD_DEVICE.trace.json.gz), which
+tools/trace_summary.py reads: where the device waited and on what.
 """
 
 import argparse
@@ -41,6 +44,9 @@ import torch
 import torch.distributed as dist
 
 import lionbit
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import trace_summary  # noqa: E402  (tools/: the traces' writer)
 
 TORCH = "torch Lion (foreach, bf16 momentum)"
 
@@ -138,21 +144,39 @@ def copy_bandwidth(device, elements=256 << 20):
     return 2 * 2 * elements / (ms / 1e3)
 
 
-def launches(step, device):
-    """Device events (kernels, memcpys, memsets) of one step, from torch.profiler; None on CPU."""
-    if device.type != "cuda":
+def launches(step, device, trace=None):
+    """Device events (kernels, memcpys, memsets) of one step, from torch.profiler; None on CPU.
+    With ``trace`` (a path) that step's Chrome trace is written there, gzipped (on CPU too)."""
+    cuda = device.type == "cuda"
+    if not cuda and trace is None:
         return None
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
+    if cuda:
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    if trace is not None:
+        trace_summary.write_gz(prof, trace)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else None
 
 
-def run_list(name, shapes, device, steps, profile):
-    """The methods' ms per step and launches on one parameter list."""
+#: Each method's name in its trace's file name.
+TRACE_NAMES = {TORCH: "torch", "DistributedLion (bf16 momentum)": "distlion_bf16",
+               "DistributedLion (fp32 momentum, default)": "distlion_fp32",
+               "DistributedLion fused=False (bf16 momentum)": "distlion_unfused"}
+
+
+def run_list(name, shapes, device, steps, profile, trace_dir=None):
+    """The methods' ms per step and launches on one parameter list (with trace_dir, the
+    profiled step of each method written there as a gzipped Chrome trace)."""
+    def trace(label):
+        if trace_dir is None:
+            return None
+        return os.path.join(trace_dir, f"lion_step_{name}_{TRACE_NAMES[label]}_{device.type}.trace.json.gz")
+
     dtype = torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.randn(s, device=device, dtype=dtype, generator=gen) * 0.02 for s in shapes]
@@ -165,7 +189,7 @@ def run_list(name, shapes, device, steps, profile):
     momenta = [torch.zeros_like(p) for p in params]
     torch_step = lambda: lion_foreach(params, grads, momenta, lr, wd, *betas)  # noqa: E731
     ms[TORCH], host[TORCH] = timed_split(torch_step, device, steps)
-    launched[TORCH] = launches(torch_step, device)
+    launched[TORCH] = launches(torch_step, device, trace(TORCH))
     allocs = {TORCH: device_allocs(torch_step, device)}
     momenta.clear()
     for label, kwargs in (
@@ -178,7 +202,7 @@ def run_list(name, shapes, device, steps, profile):
             leaf.grad = g
         opt = lionbit.DistributedLion(leaves, lr=lr, betas=betas, weight_decay=wd, **kwargs)
         ms[label], host[label] = timed_split(opt.step, device, steps)
-        launched[label] = launches(opt.step, device)
+        launched[label] = launches(opt.step, device, trace(label))
         allocs[label] = device_allocs(opt.step, device)
         if profile and label == "DistributedLion (bf16 momentum)":
             profile_step(opt.step, device)
@@ -199,6 +223,7 @@ def main(argv=None):
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--profile", action="store_true",
                     help="also print torch.profiler's top operators of one DistributedLion step")
+    ap.add_argument("--trace-dir", help="write each method's profiled step here as a gzipped Chrome trace")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -220,7 +245,7 @@ def main(argv=None):
         print(f"gpu_lion_step: device-to-device copy {bandwidth / 1e9:.0f} GB/s (read + written)")
         for name in names:
             n, tensors, ms, host, launched, allocs = run_list(name, makers[name](), device, args.steps,
-                                                              args.profile)
+                                                              args.profile, args.trace_dir)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the list's tensors are gone with run_list's frame
             floor = 10 * n / bandwidth * 1e3

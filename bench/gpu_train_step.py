@@ -39,10 +39,8 @@ a gzipped Chrome trace.
 
 import argparse
 import collections
-import gzip
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -186,12 +184,7 @@ def profiled(kind, step, device, trace_dir, tables):
         events = len(kernels)
         busy = union_ms((e.time_range.start, e.time_range.end) for e in kernels)
     if trace_dir:
-        os.makedirs(trace_dir, exist_ok=True)
-        trace = os.path.join(trace_dir, f"train_step_{kind}_{device.type}.trace.json")
-        prof.export_chrome_trace(trace)
-        with open(trace, "rb") as raw, gzip.open(trace + ".gz", "wb") as packed:
-            shutil.copyfileobj(raw, packed)
-        os.remove(trace)
+        trace_summary.write_gz(prof, os.path.join(trace_dir, f"train_step_{kind}_{device.type}.trace.json.gz"))
     table = ""
     if tables:
         averages = prof.key_averages()

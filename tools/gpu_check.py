@@ -182,6 +182,17 @@ def libstdcxx_exports(shared_object):
     return [n for n in names if n.startswith(LIBSTDCXX_PREFIXES)]
 
 
+def trace_label(name: str) -> str:
+    """A bundled trace's short name: train_step_ddp_cuda.trace.json.gz -> ddp,
+    lion_step_stack_distlion_bf16_cuda.trace.json.gz -> lion stack distlion_bf16."""
+    stem = re.sub(r"_(cuda|cpu)\.trace\.json(\.gz)?$", "", name)
+    if stem.startswith("train_step_"):
+        return stem[len("train_step_"):]
+    if stem.startswith("lion_step_"):
+        return "lion " + stem[len("lion_step_"):].replace("_", " ", 1)
+    return stem
+
+
 def _tail(text, lines=3):
     """The last lines of a step's output, without the log's own first and last lines."""
     mine = [ln.strip() for ln in text.strip().splitlines() if ln.strip() and not ln.startswith(("$ ", "[exit "))]
@@ -384,7 +395,8 @@ def main(argv=None):
 
     def lion_step(step):
         path = os.path.join(r.out, "lion_step.json")
-        cmd = [py, "bench/gpu_lion_step.py", "--json", path]
+        # each method's profiled step on each list as a Chrome trace (bundled, summarized with train-step's)
+        cmd = [py, "bench/gpu_lion_step.py", "--json", path, "--trace-dir", os.path.join(r.out, "traces")]
         cmd += ["--params", "1e9"] if gpu else ["--device", "cpu", "--params", "4e6", "--steps", "3",
                                                 "--gpt2-width", "64"]
         rc, out = r.run(step, "lion-step", cmd, timeout=240)
@@ -467,8 +479,7 @@ def main(argv=None):
         if paths and r.run(step, "trace-summary", cmd, timeout=60)[0] == 0:
             summaries = {os.path.basename(k): v for k, v in json.load(open(summary_path)).items()}
             r.figures["trace_summary"] = summaries
-            idle = [f"{n.split('train_step_')[-1].split('_cuda')[0]} {v['idle_ms']:.1f}"
-                    for n, v in summaries.items() if v["device_events"]]
+            idle = [f"{trace_label(n)} {v['idle_ms']:.1f}" for n, v in summaries.items() if v["device_events"]]
             if idle:
                 figure += "; device idle ms in the traced step: " + ", ".join(idle)
         if gpu:

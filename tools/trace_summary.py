@@ -31,6 +31,20 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "cudaStreamWaitEvent_blocking")
 
 
+def write_gz(prof, path: str) -> None:
+    """Writes a torch.profiler profile as a gzipped Chrome trace at ``path``
+    (ending in .gz), the form this tool and `make gpu-check`'s bundle read."""
+    import os
+    import shutil
+
+    plain = path[: -len(".gz")] if path.endswith(".gz") else path
+    os.makedirs(os.path.dirname(os.path.abspath(plain)), exist_ok=True)
+    prof.export_chrome_trace(plain)
+    with open(plain, "rb") as raw, gzip.open(plain + ".gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    os.remove(plain)
+
+
 def _events(path: str) -> list:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:

@@ -74,11 +74,19 @@ def test_gpu_check_cpu_mode(tmp_path):
     # lionbit's own share: each wrapper against itself without lionbit.
     assert all(train["results"][k]["ratio_to_plain"] > 0 for k in ("ddp", "ddp_at_step", "fsdp2")), train["results"]
     assert "x ddp_plain)" in steps["train-step"]["figure"] or "no GPU" in steps["train-step"]["figure"]
-    # Each kind's profiled step as a Chrome trace, for a session without a GPU to read.
+    # Each kind's profiled step as a Chrome trace, for a session without a GPU to read, and
+    # each Lion step's method on each list.
     traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
-    assert traces == sorted(f"train_step_{k}_cpu.trace.json.gz" for k in train["results"]), traces
+    lion_traces = [f"lion_step_{name}_{m}_cpu.trace.json.gz" for name in ("stack", "gpt2-medium")
+                   for m in ("torch", "distlion_bf16", "distlion_fp32", "distlion_unfused")]
+    assert traces == sorted([f"train_step_{k}_cpu.trace.json.gz" for k in train["results"]] + lion_traces), traces
     with gzip.open(tmp_path / "traces" / "train_step_fsdp2_cpu.trace.json.gz") as f:
         assert "Optimizer.step#DistributedLion.step" in f.read().decode()
+    with gzip.open(tmp_path / "traces" / "lion_step_gpt2-medium_distlion_bf16_cpu.trace.json.gz") as f:
+        assert "Optimizer.step#DistributedLion.step" in f.read().decode()
+    gpu_check = _gpu_check_module()
+    assert [gpu_check.trace_label(n) for n in (traces[0], lion_traces[1])] == [
+        "lion gpt2-medium distlion_bf16", "lion stack distlion_bf16"]
     summaries = res["figures"]["trace_summary"]  # tools/trace_summary.py over them (no device events here)
     assert set(summaries) == set(traces) and all(s["host_events"] > 0 for s in summaries.values()), summaries
     assert checks["cpu hsdp vote: ranks agree"] and checks["hsdp: the runs moved the parameters"], checks
