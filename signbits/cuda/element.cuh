@@ -953,42 +953,56 @@ LIONBIT_HD S lut_pick(const S (&lut)[1 << NP], unsigned code) {
   }
 }
 
-// unpack, vector path (vector groups, above): lane `lane` writes the group's
-// elements 8l .. 8l + 7 from word k0 (the group whole, dst + k0 * 64 on a
-// 16-byte boundary) in 16-byte stores; their codes from its byte of each
-// plane word, their values from the LUT's entries in registers.
-template <typename S, int NP>
-LIONBIT_HD void unpack_vec(
+// Vector groups a warp of unpack takes per iteration of its grid loop: each
+// group's loads are 2 plane bytes a lane, its stores 16-32 bytes, so four
+// groups' plane words are read before any value is written (the one-group
+// kernel waited a load's latency for each 1 KB a warp wrote: 59 % of copy).
+constexpr int kUnpackGroups = 4;
+
+// unpack, vector path (vector groups, above): lane `lane` writes the
+// elements 8l .. 8l + 7 of each of the B groups from word k0 (group b from
+// word k0 + b * kWordsPerWarpIter; all whole, dst + k0 * 64 on a 16-byte
+// boundary) in 16-byte stores, every group's plane words read first; their
+// codes from its byte of each plane word, their values from the LUT's
+// entries in registers.
+template <typename S, int NP, int B>
+LIONBIT_HD void unpack_vec_batch(
     const uint64_t* base,
     size_t shard_words,
     size_t k0,
     unsigned lane,
     const S (&lut)[1 << NP],
     S* dst) {
-  const size_t k = k0 + lane / 8;
-  const size_t first = sharded_first(k, NP, shard_words);
   const unsigned sh = 8u * (lane % 8u);
-  uint32_t bytes[NP];
+  uint32_t bytes[B][NP];
   LIONBIT_UNROLL
-  for (int b = 0; b < NP; ++b) {
-    bytes[b] = static_cast<uint32_t>(base[first + static_cast<size_t>(b) * shard_words] >> sh);
-  }
-  uint32_t w[2 * sizeof(S)];
-  LIONBIT_UNROLL
-  for (int i = 0; i < kVecLane; ++i) {
-    unsigned code = 0;
+  for (int g = 0; g < B; ++g) {
+    const size_t k = k0 + static_cast<size_t>(g) * kWordsPerWarpIter + lane / 8;
+    const size_t first = sharded_first(k, NP, shard_words);
     LIONBIT_UNROLL
     for (int b = 0; b < NP; ++b) {
-      code |= ((bytes[b] >> i) & 1u) << b;
-    }
-    const uint32_t v = lut_pick<S, NP>(lut, code);
-    if constexpr (sizeof(S) == 4) {
-      w[i] = v;
-    } else {
-      w[i / 2] = (i & 1) != 0 ? w[i / 2] | (v << 16) : v;
+      bytes[g][b] = static_cast<uint32_t>(base[first + static_cast<size_t>(b) * shard_words] >> sh);
     }
   }
-  store8<sizeof(S)>(dst + (k0 * 64 + kVecLane * lane), w);
+  LIONBIT_UNROLL
+  for (int g = 0; g < B; ++g) {
+    uint32_t w[2 * sizeof(S)];
+    LIONBIT_UNROLL
+    for (int i = 0; i < kVecLane; ++i) {
+      unsigned code = 0;
+      LIONBIT_UNROLL
+      for (int b = 0; b < NP; ++b) {
+        code |= ((bytes[g][b] >> i) & 1u) << b;
+      }
+      const uint32_t v = lut_pick<S, NP>(lut, code);
+      if constexpr (sizeof(S) == 4) {
+        w[i] = v;
+      } else {
+        w[i / 2] = (i & 1) != 0 ? w[i / 2] | (v << 16) : v;
+      }
+    }
+    store8<sizeof(S)>(dst + vec_elem(k0, g, 0, lane), w);
+  }
 }
 
 // lion_apply_dense works in units of kApplyUnit elements, a block's

@@ -1,8 +1,9 @@
 // unpack on the GPU: a warp writes a group of kWordsPerWarpIter words'
 // elements at a time. With one or two planes (a sign, a vote) and 2- or
-// 4-byte values, a whole group at a 16-byte boundary takes the vector path
-// (element.cuh's unpack_vec: lane l writes 8 elements in 16-byte stores, the
-// LUT's entries in registers); other groups: lane l writes elements l and
+// 4-byte values, whole groups at a 16-byte boundary take the vector path,
+// kUnpackGroups groups an iteration (element.cuh's unpack_vec_batch: lane l
+// reads every group's plane bytes, then writes 8 elements a group in 16-byte
+// stores, the LUT's entries in registers); other groups: lane l writes elements l and
 // l + 32 of each word, the plane words of a position the same for the whole
 // warp (one broadcast load per plane), the LUT (2^nplanes entries in device
 // memory) read through the cache. Elements are moved as raw 1, 2, 4 or 8-byte
@@ -35,11 +36,19 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) unpack_kernel(
       regs[j] = lut[j];
     }
     const bool vec = reinterpret_cast<uintptr_t>(dst) % 16u == 0u;
-    for (size_t k0 = warp * kUnpackUnroll; k0 < nwords; k0 += nwarps * kUnpackUnroll) {
-      if (vec && (k0 + kUnpackUnroll) * 64 <= n) { // warp-uniform
-        unpack_vec<S, NP>(base, shard_words, k0, lane, regs, dst);
-      } else {
-        unpack_group<S, NP>(base, nplanes, shard_words, n, k0, lane, lut, dst);
+    constexpr size_t kUnitWords = size_t{kUnpackGroups} * kUnpackUnroll;
+    for (size_t k0 = warp * kUnitWords; k0 < nwords; k0 += nwarps * kUnitWords) {
+      if (vec && (k0 + kUnitWords) * 64 <= n) { // warp-uniform
+        unpack_vec_batch<S, NP, kUnpackGroups>(base, shard_words, k0, lane, regs, dst);
+        continue;
+      }
+#pragma unroll 1 // the edges' path: one copy of its body
+      for (size_t k = k0; k < k0 + kUnitWords && k < nwords; k += kUnpackUnroll) {
+        if (vec && (k + kUnpackUnroll) * 64 <= n) {
+          unpack_vec_batch<S, NP, 1>(base, shard_words, k, lane, regs, dst);
+        } else {
+          unpack_group<S, NP>(base, nplanes, shard_words, n, k, lane, lut, dst);
+        }
       }
     }
   } else {
@@ -58,7 +67,8 @@ void launch_unpack_np(
     cudaStream_t stream) {
   const size_t nwords = (n + 63) / 64;
   static const int resident = resident_blocks(unpack_kernel<S, NP>);
-  const unsigned grid = grid_for(nwords, size_t{kWarpsPerBlock} * kUnpackUnroll, resident);
+  const size_t per_warp = kUnpackVec<S, NP> ? size_t{kUnpackGroups} * kUnpackUnroll : kUnpackUnroll;
+  const unsigned grid = grid_for(nwords, size_t{kWarpsPerBlock} * per_warp, resident);
   unpack_kernel<S, NP><<<grid, kBlockThreads, 0, stream>>>(
       planes.base, planes.nplanes, planes.shard_words, n, nwords, static_cast<const S*>(lut),
       static_cast<S*>(dst));

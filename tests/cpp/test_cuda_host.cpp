@@ -234,31 +234,45 @@ void emu_unpack(
   const size_t nwords = (n + 63) / 64;
   constexpr int U = cd::kWordsPerWarpIter;
   const bool vec = reinterpret_cast<uintptr_t>(dst) % 16u == 0u;
+  constexpr size_t W = size_t{cd::kUnpackVec<S, NP> ? cd::kUnpackGroups : 1} * U;
+  // C vector groups from word k0, every lane's stores.
+  const auto vec_groups = [&](auto groups, size_t k0) {
+    constexpr int C = decltype(groups)::value;
+    S regs[1 << NP];
+    for (int j = 0; j < (1 << NP); ++j) {
+      regs[j] = static_cast<const S*>(lut)[j];
+    }
+    for (unsigned lane = 0; lane < 32; ++lane) {
+      cd::unpack_vec_batch<S, NP, C>(base, shard_words, k0, lane, regs, static_cast<S*>(dst));
+    }
+    g_vec_groups += C;
+    g_vec_batches += C > 1 ? 1 : 0;
+  };
   for (size_t warp = 0; warp < nwarps; ++warp) {
-    for (size_t k0 = warp * U; k0 < nwords; k0 += nwarps * U) {
+    for (size_t k0 = warp * W; k0 < nwords; k0 += nwarps * W) {
       if constexpr (cd::kUnpackVec<S, NP>) {
-        if (vec && (k0 + U) * 64 <= n) {
-          S regs[1 << NP];
-          for (int j = 0; j < (1 << NP); ++j) {
-            regs[j] = static_cast<const S*>(lut)[j];
-          }
-          for (unsigned lane = 0; lane < 32; ++lane) {
-            cd::unpack_vec<S, NP>(base, shard_words, k0, lane, regs, static_cast<S*>(dst));
-          }
-          ++g_vec_groups;
+        if (vec && (k0 + W) * 64 <= n) {
+          vec_groups(std::integral_constant<int, cd::kUnpackGroups>{}, k0);
           continue;
         }
       }
-      for (unsigned lane = 0; lane < 32; ++lane) {
-        cd::unpack_group<S, NP>(
-            base, nplanes, shard_words, n, k0, lane, static_cast<const S*>(lut),
-            static_cast<S*>(dst));
+      for (size_t k = k0; k < k0 + W && k < nwords; k += U) {
+        if constexpr (cd::kUnpackVec<S, NP>) {
+          if (vec && (k + U) * 64 <= n) {
+            vec_groups(std::integral_constant<int, 1>{}, k);
+            continue;
+          }
+        }
+        for (unsigned lane = 0; lane < 32; ++lane) {
+          cd::unpack_group<S, NP>(
+              base, nplanes, shard_words, n, k, lane, static_cast<const S*>(lut),
+              static_cast<S*>(dst));
+        }
       }
     }
   }
 }
 
-// direction_kernel of optimizer/lion_cuda.cu.
 // One warp's unit of the direction kernels (optimizer/lion_warp.cuh's
 // direction_words): words k0 .. k0 + kDirGroups * kWordsPerWarpIter - 1 of
 // one tensor, below nwords; `shared`: the list kernel's stores.
@@ -934,7 +948,9 @@ template <typename S>
 void check_unpack(DType d, std::mt19937_64& rng) {
   for (int nplanes : {0, 1, 2, 3, 4, 5, 7, 9, 12, 16}) {
     for (int shards : {1, 2, 3, 5}) {
-      for (size_t n : {size_t{1}, size_t{63}, size_t{64}, size_t{65}, size_t{200}, size_t{1000}}) {
+      for (size_t n :
+           {size_t{1}, size_t{63}, size_t{64}, size_t{65}, size_t{200}, size_t{1000},
+            size_t{4200}}) { // the last: batches of kUnpackGroups groups, and edges
         const size_t sw = bits::shard_words(n, shards);
         const auto sharded = random_words(static_cast<size_t>(nplanes) * sw * shards + 1, rng);
         const size_t entries = size_t{1} << nplanes;
@@ -970,7 +986,7 @@ void check_unpack(DType d, std::mt19937_64& rng) {
 
 TEST(CudaHostUnpack, EmulatedKernelMatchesCpu) {
   std::mt19937_64 rng(31);
-  const size_t vec0 = g_vec_groups;
+  const size_t vec0 = g_vec_groups, batch0 = g_vec_batches;
   check_unpack<uint8_t>(DType::kInt8, rng);
   check_unpack<unsigned long long>(DType::kFloat64, rng);
   EXPECT_EQ(g_vec_groups, vec0) << "1- and 8-byte values take the word path";
@@ -978,6 +994,7 @@ TEST(CudaHostUnpack, EmulatedKernelMatchesCpu) {
   check_unpack<uint16_t>(DType::kBFloat16, rng);
   check_unpack<uint32_t>(DType::kFloat32, rng);
   EXPECT_GT(g_vec_groups, vec0) << "no vector group";
+  EXPECT_GT(g_vec_batches, batch0) << "no batch of groups";
 }
 
 // A vote unpacked with make_lut tables: the path the backend takes.
