@@ -178,6 +178,10 @@ int main(int argc, char** argv) {
       lionbit::cuda::pack_signs(DType::kBFloat16, a, n, out, out + words, 0, counts, stream);
     }),
         2.0 * n + n / 4.0, copy_gbs);
+    row("pack_signs f16", n, timer.median_ms([&] {
+      lionbit::cuda::pack_signs(DType::kFloat16, a, n, out, out + words, 0, counts, stream);
+    }),
+        2.0 * n + n / 4.0, copy_gbs);
     // The same at bit offset 1: no 16-byte boundary, so the ballot path
     // (not a goal row: what the vector path gains).
     row("pack_signs bf16 @bit 1", n, timer.median_ms([&] {
