@@ -20,6 +20,8 @@ import argparse
 import collections
 import gzip
 import json
+import os
+import shutil
 import sys
 
 #: The trace's categories of device work (torch.profiler's Chrome export).
@@ -34,9 +36,6 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 def write_gz(prof, path: str) -> None:
     """Writes a torch.profiler profile as a gzipped Chrome trace at ``path``
     (ending in .gz), the form this tool and `make gpu-check`'s bundle read."""
-    import os
-    import shutil
-
     plain = path[: -len(".gz")] if path.endswith(".gz") else path
     os.makedirs(os.path.dirname(os.path.abspath(plain)), exist_ok=True)
     prof.export_chrome_trace(plain)

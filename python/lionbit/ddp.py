@@ -77,7 +77,7 @@ def _nonfinite(votes) -> int:
     on a GPU, the buckets' device tallies summed there and read in one round
     trip (one host sync a step, not one a bucket)."""
     tallies = [bv.tally.view(-1) for bv in votes if bv.tally is not None]
-    device = int(torch.cat(tallies).sum()) if len(tallies) > 1 else int(tallies[0]) if tallies else 0
+    device = int(torch.cat(tallies).sum()) if tallies else 0
     return sum(bv.bad for bv in votes) + device
 
 

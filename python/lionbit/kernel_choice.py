@@ -169,8 +169,8 @@ def _direction_list_differs(candidate: Callable, gs, ms, coefs, cuts, moved, spa
     """One layout of :func:`check_direction_list`: ``cuts`` (tensor, start,
     length) packed end to end from bit 5 (neighbours share plane words; a
     long one from the next plane word), then the momentum update of the
-    disjoint ``moved``; what differs
-    ("direction bits", "counts", "momentum written", "momentum") or None."""
+    disjoint ``moved``; what differs ("direction bits", "counts", "momentum
+    written", "momentum") or None."""
     b1, omb1, b2, omb2 = coefs.values[:4]
     device = gs[0].device
 

@@ -649,10 +649,12 @@ LIONBIT_HD void lion_direction_vec_batch(
 }
 
 // Vector groups a lion_direction batch loads at once (kVecBatch of g's and
-// m's bytes): 1 for float32 / float32, 2 otherwise.
+// m's bytes a lane): 1 for float32 / float32, 2 otherwise.
 template <DType G, DType M>
-constexpr int kDirBatch =
-    kVecBatch<kVecLane*(sizeof(typename FloatStore<G>::U) + sizeof(typename FloatStore<M>::U))>;
+constexpr size_t kDirLaneBytes =
+    kVecLane*(sizeof(typename FloatStore<G>::U) + sizeof(typename FloatStore<M>::U));
+template <DType G, DType M>
+constexpr int kDirBatch = kVecBatch<kDirLaneBytes<G, M>>;
 
 // Vector groups of a lion_direction work unit (a warp's, per iteration of
 // the grid loop; optimizer/lion_warp.cuh): kDirBatch groups at a time.

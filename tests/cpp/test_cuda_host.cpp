@@ -50,10 +50,25 @@ void emu_vec_words(const cd::Frag (&fr)[32], size_t k0, Commit commit) {
   ++g_vec_groups;
 }
 
-// The stores of B vector groups from word k0, lane l's Frags in fr[l]
-// (warp_planes.cuh's commit_frags).
-template <int B, typename Commit>
-void emu_vec_batch(const cd::Frag (&fr)[32][B], size_t k0, Commit commit) {
+// B vector groups from word k0 as the kernels make them: lane l's Frags from
+// frags(l, fr) (the kernel's batch function), tallied, joined and stored
+// (warp_planes.cuh's commit_frags) as `commit` writes a word; `batched`: the
+// groups' loads went at once (counted in g_vec_batches).
+template <int B, typename Frags, typename Commit>
+void emu_vec_groups(
+    Frags frags,
+    size_t k0,
+    Commit commit,
+    unsigned long long* zeros,
+    unsigned long long* nans,
+    bool batched) {
+  cd::Frag fr[32][B];
+  for (unsigned lane = 0; lane < 32; ++lane) {
+    frags(lane, fr[lane]);
+    for (int b = 0; b < B; ++b) {
+      cd::tally_frag(fr[lane][b], zeros, nans);
+    }
+  }
   for (int b = 0; b < B; ++b) {
     cd::Frag one[32];
     for (unsigned lane = 0; lane < 32; ++lane) {
@@ -61,7 +76,7 @@ void emu_vec_batch(const cd::Frag (&fr)[32][B], size_t k0, Commit commit) {
     }
     emu_vec_words(one, k0 + static_cast<size_t>(b) * cd::kWordsPerWarpIter, commit);
   }
-  g_vec_batches += B > 1 ? 1 : 0;
+  g_vec_batches += batched ? 1 : 0;
 }
 
 // pack_kernel of signbits/cuda/pack.cu with `nwarps` warps in the grid.
@@ -90,14 +105,10 @@ bits::PackCounts emu_pack(
   // C vector groups from word k0, every lane's Frags.
   const auto vec_groups = [&](auto batch, size_t k0) {
     constexpr int C = decltype(batch)::value;
-    cd::Frag fr[32][C];
-    for (unsigned lane = 0; lane < 32; ++lane) {
-      cd::pack_vec_batch<D, C>(sp, o, k0, lane, fr[lane]);
-      for (int b = 0; b < C; ++b) {
-        cd::tally_frag(fr[lane][b], &zeros, &nans);
-      }
-    }
-    emu_vec_batch<C>(fr, k0, commit);
+    const auto frags = [&](unsigned lane, cd::Frag* fr) {
+      cd::pack_vec_batch<D, C>(sp, o, k0, lane, fr);
+    };
+    emu_vec_groups<C>(frags, k0, commit, &zeros, &nans, C > 1);
   };
   for (size_t warp = 0; warp < nwarps; ++warp) {
     for (size_t k0 = warp * W; k0 < nwords; k0 += nwarps * W) {
@@ -235,13 +246,15 @@ void emu_unpack(
   constexpr int U = cd::kWordsPerWarpIter;
   const bool vec = reinterpret_cast<uintptr_t>(dst) % 16u == 0u;
   constexpr size_t W = size_t{cd::kUnpackVec<S, NP> ? cd::kUnpackGroups : 1} * U;
+  // The vector path's LUT entries in registers (NP < 0, planes counted at run time: none).
+  constexpr int kEntries = cd::kUnpackVec<S, NP> ? 1 << NP : 1;
+  S regs[kEntries] = {};
+  if constexpr (cd::kUnpackVec<S, NP>) {
+    std::memcpy(regs, lut, sizeof regs);
+  }
   // C vector groups from word k0, every lane's stores.
   const auto vec_groups = [&](auto groups, size_t k0) {
     constexpr int C = decltype(groups)::value;
-    S regs[1 << NP];
-    for (int j = 0; j < (1 << NP); ++j) {
-      regs[j] = static_cast<const S*>(lut)[j];
-    }
     for (unsigned lane = 0; lane < 32; ++lane) {
       cd::unpack_vec_batch<S, NP, C>(base, shard_words, k0, lane, regs, static_cast<S*>(dst));
     }
@@ -307,25 +320,13 @@ void emu_direction_words(
   };
   const auto vec_groups = [&](auto groups, size_t kv) {
     constexpr int C = decltype(groups)::value;
-    cd::Frag fr[32][C];
-    for (unsigned lane = 0; lane < 32; ++lane) {
-      cd::lion_direction_vec_groups<G, M, C>(g, m, o, kv, lane, k, write_m, fr[lane]);
-      for (int b = 0; b < C; ++b) {
-        cd::tally_frag(fr[lane][b], zeros, nans);
-      }
-    }
-    if (C > 1 && cd::kDirBatch < G, M >> 1) {
-      emu_vec_batch<C>(fr, kv, commit);
-    } else {
-      for (int b = 0; b < C; ++b) {
-        cd::Frag one[32];
-        for (unsigned lane = 0; lane < 32; ++lane) {
-          one[lane] = fr[lane][b];
-        }
-        emu_vec_words(one, kv + static_cast<size_t>(b) * U, commit);
-      }
-    }
+    const auto frags = [&](unsigned lane, cd::Frag* fr) {
+      cd::lion_direction_vec_groups<G, M, C>(g, m, o, kv, lane, k, write_m, fr);
+    };
+    // a batch where the kernel loads its groups at once (kDirBatch: not float32 / float32)
+    emu_vec_groups<C>(frags, kv, commit, zeros, nans, C > 1 && (cd::kDirBatch<G, M> > 1));
   };
+
   if (vec && cd::groups_full(k0, o, n, cd::kDirGroups)) {
     vec_groups(std::integral_constant<int, cd::kDirGroups>{}, k0);
     return;
