@@ -393,9 +393,25 @@ def main(argv=None):
         if low:
             step.figure += "; under: " + ", ".join(f"{t['kernel']} {t['of_copy_pct']:.0f}%" for t in low)
 
+    def summarize_traces(step, kind):
+        """tools/trace_summary.py over this step's own traces (``kind``_*: lion-step and train-step run
+        side by side, so neither reads the other's, which may be half written), merged into the figures'
+        trace_summary; returns the step figure's note of where those steps left the device idle."""
+        traces = os.path.join(r.out, "traces")
+        found = sorted(os.listdir(traces)) if os.path.isdir(traces) else []
+        paths = [os.path.join(traces, n) for n in found if n.startswith(kind + "_") and n.endswith(".trace.json.gz")]
+        summary_path = os.path.join(r.out, f"trace_summary_{kind}.json")
+        cmd = [py, "tools/trace_summary.py", *paths, "--json", summary_path]
+        if not paths or r.run(step, f"trace-summary-{kind}", cmd, timeout=60)[0] != 0:
+            return ""
+        summaries = {os.path.basename(k): v for k, v in json.load(open(summary_path)).items()}
+        r.figures.setdefault("trace_summary", {}).update(summaries)
+        idle = [f"{trace_label(n)} {v['idle_ms']:.1f}" for n, v in summaries.items() if v["device_events"]]
+        return "; device idle ms in the traced step: " + ", ".join(idle) if idle else ""
+
     def lion_step(step):
         path = os.path.join(r.out, "lion_step.json")
-        # each method's profiled step on each list as a Chrome trace (bundled, summarized with train-step's)
+        # each method's profiled step on each list as a Chrome trace (bundled and summarized)
         cmd = [py, "bench/gpu_lion_step.py", "--json", path, "--trace-dir", os.path.join(r.out, "traces")]
         cmd += ["--params", "1e9"] if gpu else ["--device", "cpu", "--params", "4e6", "--steps", "3",
                                                 "--gpt2-width", "64"]
@@ -414,7 +430,7 @@ def main(argv=None):
                          f"(host {fig['host_ms_per_step'][key]:.1f}) = "
                          f"{fig['ratio_to_torch'][key]:.2f}x torch, {fig['ratio_to_floor'][key]:.2f}x floor"
                          + (f", {launched[key]} launches" if launched[key] else ""))
-        figure = "; ".join(parts)
+        figure = "; ".join(parts) + summarize_traces(step, "lion_step")
         if gpu:
             step.status, step.figure = "passed", figure
             # Where the time goes, for the next session: a profile of the list furthest from torch Lion.
@@ -471,17 +487,7 @@ def main(argv=None):
 
         figure += ", ".join(describe(k, v) for k, v in steps.items() if k != "floor")
         # Where each kind's step left the device idle, and what the host did meanwhile (its log).
-        traces = os.path.join(r.out, "traces")
-        found = sorted(os.listdir(traces)) if os.path.isdir(traces) else []
-        paths = [os.path.join(traces, n) for n in found if n.endswith(".trace.json.gz")]
-        summary_path = os.path.join(r.out, "trace_summary.json")
-        cmd = [py, "tools/trace_summary.py", *paths, "--json", summary_path]
-        if paths and r.run(step, "trace-summary", cmd, timeout=60)[0] == 0:
-            summaries = {os.path.basename(k): v for k, v in json.load(open(summary_path)).items()}
-            r.figures["trace_summary"] = summaries
-            idle = [f"{trace_label(n)} {v['idle_ms']:.1f}" for n, v in summaries.items() if v["device_events"]]
-            if idle:
-                figure += "; device idle ms in the traced step: " + ", ".join(idle)
+        figure += summarize_traces(step, "train_step")
         if gpu:
             step.status, step.figure = "passed", figure
         else:
@@ -545,7 +551,8 @@ def main(argv=None):
         import tarfile
 
         extra = [n for n in ("verdicts.json", "equality.json", "lion_step.json", "train_step.json",
-                             "trace_summary.json") if os.path.exists(os.path.join(r.out, n))]
+                             "trace_summary_lion_step.json", "trace_summary_train_step.json")
+                 if os.path.exists(os.path.join(r.out, n))]
         folders = ["logs"] + [n for n in ("traces",) if os.path.isdir(os.path.join(r.out, n))]
         with tarfile.open(os.path.join(r.out, "logs.tgz"), "w:gz") as tar:
             for name in folders + extra:
