@@ -37,11 +37,11 @@ def fsdp_loaded() -> bool:
     return "torch.distributed.fsdp" in sys.modules
 
 
-def is_dtensor(t) -> bool:
-    """isinstance(t, DTensor), without importing DTensor (no DTensor exists
+def is_dtensor_type(cls: type) -> bool:
+    """issubclass(cls, DTensor), without importing DTensor (no DTensor exists
     before its module is imported)."""
     mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(t, mod.DTensor)
+    return mod is not None and issubclass(cls, mod.DTensor)
 
 
 def _registered(group) -> bool:
@@ -101,16 +101,16 @@ class Attachment:
         """Votes ``entries`` at step(); returns the function that applies them."""
         if not entries:
             return lambda: None
-        if any(is_dtensor(e.param) for e in entries):
+        params = [e.param for e in entries]
+        if any(map(is_dtensor_type, set(map(type, params)))):  # (a few types, whatever the tensors)
             raise ValueError(
                 f"DistributedLion.step on rank {dist.get_rank(self.group) if _registered(self.group) else 0}: "
                 f"the parameters are DTensors (sharded by FSDP2's fully_shard) and this optimizer is not attached "
                 f"to the model; call opt.attach(model) once after fully_shard (the vote then runs at FSDP's "
                 f"reduce-scatter, lionbit.fsdp)"
             )
-        device = entries[0].param.device
-        if any(e.param.device != device for e in entries):
-            devices = sorted({str(e.param.device) for e in entries})
+        if len(set(map(torch.Tensor.get_device, params))) > 1:  # (both CPU or CUDA: check_params)
+            devices = sorted({str(p.device) for p in params})
             raise RuntimeError(
                 f"DistributedLion.step: parameters on several devices ({', '.join(devices)}); one step votes "
                 f"all of them together, so they must share a device (use one optimizer per device)"

@@ -177,8 +177,8 @@ class DDPAttachment(Attachment):
         fused_for = step_vote.fused_verdicts(self.opt)
         off, items = 0, []
         bv.params, bv.sizes = list(params), []
+        self.opt.check_params(bv.params, "attach (DDP hook)")
         for p, g in zip(params, grads):
-            self.opt.check_param(p, "attach (DDP hook)")
             if abstain:
                 lion_math.pack_abstain(g.numel(), sign, zero, off, bits)
             else:

@@ -15,6 +15,9 @@ counts non-finite directions), the vote runs, then :func:`update_momentum`
 and :func:`apply_update` change the state.
 """
 
+from functools import partial
+from operator import attrgetter, itemgetter
+
 import torch
 
 from . import _C
@@ -117,8 +120,7 @@ def delta_views(out: torch.Tensor, into_planes: bool):
     if not into_planes:
         return lambda off, n: out[off : off + n]
     half = out.numel() // 2
-    sign, zero = out[:half], out[half:]
-    return lambda off, n: VotedPlanes(sign, zero, off, n)
+    return partial(VotedPlanes, out[:half], out[half:])
 
 
 def _fusable(g, m) -> bool:
@@ -218,8 +220,14 @@ def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, bit
     return nans + int(torch.isinf(c).sum())
 
 
+_dtype, _first, _second = attrgetter("dtype"), itemgetter(0), itemgetter(1)
+
+
 def _by_dtypes(items):
-    """``items`` grouped by the dtypes of their first two tensors, in order."""
+    """``items`` grouped by the dtypes of their first two tensors, in order
+    (one pair, the common case, read in C)."""
+    if len(set(zip(map(_dtype, map(_first, items)), map(_dtype, map(_second, items))))) == 1:
+        return [items]
     groups = {}
     for item in items:
         groups.setdefault((item[0].dtype, item[1].dtype), []).append(item)
@@ -265,6 +273,9 @@ def update_momenta(items, k: Coefs) -> None:
                                       update_momentum=True)
 
 
+_sign, _offset = attrgetter("sign"), attrgetter("offset")
+
+
 def apply_updates(items, k: Coefs) -> None:
     """:func:`apply_update` of many (p, delta) pairs (p contiguous, of any
     shape) on one device in one call per kind of delta: values (on a GPU a
@@ -272,6 +283,16 @@ def apply_updates(items, k: Coefs) -> None:
     planes; on a GPU per vote's planes and parameter dtype)."""
     _, _, _, _, lr, decay = k.values
     cuda = items[0][0].is_cuda
+    apply_planes = _C.lion_apply_planes_list_device if cuda else _C.lion_apply_planes_list
+    xs, ds = zip(*items)
+    one = ds[0]
+    if (
+        set(map(type, ds)) == {VotedPlanes}
+        and len(set(map(id, map(_sign, ds)))) == 1
+        and (not cuda or len(set(map(_dtype, xs))) == 1)
+    ):  # the vote's planes of one call (most steps): read in C, not item by item
+        apply_planes(list(xs), one.sign, one.zero, list(map(_offset, ds)), lr, decay)
+        return
     values, voted = [], {}
     for p, d in items:
         if type(d) is VotedPlanes:
@@ -285,12 +306,9 @@ def apply_updates(items, k: Coefs) -> None:
         for group in _by_dtypes(values):
             xs, deltas = zip(*group)
             _C.lion_apply_list_device(xs, deltas, lr, decay)
-        apply_planes = _C.lion_apply_planes_list_device
-    else:
-        if values:
-            xs, deltas = zip(*values)
-            _C.lion_apply_list(xs, deltas, lr, decay)
-        apply_planes = _C.lion_apply_planes_list
+    elif values:
+        xs, deltas = zip(*values)
+        _C.lion_apply_list(xs, deltas, lr, decay)
     for d, xs, offsets in voted.values():
         apply_planes(xs, d.sign, d.zero, offsets, lr, decay)
 

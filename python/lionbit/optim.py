@@ -15,7 +15,8 @@ lionbit.fsdp1) and the aggregation's (lionbit.voter).
 """
 
 import warnings
-from typing import Dict, Optional
+from operator import attrgetter
+from typing import Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,25 @@ def _checked_bits(lr, betas, weight_decay, aggregation, bits, tie_break, momentu
 
 
 _FUSED_DTYPES: Dict[tuple, bool] = {}  # (parameter, gradient, momentum) dtypes -> a fused kernel serves them
+
+
+_grad, _sparse, _is_cuda, _is_cpu = (attrgetter(name) for name in ("grad", "is_sparse", "is_cuda", "is_cpu"))
+
+
+def _check_params(params: Sequence[torch.Tensor], where: str) -> None:
+    """DistributedLion.check_param of each of ``params`` (a step's hundreds: read in C, not one by one)."""
+    if any(map(_sparse, [g for g in map(_grad, params) if g is not None])):
+        raise RuntimeError(f"DistributedLion.{where}: sparse gradients are not supported")
+    cuda = sum(map(_is_cuda, params))  # (is_cuda, is_cpu: .device is slow)
+    if cuda and not _C.built_with_cuda:
+        p = next(p for p in params if p.is_cuda)
+        raise RuntimeError(
+            f"DistributedLion.{where}: parameters on {p.device}, but this build of lionbit has no CUDA path "
+            f"(rebuild it where nvcc and a CUDA build of torch are present)")
+    if cuda + sum(map(_is_cpu, params)) != len(params):
+        p = next(p for p in params if not (p.is_cpu or p.is_cuda))
+        raise RuntimeError(
+            f"DistributedLion.{where}: parameters on {p.device} are not supported (CPU and CUDA are)")
 
 
 def _fused_dtypes(pdt: torch.dtype, gdt: torch.dtype, mdt: torch.dtype) -> bool:
@@ -163,15 +183,10 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
         return kernel_choice.fused_lion_allowed(p.device)
 
     def check_param(self, p: torch.Tensor, where: str) -> None:
-        if p.grad is not None and p.grad.is_sparse:
-            raise RuntimeError(f"DistributedLion.{where}: sparse gradients are not supported")
-        if p.is_cuda and not _C.built_with_cuda:  # (is_cuda, is_cpu: a step asks every parameter; .device is slow)
-            raise RuntimeError(
-                f"DistributedLion.{where}: parameters on {p.device}, but this build of lionbit has no CUDA path "
-                f"(rebuild it where nvcc and a CUDA build of torch are present)")
-        if not (p.is_cpu or p.is_cuda):
-            raise RuntimeError(
-                f"DistributedLion.{where}: parameters on {p.device} are not supported (CPU and CUDA are)")
+        self.check_params([p], where)
+
+    def check_params(self, params: Sequence[torch.Tensor], where: str) -> None:
+        _check_params(params, where)
 
     # -- step ---------------------------------------------------------------------
     #: torch.amp.GradScaler hands this optimizer the step (and itself).

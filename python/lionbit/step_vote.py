@@ -10,6 +10,8 @@ backward) and by FSDP1 ``NO_SHARD``; :func:`voted_step` and
 """
 
 import logging
+from itertools import accumulate, repeat
+from operator import attrgetter, methodcaller
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -53,7 +55,9 @@ def nonfinite_ranks(err: BaseException) -> Optional[List[int]]:
 
 class Entry:
     """One tensor of a step: its parameter (to update), gradient, momentum,
-    hyperparameters and whether the fused kernels serve it."""
+    hyperparameters and whether the fused kernels serve it. A step reads
+    its entries column by column (``_column``, ``_columns``): map() over
+    hundreds of entries runs in C, no Python code a tensor."""
 
     __slots__ = ("param", "grad", "momentum", "coefs", "fused", "abstain", "numel")
 
@@ -62,6 +66,20 @@ class Entry:
         self.numel = grad.numel()
         # A rank that ran out of data (Join) votes 0 and keeps its momentum.
         self.abstain = abstain
+
+
+#: Entry's fields as getters, read in C by map(): one column of a step's entries.
+_column = {name: attrgetter(name) for name in Entry.__slots__}
+
+
+def _columns(entries, *names):
+    """Those fields of every entry, each as an iterator (zip them into items)."""
+    return [map(_column[name], entries) for name in names]
+
+
+def _offsets(entries) -> List[int]:
+    """Each entry's first element in a vote of them all, end to end."""
+    return list(accumulate(map(_column["numel"], entries), initial=0))[:-1]
 
 
 class VoteBuffers:
@@ -113,7 +131,15 @@ def chunking(sizes: Sequence[int], limit: int = CHUNK_ELEMENTS) -> List[Tuple[in
 def _by_coefs(items):
     """The fused ones of ``items`` ((a, b, coefs, fused, *rest)) grouped by
     hyperparameter values (a launch of the GPU's list kernels each), as
-    (coefs, [(a, b, *rest)]), and the others as they are."""
+    (coefs, [(a, b, *rest)]), and the others as they are. Where every item
+    is fused with one parameter group's coefs (most models) it is read in C,
+    not item by item."""
+    if not items:
+        return [], []
+    cols = list(zip(*items))
+    coefs = cols[2]
+    if all(cols[3]) and coefs.count(coefs[0]) == len(coefs):  # (Coefs compare by identity)
+        return [(coefs[0], list(zip(cols[0], cols[1], *cols[4:])))], []
     groups, rest = {}, []
     for item in items:
         if item[3]:
@@ -158,15 +184,17 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
     voter = opt.voter
     into_planes = voter.votes_into_planes(device, group)
     buffers.prepare([e.numel for e in entries], device, voter.delta_dtype, voter.bits, into_planes)
-    works = []
+    works, offsets = [], []
     for (first, end, total), (sign, zero), out in zip(buffers.chunks, buffers.planes, buffers.outs):
-        off, items = 0, []
-        for e in entries[first:end]:
-            if e.abstain:
-                lion_math.pack_abstain(e.numel, sign, zero, off, voter.bits)
-            else:
-                items.append((e.grad, e.momentum, e.coefs, e.fused, off, 0, e.numel))
-            off += e.numel
+        chunk = entries[first:end]
+        offsets.append(_offsets(chunk))
+        items = list(zip(*_columns(chunk, "grad", "momentum", "coefs", "fused"), offsets[-1], repeat(0),
+                         map(_column["numel"], chunk)))
+        if any(map(_column["abstain"], chunk)):  # a rank that has run out of data (Join) votes direction 0
+            for e, off in zip(chunk, offsets[-1]):
+                if e.abstain:
+                    lion_math.pack_abstain(e.numel, sign, zero, off, voter.bits)
+            items = [item for item, e in zip(items, chunk) if not e.abstain]
         bad, tally = pack_directions(items, sign, zero, voter.bits)
         works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, out_planes=into_planes,
                                       nans_tally=tally))
@@ -186,19 +214,16 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
     if bad_ranks:
         raise NonFinite(bad_ranks)
     deltas = []
-    for (first, end, _), out in zip(buffers.chunks, buffers.outs):
-        delta_of = lion_math.delta_views(out, into_planes)
-        off = 0
-        for e in entries[first:end]:
-            deltas.append(delta_of(off, e.numel))
-            off += e.numel
+    for (first, end, _), out, offs in zip(buffers.chunks, buffers.outs, offsets):
+        deltas += map(lion_math.delta_views(out, into_planes), offs, map(_column["numel"], entries[first:end]))
     return deltas
 
 
 def update(entries: Sequence[Entry], deltas) -> None:
     """The state change of a voted step: momentum, then parameters."""
-    update_state([(e.grad, e.momentum, e.coefs, e.fused) for e in entries if not e.abstain],
-                 [(e.param, d, e.coefs, e.fused) for e, d in zip(entries, deltas)])
+    voters = [e for e in entries if not e.abstain] if any(map(_column["abstain"], entries)) else entries
+    update_state(list(zip(*_columns(voters, "grad", "momentum", "coefs", "fused"))),
+                 list(zip(map(_column["param"], entries), deltas, *_columns(entries, "coefs", "fused"))))
 
 
 def update_state(momenta, applies) -> None:
@@ -230,19 +255,38 @@ def update_state(momenta, applies) -> None:
         lion_math.apply_update(x, d, coefs, fused)
 
 
-def fused_verdicts(opt) -> Callable[[torch.Tensor, torch.Tensor], bool]:
-    """``opt.fused_for`` for a step's many pairs: each kind of pair (the two
-    dtypes, their contiguity, the first tensor's device) asked once."""
-    memo = {}
+_dtype, _contiguous, _get_device = attrgetter("dtype"), methodcaller("is_contiguous"), methodcaller("get_device")
 
-    def verdict(p, g) -> bool:
+
+class FusedVerdicts:
+    """``opt.fused_for`` for a step's many pairs: each kind of pair (the two
+    dtypes, their contiguity, the first tensor's device) asked once. Call it
+    with one pair, or :meth:`many` with a step's lists."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.memo = {}
+
+    def __call__(self, p, g) -> bool:
         key = (p.dtype, g.dtype, p.is_contiguous(), g.is_contiguous(), p.get_device())
-        ok = memo.get(key)
+        ok = self.memo.get(key)
         if ok is None:
-            ok = memo[key] = opt.fused_for(p, g)
+            ok = self.memo[key] = self.opt.fused_for(p, g)
         return ok
 
-    return verdict
+    def many(self, ps: Sequence, gs: Sequence) -> List[bool]:
+        """The verdict of each pair (ps[i], gs[i]): its kind read in C, each new kind asked."""
+        keys = list(zip(map(_dtype, ps), map(_dtype, gs), map(_contiguous, ps), map(_contiguous, gs),
+                        map(_get_device, ps)))
+        for key in set(keys).difference(self.memo):
+            i = keys.index(key)
+            self.memo[key] = self.opt.fused_for(ps[i], gs[i])
+        return list(map(self.memo.__getitem__, keys))
+
+
+def fused_verdicts(opt) -> FusedVerdicts:
+    """The verdicts of one step (see :class:`FusedVerdicts`)."""
+    return FusedVerdicts(opt)
 
 
 def abstaining(opt, p, coefs) -> Entry:
@@ -255,18 +299,19 @@ def abstaining(opt, p, coefs) -> Entry:
 
 def step_entries(opt, params_groups, skip=frozenset()) -> List[Entry]:
     """The entries of a step: every parameter with a gradient, in the
-    optimizer's order, but those in ``skip``."""
+    optimizer's order, but those in ``skip``. Read group by group: the checks
+    and verdicts of a step's hundreds of tensors are a few calls, not a few
+    a tensor."""
     entries = []
-    fused_for = fused_verdicts(opt)  # LIONBIT_KERNELS and the first-use checks, once a kind of pair
+    verdicts = fused_verdicts(opt)  # LIONBIT_KERNELS and the first-use checks, once a kind of pair
     for group in params_groups:
-        coefs = None
-        for p in group["params"]:
-            if p.grad is None or p in skip:
-                continue
-            opt.check_param(p, "step")
-            coefs = coefs or lion_math.Coefs(group)
-            g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-            entries.append(Entry(p, g, opt.momentum_of(p), coefs, fused_for(p, g)))
+        params = [p for p in group["params"] if p.grad is not None and not (skip and p in skip)]
+        if not params:
+            continue
+        opt.check_params(params, "step")
+        grads = [g if g.is_contiguous() else g.contiguous() for g in map(_column["grad"], params)]
+        entries += map(Entry, params, grads, map(opt.momentum_of, params), repeat(lion_math.Coefs(group)),
+                       verdicts.many(params, grads))
     return entries
 
 

@@ -187,6 +187,37 @@ def test_without_a_process_group_it_is_single_process_lion():
     assert values(run_ranks("test_optim:single_process", 1, backend=None)) == [True]
 
 
+def refuses_what_it_cannot_step(rank, n):
+    """A sparse embedding's gradient, or a parameter on a device other than CPU and CUDA, among a
+    model's dense ones: step() names the problem and changes no parameter and no momentum."""
+    import lionbit
+
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2)
+    opt = lionbit.DistributedLion(list(head.parameters()) + list(emb.parameters()), lr=1e-3)
+    head(emb(torch.tensor([1, 2]))).sum().backward()
+    before = [p.detach().clone() for p in (*head.parameters(), emb.weight)]
+    with pytest.raises(RuntimeError, match=r"DistributedLion\.step: sparse gradients are not supported"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, (*head.parameters(), emb.weight))) and not opt.state
+    emb.weight.grad = None
+    opt.step()  # the dense ones alone step
+    assert not torch.equal(before[0], head.weight)
+
+    meta = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    meta.grad = torch.zeros(3, device="meta")
+    opt = lionbit.DistributedLion([*head.parameters(), meta], lr=1e-3)
+    before = [p.detach().clone() for p in head.parameters()]
+    with pytest.raises(RuntimeError, match=r"DistributedLion\.step: parameters on meta are not supported"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, head.parameters())) and not opt.state
+    return True
+
+
+def test_a_step_refuses_sparse_gradients_and_other_devices_changing_nothing():
+    assert values(run_ranks("test_optim:refuses_what_it_cannot_step", 1, backend=None)) == [True]
+
+
 def _ddp_train(rank, n, steps, *, ddp_kwargs, accumulate=1, unused=False, attach=True, aggregation="vote",
                start=0, model=None, opt=None):
     import lionbit
