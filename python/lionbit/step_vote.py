@@ -187,11 +187,12 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
     works, offsets = [], []
     for (first, end, total), (sign, zero), out in zip(buffers.chunks, buffers.planes, buffers.outs):
         chunk = entries[first:end]
-        offsets.append(_offsets(chunk))
-        items = list(zip(*_columns(chunk, "grad", "momentum", "coefs", "fused"), offsets[-1], repeat(0),
+        offs = _offsets(chunk)
+        offsets.append(offs)
+        items = list(zip(*_columns(chunk, "grad", "momentum", "coefs", "fused"), offs, repeat(0),
                          map(_column["numel"], chunk)))
         if any(map(_column["abstain"], chunk)):  # a rank that has run out of data (Join) votes direction 0
-            for e, off in zip(chunk, offsets[-1]):
+            for e, off in zip(chunk, offs):
                 if e.abstain:
                     lion_math.pack_abstain(e.numel, sign, zero, off, voter.bits)
             items = [item for item, e in zip(items, chunk) if not e.abstain]
