@@ -38,6 +38,11 @@ $OUT, else gpu-check-results/); the table is printed last. Exit status 1 if
 any step failed.
 
     python tools/gpu_check.py [--python PY] [--out DIR] [--budget SECONDS] [--no-build] [--bundle]
+                              [--only STEP,STEP,...]
+
+--only runs those steps alone (build and import always run; a step left out
+says "skipped: not in --only"): a second call after a fix, within a lent
+GPU's few minutes, e.g. --only lion-step,train-step.
 """
 
 import argparse
@@ -52,6 +57,10 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The steps, in the order they run (--only picks some; build and import always run).
+STEPS = ("build", "import", "ctest-gpu", "pytest-custom", "pytest-aten", "verdicts", "bench-kernels", "projection",
+         "lion-step", "train-step", "equality", "profile")
+ALWAYS = ("build", "import")
 # The newest make gpu-check figures in the tree: the projection's kernel rates where this run has none.
 COMMITTED_RATES = os.path.join("docs", "benchmarks", "gpu_check_h200_5.json")
 
@@ -77,6 +86,11 @@ class Runner:
         self.start = time.monotonic()
         self.steps = []
         self.figures = {}
+        self.only = None if args.only is None else set(args.only) | set(ALWAYS)
+
+    def wanted(self, name):
+        """Whether step ``name`` runs (--only)."""
+        return self.only is None or name in self.only
 
     def left(self):
         return self.args.budget - (time.monotonic() - self.start)
@@ -120,6 +134,9 @@ class Runner:
         if step is None:
             step = Step(name, what)
             self.steps.append(step)
+        if not self.wanted(name):
+            step.figure = "not in --only"
+            return step
         print(f"gpu-check: {name} ({what}) ...", flush=True)
         if self.left() < min_s:
             step.figure = f"out of time ({self.left():.0f} s left of --budget)"
@@ -231,7 +248,14 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--gtest-source", default=os.environ.get("LIONBIT_GTEST_SOURCE_DIR", ""),
                     help="GoogleTest sources, where no GoogleTest is installed")
+    ap.add_argument("--only", type=lambda text: [n.strip() for n in text.split(",") if n.strip()],
+                    help="run only these steps, comma-separated (build and import always run): a rerun after a "
+                         "fix, e.g. lion-step,train-step; steps: " + ", ".join(STEPS))
     args = ap.parse_args(argv)
+    if args.only is not None:
+        unknown = [n for n in args.only if n not in STEPS]
+        if unknown or not args.only:
+            ap.error(f"--only: unknown step(s) {unknown or args.only}; the steps are {', '.join(STEPS)}")
     r = Runner(args)
     py = args.python
     gpu = _gpu()
@@ -258,7 +282,7 @@ def main(argv=None):
                 "--disable-pip-version-check", "-C", f"cmake.define.LIONBIT_CUDA={'ON' if gpu else 'AUTO'}",
                 "-C", f"cmake.define.LIONBIT_CUDA_ARCHS={arch}-real", "-C", f"build-dir=build/gpu-check-{arch}", "."],
                 480))
-        if nvcc and not args.cpp_build:
+        if nvcc and not args.cpp_build and (r.wanted("ctest-gpu") or r.wanted("bench-kernels")):
             configure = ["cmake", "-S", ROOT, "-B", cpp_dir, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
                          "-DLIONBIT_BUILD_TESTS=ON", "-DLIONBIT_CUDA=ON", f"-DLIONBIT_CUDA_ARCHS={arch}-real",
                          f"-DCMAKE_CUDA_COMPILER={nvcc}", "-DCMAKE_POLICY_VERSION_MINIMUM=3.5"]
@@ -275,6 +299,8 @@ def main(argv=None):
         parts += [f"{n} built" for n, (rc, _) in zip(names, done) if rc == 0]
         if not nvcc:
             parts.append("C++ GPU targets: no nvcc")
+        elif not (r.wanted("ctest-gpu") or r.wanted("bench-kernels")):
+            parts.append("C++ GPU targets: not needed by --only")
         elif args.cpp_build:
             parts.append(f"C++ GPU targets: {os.path.relpath(cpp_dir, ROOT)}'s")
         step.figure = "; ".join(parts + bad) + (f" in {step.seconds:.0f} s" if jobs else "")
@@ -334,13 +360,14 @@ def main(argv=None):
         else:
             shards = [ids[i::SHARDS] for i in range(SHARDS) if ids[i::SHARDS]]
         jobs, keys = [], []
-        for choice in ("custom", "aten"):
+        for choice in (c for c in ("custom", "aten") if r.wanted(f"pytest-{c}")):
             for i, shard in enumerate(shards):
                 jobs.append((f"pytest-{choice}-{i + 1}", pytest_cmd(choice, shard), limit))
                 keys.append(choice)
-        jobs.append(("equality", [py, "tools/gpu_equality.py", "--devices", "cpu,cuda", "--json",
-                                  os.path.join(r.out, "equality.json")], limit))
-        keys.append("equality")
+        if r.wanted("equality"):
+            jobs.append(("equality", [py, "tools/gpu_equality.py", "--devices", "cpu,cuda", "--json",
+                                      os.path.join(r.out, "equality.json")], limit))
+            keys.append("equality")
         for key, res in zip(keys, r.run_together(step, jobs)):
             pytest_runs.setdefault(key, []).append(res)
 

@@ -53,6 +53,7 @@ def test_gpu_check_cpu_mode(tmp_path):
     steps = {s["step"]: s for s in res["steps"]}
     assert list(steps) == ["build", "import", "ctest-gpu", "pytest-custom", "pytest-aten", "verdicts",
                            "bench-kernels", "projection", "lion-step", "train-step", "equality", "profile"]
+    assert tuple(steps) == _gpu_check_module().STEPS  # what --only names
     for name in GPU_STEPS:
         assert steps[name]["status"] == "skipped" and "no GPU" in steps[name]["figure"], steps[name]
     for name in ("build", "import", "verdicts", "equality"):
@@ -98,6 +99,33 @@ def test_gpu_check_cpu_mode(tmp_path):
     # The table comes last, one row per step.
     table = r.stdout.strip().splitlines()
     assert table[-1].startswith("no GPU;") and sum(line.startswith("| ") for line in table[-16:]) == 14
+
+
+def test_gpu_check_only_runs_the_steps_named(tmp_path):
+    """--only (a rerun after a fix, within a lent GPU's few minutes): build and import and the
+    steps named run, every other step is in the table as skipped, "not in --only"; a name that
+    is not a step is refused before anything runs, naming the option and the steps."""
+    if _has_gpu():
+        pytest.skip("a GPU is here: --only would run the named GPU steps (minutes)")
+    script = os.path.join(ROOT, "tools", "gpu_check.py")
+    r = subprocess.run([sys.executable, script, "--no-build", "--out", str(tmp_path), "--only", "verdicts, projection"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    steps = {s["step"]: s for s in res["steps"]}
+    assert tuple(steps) == _gpu_check_module().STEPS
+    for name in ("build", "import", "verdicts"):
+        assert steps[name]["status"] == "passed", steps[name]
+    assert "24 cases" in steps["projection"]["figure"], steps["projection"]
+    assert set(res["figures"]) == {"import", "verdicts"}, res["figures"].keys()
+    left_out = [n for n in steps if n not in ("build", "import", "verdicts", "projection")]
+    for name in left_out:
+        assert steps[name]["status"] == "skipped" and steps[name]["figure"] == "not in --only", steps[name]
+        assert not os.path.exists(tmp_path / "logs" / f"{name}.log"), name
+    bad = subprocess.run([sys.executable, script, "--no-build", "--out", str(tmp_path / "bad"), "--only",
+                          "lion-step,lion_step"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert bad.returncode == 2 and "--only: unknown step(s) ['lion_step']" in bad.stderr, bad.stderr
+    assert "lion-step, train-step" in bad.stderr and not (tmp_path / "bad" / "results.json").exists()
 
 
 def test_projection_reads_the_rates_gpu_check_writes(tmp_path):
