@@ -27,6 +27,7 @@
 #                      runs; elsewhere the steps that need no GPU. Table last; logs in $OUT or
 #                      gpu-check-results/
 #   make test-sanitize C++ tests built with ASan + UBSan (build/sanitize), fuzz tests scaled up
+#   make test-sanitize-python  the Python tests with the extension built with ASan + UBSan
 #   make test-valgrind kernel tests under valgrind memcheck (build/valgrind), 1M-element cases left out
 #   make bench         quick benchmark suite (< 10 min; root: emulated 1 and 10 Gbit/s links in network
 #                      namespaces, else loopback): suites 2, 1 and 3 (quick); bench/results/*.json, *.md,
@@ -53,7 +54,7 @@ export CUDACXX := /usr/local/cuda/bin/nvcc
 endif
 endif
 
-.PHONY: all setup setup-demo build build-tests lint lint-cpp format-cpp test test-cpp test-python test-aten test-gpu gpu-check test-sanitize test-valgrind demo demo-fsdp demo-sign convergence convergence-levers bench bench-full bench-setup bench-kernels bench-training bench-model clean
+.PHONY: all setup setup-demo build build-tests lint lint-cpp format-cpp test test-cpp test-python test-aten test-gpu gpu-check test-sanitize test-sanitize-python test-valgrind demo demo-fsdp demo-sign convergence convergence-levers bench bench-full bench-setup bench-kernels bench-training bench-model clean
 
 all: build
 
@@ -102,6 +103,24 @@ test-sanitize:
 	@ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:check_initialization_order=1 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 LIONBIT_FUZZ_ITERS=10 \
 	  ctest --test-dir build/sanitize -j $(JOBS) --output-on-failure --timeout 600
+
+# The Python tests with lionbit's extension (the backend, bindings, kernels) built with ASan +
+# UBSan: into build/sanitize-python/pkg, first on PYTHONPATH, the runtimes preloaded into the
+# venv's Python and every rank it forks. A report anywhere (ranks killed on purpose included)
+# leaves a log in build/sanitize-python/ and fails the run. CPU path only; the bench launcher's
+# fork-server test and make gpu-check's are left out (under ASan the former hangs).
+SANITIZE_PY := $(CURDIR)/build/sanitize-python
+test-sanitize-python: setup
+	@rm -rf $(SANITIZE_PY)/pkg $(SANITIZE_PY)/report.*
+	@$(PY) -m pip install -q --no-build-isolation --no-deps --disable-pip-version-check --target $(SANITIZE_PY)/pkg \
+	  -C cmake.define.LIONBIT_CUDA=OFF -C cmake.define.LIONBIT_TEST_HOOKS=ON -C cmake.define.LIONBIT_SANITIZE=ON \
+	  -C build-dir=$(SANITIZE_PY)/build .
+	@PYTHONPATH=$(SANITIZE_PY)/pkg LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libubsan.so)" \
+	  ASAN_OPTIONS=detect_leaks=0:log_path=$(SANITIZE_PY)/report \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(SANITIZE_PY)/report LIONBIT_EXPECT_CUDA=0 \
+	  $(PY) -m pytest tests/python -q -ra -p no:cacheprovider \
+	  --ignore=tests/python/test_bench_scripts.py --ignore=tests/python/test_gpu_check.py
+	@if ls $(SANITIZE_PY)/report.* >/dev/null 2>&1; then head -50 $(SANITIZE_PY)/report.*; exit 1; fi
 
 # The kernel tests under valgrind memcheck (tools/valgrind_tests.sh).
 test-valgrind:
