@@ -107,8 +107,8 @@ test-sanitize:
 # The Python tests with lionbit's extension (the backend, bindings, kernels) built with ASan +
 # UBSan: into build/sanitize-python/pkg, first on PYTHONPATH, the runtimes preloaded into the
 # venv's Python and every rank it forks. A report anywhere (ranks killed on purpose included)
-# leaves a log in build/sanitize-python/ and fails the run. CPU path only; the bench launcher's
-# fork-server test and make gpu-check's are left out (under ASan the former hangs).
+# leaves a log in build/sanitize-python/ and fails the run. CPU path only; left out: make
+# gpu-check's test and the bench launcher's fork-server test (it ran into its time limit here).
 SANITIZE_PY := $(CURDIR)/build/sanitize-python
 test-sanitize-python: setup
 	@rm -rf $(SANITIZE_PY)/pkg $(SANITIZE_PY)/report.*

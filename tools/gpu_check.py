@@ -271,6 +271,8 @@ def main(argv=None):
     print(f"gpu-check: {'GPU ' + gpu['name'] + ' (sm_' + arch + ')' if gpu else 'no GPU'}; python {py}; "
           f"nvcc {nvcc or 'none'}; {args.jobs} cores; out {r.out}", flush=True)
 
+    cpp_wanted = r.wanted("ctest-gpu") or r.wanted("bench-kernels")  # the steps that use the C++ GPU targets
+
     def build(step):
         # The extension (pip, into --python) and the torch-free C++ GPU targets (the kernel
         # tests, the kernel benchmark) build at the same time: each ends on a long nvcc compile.
@@ -282,7 +284,7 @@ def main(argv=None):
                 "--disable-pip-version-check", "-C", f"cmake.define.LIONBIT_CUDA={'ON' if gpu else 'AUTO'}",
                 "-C", f"cmake.define.LIONBIT_CUDA_ARCHS={arch}-real", "-C", f"build-dir=build/gpu-check-{arch}", "."],
                 480))
-        if nvcc and not args.cpp_build and (r.wanted("ctest-gpu") or r.wanted("bench-kernels")):
+        if nvcc and not args.cpp_build and cpp_wanted:
             configure = ["cmake", "-S", ROOT, "-B", cpp_dir, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
                          "-DLIONBIT_BUILD_TESTS=ON", "-DLIONBIT_CUDA=ON", f"-DLIONBIT_CUDA_ARCHS={arch}-real",
                          f"-DCMAKE_CUDA_COMPILER={nvcc}", "-DCMAKE_POLICY_VERSION_MINIMUM=3.5"]
@@ -299,7 +301,7 @@ def main(argv=None):
         parts += [f"{n} built" for n, (rc, _) in zip(names, done) if rc == 0]
         if not nvcc:
             parts.append("C++ GPU targets: no nvcc")
-        elif not (r.wanted("ctest-gpu") or r.wanted("bench-kernels")):
+        elif not cpp_wanted:
             parts.append("C++ GPU targets: not needed by --only")
         elif args.cpp_build:
             parts.append(f"C++ GPU targets: {os.path.relpath(cpp_dir, ROOT)}'s")
