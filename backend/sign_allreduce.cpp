@@ -215,11 +215,14 @@ class Run {
       at::Tensor planes = at::zeros({2 * total}, buf_.options().dtype(at::kByte));
       ch.sign_plane = planes.narrow(0, 0, total);
       ch.zero_plane = planes.narrow(0, total, total);
-      bits::PackCounts pc;
       if (packed_ == nullptr) {
-        pc = k.pack(
+        const bits::PackCounts pc = k.pack(
             buf_.narrow(0, static_cast<int64_t>(begin), static_cast<int64_t>(ch.len)),
             ch.sign_plane, ch.zero_plane, 0);
+        nans_ += pc.nans;
+        if (pc.zeros > 0) {
+          add_zeros(k.zero_codes(ch.zero_plane, ch.sw));
+        }
       } else {
         // Chunks start on word boundaries (a multiple of 64 * N elements).
         const int64_t used = static_cast<int64_t>(bits::words_for(ch.len) * 8);
@@ -227,12 +230,13 @@ class Run {
         ch.sign_plane.narrow(0, 0, used).copy_(packed_->sign.narrow(0, from, used));
         ch.zero_plane.narrow(0, 0, used).copy_(packed_->zero.narrow(0, from, used));
         k.clean(ch.sign_plane, ch.zero_plane, ch.len);
-        pc.zeros = k.count_bits(ch.zero_plane, ch.sw * N_).at(0);
-        pc.nans = begin == 0 ? packed_->nans : 0;
-      }
-      nans_ += pc.nans;
-      if (pc.zeros > 0) {
-        add_zeros(call_.k->zero_codes(ch.zero_plane, ch.sw));
+        nans_ += begin == 0 ? packed_->nans : 0;
+        // The shards' codes carry their zero counts: one read of the
+        // device a chunk, not a count and then the codes.
+        const std::vector<bits::ZeroCode> codes = k.zero_codes(ch.zero_plane, ch.sw);
+        if (bits::max_code(codes).zeros > 0) {
+          add_zeros(codes);
+        }
       }
       chunks_.push_back(std::move(ch));
     }
