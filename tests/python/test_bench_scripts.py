@@ -197,6 +197,15 @@ import json, os, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
 import collectives
 
+def command(pid):
+    # /proc, not ps(1): under make test-sanitize-python ps inherits the
+    # preloaded ASan runtime, and ps deadlocked in it.
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\\0")[:-1]
+    except OSError:
+        return None
+
 def main():
     rank, out = sys.argv[2], sys.argv[3]
     os.environ.update(OMP_NUM_THREADS="1", ONLY_HERE="yes")
@@ -214,8 +223,8 @@ def main():
     except subprocess.TimeoutExpired:
         report["hang_s"] = time.monotonic() - start
     time.sleep(0.5)
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
-    report["sleepers"] = [line for line in ps if line.strip() == "sleep " + os.environ["SLEEPER"]]
+    sleeper = ["sleep", os.environ["SLEEPER"]]
+    report["sleepers"] = [pid for pid in os.listdir("/proc") if pid.isdigit() and command(pid) == sleeper]
     print(json.dumps(report))
 
 if __name__ == "__main__":
