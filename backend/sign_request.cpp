@@ -219,11 +219,12 @@ std::string out_planes_problem(const SignRequest& r, bits::SignOp op, int world)
   const at::Tensor& out = r.out;
   const int64_t bytes = 16 * static_cast<int64_t>(bits::words_for(static_cast<uint64_t>(r.numel)));
   if (!out.defined() || out.scalar_type() != at::kByte || !out.is_contiguous() ||
-      out.numel() != bytes) {
+      out.numel() != bytes || !word_aligned(out)) {
     return c10::str(
         "argument 'out' (out_planes) must be a contiguous uint8 tensor of exactly ", bytes,
-        " bytes (two planes of ", bytes / 2, "), got ", describe(out),
-        out.defined() ? c10::str(" of ", out.numel(), " bytes") : "");
+        " bytes (two planes of ", bytes / 2, ") starting on an 8-byte boundary, got ",
+        describe(out), out.defined() ? c10::str(" of ", out.numel(), " bytes") : "",
+        out.defined() && !word_aligned(out) ? " starting off an 8-byte boundary" : "");
   }
   return "";
 }

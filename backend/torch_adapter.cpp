@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/StringUtil.h>
 
+#include <cstdint>
+
 namespace lionbit {
 
 std::optional<bits::DType> bits_dtype(at::ScalarType t) {
@@ -73,19 +75,25 @@ std::string check_buffer(
       min_numel, " elements, got ", describe(t), t.defined() ? c10::str(" of ", t.numel()) : "");
 }
 
+bool word_aligned(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 8 == 0;
+}
+
 std::string check_planes(
     const at::Tensor& t,
     const char* name,
     const c10::Device& device,
     int64_t min_bits) {
   if (t.defined() && t.device() == device && t.scalar_type() == at::kByte && t.is_contiguous() &&
-      t.numel() % 8 == 0 && t.numel() * 8 >= min_bits) {
+      t.numel() % 8 == 0 && t.numel() * 8 >= min_bits && word_aligned(t)) {
     return "";
   }
   return c10::str(
       "argument '", name, "' must be a contiguous uint8 tensor on ", device,
-      " of a whole number of 64-bit words holding at least ", min_bits, " bits, got ", describe(t),
-      t.defined() ? c10::str(" of ", t.numel(), " bytes") : "");
+      " of a whole number of 64-bit words, starting on an 8-byte boundary, holding at least ",
+      min_bits, " bits, got ", describe(t),
+      t.defined() ? c10::str(" of ", t.numel(), " bytes") : "",
+      t.defined() && !word_aligned(t) ? " starting off an 8-byte boundary" : "");
 }
 
 std::string check_float(const at::Tensor& t, const char* name, const c10::Device& device) {

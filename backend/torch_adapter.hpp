@@ -51,8 +51,12 @@ std::string check_buffer(
     const c10::Device& device,
     int64_t min_numel);
 
-// Bit-planes: a contiguous uint8 tensor on `device` of whole 64-bit words
-// holding at least `min_bits` bits.
+// Whether t's data starts on an 8-byte boundary (the kernels read planes as
+// 64-bit words; a GPU faults on a misaligned one).
+bool word_aligned(const at::Tensor& t);
+
+// Bit-planes: a contiguous uint8 tensor on `device` of whole 64-bit words,
+// starting on an 8-byte boundary, holding at least `min_bits` bits.
 std::string check_planes(
     const at::Tensor& t,
     const char* name,

@@ -176,8 +176,11 @@ def bad_planes_requests(rank, n):
     sign, zero = torch.zeros(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
     out = torch.zeros(32, dtype=torch.uint8)
     errors = []
+    # Views that start off an 8-byte boundary: the kernels read planes as 64-bit words.
+    odd_sign, odd_out = torch.zeros(24, dtype=torch.uint8)[1:17], torch.zeros(40, dtype=torch.uint8)[4:36]
     for args in ((sign, zero, 100, 0, out, "avg"), (sign, zero, 100, 0, out[:24], "vote"),
-                 (sign, zero, 100, 0, torch.zeros(32, dtype=torch.int8), "vote")):
+                 (sign, zero, 100, 0, torch.zeros(32, dtype=torch.int8), "vote"),
+                 (odd_sign, zero, 100, 0, out, "vote"), (sign, zero, 100, 0, odd_out, "vote")):
         try:
             backend.all_reduce_sign_packed(*args, "zero", -1, "flat", True).wait()
             errors.append(None)
@@ -198,7 +201,10 @@ def bad_planes_requests(rank, n):
 
 def test_bad_planes_requests_name_the_argument():
     for errors in values(run_ranks("test_vote_planes:bad_planes_requests", 2)):
-        avg, small, dtype, scatter_size, scatter_sum = errors
+        avg, small, dtype, odd_sign, odd_out, scatter_size, scatter_sum = errors
+        assert "argument 'sign' must be a contiguous uint8 tensor" in odd_sign, odd_sign
+        assert "starting off an 8-byte boundary" in odd_sign and "on rank" in odd_sign, odd_sign
+        assert "argument 'out' (out_planes)" in odd_out and "starting off an 8-byte boundary" in odd_out, odd_out
         assert "argument 'out_planes' takes op 'vote'" in avg and "'avg'" in avg, avg
         assert "uint8 tensor of exactly 16 bytes" in scatter_size and "of 32 bytes" in scatter_size, scatter_size
         assert "argument 'out_planes' takes op 'vote'" in scatter_sum and "'sum'" in scatter_sum, scatter_sum
