@@ -182,13 +182,16 @@ __global__ void __launch_bounds__(kBlockThreads) decode_entries_kernel(
     uint64_t limit,
     uint64_t* plane,
     unsigned* bad) {
-  const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t k = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < entries;
-       k += step) {
-    if (entry_corrupt(in, entries, count, width, limit, k)) {
+  // A thread an offset; a warp a run (its lanes share the run's inner words).
+  const unsigned lanes = width == 2 ? kEntryLanes : 1;
+  const unsigned lane = threadIdx.x % lanes;
+  const size_t thread = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x / lanes;
+  for (size_t k = thread / lanes; k < entries; k += step) {
+    if (lane == 0 && entry_corrupt(in, entries, count, width, limit, k)) {
       *bad = 1u;
     }
-    set_entry(in, width, limit, k, plane);
+    set_entry(in, width, limit, k, plane, lane, lanes);
   }
 }
 
@@ -285,9 +288,10 @@ void decode_entries(
     return;
   }
   static const int resident = detail::resident_blocks(detail::decode_entries_kernel);
+  const size_t units = width == 2 ? entries * detail::kEntryLanes : entries;
   detail::decode_entries_kernel<<<
-      detail::grid_for(entries, detail::kBlockThreads, resident), detail::kBlockThreads, 0,
-      stream>>>(in, entries, count, width, static_cast<uint64_t>(words) * 64, plane, bad);
+      detail::grid_for(units, detail::kBlockThreads, resident), detail::kBlockThreads, 0, stream>>>(
+      in, entries, count, width, static_cast<uint64_t>(words) * 64, plane, bad);
   detail::check_launch("decode_entries");
 }
 

@@ -140,18 +140,28 @@ LIONBIT_HD void or_into(uint64_t* word, uint64_t v) {
 #endif
 }
 
+// The callers that share a run in decode_entries_kernel (a warp).
+constexpr unsigned kEntryLanes = 32;
+
 // Sets what entry k of a received list names in `plane` (zeroed before):
 // its offset, or its run's bits [first, end); nothing for padding or an
 // entry out of the plane's `limit` bits (the message is then corrupt and
 // the plane unspecified; no write leaves it). A run's inner words are its
 // own (runs are disjoint with gaps) and are stored; its edge words are
-// ORed.
+// ORed. `parts` callers share the entry (a warp: one long run, a plane of
+// zeros from a rank that abstains, is millions of words): part 0 sets the
+// offset or the run's edges, part p every parts-th inner word from p.
 LIONBIT_HD void set_entry(
     const uint8_t* in,
     unsigned width,
     uint64_t limit,
     uint64_t k,
-    uint64_t* plane) {
+    uint64_t* plane,
+    unsigned part = 0,
+    unsigned parts = 1) {
+  if (width == 1 && part != 0) {
+    return;
+  }
   const uint32_t a = get_slot(in, width * k);
   if (a == kNoSlot || a >= limit) {
     return;
@@ -167,15 +177,17 @@ LIONBIT_HD void set_entry(
   const size_t first = a / 64, last = (static_cast<size_t>(b) - 1) / 64;
   const uint64_t head = ~uint64_t{0} << (a % 64);
   const uint64_t tail = ~uint64_t{0} >> (63 - (static_cast<size_t>(b) - 1) % 64);
-  if (first == last) {
-    or_into(plane + first, head & tail);
-    return;
+  if (part == 0) {
+    if (first == last) {
+      or_into(plane + first, head & tail);
+      return;
+    }
+    or_into(plane + first, head);
+    or_into(plane + last, tail);
   }
-  or_into(plane + first, head);
-  for (size_t w = first + 1; w < last; ++w) {
+  for (size_t w = first + 1 + part; w < last; w += parts) {
     plane[w] = ~uint64_t{0};
   }
-  or_into(plane + last, tail);
 }
 
 // clean (backend's KernelSet::clean): word k of the planes with the bits

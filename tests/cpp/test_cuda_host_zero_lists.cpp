@@ -117,7 +117,8 @@ Bytes emu_encode(const Words& plane, const bits::ZeroCode& code) {
   return out;
 }
 
-// decode_entries_kernel: each entry checked and set on its own.
+// decode_entries_kernel: each entry checked and set on its own, a run's by
+// a warp's lanes (in reverse, so no lane relies on another having run first).
 bool emu_decode(const Bytes& in, const bits::ZeroCode& code, Words& plane) {
   const bool list = bits::zero_form(code, plane.size()) == bits::ZeroForm::kList;
   const uint64_t entries = list ? (code.zeros + 1) & ~uint64_t{1} : code.runs;
@@ -128,7 +129,10 @@ bool emu_decode(const Bytes& in, const bits::ZeroCode& code, Words& plane) {
   bool bad = false;
   for (uint64_t k = 0; k < entries; ++k) {
     bad = bad || cd::entry_corrupt(in.data(), entries, count, width, limit, k);
-    cd::set_entry(in.data(), width, limit, k, plane.data());
+    const unsigned lanes = width == 2 ? cd::kEntryLanes : 1;
+    for (unsigned lane = lanes; lane-- > 0;) {
+      cd::set_entry(in.data(), width, limit, k, plane.data(), lane, lanes);
+    }
   }
   return !bad;
 }
