@@ -11,6 +11,7 @@
 #include "backend/kernels_cuda.hpp"
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
@@ -246,10 +247,10 @@ class CudaKernelSet final : public KernelSet {
       return aten_kernels().vote(in, sign, tie);
     }
     const Strided s = stride_of(in);
-    const size_t words = plane_words(sign);
     cuda::vote(
-        cwords(s.sign), s.zero.defined() ? cwords(s.zero) : nullptr, words,
-        static_cast<int>(in.size()), words, mwords(sign), mwords(tie), current_stream(sign));
+        cwords(s.sign), s.zero.defined() ? cwords(s.zero) : nullptr, plane_words(in[0].sign),
+        static_cast<int>(in.size()), plane_words(sign), mwords(sign), mwords(tie),
+        current_stream(sign));
   }
 
   void vote_levels(const std::vector<at::Tensor>& in, int p, at::Tensor& sign, at::Tensor& tie)
@@ -337,6 +338,9 @@ class CudaKernelSet final : public KernelSet {
 
 // The first use on a device: every custom kernel against the ATen set.
 void check_once(CudaKernelSet& set, const c10::Device& device) {
+  // Its launches go to `device` whichever device the caller has current
+  // (lionbit.kernels("cuda:1") from a process on cuda:0).
+  const c10::cuda::CUDAGuard guard(device);
   const auto start = std::chrono::steady_clock::now();
   const std::vector<KernelMismatch> bad = check_kernels(set, aten_kernels(), device, 0);
   for (const KernelMismatch& m : bad) {
