@@ -625,22 +625,29 @@ void check_decode_zeros(Checker& ck) {
 
 // N ranks' contributions for count_code / vote / the zero counts: sign
 // planes (clean: no bit where the rank has a zero) as views into one buffer
-// at a word offset, as shards are. zeros: "none", "all" (dense, 1/4), "some"
-// (odd ranks; rank 2's plane present but empty), "sparse" (a few bits below
-// `limit` on ranks i % 3 != 1; rank 0 at least two).
+// at a word offset, as shards are: each rank's [sign | zero], or with
+// `back_to_back` every sign plane and then every zero plane (a device set
+// may read planes laid out so in place). zeros: "none", "all" (dense, 1/4),
+// "some" (odd ranks; rank 2's plane present but empty), "sparse" (a few
+// bits below `limit` on ranks i % 3 != 1; rank 0 at least two).
 std::vector<PlaneIn> contributions(
     Checker& ck,
     Rng& rng,
     int N,
     size_t words,
     const std::string& zeros,
-    size_t limit) {
+    size_t limit,
+    bool back_to_back = false) {
   const size_t bytes = words * 8;
   Bytes buf = random_bytes(rng, (2 * N * words + 1) * 8);
   std::vector<bool> has(static_cast<size_t>(N), false);
+  const auto sign_at = [&](int i) { return 8 + (back_to_back ? i : 2 * i) * bytes; };
+  const auto zero_at = [&](int i) {
+    return back_to_back ? 8 + (N + i) * bytes : sign_at(i) + bytes;
+  };
   for (int i = 0; i < N; ++i) {
-    uint8_t* s = buf.data() + 8 + 2 * i * bytes;
-    uint8_t* z = s + bytes;
+    uint8_t* s = buf.data() + sign_at(i);
+    uint8_t* z = buf.data() + zero_at(i);
     Bytes zb(bytes, 0);
     if (zeros == "all" || (zeros == "some" && i % 2 == 1)) {
       zb = sparse_bytes(rng, bytes);
@@ -659,10 +666,9 @@ std::vector<PlaneIn> contributions(
   const Tensor all = ck.bytes(buf);
   std::vector<PlaneIn> in(static_cast<size_t>(N));
   for (int i = 0; i < N; ++i) {
-    const int64_t at = 8 + 2 * i * static_cast<int64_t>(bytes);
-    in[i].sign = all.narrow(0, at, static_cast<int64_t>(bytes));
+    in[i].sign = all.narrow(0, static_cast<int64_t>(sign_at(i)), static_cast<int64_t>(bytes));
     if (has[i]) {
-      in[i].zero = all.narrow(0, at + static_cast<int64_t>(bytes), static_cast<int64_t>(bytes));
+      in[i].zero = all.narrow(0, static_cast<int64_t>(zero_at(i)), static_cast<int64_t>(bytes));
     }
   }
   return in;
@@ -681,10 +687,12 @@ void check_count_and_vote(Checker& ck) {
   size_t i = 0;
   for (int N : {1, 2, 3, 4, 7, 8, 9}) {
     for (const char* zeros : {"none", "all", "some"}) {
-      const size_t words = i++ % 2 == 0 ? 1 : 11;
-      const std::string params = c10::str("N=", N, ", words=", words, ", zero planes: ", zeros);
+      const size_t words = i % 2 == 0 ? 1 : 11;
+      const bool b2b = i++ % 4 < 2; // each layout with both sizes, every N and zeros mode
+      const std::string params = c10::str(
+          "N=", N, ", words=", words, ", zero planes: ", zeros, b2b ? ", planes back to back" : "");
       ck.run(Kernel::kCountCode, params, [&](Rng& rng) {
-        const auto in = contributions(ck, rng, N, words, zeros, words * 64);
+        const auto in = contributions(ck, rng, N, words, zeros, words * 64, b2b);
         const int planes = bits::code_planes(N, any_zero(in));
         const Bytes init = random_bytes(rng, (planes * words + 1) * 8);
         Tensor a = ck.bytes(init), b = ck.bytes(init);
@@ -693,7 +701,7 @@ void check_count_and_vote(Checker& ck) {
         return same("code planes", a, b);
       });
       ck.run(Kernel::kVote, params, [&](Rng& rng) {
-        const auto in = contributions(ck, rng, N, words, zeros, words * 64);
+        const auto in = contributions(ck, rng, N, words, zeros, words * 64, b2b);
         const Bytes s = random_bytes(rng, words * 8), t = random_bytes(rng, words * 8);
         Tensor s1 = ck.bytes(s), t1 = ck.bytes(t), s2 = ck.bytes(s), t2 = ck.bytes(t);
         ck.cand.vote(in, s1, t1);

@@ -50,6 +50,27 @@ struct Strided {
   at::Tensor sign, zero;
 };
 
+// Whether the contributions' sign (or zero) planes already lie back to back
+// in memory, rank j's at byte j * (plane bytes) from rank 0's (one rank;
+// shards received one after another): the kernels then read them in place,
+// each word read belonging to one of the planes.
+bool back_to_back(const std::vector<PlaneIn>& in, bool zero) {
+  const int64_t bytes = in[0].sign.numel();
+  const at::Tensor& first = zero ? in[0].zero : in[0].sign;
+  if (!first.defined()) {
+    return false;
+  }
+  const auto* base = static_cast<const uint8_t*>(first.data_ptr());
+  for (size_t j = 0; j < in.size(); ++j) {
+    const at::Tensor& t = zero ? in[j].zero : in[j].sign;
+    if (!t.defined() || t.numel() != bytes ||
+        static_cast<const uint8_t*>(t.data_ptr()) != base + static_cast<int64_t>(j) * bytes) {
+      return false;
+    }
+  }
+  return true;
+}
+
 Strided stride_of(const std::vector<PlaneIn>& in) {
   std::vector<at::Tensor> signs, zeros;
   bool any_zero = false;
@@ -57,8 +78,12 @@ Strided stride_of(const std::vector<PlaneIn>& in) {
     signs.push_back(c.sign);
     any_zero = any_zero || c.zero.defined();
   }
-  Strided s{at::cat(signs), at::Tensor()};
+  Strided s{back_to_back(in, false) ? in[0].sign : at::cat(signs), at::Tensor()};
   if (any_zero) {
+    if (back_to_back(in, true)) {
+      s.zero = in[0].zero;
+      return s;
+    }
     for (const PlaneIn& c : in) {
       zeros.push_back(c.zero.defined() ? c.zero : at::zeros_like(c.sign));
     }
