@@ -79,11 +79,9 @@ std::vector<at::Tensor> SignWork::result() {
 }
 
 bool SignWork::wait(std::chrono::milliseconds timeout) {
-  if (timeout == kNoTimeout) {
-    // The worker always completes the future: every inner collective it waits
-    // on is bounded by the process group's timeout.
-    future_->wait();
-  } else {
+  // Without a timeout: the worker always completes the future, as every inner
+  // collective it waits on is bounded by the process group's timeout.
+  if (timeout != kNoTimeout) {
     auto state = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
     future_->addCallback([state](c10::ivalue::Future&) {
       std::lock_guard<std::mutex> lock(state->first);
@@ -96,6 +94,10 @@ bool SignWork::wait(std::chrono::milliseconds timeout) {
         done, "lionbit ", collective_name(kind_), " on rank ", rank_,
         ": Work.wait() timed out after ", timeout.count(), " ms");
   }
+  // Also with a timeout, once completed: the caller's current streams wait
+  // for the worker's, so a GPU result is ordered before what the caller
+  // queues next.
+  future_->wait();
   if (future_->hasError()) {
     std::rethrow_exception(future_->exception_ptr());
   }

@@ -318,6 +318,33 @@ def test_sign_allreduce_cuda_world_size_1_nccl():
     assert values(run_ranks("test_cuda:_sign_cuda", 1, kwargs={"seed": 3}, timeout=600)) == [[]]
 
 
+def _wait_with_timeout_orders_streams(rank, world_size):
+    """A user's ``work.wait(timeout)`` then a read on the current stream: the
+    read must see the whole result, as after ``work.wait()``."""
+    from datetime import timedelta
+
+    dev = _device(rank)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1 << 26, generator=gen)
+    want = x.clone()
+    lionbit.all_reduce_sign(want, "vote")
+    bad = 0
+    for _ in range(3):
+        y = x.to(dev)
+        torch.cuda._sleep(50_000_000)  # the caller's stream busy: the worker's kernels start late
+        work = lionbit.all_reduce_sign(y, "vote", async_op=True)
+        work.wait(timedelta(seconds=120))
+        got = y.clone()  # queued on the current stream at once
+        bad += int(not torch.equal(got.cpu(), want))
+    return bad
+
+
+@pytest.mark.gpu
+def test_wait_with_a_timeout_orders_the_callers_stream():
+    _skip_without_gpu()
+    assert values(run_ranks("test_cuda:_wait_with_timeout_orders_streams", 1, timeout=300)) == [0]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_sign_allreduce_cuda_several_ranks_one_gpu_gloo(n):
