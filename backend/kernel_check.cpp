@@ -396,7 +396,8 @@ Bytes plane_of_runs(Rng& rng, size_t bytes, size_t runs, size_t len) {
 // Zero planes and their codes, from one bit in a word to a dense plane:
 // scattered bits announced without their runs (bits::ZeroCode::at_most, as
 // a list or a plane), and runs announced exactly and with room to spare
-// (the runs form), in planes of 1, 4 and 70 words.
+// (the runs form; one run of some 60 inner words: a warp's lanes fill
+// two each in decode_entries), in planes of 1, 4 and 70 words.
 struct ZeroCase {
   size_t words, k; // scattered: k bits
   size_t runs, len; // clustered: runs of len bits (runs > 0)
@@ -436,7 +437,13 @@ std::vector<ZeroCase> zero_cases() {
     }
   }
   for (const auto& [words, runs, len] : std::vector<std::tuple<size_t, size_t, size_t>>{
-           {1, 1, 40}, {4, 1, 100}, {4, 2, 50}, {70, 1, 2000}, {70, 3, 300}, {70, 9, 17}}) {
+           {1, 1, 40},
+           {4, 1, 100},
+           {4, 2, 50},
+           {70, 1, 2000},
+           {70, 1, 4000},
+           {70, 3, 300},
+           {70, 9, 17}}) {
     const uint64_t bits = runs * len;
     for (uint64_t spare : {uint64_t{0}, uint64_t{1}}) {
       out.push_back({words, 0, runs, len, bits::ZeroCode{bits + spare, runs + spare}});
