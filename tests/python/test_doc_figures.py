@@ -222,6 +222,7 @@ TIMES = {
     "make-test-min": ("`make test` on a fresh clone, minutes", "make_test_s", 60, 1.0),
     "ci-run-min": ("a CI run (.ci/run), minutes", "ci_run_s", 60, 1.0),
     "memcheck-min": ("CI's make test-sanitize and make test-valgrind, minutes", "ci_memcheck_s", 60, 1.0),
+    "sanitize-python-min": ("CI's make test-sanitize-python, minutes", "ci_sanitize_python_s", 60, 1.0),
     "demo-first-min": ("the first `make demo` on a fresh machine, minutes", "demo_first_run_s", 60, 1.0),
     "demo-warm-s": ("`make demo` once set up, s", "demo_warm_s", 1, 3.0),
     "build-cold-s": ("the extension's cold build, s", "cold_build_s", 1, 5.0),
