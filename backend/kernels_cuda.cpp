@@ -50,46 +50,33 @@ struct Strided {
   at::Tensor sign, zero;
 };
 
-// Whether the contributions' sign (or zero) planes already lie back to back
-// in memory, rank j's at byte j * (plane bytes) from rank 0's (one rank;
-// shards received one after another): the kernels then read them in place,
-// each word read belonging to one of the planes.
-bool back_to_back(const std::vector<PlaneIn>& in, bool zero) {
+// The contributions' sign (or zero) planes as one buffer, rank j's at byte
+// j * (plane bytes): read in place where they already lie so (one rank;
+// shards received one after another; each word read belongs to one of the
+// planes), else copied (a rank without a zero plane: an all-zero one).
+at::Tensor one_buffer(const std::vector<PlaneIn>& in, bool zero) {
   const int64_t bytes = in[0].sign.numel();
-  const at::Tensor& first = zero ? in[0].zero : in[0].sign;
-  if (!first.defined()) {
-    return false;
+  const auto plane = [&](size_t j) -> const at::Tensor& { return zero ? in[j].zero : in[j].sign; };
+  bool in_place = plane(0).defined();
+  for (size_t j = 0; in_place && j < in.size(); ++j) {
+    in_place = plane(j).defined() && plane(j).numel() == bytes &&
+        static_cast<const uint8_t*>(plane(j).data_ptr()) ==
+            static_cast<const uint8_t*>(plane(0).data_ptr()) + static_cast<int64_t>(j) * bytes;
   }
-  const auto* base = static_cast<const uint8_t*>(first.data_ptr());
+  if (in_place) {
+    return plane(0);
+  }
+  std::vector<at::Tensor> all;
   for (size_t j = 0; j < in.size(); ++j) {
-    const at::Tensor& t = zero ? in[j].zero : in[j].sign;
-    if (!t.defined() || t.numel() != bytes ||
-        static_cast<const uint8_t*>(t.data_ptr()) != base + static_cast<int64_t>(j) * bytes) {
-      return false;
-    }
+    all.push_back(plane(j).defined() ? plane(j) : at::zeros_like(in[j].sign));
   }
-  return true;
+  return at::cat(all);
 }
 
 Strided stride_of(const std::vector<PlaneIn>& in) {
-  std::vector<at::Tensor> signs, zeros;
-  bool any_zero = false;
-  for (const PlaneIn& c : in) {
-    signs.push_back(c.sign);
-    any_zero = any_zero || c.zero.defined();
-  }
-  Strided s{back_to_back(in, false) ? in[0].sign : at::cat(signs), at::Tensor()};
-  if (any_zero) {
-    if (back_to_back(in, true)) {
-      s.zero = in[0].zero;
-      return s;
-    }
-    for (const PlaneIn& c : in) {
-      zeros.push_back(c.zero.defined() ? c.zero : at::zeros_like(c.sign));
-    }
-    s.zero = at::cat(zeros);
-  }
-  return s;
+  const bool any_zero = std::any_of(
+      in.begin(), in.end(), [](const PlaneIn& c) { return c.zero.defined(); });
+  return Strided{one_buffer(in, false), any_zero ? one_buffer(in, true) : at::Tensor()};
 }
 
 unsigned long long* counters(const at::Tensor& t) {

@@ -223,8 +223,7 @@ std::string out_planes_problem(const SignRequest& r, bits::SignOp op, int world)
     return c10::str(
         "argument 'out' (out_planes) must be a contiguous uint8 tensor of exactly ", bytes,
         " bytes (two planes of ", bytes / 2, ") starting on an 8-byte boundary, got ",
-        describe(out), out.defined() ? c10::str(" of ", out.numel(), " bytes") : "",
-        out.defined() && !word_aligned(out) ? " starting off an 8-byte boundary" : "");
+        describe_planes(out));
   }
   return "";
 }

@@ -79,6 +79,15 @@ bool word_aligned(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 8 == 0;
 }
 
+std::string describe_planes(const at::Tensor& t) {
+  if (!t.defined()) {
+    return describe(t);
+  }
+  return c10::str(
+      describe(t), " of ", t.numel(), " bytes",
+      word_aligned(t) ? "" : " starting off an 8-byte boundary");
+}
+
 std::string check_planes(
     const at::Tensor& t,
     const char* name,
@@ -91,9 +100,7 @@ std::string check_planes(
   return c10::str(
       "argument '", name, "' must be a contiguous uint8 tensor on ", device,
       " of a whole number of 64-bit words, starting on an 8-byte boundary, holding at least ",
-      min_bits, " bits, got ", describe(t),
-      t.defined() ? c10::str(" of ", t.numel(), " bytes") : "",
-      t.defined() && !word_aligned(t) ? " starting off an 8-byte boundary" : "");
+      min_bits, " bits, got ", describe_planes(t));
 }
 
 std::string check_float(const at::Tensor& t, const char* name, const c10::Device& device) {

@@ -55,6 +55,10 @@ std::string check_buffer(
 // 64-bit words; a GPU faults on a misaligned one).
 bool word_aligned(const at::Tensor& t);
 
+// describe(t) for a plane: its bytes, and where it starts off an 8-byte
+// boundary, that.
+std::string describe_planes(const at::Tensor& t);
+
 // Bit-planes: a contiguous uint8 tensor on `device` of whole 64-bit words,
 // starting on an 8-byte boundary, holding at least `min_bits` bits.
 std::string check_planes(
