@@ -153,7 +153,7 @@ class DDPAttachment(Attachment):
             _drain([bv])
             self.started = [b for b in self.started if b is not bv]
         buffer = bucket.buffer()
-        params, grads = bucket.parameters(), bucket.gradients()
+        params, grads = bucket.parameters(), bucket_gradients(bucket)
         total = buffer.numel()
         bits = self.opt.voter.bits
         if (
@@ -328,6 +328,7 @@ class DDPAttachment(Attachment):
                 if abstain and (stepped is None or p in stepped):
                     entries.append(step_vote.abstaining(self.opt, p, coefs))
                 elif not abstain and g is not None:
+                    g = g if g.is_contiguous() else g.contiguous()  # (channels_last: as at step())
                     entries.append(step_vote.Entry(p, g, self.opt.momentum_of(p), coefs, fused_for(p, g)))
                 else:
                     # Unused on every rank (find_unused_parameters): DDP left no
@@ -409,6 +410,25 @@ def _reject_call(group, device) -> None:
         backend_for(group, device, "step").all_reduce_sign_packed(sign, zero, -1, 0, out, "vote", "zero", -1)
     except (RuntimeError, ValueError):
         pass  # expected: the backend refused it (and told the peers)
+
+
+def bucket_gradients(bucket) -> List[torch.Tensor]:
+    """Each parameter's gradient in DDP's bucket, element for element. DDP
+    keeps a gradient in the bucket in its parameter's memory layout where
+    that layout is dense (its "gradient layout contract": a channels_last
+    convolution weight's gradient is stored channels_last) and C-contiguous
+    otherwise, but ``GradBucket.gradients()`` views every one C-contiguously:
+    for a channels_last weight that reads its elements out of order (a
+    direction packed from it votes one element's sign for another's). Such a
+    gradient is read with its parameter's strides, into a contiguous copy
+    (the fused kernels' layout)."""
+    buffer, grads, off = bucket.buffer(), [], 0
+    for p, g in zip(bucket.parameters(), bucket.gradients()):
+        if not p.is_contiguous() and lion_math.dense_layout(p):
+            g = buffer.as_strided(p.shape, p.stride(), buffer.storage_offset() + off).contiguous()
+        grads.append(g)
+        off += p.numel()
+    return grads
 
 
 def _version_of(g):

@@ -123,6 +123,19 @@ def delta_views(out: torch.Tensor, into_planes: bool):
     return partial(VotedPlanes, out[:half], out[half:])
 
 
+def dense_layout(t: torch.Tensor) -> bool:
+    """Whether t's elements fill a block of memory without gaps or overlaps
+    in some order of its dims (torch's "non-overlapping and dense":
+    contiguous, channels_last, a transpose): a copy of it is contiguous and
+    its memory is a permutation of that copy's."""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _fusable(g, m) -> bool:
     """Whether the fused L1 passes take g and m (lion_direction's dtypes)."""
     return (

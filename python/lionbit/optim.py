@@ -172,12 +172,14 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
 
     def fused_for(self, p: torch.Tensor, g: torch.Tensor) -> bool:
         # (a step of many tensors asks once a kind of pair: step_vote.fused_verdicts)
-        ok = p.is_contiguous() and g.is_contiguous() and _fused_dtypes(p.dtype, g.dtype, self.momentum_dtype)
+        # A parameter of another dense layout (channels_last) is applied to a contiguous copy (step_vote.update_state).
+        ok = ((p.is_contiguous() or lion_math.dense_layout(p)) and g.is_contiguous()
+              and _fused_dtypes(p.dtype, g.dtype, self.momentum_dtype))
         if self.fused and not ok:
             raise ValueError(
                 f"DistributedLion(fused=True): no fused kernel for parameter {p.dtype}, gradient {g.dtype}, "
-                f"momentum {self.momentum_dtype} (contiguous float32/bfloat16/float16 parameters and gradients, "
-                f"float32/bfloat16 momentum)")
+                f"momentum {self.momentum_dtype} (float32/bfloat16/float16 parameters, contiguous or of another dense "
+                f"layout such as channels_last, and gradients; float32/bfloat16 momentum)")
         if not (ok if self.fused is None else self.fused):
             return False
         return kernel_choice.fused_lion_allowed(p.device)

@@ -11,7 +11,7 @@ backward) and by FSDP1 ``NO_SHARD``; :func:`voted_step` and
 
 import logging
 from itertools import accumulate, repeat
-from operator import attrgetter, methodcaller
+from operator import attrgetter, itemgetter, methodcaller
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -234,7 +234,20 @@ def update_state(momenta, applies) -> None:
     of the same hyperparameters go in one call each (the list kernels: on a
     GPU a launch per dtype pair, where their first-use check passed); where
     the list kernels do not run, the per-tensor fused kernel writes its
-    direction bits (not needed) to planes made here for the largest g."""
+    direction bits (not needed) to planes made here for the largest g. A
+    fused parameter in another dense layout (channels_last) is updated in a
+    contiguous copy, copied back: the kernels read memory in order."""
+    copies = []
+    if applies and not all(map(_contiguous, map(itemgetter(0), applies))):
+        copies = [(x, x.contiguous()) for x, _, _, fused in applies if fused and not x.is_contiguous()]
+        swap = {id(x): c for x, c in copies}
+        applies = [(swap.get(id(x), x), *rest) for x, *rest in applies]
+    _update_state(momenta, applies)
+    for x, c in copies:
+        x.copy_(c)
+
+
+def _update_state(momenta, applies) -> None:
     tensors = momenta or applies
     cuda = bool(tensors) and tensors[0][0].is_cuda
     if tensors and kernel_choice.list_kernels_allowed(tensors[0][0].device):
@@ -269,7 +282,7 @@ class FusedVerdicts:
         self.memo = {}
 
     def __call__(self, p, g) -> bool:
-        key = (p.dtype, g.dtype, p.is_contiguous(), g.is_contiguous(), p.get_device())
+        key = (p.dtype, g.dtype, p.is_contiguous() or lion_math.dense_layout(p), g.is_contiguous(), p.get_device())
         ok = self.memo.get(key)
         if ok is None:
             ok = self.memo[key] = self.opt.fused_for(p, g)
@@ -277,8 +290,10 @@ class FusedVerdicts:
 
     def many(self, ps: Sequence, gs: Sequence) -> List[bool]:
         """The verdict of each pair (ps[i], gs[i]): its kind read in C, each new kind asked."""
-        keys = list(zip(map(_dtype, ps), map(_dtype, gs), map(_contiguous, ps), map(_contiguous, gs),
-                        map(_get_device, ps)))
+        layouts = list(map(_contiguous, ps))
+        if not all(layouts):  # (channels_last parameters: dense, as a contiguous one for the kernels)
+            layouts = [c or lion_math.dense_layout(p) for c, p in zip(layouts, ps)]
+        keys = list(zip(map(_dtype, ps), map(_dtype, gs), layouts, map(_contiguous, gs), map(_get_device, ps)))
         for key in set(keys).difference(self.memo):
             i = keys.index(key)
             self.memo[key] = self.opt.fused_for(ps[i], gs[i])

@@ -11,7 +11,9 @@ as the user's script on N = 2 and 3 real processes:
   ``opt.attach(new_ddp)``, keeps the momentum; a new process group after
   ``destroy_process_group()``;
 - ``DDP(gradient_as_bucket_view=True)``: ``p.grad`` a view of DDP's bucket,
-  bare and with clipping.
+  bare and with clipping;
+- a convolutional model in ``channels_last`` (timm's ``--channels-last``,
+  torchvision's reference scripts), under DDP and as a plain module.
 
 Where they train, every rank compares its parameters bitwise with
 ``simulate``: Distributed Lion on N simulated ranks in one process, written
@@ -333,3 +335,119 @@ def test_ddp_with_gradients_as_bucket_views(loop):
     assert len({r["digest"] for r in res}) == 1, "replicas differ"
     assert all(r["views"] for r in res), "p.grad is not a view of DDP's bucket: the case is not tested"
     assert all(r["overlap_now"] == (loop == "bare") for r in res), res
+
+
+# -- 5. channels_last -------------------------------------------------------------
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 6, 3, padding=1)
+        self.head = torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.c2(torch.relu(self.c1(x))))
+        return self.head(x.mean((2, 3)))
+
+
+def _conv_net():
+    torch.manual_seed(0)
+    return ConvNet().to(memory_format=torch.channels_last)
+
+
+def _conv_loss(model, rank, step):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank)
+    x = torch.randn(4, 3, 9, 9, generator=g).to(memory_format=torch.channels_last)
+    return torch.nn.functional.cross_entropy(model(x), torch.randint(0, 4, (4,), generator=g))
+
+
+def simulate_conv(n, loop, steps):
+    """``simulate``'s Distributed Lion for the channels_last ConvNet: n
+    replicas, each rank's gradient from its own copy (channels_last, as the
+    user's), the rule in plain torch ops on the parameters' values."""
+    b1, b2 = LION["betas"]
+    lr, wd = LION["lr"], LION["weight_decay"]
+    cb1, comb1, cb2, comb2, clr, cdecay = (_f32(v) for v in (b1, 1 - b1, b2, 1 - b2, lr, 1 - lr * wd))
+    model, rep = _conv_net(), _conv_net()
+    momenta = [[torch.zeros(p.shape) for p in model.parameters()] for _ in range(n)]
+    for step in range(steps):
+        total = [torch.zeros(p.shape) for p in model.parameters()]
+        for r in range(n):
+            for p, q in zip(rep.parameters(), model.parameters()):
+                p.data.copy_(q.data)
+                p.grad = None
+            _conv_loss(rep, r, step).backward()
+            if loop == "clip":
+                torch.nn.utils.clip_grad_norm_(rep.parameters(), 1.0)
+            for i, p in enumerate(rep.parameters()):
+                g, m = p.grad, momenta[r][i]
+                total[i] += torch.sign(torch.add(torch.mul(m, cb1), torch.mul(g, comb1)))
+                momenta[r][i] = torch.add(torch.mul(m, cb2), torch.mul(g, comb2))
+        for p, t in zip(model.parameters(), total):
+            p.data.copy_(torch.sub(torch.mul(p.data, cdecay), torch.mul(torch.sign(t), clr)))
+    return [p.detach().clone() for p in model.parameters()], momenta
+
+
+def channels_last(rank, n, wrapper, loop, fused=None):
+    """The user's loop on a channels_last model: DDP (one bucket, so the
+    weights lie at offsets inside it; ``bucket_view``: gradient_as_bucket_view),
+    FSDP1 or the plain module (FSDP2 refuses such parameters itself), bare (DDP: votes in backward) or clipping (at
+    step()); the fused kernels (through contiguous copies) or, with
+    ``fused=False``, torch ops. Parameters and this rank's momenta equal the
+    simulation's."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
+
+    torch.set_num_threads(1)
+    model = _conv_net()
+    assert not model.c1.weight.is_contiguous()  # the case under test
+    if wrapper == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        run = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    else:
+        run = DDP(model, gradient_as_bucket_view=wrapper == "bucket_view") if wrapper != "plain" else model
+    opt = lionbit.DistributedLion(run.parameters(), fused=fused, **LION)
+    if wrapper != "plain":
+        opt.attach(run)
+    for step in range(STEPS):
+        _conv_loss(run, rank, step).backward()
+        if loop == "clip":
+            torch.nn.utils.clip_grad_norm_(run.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    want, momenta = simulate_conv(n, loop, STEPS)
+    if wrapper == "fsdp1":  # (its flat parameters hold the weights contiguously; the momenta are the flat shards')
+        with FSDP.summon_full_params(run):
+            full = [p.detach().clone() for p in model.parameters()]
+        for (name, _), got, w in zip(model.named_parameters(), full, want):
+            assert torch.equal(got, w), f"channels_last, fsdp1: {name} differs from the simulation"
+        return _digest(full)
+    _same(model, want, f"channels_last, {wrapper}, {loop}")
+    for (name, p), m in zip(model.named_parameters(), momenta[rank]):
+        assert torch.equal(opt.state[p]["exp_avg"], m), f"channels_last, {wrapper}, {loop}: {name}'s momentum"
+    return _digest(model.parameters())
+
+
+@pytest.mark.parametrize("wrapper,loop,fused", [("ddp", "bare", None), ("ddp", "clip", True), ("ddp", "bare", False),
+                                                ("bucket_view", "bare", None), ("plain", "bare", None),
+                                                ("fsdp1", "bare", None)])
+def test_a_channels_last_model_trains_as_the_simulation(wrapper, loop, fused):
+    res = values(run_ranks("test_habits:channels_last", 2, kwargs={"wrapper": wrapper, "loop": loop, "fused": fused}))
+    assert len(set(res)) == 1, "replicas differ"
+
+
+def test_dense_layout_is_torchs_non_overlapping_and_dense():
+    """lionbit.lion_math.dense_layout, which tells where DDP's bucket holds a
+    gradient in its parameter's own layout (and which parameters the fused
+    kernels update through a contiguous copy)."""
+    from lionbit.lion_math import dense_layout
+
+    t = torch.zeros(4, 3, 5, 6)
+    dense = [t, t.to(memory_format=torch.channels_last), t.permute(3, 1, 0, 2), t[:1], torch.zeros(7, 1).t(),
+             torch.zeros(0, 3)]
+    sparse = [t[:, :2], t[..., ::2], torch.zeros(3).expand(4, 3), t.transpose(0, 1)[1:]]
+    assert [dense_layout(x) for x in dense] == [True] * len(dense)
+    assert [dense_layout(x) for x in sparse] == [False] * len(sparse)
