@@ -548,15 +548,31 @@ def test_cuda_on_one_rank_cpu_on_another_is_a_clear_error():
         assert "device type differs across ranks" in m, m
 
 
-def _ddp_linear(rank, world_size, device, steps, aggregation, fused):
+class _FourDLinear(torch.nn.Module):
+    """torch.nn.Linear(96, 7) whose weight is a (7, 4, 3, 8) channels_last
+    parameter (a convolution weight's shape and layout), used as (7, 96): DDP
+    keeps its gradient in the bucket in that layout."""
+
+    def __init__(self, linear):
+        super().__init__()
+        w = linear.weight.detach().reshape(7, 4, 3, 8).contiguous(memory_format=torch.channels_last)
+        self.weight, self.bias = torch.nn.Parameter(w), linear.bias
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight.reshape(7, 96), self.bias)
+
+
+def _ddp_linear(rank, world_size, device, steps, aggregation, fused, channels_last=False):
     """A linear model with a linear loss and small-integer inputs: every
     gradient is an exact integer whatever the summation order, so a CPU and a
-    CUDA run see the same gradients and must end bitwise equal."""
+    CUDA run see the same gradients and must end bitwise equal (and a run
+    with the weight in a channels_last 4-D layout, the same as one without)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dev = _device(rank) if device == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
-    model = torch.nn.Linear(96, 7).to(dev)
+    model = torch.nn.Linear(96, 7)
+    model = (_FourDLinear(model) if channels_last else model).to(dev)
     ddp = DDP(model, bucket_cap_mb=0.001)
     opt = lionbit.DistributedLion(
         [{"params": [model.weight]}, {"params": [model.bias], "lr": 3e-3, "weight_decay": 0.0}],
@@ -578,10 +594,22 @@ def _ddp_linear(rank, world_size, device, steps, aggregation, fused):
     return flat.view(torch.int32).tolist()
 
 
-def _ddp_both(rank, world_size, steps, aggregation, fused):
+def _ddp_both(rank, world_size, steps, aggregation, fused, channels_last=False):
     cpu = _ddp_linear(rank, world_size, "cpu", steps, aggregation, fused)
-    gpu = _ddp_linear(rank, world_size, "cuda", steps, aggregation, fused)
+    gpu = _ddp_linear(rank, world_size, "cuda", steps, aggregation, fused, channels_last)
     return {"equal": cpu == gpu, "hash": hash(tuple(gpu))}
+
+
+def _ddp_layouts(rank, world_size, steps):
+    """The CPU run with the weight contiguous and channels_last."""
+    return [_ddp_linear(rank, world_size, "cpu", steps, "vote", None, cl) for cl in (False, True)]
+
+
+def test_a_channels_last_weight_steps_as_a_contiguous_one():
+    """The exact-gradient DDP run, its weight a channels_last 4-D parameter:
+    bitwise the contiguous run (the GPU twin below)."""
+    for contiguous, channels_last in values(run_ranks("test_cuda:_ddp_layouts", 2, kwargs={"steps": 6})):
+        assert contiguous == channels_last
 
 
 @pytest.mark.gpu
@@ -593,6 +621,16 @@ def test_distributed_lion_ddp_cuda_matches_cpu(aggregation, fused):
                            env=GLOO, timeout=600))
     assert all(v["equal"] for v in got), got
     assert len({v["hash"] for v in got}) == 1, "replicas differ across ranks"
+
+
+@pytest.mark.gpu
+def test_distributed_lion_ddp_channels_last_cuda_matches_cpu():
+    """The weight a channels_last 4-D parameter on the GPU (DDP's bucket holds
+    its gradient in that layout): the contiguous CPU run, bitwise."""
+    _skip_without_gpu()
+    got = values(run_ranks("test_cuda:_ddp_both", 2, kwargs={"steps": 12, "aggregation": "vote", "fused": None,
+                                                             "channels_last": True}, env=GLOO, timeout=600))
+    assert all(v["equal"] for v in got), got
 
 
 # --- FSDP2 and FSDP1 on CUDA parameters; the kernel choice ------------------------------
