@@ -413,21 +413,23 @@ def _reject_call(group, device) -> None:
 
 
 def bucket_gradients(bucket) -> List[torch.Tensor]:
-    """Each parameter's gradient in DDP's bucket, element for element. DDP
-    keeps a gradient in the bucket in its parameter's memory layout where
-    that layout is dense (its "gradient layout contract": a channels_last
-    convolution weight's gradient is stored channels_last) and C-contiguous
-    otherwise, but ``GradBucket.gradients()`` views every one C-contiguously:
-    for a channels_last weight that reads its elements out of order (a
-    direction packed from it votes one element's sign for another's). Such a
-    gradient is read with its parameter's strides, into a contiguous copy
-    (the fused kernels' layout)."""
-    buffer, grads, off = bucket.buffer(), [], 0
+    """Each parameter's local gradient in DDP's bucket, element for element.
+    DDP copies a gradient into its bucket through a view with the strides
+    its parameter had when DDP laid the bucket out (a channels_last
+    convolution weight's own, where dense), but ``GradBucket.gradients()``
+    views every one C-contiguously: for such a weight its elements come out
+    of order (a direction packed from it votes one element's sign for
+    another's). For a parameter that is not contiguous, the gradient
+    autograd left in ``p.grad`` holds the same values in a layout it states,
+    whatever layout the bucket has: that is read, as a contiguous copy (the
+    fused kernels' layout). Without one (unused on this rank under
+    find_unused_parameters) the bucket holds zeros, in any order."""
+    grads = []
     for p, g in zip(bucket.parameters(), bucket.gradients()):
-        if not p.is_contiguous() and lion_math.dense_layout(p):
-            g = buffer.as_strided(p.shape, p.stride(), buffer.storage_offset() + off).contiguous()
+        own = p.grad
+        if not p.is_contiguous() and own is not None and own.shape == g.shape:
+            g = own if own.is_contiguous() else own.contiguous()
         grads.append(g)
-        off += p.numel()
     return grads
 
 
