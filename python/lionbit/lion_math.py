@@ -9,6 +9,11 @@ bits; the coefficients are computed in float64 and rounded once)::
     m_new = fl(fl(b2 * m) + fl((1 - b2) * g))
     x_new = fl(fl(x * (1 - lr * wd)) - fl(lr * Delta))
 
+A float64 parameter's x_new is computed the same way in float64 (its
+coefficients rounded once to float64): in float32 every step would round
+the parameter to float32. Its direction and momentum follow the float32
+contract (the momentum is float32 or bfloat16).
+
 A step is split so that nothing changes before every rank knows the step
 is good: :func:`pack_direction` reads g and m and writes only bits (and
 counts non-finite directions), the vote runs, then :func:`update_momentum`
@@ -370,6 +375,10 @@ def apply_update(p, delta, k: Coefs, fused: bool) -> None:
         _, _, _, _, lr, decay = k.values
         apply = _C.lion_apply_device if p.is_cuda else _C.lion_apply
         apply(p.view(-1), delta.reshape(-1), lr, decay)
+        return
+    if p.dtype == torch.float64:  # in its own precision: float32 would round the parameter every step
+        _, _, _, _, lr, decay = k.values
+        p.copy_(torch.sub(torch.mul(p, decay), torch.mul(delta.reshape(p.shape).double(), lr)))
         return
     xf = p.float()
     lr, decay = k.tensors()[4:]

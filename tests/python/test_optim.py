@@ -26,12 +26,14 @@ class ReferenceLion:
     fused multiply-add): the contract every lionbit path must equal bitwise."""
 
     def __init__(self, params, n, lr, betas, wd, aggregation):
-        self.x = [p.detach().numpy().astype(F32).copy() for p in params]
-        self.m = [[np.zeros_like(x) for x in self.x] for _ in range(n)]
+        # (a float64 parameter is updated in float64; its direction and momentum are float32's)
+        self.x = [p.detach().numpy().astype(np.float64 if p.dtype == torch.float64 else F32).copy() for p in params]
+        self.m = [[np.zeros(x.shape, dtype=F32) for x in self.x] for _ in range(n)]
         self.n, self.agg = n, aggregation
         self.b1, self.omb1 = F32(betas[0]), F32(1.0 - betas[0])
         self.b2, self.omb2 = F32(betas[1]), F32(1.0 - betas[1])
         self.lr, self.decay = F32(lr), F32(1.0 - lr * wd)
+        self.lr64, self.decay64 = np.float64(lr), np.float64(1.0 - lr * wd)
 
     def step(self, grads):  # grads[rank][param] as numpy float32
         for i, x in enumerate(self.x):
@@ -43,7 +45,10 @@ class ReferenceLion:
                 self.m[r][i] = (self.b2 * m) + (self.omb2 * g)
             delta = np.sign(total) if self.agg == "vote" else total / self.n
             delta = delta.astype(F32)
-            self.x[i] = (x * self.decay) - (self.lr * delta)
+            if x.dtype == np.float64:
+                self.x[i] = (x * self.decay64) - (self.lr64 * delta.astype(np.float64))
+            else:
+                self.x[i] = (x * self.decay) - (self.lr * delta)
 
 
 def _model(seed=0, unused=False):
@@ -425,13 +430,15 @@ def test_bfloat16_momentum():
 def mixed_dtypes_match_reference(rank, n, steps=6):
     """A float32 layer, then a float64 one: the step asks the fused kernels
     once per kind of pair, so the float32 pairs take them and the float64
-    pairs (no fused kernel) the torch path, which computes in float32 too."""
+    pairs (no fused kernel) the torch path, which computes their directions
+    and momenta in float32 too and their update in float64 (in float32 it
+    would round each parameter to float32 every step)."""
     import lionbit
 
     torch.manual_seed(0)
     a, b = torch.nn.Linear(12, 16), torch.nn.Linear(16, 3).double()
     params = list(a.parameters()) + list(b.parameters())
-    ref = ReferenceLion([p.float() for p in params], n, 1e-3, (0.9, 0.99), 0.1, "vote")
+    ref = ReferenceLion(params, n, 1e-3, (0.9, 0.99), 0.1, "vote")
     opt = lionbit.DistributedLion(params, lr=1e-3, weight_decay=0.1)
     for step in range(steps):
         opt.zero_grad()
@@ -447,7 +454,11 @@ def mixed_dtypes_match_reference(rank, n, steps=6):
         opt.step()
     for x, p in zip(ref.x, params):
         assert p.dtype in (torch.float32, torch.float64)
-        assert np.array_equal(x.view(np.int32), p.detach().float().numpy().view(np.int32)), p.dtype
+        bits = np.int64 if x.dtype == np.float64 else np.int32
+        assert x.dtype == p.detach().numpy().dtype, p.dtype
+        assert np.array_equal(x.view(bits), p.detach().numpy().view(bits)), p.dtype
+        if p.dtype == torch.float64:  # not float32 values stored in float64
+            assert not np.array_equal(x, x.astype(F32).astype(np.float64)), "float64 parameter rounded to float32"
     return _hash(a) + _hash(b)
 
 
