@@ -41,14 +41,17 @@ class Block(torch.nn.Module):
 
 
 class TinyLM(torch.nn.Module):
-    """A two-block causal transformer LM (2,971 parameters)."""
+    """A two-block causal transformer LM (2,971 parameters; ``tie``: the
+    head's weight is the embedding's, as GPT-2's)."""
 
-    def __init__(self):
+    def __init__(self, tie=False):
         super().__init__()
         self.emb = torch.nn.Embedding(V, D)
         self.blocks = torch.nn.ModuleList([Block(), Block()])
         self.norm = torch.nn.LayerNorm(D)
         self.head = torch.nn.Linear(D, V)
+        if tie:
+            self.head.weight = self.emb.weight
 
     def forward(self, tokens):
         x = self.emb(tokens)
@@ -57,9 +60,9 @@ class TinyLM(torch.nn.Module):
         return self.head(self.norm(x))
 
 
-def _model(seed=0):
+def _model(seed=0, tie=False):
     torch.manual_seed(seed)
-    return TinyLM()
+    return TinyLM(tie)
 
 
 def _batch(rank, step, micro=0):
@@ -75,7 +78,7 @@ def _loss(model, rank, step, micro=0):
 
 def _config(**kw):
     cfg = dict(aggregation="vote", tie_break="zero", steps=4, clip=None, accumulate=1, reshard=True, mp=None,
-               scaler=False, overflow=None, compile=False)
+               scaler=False, overflow=None, compile=False, tie=False)
     cfg.update(kw)
     return cfg
 
@@ -89,7 +92,7 @@ def _hsdp_model(mesh, cfg, seed=0):
     kw = dict(mesh=mesh, reshard_after_forward=cfg["reshard"])
     if cfg["mp"]:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["mp"]))
-    model = _model(seed)
+    model = _model(seed, cfg.get("tie", False))
     for block in model.blocks:
         if cfg["compile"]:  # torchtitan's order: compile each block, then shard it
             block.compile()
@@ -175,7 +178,7 @@ def _node_grads(params, step, cfg):
     (g_a + g_b) / 2 in float32, the reduction's dtype (FSDP casts bf16
     gradients to the sharded parameters' float32 before it reduces). With 2
     ranks the float order cannot matter: a + b = b + a, and / 2 is exact."""
-    model = _model()
+    model = _model(tie=cfg.get("tie", False))
     dtype = getattr(torch, cfg["mp"]) if cfg["mp"] else torch.float32
     model.to(dtype)
     out = []
@@ -215,8 +218,8 @@ def _reference(cfg, run):
 
 
 def _simulate(cfg, run):
-    names = [n for n, _ in _model().named_parameters()]
-    params = {n: p.detach().clone() for n, p in _model().named_parameters()}
+    names = [n for n, _ in _model(tie=cfg.get("tie", False)).named_parameters()]
+    params = {n: p.detach().clone() for n, p in _model(tie=cfg.get("tie", False)).named_parameters()}
     momentum = [{n: torch.zeros_like(p) for n, p in params.items()} for _ in range(M)]
     b1, b2 = LION["betas"]
     lr, wd = LION["lr"], LION["weight_decay"]
@@ -285,6 +288,7 @@ CONFIGS = {
     "vote+random, GradScaler with an overflow on rank 3": _config(tie_break="random", scaler=True, overflow=[2, 3]),
     "bf16 MixedPrecisionPolicy": _config(mp="bfloat16"),
     "vote, clip, torch.compile per block": _config(clip=0.5, compile=True),
+    "vote, the head tied to the embedding": _config(tie=True),
 }
 
 
@@ -305,7 +309,9 @@ def test_hsdp_equals_the_m_worker_reference_bitwise(runs, name):
     run = dict(per_rank[0])
     run["norms"] = [per_rank[node * L]["norms"] for node in range(M)]  # each node's own clipping norm
     ref = _reference(cfg, run)
-    names = [n for n, _ in _model().named_parameters()]
+    shapes = {n: p.shape for n, p in _model(tie=cfg.get("tie", False)).named_parameters()}
+    names = list(shapes)
+    assert len(names) == len(run["traj"][0])
     for step, (got, want) in enumerate(zip(run["traj"], ref["steps"])):
         if want == "skipped":
             continue
@@ -319,7 +325,7 @@ def test_hsdp_equals_the_m_worker_reference_bitwise(runs, name):
     for rank, r in enumerate(per_rank):
         node, shard = divmod(rank, L)
         for n in names:
-            full = torch.tensor(ref["momentum"][node][n]).view(dict(_model().named_parameters())[n].shape)
+            full = torch.tensor(ref["momentum"][node][n]).view(shapes[n])
             want = _chunk(full, shard).flatten()
             if cfg["compile"]:  # from gradients rounded differently (and parameters a flipped vote moved)
                 assert torch.allclose(torch.tensor(r["momentum"][n]), want, rtol=0.05, atol=1e-3), (name, rank, n)
