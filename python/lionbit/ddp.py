@@ -64,10 +64,11 @@ _JOIN_FIX = "`with Join([model, opt]):` (from torch.distributed.algorithms.join 
 
 
 class _BucketVote:
-    __slots__ = ("params", "sizes", "planes", "out", "work", "bad", "tally")
+    __slots__ = ("params", "sizes", "planes", "out", "work", "bad", "tally", "copies")
 
     def __init__(self):
         self.params, self.sizes, self.planes, self.out, self.work = [], [], None, None, None
+        self.copies = {}  # parameter -> the contiguous copy of its gradient the hook read (not contiguous ones)
         self.bad = 0  # this rank's non-finite directions in the bucket counted on the host
         self.tally = None  # and on a GPU the device tally of the rest (read at step(), not in the hook)
 
@@ -177,6 +178,7 @@ class DDPAttachment(Attachment):
         fused_for = step_vote.fused_verdicts(self.opt)
         off, items = 0, []
         bv.params, bv.sizes = list(params), []
+        bv.copies = {p: g for p, g in zip(bv.params, grads) if not p.is_contiguous()}
         self.opt.check_params(bv.params, "attach (DDP hook)")
         for p, g in zip(params, grads):
             if abstain:
@@ -322,13 +324,15 @@ class DDPAttachment(Attachment):
         for bv in started:
             entries, deltas, off = [], [], 0
             delta_of = lion_math.delta_views(bv.out, bv.out.dtype == torch.uint8)
+            copies, bv.copies = bv.copies, {}
             for p, n in zip(bv.params, bv.sizes):
                 g = p.grad
                 coefs = coefs_of[p]
                 if abstain and (stepped is None or p in stepped):
                     entries.append(step_vote.abstaining(self.opt, p, coefs))
                 elif not abstain and g is not None:
-                    g = g if g.is_contiguous() else g.contiguous()  # (channels_last: as at step())
+                    if not g.is_contiguous():  # channels_last: the copy the hook read (p.grad unchanged since)
+                        g = copies[p] if p in copies else g.contiguous()
                     entries.append(step_vote.Entry(p, g, self.opt.momentum_of(p), coefs, fused_for(p, g)))
                 else:
                     # Unused on every rank (find_unused_parameters): DDP left no
@@ -375,6 +379,7 @@ def _drain(votes) -> Optional[BaseException]:
             except (RuntimeError, ValueError) as err:
                 first = first or err
             bv.work = None
+        bv.copies = {}
     return first
 
 
