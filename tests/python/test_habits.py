@@ -341,13 +341,17 @@ def test_ddp_with_gradients_as_bucket_views(loop):
 
 
 class ConvNet(torch.nn.Module):
+    """Two convolutions, one with BatchNorm (DDP broadcasts its running
+    statistics; in training mode they do not enter the gradients)."""
+
     def __init__(self):
         super().__init__()
-        self.c1, self.c2 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 6, 3, padding=1)
+        self.c1, self.c2 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 6, 3, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(6)
         self.head = torch.nn.Linear(6, 4)
 
     def forward(self, x):
-        x = torch.relu(self.c2(torch.relu(self.c1(x))))
+        x = torch.relu(self.bn(self.c2(torch.relu(self.c1(x)))))
         return self.head(x.mean((2, 3)))
 
 
