@@ -13,7 +13,7 @@ as the user's script on N = 2 and 3 real processes:
 - ``DDP(gradient_as_bucket_view=True)``: ``p.grad`` a view of DDP's bucket,
   bare and with clipping;
 - a convolutional model in ``channels_last`` (timm's ``--channels-last``,
-  torchvision's reference scripts), under DDP and as a plain module.
+  torchvision's reference scripts), under DDP, FSDP1 and as a plain module.
 
 Where they train, every rank compares its parameters bitwise with
 ``simulate``: Distributed Lion on N simulated ranks in one process, written
@@ -396,10 +396,10 @@ def simulate_conv(n, loop, steps):
 def channels_last(rank, n, wrapper, loop, fused=None):
     """The user's loop on a channels_last model: DDP (one bucket, so the
     weights lie at offsets inside it; ``bucket_view``: gradient_as_bucket_view),
-    FSDP1 or the plain module (FSDP2 refuses such parameters itself), bare (DDP: votes in backward) or clipping (at
-    step()); the fused kernels (through contiguous copies) or, with
-    ``fused=False``, torch ops. Parameters and this rank's momenta equal the
-    simulation's."""
+    FSDP1 or the plain module (FSDP2 refuses such parameters itself), bare
+    (DDP: votes in backward) or clipping (at step()); the fused kernels
+    (through contiguous copies) or, with ``fused=False``, torch ops.
+    Parameters and this rank's momenta equal the simulation's."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import lionbit
@@ -444,9 +444,9 @@ def test_a_channels_last_model_trains_as_the_simulation(wrapper, loop, fused):
 
 
 def test_dense_layout_is_torchs_non_overlapping_and_dense():
-    """lionbit.lion_math.dense_layout, which tells where DDP's bucket holds a
-    gradient in its parameter's own layout (and which parameters the fused
-    kernels update through a contiguous copy)."""
+    """lionbit.lion_math.dense_layout, which tells which parameters the fused
+    kernels update through a contiguous copy: torch's "non-overlapping and
+    dense" (the layouts DDP keeps a gradient in within its bucket)."""
     from lionbit.lion_math import dense_layout
 
     t = torch.zeros(4, 3, 5, 6)
