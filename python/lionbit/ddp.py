@@ -45,6 +45,7 @@ naming join) and raises, naming the fix.
 
 import logging
 import weakref
+from operator import methodcaller
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -59,6 +60,8 @@ from .errors import PeerRejected
 log = logging.getLogger("lionbit")
 
 _WHERE = "DistributedLion (DDP comm hook)"
+
+_contiguous = methodcaller("is_contiguous")
 
 _JOIN_FIX = "`with Join([model, opt]):` (from torch.distributed.algorithms.join import Join; the DDP model first)"
 
@@ -154,7 +157,8 @@ class DDPAttachment(Attachment):
             _drain([bv])
             self.started = [b for b in self.started if b is not bv]
         buffer = bucket.buffer()
-        params, grads = bucket.parameters(), bucket_gradients(bucket)
+        params = bucket.parameters()
+        grads, copies = bucket_gradients(params, bucket.gradients())
         total = buffer.numel()
         bits = self.opt.voter.bits
         if (
@@ -178,7 +182,7 @@ class DDPAttachment(Attachment):
         fused_for = step_vote.fused_verdicts(self.opt)
         off, items = 0, []
         bv.params, bv.sizes = list(params), []
-        bv.copies = {p: g for p, g in zip(bv.params, grads) if not p.is_contiguous()}
+        bv.copies = copies
         self.opt.check_params(bv.params, "attach (DDP hook)")
         for p, g in zip(params, grads):
             if abstain:
@@ -417,25 +421,28 @@ def _reject_call(group, device) -> None:
         pass  # expected: the backend refused it (and told the peers)
 
 
-def bucket_gradients(bucket) -> List[torch.Tensor]:
-    """Each parameter's local gradient in DDP's bucket, element for element.
-    DDP copies a gradient into its bucket through a view with the strides
-    its parameter had when DDP laid the bucket out (a channels_last
-    convolution weight's own, where dense), but ``GradBucket.gradients()``
-    views every one C-contiguously: for such a weight its elements come out
-    of order (a direction packed from it votes one element's sign for
-    another's). For a parameter that is not contiguous, the gradient
-    autograd left in ``p.grad`` holds the same values in a layout it states,
-    whatever layout the bucket has: that is read, as a contiguous copy (the
-    fused kernels' layout). Without one (unused on this rank under
-    find_unused_parameters) the bucket holds zeros, in any order."""
-    grads = []
-    for p, g in zip(bucket.parameters(), bucket.gradients()):
+def bucket_gradients(params, grads) -> Tuple[List[torch.Tensor], Dict[torch.Tensor, torch.Tensor]]:
+    """Each parameter's local gradient in DDP's bucket, element for element,
+    from ``GradBucket.parameters()`` and ``.gradients()``; and the copies
+    made, by parameter. DDP copies a gradient into its bucket through a view
+    with the strides its parameter had when DDP laid the bucket out (a
+    channels_last convolution weight's own, where dense), but
+    ``gradients()`` views every one C-contiguously: for such a weight its
+    elements come out of order (a direction packed from it votes one
+    element's sign for another's). For a parameter that is not contiguous,
+    the gradient autograd left in ``p.grad`` holds the same values in a
+    layout it states, whatever layout the bucket has: that is read, as a
+    contiguous copy (the fused kernels' layout). Without one (unused on this
+    rank under find_unused_parameters) the bucket holds zeros, in any order.
+    Where every parameter is contiguous (most models) this is one check in C."""
+    if all(map(_contiguous, params)):
+        return grads, {}
+    copies = {}
+    for i, p in enumerate(params):
         own = p.grad
-        if not p.is_contiguous() and own is not None and own.shape == g.shape:
-            g = own if own.is_contiguous() else own.contiguous()
-        grads.append(g)
-    return grads
+        if not p.is_contiguous() and own is not None and own.shape == grads[i].shape:
+            grads[i] = copies[p] = own if own.is_contiguous() else own.contiguous()
+    return grads, copies
 
 
 def _version_of(g):

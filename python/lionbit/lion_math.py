@@ -141,6 +141,13 @@ def dense_layout(t: torch.Tensor) -> bool:
     return True
 
 
+def fusable_layout(t: torch.Tensor) -> bool:
+    """Whether the fused kernels take t as a parameter: contiguous, or of
+    another dense layout (channels_last), updated through a contiguous copy
+    (lionbit.step_vote.update_state)."""
+    return t.is_contiguous() or dense_layout(t)
+
+
 def _fusable(g, m) -> bool:
     """Whether the fused L1 passes take g and m (lion_direction's dtypes)."""
     return (

@@ -172,9 +172,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
 
     def fused_for(self, p: torch.Tensor, g: torch.Tensor) -> bool:
         # (a step of many tensors asks once a kind of pair: step_vote.fused_verdicts)
-        # A parameter of another dense layout (channels_last) is applied to a contiguous copy (step_vote.update_state).
-        ok = ((p.is_contiguous() or lion_math.dense_layout(p)) and g.is_contiguous()
-              and _fused_dtypes(p.dtype, g.dtype, self.momentum_dtype))
+        ok = lion_math.fusable_layout(p) and g.is_contiguous() and _fused_dtypes(p.dtype, g.dtype, self.momentum_dtype)
         if self.fused and not ok:
             raise ValueError(
                 f"DistributedLion(fused=True): no fused kernel for parameter {p.dtype}, gradient {g.dtype}, "

@@ -282,7 +282,7 @@ class FusedVerdicts:
         self.memo = {}
 
     def __call__(self, p, g) -> bool:
-        key = (p.dtype, g.dtype, p.is_contiguous() or lion_math.dense_layout(p), g.is_contiguous(), p.get_device())
+        key = (p.dtype, g.dtype, lion_math.fusable_layout(p), g.is_contiguous(), p.get_device())
         ok = self.memo.get(key)
         if ok is None:
             ok = self.memo[key] = self.opt.fused_for(p, g)
@@ -292,7 +292,7 @@ class FusedVerdicts:
         """The verdict of each pair (ps[i], gs[i]): its kind read in C, each new kind asked."""
         layouts = list(map(_contiguous, ps))
         if not all(layouts):  # (channels_last parameters: dense, as a contiguous one for the kernels)
-            layouts = [c or lion_math.dense_layout(p) for c, p in zip(layouts, ps)]
+            layouts = list(map(lion_math.fusable_layout, ps))
         keys = list(zip(map(_dtype, ps), map(_dtype, gs), layouts, map(_contiguous, gs), map(_get_device, ps)))
         for key in set(keys).difference(self.memo):
             i = keys.index(key)
