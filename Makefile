@@ -107,8 +107,9 @@ test-sanitize:
 # The Python tests with lionbit's extension (the backend, bindings, kernels) built with ASan +
 # UBSan: into build/sanitize-python/pkg, first on PYTHONPATH, the runtimes preloaded into the
 # venv's Python and every rank it forks. A report anywhere (ranks killed on purpose included)
-# leaves a log in build/sanitize-python/ and fails the run. CPU path only; left out: make
-# gpu-check's test, which configures the C++ GPU targets (nvcc's cicc segfaults with the
+# leaves a log in build/sanitize-python/ and fails the run; it is printed whether or not a test
+# failed too, and a rank a sanitizer stopped shows it in its test's failure. CPU path only; left
+# out: make gpu-check's test, which configures the C++ GPU targets (nvcc's cicc segfaults with the
 # runtimes preloaded) and runs what the other tests run.
 SANITIZE_PY := $(CURDIR)/build/sanitize-python
 test-sanitize-python: setup
@@ -119,8 +120,8 @@ test-sanitize-python: setup
 	@PYTHONPATH=$(SANITIZE_PY)/pkg LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libubsan.so)" \
 	  ASAN_OPTIONS=detect_leaks=0:log_path=$(SANITIZE_PY)/report \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(SANITIZE_PY)/report LIONBIT_EXPECT_CUDA=0 \
-	  $(PY) -m pytest tests/python -q -ra -p no:cacheprovider --ignore=tests/python/test_gpu_check.py
-	@if ls $(SANITIZE_PY)/report.* >/dev/null 2>&1; then head -50 $(SANITIZE_PY)/report.*; exit 1; fi
+	  $(PY) -m pytest tests/python -q -ra -p no:cacheprovider --ignore=tests/python/test_gpu_check.py; \
+	  rc=$$?; if ls $(SANITIZE_PY)/report.* >/dev/null 2>&1; then head -50 $(SANITIZE_PY)/report.*; exit 1; fi; exit $$rc
 
 # The kernel tests under valgrind memcheck (tools/valgrind_tests.sh).
 test-valgrind:

@@ -34,8 +34,11 @@ errors (a rank may die or raise), runs without a default group
 (every call fresh: the old way, to rule the pool out when a test fails).
 
 Every process is killed when the deadline passes, so a hang is a test failure
-with every rank's output, never a stuck test run. A failure's message carries
-every rank's output for the failing case.
+with every rank's output, never a stuck test run; a pooled case whose rank
+died (a crash, a sanitizer) fails DEAD_RANK_GRACE seconds later, not at its
+deadline. A failure's message carries every rank's output for the failing
+case, the error each raised, and what ASan or UBSan reported about it (make
+test-sanitize-python: a rank they stop has only its exit status 1 to show).
 """
 
 import json
@@ -60,6 +63,7 @@ class RankResult:
     value: Any
     error: Optional[str]  # "ExceptionType: message" raised by the function
     output: str
+    sanitizer: str = ""  # what ASan or UBSan reported about the rank, if anything
 
 
 class RanksFailed(AssertionError):
@@ -133,9 +137,36 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
+def _sanitizer_log_paths() -> List[str]:
+    """ASan's and UBSan's log_path prefixes in this environment (make
+    test-sanitize-python sets one for both)."""
+    paths = [opt[len("log_path="):] for var in ("ASAN_OPTIONS", "UBSAN_OPTIONS")
+             for opt in os.environ.get(var, "").split(":") if opt.startswith("log_path=")]
+    return list(dict.fromkeys(paths))
+
+
+def _sanitizer_report(pid: int) -> str:
+    """What ASan or UBSan wrote about a rank: a rank a sanitizer stops exits 1
+    with its report in <log_path>.<pid>, not in its output."""
+    texts = []
+    for prefix in _sanitizer_log_paths():
+        path = f"{prefix}.{pid}"
+        if os.path.exists(path):
+            with open(path, errors="replace") as f:
+                texts.append(f"\n--- the sanitizer's report, {path} ---\n{f.read()[:6000]}")
+    return "".join(texts)
+
+
 def _report(target: str, world_size: int, results: List[RankResult], what: str) -> RanksFailed:
-    report = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-4000:]}" for r in results)
+    report = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-4000:]}{r.sanitizer}"
+                       + (f"\n(it raised {r.error[:1000]})" if r.error else "") for r in results)
     return RanksFailed(f"{target} on {world_size} ranks {what}:\n{report}")
+
+
+#: Seconds the live ranks of a pooled case get to finish after one died
+#: without its result; then they are killed and the case fails at once
+#: instead of at its deadline.
+DEAD_RANK_GRACE = 20.0
 
 
 class _Pool:
@@ -169,13 +200,20 @@ class _Pool:
         outs = [os.path.join(self.workdir, f"case{k}.rank{r}.json") for r in range(self.world_size)]
         deadline = time.monotonic() + timeout
         hung = False
+        died_at = None  # when a rank was first seen dead without its result
         while True:
             pending = [r for r, (p, _) in enumerate(self.procs) if not os.path.exists(outs[r]) and p.poll() is None]
             if not pending:
                 break
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 hung = True
                 break
+            if died_at is None and any(p.poll() is not None and not os.path.exists(o)
+                                       for (p, _), o in zip(self.procs, outs)):
+                died_at = now
+            if died_at is not None and now - died_at > DEAD_RANK_GRACE:
+                break  # a pooled rank died (a crash, a sanitizer): the others wait on it for nothing
             time.sleep(0.005)
         if hung or any(not os.path.exists(o) for o in outs):
             _kill(self.procs)  # a rank hung or died: the others are of no more use
@@ -194,7 +232,7 @@ class _Pool:
             else:
                 code = p.returncode if not rec else 1
             ok = ok and bool(rec) and "error" not in rec and not rec.get("spoiled")
-            results.append(RankResult(r, code, rec.get("value"), rec.get("error"), output))
+            results.append(RankResult(r, code, rec.get("value"), rec.get("error"), output, _sanitizer_report(p.pid)))
         return results, ok, hung
 
 
@@ -262,7 +300,8 @@ def _run_fresh(target, world_size, backend, timeout, pg_timeout, kwargs, expect_
                 code = p.returncode
             log.seek(0)
             rec = _read_json(os.path.join(workdir, f"case0.rank{rank}.json"))
-            results.append(RankResult(rank, code, rec.get("value"), rec.get("error"), log.read()))
+            results.append(RankResult(rank, code, rec.get("value"), rec.get("error"), log.read(),
+                                      _sanitizer_report(p.pid)))
         bad = [r for r in results if r.returncode is None or (r.returncode != 0 and not expect_errors)]
         if hung or bad:
             raise _report(target, world_size, results, f"hung past {timeout:.0f}s" if hung else "failed")
@@ -332,6 +371,7 @@ class _FreshState:
 
         self.environ = dict(os.environ)
         self.cwd = os.getcwd()
+        self.streams = (sys.stdout, sys.stderr)
         self.torch_rng = torch.get_rng_state()
         self.py_rng = random.getstate()
         self.dtype = torch.get_default_dtype()
@@ -353,6 +393,7 @@ class _FreshState:
             os.environ.clear()
             os.environ.update(self.environ)
         os.chdir(self.cwd)
+        sys.stdout, sys.stderr = self.streams  # a case's redirection must not swallow the next one's traceback
         torch.set_rng_state(self.torch_rng)
         random.setstate(self.py_rng)
         if "numpy" in sys.modules:

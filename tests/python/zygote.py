@@ -107,9 +107,15 @@ class Zygote:
             return b""
 
     def _fail(self, what: str):
-        self.close()
+        self._sock.close()  # it ends, then its output is complete
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
         self._log.seek(0)
-        raise RuntimeError(f"the test zygote {what}: {self._log.read()[-4000:]}")
+        output = self._log.read()[-4000:]
+        self.close()
+        raise RuntimeError(f"the test zygote {what}: {output}")
 
     def spawn(self, argv: List[str], env: dict, log, pool: bool) -> ForkedRank:
         """Forks a rank running ``python argv...`` with env, the current

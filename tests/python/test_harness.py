@@ -1,0 +1,65 @@
+"""The harness's own promises (harness.py) when a case goes wrong: a pooled
+rank that dies fails its case at once, with its exit status and what a
+sanitizer wrote about it, not at the deadline with empty output; a rank's
+error reaches the failure's message even after an earlier case on the same
+ranks redirected sys.stderr."""
+
+import os
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+import harness
+from harness import RanksFailed, run_ranks, values
+
+
+def die_with_a_report(rank, world_size, prefix):
+    """Rank 1 dies as a rank that ASan stops does (its report in
+    <prefix>.<pid>, exit status 1); its peers wait for it in a barrier."""
+    if rank == 1:
+        with open(f"{prefix}.{os.getpid()}", "w") as f:
+            f.write("==1==ERROR: AddressSanitizer: heap-use-after-free (written by the test)\n")
+        os._exit(1)
+    dist.barrier()
+    return rank
+
+
+def test_a_pooled_rank_that_dies_fails_the_case_at_once_with_its_report(tmp_path, monkeypatch):
+    prefix = str(tmp_path / "report")
+    monkeypatch.setattr(harness, "_sanitizer_log_paths", lambda: [prefix])
+    monkeypatch.setattr(harness, "DEAD_RANK_GRACE", 2.0)
+    start = time.monotonic()
+    with pytest.raises(RanksFailed) as err:
+        run_ranks("test_harness:die_with_a_report", 3, kwargs=dict(prefix=prefix), timeout=240,
+                  pool="harness-dies")
+    took = time.monotonic() - start
+    msg = str(err.value)
+    assert msg.startswith("test_harness:die_with_a_report on 3 ranks failed:"), msg[:300]  # not "hung past"
+    assert took < 60, took  # the grace after the death (and the ranks' start), not the 240 s deadline
+    assert "--- rank 1 (exit 1) ---" in msg, msg
+    assert "AddressSanitizer: heap-use-after-free (written by the test)" in msg, msg
+    assert msg.count("AddressSanitizer") == 1, msg  # only the rank it is about
+
+
+def swallow_stderr(rank, world_size):
+    import io
+
+    sys.stderr = io.StringIO()  # a case that forgets to put it back
+    return rank
+
+
+def raise_on_rank_0(rank, world_size):
+    if rank == 0:
+        raise ValueError("the next case's error, on rank 0")
+    return rank
+
+
+def test_a_raised_error_shows_after_a_case_redirected_stderr():
+    assert values(run_ranks("test_harness:swallow_stderr", 2, pool="harness-stderr")) == [0, 1]
+    with pytest.raises(RanksFailed) as err:
+        run_ranks("test_harness:raise_on_rank_0", 2, pool="harness-stderr", timeout=120)
+    msg = str(err.value)
+    assert "Traceback" in msg and "ValueError: the next case's error, on rank 0" in msg, msg
+    assert "(it raised ValueError: the next case's error, on rank 0)" in msg, msg
