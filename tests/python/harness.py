@@ -202,15 +202,15 @@ class _Pool:
         hung = False
         died_at = None  # when a rank was first seen dead without its result
         while True:
-            pending = [r for r, (p, _) in enumerate(self.procs) if not os.path.exists(outs[r]) and p.poll() is None]
+            missing = [r for r in range(self.world_size) if not os.path.exists(outs[r])]
+            pending = [r for r in missing if self.procs[r][0].poll() is None]
             if not pending:
                 break
             now = time.monotonic()
             if now > deadline:
                 hung = True
                 break
-            if died_at is None and any(p.poll() is not None and not os.path.exists(o)
-                                       for (p, _), o in zip(self.procs, outs)):
+            if died_at is None and len(pending) < len(missing):
                 died_at = now
             if died_at is not None and now - died_at > DEAD_RANK_GRACE:
                 break  # a pooled rank died (a crash, a sanitizer): the others wait on it for nothing

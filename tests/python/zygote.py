@@ -107,11 +107,7 @@ class Zygote:
             return b""
 
     def _fail(self, what: str):
-        self._sock.close()  # it ends, then its output is complete
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+        self._stop()  # then its output is complete
         self._log.seek(0)
         output = self._log.read()[-4000:]
         self.close()
@@ -143,13 +139,16 @@ class Zygote:
             self._fail(f"answered {reply!r} to a request for {argv}")
         return ForkedRank(int(reply), stdin, exit_path, self)
 
-    def close(self) -> None:
+    def _stop(self) -> None:
         self._sock.close()  # the zygote ends at the end of its socket
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+    def close(self) -> None:
+        self._stop()
         self._log.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
