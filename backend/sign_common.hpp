@@ -108,7 +108,7 @@ class ScopedTimer {
 };
 
 // Elements per pipelined chunk requested by LIONBIT_CHUNK_ELEMS (default
-// bits::default_chunk_elems: max(4M, 256K * world_size) on the CPU, 64M on a
+// bits::default_chunk_elems: max(4M, 256K * world_size) on the CPU, 256M on a
 // GPU; every shard of a chunk at least 256K elements);
 // bits::chunk_elems_for rounds it for a world size. Every rank must use the
 // same value: the header round checks.

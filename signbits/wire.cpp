@@ -58,7 +58,7 @@ WireHeader address_header(const WireHeader& h, const ZeroCode& to) {
 }
 
 uint64_t default_chunk_elems(int world_size, bool gpu) {
-  const uint64_t kChunk = uint64_t{1} << (gpu ? 26 : 22);
+  const uint64_t kChunk = uint64_t{1} << (gpu ? 28 : 22);
   constexpr uint64_t kMinShard = uint64_t{1} << 18;
   const uint64_t n = world_size > 0 ? static_cast<uint64_t>(world_size) : 1;
   return kChunk > kMinShard * n ? kChunk : kMinShard * n;

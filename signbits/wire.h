@@ -177,10 +177,13 @@ uint64_t chunk_elems_for(uint64_t requested, int world_size);
 // and at least 256K per rank's shard (so 4M up to N = 16). Each chunk pays
 // two all-gathers of N - 1 steps: with a fixed chunk, a large N would cut the
 // shards into messages so small that latency dominates (bench/cost_model.py
-// models it). On a GPU (`gpu`) 64M: a chunk's fixed host cost (kernel
-// launches, a few host round trips: about 2 ms on an H100) is paid per chunk,
-// while its kernels take microseconds; at 4M a 1B-parameter step paid 240 of
-// them.
+// models it). On a GPU (`gpu`) 256M: a chunk's fixed host cost (kernel
+// launches and host round trips for its tallies: about 1 ms on an H200) is
+// paid per chunk, while its kernels take microseconds and one NCCL stream
+// carries its messages in turn, so smaller chunks overlap nothing; at 4M a
+// 1B-parameter step paid 240 of them, at 64M 16. A chunk in flight holds a
+// few plane-sized device buffers (its planes, the all-to-all's and the
+// all-gather's): 32 MB each at 256M elements.
 uint64_t default_chunk_elems(int world_size, bool gpu = false);
 
 // Checks the headers of all world_size ranks (zero codes against the

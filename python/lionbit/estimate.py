@@ -168,9 +168,9 @@ DIRECT_ALLGATHER_BYTES = 64 << 10
 
 
 def default_chunk_elems(n: int, gpu: bool = False) -> int:
-    """signbits/wire.cpp: elements a pipelined chunk by default: 4M (64M on a GPU), at
+    """signbits/wire.cpp: elements a pipelined chunk by default: 4M (256M on a GPU), at
     least 256K a rank's shard."""
-    return max(1 << (26 if gpu else 22), (1 << 18) * n)
+    return max(1 << (28 if gpu else 22), (1 << 18) * n)
 
 
 def chunk_elems_for(requested: int, n: int, gpu: bool = False) -> int:

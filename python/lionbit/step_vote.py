@@ -28,9 +28,10 @@ log = logging.getLogger("lionbit")
 # that a model has several chunks to pipeline.
 CHUNK_ELEMENTS = 1 << 22
 # On a GPU a vote's fixed costs are its kernel launches and host round trips
-# (about 130 launches a call on an H200, docs/cuda.md), and the backend
-# pipelines a call in 64M-element chunks of its own: a GPT-2-medium-shaped
-# model's 355M parameters in 292 tensors are 2 calls, not 123.
+# (about 130 launches a call on an H200, docs/cuda.md), and the backend's
+# own chunk on a GPU is as large (bits::default_chunk_elems): a call is one
+# chunk, and a GPT-2-medium-shaped model's 355M parameters in 292 tensors
+# are 2 calls, not 123.
 CHUNK_ELEMENTS_GPU = 1 << 28
 
 

@@ -197,8 +197,9 @@ TEST(Wire, ChunkSizeMustAgreeAndBoundsTheZeroCapacity) {
   EXPECT_EQ(default_chunk_elems(16), uint64_t{1} << 22);
   EXPECT_EQ(default_chunk_elems(17), uint64_t{17} << 18);
   EXPECT_EQ(default_chunk_elems(4096), uint64_t{1} << 30);
-  EXPECT_EQ(default_chunk_elems(8, true), uint64_t{1} << 26);
+  EXPECT_EQ(default_chunk_elems(8, true), uint64_t{1} << 28);
   EXPECT_EQ(default_chunk_elems(1024, true), uint64_t{1} << 28);
+  EXPECT_EQ(default_chunk_elems(2048, true), uint64_t{1} << 29);
   EXPECT_EQ(chunk_elems_for(default_chunk_elems(4096), 4096) / 4096, uint64_t{1} << 18);
 }
 

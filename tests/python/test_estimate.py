@@ -104,7 +104,7 @@ CLUSTER = estimate.Cluster(nodes=4, gpus_per_node=4, inter_bytes_per_s=1e9, inte
 
 def test_flat_vote_bytes():
     e = estimate.flat_vote(D, CLUSTER)
-    # The wire as built: one GPU chunk (64M elements) padded to 64 * 16, a shard of 7813
+    # The wire as built: one GPU chunk (256M elements) padded to 64 * 16, a shard of 7813
     # words (62,504 bytes, not 1M / 16), each vote message 16 bytes longer, and the
     # 72-byte header round (a ring all-gather: 15 hops out of each node).
     sb = 7813 * 8
