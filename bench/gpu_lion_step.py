@@ -20,7 +20,7 @@ device-to-device copy bandwidth) and the kernel launches of one step (the
 profiler's device events; CUDA only).
 
     python bench/gpu_lion_step.py [--lists stack,gpt2-medium] [--params 1e9] [--device cuda] [--json FILE]
-                                  [--trace-dir DIR]
+                                  [--trace-dir DIR] [--chunks 28/26,28/28,...]
 
 Prints one line per method: median ms per step over --steps timed steps
 (after 3 warm-ups), the host's ms until step() returned (before the closing
@@ -31,9 +31,17 @@ DistributedLion <= 1.0x torch Lion on both lists; stretch <= 1.5x the
 floor. --trace-dir writes each method's profiled step on each list as a
 gzipped Chrome trace (lion_step_LIST_METHOD_DEVICE.trace.json.gz), which
 tools/trace_summary.py reads: where the device waited and on what.
+
+--chunks adds rows of DistributedLion (bf16 momentum) with other chunk
+sizes, each V/C: votes of 2^V elements (step_vote.CHUNK_ELEMENTS_GPU, the
+step's grouping of tensors into sign all-reduce calls) and the backend's
+pipelined chunks of 2^C elements (LIONBIT_CHUNK_ELEMS): how the defaults
+were chosen. Every DistributedLion row also gives the device memory a step
+holds beyond the optimizer's state (peak MB).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -44,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 import lionbit
+from lionbit import step_vote
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import trace_summary  # noqa: E402  (tools/: the traces' writer)
@@ -100,6 +109,49 @@ def device_allocs(step, device, steps=5):
         step()
     torch.cuda.synchronize()
     return (torch.cuda.memory_stats(device).get("num_device_alloc", 0) - before) / steps
+
+
+def peak_mb(step, device):
+    """Device memory one warm step allocates beyond what it started with, at its peak (MB); None on CPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+@contextlib.contextmanager
+def chunking(device, vote_log2, chunk_log2):
+    """Votes of 2^vote_log2 elements on `device` and backend chunks of 2^chunk_log2 (None: the defaults)."""
+    if vote_log2 is None:
+        yield
+        return
+    name = "CHUNK_ELEMENTS_GPU" if device.type == "cuda" else "CHUNK_ELEMENTS"
+    saved_vote, saved_env = getattr(step_vote, name), os.environ.get("LIONBIT_CHUNK_ELEMS")
+    setattr(step_vote, name, 1 << vote_log2)
+    os.environ["LIONBIT_CHUNK_ELEMS"] = str(1 << chunk_log2)
+    try:
+        yield
+    finally:
+        setattr(step_vote, name, saved_vote)
+        if saved_env is None:
+            os.environ.pop("LIONBIT_CHUNK_ELEMS", None)
+        else:
+            os.environ["LIONBIT_CHUNK_ELEMS"] = saved_env
+
+
+def parse_chunks(text):
+    """--chunks: "V/C,..." as [(V, C)], each a power of two's exponent."""
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        v, _, c = item.partition("/")
+        if not (v.isdigit() and c.isdigit() and 10 <= int(v) <= 34 and 10 <= int(c) <= 34):
+            raise argparse.ArgumentTypeError(f"--chunks: {item!r} is not V/C (exponents of 2, 10..34), e.g. 28/26")
+        out.append((int(v), int(c)))
+    return out
 
 
 def profile_step(step, device):
@@ -169,11 +221,12 @@ TRACE_NAMES = {TORCH: "torch", "DistributedLion (bf16 momentum)": "distlion_bf16
                "DistributedLion fused=False (bf16 momentum)": "distlion_unfused"}
 
 
-def run_list(name, shapes, device, steps, profile, trace_dir=None):
+def run_list(name, shapes, device, steps, profile, trace_dir=None, chunks=()):
     """The methods' ms per step and launches on one parameter list (with trace_dir, the
-    profiled step of each method written there as a gzipped Chrome trace)."""
+    profiled step of each method written there as a gzipped Chrome trace; chunks: the
+    --chunks rows)."""
     def trace(label):
-        if trace_dir is None:
+        if trace_dir is None or label not in TRACE_NAMES:
             return None
         return os.path.join(trace_dir, f"lion_step_{name}_{TRACE_NAMES[label]}_{device.type}.trace.json.gz")
 
@@ -185,31 +238,35 @@ def run_list(name, shapes, device, steps, profile, trace_dir=None):
     lr, wd, betas = 1e-4, 0.1, (0.9, 0.99)
     print(f"gpu_lion_step: {name}: {n / 1e9:.3f}B parameters in {len(shapes)} tensors (bf16) on {device}, "
           f"lionbit kernels {lionbit.kernels(device)}", flush=True)
-    ms, host, launched = {}, {}, {}
+    ms, host, launched, peak = {}, {}, {}, {}
     momenta = [torch.zeros_like(p) for p in params]
     torch_step = lambda: lion_foreach(params, grads, momenta, lr, wd, *betas)  # noqa: E731
     ms[TORCH], host[TORCH] = timed_split(torch_step, device, steps)
     launched[TORCH] = launches(torch_step, device, trace(TORCH))
     allocs = {TORCH: device_allocs(torch_step, device)}
+    peak[TORCH] = peak_mb(torch_step, device)
     momenta.clear()
-    for label, kwargs in (
-        ("DistributedLion (bf16 momentum)", {"momentum_dtype": torch.bfloat16}),
-        ("DistributedLion (fp32 momentum, default)", {}),
-        ("DistributedLion fused=False (bf16 momentum)", {"momentum_dtype": torch.bfloat16, "fused": False}),
-    ):
+    bf16 = {"momentum_dtype": torch.bfloat16}
+    methods = [("DistributedLion (bf16 momentum)", bf16, (None, None)),
+               ("DistributedLion (fp32 momentum, default)", {}, (None, None)),
+               ("DistributedLion fused=False (bf16 momentum)", {**bf16, "fused": False}, (None, None))]
+    methods += [(f"DistributedLion (bf16) votes 2^{v} chunks 2^{c}", bf16, (v, c)) for v, c in chunks]
+    for label, kwargs, sizes in methods:
         leaves = [torch.nn.Parameter(p) for p in params]
         for leaf, g in zip(leaves, grads):
             leaf.grad = g
         opt = lionbit.DistributedLion(leaves, lr=lr, betas=betas, weight_decay=wd, **kwargs)
-        ms[label], host[label] = timed_split(opt.step, device, steps)
-        launched[label] = launches(opt.step, device, trace(label))
-        allocs[label] = device_allocs(opt.step, device)
+        with chunking(device, *sizes):
+            ms[label], host[label] = timed_split(opt.step, device, steps)
+            launched[label] = launches(opt.step, device, trace(label))
+            allocs[label] = device_allocs(opt.step, device)
+            peak[label] = peak_mb(opt.step, device)
         if profile and label == "DistributedLion (bf16 momentum)":
             profile_step(opt.step, device)
         del opt, leaves
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return n, len(shapes), ms, host, launched, allocs
+    return n, len(shapes), ms, host, launched, allocs, peak
 
 
 def main(argv=None):
@@ -224,6 +281,8 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="also print torch.profiler's top operators of one DistributedLion step")
     ap.add_argument("--trace-dir", help="write each method's profiled step here as a gzipped Chrome trace")
+    ap.add_argument("--chunks", type=parse_chunks, default=[],
+                    help="extra rows: V/C,... votes of 2^V elements, backend chunks of 2^C (e.g. 28/26,29/29)")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -244,24 +303,26 @@ def main(argv=None):
         bandwidth = copy_bandwidth(device)
         print(f"gpu_lion_step: device-to-device copy {bandwidth / 1e9:.0f} GB/s (read + written)")
         for name in names:
-            n, tensors, ms, host, launched, allocs = run_list(name, makers[name](), device, args.steps,
-                                                              args.profile, args.trace_dir)
+            n, tensors, ms, host, launched, allocs, peak = run_list(name, makers[name](), device, args.steps,
+                                                                    args.profile, args.trace_dir, args.chunks)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the list's tensors are gone with run_list's frame
             floor = 10 * n / bandwidth * 1e3
             base = ms[TORCH]
             print(f"{name}: floor {floor:.2f} ms (10 B/parameter at {bandwidth / 1e9:.0f} GB/s)")
             print(f"{'method':46s} {'ms/step':>9s} {'host ms':>8s} {'x torch':>8s} {'x floor':>8s} {'launches':>9s} "
-                  f"{'allocs':>7s}")
+                  f"{'allocs':>7s} {'peak MB':>8s}")
             for label, t in ms.items():
                 a = "-" if allocs[label] is None else f"{allocs[label]:.1f}"
+                pk = "-" if peak[label] is None else f"{peak[label]:.0f}"
                 print(f"{label:46s} {t:9.2f} {host[label]:8.2f} {t / base:7.2f}x {t / floor:7.2f}x "
-                      f"{launched[label] or '-':>9} {a:>7}")
+                      f"{launched[label] or '-':>9} {a:>7} {pk:>8}")
             lists[name] = {"params": n, "tensors": tensors, "ms_per_step": ms, "host_ms_per_step": host,
                            "floor_ms": floor,
                            "ratio_to_torch": {k: v / base for k, v in ms.items()},
                            "ratio_to_floor": {k: v / floor for k, v in ms.items()},
-                           "launches_per_step": launched, "device_allocs_per_step": allocs}
+                           "launches_per_step": launched, "device_allocs_per_step": allocs,
+                           "peak_MB_per_step": peak}
     finally:
         dist.destroy_process_group()
 

@@ -345,6 +345,56 @@ def test_wait_with_a_timeout_orders_the_callers_stream():
     assert values(run_ranks("test_cuda:_wait_with_timeout_orders_streams", 1, timeout=300)) == [0]
 
 
+def _one_large_chunk(rank, world_size, device="cuda", log2_n=29, log2_chunk=30):
+    """Chunks past 2^31 bytes of input: a sign all-reduce of 2^29 + 4099 float32
+    elements (2 GiB) and DistributedLion's step on as many bfloat16 parameters,
+    each as one chunk of 2^30 elements (LIONBIT_CHUNK_ELEMS, votes of 2^30)
+    against the default chunks. At world size 1 the vote is the input's sign.
+    (device="cpu" and smaller sizes: the same checks on the CPU path.)"""
+    from lionbit import step_vote
+
+    dev = _device(rank) if device == "cuda" else torch.device(device)
+    votes = "CHUNK_ELEMENTS_GPU" if dev.type == "cuda" else "CHUNK_ELEMENTS"
+    n = (1 << log2_n) + 4099
+    gen = torch.Generator(device=dev).manual_seed(11)
+    x = torch.randn(n, device=dev, generator=gen)
+    x[:: 1 << 20] = 0.0
+    x[-4099:] = -x[-4099:]
+    bad = []
+    os.environ["LIONBIT_CHUNK_ELEMS"] = str(1 << log2_chunk)
+    y = x.clone()
+    lionbit.all_reduce_sign(y, "vote")
+    if not torch.equal(y, torch.sign(x) + 0.0):  # (+ 0.0: a zero votes +0.0, never -0.0)
+        bad.append(f"sign all-reduce of one 2^{log2_chunk} chunk != sign(x)")
+    del y
+
+    def step(vote_elements):
+        p = torch.nn.Parameter(x.to(torch.bfloat16) * 0.01)
+        p.grad = torch.roll(x, 12345).to(torch.bfloat16)
+        opt = lionbit.DistributedLion([p], lr=1e-3, weight_decay=0.1, momentum_dtype=torch.bfloat16)
+        saved = getattr(step_vote, votes)
+        setattr(step_vote, votes, vote_elements)
+        try:
+            for _ in range(2):
+                opt.step()
+        finally:
+            setattr(step_vote, votes, saved)
+        return p.detach(), opt.state[p]["exp_avg"]
+
+    big = step(1 << log2_chunk)
+    del os.environ["LIONBIT_CHUNK_ELEMS"]
+    default = step(getattr(step_vote, votes))
+    if not (torch.equal(big[0], default[0]) and torch.equal(big[1], default[1])):
+        bad.append(f"DistributedLion with one 2^{log2_chunk} chunk != with the default chunks")
+    return bad
+
+
+@pytest.mark.gpu
+def test_one_chunk_past_two_gib_equals_the_default_chunks():
+    _skip_without_gpu()
+    assert values(run_ranks("test_cuda:_one_large_chunk", 1, timeout=600)) == [[]]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_sign_allreduce_cuda_several_ranks_one_gpu_gloo(n):
