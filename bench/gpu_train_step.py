@@ -55,20 +55,8 @@ import lionbit
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import trace_summary  # noqa: E402  (tools/: a trace's busy time, the same union as there)
+from gpt2_init import gpt2_init  # noqa: E402
 from gpu_lion_step import device_allocs, lion_foreach, timed_split  # noqa: E402  (bench/ on the path first)
-
-
-def gpt2_init(model, layers):
-    """GPT-2's initialization: weights N(0, 0.02), the residual projections' 0.02 / sqrt(2 layers),
-    biases 0. (torch's defaults, N(0, 1) embeddings under a tied head, put the logits' std near
-    sqrt(width): a saturated softmax whose head gradient is exactly 0 for almost every token, and
-    gradients 99 % zeros that no trained model has.)"""
-    for name, m in model.named_modules():
-        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
-            std = 0.02 / (2 * layers) ** 0.5 if name.endswith((".proj", ".down")) else 0.02
-            torch.nn.init.normal_(m.weight, std=std)
-            if getattr(m, "bias", None) is not None:
-                torch.nn.init.zeros_(m.bias)
 
 
 class Block(torch.nn.Module):

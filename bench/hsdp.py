@@ -8,7 +8,8 @@ network namespace a node, its ranks reaching each other over the node's
 loopback, nodes joined through veth pairs shaped with tc tbf at the link
 rate, checked with iperf3. Each rank trains the same causal transformer LM
 (vocabulary 8192, width 320, 8 blocks: 12.5M parameters, float32, tied
-head; --vocab 256: 10.0M, every token in every step's batch) on its own random tokens, the same steps under each method:
+head, GPT-2's initialization; --vocab 256: 10.0M, every token in every
+step's batch) on its own random tokens, the same steps under each method:
 
   HSDP + AdamW (fp32)            fully_shard over a 2-D (replicate, shard) mesh, torch's AdamW:
                                  FSDP's reduce-scatter inside the node, its fp32 all-reduce across nodes
@@ -52,6 +53,8 @@ def _model():
     import torch
     import torch.nn.functional as F
 
+    from gpt2_init import gpt2_init
+
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -72,6 +75,7 @@ def _model():
             self.tok, self.pos = torch.nn.Embedding(VOCAB, WIDTH), torch.nn.Embedding(SEQ, WIDTH)
             self.blocks = torch.nn.ModuleList(Block() for _ in range(LAYERS))
             self.ln_f = torch.nn.LayerNorm(WIDTH)
+            gpt2_init(self, LAYERS)
 
         def forward(self, tokens):
             x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
@@ -245,8 +249,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of: " + "; ".join(METHODS))
     p.add_argument("--vocab", type=int, default=VOCAB,
-                   help=f"vocabulary (default {VOCAB}: most rows see no token in a step, and their zero "
-                        "directions cost the vote extra bytes; a small one leaves no row out)")
+                   help=f"vocabulary (default {VOCAB}; the tied head gives every row a gradient each step, "
+                        "so no row's direction is exactly 0)")
     p.add_argument("--out", default=None)
     p.add_argument("--json", default="bench/results/hsdp.json")
     p.add_argument("--timeout", type=float, default=1800)
