@@ -150,7 +150,8 @@ def parse_chunks(text):
         v, _, c = item.partition("/")
         if not (v.isdigit() and c.isdigit() and 10 <= int(v) <= 34 and 10 <= int(c) <= 34):
             raise argparse.ArgumentTypeError(f"--chunks: {item!r} is not V/C (exponents of 2, 10..34), e.g. 28/26")
-        out.append((int(v), int(c)))
+        if (int(v), int(c)) not in out:  # (a row a pair: the table is keyed by its label)
+            out.append((int(v), int(c)))
     return out
 
 
