@@ -361,12 +361,6 @@ def _one_large_chunk(rank, world_size, device="cuda", log2_n=29, log2_chunk=30):
     x[:: 1 << 20] = 0.0
     x[-4099:] = -x[-4099:]
     bad = []
-    os.environ["LIONBIT_CHUNK_ELEMS"] = str(1 << log2_chunk)
-    y = x.clone()
-    lionbit.all_reduce_sign(y, "vote")
-    if not torch.equal(y, torch.sign(x) + 0.0):  # (+ 0.0: a zero votes +0.0, never -0.0)
-        bad.append(f"sign all-reduce of one 2^{log2_chunk} chunk != sign(x)")
-    del y
 
     def step(vote_elements):
         p = torch.nn.Parameter(x.to(torch.bfloat16) * 0.01)
@@ -381,8 +375,16 @@ def _one_large_chunk(rank, world_size, device="cuda", log2_n=29, log2_chunk=30):
             setattr(step_vote, votes, saved)
         return p.detach(), opt.state[p]["exp_avg"]
 
-    big = step(1 << log2_chunk)
-    del os.environ["LIONBIT_CHUNK_ELEMS"]
+    os.environ["LIONBIT_CHUNK_ELEMS"] = str(1 << log2_chunk)
+    try:  # (a pooled rank runs later cases: the setting must not outlive this one)
+        y = x.clone()
+        lionbit.all_reduce_sign(y, "vote")
+        if not torch.equal(y, torch.sign(x) + 0.0):  # (+ 0.0: a zero votes +0.0, never -0.0)
+            bad.append(f"sign all-reduce of one 2^{log2_chunk} chunk != sign(x)")
+        del y
+        big = step(1 << log2_chunk)
+    finally:
+        del os.environ["LIONBIT_CHUNK_ELEMS"]
     default = step(getattr(step_vote, votes))
     if not (torch.equal(big[0], default[0]) and torch.equal(big[1], default[1])):
         bad.append(f"DistributedLion with one 2^{log2_chunk} chunk != with the default chunks")
