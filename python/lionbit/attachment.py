@@ -77,8 +77,11 @@ class Attachment:
         if not abstain and not self.checked_ddp:
             self.checked_ddp = True
             self.warn_if_ddp_unattached()
-        entries = self.entries(abstain)
-        return step_vote.voted_step(self.opt, grad_scaler, lambda: self.vote(entries), self.group, abstain)
+        # The entries are read inside the vote, after voted_step unscaled the
+        # gradients: an entry may hold a contiguous copy of a gradient
+        # (channels_last), which must be of the unscaled one.
+        return step_vote.voted_step(
+            self.opt, grad_scaler, lambda: self.vote(self.entries(abstain)), self.group, abstain)
 
     def entries(self, abstain: bool, skip=frozenset()) -> List[step_vote.Entry]:
         """The step's entries (recording its layout: the parameters with a

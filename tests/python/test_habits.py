@@ -397,9 +397,12 @@ def channels_last(rank, n, wrapper, loop, fused=None):
     """The user's loop on a channels_last model: DDP (one bucket, so the
     weights lie at offsets inside it; ``bucket_view``: gradient_as_bucket_view),
     FSDP1 or the plain module (FSDP2 refuses such parameters itself), bare
-    (DDP: votes in backward) or clipping (at step()); the fused kernels
+    (DDP: votes in backward), clipping (at step()) or a GradScaler (the
+    gradients scaled by 2^10 in backward, unscaled at step(): the contiguous
+    copies of the weights' gradients must be taken after); the fused kernels
     (through contiguous copies) or, with ``fused=False``, torch ops.
-    Parameters and this rank's momenta equal the simulation's."""
+    Parameters and this rank's momenta equal the simulation's (unscaled
+    gradients: a power of 2 scales and unscales exactly)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import lionbit
@@ -416,11 +419,18 @@ def channels_last(rank, n, wrapper, loop, fused=None):
     opt = lionbit.DistributedLion(run.parameters(), fused=fused, **LION)
     if wrapper != "plain":
         opt.attach(run)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6) if loop == "scaler" else None
     for step in range(STEPS):
-        _conv_loss(run, rank, step).backward()
-        if loop == "clip":
-            torch.nn.utils.clip_grad_norm_(run.parameters(), 1.0)
-        opt.step()
+        loss = _conv_loss(run, rank, step)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            if loop == "clip":
+                torch.nn.utils.clip_grad_norm_(run.parameters(), 1.0)
+            opt.step()
         opt.zero_grad()
     want, momenta = simulate_conv(n, loop, STEPS)
     if wrapper == "fsdp1":  # (its flat parameters hold the weights contiguously; the momenta are the flat shards')
@@ -437,7 +447,8 @@ def channels_last(rank, n, wrapper, loop, fused=None):
 
 @pytest.mark.parametrize("wrapper,loop,fused", [("ddp", "bare", None), ("ddp", "clip", True), ("ddp", "bare", False),
                                                 ("bucket_view", "bare", None), ("plain", "bare", None),
-                                                ("fsdp1", "bare", None)])
+                                                ("plain", "scaler", None), ("plain", "scaler", False),
+                                                ("ddp", "scaler", None), ("fsdp1", "bare", None)])
 def test_a_channels_last_model_trains_as_the_simulation(wrapper, loop, fused):
     res = values(run_ranks("test_habits:channels_last", 2, kwargs={"wrapper": wrapper, "loop": loop, "fused": fused}))
     assert len(set(res)) == 1, "replicas differ"
