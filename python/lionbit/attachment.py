@@ -181,10 +181,16 @@ class Attachment:
                 f"f'opt.rank{{dist.get_rank()}}.pt') on every rank, and load each rank's file"
             )
         torch.optim.Optimizer.load_state_dict(self.opt, state_dict)
-        # torch casts loaded state to each parameter's dtype; the momentum keeps its own.
-        for state in self.opt.state.values():
-            if "exp_avg" in state and state["exp_avg"].dtype != self.opt.momentum_dtype:
-                state["exp_avg"] = state["exp_avg"].to(self.opt.momentum_dtype)
+        # torch casts loaded state to each parameter's dtype: a float32
+        # momentum of a bfloat16 parameter would come back rounded. Each
+        # momentum is taken again from the dict (torch's order: the groups'
+        # parameters, one by one), in the momentum's own dtype.
+        saved = state_dict["state"]
+        for group, saved_group in zip(self.opt.param_groups, state_dict["param_groups"]):
+            for p, key in zip(group["params"], saved_group["params"]):
+                m = saved.get(key, {}).get("exp_avg")
+                if isinstance(m, torch.Tensor) and "exp_avg" in self.opt.state[p]:
+                    self.opt.state[p]["exp_avg"] = m.to(device=p.device, dtype=self.opt.momentum_dtype, copy=True)
 
     def sharded_state_dict(self) -> dict:
         raise RuntimeError("DistributedLion.sharded_state_dict: attach(model) to an FSDP2 model first")

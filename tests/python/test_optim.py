@@ -362,6 +362,38 @@ def test_checkpoint_stop_restart_continue_is_bitwise_identical():
     assert len(set(hashes)) == 1
 
 
+def test_a_bfloat16_models_float32_momentum_survives_its_state_dict():
+    """torch's load_state_dict casts the state to each parameter's dtype; a
+    bfloat16 model's momentum (float32 by default) comes back as it was saved,
+    not rounded to bfloat16, and the steps after it are the uninterrupted ones."""
+    import copy
+
+    import lionbit
+
+    def run(steps, resume_at=None):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+        opt = lionbit.DistributedLion(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(steps):
+            if step == resume_at:
+                sd = copy.deepcopy(opt.state_dict())
+                saved = {p: opt.state[p]["exp_avg"].clone() for p in model.parameters()}
+                opt = lionbit.DistributedLion(model.parameters(), lr=1e-2)
+                opt.load_state_dict(sd)
+                for p in model.parameters():
+                    m = opt.state[p]["exp_avg"]
+                    assert m.dtype == torch.float32 and torch.equal(m, saved[p])
+                    assert not torch.equal(m, m.to(torch.bfloat16).float())  # one that bfloat16 cannot hold
+            opt.zero_grad()
+            model(torch.randn(2, 8, generator=gen).to(torch.bfloat16)).float().square().sum().backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(6), run(6, resume_at=3)):
+        assert torch.equal(a, b)
+
+
 def bad_arguments(rank, n):
     import lionbit
 
