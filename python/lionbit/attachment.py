@@ -9,7 +9,9 @@ through its package surface (``momentum_of``, ``coefs_of``, ``fused_for``,
 its private names.
 
 A plain module's attachment votes at ``step()``: the directions of every
-parameter with a gradient, chunk by chunk (lionbit.step_vote).
+parameter with a gradient, chunk by chunk (lionbit.step_vote), replaying
+the step's plan where the step is the one before it again
+(lionbit.step_plan).
 """
 
 import gc
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import lion_math, step_vote, user_warning
+from . import lion_math, step_plan, step_vote, user_warning
 
 #: DDP models that carry lionbit's comm hook (lionbit.ddp): they all-reduce
 #: no gradient, attached or not.
@@ -65,6 +67,7 @@ class Attachment:
         self.opt = opt
         self.group = group  # None: the default group at each call
         self.buffers = step_vote.VoteBuffers()
+        self.plan = step_plan.StepPlan()  # a plain module's step, replayed (not DDP's or FSDP's)
         self.layout: Optional[list] = None  # the parameters of the last applied step (Join)
         self.checked_ddp = False
 
@@ -77,11 +80,24 @@ class Attachment:
         if not abstain and not self.checked_ddp:
             self.checked_ddp = True
             self.warn_if_ddp_unattached()
-        # The entries are read inside the vote, after voted_step unscaled the
-        # gradients: an entry may hold a contiguous copy of a gradient
-        # (channels_last), which must be of the unscaled one.
-        return step_vote.voted_step(
-            self.opt, grad_scaler, lambda: self.vote(self.entries(abstain)), self.group, abstain)
+        return step_vote.voted_step(self.opt, grad_scaler, lambda: self.vote_now(abstain), self.group, abstain)
+
+    def vote_now(self, abstain: bool):
+        """Votes the step and returns the function that applies it: as planned
+        (lionbit.step_plan) where the plan describes the step, else by the
+        general path, which plans the next. The gradients are read here,
+        after voted_step unscaled them: an entry may hold a contiguous copy of
+        a gradient (channels_last), which must be of the unscaled one."""
+        if not abstain:
+            apply = self.plan.vote(self.opt, self.group, self.buffers)
+            if apply is not None:
+                self.layout = self.plan.params
+                return apply
+        entries = self.entries(abstain)
+        apply = self.vote(entries)
+        if not abstain:
+            self.plan.learn(self.opt, entries, self.group)
+        return apply
 
     def entries(self, abstain: bool, skip=frozenset()) -> List[step_vote.Entry]:
         """The step's entries (recording its layout: the parameters with a

@@ -267,15 +267,23 @@ def pack_directions_list(items, k: Coefs, sign, zero, counts=None) -> int:
     read), so that the pieces of a tensor need no view each. On a GPU the
     tallies are added to ``counts`` and this returns 0; on the CPU it
     returns the non-finite count."""
-    b1, omb1, b2, omb2, _, _ = k.values
     if not items[0][0].is_cuda:
-        gs, ms, offsets, starts, lengths = zip(*items)
+        return directions_into(*zip(*items), k, sign, zero)
+    for group in _by_dtypes(items):
+        directions_into(*zip(*group), k, sign, zero, counts)
+    return 0
+
+
+def directions_into(gs, ms, offsets, starts, lengths, k: Coefs, sign, zero, counts=None) -> int:
+    """:func:`pack_directions_list` of lists given column by column (starts
+    and lengths None: whole tensors); on a GPU one dtype pair, its tallies
+    added to ``counts``."""
+    b1, omb1, b2, omb2, _, _ = k.values
+    if not gs[0].is_cuda:
         return _C.lion_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, offsets, update_momentum=False,
                                       starts=starts, lengths=lengths)
-    for group in _by_dtypes(items):
-        gs, ms, offsets, starts, lengths = zip(*group)
-        _C.lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update_momentum=False,
-                                      starts=starts, lengths=lengths)
+    _C.lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update_momentum=False,
+                                  starts=starts, lengths=lengths)
     return 0
 
 
@@ -287,15 +295,17 @@ def span(t, start: int, length: int):
 def update_momenta(items, k: Coefs) -> None:
     """:func:`update_momentum` of many (g, m) pairs (contiguous, of any
     shape) on one device in one call (on a GPU a launch per dtype pair)."""
+    for group in [items] if not items[0][0].is_cuda else _by_dtypes(items):
+        momenta_from(*zip(*group), k)
+
+
+def momenta_from(gs, ms, k: Coefs) -> None:
+    """:func:`update_momenta` of lists given column by column (on a GPU one dtype pair)."""
     b1, omb1, b2, omb2, _, _ = k.values
-    if not items[0][0].is_cuda:
-        gs, ms = zip(*items)
+    if not gs[0].is_cuda:
         _C.lion_direction_list(gs, ms, b1, omb1, b2, omb2, None, None, [0] * len(gs), update_momentum=True)
         return
-    for group in _by_dtypes(items):
-        gs, ms = zip(*group)
-        _C.lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, None, None, None, [0] * len(gs),
-                                      update_momentum=True)
+    _C.lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, None, None, None, [0] * len(gs), update_momentum=True)
 
 
 _sign, _offset = attrgetter("sign"), attrgetter("offset")
@@ -308,7 +318,6 @@ def apply_updates(items, k: Coefs) -> None:
     planes; on a GPU per vote's planes and parameter dtype)."""
     _, _, _, _, lr, decay = k.values
     cuda = items[0][0].is_cuda
-    apply_planes = _C.lion_apply_planes_list_device if cuda else _C.lion_apply_planes_list
     xs, ds = zip(*items)
     one = ds[0]
     if (
@@ -316,7 +325,7 @@ def apply_updates(items, k: Coefs) -> None:
         and len(set(map(id, map(_sign, ds)))) == 1
         and (not cuda or len(set(map(_dtype, xs))) == 1)
     ):  # the vote's planes of one call (most steps): read in C, not item by item
-        apply_planes(list(xs), one.sign, one.zero, list(map(_offset, ds)), lr, decay)
+        apply_planes(list(xs), one.sign, one.zero, list(map(_offset, ds)), k)
         return
     values, voted = [], {}
     for p, d in items:
@@ -335,7 +344,17 @@ def apply_updates(items, k: Coefs) -> None:
         xs, deltas = zip(*values)
         _C.lion_apply_list(xs, deltas, lr, decay)
     for d, xs, offsets in voted.values():
-        apply_planes(xs, d.sign, d.zero, offsets, lr, decay)
+        apply_planes(xs, d.sign, d.zero, offsets, k)
+
+
+def apply_planes(xs, sign, zero, offsets, k: Coefs) -> None:
+    """The parameters ``xs`` (on a GPU of one dtype) updated from a vote's
+    result planes, each from its Delta's bits at its offset."""
+    _, _, _, _, lr, decay = k.values
+    if not xs[0].is_cuda:
+        _C.lion_apply_planes_list(xs, sign, zero, offsets, lr, decay)
+        return
+    _C.lion_apply_planes_list_device(xs, sign, zero, offsets, lr, decay)
 
 
 def pack_abstain(numel: int, sign, zero, bit_offset: int, bits=None) -> None:

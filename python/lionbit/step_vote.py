@@ -4,8 +4,9 @@ flight while the next chunk's directions are packed), then the momentum and
 the parameters updated. Nothing changes on any rank until every chunk's
 vote is done: a non-finite direction on any rank (reported to every rank by
 the vote's header round, before any data moves) leaves every rank's state
-as it was. Used by a plain module, by DDP (when the votes did not start in
-backward) and by FSDP1 ``NO_SHARD``; :func:`voted_step` and
+as it was. Used by a plain module (the steps its plan does not replay,
+lionbit.step_plan), by DDP (when the votes did not start in backward) and
+by FSDP1 ``NO_SHARD``; :func:`voted_step` and
 :func:`node_agreed` by every integration.
 """
 
@@ -200,6 +201,17 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
         bad, tally = pack_directions(items, sign, zero, voter.bits)
         works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, out_planes=into_planes,
                                       nans_tally=tally))
+    wait_votes(works)
+    deltas = []
+    for (first, end, _), out, offs in zip(buffers.chunks, buffers.outs, offsets):
+        deltas += map(lion_math.delta_views(out, into_planes), offs, map(_column["numel"], entries[first:end]))
+    return deltas
+
+
+def wait_votes(works) -> None:
+    """Waits for every vote of a step; raises the first error that is not a
+    non-finite direction, else :class:`NonFinite` naming every rank that had
+    one (the same on every rank)."""
     bad_ranks: List[int] = []
     first_error = None
     for fut in works:
@@ -215,10 +227,6 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
         raise first_error
     if bad_ranks:
         raise NonFinite(bad_ranks)
-    deltas = []
-    for (first, end, _), out, offs in zip(buffers.chunks, buffers.outs, offsets):
-        deltas += map(lion_math.delta_views(out, into_planes), offs, map(_column["numel"], entries[first:end]))
-    return deltas
 
 
 def update(entries: Sequence[Entry], deltas) -> None:
