@@ -352,7 +352,7 @@ def main(argv=None):
         return ["env", f"LIONBIT_KERNELS={choice}"] + cmd
 
     def start_gpu_runs(step, limit):
-        files = ["tests/python/test_cuda.py", "tests/python/test_kernel_sets.py"]
+        files = ["tests/python/test_cuda.py", "tests/python/test_kernel_sets.py", "tests/python/test_step_plan.py"]
         rc, out = r.run(step, "pytest-collect", [py, "-m", "pytest", *files, "-m", "gpu", "--collect-only", "-q",
                                                  "-p", "no:cacheprovider"], timeout=120)
         ids = [ln.strip() for ln in out.splitlines() if "::" in ln and not ln.startswith(("$ ", "["))]
