@@ -312,7 +312,7 @@ class DDPAttachment(Attachment):
                 "backward were dropped and this step voted the changed gradients; from now on this model votes at "
                 "step() (attach(model, overlap=False) says so from the start)"
             )
-        return self.vote(self.entries(abstain))
+        return self.vote_now(abstain)  # as a plain module votes at step(): its plan replayed where it fits
 
     def _overlapped(self, started, abstain: bool):
         """The step of the votes started in backward. Every rank has said

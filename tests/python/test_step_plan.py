@@ -19,7 +19,7 @@ from harness import run_ranks, values
 
 LR, WD, BETAS = 0.01, 0.1, (0.9, 0.99)
 STEPS = 16
-FREEZE, UNFREEZE = 3, 5  # net[0] has no gradient in steps 3 and 4
+FREEZE, UNFREEZE = 3, 5  # the first layer has no gradient in steps 3 and 4
 NONCONTIG = 7  # the last weight's gradient given as a transposed view
 KEEP_GRADS = 9  # from here zero_grad(set_to_none=False): the same gradient tensors each step
 RELOAD = 10  # after this step: opt.load_state_dict(deepcopy(opt.state_dict())): new momentum tensors
@@ -31,12 +31,23 @@ ADD = 13  # from here `extra` trains, in a parameter group of its own
 REPLAYED = [1, 2, 4, 6, 9, 10, 14, 15]
 
 
-def _model(device):
+class Net(torch.nn.Module):
     """A float32 MLP with a bfloat16 output scale (a group of two dtypes: on a
-    GPU two launches), and ``extra``, trained from step ADD on."""
+    GPU two launches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        self.scale = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        return self.layers(x) * self.scale.float()
+
+
+def _model(device):
+    """The model, and ``extra`` (outside it), trained from step ADD on."""
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(device)
-    net.scale = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16, device=device))
+    net = Net().to(device)
     extra = torch.nn.Parameter(torch.randn(4, device=device) * 0.1)
     return net, extra
 
@@ -45,7 +56,7 @@ def _loss(net, extra, rank, step):
     g = torch.Generator().manual_seed(100 * step + rank)
     x, y = torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
     device = extra.device
-    return torch.nn.functional.cross_entropy(net(x.to(device)) * net.scale.float() + extra, y.to(device))
+    return torch.nn.functional.cross_entropy(net(x.to(device)) + extra, y.to(device))
 
 
 def _lr(step):
@@ -67,11 +78,11 @@ def simulate(world_size, device):
     momenta = [{} for _ in range(world_size)]
     history = []
     for step in range(STEPS):
-        trained = [n for n in params if not (n.startswith("0.") and FREEZE <= step < UNFREEZE)
+        trained = [n for n in params if not (n.startswith("layers.0.") and FREEZE <= step < UNFREEZE)
                    and not (n == "extra" and step < ADD)]
         if step == RESET:
             for m in momenta:
-                m.pop("2.bias")
+                m.pop("layers.2.bias")
         votes = {n: torch.zeros_like(params[n]) for n in trained}
         for r in range(world_size):
             rep, rep_extra = copy.deepcopy(net), copy.deepcopy(extra)
@@ -94,7 +105,9 @@ def simulate(world_size, device):
     return history
 
 
-def script(rank, world_size, device="cpu"):
+def script(rank, world_size, device="cpu", wrapper="plain"):
+    """The user's script; ``wrapper`` "ddp": the model in DDP with the votes
+    at step() (attach(overlap=False)), which votes as a plain module does."""
     import lionbit
 
     net, extra = _model(device)
@@ -103,25 +116,31 @@ def script(rank, world_size, device="cpu"):
     no_decay = [p for n, p in net.named_parameters() if not n.endswith("weight")]
     opt = lionbit.DistributedLion([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=LR,
                                   betas=BETAS, weight_decay=WD)
+    model = net
+    if wrapper == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(net, find_unused_parameters=True)  # (a layer is frozen for two steps)
+        opt.attach(model, overlap=False)
     want = simulate(world_size, device)
     names = dict(net.named_parameters(), extra=extra)
     replayed = []
     for step in range(STEPS):
         if step == FREEZE:
-            net[0].requires_grad_(False)
+            net.layers[0].requires_grad_(False)
         if step == UNFREEZE:
-            net[0].requires_grad_(True)
+            net.layers[0].requires_grad_(True)
         if step == ADD:
             extra.requires_grad_(True)
             opt.add_param_group({"params": [extra], "weight_decay": 0.0})
         if step == RESET:
-            opt.state[net[2].bias] = {}
+            opt.state[net.layers[2].bias] = {}
         for group in opt.param_groups:
             group["lr"] = _lr(step)
         opt.zero_grad(set_to_none=step < KEEP_GRADS)
-        _loss(net, extra, rank, step).backward()
+        _loss(model, extra, rank, step).backward()
         if step == NONCONTIG:
-            w = net[2].weight
+            w = net.layers[2].weight
             w.grad = w.grad.t().contiguous().t()
             assert not w.grad.is_contiguous()
         before = opt.attachment.plan.replayed
@@ -139,8 +158,9 @@ def script(rank, world_size, device="cpu"):
     return replayed
 
 
-def test_a_plain_modules_replayed_steps_equal_the_simulation():
-    res = values(run_ranks("test_step_plan:script", 2))
+@pytest.mark.parametrize("wrapper", ["plain", "ddp"])
+def test_a_plain_modules_replayed_steps_equal_the_simulation(wrapper):
+    res = values(run_ranks("test_step_plan:script", 2, kwargs={"wrapper": wrapper}))
     assert res == [REPLAYED, REPLAYED], res
 
 
