@@ -45,6 +45,7 @@ naming join) and raises, naming the fix.
 
 import logging
 import weakref
+from itertools import accumulate, repeat
 from operator import methodcaller
 from typing import Dict, List, Optional, Tuple
 
@@ -61,7 +62,7 @@ log = logging.getLogger("lionbit")
 
 _WHERE = "DistributedLion (DDP comm hook)"
 
-_contiguous = methodcaller("is_contiguous")
+_contiguous, _numel = methodcaller("is_contiguous"), methodcaller("numel")
 
 _JOIN_FIX = "`with Join([model, opt]):` (from torch.distributed.algorithms.join import Join; the DDP model first)"
 
@@ -125,6 +126,7 @@ class DDPAttachment(Attachment):
         self.model = model
         self.overlap = overlap
         self.buckets: Dict[int, _BucketVote] = {}  # bucket index -> its vote, kept across steps
+        self.coefs_index = lion_math.CoefsIndex()  # a bucket's hyperparameters, without hashing the model's
         self.started: List[_BucketVote] = []  # votes started in this backward
         self.versions: Optional[dict] = None  # p -> (id(p.grad), version) after DDP wrote the grads
         self.fallbacks = 0
@@ -178,22 +180,22 @@ class DDPAttachment(Attachment):
                 if plane is not None:
                     plane.zero_()
         sign, zero = bv.planes
-        coefs_of = lion_math.coefs_by_param(self.opt.param_groups)
-        fused_for = step_vote.fused_verdicts(self.opt)
-        off, items = 0, []
-        bv.params, bv.sizes = list(params), []
-        bv.copies = copies
+        bv.params, bv.copies = list(params), copies
+        bv.sizes = list(map(_numel, grads))
+        offsets = list(accumulate(bv.sizes, initial=0))  # each gradient's first element; the last: the total
         self.opt.check_params(bv.params, "attach (DDP hook)")
-        for p, g in zip(params, grads):
-            if abstain:
-                lion_math.pack_abstain(g.numel(), sign, zero, off, bits)
-            else:
-                items.append((g, self.opt.momentum_of(p), coefs_of[p], fused_for(p, g), off, 0, g.numel()))
-            bv.sizes.append(g.numel())
-            off += g.numel()
+        items = []
+        if abstain:
+            for n, off in zip(bv.sizes, offsets):
+                lion_math.pack_abstain(n, sign, zero, off, bits)
+        else:  # read in C, column by column (a bucket's tens of tensors, a step's hundreds)
+            coefs = self.coefs_index.coefs(self.opt.param_groups, bv.params)
+            fused = step_vote.fused_verdicts(self.opt).many(bv.params, grads)
+            items = list(zip(grads, map(self.opt.momentum_of, bv.params), coefs, fused, offsets, repeat(0),
+                             bv.sizes))
         bad, tally = step_vote.pack_directions(items, sign, zero, bits)
-        if off != total:
-            raise RuntimeError(f"{_WHERE}: DDP bucket holds {total} elements, its gradients {off}")
+        if offsets[-1] != total:
+            raise RuntimeError(f"{_WHERE}: DDP bucket holds {total} elements, its gradients {offsets[-1]}")
         bv.bad, bv.tally = bad, tally
         bv.work = self.opt.voter.all_reduce(sign, zero, total, bad, bv.out, self.group, "attach (DDP hook)",
                                             out_planes=bv.out.dtype == torch.uint8, nans_tally=tally)

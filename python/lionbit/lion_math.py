@@ -62,6 +62,24 @@ def coefs_by_param(param_groups) -> dict:
     return out
 
 
+class CoefsIndex:
+    """Each parameter's group, kept while the groups' membership stays the
+    same, for :meth:`coefs` of a few parameters at a time (a DDP bucket's):
+    coefs_by_param would hash every parameter of the model for each."""
+
+    def __init__(self):
+        self.groups, self.sizes, self.index = None, None, {}
+
+    def coefs(self, param_groups, params) -> list:
+        """The hyperparameters of each of ``params`` as they stand now (a Coefs a group, shared)."""
+        sizes = [len(g["params"]) for g in param_groups]
+        if param_groups is not self.groups or sizes != self.sizes:
+            self.index = {p: i for i, g in enumerate(param_groups) for p in g["params"]}
+            self.groups, self.sizes = param_groups, sizes
+        coefs = [Coefs(g) for g in param_groups]
+        return [coefs[i] for i in map(self.index.__getitem__, params)]
+
+
 def plane_bytes(numel: int) -> int:
     return (numel + 63) // 64 * 8
 

@@ -118,7 +118,7 @@ class _Layout:
 
 def _config(opt, device, group) -> tuple:
     """What the plan's choice of kernels and vote rests on, besides the tensors."""
-    return (opt.momentum_dtype, opt.fused, opt.voter.votes_into_planes(device, group),
+    return (opt.momentum_dtype, opt.fused, opt.voter.votes_into_planes(device, group), step_vote.chunk_limit(device),
             kernel_choice.list_kernels_allowed(device), kernel_choice.fused_lion_allowed(device))
 
 

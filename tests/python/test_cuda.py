@@ -392,9 +392,53 @@ def _one_large_chunk(rank, world_size, device="cuda", log2_n=29, log2_chunk=30):
 
 
 @pytest.mark.gpu
-def test_one_chunk_past_two_gib_equals_the_default_chunks():
+@pytest.mark.parametrize("log2_n,log2_chunk", [(29, 30), (30, 31)])
+def test_one_chunk_past_two_gib_equals_the_default_chunks(log2_n, log2_chunk):
+    """(2^30 + 4099 elements: element indices past 2^30, float32 byte offsets
+    past 2^32, in one chunk of 2^31.)"""
     _skip_without_gpu()
-    assert values(run_ranks("test_cuda:_one_large_chunk", 1, timeout=600)) == [[]]
+    kwargs = {"log2_n": log2_n, "log2_chunk": log2_chunk}
+    assert values(run_ranks("test_cuda:_one_large_chunk", 1, kwargs=kwargs, timeout=600)) == [[]]
+
+
+def _lists_past_two_to_the_31(device):
+    """The direction and apply-from-planes lists with a second tensor at bit
+    2^31 + 37 of the planes (a vote of 2^30 elements and more puts a step's
+    tensors there), against the CPU's lists: what differs, as text."""
+    off, n = [5, (1 << 31) + 37], [1000, 4099]
+    gen = torch.Generator().manual_seed(7)
+    gs = [torch.randn(k, generator=gen).to(torch.bfloat16) for k in n]
+    ms = [torch.randn(k, generator=gen) for k in n]
+    xs = [torch.randn(k, generator=gen).to(torch.bfloat16) for k in n]
+    coefs = (0.9, 0.1, 0.99, 0.01)
+
+    def planes(dev):
+        return [torch.zeros(lion_math.plane_bytes(off[1] + n[1]), dtype=torch.uint8, device=dev) for _ in range(2)]
+
+    cs, cz = planes("cpu")
+    bad = _C.lion_direction_list(gs, [m.clone() for m in ms], *coefs, cs, cz, off, False)
+    cx = [x.clone() for x in xs]
+    _C.lion_apply_planes_list(cx, cs, cz, off, 1e-3, 0.999)
+    ds, dz = planes(device)
+    counts = torch.zeros(2, dtype=torch.int64, device=device)
+    _C.lion_direction_list_device([g.to(device) for g in gs], [m.to(device) for m in ms], *coefs, ds, dz, counts,
+                                  off, False)
+    dx = [x.to(device) for x in xs]
+    _C.lion_apply_planes_list_device(dx, ds, dz, off, 1e-3, 0.999)
+    diff = []
+    if not (torch.equal(ds.cpu(), cs) and torch.equal(dz.cpu(), cz)):
+        diff.append("the direction list's planes")
+    if int(counts[1]) != bad:
+        diff.append(f"non-finite count {int(counts[1])} != {bad}")
+    diff += [f"parameter {i} after the apply" for i, (a, b) in enumerate(zip(dx, cx))
+             if not torch.equal(a.cpu().view(torch.int16), b.view(torch.int16))]
+    return diff
+
+
+@pytest.mark.gpu
+def test_the_list_kernels_take_bit_offsets_past_two_to_the_31():
+    _skip_without_gpu()
+    assert _lists_past_two_to_the_31("cuda") == []
 
 
 @pytest.mark.gpu
