@@ -45,8 +45,9 @@ naming join) and raises, naming the fix.
 
 import logging
 import weakref
+from functools import partial
 from itertools import accumulate, repeat
-from operator import methodcaller
+from operator import attrgetter, is_, methodcaller
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -62,19 +63,20 @@ log = logging.getLogger("lionbit")
 
 _WHERE = "DistributedLion (DDP comm hook)"
 
-_contiguous, _numel = methodcaller("is_contiguous"), methodcaller("numel")
+_contiguous, _numel, _grad = methodcaller("is_contiguous"), methodcaller("numel"), attrgetter("grad")
 
 _JOIN_FIX = "`with Join([model, opt]):` (from torch.distributed.algorithms.join import Join; the DDP model first)"
 
 
 class _BucketVote:
-    __slots__ = ("params", "sizes", "planes", "out", "work", "bad", "tally", "copies")
+    __slots__ = ("params", "sizes", "planes", "out", "work", "bad", "tally", "copies", "versions")
 
     def __init__(self):
         self.params, self.sizes, self.planes, self.out, self.work = [], [], None, None, None
         self.copies = {}  # parameter -> the contiguous copy of its gradient the hook read (not contiguous ones)
         self.bad = 0  # this rank's non-finite directions in the bucket counted on the host
         self.tally = None  # and on a GPU the device tally of the rest (read at step(), not in the hook)
+        self.versions = None  # each gradient's (id, version) after DDP wrote it back (_version_of)
 
 
 def _nonfinite(votes) -> int:
@@ -128,7 +130,7 @@ class DDPAttachment(Attachment):
         self.buckets: Dict[int, _BucketVote] = {}  # bucket index -> its vote, kept across steps
         self.coefs_index = lion_math.CoefsIndex()  # a bucket's hyperparameters, without hashing the model's
         self.started: List[_BucketVote] = []  # votes started in this backward
-        self.versions: Optional[dict] = None  # p -> (id(p.grad), version) after DDP wrote the grads
+        self.versions: Optional[bool] = None  # True once each started bucket's grads' versions are recorded
         self.fallbacks = 0
         self.join = join.ModelJoin(model)  # torch's Join: is the optimizer in the model's current one?
         self.join_due = False  # a joined rank shadowed a synchronized backward: its step is due
@@ -196,7 +198,7 @@ class DDPAttachment(Attachment):
         bad, tally = step_vote.pack_directions(items, sign, zero, bits)
         if offsets[-1] != total:
             raise RuntimeError(f"{_WHERE}: DDP bucket holds {total} elements, its gradients {offsets[-1]}")
-        bv.bad, bv.tally = bad, tally
+        bv.bad, bv.tally, bv.versions = bad, tally, None
         bv.work = self.opt.voter.all_reduce(sign, zero, total, bad, bv.out, self.group, "attach (DDP hook)",
                                             out_planes=bv.out.dtype == torch.uint8, nans_tally=tally)
         self.started = [b for b in self.started if b is not bv] + [bv]
@@ -252,11 +254,9 @@ class DDPAttachment(Attachment):
         return due
 
     def _record_versions(self) -> None:
-        self.versions = {}
         for bv in self.started:
-            for p in bv.params:
-                g = p.grad
-                self.versions[p] = _version_of(g)
+            bv.versions = list(map(_version_of, map(_grad, bv.params)))
+        self.versions = True
 
     # -- step -----------------------------------------------------------------
     def step(self, grad_scaler=None, abstain: bool = False) -> bool:
@@ -286,9 +286,7 @@ class DDPAttachment(Attachment):
             dispatch_mode = torch_internals.in_dispatch_mode()
             changed = not abstain and (
                 scaled or dispatch_mode or versions is None or any(bv.work is None for bv in started) or any(
-                    versions.get(p, False) != _version_of(p.grad)
-                    for bv in started
-                    for p in bv.params
+                    bv.versions != list(map(_version_of, map(_grad, bv.params))) for bv in started
                 )
             )
             changed, bad_ranks, refused = _agree(self.group, changed, _nonfinite(started))
@@ -321,16 +319,21 @@ class DDPAttachment(Attachment):
         its directions are finite, so each bucket's parameters are updated
         as soon as its vote is in: the last buckets' bits still move while
         the first buckets' parameters change."""
-        coefs_of = lion_math.coefs_by_param(self.opt.param_groups)
+        coefs_of = None  # every parameter's, made for the first bucket read tensor by tensor
         # A joined rank steps the parameters it stepped last (its peers'
         # gradients decide theirs; with the same gradients present, the same).
-        stepped = None if self.layout is None else set(self.layout)
+        stepped = None if self.layout is None or not abstain else set(self.layout)
         plan = []
         fused_for = step_vote.fused_verdicts(self.opt)
         for bv in started:
             entries, deltas, off = [], [], 0
             delta_of = lion_math.delta_views(bv.out, bv.out.dtype == torch.uint8)
             copies, bv.copies = bv.copies, {}
+            columns = None if abstain or copies else self._bucket_columns(bv, delta_of, fused_for)
+            if columns is not None:
+                plan.append((bv, partial(step_vote.update_state, *columns)))
+                continue
+            coefs_of = coefs_of or lion_math.coefs_by_param(self.opt.param_groups)
             for p, n in zip(bv.params, bv.sizes):
                 g = p.grad
                 coefs = coefs_of[p]
@@ -347,7 +350,7 @@ class DDPAttachment(Attachment):
                     continue
                 deltas.append(delta_of(off, n))
                 off += n
-            plan.append((bv, entries, deltas))
+            plan.append((bv, partial(step_vote.update, entries, deltas)))
         # Parameters with a gradient in none of the buckets (unfrozen after
         # DDP wrapped the model): voted now, in the optimizer's order, as at
         # step() (entries(False) also records this step's layout; a joined
@@ -358,20 +361,33 @@ class DDPAttachment(Attachment):
         rest = [] if abstain and self.layout is None else self.entries(abstain, in_buckets)
         apply_rest = self.vote([e for e in rest if e.param not in in_buckets])
         def apply():
-            for i, (bv, entries, deltas) in enumerate(plan):
+            for i, (bv, update) in enumerate(plan):
                 try:
                     bv.work.wait()
                 except (RuntimeError, ValueError):
                     # Not a non-finite direction (every rank said so): a lost
                     # peer. The buckets before this one are stepped.
-                    _drain([b for b, _, _ in plan[i + 1 :]])
+                    _drain([b for b, _ in plan[i + 1 :]])
                     raise
                 finally:
                     bv.work = None
-                step_vote.update(entries, deltas)
+                update()
             apply_rest()
 
         return apply
+
+    def _bucket_columns(self, bv, delta_of, fused_for):
+        """A bucket's state change as step_vote.update_state's (momenta,
+        applies), read column by column (no Python a tensor), where every one
+        of its parameters has a contiguous gradient (most steps); else None."""
+        gs = list(map(_grad, bv.params))
+        if any(map(is_, gs, repeat(None))) or not all(map(_contiguous, gs)):
+            return None
+        coefs = self.coefs_index.coefs(self.opt.param_groups, bv.params)
+        fused = fused_for.many(bv.params, gs)
+        deltas = list(map(delta_of, accumulate(bv.sizes, initial=0), bv.sizes))
+        return (list(zip(gs, map(self.opt.momentum_of, bv.params), coefs, fused)),
+                list(zip(bv.params, deltas, coefs, fused)))
 
 
 def _drain(votes) -> Optional[BaseException]:
