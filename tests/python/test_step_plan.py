@@ -1,8 +1,9 @@
 """A plain module's step replayed from its plan (lionbit.step_plan), as a
 user's script: two ranks, a model with decay / no-decay parameter groups,
-its learning rate set in every group before each step (nanoGPT's way), and
-the things scripts do between steps that change what a step is: freezing
-and unfreezing a layer, zero_grad(set_to_none=False),
+its learning rate set in every group before each step (nanoGPT's way), a
+GradScaler (one step skipped for an inf on one rank), and the things
+scripts do between steps that change what a step is: freezing and
+unfreezing a layer, zero_grad(set_to_none=False),
 reloading the optimizer's state dict, resetting one momentum, a parameter
 group added mid-run, a non-contiguous gradient. Every step, on every rank,
 the parameters and this rank's momenta equal Distributed Lion computed
@@ -19,16 +20,18 @@ from harness import run_ranks, values
 
 LR, WD, BETAS = 0.01, 0.1, (0.9, 0.99)
 STEPS = 16
+SKIP = 2  # rank 1's gradient holds an inf: under the GradScaler every rank skips the step
 FREEZE, UNFREEZE = 3, 5  # the first layer has no gradient in steps 3 and 4
 NONCONTIG = 7  # the last weight's gradient given as a transposed view
 KEEP_GRADS = 9  # from here zero_grad(set_to_none=False): the same gradient tensors each step
 RELOAD = 10  # after this step: opt.load_state_dict(deepcopy(opt.state_dict())): new momentum tensors
 RESET = 12  # before this step: the last bias's state dropped (its momentum starts again at 0)
 ADD = 13  # from here `extra` trains, in a parameter group of its own
-# The steps a plan replays: not the first (it plans), nor one at any of the
-# above, nor the one after the non-contiguous gradient (its step could not be
-# planned, so the next one plans).
-REPLAYED = [1, 2, 4, 6, 9, 10, 14, 15]
+# The steps a plan replays: not the first (it plans), nor the skipped one (its
+# votes raised; the plan stands), nor one at any of the others, nor the one
+# after the non-contiguous gradient (its step could not be planned, so the
+# next one plans).
+REPLAYED = [1, 4, 6, 9, 10, 14, 15]
 
 
 class Net(torch.nn.Module):
@@ -78,6 +81,9 @@ def simulate(world_size, device):
     momenta = [{} for _ in range(world_size)]
     history = []
     for step in range(STEPS):
+        if step == SKIP:  # nothing changes anywhere
+            history.append(history[-1])
+            continue
         trained = [n for n in params if not (n.startswith("layers.0.") and FREEZE <= step < UNFREEZE)
                    and not (n == "extra" and step < ADD)]
         if step == RESET:
@@ -124,6 +130,7 @@ def script(rank, world_size, device="cpu", wrapper="plain"):
         opt.attach(model, overlap=False)
     want = simulate(world_size, device)
     names = dict(net.named_parameters(), extra=extra)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=10**6)
     replayed = []
     for step in range(STEPS):
         if step == FREEZE:
@@ -138,13 +145,16 @@ def script(rank, world_size, device="cpu", wrapper="plain"):
         for group in opt.param_groups:
             group["lr"] = _lr(step)
         opt.zero_grad(set_to_none=step < KEEP_GRADS)
-        _loss(model, extra, rank, step).backward()
+        scaler.scale(_loss(model, extra, rank, step)).backward()
+        if step == SKIP and rank == world_size - 1:
+            net.layers[2].weight.grad[0, 0] = float("inf")
         if step == NONCONTIG:
             w = net.layers[2].weight
             w.grad = w.grad.t().contiguous().t()
             assert not w.grad.is_contiguous()
         before = opt.attachment.plan.replayed
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         if opt.attachment.plan.replayed > before:
             replayed.append(step)
         if step == RELOAD:
@@ -155,6 +165,7 @@ def script(rank, world_size, device="cpu", wrapper="plain"):
             if n in momenta[rank]:
                 got = opt.state[p].get("exp_avg")
                 assert got is not None and torch.equal(got, momenta[rank][n]), f"step {step}: {n}'s momentum"
+    assert scaler.get_scale() == 2.0**9, "the scaler backed off once, on every rank"
     return replayed
 
 
