@@ -177,8 +177,9 @@ def test_a_plain_modules_replayed_steps_equal_the_simulation(wrapper):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_a_plain_modules_replayed_steps_equal_the_simulation_on_a_gpu():
+@pytest.mark.parametrize("wrapper", ["plain", "ddp"])
+def test_a_plain_modules_replayed_steps_equal_the_simulation_on_a_gpu(wrapper):
     """The same on one GPU (NCCL underneath, world size 1): the plan's calls
-    of the GPU's list kernels."""
-    res = values(run_ranks("test_step_plan:script", 1, kwargs={"device": "cuda"}))
+    of the GPU's list kernels, a launch per parameter group and dtype pair."""
+    res = values(run_ranks("test_step_plan:script", 1, kwargs={"device": "cuda", "wrapper": wrapper}))
     assert res == [REPLAYED], res
