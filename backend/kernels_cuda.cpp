@@ -1,8 +1,8 @@
 // The CUDA kernel set: the custom kernels of signbits/cuda where there is one
 // (pack, pack_levels, clean, the zero and tie planes' tallies and their
-// lists of positions and runs, count_code, vote, break_ties, unpack), the
-// ATen set for the rest (packed runs, lists of counts, base 3, the owner's
-// sum of levels: small or rare work), all on the current stream. The L1
+// lists of positions and runs, count_code, vote, break_ties, base 3,
+// unpack), the ATen set for the rest (packed runs, lists of counts, the
+// owner's sum of levels: small or rare work), all on the current stream. The L1
 // levels from g and m (KernelSet's level_abs_sum and pack_lion_levels) are
 // the interface's defaults: c and sum |c| with ATen, then this set's
 // pack_levels. In checked mode the first use on a device runs every custom
@@ -289,12 +289,24 @@ class CudaKernelSet final : public KernelSet {
   }
 
   void encode_trits(const at::Tensor& sign, const at::Tensor& tie, at::Tensor& out) const override {
-    aten_kernels().encode_trits(sign, tie, out);
+    if (!use(Kernel::kEncodeTrits)) {
+      return aten_kernels().encode_trits(sign, tie, out);
+    }
+    cuda::encode_trits(
+        cwords(sign), cwords(tie), plane_words(sign), out.data_ptr<uint8_t>(), current_stream(out));
   }
 
   bool decode_trits(const at::Tensor& trits, const at::Tensor& lut, at::Tensor& dst)
       const override {
-    return aten_kernels().decode_trits(trits, lut, dst);
+    if (!use(Kernel::kDecodeTrits)) {
+      return aten_kernels().decode_trits(trits, lut, dst);
+    }
+    const at::Tensor bad = at::zeros({1}, dst.options().dtype(at::kInt));
+    cuda::decode_trits(
+        *bits_dtype(dst.scalar_type()), trits.data_ptr<uint8_t>(), static_cast<size_t>(dst.numel()),
+        lut.data_ptr(), dst.data_ptr(), reinterpret_cast<unsigned*>(bad.data_ptr<int32_t>()),
+        current_stream(dst));
+    return bad.cpu().data_ptr<int32_t>()[0] == 0;
   }
 
   bool encode_zero_counts(const std::vector<PlaneIn>& in, uint64_t cap, at::Tensor& out)
@@ -341,7 +353,8 @@ class CudaKernelSet final : public KernelSet {
     return k == Kernel::kPack || k == Kernel::kPackLevels || k == Kernel::kClean ||
         k == Kernel::kCountBits || k == Kernel::kZeroCodes || k == Kernel::kEncodeZeros ||
         k == Kernel::kDecodeZeros || k == Kernel::kCountCode || k == Kernel::kVote ||
-        k == Kernel::kBreakTies || k == Kernel::kUnpack;
+        k == Kernel::kBreakTies || k == Kernel::kEncodeTrits || k == Kernel::kDecodeTrits ||
+        k == Kernel::kUnpack;
   }
   bool use(Kernel k) const { return custom_[static_cast<size_t>(k)]; }
 

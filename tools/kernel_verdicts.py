@@ -25,7 +25,7 @@ from lionbit import _C, kernel_choice
 # The kernels the CUDA set brings of its own (backend/kernels_cuda.cpp); the
 # rest are the ATen set's there.
 CUSTOM_CUDA = ("pack", "pack_levels", "clean", "count_bits", "zero_codes", "encode_zeros", "decode_zeros",
-               "count_code", "vote", "break_ties", "unpack")
+               "count_code", "vote", "break_ties", "encode_trits", "decode_trits", "unpack")
 
 
 def main(argv=None):

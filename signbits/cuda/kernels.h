@@ -120,6 +120,30 @@ void unpack(
     void* dst,
     cudaStream_t stream);
 
+// ------------------------------------------------- base 3 (trits.cu) ----
+
+// bits::encode_trits on the GPU: the sign and tie planes (`words` words each)
+// into words * 13 bytes of `out`.
+void encode_trits(
+    const uint64_t* sign,
+    const uint64_t* tie,
+    size_t words,
+    uint8_t* out,
+    cudaStream_t stream);
+
+// bits::decode_trits on the GPU: dst[i] = lut[trit_i] for i < n (`dtype`;
+// lut: 3 entries in device memory). Sets *bad to 1 (never clears it; the
+// caller zeroes it first) where a byte holding one of the n elements is not
+// a code (243 or more): a corrupt message, dst then partly written.
+void decode_trits(
+    bits::DType dtype,
+    const uint8_t* trits,
+    size_t n,
+    const void* lut,
+    void* dst,
+    unsigned* bad,
+    cudaStream_t stream);
+
 // ------------------------------------------- zero and tie planes ----
 // (zero_lists.cu)
 

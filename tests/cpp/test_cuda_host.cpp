@@ -6,6 +6,7 @@
 // plane as ballot_planes_host), so the index math, the bit offsets and the
 // read-modify-write of the boundary words are verified without a GPU.
 #include "signbits/cuda/element.cuh"
+#include "signbits/cuda/trits.cuh"
 #include "optimizer/lion_list.cuh"
 
 #include <gtest/gtest.h>
@@ -19,6 +20,7 @@
 
 #include "cuda_test_ref.h"
 #include "signbits/levels.h"
+#include "signbits/trits.h"
 #include "lion_test_util.h"
 
 namespace lionbit::cuda_test {
@@ -1024,6 +1026,112 @@ TEST(CudaHostUnpack, VoteLutAllDtypes) {
         emu_unpack<unsigned long long, 2>(planes.data(), 2, 6, n, lut.data(), got.data(), 2);
         break;
     }
+    ASSERT_EQ(got, ref) << dname(d);
+  }
+}
+
+// -------------------------------------------------------------- base 3 ----
+
+// trits.cu's kernels emulated: a byte a "thread" for the encode, an element a
+// "thread" for the decode, with its flag for a byte that is not a code.
+void emu_encode_trits(const uint64_t* sign, const uint64_t* tie, size_t words, uint8_t* out) {
+  for (size_t k = 0; k < words * bits::kTritBytesPerWord; ++k) {
+    const size_t w = k / bits::kTritBytesPerWord;
+    out[k] = cd::trit_byte(sign[w], tie[w], static_cast<unsigned>(k % bits::kTritBytesPerWord));
+  }
+}
+
+template <typename S>
+bool emu_decode_trits(const uint8_t* trits, size_t n, const S* lut, S* dst) {
+  bool bad = false;
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned t = cd::trit_of(trits[cd::trit_byte_of(i)], i);
+    if (t == 3u) {
+      bad = true;
+      continue;
+    }
+    dst[i] = lut[t];
+  }
+  return !bad;
+}
+
+TEST(CudaHostTrits, EncodeMatchesCpuEveryTieDensity) {
+  std::mt19937_64 rng(41);
+  for (size_t words : {size_t{1}, size_t{2}, size_t{7}, size_t{100}}) {
+    for (int ties : {0, 1, 2, 3}) {
+      const auto sign = random_words(words, rng);
+      std::vector<uint64_t> tie = random_words(words, rng);
+      for (auto& t : tie) {
+        t = ties == 0 ? 0 : (ties == 1 ? t & rng() & rng() : (ties == 2 ? t : ~uint64_t{0}));
+      }
+      std::vector<uint8_t> ref(words * bits::kTritBytesPerWord), got(ref.size());
+      bits::encode_trits(sign.data(), tie.data(), words, ref.data());
+      emu_encode_trits(sign.data(), tie.data(), words, got.data());
+      ASSERT_EQ(got, ref) << "words=" << words << " ties=" << ties;
+    }
+  }
+}
+
+// Every byte value at every position of a word: the valid codes' values, and
+// which bytes make a message corrupt (those holding one of the n elements),
+// as bits::decode_trits says.
+TEST(CudaHostTrits, DecodeMatchesCpuOnEveryByteAndPosition) {
+  const uint32_t lut[3] = {0xaaaa0001u, 0xbbbb0002u, 0xcccc0003u};
+  for (size_t n :
+       {size_t{1}, size_t{5}, size_t{59}, size_t{60}, size_t{63}, size_t{64}, size_t{65},
+        size_t{130}}) {
+    const size_t bytes = bits::words_for(n) * bits::kTritBytesPerWord;
+    for (size_t at = 0; at < bytes; ++at) {
+      for (unsigned code = 0; code < 256; ++code) {
+        std::vector<uint8_t> trits(bytes, 121); // 11111 in base 3: every trit +1
+        trits[at] = static_cast<uint8_t>(code);
+        std::vector<uint32_t> ref(n, 7u), got(n, 7u);
+        const bool ok_ref = bits::decode_trits(DType::kFloat32, trits.data(), n, lut, ref.data());
+        const bool ok_got = emu_decode_trits<uint32_t>(trits.data(), n, lut, got.data());
+        ASSERT_EQ(ok_got, ok_ref) << "n=" << n << " byte " << at << " = " << code;
+        if (ok_ref) {
+          ASSERT_EQ(got, ref) << "n=" << n << " byte " << at << " = " << code;
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaHostTrits, RoundTripEveryDtype) {
+  std::mt19937_64 rng(43);
+  for (DType d : bits::test::all_dtypes()) {
+    const size_t es = bits::dtype_size(d), n = 1000;
+    const size_t words = bits::words_for(n);
+    const auto sign = random_words(words, rng);
+    const auto tie = random_words(words, rng);
+    std::vector<uint8_t> trits(words * bits::kTritBytesPerWord);
+    emu_encode_trits(sign.data(), tie.data(), words, trits.data());
+    std::vector<uint8_t> lut(3 * es);
+    for (auto& b : lut) b = static_cast<uint8_t>(rng());
+    std::vector<uint8_t> ref(n * es), got(n * es);
+    ASSERT_TRUE(bits::decode_trits(d, trits.data(), n, lut.data(), ref.data()));
+    bool ok = false;
+    switch (es) {
+      case 1:
+        ok = emu_decode_trits(trits.data(), n, lut.data(), got.data());
+        break;
+      case 2:
+        ok = emu_decode_trits(
+            trits.data(), n, reinterpret_cast<const uint16_t*>(lut.data()),
+            reinterpret_cast<uint16_t*>(got.data()));
+        break;
+      case 4:
+        ok = emu_decode_trits(
+            trits.data(), n, reinterpret_cast<const uint32_t*>(lut.data()),
+            reinterpret_cast<uint32_t*>(got.data()));
+        break;
+      default:
+        ok = emu_decode_trits(
+            trits.data(), n, reinterpret_cast<const uint64_t*>(lut.data()),
+            reinterpret_cast<uint64_t*>(got.data()));
+        break;
+    }
+    ASSERT_TRUE(ok) << dname(d);
     ASSERT_EQ(got, ref) << dname(d);
   }
 }

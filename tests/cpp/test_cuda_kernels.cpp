@@ -2,6 +2,7 @@
 // a CUDA device (CTest label "gpu"). Without a device every test is SKIPPED with the CUDA error
 // that says why. The logic inside the kernels is also checked without a GPU by test_cuda_host.cpp.
 #include "signbits/cuda/kernels.h"
+#include "signbits/trits.h"
 #include "optimizer/lion_cuda.h"
 
 #include <cuda_runtime_api.h>
@@ -321,6 +322,52 @@ TEST_F(CudaKernels, UnpackMatchesCpu) {
         }
       }
     }
+  }
+}
+
+// -------------------------------------------------------------- base 3 ----
+
+TEST_F(CudaKernels, TritsMatchCpu) {
+  std::mt19937_64 rng(311);
+  std::vector<size_t> ns = sizes_small();
+  ns.push_back((size_t{1} << 20) + 17);
+  for (size_t n : ns) {
+    const size_t words = bits::words_for(n);
+    const auto sign = random_words(words, rng);
+    auto tie = random_words(words, rng);
+    for (auto& t : tie) t &= rng();
+    std::vector<uint8_t> ref(words * bits::kTritBytesPerWord + 3, 0x5a);
+    bits::encode_trits(sign.data(), tie.data(), words, ref.data());
+    Dev ds(sign), dt(tie), dout(std::vector<uint8_t>(ref.size(), 0x5a));
+    cuda::encode_trits(ds.as<uint64_t>(), dt.as<uint64_t>(), words, dout.as<uint8_t>(), stream_);
+    sync();
+    ASSERT_EQ(dout.download<uint8_t>(ref.size()), ref) << "encode, n=" << n;
+    for (DType d : bits::test::all_dtypes()) {
+      const size_t es = bits::dtype_size(d);
+      std::vector<uint8_t> lut(3 * es);
+      for (auto& b : lut) b = static_cast<uint8_t>(rng());
+      std::vector<uint8_t> want(n * es + es, 0xa5);
+      ASSERT_TRUE(bits::decode_trits(d, ref.data(), n, lut.data(), want.data()));
+      Dev dl(lut), dd(std::vector<uint8_t>(want.size(), 0xa5)), bad(std::vector<unsigned>(1, 0));
+      cuda::decode_trits(
+          d, dout.as<uint8_t>(), n, dl.as<void>(), dd.as<void>(), bad.as<unsigned>(), stream_);
+      sync();
+      ASSERT_EQ(bad.download<unsigned>(1)[0], 0u) << dname(d) << " n=" << n;
+      ASSERT_EQ(dd.download<uint8_t>(want.size()), want) << dname(d) << " n=" << n;
+    }
+    if (n == 0) continue;
+    // A byte that is not a code, where it holds an element: flagged.
+    std::vector<uint8_t> corrupt = ref;
+    corrupt
+        [bits::words_for(n) * bits::kTritBytesPerWord - bits::kTritBytesPerWord +
+         ((n - 1) % 64) / 5] = 250;
+    Dev dc(corrupt), dl(std::vector<uint8_t>(12, 1)), dd(std::vector<uint8_t>(n * 4 + 4)),
+        bad(std::vector<unsigned>(1, 0));
+    cuda::decode_trits(
+        DType::kFloat32, dc.as<uint8_t>(), n, dl.as<void>(), dd.as<void>(), bad.as<unsigned>(),
+        stream_);
+    sync();
+    ASSERT_EQ(bad.download<unsigned>(1)[0], 1u) << "corrupt, n=" << n;
   }
 }
 
