@@ -4,7 +4,7 @@
 # the CUDA kernel set's launch code, the stream and event glue and the CUDA
 # bindings. Every other line of the GPU path is the device-generic code that
 # `make test` runs on CPU (the orchestration with the SIMD and the ATen
-# kernel sets). signbits/cuda/element.cuh and zero_lists.cuh and
+# kernel sets). signbits/cuda/element.cuh, zero_lists.cuh, trits.cuh and
 # optimizer/lion_list.cuh are left out: their __host__ __device__ functions
 # are compiled for the host and tested there (tests/cpp/test_cuda_host*.cpp).
 #   tools/gpu_only_lines.sh [git-rev]   code lines (no blank or comment-only
@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rev=${1:-}
 files=(
-  signbits/cuda/count.cu signbits/cuda/pack.cu signbits/cuda/unpack.cu signbits/cuda/zero_lists.cu
+  signbits/cuda/count.cu signbits/cuda/pack.cu signbits/cuda/unpack.cu signbits/cuda/zero_lists.cu signbits/cuda/trits.cu
   signbits/cuda/launch.cu
   signbits/cuda/launch.cuh signbits/cuda/warp_planes.cuh signbits/cuda/kernels.h
   optimizer/lion_cuda.cu optimizer/lion_cuda_list.cu optimizer/lion_cuda.h optimizer/lion_warp.cuh
