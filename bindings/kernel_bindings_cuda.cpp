@@ -29,6 +29,9 @@ cuda::Counts* counts_of(at::Tensor& c) {
 // table's memory is reused only after the stream has passed the kernel).
 template <typename Seg>
 at::Tensor device_table(const std::vector<Seg>& host, const c10::Device& device) {
+  // The kernels' SegmentWalk indexes the table with 32 bits.
+  TORCH_CHECK(
+      host.size() <= 0xffffffffu, "lionbit: a list of ", host.size(), " tensors; at most 2^32 - 1");
   const int64_t bytes = static_cast<int64_t>(host.size() * sizeof(Seg));
   at::Tensor pinned = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   std::memcpy(pinned.data_ptr<uint8_t>(), host.data(), static_cast<size_t>(bytes));

@@ -3,8 +3,9 @@
 // with a grid loop over the list's work units instead of one tensor's. A
 // unit is kDirUnitWords plane words of one tensor (the direction: one warp,
 // optimizer/lion_warp.cuh) or kApplyUnit elements (the apply: one block); the table gives each
-// tensor's first unit, and a warp or block finds its tensor with segment_of (a binary search over a
-// table the size of a model's parameter list, cached). The arithmetic and the lanes' bodies are
+// tensor's first unit, and a warp or block walks its units with a SegmentWalk (element.cuh: a
+// binary search over the table, a model's parameter list, only where a unit leaves the last unit's
+// tensor). The arithmetic and the lanes' bodies are
 // element.cuh's, so each tensor's bits and values are the per-tensor kernel's; the only difference
 // is the planes' edge words, which two tensors of one launch may share (commit_word_shared).
 #include "optimizer/lion_cuda.h"
@@ -40,8 +41,9 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) direction_list
   const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
   unsigned long long zeros = 0, nans = 0;
+  cd::SegmentWalk<DirectionSeg> walk(segs, count, units);
   for (uint64_t u = warp; u < units; u += nwarps) {
-    const DirectionUnit d = direction_unit(segs, count, u);
+    const DirectionUnit d = direction_unit(segs[walk.at(u)], u);
     const auto* g = static_cast<const typename FloatStore<G>::U*>(d.seg.g);
     auto* m = static_cast<typename FloatStore<M>::U*>(d.seg.m);
     const size_t first = static_cast<size_t>(d.seg.bit_offset / 64);
@@ -62,8 +64,9 @@ __global__ void __launch_bounds__(kBlockThreads) apply_list_kernel(
     uint64_t units,
     float lr,
     float decay) {
+  cd::SegmentWalk<ApplySeg> walk(segs, count, units);
   for (uint64_t u = blockIdx.x; u < units; u += gridDim.x) {
-    const ApplySeg s = segs[cd::segment_of(segs, count, u)];
+    const ApplySeg s = segs[walk.at(u)];
     cd::lion_apply_unit<X, Dl>(
         static_cast<typename FloatStore<X>::U*>(s.x),
         static_cast<const typename FloatStore<Dl>::U*>(s.delta), static_cast<size_t>(s.n),
@@ -80,8 +83,9 @@ __global__ void __launch_bounds__(kBlockThreads) apply_planes_list_kernel(
     const uint64_t* __restrict__ zero,
     float lr,
     float decay) {
+  cd::SegmentWalk<ApplySeg> walk(segs, count, units);
   for (uint64_t u = blockIdx.x; u < units; u += gridDim.x) {
-    const ApplySeg s = segs[cd::segment_of(segs, count, u)];
+    const ApplySeg s = segs[walk.at(u)];
     cd::lion_apply_planes_unit<X>(
         static_cast<typename FloatStore<X>::U*>(s.x), static_cast<size_t>(s.n), apply_first(s, u),
         threadIdx.x, cd::apply_vec_aligned(s.x, s.x), sign, zero, s.bit_offset, lr, decay);

@@ -68,8 +68,9 @@ inline uint64_t apply_units(ApplySeg* segs, size_t count) {
   return units;
 }
 
-// Where unit u of a direction list lies: its tensor, the bit offset within
-// the tensor's first plane word, its words, and the unit's first word.
+// Where unit u of a direction list lies: its tensor (`seg`, the walk's
+// SegmentWalk::at(u)), the bit offset within the tensor's first plane word,
+// its words, and the unit's first word.
 struct DirectionUnit {
   DirectionSeg seg;
   unsigned o;
@@ -77,9 +78,9 @@ struct DirectionUnit {
   size_t k0;
 };
 
-LIONBIT_HD DirectionUnit direction_unit(const DirectionSeg* segs, size_t count, uint64_t u) {
+LIONBIT_HD DirectionUnit direction_unit(const DirectionSeg& seg, uint64_t u) {
   DirectionUnit d;
-  d.seg = segs[lionbit::cuda::detail::segment_of(segs, count, u)];
+  d.seg = seg;
   d.o = static_cast<unsigned>(d.seg.bit_offset % 64);
   d.nwords = lionbit::cuda::detail::words_out(d.o, static_cast<size_t>(d.seg.n));
   d.k0 = static_cast<size_t>(u - d.seg.first) * list_detail::kDirUnitWords;

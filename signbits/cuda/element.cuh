@@ -249,6 +249,36 @@ LIONBIT_HD size_t segment_of(const Seg* segs, size_t count, uint64_t u) {
   return lo;
 }
 
+// A grid loop's walk over a list's work units: a warp's (the direction) or a
+// block's (the applies) units, u increasing by the grid's size. The tensor
+// of each unit, searched for (segment_of, among the tensors from the last
+// one on) only when u has left the last one's units: a large tensor is many
+// of a warp's units in a row, and each search is log2(tensors) dependent
+// loads before the unit's own loads can start. Two registers of state: the
+// direction kernels are at their register limit.
+template <typename Seg>
+class SegmentWalk {
+ public:
+  LIONBIT_HD SegmentWalk(const Seg* segs, size_t count, uint64_t units)
+      : segs_(segs), count_(count), units_(units) {}
+
+  // The index of unit u's tensor; u at least the last call's.
+  LIONBIT_HD size_t at(uint64_t u) {
+    if (u >= end_) {
+      at_ += static_cast<unsigned>(segment_of(segs_ + at_, count_ - at_, u));
+      end_ = at_ + 1 < count_ ? segs_[at_ + 1].first : units_;
+    }
+    return at_;
+  }
+
+ private:
+  const Seg* segs_;
+  size_t count_;
+  uint64_t units_;
+  unsigned at_ = 0; // the tensor of the last unit (a list has fewer than 2^32)
+  uint64_t end_ = 0; // the first unit past it (0: none yet)
+};
+
 // Words each warp handles per iteration of its grid loop in the word-per-warp
 // kernels (pack, lion_direction, unpack): enough
 // independent loads in flight per thread.

@@ -1351,8 +1351,9 @@ bits::PackCounts emu_direction_list(
   const uint64_t units = optim::cuda::direction_units(segs.data(), segs.size());
   unsigned long long zeros = 0, nans = 0;
   for (size_t warp = 0; warp < nwarps; ++warp) {
+    cd::SegmentWalk<DirectionSeg> walk(segs.data(), segs.size(), units);
     for (uint64_t u = warp; u < units; u += nwarps) {
-      const optim::cuda::DirectionUnit d = optim::cuda::direction_unit(segs.data(), segs.size(), u);
+      const optim::cuda::DirectionUnit d = optim::cuda::direction_unit(segs[walk.at(u)], u);
       const size_t first = static_cast<size_t>(d.seg.bit_offset / 64);
       emu_direction_words<G, M>(
           static_cast<const typename FloatStore<G>::U*>(d.seg.g),
@@ -1463,8 +1464,9 @@ template <DType X, DType Dl>
 void emu_apply_list(std::vector<ApplySeg> segs, float lr, float decay, size_t blocks) {
   const uint64_t units = optim::cuda::apply_units(segs.data(), segs.size());
   for (size_t b = 0; b < blocks; ++b) {
+    cd::SegmentWalk<ApplySeg> walk(segs.data(), segs.size(), units);
     for (uint64_t u = b; u < units; u += blocks) {
-      const ApplySeg s = segs[cd::segment_of(segs.data(), segs.size(), u)];
+      const ApplySeg s = segs[walk.at(u)];
       emu_apply_unit<X, Dl>(
           s.x, s.delta, static_cast<size_t>(s.n), optim::cuda::apply_first(s, u), lr, decay);
     }
@@ -1526,8 +1528,9 @@ void emu_apply_planes_list(
   std::vector<ApplySeg> table = segs;
   const uint64_t units = optim::cuda::apply_units(table.data(), table.size());
   for (size_t b = 0; b < blocks; ++b) {
+    cd::SegmentWalk<ApplySeg> walk(table.data(), table.size(), units);
     for (uint64_t u = b; u < units; u += blocks) {
-      const ApplySeg s = table[cd::segment_of(table.data(), table.size(), u)];
+      const ApplySeg s = table[walk.at(u)];
       const size_t first = optim::cuda::apply_first(s, u);
       const bool vec = cd::apply_vec_aligned(s.x, s.x);
       g_vec_groups += vec && first + cd::kApplyUnit <= s.n ? 1 : 0;
@@ -1621,6 +1624,47 @@ TEST(CudaHostLionList, SegmentOfSkipsEmptyTensors) {
   ASSERT_EQ(units, 1u + 1u);
   EXPECT_EQ(cd::segment_of(segs.data(), segs.size(), 0), 1u);
   EXPECT_EQ(cd::segment_of(segs.data(), segs.size(), 1), 3u);
+}
+
+// The grid loops' walk finds, for each of a warp's or block's units, the
+// tensor a search of the whole table finds: lists with tensors of no units
+// first, between others and last, one tensor, a unit a tensor, every stride
+// (grid size) from 1 to past the units, and every starting unit.
+TEST(CudaHostLionList, SegmentWalkFindsWhatTheSearchFinds) {
+  std::mt19937_64 rng(74);
+  const std::vector<std::vector<size_t>> lists{
+      {5000}, {1, 1, 1, 1, 1}, {0, 0, 700, 0, 1, 0}, {300, 0, 0, 2048, 1, 64 * 9, 0}, {0}};
+  std::vector<std::vector<size_t>> all = lists;
+  for (int r = 0; r < 20; ++r) {
+    std::vector<size_t> sizes(1 + rng() % 12);
+    for (size_t& n : sizes) {
+      n = rng() % 3 == 0 ? 0 : rng() % 3000;
+    }
+    all.push_back(sizes);
+  }
+  size_t checked = 0;
+  for (const std::vector<size_t>& sizes : all) {
+    std::vector<ApplySeg> segs;
+    for (const size_t n : sizes) {
+      segs.push_back(ApplySeg{nullptr, nullptr, n * 700, 0, 0}); // 700 elements make units vary
+    }
+    const uint64_t units = optim::cuda::apply_units(segs.data(), segs.size());
+    for (uint64_t stride = 1; stride <= units + 1; stride += stride < 8 ? 1 : 1 + stride / 3) {
+      for (uint64_t start = 0; start < std::min<uint64_t>(stride, units); ++start) {
+        cd::SegmentWalk<ApplySeg> walk(segs.data(), segs.size(), units);
+        for (uint64_t u = start; u < units; u += stride) {
+          const ApplySeg& got = segs[walk.at(u)];
+          const ApplySeg& want = segs[cd::segment_of(segs.data(), segs.size(), u)];
+          ASSERT_EQ(got.first, want.first) << "unit " << u << " stride " << stride;
+          ASSERT_EQ(got.n, want.n) << "unit " << u << " stride " << stride;
+          ASSERT_LE(got.first, u);
+          ASSERT_LT(u - got.first, (got.n + cd::kApplyUnit - 1) / cd::kApplyUnit);
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 10000u);
 }
 
 } // namespace
