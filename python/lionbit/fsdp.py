@@ -71,6 +71,7 @@ shapes.
 """
 
 import copy
+from operator import attrgetter
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
@@ -151,7 +152,7 @@ class _SignReduceScatter(torch_internals.LayoutLearner):
         chunk's elements. The same every step while those parameters and the
         group's size stay (integers only: the tensors are read each step)."""
         n, rank = group.size(), group.rank()
-        key = (tuple(id(fp) for fp in fsdp_params), n, rank, hsdp)
+        key = (tuple(map(id, fsdp_params)), n, rank, hsdp)
         if self._vote_layout is not None and self._vote_layout[0] == key:
             return self._vote_layout[2]
         pieces, s = _pieces(fsdp_params, n)
@@ -264,6 +265,16 @@ class FSDP2Attachment(Attachment):
             self.momentum(p) for g in self.opt.param_groups for p in g["params"]
             if p in self.managed and p.requires_grad
         ]
+
+    def flat_momenta(self, ps: list) -> list:
+        """:meth:`momentum` of each of ps, flat (1-D views): an existing one
+        read from the state without its shape's lookup."""
+        state = self.opt.state
+        out = []
+        for p in ps:
+            m = state[p].get("exp_avg")
+            out.append((self.momentum(p) if m is None else m).view(-1))
+        return out
 
     def momentum(self, p: torch.Tensor) -> torch.Tensor:
         """p's momentum: full-size on a 1-D mesh (it follows this rank's local
@@ -514,6 +525,32 @@ def _mesh_size(att, mesh) -> int:
     return att.mesh_size if mesh is att.mesh else mesh.size()
 
 
+_sharded_param = attrgetter("sharded_param")
+
+
+def _local_grads(att, ps: list) -> list:
+    """:func:`_local_grad` of each parameter that requires a gradient, None for
+    the others: on a 1-D mesh a gradient that is a DTensor placed
+    Replicate() (or on a mesh of one rank) with the parameter's shape (what
+    step() finds after every backward) is read without the general path's
+    calls."""
+    out = []
+    fast = att.replicas is None
+    alone = att.mesh_size == 1  # (FSDP on one rank places its gradients Shard(0))
+    for p in ps:
+        g = p.grad if p.requires_grad else None
+        if g is None:
+            out.append(None)
+            continue
+        if fast and type(g) is DTensor and ((alone and g.device_mesh is att.mesh) or _replicated(g)):
+            local = torch_internals.dtensor_local(g)
+            if local.shape == p.shape:
+                out.append(local)
+                continue
+        out.append(_local_grad(att, p))  # every other case, and the errors
+    return out
+
+
 def _local_grad(att, p: torch.Tensor) -> Optional[torch.Tensor]:
     """p's local gradient as step() reads it: the local tensor of p.grad
     (None: no gradient)."""
@@ -582,30 +619,27 @@ def fsdp_vote(att):
     for comm in att.order:
         # FSDP's chunk layout over the shard group, and the group of the vote
         group = comm.group if comm.group is not None and not hsdp else att.dp.shard_group
-        params, grads = [], []
-        for fp in comm.params:
-            p = fp.sharded_param
-            g = _local_grad(att, p) if p.requires_grad else None
-            if g is not None:
-                params.append(fp)
-                grads.append(g.reshape(-1) if g.is_contiguous() else g.contiguous().reshape(-1))
+        # (a unit's parameters column by column: a step reads hundreds)
+        gs = _local_grads(att, list(map(_sharded_param, comm.params)))
+        params = [fp for fp, g in zip(comm.params, gs) if g is not None]
         if not params:
             continue
+        grads = [g.reshape(-1) if g.is_contiguous() else g.contiguous().reshape(-1) for g in gs if g is not None]
+        ps = list(map(_sharded_param, params))
+        momenta = att.flat_momenta(ps)
+        coefs = list(map(coefs_of.__getitem__, ps))
+        shards = list(map(torch_internals.dtensor_local, ps))  # the local shards, written in place by apply()
         layout, s = comm.vote_layout(params, group, hsdp)
-        device = params[0].sharded_param.device  # every buffer of the vote lives on the parameters' device
-        votes, unit = [], []
-        for fp, g, (off, own, spans) in zip(params, grads, layout):
-            p = fp.sharded_param
-            m = att.momentum(p).view(-1)
-            coefs = coefs_of[p]
-            votes.append((g, m, coefs, spans))
-            local = p.to_local()
+        device = ps[0].device  # every buffer of the vote lives on the parameters' device
+        for p, local, (_, own, _) in zip(ps, shards, layout):
             if local.numel() != own:
                 raise RuntimeError(
                     f"DistributedLion.step (FSDP2) on rank {group.rank()}: parameter '{att.fqns.get(p, '?')}' has "
                     f"{local.numel()} local elements, FSDP's layout {own}"
                 )
-            unit.append((g, m, coefs, local, off, own))
+        votes = [(g, m, c, spans) for g, m, c, (_, _, spans) in zip(grads, momenta, coefs, layout)]
+        unit = [(g, m, c, local, off, own)
+                for g, m, c, local, (off, own, _) in zip(grads, momenta, coefs, shards, layout)]
         units.append(_UnitVote(group, device, s, votes, unit))
 
     # Consecutive units in one call, their chunks end to end in each shard.
@@ -628,8 +662,11 @@ def fsdp_vote(att):
             todo += [(g, m, coefs, local, delta_of(base + off, own), own) for g, m, coefs, local, off, own in u.entries]
 
     def apply() -> None:
-        step_vote.update_state([(g, m, coefs, fused_for(m, g)) for g, m, coefs, *_ in todo],
-                               [(local, d, coefs, fused_for(local, d)) for _, _, coefs, local, d, own in todo if own])
+        applies = [(local, d, coefs) for _, _, coefs, local, d, own in todo if own]
+        m_verdicts = fused_for.many([t[1] for t in todo], [t[0] for t in todo])
+        a_verdicts = fused_for.many([a[0] for a in applies], [a[1] for a in applies])
+        step_vote.update_state([(g, m, c, f) for (g, m, c, *_), f in zip(todo, m_verdicts)],
+                               [(x, d, c, f) for (x, d, c), f in zip(applies, a_verdicts)])
 
     return apply
 

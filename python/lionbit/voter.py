@@ -10,6 +10,7 @@ within a step (every rank issues the same ones in the same order), so the
 "random" rule's signs depend only on the step and the call's number.
 """
 
+from itertools import zip_longest
 from typing import Optional
 
 import torch
@@ -108,17 +109,18 @@ class Voter:
         and m go to shard r at element ``at``. "l1" scales each piece over
         all its spans. Changes no state; raises step_vote.NonFinite naming
         the ranks that had a non-finite direction. ``fused_for(m, g)``:
-        whether the fused kernels serve a pair."""
+        whether the fused kernels serve a pair (a step_vote.FusedVerdicts)."""
         sign, zero = self.shard_planes(1 if replicated else group.size(), shard_numel, device)
         nans, items = 0, []
         stride = lion_math.shard_bit(1, shard_numel)  # bits from one shard to the next
-        for g, m, coefs, spans in pieces:
+        # (what a span of a pair would be asked)
+        verdicts = () if self.bits else fused_for.many([p[1] for p in pieces], [p[0] for p in pieces])
+        for (g, m, coefs, spans), fused in zip_longest(pieces, verdicts):
             if self.bits:
                 parts = [(g[a : a + k], m[a : a + k], stride * r + at) for r, a, k, at in spans if k]
                 if parts:
                     nans += lion_math.pack_levels_pieces(parts, coefs, self.bits, sign)
                 continue
-            fused = fused_for(m, g)  # (what a span of them would be asked)
             items += [(g, m, coefs, fused, stride * r + at, a, k) for r, a, k, at in spans if k]
         packed, tally = pack_directions(items, sign, zero)
         nans += packed

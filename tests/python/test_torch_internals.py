@@ -320,6 +320,15 @@ def probe(rank, world_size):
           lambda: sorted(tuple(ti.fsdp2_orig_size(fp)) for g in groups for fp in g.fsdp_params)
           == sorted(global_shapes.values()))
 
+    def local_tensors():
+        p = next(model.parameters())
+        local = ti.dtensor_local(p)
+        with torch.no_grad():
+            same = local.data_ptr() == p.to_local().data_ptr() and local.shape == p.to_local().shape
+        return same and type(local).__name__ != "DTensor"
+
+    check("DTensor._local_tensor", local_tensors)
+
     def learned_layouts():
         model = _shard(_net(0))  # (a fresh one: the model above has run a forward)
         groups = [g for m in model.modules() if isinstance(m, FSDPModule) for g in ti.fsdp2_param_groups(m, "p")]
