@@ -252,7 +252,8 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
     Collective kind,
     bits::SignOp op,
     at::Tensor out,
-    SignJob body) {
+    SignJob body,
+    std::shared_ptr<Agreement> agreement) {
   auto work = c10::make_intrusive<SignWork>(rank_, kind, std::vector<at::Tensor>{out});
   out = at::Tensor();
   // What the job holds that Python may own too (tensors, the inner Gloo
@@ -268,7 +269,8 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
   };
   auto held = std::make_shared<Held>(Held{signComm(), std::move(body), at::ThreadLocalState()});
   const int rank = rank_;
-  executor_.submit([this, held = std::move(held), kind, op, rank, work](bool cancelled) mutable {
+  executor_.submit([this, held = std::move(held), kind, op, rank, work,
+                    agreement = std::move(agreement)](bool cancelled) mutable {
     std::exception_ptr error;
     if (cancelled) {
       error = std::make_exception_ptr(c10::DistBackendError(
@@ -286,6 +288,15 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
       }
     }
     held.reset();
+    if (agreement) {
+      // (before the Work: a caller waits for the agreement first)
+      if (error) {
+        agreement->fail(error);
+      } else {
+        agreement->agree(false);
+      }
+      agreement.reset();
+    }
     if (error) {
       work->fail(error);
     } else {
@@ -307,6 +318,7 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::call(SignRequest r) {
   }
   const Collective kind = r.kind;
   at::Tensor result = r.result();
+  std::shared_ptr<Agreement> agreement = r.agreement;
   return enqueue(
       kind, op, std::move(result),
       on_device(
@@ -315,7 +327,8 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::call(SignRequest r) {
            h = mode == HierarchyMode::kFlat ? Hierarchy{} : hierarchy()](
               const SignComm& comm, uint64_t seq) mutable {
             run_request(comm, h, r, op, tie.at(seq), mode, seq);
-          }));
+          }),
+      std::move(agreement));
 }
 
 } // namespace lionbit

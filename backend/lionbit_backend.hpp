@@ -95,12 +95,14 @@ class LionBitBackend : public ForwardingBackend {
   // receive the parsed tie rule (checked against the op) and hierarchy.
   bits::SignOp validate(const SignRequest& r, TieSpec& tie, HierarchyMode& mode);
   // Queues `body` on the worker; the returned Work completes (or fails) when
-  // it has run.
+  // it has run, and so does `agreement` (if any) unless the body agreed
+  // earlier (backend/agreement.hpp).
   c10::intrusive_ptr<c10d::Work> enqueue(
       Collective kind,
       bits::SignOp op,
       at::Tensor out,
-      SignJob body);
+      SignJob body,
+      std::shared_ptr<Agreement> agreement = nullptr);
 
   c10::intrusive_ptr<c10d::Backend> sign_;
   c10::intrusive_ptr<c10d::Backend> sign_cuda_;

@@ -57,7 +57,8 @@ class Run {
       uint64_t seq,
       const PackedSigns* packed = nullptr,
       const PackedLevels* levels = nullptr,
-      bool planes = false)
+      bool planes = false,
+      Agreement* agreed = nullptr)
       : c_(c),
         N_(c.world_size),
         op_(op),
@@ -68,6 +69,7 @@ class Run {
         packed_(packed),
         levels_(levels),
         planes_(planes),
+        agreed_(agreed),
         exchange_(N_ == 2 && levels == nullptr && two_rank_exchange_allowed()),
         trace_(
             c.rank,
@@ -310,6 +312,9 @@ class Run {
     zero_code_ = bits::ZeroCode{};
     to_.clear();
     nans_ = 0;
+    if (agreed_ != nullptr && chunks_.size() * chunk_elems_ >= n_) {
+      agreed_->agree(true); // the call's last round: every chunk announced, every rank agreed
+    }
     if (headers_.size() > 1) {
       return; // the same call, announced in two groups
     }
@@ -535,6 +540,7 @@ class Run {
   const PackedSigns* packed_;
   const PackedLevels* levels_;
   const bool planes_; // the result as planes into tensor_ (SignRequest::out_planes)
+  Agreement* const agreed_; // resolved at the last header round (or null)
   bits::DType dtype_;
   at::Tensor buf_;
   size_t n_ = 0;
@@ -576,8 +582,9 @@ void sign_allreduce_packed(
     at::Tensor& out,
     bits::SignOp op,
     const bits::CallRule& rule,
-    uint64_t seq) {
-  Run(c, out, op, rule, seq, &in).run();
+    uint64_t seq,
+    Agreement* agreed) {
+  Run(c, out, op, rule, seq, &in, nullptr, false, agreed).run();
 }
 
 void sign_allreduce_packed_planes(
@@ -585,8 +592,9 @@ void sign_allreduce_packed_planes(
     const PackedSigns& in,
     at::Tensor& out,
     const bits::TieRule& tie,
-    uint64_t seq) {
-  Run(c, out, bits::SignOp::kVote, bits::CallRule{tie, 0}, seq, &in, nullptr, true).run();
+    uint64_t seq,
+    Agreement* agreed) {
+  Run(c, out, bits::SignOp::kVote, bits::CallRule{tie, 0}, seq, &in, nullptr, true, agreed).run();
 }
 
 void levels_allreduce_packed(
@@ -594,8 +602,10 @@ void levels_allreduce_packed(
     const PackedLevels& in,
     at::Tensor& out,
     const bits::TieRule& tie,
-    uint64_t seq) {
-  Run(c, out, bits::SignOp::kLevels, bits::CallRule{tie, in.bits}, seq, nullptr, &in).run();
+    uint64_t seq,
+    Agreement* agreed) {
+  Run(c, out, bits::SignOp::kLevels, bits::CallRule{tie, in.bits}, seq, nullptr, &in, false, agreed)
+      .run();
 }
 
 } // namespace lionbit

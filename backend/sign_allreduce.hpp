@@ -21,6 +21,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "signbits/wire.h"
+#include "backend/agreement.hpp"
 #include "backend/stats.hpp"
 
 namespace lionbit {
@@ -76,13 +77,16 @@ struct PackedSigns {
   uint64_t nans; // NaNs the packer saw (an error on every rank if > 0)
 };
 
+// `agreed` (or null): resolved by the call's last header round
+// (backend/agreement.hpp), the same in the two functions below.
 void sign_allreduce_packed(
     const SignComm& c,
     const PackedSigns& in,
     at::Tensor& out,
     bits::SignOp op,
     const bits::CallRule& rule,
-    uint64_t seq);
+    uint64_t seq,
+    Agreement* agreed = nullptr);
 
 // The same vote (op vote, flat) with its result as planes in `out` (uint8,
 // sign plane then zero plane, words_for(numel) words each; see
@@ -92,7 +96,8 @@ void sign_allreduce_packed_planes(
     const PackedSigns& in,
     at::Tensor& out,
     const bits::TieRule& tie,
-    uint64_t seq);
+    uint64_t seq,
+    Agreement* agreed = nullptr);
 
 // Lion Cub's L1 aggregation: p-bit levels packed by the caller
 // (signbits/levels.h: plane b at word b * plane_words, at least
@@ -113,6 +118,7 @@ void levels_allreduce_packed(
     const PackedLevels& in,
     at::Tensor& out,
     const bits::TieRule& tie,
-    uint64_t seq);
+    uint64_t seq,
+    Agreement* agreed = nullptr);
 
 } // namespace lionbit

@@ -360,7 +360,7 @@ void run_request(
     const size_t plane_words = static_cast<size_t>(r.planes.numel()) / 8 /
         static_cast<size_t>(r.value_bits);
     const PackedLevels in{r.planes, plane_words, static_cast<int>(r.value_bits), numel, nans};
-    levels_allreduce_packed(comm, in, r.out, tie, seq);
+    levels_allreduce_packed(comm, in, r.out, tie, seq, r.agreement.get());
   } else if (!r.packed()) {
     if (flat) {
       sign_allreduce(comm, r.tensor, op, bits::CallRule{tie, 0}, seq);
@@ -371,9 +371,9 @@ void run_request(
   } else {
     const PackedSigns in{r.sign, r.zero, numel, nans};
     if (r.out_planes) {
-      sign_allreduce_packed_planes(comm, in, r.out, tie, seq);
+      sign_allreduce_packed_planes(comm, in, r.out, tie, seq, r.agreement.get());
     } else if (flat) {
-      sign_allreduce_packed(comm, in, r.out, op, bits::CallRule{tie, 0}, seq);
+      sign_allreduce_packed(comm, in, r.out, op, bits::CallRule{tie, 0}, seq, r.agreement.get());
     } else {
       sign_allreduce_hierarchical(comm, h, mode, r.out, &in, op, bits::CallRule{tie, 0}, seq);
     }

@@ -9,10 +9,12 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 
+#include "backend/agreement.hpp"
 #include "backend/sign_common.hpp"
 #include "backend/sign_hierarchy.hpp"
 #include "signbits/ties.h"
@@ -78,6 +80,10 @@ struct SignRequest {
   // which follows the caller's): a GPU caller never waits for its pack
   // kernels to learn the count.
   at::Tensor nans_tally;
+  // Resolved when every rank has agreed to the call (backend/agreement.hpp):
+  // by the header round for a flat all-reduce of packed signs or levels, at
+  // the call's end otherwise. None: nobody waits for it.
+  std::shared_ptr<Agreement> agreement;
 
   bool packed() const { return !tensor.defined(); }
   bool levels() const { return planes.defined(); }

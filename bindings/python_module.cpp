@@ -103,7 +103,8 @@ PYBIND11_MODULE(_C, m) {
                       std::optional<at::Tensor> sign, std::optional<at::Tensor> zero,
                       std::optional<at::Tensor> planes, int64_t value_bits, int64_t numel,
                       int64_t nans, std::optional<at::Tensor> out, bool out_planes,
-                      std::optional<at::Tensor> nans_tally) {
+                      std::optional<at::Tensor> nans_tally,
+                      std::optional<std::shared_ptr<lionbit::Agreement>> agreement) {
             lionbit::Collective kind;
             if (collective == "all_reduce") {
               kind = lionbit::Collective::kAllReduce;
@@ -126,6 +127,7 @@ PYBIND11_MODULE(_C, m) {
             r.out = out.value_or(at::Tensor());
             r.out_planes = out_planes;
             r.nans_tally = nans_tally.value_or(at::Tensor());
+            r.agreement = agreement.value_or(nullptr);
             return r;
           }),
           py::kw_only(), py::arg("collective"), py::arg("op") = "vote",
@@ -133,7 +135,16 @@ PYBIND11_MODULE(_C, m) {
           py::arg("tensor") = py::none(), py::arg("sign") = py::none(),
           py::arg("zero") = py::none(), py::arg("planes") = py::none(), py::arg("value_bits") = 0,
           py::arg("numel") = 0, py::arg("nans") = 0, py::arg("out") = py::none(),
-          py::arg("out_planes") = false, py::arg("nans_tally") = py::none());
+          py::arg("out_planes") = false, py::arg("nans_tally") = py::none(),
+          py::arg("agreement") = py::none());
+
+  // A call's agreement (backend/agreement.hpp): pass one in a SignRequest,
+  // then wait() (without the GIL) for every rank's header round to agree,
+  // or for the call's error where it failed first.
+  py::class_<lionbit::Agreement, std::shared_ptr<lionbit::Agreement>>(m, "Agreement")
+      .def(py::init<>())
+      .def("wait", &lionbit::Agreement::wait, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("at_header", &lionbit::Agreement::at_header);
 
   py::class_<
       lionbit::LionBitBackend, c10d::Backend, lionbit::ReleasedWithoutGil<lionbit::LionBitBackend>>(

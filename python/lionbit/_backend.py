@@ -75,20 +75,24 @@ def _all_reduce_sign(self, tensor, op="vote", tie_break="zero", tie_seed=-1, hie
 
 
 def _all_reduce_sign_packed(self, sign, zero, numel, nans, out, op="vote", tie_break="zero", tie_seed=-1,
-                            hierarchy="flat", out_planes=False, nans_tally=None):
+                            hierarchy="flat", out_planes=False, nans_tally=None, agreement=None):
     """The same on direction bits the caller packed; the result into `out` (``out_planes``: the
     vote as a sign plane and a zero plane, one after the other in uint8 `out`). ``nans_tally``: a
     one-element int64 tensor on out's device that the caller's kernels are still adding
-    non-finite counts to; the collective adds it to `nans` when it runs (the caller never waits)."""
+    non-finite counts to; the collective adds it to `nans` when it runs (the caller never waits).
+    ``agreement``: a ``_C.Agreement``, resolved once every rank's header round agreed (flat), else
+    when the call ends."""
     return self.call(_C.SignRequest(collective="all_reduce", op=op, tie_break=tie_break, tie_seed=tie_seed,
                                     hierarchy=hierarchy, sign=sign, zero=zero, numel=numel, nans=nans, out=out,
-                                    out_planes=out_planes, nans_tally=nans_tally))
+                                    out_planes=out_planes, nans_tally=nans_tally, agreement=agreement))
 
 
-def _all_reduce_levels_packed(self, planes, bits, numel, nans, out, tie_break="zero", tie_seed=-1):
-    """Lion Cub's L1 aggregation of `bits`-bit levels; the sign of the sum into `out`."""
+def _all_reduce_levels_packed(self, planes, bits, numel, nans, out, tie_break="zero", tie_seed=-1, agreement=None):
+    """Lion Cub's L1 aggregation of `bits`-bit levels; the sign of the sum into `out` (``agreement``: as
+    all_reduce_sign_packed's)."""
     return self.call(_C.SignRequest(collective="all_reduce", op="l1", tie_break=tie_break, tie_seed=tie_seed,
-                                    planes=planes, value_bits=bits, numel=numel, nans=nans, out=out))
+                                    planes=planes, value_bits=bits, numel=numel, nans=nans, out=out,
+                                    agreement=agreement))
 
 
 def _reduce_scatter_sign_packed(self, sign, zero, shard_numel, nans, out, op="vote", tie_break="zero",

@@ -134,8 +134,10 @@ class Attachment:
                 f"DistributedLion.step: parameters on several devices ({', '.join(devices)}); one step votes "
                 f"all of them together, so they must share a device (use one optimizer per device)"
             )
-        deltas = step_vote.vote_chunks(self.opt, entries, self.group, "step", self.buffers)
-        return lambda: step_vote.update(entries, deltas)
+        # The momenta change once every rank has agreed to the votes, while their bits still move.
+        deltas = step_vote.vote_chunks(self.opt, entries, self.group, "step", self.buffers,
+                                       agreed=lambda: step_vote.update_momenta(entries))
+        return lambda: step_vote.apply_deltas(entries, deltas)
 
     def warn_if_ddp_unattached(self) -> None:
         """Once, at the first step: a DDP model holding these parameters but

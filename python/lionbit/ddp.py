@@ -273,8 +273,10 @@ class DDPAttachment(Attachment):
             ) from err
 
     def vote_step(self, scaled: bool, abstain: bool = False):
-        """Votes the step (changing no state) and returns the function that
-        applies it; raises step_vote.NonFinite. ``scaled``: a GradScaler
+        """Votes the step and returns the function that applies it (votes at
+        step() change the momenta once every rank agreed to them, as a plain
+        module's: Attachment.vote_now); raises step_vote.NonFinite, changing
+        nothing. ``scaled``: a GradScaler
         scaled the gradients the hooks saw (its unscaling does not bump
         version counters). ``abstain``: this rank has joined (Join): its
         votes are 0 and its gradients count as unchanged."""

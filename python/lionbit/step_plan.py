@@ -151,10 +151,12 @@ class StepPlan:
         self.layout = _Layout(opt, entries, group) if plannable(opt, entries, group) else None
 
     def vote(self, opt, group, buffers) -> Optional[Callable[[], None]]:
-        """Votes the step as planned and returns the function that applies it
-        (changing no state before); None where the plan does not describe the
-        step (nothing done). Raises :class:`step_vote.NonFinite` as the
-        general path does."""
+        """Votes the step as planned and returns the function that applies it;
+        the momenta change once every rank has agreed to the votes, while
+        their bits still move (as the general path's, step_vote.vote_chunks).
+        None where the plan does not describe the step (nothing done). Raises
+        :class:`step_vote.NonFinite` as the general path does, changing
+        nothing."""
         lay = self.layout
         gs = None if lay is None else lay.grads(opt, group)
         if gs is None:
@@ -163,19 +165,20 @@ class StepPlan:
         coefs = [lion_math.Coefs(g) for g in opt.param_groups]
         voter = opt.voter
         buffers.prepare(lay.sizes, lay.device, voter.delta_dtype, None, True)
-        works = []
+        works, agreed = [], []
         for (_, _, total), (sign, zero), out, calls in zip(lay.chunks, buffers.planes, buffers.outs, lay.directions):
             counts = torch.zeros(2, dtype=torch.int64, device=lay.device) if lay.cuda else None
             bad = sum(lion_math.directions_into(c.grads(gs), c.ms, c.offsets, None, None, coefs[c.group], sign, zero,
                                                 counts) for c in calls)
             works.append(voter.all_reduce(sign, zero, total, bad, out, group, "step", out_planes=True,
-                                          nans_tally=counts[1:] if lay.cuda else None))
+                                          nans_tally=counts[1:] if lay.cuda else None, agreed=agreed))
+        step_vote.wait_votes(agreed)  # every rank agreed: no direction non-finite anywhere
+        for c in lay.updates:  # the momenta, while the votes' bits still move (they do not read Delta)
+            lion_math.momenta_from(c.grads(gs), c.ms, coefs[c.group])
         step_vote.wait_votes(works)
         outs = list(buffers.outs)
 
         def apply() -> None:
-            for c in lay.updates:
-                lion_math.momenta_from(c.grads(gs), c.ms, coefs[c.group])
             for out, calls in zip(outs, lay.applies):
                 half = out.numel() // 2
                 for c in calls:

@@ -178,15 +178,20 @@ def pack_directions(items, sign, zero, bits=None):
     return bad, (counts[1:] if counts is not None else None)
 
 
-def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteBuffers):
+def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteBuffers,
+                agreed: Optional[Callable[[], None]] = None):
     """Packs and votes ``entries`` chunk by chunk. Returns the list of Delta
     views (one per entry); raises :class:`NonFinite` (on every rank alike)
-    if any rank had a non-finite direction. Changes no state."""
+    if any rank had a non-finite direction, changing no state. ``agreed``:
+    called once every rank has agreed to every vote (their header rounds:
+    no direction non-finite anywhere), while the votes' bits still move
+    (the momentum update, which does not read Delta); a vote that fails
+    after that is a fault (a lost peer, a timeout), raised here."""
     device = entries[0].param.device
     voter = opt.voter
     into_planes = voter.votes_into_planes(device, group)
     buffers.prepare([e.numel for e in entries], device, voter.delta_dtype, voter.bits, into_planes)
-    works, offsets = [], []
+    works, offsets, agreements = [], [], []
     for (first, end, total), (sign, zero), out in zip(buffers.chunks, buffers.planes, buffers.outs):
         chunk = entries[first:end]
         offs = _offsets(chunk)
@@ -200,7 +205,10 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
             items = [item for item, e in zip(items, chunk) if not e.abstain]
         bad, tally = pack_directions(items, sign, zero, voter.bits)
         works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, out_planes=into_planes,
-                                      nans_tally=tally))
+                                      nans_tally=tally, agreed=agreements if agreed is not None else None))
+    if agreed is not None:
+        wait_votes(agreements)
+        agreed()
     wait_votes(works)
     deltas = []
     for (first, end, _), out, offs in zip(buffers.chunks, buffers.outs, offsets):
@@ -234,6 +242,17 @@ def update(entries: Sequence[Entry], deltas) -> None:
     voters = [e for e in entries if not e.abstain] if any(map(_column["abstain"], entries)) else entries
     update_state(list(zip(*_columns(voters, "grad", "momentum", "coefs", "fused"))),
                  list(zip(map(_column["param"], entries), deltas, *_columns(entries, "coefs", "fused"))))
+
+
+def update_momenta(entries: Sequence[Entry]) -> None:
+    """A voted step's momentum updates (not an abstaining rank's: Join)."""
+    voters = [e for e in entries if not e.abstain] if any(map(_column["abstain"], entries)) else entries
+    update_state(list(zip(*_columns(voters, "grad", "momentum", "coefs", "fused"))), [])
+
+
+def apply_deltas(entries: Sequence[Entry], deltas) -> None:
+    """A voted step's parameter updates (after :func:`update_momenta`)."""
+    update_state([], list(zip(map(_column["param"], entries), deltas, *_columns(entries, "coefs", "fused"))))
 
 
 def update_state(momenta, applies) -> None:
@@ -406,11 +425,13 @@ def node_agreed(vote: Callable[[], Callable[[], None]], replicas, shard_group, d
 
 def voted_step(opt, grad_scaler, vote: Callable[[], Callable[[], None]], group, abstain: bool = False) -> bool:
     """One step of an integration: ``vote()`` votes the step's directions
-    (changing nothing) and returns the function that applies them. With a
-    GradScaler the gradients are unscaled first. A non-finite direction on
-    any rank (:class:`NonFinite`) changes nothing anywhere: with a scaler
-    every rank skips the step and its scaler backs off; without one every
-    rank raises. Returns whether the step was applied."""
+    and returns the function that applies them (a vote may update the
+    momenta once every rank has agreed to it, while its bits still move:
+    vote_chunks). With a GradScaler the gradients are unscaled first. A
+    non-finite direction on any rank (:class:`NonFinite`) changes nothing
+    anywhere: with a scaler every rank skips the step and its scaler backs
+    off; without one every rank raises. Returns whether the step was
+    applied."""
     found = unscale(opt, grad_scaler) if grad_scaler is not None else None
     try:
         apply = vote()

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import kernel_choice, lion_math
+from . import _C, kernel_choice, lion_math
 from ._backend import backend_for
 from .errors import NonFiniteInput
 from .step_vote import NonFinite, nonfinite_ranks, pack_directions
@@ -159,13 +159,17 @@ class Voter:
         return -1
 
     def all_reduce(self, sign, zero, numel: int, nans: int, out: torch.Tensor, group, where: str,
-                   out_planes: bool = False, nans_tally=None):
+                   out_planes: bool = False, nans_tally=None, agreed: Optional[list] = None):
         """Starts the all-reduce of packed directions (planes and ``out`` on
         one device, CPU or CUDA; ``nans``: this rank's non-finite count, plus
         ``nans_tally``'s where given: pack_directions' device tally) into
         ``out`` (Delta; with ``out_planes``, where :meth:`votes_into_planes`,
         uint8: the sign plane, then the zero plane); returns its future.
-        Without a process group: this rank's own vote."""
+        Without a process group: this rank's own vote. ``agreed``: a list
+        that receives what to wait() for until every rank has agreed to the
+        call (its header round: no rank's direction non-finite, every input
+        accepted; backend/agreement.hpp), raising what the future would
+        (the future itself where nothing else tells)."""
         seed = self._seed()
         if group is None and not dist.is_initialized():
             if out_planes:
@@ -173,6 +177,8 @@ class Voter:
             if nans_tally is not None:
                 nans += int(nans_tally)
             fut = torch.futures.Future(devices=[out.device] if out.is_cuda else None)
+            if agreed is not None:
+                agreed.append(fut)  # (settled below, before anyone waits)
             if nans:
                 # What the header round raises, so that callers treat both alike.
                 fut.set_exception(NonFiniteInput(f"DistributedLion.{where}: input contains NaN on rank(s) [0]", [0]))
@@ -181,13 +187,17 @@ class Voter:
             fut.set_result([out])
             return fut
         backend = backend_for(group, out.device, where)
+        agreement = None if agreed is None else _C.Agreement()
         if self.aggregation == "l1":
-            work = backend.all_reduce_levels_packed(sign, self.bits, numel, nans, out, self.tie_break, seed)
+            work = backend.all_reduce_levels_packed(sign, self.bits, numel, nans, out, self.tie_break, seed,
+                                                    agreement)
         else:
             work = backend.all_reduce_sign_packed(
                 sign, zero, numel, nans, out, self.aggregation, self.tie_break, seed, self.hierarchy, out_planes,
-                nans_tally
+                nans_tally, agreement
             )
+        if agreed is not None:
+            agreed.append(agreement)
         return work.get_future()
 
     def reduce_scatter(self, sign, zero, shard_numel: int, nans: int, delta: torch.Tensor, group, where: str,
