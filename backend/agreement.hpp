@@ -1,4 +1,4 @@
-// The moment a sign all-reduce's outcome is settled: every rank's header
+// The moment a sign collective's outcome is settled: every rank's header
 // round has agreed (the same call on every rank, every input accepted, no
 // NaN anywhere), so from then on the call either completes or fails for a
 // fault (a lost peer, a timeout, a corrupt message); no rank skips it any
@@ -7,10 +7,11 @@
 // result) can start then, while the vote's data still moves.
 //
 // Resolved once, by the worker: by the flat all-reduce's last header round
-// (at_header), or, on every other path, when the call ends (its own
-// outcome: done, or its error). An error after agreeing is the call's alone
-// (its Work raises it); a cancelled call fails the agreement as it fails
-// the Work, so a waiter never waits for a call that will not run.
+// or the flat reduce-scatter's header round (at_header), or, on every other
+// path, when the call ends (its own outcome: done, or its error). An error
+// after agreeing is the call's alone (its Work raises it); a cancelled call
+// fails the agreement as it fails the Work, so a waiter never waits for a
+// call that will not run.
 #pragma once
 
 #include <condition_variable>

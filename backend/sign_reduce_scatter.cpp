@@ -36,7 +36,8 @@ void sign_reduce_scatter_packed(
     bits::SignOp op,
     const bits::TieRule& tie,
     uint64_t seq,
-    bool planes) {
+    bool planes,
+    Agreement* agreed) {
   const SignCall call{c, op, Collective::kReduceScatter, seq, out.device()};
   const KernelSet& k = *call.k;
   const bool levels = op == bits::SignOp::kLevels;
@@ -97,6 +98,9 @@ void sign_reduce_scatter_packed(
       op, *dt, c.rank, bits::kReduceScatter | header_flags(call, zero_code.zeros, in.nans), seq,
       static_cast<uint64_t>(S) * N, zero_code, 0, bits::CallRule{tie, levels ? p : 0});
   const bits::HeaderSummary hs = header_round(call, mine, to);
+  if (agreed != nullptr) {
+    agreed->agree(true); // every rank agreed: what follows can fail only for a fault
+  }
   c.stats->sign_reduce_scatter_calls += 1;
   c.stats->elements += static_cast<uint64_t>(S) * N;
   if (S == 0) {

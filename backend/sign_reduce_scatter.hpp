@@ -45,7 +45,8 @@ inline size_t reduce_scatter_plane_bytes(uint64_t shard_numel, int world) {
 // dtype); a vote's or l1's ties follow `tie`. With `planes` (a vote:
 // SignRequest::out_planes) `out` is uint8, the shard's sign plane then its
 // zero plane, words_for(shard_numel) words each. Throws c10::Error naming
-// lionbit, the op and the rank on any failure.
+// lionbit, the op and the rank on any failure. `agreed` (or null): resolved
+// by the header round (backend/agreement.hpp), before the shards move.
 void sign_reduce_scatter_packed(
     const SignComm& c,
     const PackedShards& in,
@@ -53,6 +54,7 @@ void sign_reduce_scatter_packed(
     bits::SignOp op,
     const bits::TieRule& tie,
     uint64_t seq,
-    bool planes = false);
+    bool planes = false,
+    Agreement* agreed = nullptr);
 
 } // namespace lionbit

@@ -352,7 +352,7 @@ void run_request(
     PackedShards in{r.levels() ? r.planes : r.sign, r.zero, numel, nans};
     in.value_bits = static_cast<int>(r.value_bits);
     if (flat) {
-      sign_reduce_scatter_packed(comm, in, r.out, op, tie, seq, r.out_planes);
+      sign_reduce_scatter_packed(comm, in, r.out, op, tie, seq, r.out_planes, r.agreement.get());
     } else {
       sign_reduce_scatter_hierarchical(comm, h, mode, in, r.out, op, tie, seq);
     }

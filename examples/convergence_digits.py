@@ -233,10 +233,12 @@ class _LocalVoter(Voter):
     def votes_into_planes(self, device, group) -> bool:
         return False  # its own vote, as values
 
-    def all_reduce(self, sign, zero, numel, nans, out, group, where, out_planes=False, nans_tally=None):
+    def all_reduce(self, sign, zero, numel, nans, out, group, where, out_planes=False, nans_tally=None, agreed=None):
         out.copy_(local_vote(sign, zero, numel))
         fut = torch.futures.Future()
         fut.set_result([out])
+        if agreed is not None:
+            agreed.append(fut)  # (settled: the step's momenta need not wait)
         return fut
 
 

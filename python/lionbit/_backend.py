@@ -96,18 +96,21 @@ def _all_reduce_levels_packed(self, planes, bits, numel, nans, out, tie_break="z
 
 
 def _reduce_scatter_sign_packed(self, sign, zero, shard_numel, nans, out, op="vote", tie_break="zero",
-                                tie_seed=-1, hierarchy="flat", out_planes=False, nans_tally=None):
+                                tie_seed=-1, hierarchy="flat", out_planes=False, nans_tally=None, agreement=None):
     """The sign reduce-scatter of N packed shards; this rank's shard into `out` (``out_planes``,
-    ``nans_tally``: as all_reduce_sign_packed's, of the shard)."""
+    ``nans_tally``, ``agreement``: as all_reduce_sign_packed's, of the shard)."""
     return self.call(_C.SignRequest(collective="reduce_scatter", op=op, tie_break=tie_break, tie_seed=tie_seed,
                                     hierarchy=hierarchy, sign=sign, zero=zero, numel=shard_numel, nans=nans,
-                                    out=out, out_planes=out_planes, nans_tally=nans_tally))
+                                    out=out, out_planes=out_planes, nans_tally=nans_tally, agreement=agreement))
 
 
-def _reduce_scatter_levels_packed(self, planes, bits, shard_numel, nans, out, tie_break="zero", tie_seed=-1):
-    """The reduce-scatter of L1 levels; this rank's shard into `out`."""
+def _reduce_scatter_levels_packed(self, planes, bits, shard_numel, nans, out, tie_break="zero", tie_seed=-1,
+                                  agreement=None):
+    """The reduce-scatter of L1 levels; this rank's shard into `out` (``agreement``: as
+    all_reduce_sign_packed's)."""
     return self.call(_C.SignRequest(collective="reduce_scatter", op="l1", tie_break=tie_break, tie_seed=tie_seed,
-                                    planes=planes, value_bits=bits, numel=shard_numel, nans=nans, out=out))
+                                    planes=planes, value_bits=bits, numel=shard_numel, nans=nans, out=out,
+                                    agreement=agreement))
 
 
 for _name, _fill in (("all_reduce_sign", _all_reduce_sign), ("all_reduce_sign_packed", _all_reduce_sign_packed),

@@ -596,7 +596,7 @@ class _UnitVote(NamedTuple):
 
 
 def fsdp_vote(att):
-    """Votes the step (changing no state): per unit in the order of its
+    """Votes the step: per unit in the order of its
     reduce-scatter in backward, the directions of the parameters that have
     a gradient, packed in FSDP's chunk layout, and the collective of the
     mesh (:class:`_Mesh`): on a 1-D mesh the sign reduce-scatter of every
@@ -604,9 +604,11 @@ def fsdp_vote(att):
     all-reduce of this rank's chunk over the replicate group. Either gives
     Delta of this rank's chunk. Consecutive units share one collective
     (their chunks end to end in each shard) up to step_vote.chunk_limit
-    elements of planes. Returns the function that updates the momenta and
-    applies Delta to the local shards; raises step_vote.NonFinite (on every
-    rank alike)."""
+    elements of planes. On a 1-D mesh the momenta are updated here, once
+    every rank has agreed to every call (their header rounds), while the
+    shards still move; returns the function that applies Delta to the local
+    shards (and, on HSDP, updates the momenta first). Raises
+    step_vote.NonFinite (on every rank alike), changing nothing."""
     opt = att.opt
     att.stepped = True
     voter = opt.voter
@@ -646,6 +648,12 @@ def fsdp_vote(att):
     def planes_of(u):  # elements of planes a unit adds to its call
         return u.chunk * (1 if hsdp else u.group.size())
 
+    # On a 1-D mesh every reduce-scatter is issued before any is waited for,
+    # and the momenta (full-size: this rank's local gradients) are updated
+    # once every rank has agreed to every call, while the shards still move.
+    # HSDP's ranks of a node agree after the votes (node_agreed): no state
+    # changes before that.
+    agreed, works = ([], []) if not hsdp else (None, None)
     for run in runs(units, lambda u: (id(u.group), u.device), planes_of, lambda u: step_vote.chunk_limit(u.device)):
         pieces, s, bases = end_to_end([(u.pieces, u.chunk) for u in run])
         group, device = run[0].group, run[0].device
@@ -656,16 +664,24 @@ def fsdp_vote(att):
                                        "group)", fused_for, replicated=True, into_planes=planes)
         else:
             delta = voter.sharded_vote(pieces, s, group, device, "step (FSDP2 reduce-scatter)", fused_for,
-                                       into_planes=planes)
+                                       into_planes=planes, agreed=agreed, works=works)
         delta_of = lion_math.delta_views(delta, planes)
         for u, base in zip(run, bases):
             todo += [(g, m, coefs, local, delta_of(base + off, own), own) for g, m, coefs, local, off, own in u.entries]
 
+    def momenta() -> list:
+        verdicts = fused_for.many([t[1] for t in todo], [t[0] for t in todo])
+        return [(g, m, c, f) for (g, m, c, *_), f in zip(todo, verdicts)]
+
+    if agreed is not None:
+        step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
+        step_vote.update_state(momenta(), [])
+        step_vote.wait_votes(works)
+
     def apply() -> None:
         applies = [(local, d, coefs) for _, _, coefs, local, d, own in todo if own]
-        m_verdicts = fused_for.many([t[1] for t in todo], [t[0] for t in todo])
         a_verdicts = fused_for.many([a[0] for a in applies], [a[1] for a in applies])
-        step_vote.update_state([(g, m, c, f) for (g, m, c, *_), f in zip(todo, m_verdicts)],
+        step_vote.update_state([] if agreed is not None else momenta(),
                                [(x, d, c, f) for (x, d, c), f in zip(applies, a_verdicts)])
 
     return apply

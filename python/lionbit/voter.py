@@ -94,7 +94,8 @@ class Voter:
         return lion_math.planes(lion_math.shard_bit(shards, shard_numel), device, self.bits)
 
     def sharded_vote(self, pieces, shard_numel: int, group, device, where: str, fused_for,
-                     replicated: bool = False, into_planes: bool = False) -> torch.Tensor:
+                     replicated: bool = False, into_planes: bool = False, agreed: Optional[list] = None,
+                     works: Optional[list] = None) -> torch.Tensor:
         """The vote of directions laid out in N shards of ``shard_numel``
         elements (FSDP2's chunks, FSDP1's flat parameter), as a sign
         reduce-scatter: this rank's shard of Delta (``into_planes``, where
@@ -108,7 +109,10 @@ class Voter:
         spans (r, start, length, at): elements [start, start + length) of g
         and m go to shard r at element ``at``. "l1" scales each piece over
         all its spans. Changes no state; raises step_vote.NonFinite naming
-        the ranks that had a non-finite direction. ``fused_for(m, g)``:
+        the ranks that had a non-finite direction. ``agreed`` and ``works``
+        (the reduce-scatter): the call is left in flight, its agreement and
+        future in those lists (:meth:`reduce_scatter`); the caller waits for
+        them (step_vote.wait_votes) before it reads Delta. ``fused_for(m, g)``:
         whether the fused kernels serve a pair (a step_vote.FusedVerdicts)."""
         sign, zero = self.shard_planes(1 if replicated else group.size(), shard_numel, device)
         nans, items = 0, []
@@ -134,7 +138,7 @@ class Voter:
                                 nans_tally=tally).wait()
             else:
                 self.reduce_scatter(sign, zero, shard_numel, nans, delta, group, where, out_planes=into_planes,
-                                    nans_tally=tally)
+                                    nans_tally=tally, agreed=agreed, works=works)
         except (RuntimeError, ValueError) as err:
             ranks = nonfinite_ranks(err)
             if ranks is None:
@@ -201,18 +205,27 @@ class Voter:
         return work.get_future()
 
     def reduce_scatter(self, sign, zero, shard_numel: int, nans: int, delta: torch.Tensor, group, where: str,
-                       out_planes: bool = False, nans_tally=None) -> None:
+                       out_planes: bool = False, nans_tally=None, agreed: Optional[list] = None,
+                       works: Optional[list] = None) -> None:
         """The FSDP reduce-scatter of packed directions (``zero`` is None for
         "l1"): this rank's shard of Delta into ``delta`` (``out_planes``: as
-        :meth:`all_reduce`'s, of the shard); waits. ``nans_tally``: as
-        :meth:`all_reduce`'s (sign planes only)."""
+        :meth:`all_reduce`'s, of the shard); waits, unless given the lists
+        ``agreed`` and ``works``: then they receive the call's agreement (as
+        :meth:`all_reduce`'s) and its future, and the caller waits.
+        ``nans_tally``: as :meth:`all_reduce`'s (sign planes only)."""
         seed = self._seed()
         backend = backend_for(group, delta.device, where)
+        agreement = None if agreed is None else _C.Agreement()
         if self.bits:
-            work = backend.reduce_scatter_levels_packed(sign, self.bits, shard_numel, nans, delta, self.tie_break, seed)
+            work = backend.reduce_scatter_levels_packed(sign, self.bits, shard_numel, nans, delta, self.tie_break, seed,
+                                                        agreement)
         else:
             work = backend.reduce_scatter_sign_packed(
                 sign, zero, shard_numel, nans, delta, self.aggregation, self.tie_break, seed, self.hierarchy,
-                out_planes=out_planes, nans_tally=nans_tally
+                out_planes=out_planes, nans_tally=nans_tally, agreement=agreement
             )
+        if agreed is not None:
+            agreed.append(agreement)
+            works.append(work.get_future())
+            return
         work.wait()

@@ -4,7 +4,7 @@ levels, DistributedLion updates its momenta while the vote's bits still
 move. Checked here on real ranks: the agreement comes from the header round
 (at_header), before the call ends where the call has data to move after it,
 for every form of the call (two-phase, the two-rank exchange with its
-second round, levels, one rank); a NaN on one rank fails it on every rank
+second round, levels, one rank, the reduce-scatter of FSDP2's step); a NaN on one rank fails it on every rank
 with the vote's own error; a peer's rejected input, and a call that never
 ran (the backend shut down), fail it as they fail the call, so a waiter
 never waits for a call that will not run; ranks that disagree on the call
@@ -45,7 +45,7 @@ def agreements(rank, world):
 
     backend = backend_for(None, torch.device("cpu"), "test")
     out = {}
-    for n in (1, 4097, 6 << 20):
+    for n in (1, 4097, 32 << 20):
         sign, zero, nans, nb = _packed(rank, n)
         plain = torch.empty(2 * nb, dtype=torch.uint8)
         backend.all_reduce_sign_packed(sign, zero, n, nans, plain, "vote", "zero", 5, "flat", True).wait()
@@ -61,6 +61,21 @@ def agreements(rank, world):
                            lion_math.VotedPlanes(plain[:nb], plain[nb:], 0, n).values())
         out[f"vote {n}"] = {"at_header": ag.at_header, "same": same, "running": running,
                             "ms_after": (ended_at - agreed_at) * 1e3}
+    # The reduce-scatter (FSDP2's vote at step()): its header round, before the shards move.
+    for shard in (64, 24 << 20):
+        sign, zero, nans, nb = _packed(rank, world * shard)
+        plain = torch.empty(2 * (shard // 8), dtype=torch.uint8)
+        backend.reduce_scatter_sign_packed(sign, zero, shard, nans, plain, "vote", "zero", 5, "flat", True).wait()
+        ag = _C.Agreement()
+        got = torch.empty(2 * (shard // 8), dtype=torch.uint8)
+        work = backend.reduce_scatter_sign_packed(sign, zero, shard, nans, got, "vote", "zero", 5, "flat", True,
+                                                  agreement=ag)
+        ag.wait()
+        agreed_at = time.perf_counter()
+        running = not work.is_completed()
+        work.wait()
+        out[f"scatter {shard}"] = {"at_header": ag.at_header, "same": torch.equal(got, plain), "running": running,
+                                   "ms_after": (time.perf_counter() - agreed_at) * 1e3}
     # Levels (Lion Cub's "l1"): the same Run, its header round.
     n, bits = 5000, 4
     nb = (n + 63) // 64 * 8
@@ -78,10 +93,12 @@ def test_the_header_round_settles_the_agreement(world):
     for ranks in values(run_ranks("test_agreement:agreements", world, case_env=env, timeout=300)):
         for case, r in ranks.items():
             assert r["at_header"], (world, case, r)
-            if case.startswith("vote"):
+            if not case.startswith("levels"):
                 assert r["same"], (world, case, r)
-        # The large call moves data after its last round: settled while it still ran.
-        assert ranks[f"vote {6 << 20}"]["running"], ranks
+        # The large calls move data after their last round: settled while they still ran.
+        assert ranks[f"vote {32 << 20}"]["running"], ranks
+        if world > 1:
+            assert ranks[f"scatter {24 << 20}"]["running"], ranks
 
 
 def failures(rank, world):
