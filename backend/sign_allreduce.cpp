@@ -212,9 +212,13 @@ class Run {
         continue;
       }
       // Padding elements: sign 0, zero 0 (they vote -1 on every rank; their
-      // results are never unpacked).
+      // results are never unpacked). Packed input: clean() writes every word
+      // after the copy (the copied words cleaned, the rest zeroed), so the
+      // planes need no zeros first.
       const int64_t total = static_cast<int64_t>(ch.sw * N_ * 8);
-      at::Tensor planes = at::zeros({2 * total}, buf_.options().dtype(at::kByte));
+      const auto bytes = buf_.options().dtype(at::kByte);
+      at::Tensor planes = packed_ == nullptr ? at::zeros({2 * total}, bytes)
+                                             : at::empty({2 * total}, bytes);
       ch.sign_plane = planes.narrow(0, 0, total);
       ch.zero_plane = planes.narrow(0, total, total);
       if (packed_ == nullptr) {
