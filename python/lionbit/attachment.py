@@ -136,7 +136,7 @@ class Attachment:
             )
         # The momenta change once every rank has agreed to the votes, while their bits still move.
         deltas = step_vote.vote_chunks(self.opt, entries, self.group, "step", self.buffers,
-                                       agreed=lambda: step_vote.update_momenta(entries))
+                                       on_agreed=lambda: step_vote.update_momenta(entries))
         return lambda: step_vote.apply_deltas(entries, deltas)
 
     def warn_if_ddp_unattached(self) -> None:

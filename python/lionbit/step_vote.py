@@ -179,10 +179,10 @@ def pack_directions(items, sign, zero, bits=None):
 
 
 def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteBuffers,
-                agreed: Optional[Callable[[], None]] = None):
+                on_agreed: Optional[Callable[[], None]] = None):
     """Packs and votes ``entries`` chunk by chunk. Returns the list of Delta
     views (one per entry); raises :class:`NonFinite` (on every rank alike)
-    if any rank had a non-finite direction, changing no state. ``agreed``:
+    if any rank had a non-finite direction, changing no state. ``on_agreed``:
     called once every rank has agreed to every vote (their header rounds:
     no direction non-finite anywhere), while the votes' bits still move
     (the momentum update, which does not read Delta); a vote that fails
@@ -205,10 +205,10 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
             items = [item for item, e in zip(items, chunk) if not e.abstain]
         bad, tally = pack_directions(items, sign, zero, voter.bits)
         works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, out_planes=into_planes,
-                                      nans_tally=tally, agreed=agreements if agreed is not None else None))
-    if agreed is not None:
+                                      nans_tally=tally, agreed=agreements if on_agreed is not None else None))
+    if on_agreed is not None:
         wait_votes(agreements)
-        agreed()
+        on_agreed()
     wait_votes(works)
     deltas = []
     for (first, end, _), out, offs in zip(buffers.chunks, buffers.outs, offsets):
@@ -237,22 +237,30 @@ def wait_votes(works) -> None:
         raise NonFinite(bad_ranks)
 
 
+def _momentum_items(entries: Sequence[Entry]) -> list:
+    """update_state's momentum items of a voted step (not an abstaining rank's: Join)."""
+    voters = [e for e in entries if not e.abstain] if any(map(_column["abstain"], entries)) else entries
+    return list(zip(*_columns(voters, "grad", "momentum", "coefs", "fused")))
+
+
+def _apply_items(entries: Sequence[Entry], deltas) -> list:
+    """update_state's parameter items of a voted step."""
+    return list(zip(map(_column["param"], entries), deltas, *_columns(entries, "coefs", "fused")))
+
+
 def update(entries: Sequence[Entry], deltas) -> None:
     """The state change of a voted step: momentum, then parameters."""
-    voters = [e for e in entries if not e.abstain] if any(map(_column["abstain"], entries)) else entries
-    update_state(list(zip(*_columns(voters, "grad", "momentum", "coefs", "fused"))),
-                 list(zip(map(_column["param"], entries), deltas, *_columns(entries, "coefs", "fused"))))
+    update_state(_momentum_items(entries), _apply_items(entries, deltas))
 
 
 def update_momenta(entries: Sequence[Entry]) -> None:
-    """A voted step's momentum updates (not an abstaining rank's: Join)."""
-    voters = [e for e in entries if not e.abstain] if any(map(_column["abstain"], entries)) else entries
-    update_state(list(zip(*_columns(voters, "grad", "momentum", "coefs", "fused"))), [])
+    """A voted step's momentum updates, alone (vote_chunks' ``on_agreed``)."""
+    update_state(_momentum_items(entries), [])
 
 
 def apply_deltas(entries: Sequence[Entry], deltas) -> None:
     """A voted step's parameter updates (after :func:`update_momenta`)."""
-    update_state([], list(zip(map(_column["param"], entries), deltas, *_columns(entries, "coefs", "fused"))))
+    update_state([], _apply_items(entries, deltas))
 
 
 def update_state(momenta, applies) -> None:

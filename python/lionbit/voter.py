@@ -10,7 +10,7 @@ within a step (every rank issues the same ones in the same order), so the
 "random" rule's signs depend only on the step and the call's number.
 """
 
-from itertools import zip_longest
+from itertools import repeat
 from typing import Optional
 
 import torch
@@ -118,8 +118,8 @@ class Voter:
         nans, items = 0, []
         stride = lion_math.shard_bit(1, shard_numel)  # bits from one shard to the next
         # (what a span of a pair would be asked)
-        verdicts = () if self.bits else fused_for.many([p[1] for p in pieces], [p[0] for p in pieces])
-        for (g, m, coefs, spans), fused in zip_longest(pieces, verdicts):
+        verdicts = repeat(None) if self.bits else fused_for.many([p[1] for p in pieces], [p[0] for p in pieces])
+        for (g, m, coefs, spans), fused in zip(pieces, verdicts):
             if self.bits:
                 parts = [(g[a : a + k], m[a : a + k], stride * r + at) for r, a, k, at in spans if k]
                 if parts:
