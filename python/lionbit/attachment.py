@@ -120,6 +120,24 @@ class Attachment:
         """Votes ``entries`` at step(); returns the function that applies them."""
         if not entries:
             return lambda: None
+        self.check_entries(entries)
+        # The momenta change once every rank has agreed to the votes, while their bits still move.
+        deltas = step_vote.vote_chunks(self.opt, entries, self.group, "step", self.buffers,
+                                       on_agreed=lambda: step_vote.update_momenta(entries))
+        return lambda: step_vote.apply_deltas(entries, deltas)
+
+    def start_vote(self, entries, agreed: list, works: list) -> list:
+        """Starts the vote of ``entries`` beside the step's other calls
+        (step_vote.start_chunks: their agreements and futures appended to
+        ``agreed`` and ``works``, for the caller to wait for); returns their
+        Delta views. Changes no state."""
+        if not entries:
+            return []
+        self.check_entries(entries)
+        return step_vote.start_chunks(self.opt, entries, self.group, "step", self.buffers, agreed, works)
+
+    def check_entries(self, entries) -> None:
+        """Raises where ``entries`` cannot be voted together (before any call starts)."""
         params = [e.param for e in entries]
         if any(map(is_dtensor_type, set(map(type, params)))):  # (a few types, whatever the tensors)
             raise ValueError(
@@ -134,10 +152,6 @@ class Attachment:
                 f"DistributedLion.step: parameters on several devices ({', '.join(devices)}); one step votes "
                 f"all of them together, so they must share a device (use one optimizer per device)"
             )
-        # The momenta change once every rank has agreed to the votes, while their bits still move.
-        deltas = step_vote.vote_chunks(self.opt, entries, self.group, "step", self.buffers,
-                                       on_agreed=lambda: step_vote.update_momenta(entries))
-        return lambda: step_vote.apply_deltas(entries, deltas)
 
     def warn_if_ddp_unattached(self) -> None:
         """Once, at the first step: a DDP model holding these parameters but

@@ -392,7 +392,7 @@ def _shard_grad(unit: _Unit) -> Optional[torch.Tensor]:
     return g.view(-1) if g.is_contiguous() else g.contiguous().view(-1)
 
 
-def _vote_units(units, grads) -> list:
+def _vote_units(units, grads, agreed: Optional[list] = None, works: Optional[list] = None) -> list:
     """The vote of the directions of each unit's gradient in ``grads`` (the
     kept gradient; hybrid: its shard of the node's mean): this rank's shard
     of Delta per unit, as (element, count) -> Delta of those elements of the
@@ -403,7 +403,10 @@ def _vote_units(units, grads) -> list:
     call, their shards end to end in each of its shards, while its planes
     stay within step_vote.chunk_limit (a larger unit is a call of its own).
     Changes no state; raises step_vote.NonFinite if any rank had a
-    non-finite direction."""
+    non-finite direction. ``agreed`` and ``works`` (not hybrid): every
+    reduce-scatter is left in flight, its agreement and future in those
+    lists (Voter.reduce_scatter), and Delta is read once the caller has
+    waited for them."""
     deltas = []
 
     def group_of(unit):
@@ -425,7 +428,8 @@ def _vote_units(units, grads) -> list:
                                            into_planes=planes)
         else:
             delta = opt.voter.sharded_vote(pieces, s, first.group, first.device, "step (FSDP1)",
-                                           step_vote.fused_verdicts(opt), into_planes=planes)
+                                           step_vote.fused_verdicts(opt), into_planes=planes, agreed=agreed,
+                                           works=works)
         delta_of = lion_math.delta_views(delta, planes)
         for _, base in zip(run, bases):
             deltas.append(lambda at, n, base=base, delta_of=delta_of: delta_of(base + at, n))
@@ -607,9 +611,13 @@ class FSDP1Attachment(Attachment):
 
     def vote_step(self, abstain: bool):
         """Votes every sharded unit with a kept gradient (in self.order, the
-        same on every rank) and the NO_SHARD units, changing nothing; returns
-        the function that applies the step. A rank that abstains (Join) has
-        no sharded vote to give."""
+        same on every rank) and the NO_SHARD units, every call started
+        before any is waited for; updates the momenta (full-size: this
+        rank's local gradients) once every rank has agreed to every call,
+        while the bits still move; returns the function that applies Delta
+        to the local shards. A rank that abstains (Join) has no sharded vote
+        to give. Raises step_vote.NonFinite (on every rank alike), changing
+        nothing."""
         units = []
         _check_synchronized(self.units, "step()")
         if not abstain:
@@ -618,15 +626,30 @@ class FSDP1Attachment(Attachment):
             units = list(self.order)
         for unit in units:
             _local_shard(unit)  # before any collective
-        deltas = _vote_units(units, [unit.kept for unit in units])
-        no_shard = self.vote(no_shard_entries(self))
-        return self._applier(units, [unit.kept for unit in units], deltas, no_shard)
+        entries = no_shard_entries(self)
+        if entries:
+            self.check_entries(entries)  # before any collective
+        grads = [unit.kept for unit in units]
+        agreed, works = [], []
+        deltas = _vote_units(units, grads, agreed, works)
+        no_shard = self.start_vote(entries, agreed, works)
+        momenta, applies = [], []
+        for unit, grad, delta in zip(units, grads, deltas):
+            unit_momenta, unit_applies = _state_changes(unit, grad, delta)
+            momenta += unit_momenta
+            applies += unit_applies
+        applies += step_vote.apply_items(entries, no_shard)
+        step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
+        step_vote.update_state(momenta + step_vote.momentum_items(entries), [])
+        step_vote.wait_votes(works)
+        return lambda: step_vote.update_state([], applies)
 
     @staticmethod
-    def _applier(units, grads, deltas, then=None):
-        """The function that applies voted deltas: the units' momenta from
-        their gradients, then their local shards, in a few list calls
-        (step_vote.update_state: on a GPU a launch per dtype pair)."""
+    def _applier(units, grads, deltas):
+        """Hybrid: the function that applies voted deltas once the node's
+        ranks agreed: the units' momenta from their gradients, then their
+        local shards, in a few list calls (step_vote.update_state: on a GPU
+        a launch per dtype pair)."""
 
         def apply():
             momenta, applies = [], []
@@ -636,8 +659,6 @@ class FSDP1Attachment(Attachment):
                 applies += unit_applies
             if momenta or applies:
                 step_vote.update_state(momenta, applies)
-            if then is not None:
-                then()
 
         return apply
 

@@ -187,11 +187,28 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
     no direction non-finite anywhere), while the votes' bits still move
     (the momentum update, which does not read Delta); a vote that fails
     after that is a fault (a lost peer, a timeout), raised here."""
+    agreed, works = ([] if on_agreed is not None else None), []
+    deltas = start_chunks(opt, entries, group, where, buffers, agreed, works)
+    if on_agreed is not None:
+        wait_votes(agreed)
+        on_agreed()
+    wait_votes(works)
+    return deltas
+
+
+def start_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteBuffers,
+                 agreed: Optional[list], works: list) -> list:
+    """Packs ``entries`` chunk by chunk and starts their votes, each call's
+    future appended to ``works`` and (where given) its agreement to
+    ``agreed`` (Voter.all_reduce's); returns the Delta views (one per
+    entry), which hold Delta once :func:`wait_votes` of ``works`` returns.
+    Changes no state: :func:`vote_chunks` waits, or a caller with other
+    calls of the same step waits for all of them together."""
     device = entries[0].param.device
     voter = opt.voter
     into_planes = voter.votes_into_planes(device, group)
     buffers.prepare([e.numel for e in entries], device, voter.delta_dtype, voter.bits, into_planes)
-    works, offsets, agreements = [], [], []
+    offsets = []
     for (first, end, total), (sign, zero), out in zip(buffers.chunks, buffers.planes, buffers.outs):
         chunk = entries[first:end]
         offs = _offsets(chunk)
@@ -205,11 +222,7 @@ def vote_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: VoteB
             items = [item for item, e in zip(items, chunk) if not e.abstain]
         bad, tally = pack_directions(items, sign, zero, voter.bits)
         works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, out_planes=into_planes,
-                                      nans_tally=tally, agreed=agreements if on_agreed is not None else None))
-    if on_agreed is not None:
-        wait_votes(agreements)
-        on_agreed()
-    wait_votes(works)
+                                      nans_tally=tally, agreed=agreed))
     deltas = []
     for (first, end, _), out, offs in zip(buffers.chunks, buffers.outs, offsets):
         deltas += map(lion_math.delta_views(out, into_planes), offs, map(_column["numel"], entries[first:end]))
@@ -237,30 +250,30 @@ def wait_votes(works) -> None:
         raise NonFinite(bad_ranks)
 
 
-def _momentum_items(entries: Sequence[Entry]) -> list:
+def momentum_items(entries: Sequence[Entry]) -> list:
     """update_state's momentum items of a voted step (not an abstaining rank's: Join)."""
     voters = [e for e in entries if not e.abstain] if any(map(_column["abstain"], entries)) else entries
     return list(zip(*_columns(voters, "grad", "momentum", "coefs", "fused")))
 
 
-def _apply_items(entries: Sequence[Entry], deltas) -> list:
+def apply_items(entries: Sequence[Entry], deltas) -> list:
     """update_state's parameter items of a voted step."""
     return list(zip(map(_column["param"], entries), deltas, *_columns(entries, "coefs", "fused")))
 
 
 def update(entries: Sequence[Entry], deltas) -> None:
     """The state change of a voted step: momentum, then parameters."""
-    update_state(_momentum_items(entries), _apply_items(entries, deltas))
+    update_state(momentum_items(entries), apply_items(entries, deltas))
 
 
 def update_momenta(entries: Sequence[Entry]) -> None:
     """A voted step's momentum updates, alone (vote_chunks' ``on_agreed``)."""
-    update_state(_momentum_items(entries), [])
+    update_state(momentum_items(entries), [])
 
 
 def apply_deltas(entries: Sequence[Entry], deltas) -> None:
     """A voted step's parameter updates (after :func:`update_momenta`)."""
-    update_state([], _apply_items(entries, deltas))
+    update_state([], apply_items(entries, deltas))
 
 
 def update_state(momenta, applies) -> None:

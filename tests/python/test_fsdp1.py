@@ -182,6 +182,101 @@ def fsdp1_checkpoint(rank, world_size, path):
     return out
 
 
+def nan_in_one_call(rank, world_size, strategies, layer):
+    """A user's loop whose step() votes in several calls (one a unit: a small
+    chunk limit) and whose step 1 gives rank 1 a NaN gradient in ``layer``
+    alone (a backward pre-hook, as a bad kernel would: the layers below
+    get NaN gradients too, the layers above none): every rank raises
+    naming rank 1 and changes nothing, though the other calls were agreed
+    to; training goes on, bitwise equal to DDP's loop with the same NaN.
+    ``strategies``: FSDP1's sharding strategy of a, b and the root."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
+    from lionbit import step_vote
+
+    torch.set_num_threads(1)
+
+    def nan_hook(module, grad_output):
+        return (grad_output[0] * float("nan"),)
+
+    def train(model, opt, inner, params, momenta):
+        errors, states = [], []
+        for step in range(4):
+            hook = None
+            if step == 1 and rank == 1:
+                hook = getattr(inner, layer).register_full_backward_pre_hook(nan_hook)
+            _loss(model, rank, step).backward()
+            if hook is not None:
+                hook.remove()
+            if step == 1:
+                before = _digest(params() + momenta())
+                try:
+                    opt.step()
+                except RuntimeError as err:
+                    errors.append(str(err))
+                states.append(_digest(params() + momenta()) == before)
+            else:
+                opt.step()
+            opt.zero_grad()
+        return errors, states, params(), momenta()
+
+    limit = step_vote.CHUNK_ELEMENTS
+    step_vote.CHUNK_ELEMENTS = 1  # every unit (every NO_SHARD parameter) a call of its own
+    try:
+        ddp = DDP(_net())
+        dopt = lionbit.DistributedLion(ddp.parameters(), **LION).attach(ddp, overlap=False)
+        want = train(ddp, dopt, ddp.module, lambda: [p.detach().clone() for p in ddp.module.parameters()],
+                     lambda: [dopt.state[p]["exp_avg"].clone() for p in ddp.module.parameters()])
+
+        net = _net()
+        kw = dict(device_id=CPU, use_orig_params=True)
+        net.a = FSDP(net.a, sharding_strategy=getattr(ShardingStrategy, strategies[0]), **kw)
+        net.b = FSDP(net.b, sharding_strategy=getattr(ShardingStrategy, strategies[1]), **kw)
+        model = FSDP(net, sharding_strategy=getattr(ShardingStrategy, strategies[2]), **kw)
+        opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
+        units = opt.attachment.units
+
+        def momenta():
+            out = {}
+            for unit in units:
+                m = unit.momentum_tensor()
+                for off, numel, _, fqn in unit.segments:
+                    out[fqn] = m[off : off + numel].clone()
+            return [out[name].view_as(p) for name, p in ddp.module.named_parameters()]
+
+        inner = model.module
+        got = train(model, opt, inner, lambda: _params(model), momenta)
+    finally:
+        step_vote.CHUNK_ELEMENTS = limit
+    return {
+        "errors": got[0],
+        "unchanged": got[1],
+        "ddp_errors": want[0],
+        "ddp_unchanged": want[1],
+        "params": [bool(torch.equal(a, b)) for a, b in zip(got[2], want[2])],
+        "momenta": [bool(torch.equal(a, b)) for a, b in zip(got[3], want[3])],
+    }
+
+
+@pytest.mark.parametrize(
+    "strategies,layer",
+    [
+        (("FULL_SHARD", "FULL_SHARD", "FULL_SHARD"), "a"),  # a's call: the step's last
+        (("FULL_SHARD", "FULL_SHARD", "FULL_SHARD"), "head"),  # the root's call: its first
+        (("NO_SHARD", "FULL_SHARD", "SHARD_GRAD_OP"), "a"),  # the NO_SHARD vote, after every sharded call
+    ],
+)
+def test_fsdp1_nan_in_one_call_changes_nothing(strategies, layer):
+    res = values(run_ranks("test_fsdp1:nan_in_one_call", 2, kwargs=dict(strategies=strategies, layer=layer)))
+    for r in res:
+        assert len(r["errors"]) == 1 and "non-finite gradient (inf or NaN) on rank(s) [1]" in r["errors"][0], r
+        assert "no parameter or momentum changed on any rank" in r["errors"][0], r
+        assert r["unchanged"] == [True] and r["ddp_unchanged"] == [True], r
+        assert all(r["params"]) and all(r["momenta"]), r
+
+
 def test_fsdp1_per_rank_checkpoint_resume_is_bitwise(tmp_path):
     n = 2
     res = values(run_ranks("test_fsdp1:fsdp1_checkpoint", n, kwargs=dict(path=str(tmp_path))))
