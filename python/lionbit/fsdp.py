@@ -607,7 +607,8 @@ def fsdp_vote(att):
     elements of planes. On a 1-D mesh the momenta are updated here, once
     every rank has agreed to every call (their header rounds), while the
     shards still move; returns the function that applies Delta to the local
-    shards (and, on HSDP, updates the momenta first). Raises
+    shards (on HSDP, called once the node's ranks agreed: it updates the
+    momenta first, while the bits still move, then waits for them). Raises
     step_vote.NonFinite (on every rank alike), changing nothing."""
     opt = att.opt
     att.stepped = True
@@ -648,12 +649,13 @@ def fsdp_vote(att):
     def planes_of(u):  # elements of planes a unit adds to its call
         return u.chunk * (1 if hsdp else u.group.size())
 
-    # On a 1-D mesh every reduce-scatter is issued before any is waited for,
-    # and the momenta (full-size: this rank's local gradients) are updated
-    # once every rank has agreed to every call, while the shards still move.
-    # HSDP's ranks of a node agree after the votes (node_agreed): no state
-    # changes before that.
-    agreed, works = ([], []) if not hsdp else (None, None)
+    # Every call is issued before any is waited for. On a 1-D mesh the
+    # momenta (full-size: this rank's local gradients) are updated once every
+    # rank has agreed to every call, while the shards still move. HSDP's
+    # ranks of a node agree once every call of theirs is agreed to
+    # (node_agreed, after this returns), and no state changes before that:
+    # the momenta then change while the bits still move.
+    agreed, works = [], []
     for run in runs(units, lambda u: (id(u.group), u.device), planes_of, lambda u: step_vote.chunk_limit(u.device)):
         pieces, s, bases = end_to_end([(u.pieces, u.chunk) for u in run])
         group, device = run[0].group, run[0].device
@@ -661,7 +663,8 @@ def fsdp_vote(att):
         planes = voter.votes_into_planes(device, att.replicas if hsdp else group)
         if hsdp:
             delta = voter.sharded_vote(pieces, s, att.replicas, device, "step (HSDP all-reduce over the replicate "
-                                       "group)", fused_for, replicated=True, into_planes=planes)
+                                       "group)", fused_for, replicated=True, into_planes=planes, agreed=agreed,
+                                       works=works)
         else:
             delta = voter.sharded_vote(pieces, s, group, device, "step (FSDP2 reduce-scatter)", fused_for,
                                        into_planes=planes, agreed=agreed, works=works)
@@ -673,16 +676,18 @@ def fsdp_vote(att):
         verdicts = fused_for.many([t[1] for t in todo], [t[0] for t in todo])
         return [(g, m, c, f) for (g, m, c, *_), f in zip(todo, verdicts)]
 
-    if agreed is not None:
-        step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
+    step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
+    if not hsdp:
         step_vote.update_state(momenta(), [])
         step_vote.wait_votes(works)
 
     def apply() -> None:
+        if hsdp:
+            step_vote.update_state(momenta(), [])
+            step_vote.wait_votes(works)
         applies = [(local, d, coefs) for _, _, coefs, local, d, own in todo if own]
         a_verdicts = fused_for.many([a[0] for a in applies], [a[1] for a in applies])
-        step_vote.update_state([] if agreed is not None else momenta(),
-                               [(x, d, c, f) for (x, d, c), f in zip(applies, a_verdicts)])
+        step_vote.update_state([], [(x, d, c, f) for (x, d, c), f in zip(applies, a_verdicts)])
 
     return apply
 

@@ -403,10 +403,9 @@ def _vote_units(units, grads, agreed: Optional[list] = None, works: Optional[lis
     call, their shards end to end in each of its shards, while its planes
     stay within step_vote.chunk_limit (a larger unit is a call of its own).
     Changes no state; raises step_vote.NonFinite if any rank had a
-    non-finite direction. ``agreed`` and ``works`` (not hybrid): every
-    reduce-scatter is left in flight, its agreement and future in those
-    lists (Voter.reduce_scatter), and Delta is read once the caller has
-    waited for them."""
+    non-finite direction. ``agreed`` and ``works``: every call is left in
+    flight, its agreement and future in those lists (Voter.sharded_vote),
+    and Delta is read once the caller has waited for them."""
     deltas = []
 
     def group_of(unit):
@@ -425,7 +424,7 @@ def _vote_units(units, grads, agreed: Optional[list] = None, works: Optional[lis
         if first.hybrid:
             delta = opt.voter.sharded_vote(pieces, s, first.replicas, first.device, "step (FSDP1 hybrid: the "
                                            "replicas' all-reduce)", step_vote.fused_verdicts(opt), replicated=True,
-                                           into_planes=planes)
+                                           into_planes=planes, agreed=agreed, works=works)
         else:
             delta = opt.voter.sharded_vote(pieces, s, first.group, first.device, "step (FSDP1)",
                                            step_vote.fused_verdicts(opt), into_planes=planes, agreed=agreed,
@@ -645,11 +644,12 @@ class FSDP1Attachment(Attachment):
         return lambda: step_vote.update_state([], applies)
 
     @staticmethod
-    def _applier(units, grads, deltas):
+    def _applier(units, grads, deltas, works):
         """Hybrid: the function that applies voted deltas once the node's
-        ranks agreed: the units' momenta from their gradients, then their
-        local shards, in a few list calls (step_vote.update_state: on a GPU
-        a launch per dtype pair)."""
+        ranks agreed: the units' momenta from their gradients, while the
+        votes' bits (``works``) still move, then their local shards, in a few
+        list calls (step_vote.update_state: on a GPU a launch per dtype
+        pair)."""
 
         def apply():
             momenta, applies = [], []
@@ -657,8 +657,9 @@ class FSDP1Attachment(Attachment):
                 unit_momenta, unit_applies = _state_changes(unit, grad, delta)
                 momenta += unit_momenta
                 applies += unit_applies
-            if momenta or applies:
-                step_vote.update_state(momenta, applies)
+            step_vote.update_state(momenta, [])
+            step_vote.wait_votes(works)
+            step_vote.update_state([], applies)
 
         return apply
 
@@ -679,8 +680,10 @@ class FSDP1Attachment(Attachment):
             self.vote_hybrid, self.replicas, self.units[0].group, device, "FSDP1 hybrid"), None)
 
     def vote_hybrid(self):
-        """Votes every hybrid unit with a gradient, changing nothing; returns
-        the function that applies the step."""
+        """Starts the vote of every hybrid unit with a gradient and waits
+        until every call is agreed to, changing nothing; returns the function
+        that applies the step once the node's ranks agreed (the momenta
+        while the bits still move, then the shards)."""
         _check_synchronized(self.units, "step()")
         units, grads = [], []
         for unit in self.units:
@@ -689,8 +692,10 @@ class FSDP1Attachment(Attachment):
                 _local_shard(unit)  # before any collective
                 units.append(unit)
                 grads.append(g)
-        deltas = _vote_units(units, grads)
-        return self._applier(units, grads, deltas)
+        agreed, works = [], []
+        deltas = _vote_units(units, grads, agreed, works)
+        step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
+        return self._applier(units, grads, deltas, works)
 
     def momenta(self):
         out = []

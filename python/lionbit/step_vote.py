@@ -411,14 +411,17 @@ def gather_flags(flags: torch.Tensor, group) -> torch.Tensor:
 
 def node_agreed(vote: Callable[[], Callable[[], None]], replicas, shard_group, device, what: str):
     """Hybrid sharding (FSDP2 HSDP, FSDP1 HYBRID_SHARD): ``vote()`` (the
-    replicas' votes of this rank's shards), then the ranks of each node agree
-    whether to step. A vote's header round tells only the replicas of one
-    shard that a direction was non-finite; the ranks of a node hold different
-    shards of one worker, which must step or skip together (a GradScaler
-    skip, or the error, on every rank). One round of world-size flags
-    over ``shard_group`` (inside the node, gather_flags) carries the non-finite ranks
-    (global numbers) and any other failure of a rank's vote. Returns what
-    ``vote()`` returned; raises :class:`NonFinite` on every rank alike."""
+    replicas' votes of this rank's shards, returning once every rank agreed
+    to them: their header rounds), then the ranks of each node agree
+    whether to step, while the votes' bits still move. A vote's header round
+    tells only the replicas of one shard that a direction was non-finite;
+    the ranks of a node hold different shards of one worker, which must step
+    or skip together (a GradScaler skip, or the error, on every rank). One
+    round of world-size flags over ``shard_group`` (inside the node,
+    gather_flags) carries the non-finite ranks (global numbers) and any
+    other failure of a rank's vote up to its agreement. Returns what
+    ``vote()`` returned (which waits for the bits); raises
+    :class:`NonFinite` on every rank alike."""
     world = dist.get_world_size()
     flags = torch.zeros(world + 1, dtype=torch.int32, device=device)
     apply, failure = None, None

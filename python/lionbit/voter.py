@@ -112,7 +112,8 @@ class Voter:
         the ranks that had a non-finite direction. ``agreed`` and ``works``
         (the reduce-scatter): the call is left in flight, its agreement and
         future in those lists (:meth:`reduce_scatter`); the caller waits for
-        them (step_vote.wait_votes) before it reads Delta. ``fused_for(m, g)``:
+        them (step_vote.wait_votes) before it reads Delta; with ``replicated``,
+        the all-reduce's (:meth:`all_reduce`). ``fused_for(m, g)``:
         whether the fused kernels serve a pair (a step_vote.FusedVerdicts)."""
         sign, zero = self.shard_planes(1 if replicated else group.size(), shard_numel, device)
         nans, items = 0, []
@@ -134,8 +135,12 @@ class Voter:
             delta = torch.empty(shard_numel, dtype=self.delta_dtype, device=device)
         try:
             if replicated:
-                self.all_reduce(sign, zero, shard_numel, nans, delta, group, where, out_planes=into_planes,
-                                nans_tally=tally).wait()
+                fut = self.all_reduce(sign, zero, shard_numel, nans, delta, group, where, out_planes=into_planes,
+                                      nans_tally=tally, agreed=agreed)
+                if works is None:
+                    fut.wait()
+                else:
+                    works.append(fut)
             else:
                 self.reduce_scatter(sign, zero, shard_numel, nans, delta, group, where, out_planes=into_planes,
                                     nans_tally=tally, agreed=agreed, works=works)

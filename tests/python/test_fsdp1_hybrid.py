@@ -174,7 +174,8 @@ def _run(rank, cfg, groups, mesh, path):
 
 def _nan_and_sync(rank, groups) -> dict:
     """A NaN gradient on rank 1 only, without a GradScaler: step() raises on
-    every rank and nothing changes anywhere; then momentum_sync=1 (the nodes'
+    every rank and nothing changes anywhere (a NaN loss, then a NaN in one
+    element of rank 1's shard alone); then momentum_sync=1 (the nodes'
     momenta averaged over the inter-node group after every step)."""
     import lionbit
 
@@ -200,6 +201,20 @@ def _nan_and_sync(rank, groups) -> dict:
     except RuntimeError as err:
         out["nan"] = str(err)
     out["nan_changed_nothing"] = all(torch.equal(a, b) for a, b in zip(before, state()))
+    opt.zero_grad()
+    # A NaN in rank 1's shard alone (an in-place edit of its sharded p.grad): only the vote of
+    # that shard's replicas (ranks 1 and 3) sees it; node 0's other shard (rank 0's vote with
+    # rank 2) is clean, and rank 0 and rank 2 must not change either.
+    _loss(model, rank, 2).backward()
+    if rank == 1:
+        g = next(p.grad for p in model.parameters() if p.grad is not None and p.grad.numel())
+        g.view(-1)[0] = float("nan")
+    try:
+        opt.step()
+        out["nan_one_shard"] = "no error"
+    except RuntimeError as err:
+        out["nan_one_shard"] = str(err)
+    out["one_shard_changed_nothing"] = all(torch.equal(a, b) for a, b in zip(before, state()))
     opt.zero_grad()
 
     model = _wrap(cfg, groups, None)
@@ -341,5 +356,8 @@ def test_fsdp1_hybrid_nan_changes_nothing_and_momentum_sync(runs):
         assert f"DistributedLion.step on rank {rank}: non-finite gradient (inf or NaN) on rank(s) [0, 1]" in r["nan"], r
         assert "no parameter or momentum changed on any rank" in r["nan"], r
         assert r["nan_changed_nothing"], rank
+        assert f"DistributedLion.step on rank {rank}: non-finite gradient (inf or NaN) on rank(s) [1]" in \
+            r["nan_one_shard"], r
+        assert r["one_shard_changed_nothing"], rank
     for shard in range(L):  # the replicas of a shard hold the same (averaged) momentum
         assert extra[shard]["synced"] == extra[L + shard]["synced"]
