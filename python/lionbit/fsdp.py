@@ -595,7 +595,7 @@ class _UnitVote(NamedTuple):
     entries: list  # (g, m, coefs, local shard, element of the chunk, elements) per parameter
 
 
-def fsdp_vote(att):
+def fsdp_vote(att, settle: bool = False):
     """Votes the step: per unit in the order of its
     reduce-scatter in backward, the directions of the parameters that have
     a gradient, packed in FSDP's chunk layout, and the collective of the
@@ -608,7 +608,8 @@ def fsdp_vote(att):
     every rank has agreed to every call (their header rounds), while the
     shards still move; returns the function that applies Delta to the local
     shards (on HSDP, called once the node's ranks agreed: it updates the
-    momenta first, while the bits still move, then waits for them). Raises
+    momenta first, while the bits still move, then waits for them;
+    ``settle``: the bits are in before this returns). Raises
     step_vote.NonFinite (on every rank alike), changing nothing."""
     opt = att.opt
     att.stepped = True
@@ -677,6 +678,8 @@ def fsdp_vote(att):
         return [(g, m, c, f) for (g, m, c, *_), f in zip(todo, verdicts)]
 
     step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
+    if settle:
+        step_vote.wait_votes(works)
     if not hsdp:
         step_vote.update_state(momenta(), [])
         step_vote.wait_votes(works)
@@ -714,7 +717,9 @@ def _node_agreed_vote(att):
     """HSDP: :func:`fsdp_vote`, then the ranks of each node agree whether to
     step (lionbit.step_vote.node_agreed)."""
     device = next(iter(att.managed)).device
-    return step_vote.node_agreed(lambda: fsdp_vote(att), att.replicas, att.dp.shard_group, device, "FSDP2, HSDP")
+    settle = not step_vote.flags_on_cpu(att.dp.shard_group)  # (the node's round then runs on the device)
+    return step_vote.node_agreed(lambda: fsdp_vote(att, settle), att.replicas, att.dp.shard_group, device,
+                                 "FSDP2, HSDP")
 
 
 # -- checkpoints --------------------------------------------------------------

@@ -676,14 +676,16 @@ class FSDP1Attachment(Attachment):
                 f"not supported with hybrid sharding"
             )
         device = self.units[0].device
+        settle = not step_vote.flags_on_cpu(self.units[0].group)  # (the node's round then runs on the device)
         return step_vote.voted_step(self.opt, grad_scaler, lambda: step_vote.node_agreed(
-            self.vote_hybrid, self.replicas, self.units[0].group, device, "FSDP1 hybrid"), None)
+            lambda: self.vote_hybrid(settle), self.replicas, self.units[0].group, device, "FSDP1 hybrid"), None)
 
-    def vote_hybrid(self):
+    def vote_hybrid(self, settle: bool = False):
         """Starts the vote of every hybrid unit with a gradient and waits
-        until every call is agreed to, changing nothing; returns the function
-        that applies the step once the node's ranks agreed (the momenta
-        while the bits still move, then the shards)."""
+        until every call is agreed to (``settle``: until its bits are in),
+        changing nothing; returns the function that applies the step once
+        the node's ranks agreed (the momenta while the bits still move, then
+        the shards)."""
         _check_synchronized(self.units, "step()")
         units, grads = [], []
         for unit in self.units:
@@ -695,6 +697,8 @@ class FSDP1Attachment(Attachment):
         agreed, works = [], []
         deltas = _vote_units(units, grads, agreed, works)
         step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
+        if settle:
+            step_vote.wait_votes(works)
         return self._applier(units, grads, deltas, works)
 
     def momenta(self):

@@ -409,6 +409,23 @@ def gather_flags(flags: torch.Tensor, group) -> torch.Tensor:
     return out.view(n, -1)
 
 
+_CPU = torch.device("cpu")
+
+
+def flags_on_cpu(group) -> bool:
+    """Whether a round of flags over ``group`` can run on the CPU (the
+    group has a CPU backend: a lionbit group, or "cpu:gloo,cuda:..."): no
+    device sync, and on a GPU nothing in the device's streams, so it can run
+    while the votes' bits move on other communicators (NCCL does not promise
+    progress to collectives of two communicators whose kernels overlap in a
+    different order on different ranks)."""
+    try:
+        torch_internals.backend_object(group, _CPU)
+    except RuntimeError:
+        return False
+    return True
+
+
 def node_agreed(vote: Callable[[], Callable[[], None]], replicas, shard_group, device, what: str):
     """Hybrid sharding (FSDP2 HSDP, FSDP1 HYBRID_SHARD): ``vote()`` (the
     replicas' votes of this rank's shards, returning once every rank agreed
@@ -419,11 +436,12 @@ def node_agreed(vote: Callable[[], Callable[[], None]], replicas, shard_group, d
     or skip together (a GradScaler skip, or the error, on every rank). One
     round of world-size flags over ``shard_group`` (inside the node,
     gather_flags) carries the non-finite ranks (global numbers) and any
-    other failure of a rank's vote up to its agreement. Returns what
-    ``vote()`` returned (which waits for the bits); raises
-    :class:`NonFinite` on every rank alike."""
+    other failure of a rank's vote up to its agreement; on the CPU (where
+    :func:`flags_on_cpu`), else on ``device``, and then ``vote()`` must wait
+    for its bits before it returns. Returns what ``vote()`` returned (which
+    waits for the bits); raises :class:`NonFinite` on every rank alike."""
     world = dist.get_world_size()
-    flags = torch.zeros(world + 1, dtype=torch.int32, device=device)
+    flags = torch.zeros(world + 1, dtype=torch.int32, device=_CPU if flags_on_cpu(shard_group) else device)
     apply, failure = None, None
     try:
         apply = vote()

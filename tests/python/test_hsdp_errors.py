@@ -3,17 +3,32 @@ non-finite gradient on one rank (every rank of the mesh raises naming it,
 nothing changed anywhere, training goes on), a momentum synchronization
 (over the replicate group: the nodes' momenta), and what attach refuses."""
 
+import pytest
 import torch
 
 from harness import run_ranks, values
 from test_hsdp import LION, L, M, _config, _hsdp_model, _loss
 
 
-def hsdp_cases(rank, world_size):
+def hsdp_cases(rank, world_size, device_round=False):
+    """``device_round``: as where the shard group has no CPU backend (the
+    node's round of flags on the parameters' device, after the votes' bits
+    are in: step_vote.flags_on_cpu False)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import lionbit
+    from lionbit import step_vote
 
+    on_cpu = step_vote.flags_on_cpu
+    if device_round:
+        step_vote.flags_on_cpu = lambda group: False
+    try:
+        return _hsdp_cases(rank, world_size, lionbit, init_device_mesh)
+    finally:
+        step_vote.flags_on_cpu = on_cpu
+
+
+def _hsdp_cases(rank, world_size, lionbit, init_device_mesh):
     mesh = init_device_mesh("cpu", (M, L), mesh_dim_names=("replicate", "shard"))
     out = {}
 
@@ -66,8 +81,10 @@ def hsdp_cases(rank, world_size):
     return out
 
 
-def test_hsdp_nan_momentum_sync_and_refusals():
-    res = values(run_ranks("test_hsdp_errors:hsdp_cases", M * L, timeout=240))
+@pytest.mark.parametrize("device_round", [False, True])
+def test_hsdp_nan_momentum_sync_and_refusals(device_round):
+    res = values(run_ranks("test_hsdp_errors:hsdp_cases", M * L, kwargs=dict(device_round=device_round),
+                           timeout=240))
     for rank, r in enumerate(res):
         assert f"DistributedLion.step on rank {rank}: non-finite gradient (inf or NaN) on rank(s) [1]" in r["nan"], r
         assert "no parameter or momentum changed on any rank" in r["nan"], r
