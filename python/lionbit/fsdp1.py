@@ -631,6 +631,11 @@ class FSDP1Attachment(Attachment):
         grads = [unit.kept for unit in units]
         agreed, works = [], []
         deltas = _vote_units(units, grads, agreed, works)
+        if entries and units and self.group is not units[0].group:
+            # The optimizer's own group: another communicator, whose calls
+            # start once the units' bits are in (no two communicators' NCCL
+            # kernels in flight at once, in different orders on different ranks).
+            step_vote.wait_votes(works)
         no_shard = self.start_vote(entries, agreed, works)
         momenta, applies = [], []
         for unit, grad, delta in zip(units, grads, deltas):

@@ -182,14 +182,16 @@ def fsdp1_checkpoint(rank, world_size, path):
     return out
 
 
-def nan_in_one_call(rank, world_size, strategies, layer):
+def nan_in_one_call(rank, world_size, strategies, layer, own_group=False):
     """A user's loop whose step() votes in several calls (one a unit: a small
     chunk limit) and whose step 1 gives rank 1 a NaN gradient in ``layer``
     alone (a backward pre-hook, as a bad kernel would: the layers below
     get NaN gradients too, the layers above none): every rank raises
     naming rank 1 and changes nothing, though the other calls were agreed
     to; training goes on, bitwise equal to DDP's loop with the same NaN.
-    ``strategies``: FSDP1's sharding strategy of a, b and the root."""
+    ``strategies``: FSDP1's sharding strategy of a, b and the root;
+    ``own_group``: the optimizer votes over a group of its own (the
+    NO_SHARD call then starts once the sharded calls' bits are in)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -235,7 +237,8 @@ def nan_in_one_call(rank, world_size, strategies, layer):
         net.a = FSDP(net.a, sharding_strategy=getattr(ShardingStrategy, strategies[0]), **kw)
         net.b = FSDP(net.b, sharding_strategy=getattr(ShardingStrategy, strategies[1]), **kw)
         model = FSDP(net, sharding_strategy=getattr(ShardingStrategy, strategies[2]), **kw)
-        opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
+        group = torch.distributed.new_group(backend="lionbit") if own_group else None
+        opt = lionbit.DistributedLion(model.parameters(), group=group, **LION).attach(model)
         units = opt.attachment.units
 
         def momenta():
@@ -248,6 +251,8 @@ def nan_in_one_call(rank, world_size, strategies, layer):
 
         inner = model.module
         got = train(model, opt, inner, lambda: _params(model), momenta)
+        if group is not None:
+            torch.distributed.destroy_process_group(group)
     finally:
         step_vote.CHUNK_ELEMENTS = limit
     return {
@@ -261,15 +266,17 @@ def nan_in_one_call(rank, world_size, strategies, layer):
 
 
 @pytest.mark.parametrize(
-    "strategies,layer",
+    "strategies,layer,own_group",
     [
-        (("FULL_SHARD", "FULL_SHARD", "FULL_SHARD"), "a"),  # a's call: the step's last
-        (("FULL_SHARD", "FULL_SHARD", "FULL_SHARD"), "head"),  # the root's call: its first
-        (("NO_SHARD", "FULL_SHARD", "SHARD_GRAD_OP"), "a"),  # the NO_SHARD vote, after every sharded call
+        (("FULL_SHARD", "FULL_SHARD", "FULL_SHARD"), "a", False),  # a's call: the step's last
+        (("FULL_SHARD", "FULL_SHARD", "FULL_SHARD"), "head", False),  # the root's call: its first
+        (("NO_SHARD", "FULL_SHARD", "SHARD_GRAD_OP"), "a", False),  # the NO_SHARD vote, after every sharded call
+        (("NO_SHARD", "FULL_SHARD", "SHARD_GRAD_OP"), "a", True),  # the same over the optimizer's own group
     ],
 )
-def test_fsdp1_nan_in_one_call_changes_nothing(strategies, layer):
-    res = values(run_ranks("test_fsdp1:nan_in_one_call", 2, kwargs=dict(strategies=strategies, layer=layer)))
+def test_fsdp1_nan_in_one_call_changes_nothing(strategies, layer, own_group):
+    res = values(run_ranks("test_fsdp1:nan_in_one_call", 2, kwargs=dict(strategies=strategies, layer=layer,
+                                                                         own_group=own_group)))
     for r in res:
         assert len(r["errors"]) == 1 and "non-finite gradient (inf or NaN) on rank(s) [1]" in r["errors"][0], r
         assert "no parameter or momentum changed on any rank" in r["errors"][0], r
