@@ -13,9 +13,10 @@ averaged). ``step()`` uses the gradients as they stand then:
   ``step()`` checks them and the ranks agree (one round of flags on the
   group's standard path, beside the votes still moving): if no rank's
   gradients changed and no rank had a non-finite direction, the votes
-  started in backward are the step's, and each bucket's parameters are
-  updated as soon as its vote is in, while the last buckets' votes still
-  move. If any rank's gradients changed (clipping, unscaling, any in-place
+  started in backward are the step's: every momentum is updated at once
+  (one list call a dtype pair, not one a bucket), and each bucket's
+  parameters as soon as its vote is in, while the last buckets' votes
+  still move. If any rank's gradients changed (clipping, unscaling, any in-place
   edit), those votes are dropped, ``step()`` votes the directions of the
   changed gradients, logs once why, and votes at ``step()`` from then on.
 - at step (``attach(model, overlap=False)``, or after a fallback): the hook
@@ -45,7 +46,6 @@ naming join) and raises, naming the fix.
 
 import logging
 import weakref
-from functools import partial
 from itertools import accumulate, repeat
 from operator import attrgetter, is_, methodcaller
 from typing import Dict, List, Optional, Tuple
@@ -318,9 +318,9 @@ class DDPAttachment(Attachment):
 
     def _overlapped(self, started, abstain: bool):
         """The step of the votes started in backward. Every rank has said
-        its directions are finite, so each bucket's parameters are updated
-        as soon as its vote is in: the last buckets' bits still move while
-        the first buckets' parameters change."""
+        its directions are finite, so every momentum is updated at once,
+        while the last buckets' bits may still move, and each bucket's
+        parameters as soon as its vote is in."""
         coefs_of = None  # every parameter's, made for the first bucket read tensor by tensor
         # A joined rank steps the parameters it stepped last (its peers'
         # gradients decide theirs; with the same gradients present, the same).
@@ -333,7 +333,7 @@ class DDPAttachment(Attachment):
             copies, bv.copies = bv.copies, {}
             columns = None if abstain or copies else self._bucket_columns(bv, delta_of, fused_for)
             if columns is not None:
-                plan.append((bv, partial(step_vote.update_state, *columns)))
+                plan.append((bv, *columns))
                 continue
             coefs_of = coefs_of or lion_math.coefs_by_param(self.opt.param_groups)
             for p, n in zip(bv.params, bv.sizes):
@@ -352,7 +352,7 @@ class DDPAttachment(Attachment):
                     continue
                 deltas.append(delta_of(off, n))
                 off += n
-            plan.append((bv, partial(step_vote.update, entries, deltas)))
+            plan.append((bv, step_vote.momentum_items(entries), step_vote.apply_items(entries, deltas)))
         # Parameters with a gradient in none of the buckets (unfrozen after
         # DDP wrapped the model): voted now, in the optimizer's order, as at
         # step() (entries(False) also records this step's layout; a joined
@@ -363,17 +363,18 @@ class DDPAttachment(Attachment):
         rest = [] if abstain and self.layout is None else self.entries(abstain, in_buckets)
         apply_rest = self.vote([e for e in rest if e.param not in in_buckets])
         def apply():
-            for i, (bv, update) in enumerate(plan):
+            step_vote.update_state([m for _, momenta, _ in plan for m in momenta], [])
+            for i, (bv, _, applies) in enumerate(plan):
                 try:
                     bv.work.wait()
                 except (RuntimeError, ValueError):
                     # Not a non-finite direction (every rank said so): a lost
                     # peer. The buckets before this one are stepped.
-                    _drain([b for b, _ in plan[i + 1 :]])
+                    _drain([b for b, _, _ in plan[i + 1 :]])
                     raise
                 finally:
                     bv.work = None
-                update()
+                step_vote.update_state([], applies)
             apply_rest()
 
         return apply
