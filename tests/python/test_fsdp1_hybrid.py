@@ -188,6 +188,15 @@ def _nan_and_sync(rank, groups) -> dict:
             m.clone() for m in opt.local_state_dict()["momentum"].values()
         ]
 
+    def step_error():
+        """step()'s error, and whether it changed anything."""
+        try:
+            opt.step()
+            said = "no error"
+        except RuntimeError as err:
+            said = str(err)
+        return said, all(torch.equal(a, b) for a, b in zip(before, state()))
+
     _loss(model, rank, 0).backward()
     opt.step()
     opt.zero_grad()
@@ -195,12 +204,7 @@ def _nan_and_sync(rank, groups) -> dict:
     loss = _loss(model, rank, 1)
     (loss * float("nan") if rank == 1 else loss).backward()
     out = {}
-    try:
-        opt.step()
-        out["nan"] = "no error"
-    except RuntimeError as err:
-        out["nan"] = str(err)
-    out["nan_changed_nothing"] = all(torch.equal(a, b) for a, b in zip(before, state()))
+    out["nan"], out["nan_changed_nothing"] = step_error()
     opt.zero_grad()
     # A NaN in rank 1's shard alone (an in-place edit of its sharded p.grad): only the vote of
     # that shard's replicas (ranks 1 and 3) sees it; node 0's other shard (rank 0's vote with
@@ -209,12 +213,7 @@ def _nan_and_sync(rank, groups) -> dict:
     if rank == 1:
         g = next(p.grad for p in model.parameters() if p.grad is not None and p.grad.numel())
         g.view(-1)[0] = float("nan")
-    try:
-        opt.step()
-        out["nan_one_shard"] = "no error"
-    except RuntimeError as err:
-        out["nan_one_shard"] = str(err)
-    out["one_shard_changed_nothing"] = all(torch.equal(a, b) for a, b in zip(before, state()))
+    out["nan_one_shard"], out["one_shard_changed_nothing"] = step_error()
     opt.zero_grad()
 
     model = _wrap(cfg, groups, None)
