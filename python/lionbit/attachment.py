@@ -127,13 +127,13 @@ class Attachment:
         return lambda: step_vote.apply_deltas(entries, deltas)
 
     def start_vote(self, entries, agreed: list, works: list) -> list:
-        """Starts the vote of ``entries`` beside the step's other calls
-        (step_vote.start_chunks: their agreements and futures appended to
-        ``agreed`` and ``works``, for the caller to wait for); returns their
-        Delta views. Changes no state."""
+        """Starts the vote of ``entries``, which :meth:`check_entries`
+        accepted, beside the step's other calls (step_vote.start_chunks:
+        their agreements and futures appended to ``agreed`` and ``works``,
+        for the caller to wait for); returns their Delta views. Changes no
+        state."""
         if not entries:
             return []
-        self.check_entries(entries)
         return step_vote.start_chunks(self.opt, entries, self.group, "step", self.buffers, agreed, works)
 
     def check_entries(self, entries) -> None:

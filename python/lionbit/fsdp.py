@@ -664,11 +664,10 @@ def fsdp_vote(att, settle: bool = False):
         planes = voter.votes_into_planes(device, att.replicas if hsdp else group)
         if hsdp:
             delta = voter.sharded_vote(pieces, s, att.replicas, device, "step (HSDP all-reduce over the replicate "
-                                       "group)", fused_for, replicated=True, into_planes=planes, agreed=agreed,
-                                       works=works)
+                                       "group)", fused_for, agreed, works, replicated=True, into_planes=planes)
         else:
-            delta = voter.sharded_vote(pieces, s, group, device, "step (FSDP2 reduce-scatter)", fused_for,
-                                       into_planes=planes, agreed=agreed, works=works)
+            delta = voter.sharded_vote(pieces, s, group, device, "step (FSDP2 reduce-scatter)", fused_for, agreed,
+                                       works, into_planes=planes)
         delta_of = lion_math.delta_views(delta, planes)
         for u, base in zip(run, bases):
             todo += [(g, m, coefs, local, delta_of(base + off, own), own) for g, m, coefs, local, off, own in u.entries]
@@ -717,8 +716,7 @@ def _node_agreed_vote(att):
     """HSDP: :func:`fsdp_vote`, then the ranks of each node agree whether to
     step (lionbit.step_vote.node_agreed)."""
     device = next(iter(att.managed)).device
-    settle = not step_vote.flags_on_cpu(att.dp.shard_group)  # (the node's round then runs on the device)
-    return step_vote.node_agreed(lambda: fsdp_vote(att, settle), att.replicas, att.dp.shard_group, device,
+    return step_vote.node_agreed(lambda settle: fsdp_vote(att, settle), att.replicas, att.dp.shard_group, device,
                                  "FSDP2, HSDP")
 
 

@@ -392,7 +392,7 @@ def _shard_grad(unit: _Unit) -> Optional[torch.Tensor]:
     return g.view(-1) if g.is_contiguous() else g.contiguous().view(-1)
 
 
-def _vote_units(units, grads, agreed: Optional[list] = None, works: Optional[list] = None) -> list:
+def _vote_units(units, grads, agreed: list, works: list) -> list:
     """The vote of the directions of each unit's gradient in ``grads`` (the
     kept gradient; hybrid: its shard of the node's mean): this rank's shard
     of Delta per unit, as (element, count) -> Delta of those elements of the
@@ -402,10 +402,9 @@ def _vote_units(units, grads, agreed: Optional[list] = None, works: Optional[lis
     their replicas). Consecutive units of one group and device share one
     call, their shards end to end in each of its shards, while its planes
     stay within step_vote.chunk_limit (a larger unit is a call of its own).
-    Changes no state; raises step_vote.NonFinite if any rank had a
-    non-finite direction. ``agreed`` and ``works``: every call is left in
-    flight, its agreement and future in those lists (Voter.sharded_vote),
-    and Delta is read once the caller has waited for them."""
+    Changes no state. Every call is left in flight, its agreement and
+    future appended to ``agreed`` and ``works`` (Voter.sharded_vote), and
+    Delta is read once the caller has waited for them."""
     deltas = []
 
     def group_of(unit):
@@ -423,12 +422,11 @@ def _vote_units(units, grads, agreed: Optional[list] = None, works: Optional[lis
         planes = opt.voter.votes_into_planes(first.device, group_of(first))
         if first.hybrid:
             delta = opt.voter.sharded_vote(pieces, s, first.replicas, first.device, "step (FSDP1 hybrid: the "
-                                           "replicas' all-reduce)", step_vote.fused_verdicts(opt), replicated=True,
-                                           into_planes=planes, agreed=agreed, works=works)
+                                           "replicas' all-reduce)", step_vote.fused_verdicts(opt), agreed, works,
+                                           replicated=True, into_planes=planes)
         else:
             delta = opt.voter.sharded_vote(pieces, s, first.group, first.device, "step (FSDP1)",
-                                           step_vote.fused_verdicts(opt), into_planes=planes, agreed=agreed,
-                                           works=works)
+                                           step_vote.fused_verdicts(opt), agreed, works, into_planes=planes)
         delta_of = lion_math.delta_views(delta, planes)
         for _, base in zip(run, bases):
             deltas.append(lambda at, n, base=base, delta_of=delta_of: delta_of(base + at, n))
@@ -454,6 +452,16 @@ def _state_changes(unit: _Unit, grad: torch.Tensor, delta):
         if lo < hi:
             xs, ds = x[lo - base : hi - base], delta(lo - base, hi - lo)
             applies.append((xs, ds, coefs, fused_for(xs, ds)))
+    return momenta, applies
+
+
+def _all_state_changes(units, grads, deltas):
+    """:func:`_state_changes` of every unit, as two lists (momenta, applies)."""
+    momenta, applies = [], []
+    for unit, grad, delta in zip(units, grads, deltas):
+        unit_momenta, unit_applies = _state_changes(unit, grad, delta)
+        momenta += unit_momenta
+        applies += unit_applies
     return momenta, applies
 
 
@@ -637,11 +645,7 @@ class FSDP1Attachment(Attachment):
             # kernels in flight at once, in different orders on different ranks).
             step_vote.wait_votes(works)
         no_shard = self.start_vote(entries, agreed, works)
-        momenta, applies = [], []
-        for unit, grad, delta in zip(units, grads, deltas):
-            unit_momenta, unit_applies = _state_changes(unit, grad, delta)
-            momenta += unit_momenta
-            applies += unit_applies
+        momenta, applies = _all_state_changes(units, grads, deltas)
         applies += step_vote.apply_items(entries, no_shard)
         step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
         step_vote.update_state(momenta + step_vote.momentum_items(entries), [])
@@ -657,11 +661,7 @@ class FSDP1Attachment(Attachment):
         pair)."""
 
         def apply():
-            momenta, applies = [], []
-            for unit, grad, delta in zip(units, grads, deltas):
-                unit_momenta, unit_applies = _state_changes(unit, grad, delta)
-                momenta += unit_momenta
-                applies += unit_applies
+            momenta, applies = _all_state_changes(units, grads, deltas)
             step_vote.update_state(momenta, [])
             step_vote.wait_votes(works)
             step_vote.update_state([], applies)
@@ -681,9 +681,8 @@ class FSDP1Attachment(Attachment):
                 f"not supported with hybrid sharding"
             )
         device = self.units[0].device
-        settle = not step_vote.flags_on_cpu(self.units[0].group)  # (the node's round then runs on the device)
         return step_vote.voted_step(self.opt, grad_scaler, lambda: step_vote.node_agreed(
-            lambda: self.vote_hybrid(settle), self.replicas, self.units[0].group, device, "FSDP1 hybrid"), None)
+            self.vote_hybrid, self.replicas, self.units[0].group, device, "FSDP1 hybrid"), None)
 
     def vote_hybrid(self, settle: bool = False):
         """Starts the vote of every hybrid unit with a gradient and waits

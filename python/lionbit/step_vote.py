@@ -426,25 +426,27 @@ def flags_on_cpu(group) -> bool:
     return True
 
 
-def node_agreed(vote: Callable[[], Callable[[], None]], replicas, shard_group, device, what: str):
-    """Hybrid sharding (FSDP2 HSDP, FSDP1 HYBRID_SHARD): ``vote()`` (the
-    replicas' votes of this rank's shards, returning once every rank agreed
-    to them: their header rounds), then the ranks of each node agree
-    whether to step, while the votes' bits still move. A vote's header round
+def node_agreed(vote: Callable[[bool], Callable[[], None]], replicas, shard_group, device, what: str):
+    """Hybrid sharding (FSDP2 HSDP, FSDP1 HYBRID_SHARD): ``vote(settle)``
+    (the replicas' votes of this rank's shards, returning once every rank
+    agreed to them: their header rounds; with ``settle``, once their bits
+    are in too), then the ranks of each node agree whether to step, while
+    the votes' bits still move. A vote's header round
     tells only the replicas of one shard that a direction was non-finite;
     the ranks of a node hold different shards of one worker, which must step
     or skip together (a GradScaler skip, or the error, on every rank). One
     round of world-size flags over ``shard_group`` (inside the node,
     gather_flags) carries the non-finite ranks (global numbers) and any
     other failure of a rank's vote up to its agreement; on the CPU (where
-    :func:`flags_on_cpu`), else on ``device``, and then ``vote()`` must wait
-    for its bits before it returns. Returns what ``vote()`` returned (which
-    waits for the bits); raises :class:`NonFinite` on every rank alike."""
+    :func:`flags_on_cpu`), else on ``device``, after the bits are in (the
+    vote settles). Returns what ``vote()`` returned (which waits for the
+    bits); raises :class:`NonFinite` on every rank alike."""
     world = dist.get_world_size()
-    flags = torch.zeros(world + 1, dtype=torch.int32, device=_CPU if flags_on_cpu(shard_group) else device)
+    on_cpu = flags_on_cpu(shard_group)
+    flags = torch.zeros(world + 1, dtype=torch.int32, device=_CPU if on_cpu else device)
     apply, failure = None, None
     try:
-        apply = vote()
+        apply = vote(not on_cpu)
     except NonFinite as bad:
         for r in bad.ranks:
             flags[dist.get_global_rank(replicas, r)] = 1

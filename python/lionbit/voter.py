@@ -94,8 +94,8 @@ class Voter:
         return lion_math.planes(lion_math.shard_bit(shards, shard_numel), device, self.bits)
 
     def sharded_vote(self, pieces, shard_numel: int, group, device, where: str, fused_for,
-                     replicated: bool = False, into_planes: bool = False, agreed: Optional[list] = None,
-                     works: Optional[list] = None) -> torch.Tensor:
+                     agreed: list, works: list, replicated: bool = False,
+                     into_planes: bool = False) -> torch.Tensor:
         """The vote of directions laid out in N shards of ``shard_numel``
         elements (FSDP2's chunks, FSDP1's flat parameter), as a sign
         reduce-scatter: this rank's shard of Delta (``into_planes``, where
@@ -108,12 +108,11 @@ class Voter:
         gradient and momentum (only read) with its hyperparameters, and
         spans (r, start, length, at): elements [start, start + length) of g
         and m go to shard r at element ``at``. "l1" scales each piece over
-        all its spans. Changes no state; raises step_vote.NonFinite naming
-        the ranks that had a non-finite direction. ``agreed`` and ``works``
-        (the reduce-scatter): the call is left in flight, its agreement and
-        future in those lists (:meth:`reduce_scatter`); the caller waits for
-        them (step_vote.wait_votes) before it reads Delta; with ``replicated``,
-        the all-reduce's (:meth:`all_reduce`). ``fused_for(m, g)``:
+        all its spans. Changes no state. The call is left in flight, its
+        agreement (:meth:`all_reduce`'s) and future appended to ``agreed``
+        and ``works``; the caller waits for them (step_vote.wait_votes,
+        which raises step_vote.NonFinite naming the ranks that had a
+        non-finite direction) before it reads Delta. ``fused_for(m, g)``:
         whether the fused kernels serve a pair (a step_vote.FusedVerdicts)."""
         sign, zero = self.shard_planes(1 if replicated else group.size(), shard_numel, device)
         nans, items = 0, []
@@ -134,16 +133,9 @@ class Voter:
         else:
             delta = torch.empty(shard_numel, dtype=self.delta_dtype, device=device)
         try:
-            if replicated:
-                fut = self.all_reduce(sign, zero, shard_numel, nans, delta, group, where, out_planes=into_planes,
-                                      nans_tally=tally, agreed=agreed)
-                if works is None:
-                    fut.wait()
-                else:
-                    works.append(fut)
-            else:
-                self.reduce_scatter(sign, zero, shard_numel, nans, delta, group, where, out_planes=into_planes,
-                                    nans_tally=tally, agreed=agreed, works=works)
+            start = self.all_reduce if replicated else self.reduce_scatter
+            works.append(start(sign, zero, shard_numel, nans, delta, group, where, out_planes=into_planes,
+                               nans_tally=tally, agreed=agreed))
         except (RuntimeError, ValueError) as err:
             ranks = nonfinite_ranks(err)
             if ranks is None:
@@ -210,14 +202,11 @@ class Voter:
         return work.get_future()
 
     def reduce_scatter(self, sign, zero, shard_numel: int, nans: int, delta: torch.Tensor, group, where: str,
-                       out_planes: bool = False, nans_tally=None, agreed: Optional[list] = None,
-                       works: Optional[list] = None) -> None:
-        """The FSDP reduce-scatter of packed directions (``zero`` is None for
-        "l1"): this rank's shard of Delta into ``delta`` (``out_planes``: as
-        :meth:`all_reduce`'s, of the shard); waits, unless given the lists
-        ``agreed`` and ``works``: then they receive the call's agreement (as
-        :meth:`all_reduce`'s) and its future, and the caller waits.
-        ``nans_tally``: as :meth:`all_reduce`'s (sign planes only)."""
+                       out_planes: bool = False, nans_tally=None, agreed: Optional[list] = None):
+        """Starts the FSDP reduce-scatter of packed directions (``zero`` is
+        None for "l1"): this rank's shard of Delta into ``delta``; returns its
+        future. ``out_planes``, ``agreed``: as :meth:`all_reduce`'s, of the
+        shard; ``nans_tally``: as :meth:`all_reduce`'s (sign planes only)."""
         seed = self._seed()
         backend = backend_for(group, delta.device, where)
         agreement = None if agreed is None else _C.Agreement()
@@ -231,6 +220,4 @@ class Voter:
             )
         if agreed is not None:
             agreed.append(agreement)
-            works.append(work.get_future())
-            return
-        work.wait()
+        return work.get_future()
