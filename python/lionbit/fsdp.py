@@ -78,7 +78,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import lion_math, step_vote, torch_internals, user_warning
+from . import fsdp_plan, lion_math, step_vote, torch_internals, user_warning
 from ._backend import backend_for
 from .attachment import Attachment
 from .voter import end_to_end, runs
@@ -225,14 +225,17 @@ class FSDP2Attachment(Attachment):
         self.order: List[_SignReduceScatter] = []  # units in the order of their last reduce-scatters
         self.stepped = True  # a step() came after the last reduce-scatter (the next one starts a new order)
         self.comms = []
+        self.plan = fsdp_plan.FSDP2Plan()  # the step, replayed where it is the step before again
         for module, pg in installs:
             comm = _SignReduceScatter(self, pg)
             module.set_custom_reduce_scatter(comm)
             self.comms.append(comm)
         # 1-D: p.grad becomes the local gradient. HSDP: p.grad is FSDP's own (the node's mean, sharded).
-        self.hooks = [] if self.replicas is not None else [
-            p.register_post_accumulate_grad_hook(self.grad_hook) for p in self.managed
-        ]
+        self.hooks = {}  # parameter -> its grad hook's handle
+        if self.replicas is None:
+            for p in self.managed:
+                if p.requires_grad:  # (a frozen one's when it first has a gradient: fsdp_capture)
+                    self.hook(p)
 
     def is_attached_to(self, model) -> bool:
         return model is self.model
@@ -240,9 +243,10 @@ class FSDP2Attachment(Attachment):
     def detach(self) -> None:
         for comm in self.comms:
             comm.uninstall()
-        for h in self.hooks:
+        for h in self.hooks.values():
             h.remove()
-        self.comms, self.hooks, self.order, self.captured = [], [], [], {}
+        self.comms, self.hooks, self.order, self.captured = [], {}, [], {}
+        self.plan = fsdp_plan.FSDP2Plan()
 
     def reduced(self, comm: _SignReduceScatter) -> None:
         """A unit's reduce-scatter ran: note its place in the order of votes."""
@@ -250,6 +254,13 @@ class FSDP2Attachment(Attachment):
             self.order, self.stepped = [], False
         if comm not in self.order:
             self.order.append(comm)
+
+    def hook(self, p: torch.Tensor) -> None:
+        """Registers :meth:`grad_hook` on p once (torch refuses a hook on a
+        parameter that does not require a gradient: a frozen one gets its
+        hook when it first has a gradient to reduce)."""
+        if p not in self.hooks:
+            self.hooks[p] = p.register_post_accumulate_grad_hook(self.grad_hook)
 
     def grad_hook(self, p: torch.Tensor) -> None:
         """FSDP assigned p's sharded gradient (zeros): put the local one in its place."""
@@ -510,6 +521,7 @@ def fsdp_capture(att, layout, inp, out, group, where) -> None:
         if old is not None:
             full.add_(old.reshape(full.shape))
         att.captured[p] = full
+        att.hook(p)  # (a parameter frozen at attach() and trained since)
     out.zero_()
 
 
@@ -586,11 +598,12 @@ def _local_grad(att, p: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 class _UnitVote(NamedTuple):
-    """One FSDP2 unit's part of a step's vote (:func:`fsdp_vote`)."""
+    """One FSDP2 unit's part of a step's vote (:func:`_start_votes`)."""
 
     group: "dist.ProcessGroup"  # FSDP's shard group of the unit
     device: torch.device
     chunk: int  # its chunk's elements in each shard (padding included)
+    ps: list  # its sharded parameters that have a gradient
     pieces: list  # Voter.sharded_vote's pieces, laid out in the unit's own chunk
     entries: list  # (g, m, coefs, local shard, element of the chunk, elements) per parameter
 
@@ -604,15 +617,48 @@ def fsdp_vote(att, settle: bool = False):
     all-reduce of this rank's chunk over the replicate group. Either gives
     Delta of this rank's chunk. Consecutive units share one collective
     (their chunks end to end in each shard) up to step_vote.chunk_limit
-    elements of planes. On a 1-D mesh the momenta are updated here, once
+    elements of planes. The step's plan (lionbit.fsdp_plan) starts them
+    where it describes the step, else the general path (:func:`_start_votes`),
+    which plans the next. On a 1-D mesh the momenta are updated here, once
     every rank has agreed to every call (their header rounds), while the
     shards still move; returns the function that applies Delta to the local
     shards (on HSDP, called once the node's ranks agreed: it updates the
     momenta first, while the bits still move, then waits for them;
     ``settle``: the bits are in before this returns). Raises
     step_vote.NonFinite (on every rank alike), changing nothing."""
-    opt = att.opt
     att.stepped = True
+    hsdp = att.replicas is not None
+    started = att.plan.start(att)
+    planned = started is not None
+    agreed, works, update_momenta, apply_deltas = started if planned else _start_votes(att)
+    # Every call is issued before any is waited for. On a 1-D mesh the
+    # momenta (full-size: this rank's local gradients) are updated once every
+    # rank has agreed to every call, while the shards still move. HSDP's
+    # ranks of a node agree once every call of theirs is agreed to
+    # (node_agreed, after this returns), and no state changes before that:
+    # the momenta then change while the bits still move.
+    step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
+    att.plan.replayed += planned
+    if settle:
+        step_vote.wait_votes(works)
+    if not hsdp:
+        update_momenta()
+        step_vote.wait_votes(works)
+
+    def apply() -> None:
+        if hsdp:
+            update_momenta()
+            step_vote.wait_votes(works)
+        apply_deltas()
+
+    return apply
+
+
+def _start_votes(att):
+    """The general path of :func:`fsdp_vote`: reads every unit's parameters,
+    starts the votes, and plans the next step where a plan can replay this
+    one. Returns (agreements, works, the momentum update, the apply)."""
+    opt = att.opt
     voter = opt.voter
     coefs_of = lion_math.coefs_by_param(opt.param_groups)
     hsdp = att.replicas is not None
@@ -644,54 +690,37 @@ def fsdp_vote(att, settle: bool = False):
         votes = [(g, m, c, spans) for g, m, c, (_, _, spans) in zip(grads, momenta, coefs, layout)]
         unit = [(g, m, c, local, off, own)
                 for g, m, c, local, (off, own, _) in zip(grads, momenta, coefs, shards, layout)]
-        units.append(_UnitVote(group, device, s, votes, unit))
+        units.append(_UnitVote(group, device, s, ps, votes, unit))
 
     # Consecutive units in one call, their chunks end to end in each shard.
     def planes_of(u):  # elements of planes a unit adds to its call
         return u.chunk * (1 if hsdp else u.group.size())
 
-    # Every call is issued before any is waited for. On a 1-D mesh the
-    # momenta (full-size: this rank's local gradients) are updated once every
-    # rank has agreed to every call, while the shards still move. HSDP's
-    # ranks of a node agree once every call of theirs is agreed to
-    # (node_agreed, after this returns), and no state changes before that:
-    # the momenta then change while the bits still move.
-    agreed, works = [], []
+    agreed, works, calls = [], [], []
     for run in runs(units, lambda u: (id(u.group), u.device), planes_of, lambda u: step_vote.chunk_limit(u.device)):
         pieces, s, bases = end_to_end([(u.pieces, u.chunk) for u in run])
-        group, device = run[0].group, run[0].device
+        group, device = (att.replicas if hsdp else run[0].group), run[0].device
+        where = "step (HSDP all-reduce over the replicate group)" if hsdp else "step (FSDP2 reduce-scatter)"
         # Delta as the vote's two planes (2 bits an element) where the apply can read them
-        planes = voter.votes_into_planes(device, att.replicas if hsdp else group)
-        if hsdp:
-            delta = voter.sharded_vote(pieces, s, att.replicas, device, "step (HSDP all-reduce over the replicate "
-                                       "group)", fused_for, agreed, works, replicated=True, into_planes=planes)
-        else:
-            delta = voter.sharded_vote(pieces, s, group, device, "step (FSDP2 reduce-scatter)", fused_for, agreed,
-                                       works, into_planes=planes)
+        planes = voter.votes_into_planes(device, group)
+        delta = voter.sharded_vote(pieces, s, group, device, where, fused_for, agreed, works, replicated=hsdp,
+                                   into_planes=planes)
+        calls.append((run, bases, s, group, hsdp, where))
         delta_of = lion_math.delta_views(delta, planes)
         for u, base in zip(run, bases):
             todo += [(g, m, coefs, local, delta_of(base + off, own), own) for g, m, coefs, local, off, own in u.entries]
+    att.plan.learn(att, units, calls, fused_for)
 
-    def momenta() -> list:
+    def update_momenta() -> None:
         verdicts = fused_for.many([t[1] for t in todo], [t[0] for t in todo])
-        return [(g, m, c, f) for (g, m, c, *_), f in zip(todo, verdicts)]
-
-    step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
-    if settle:
-        step_vote.wait_votes(works)
-    if not hsdp:
-        step_vote.update_state(momenta(), [])
-        step_vote.wait_votes(works)
+        step_vote.update_state([(g, m, c, f) for (g, m, c, *_), f in zip(todo, verdicts)], [])
 
     def apply() -> None:
-        if hsdp:
-            step_vote.update_state(momenta(), [])
-            step_vote.wait_votes(works)
         applies = [(local, d, coefs) for _, _, coefs, local, d, own in todo if own]
         a_verdicts = fused_for.many([a[0] for a in applies], [a[1] for a in applies])
         step_vote.update_state([], [(x, d, c, f) for (x, d, c), f in zip(applies, a_verdicts)])
 
-    return apply
+    return agreed, works, update_momenta, apply
 
 
 def fsdp_step(att, grad_scaler=None) -> bool:

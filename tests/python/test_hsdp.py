@@ -137,6 +137,7 @@ def _train(rank, mesh, cfg):
         "norms": norms,
         "grads": grads,
         "steps": opt.steps_taken,
+        "replayed": opt.attachment.plan.replayed,
         "momentum": {n: opt.state[p]["exp_avg"].flatten().tolist() for n, p in model.named_parameters()},
         "local": {n: t.flatten().tolist() for n, t in local.items()},
         "state_bytes": sum(s["exp_avg"].numel() * s["exp_avg"].element_size() for s in opt.state.values()),
@@ -332,6 +333,8 @@ def test_hsdp_equals_the_m_worker_reference_bitwise(runs, name):
                 continue
             assert r["momentum"][n] == want.tolist(), (name, rank, n)
     assert run["steps"] == ref["applied"] == cfg["steps"] - (1 if cfg["overflow"] else 0)
+    # every step but the first replayed its plan (lionbit.fsdp_plan), where a plan can ("vote")
+    assert run["replayed"] == (run["steps"] - 1 if cfg["aggregation"] == "vote" else 0), run["replayed"]
     if cfg["clip"]:
         assert ref["norm_rel_err"] < 1e-5, ref["norm_rel_err"]
     if cfg["tie_break"] == "random":
