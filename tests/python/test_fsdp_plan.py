@@ -16,6 +16,7 @@ others were replayed. (HSDP's replayed steps: test_hsdp.)
 
 import copy
 
+import pytest
 import torch
 
 from harness import run_ranks, values
@@ -65,9 +66,9 @@ class Net(torch.nn.Module):
         return self.scale(self.head(h)) + self.extra
 
 
-def _model():
+def _model(device="cpu"):
     torch.manual_seed(0)
-    net = Net()
+    net = Net().to(device)
     net.extra.requires_grad_(False)
     return net
 
@@ -78,7 +79,8 @@ def _batch(rank, step, micro):
 
 
 def _loss(model, rank, step, micro=0):
-    x, y = _batch(rank, step, micro)
+    device = model.extra.device
+    x, y = (t.to(device) for t in _batch(rank, step, micro))
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
@@ -102,14 +104,14 @@ def _trained(name, step):
     return name != "extra" or step >= ADD
 
 
-def simulate(world_size):
+def simulate(world_size, device="cpu"):
     """Distributed Lion on world_size simulated ranks, plain torch ops (the
     float contract of lionbit.lion_math): each rank's gradient from its own
     unsharded copy (clipped by its own norm), the vote sign(sum of
     directions), the events of the script."""
     b1, b2 = BETAS
-    cb1, comb1, cb2, comb2 = (_f32(v) for v in (b1, 1 - b1, b2, 1 - b2))
-    net = _model()
+    cb1, comb1, cb2, comb2 = (_f32(v).to(device) for v in (b1, 1 - b1, b2, 1 - b2))
+    net = _model(device)
     params = dict(net.named_parameters())
     momenta = [{} for _ in range(world_size)]
     history = []
@@ -131,13 +133,13 @@ def simulate(world_size):
                 _loss(rep, r, step, micro).backward()
             torch.nn.utils.clip_grad_norm_([mine[n] for n in trained], CLIP)
             for n in trained:  # in float32 (the momentum's dtype), whatever the parameter's
-                g, m = mine[n].grad.float(), momenta[r].get(n, torch.zeros(params[n].shape))
+                g, m = mine[n].grad.float(), momenta[r].get(n, torch.zeros(params[n].shape, device=device))
                 votes[n] += torch.sign(torch.add(torch.mul(m, cb1), torch.mul(g, comb1)))
                 momenta[r][n] = torch.add(torch.mul(m, cb2), torch.mul(g, comb2))
         with torch.no_grad():
             for n in trained:
                 lr, wd = _lr(step), (WD if _decays(n) else 0.0)
-                clr, decay = _f32(lr), _f32(1.0 - lr * wd)
+                clr, decay = _f32(lr).to(device), _f32(1.0 - lr * wd).to(device)
                 x = params[n]
                 x.copy_(torch.sub(torch.mul(x.float(), decay), torch.mul(torch.sign(votes[n]), clr)).to(x.dtype))
         history.append(({n: p.detach().clone() for n, p in params.items()},
@@ -145,24 +147,26 @@ def simulate(world_size):
     return history
 
 
-def script(rank, world_size):
+def script(rank, world_size, device="cpu"):
     """The user's script."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import lionbit
 
-    net = _model()
+    net = _model(device)
+    mesh = init_device_mesh(torch.device(device).type, (world_size,))
     for unit in (net.a, net.b, net.scale):
-        fully_shard(unit)
-    fully_shard(net)
+        fully_shard(unit, mesh=mesh)
+    fully_shard(net, mesh=mesh)
     named = dict(net.named_parameters())
     decay = [p for n, p in named.items() if n != "extra" and _decays(n)]
     no_decay = [p for n, p in named.items() if n != "extra" and not _decays(n)]
     opt = lionbit.DistributedLion([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=LR,
                                   betas=BETAS, weight_decay=WD)
     opt.attach(net)
-    want = simulate(world_size)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6)
+    want = simulate(world_size, device)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=10**6)
     replayed = []
     for step in range(STEPS):
         if step == FREEZE:
@@ -213,3 +217,13 @@ def script(rank, world_size):
 def test_an_fsdp2_models_replayed_steps_equal_the_simulation():
     res = values(run_ranks("test_fsdp_plan:script", 2))
     assert res == [REPLAYED, REPLAYED], res
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_an_fsdp2_models_replayed_steps_equal_the_simulation_on_a_gpu():
+    """The same on one GPU (NCCL underneath, world size 1, FSDP's own
+    gradients): the plan's calls of the GPU's list kernels with spans, a
+    launch per parameter group and dtype pair."""
+    res = values(run_ranks("test_fsdp_plan:script", 1, kwargs={"device": "cuda"}))
+    assert res == [REPLAYED], res
