@@ -83,6 +83,12 @@ Inflight issue_data(const SignCall& call, at::Tensor out, const at::Tensor& in, 
   f.via = &via;
   f.out = std::move(out);
   ScopedTimer t(call.c.stats->comm_ns, "lionbit::issue");
+  if (call.c.world_size == 1) {
+    // A group of one rank: what every collective here gives it is its own
+    // input (stream-ordered on the device), with no inner collective.
+    f.out.copy_(in);
+    return f;
+  }
   if (staged) {
     at::Tensor host_in = in.cpu();
     f.host_out = byte_buffer(static_cast<size_t>(f.out.numel()));
@@ -126,8 +132,10 @@ Inflight issue_allgather(const SignCall& call, at::Tensor out, const at::Tensor&
 }
 
 at::Tensor wait_data(const SignCall& call, const char* step, Inflight& f) {
-  wait_inner(call, step, *f.via, f.work);
-  f.work = {};
+  if (f.work) { // (none for a group of one rank)
+    wait_inner(call, step, *f.via, f.work);
+    f.work = {};
+  }
   if (f.host_out.defined()) {
     f.out.copy_(f.host_out);
     f.host_out = at::Tensor();
@@ -166,9 +174,12 @@ bits::HeaderSummary exchange_headers(
   }
   at::Tensor in = byte_buffer(kBytes * n);
   std::memcpy(bytes_of(in), addressed.data(), kBytes * n);
-  at::Tensor out = byte_buffer(kBytes * n);
-  std::vector<int64_t> splits(n, static_cast<int64_t>(kBytes));
-  wait_inner(call, "header round", *c.comm, c.comm->alltoall_base(out, in, splits, splits));
+  at::Tensor out = in; // a group of one rank: its own header, with no inner collective
+  if (n > 1) {
+    out = byte_buffer(kBytes * n);
+    std::vector<int64_t> splits(n, static_cast<int64_t>(kBytes));
+    wait_inner(call, "header round", *c.comm, c.comm->alltoall_base(out, in, splits, splits));
+  }
   count_allgather(c, kBytes); // the same bytes as an all-gather
   bits::HeaderSummary hs = bits::check_headers(
       reinterpret_cast<const bits::WireHeader*>(bytes_of(out)), c.world_size,

@@ -593,6 +593,10 @@ def test_case(case_results, name):
 # --- cases needing their own process set-up ---------------------------------
 
 def check_world_size_one(rank, n):
+    """A group of one rank, where the collectives move nothing (no inner
+    collective runs): the sign of the input, in one chunk and in several
+    (zeros in some only, a non-contiguous view), the reduce-scatter, a NaN
+    an error naming rank 0 with nothing written, and the group usable after."""
     import lionbit
 
     g = torch.Generator().manual_seed(3)
@@ -605,6 +609,32 @@ def check_world_size_one(rank, n):
             want = torch.sign(x.double()).to(dtype)
             lionbit.all_reduce_sign(x, op)
             _same(x, want)
+    os.environ["LIONBIT_CHUNK_ELEMS"] = "256"  # (read at each call) 5000 elements in 20 chunks
+    try:
+        for op in ("vote", "avg"):
+            x = torch.randn(5000, generator=g)
+            x[3000:3100] = 0  # zeros in a later chunk only
+            want = torch.sign(x)
+            lionbit.all_reduce_sign(x, op)
+            _same(x, want)
+            y = torch.randn(100, 60, generator=g)
+            view = y.t()  # non-contiguous
+            want = torch.sign(view)
+            lionbit.all_reduce_sign(view, op)
+            _same(y.t(), want)
+            x = torch.randn(5000, generator=g)
+            x[4321] = float("nan")
+            before = x.clone()
+            _raises(lambda: lionbit.all_reduce_sign(x, op), _me(0, op) + r"input contains NaN on rank\(s\) \[0\]",
+                    ranks=[0])
+            torch.testing.assert_close(x, before, rtol=0, atol=0, equal_nan=True)
+    finally:
+        del os.environ["LIONBIT_CHUNK_ELEMS"]
+    x = torch.randn(777, generator=g)
+    out = torch.empty(777)
+    lionbit.reduce_scatter_sign(out, x)
+    _same(out, torch.sign(x))
+    _group_still_works(rank, n)
     return True
 
 
