@@ -38,7 +38,7 @@ from .step_vote import NonFinite, nonfinite_ranks
 
 _grad, _requires_grad, _dtype = attrgetter("grad"), attrgetter("requires_grad"), attrgetter("dtype")
 _shape, _mesh, _placements = attrgetter("shape"), attrgetter("device_mesh"), attrgetter("placements")
-_params, _sharded = attrgetter("params"), attrgetter("sharded_param")
+_sharded = attrgetter("sharded_param")
 _contiguous = methodcaller("is_contiguous")
 _exp_avg = methodcaller("get", "exp_avg")
 _local = torch_internals.dtensor_local
