@@ -355,6 +355,7 @@ def _pieces(unit: _Unit, grad: torch.Tensor, shard: int):
     m = unit.momentum_tensor()
     origin = unit.base if unit.hybrid else 0
     pieces = []
+    coefs = _GroupCoefs()
     for (_, _, group, _), start, end in _segments(unit):
         spans, lo = [], start
         while lo < end:
@@ -362,9 +363,23 @@ def _pieces(unit: _Unit, grad: torch.Tensor, shard: int):
             hi = min(end, (r + 1) * shard)
             spans.append((0 if unit.hybrid else r, lo - start, hi - lo, lo - r * shard))
             lo = hi
-        pieces.append((grad[start - origin : end - origin], m[start - origin : end - origin],
-                       lion_math.Coefs(group), spans))
+        pieces.append((grad[start - origin : end - origin], m[start - origin : end - origin], coefs(group), spans))
     return pieces
+
+
+class _GroupCoefs:
+    """One lion_math.Coefs a parameter group, made at its first segment: a
+    unit's segments share a few groups (a step asks once a group, not once a
+    segment)."""
+
+    def __init__(self):
+        self.made = {}
+
+    def __call__(self, group: dict) -> lion_math.Coefs:
+        coefs = self.made.get(id(group))
+        if coefs is None:
+            coefs = self.made[id(group)] = lion_math.Coefs(group)
+        return coefs
 
 
 def _local_shard(unit: _Unit) -> torch.Tensor:
@@ -444,14 +459,20 @@ def _state_changes(unit: _Unit, grad: torch.Tensor, delta):
     origin = base if unit.hybrid else 0
     momenta, applies = [], []
     fused_for = step_vote.fused_verdicts(opt)
+    coefs_of = _GroupCoefs()
+    m_fused = x_fused = None  # (the same for every segment: slices of the same flat tensors and Delta)
     for (off, numel, group, _), start, end in _segments(unit):
-        coefs = lion_math.Coefs(group)
+        coefs = coefs_of(group)
         gs, ms = grad[start - origin : end - origin], m[start - origin : end - origin]
-        momenta.append((gs, ms, coefs, fused_for(ms, gs)))
+        if m_fused is None:
+            m_fused = fused_for(ms, gs)
+        momenta.append((gs, ms, coefs, m_fused))
         lo, hi = max(off, base), min(off + numel, base + s)
         if lo < hi:
             xs, ds = x[lo - base : hi - base], delta(lo - base, hi - lo)
-            applies.append((xs, ds, coefs, fused_for(xs, ds)))
+            if x_fused is None:
+                x_fused = fused_for(xs, ds)
+            applies.append((xs, ds, coefs, x_fused))
     return momenta, applies
 
 
@@ -471,6 +492,7 @@ def no_shard_entries(att) -> list:
     opt = att.opt
     entries = []
     fused_for = step_vote.fused_verdicts(opt)
+    coefs = _GroupCoefs()
     for unit in att.units:
         fp = unit.flat_param
         if unit.sharded or fp.grad is None:
@@ -480,9 +502,9 @@ def no_shard_entries(att) -> list:
             raise RuntimeError(
                 f"{unit.where()}: step() found a flat gradient of {g.numel()} elements, expected {unit.numel}"
             )
-        for off, numel, group, _ in unit.segments:
-            gs, xs, ms = g[off : off + numel], x[off : off + numel], m[off : off + numel]
-            entries.append(step_vote.Entry(xs, gs, ms, lion_math.Coefs(group), fused_for(xs, gs)))
+        fused = fused_for(x, g)  # (every segment a slice of these flat tensors: the same verdict)
+        entries += [step_vote.Entry(x[off : off + numel], g[off : off + numel], m[off : off + numel], coefs(group),
+                                    fused) for off, numel, group, _ in unit.segments]
     return entries
 
 
