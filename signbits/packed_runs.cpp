@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "bit_runs.h"
+#include "zeros.h"
 
 namespace lionbit::bits {
 namespace {
@@ -39,8 +40,11 @@ size_t run_bytes(const Run& r) {
 // A plane's runs, found as the tokenizer reaches them.
 class Runs {
  public:
-  Runs(const uint64_t* plane, size_t words)
-      : plane_(plane), words_(words), limit_(static_cast<uint64_t>(words) * kWordBits) {}
+  // `expected`: the plane's runs where known (0: not known), room made for them at once.
+  Runs(const uint64_t* plane, size_t words, uint64_t expected)
+      : plane_(plane), words_(words), limit_(static_cast<uint64_t>(words) * kWordBits) {
+    runs_.reserve(static_cast<size_t>(expected < limit_ / 2 + 1 ? expected : limit_ / 2 + 1));
+  }
 
   // Whether run i exists (finding the runs up to it).
   bool has(size_t i) {
@@ -73,7 +77,8 @@ class Runs {
 // where the plane will not fit: every 1,024 runs, when the bytes so far,
 // scaled to all `total` runs, come to more than the budget (scattered zeros
 // or ties, whose runs do not repeat: a dense plane is ruled out in ~1,000
-// runs, not after a budget's worth; 0: no early stop). A scan is either taken or no longer than
+// runs, not after a budget's worth; 0: no early stop; `expected`: the runs,
+// where known, for their storage). A scan is either taken or no longer than
 // the one taken beside it (or a few runs), so the work stays linear in the
 // runs.
 bool tokenize(
@@ -81,6 +86,7 @@ bool tokenize(
     size_t words,
     uint64_t budget,
     uint64_t total,
+    uint64_t expected,
     std::vector<uint8_t>& out) {
   constexpr size_t kCheckEvery = 1024;
   constexpr size_t kTable = 4096;
@@ -89,7 +95,7 @@ bool tokenize(
     return static_cast<size_t>((r.gap * 0x9e3779b97f4a7c15ull) ^ (r.len * 0xc2b2ae3d27d4eb4full)) %
         kTable;
   };
-  Runs runs(plane, words);
+  Runs runs(plane, words, expected);
   size_t last_k = 0;
   for (size_t i = 0; runs.has(i);) {
     size_t best_m = 0, best_k = 0;
@@ -112,11 +118,14 @@ bool tokenize(
     }
     size_t take = 0; // runs a copy covers
     if (best_m > 0) {
+      // The copy when it is shorter than the runs as literals (summed only
+      // until they are longer: a copy's few bytes against many runs).
+      const size_t copy = number_bytes(2 * (best_k - 1) + 1) + number_bytes(best_m - 1);
       size_t literal = 0;
-      for (size_t j = i; j < i + best_m; ++j) {
+      for (size_t j = i; j < i + best_m && literal <= copy; ++j) {
         literal += run_bytes(runs[j]);
       }
-      if (number_bytes(2 * (best_k - 1) + 1) + number_bytes(best_m - 1) < literal) {
+      if (copy < literal) {
         put_number(out, 2 * (best_k - 1) + 1);
         put_number(out, best_m - 1);
         take = best_m;
@@ -128,7 +137,11 @@ bool tokenize(
       put_number(out, runs[i].len - 1);
       take = 1;
     }
-    for (size_t j = i; j < i + take; ++j) {
+    // Each run's last occurrence. A copy's runs repeat with period best_k,
+    // so each of them occurs last within its last best_k runs: only those
+    // are written (the same table as writing every one in order).
+    const size_t from = take > best_k && best_k > 0 ? i + take - best_k : i;
+    for (size_t j = from; j < i + take; ++j) {
       last_seen[slot(runs[j])] = static_cast<int64_t>(j);
     }
     const size_t before = i;
@@ -153,7 +166,7 @@ uint64_t padded(uint64_t bytes) {
 
 uint64_t packed_runs_bytes(const uint64_t* plane, size_t words, uint64_t runs, uint64_t budget) {
   std::vector<uint8_t> out(kLengthBytes);
-  if (!tokenize(plane, words, budget, runs, out) || padded(out.size()) > budget ||
+  if (!tokenize(plane, words, budget, runs, runs, out) || padded(out.size()) > budget ||
       out.size() - kLengthBytes > 0xffffffffull) {
     return 0;
   }
@@ -162,7 +175,9 @@ uint64_t packed_runs_bytes(const uint64_t* plane, size_t words, uint64_t runs, u
 
 void encode_packed_runs(const uint64_t* plane, size_t words, uint8_t* out, size_t bytes) {
   std::vector<uint8_t> s(kLengthBytes);
-  tokenize(plane, words, bytes, 0, s); // no early stop: the caller's size fits
+  // No early stop (the caller's size fits); the runs counted first (a pass
+  // over the words, a fraction of the tokens' work) to store them at once.
+  tokenize(plane, words, bytes, 0, count_runs(plane, words), s);
   const uint32_t len = static_cast<uint32_t>(s.size() - kLengthBytes);
   std::memcpy(s.data(), &len, kLengthBytes);
   std::memcpy(out, s.data(), s.size() < bytes ? s.size() : bytes);
@@ -203,10 +218,17 @@ bool decode_packed_runs(const uint8_t* in, size_t bytes, size_t words, uint64_t*
     return false; // past L, or longer than 10 bytes
   };
   const uint64_t limit = static_cast<uint64_t>(words) * kWordBits;
-  // The last runs, for copies: a ring of kMaxCopyDistance (fewer for a plane
-  // that cannot hold as many).
-  const size_t ring_size = static_cast<size_t>(
+  // The last runs, for copies: a copy reaches at most kMaxCopyDistance runs
+  // back (fewer for a plane that cannot hold as many); the ring that keeps
+  // them is the next power of two, indexed with a mask (a division a run
+  // cost more than the run itself).
+  const size_t reach = static_cast<size_t>(
       limit / 2 + 1 < kMaxCopyDistance ? limit / 2 + 1 : kMaxCopyDistance);
+  size_t ring_size = 1;
+  while (ring_size < reach) {
+    ring_size *= 2;
+  }
+  const size_t mask = ring_size - 1;
   std::vector<Run> ring(ring_size);
   uint64_t count = 0, at = 0; // runs written, the last one's end
   auto append = [&](const Run& r) {
@@ -216,7 +238,7 @@ bool decode_packed_runs(const uint8_t* in, size_t bytes, size_t words, uint64_t*
     }
     set_bit_range(plane, at + r.gap, at + r.gap + r.len);
     at += r.gap + r.len;
-    ring[count % ring_size] = r;
+    ring[count & mask] = r;
     ++count;
     return true;
   };
@@ -232,14 +254,14 @@ bool decode_packed_runs(const uint8_t* in, size_t bytes, size_t words, uint64_t*
       continue;
     }
     const uint64_t k = v / 2 + 1;
-    if (k > count || k > ring_size) {
+    if (k > count || k > reach) {
       return false;
     }
     // w + 1 runs, each a copy of the run k before it (the copies repeat a
     // pattern of k runs when w + 1 > k). Each run sets a bit, so a copy past
     // the plane fails within `limit` runs.
     for (uint64_t c = 0;; ++c) {
-      if (!append(ring[(count - k) % ring_size])) {
+      if (!append(ring[(count - k) & mask])) {
         return false;
       }
       if (c == w) {

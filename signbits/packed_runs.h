@@ -37,7 +37,8 @@ constexpr uint64_t kMaxCopyDistance = uint64_t{1} << 16; // runs back a copy may
 // least 8), or 0 when that is more than `budget` bytes. `runs`: the plane's
 // runs (count_runs), or 0; with them the encoder stops as soon as the runs
 // it has written, scaled to all of them, come to more than the budget, so a
-// plane of scattered zeros or ties costs little to rule out.
+// plane of scattered zeros or ties costs little to rule out (and it makes
+// room for them at once).
 uint64_t packed_runs_bytes(const uint64_t* plane, size_t words, uint64_t runs, uint64_t budget);
 
 // Writes the packed form into out[0, bytes), zero-padded; bytes must be at
