@@ -72,6 +72,17 @@ void count_zero_encodings(
 }
 
 namespace {
+// A group of one rank: its collectives are copies of its own input, with no
+// inner collective (LIONBIT_ONE_RANK_COPY=0 runs the inner ones all the
+// same: the tests of a transport on a machine with one device).
+bool one_rank_copies() {
+  static const bool on = [] {
+    const char* v = std::getenv("LIONBIT_ONE_RANK_COPY");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
+
 // Issues `start(via, dst, src)` on the communicator that carries the call's
 // data: the CPU one for CPU tensors; for CUDA tensors the device one, or,
 // without it, the CPU one with the data staged through host memory.
@@ -83,7 +94,7 @@ Inflight issue_data(const SignCall& call, at::Tensor out, const at::Tensor& in, 
   f.via = &via;
   f.out = std::move(out);
   ScopedTimer t(call.c.stats->comm_ns, "lionbit::issue");
-  if (call.c.world_size == 1) {
+  if (call.c.world_size == 1 && one_rank_copies()) {
     // A group of one rank: what every collective here gives it is its own
     // input (stream-ordered on the device), with no inner collective.
     f.out.copy_(in);
@@ -175,7 +186,7 @@ bits::HeaderSummary exchange_headers(
   at::Tensor in = byte_buffer(kBytes * n);
   std::memcpy(bytes_of(in), addressed.data(), kBytes * n);
   at::Tensor out = in; // a group of one rank: its own header, with no inner collective
-  if (n > 1) {
+  if (n > 1 || !one_rank_copies()) {
     out = byte_buffer(kBytes * n);
     std::vector<int64_t> splits(n, static_cast<int64_t>(kBytes));
     wait_inner(call, "header round", *c.comm, c.comm->alltoall_base(out, in, splits, splits));

@@ -674,6 +674,13 @@ def test_world_size_one():
     assert values(run_ranks("test_bad_input:check_world_size_one", 1)) == [True]
 
 
+def test_world_size_one_through_the_inner_collectives():
+    """The same with LIONBIT_ONE_RANK_COPY=0: the one-rank group's header
+    round and data through the inner Gloo communicator, as a larger group's."""
+    env = {"LIONBIT_ONE_RANK_COPY": "0"}
+    assert values(run_ranks("test_bad_input:check_world_size_one", 1, env=env)) == [True]
+
+
 def test_int8_sum_needs_world_size_at_most_127_and_garbage_from_peers_is_rejected():
     """A backend over torch's FakeProcessGroup (200 "ranks", no data moves,
     the received buffers hold whatever memory held): int8 sum is refused for

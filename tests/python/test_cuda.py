@@ -313,9 +313,14 @@ def _sign_cuda(rank, world_size, seed):
 
 
 @pytest.mark.gpu
-def test_sign_allreduce_cuda_world_size_1_nccl():
+@pytest.mark.parametrize("transport", ["nccl", "copy"])
+def test_sign_allreduce_cuda_world_size_1_nccl(transport):
+    """World size 1: through the inner NCCL communicator
+    (LIONBIT_ONE_RANK_COPY=0, the one test of the NCCL transport where one
+    GPU is all there is), and as a one-rank group's copies (the default)."""
     _skip_without_gpu()
-    assert values(run_ranks("test_cuda:_sign_cuda", 1, kwargs={"seed": 3}, timeout=600)) == [[]]
+    env = {"LIONBIT_ONE_RANK_COPY": "0"} if transport == "nccl" else None
+    assert values(run_ranks("test_cuda:_sign_cuda", 1, kwargs={"seed": 3}, timeout=600, env=env)) == [[]]
 
 
 def _wait_with_timeout_orders_streams(rank, world_size):
