@@ -104,7 +104,7 @@ class _Unit:
         self.module = module
         self.name = name
         self.flat_param = fp = layout.flat_param
-        self.segments = segments  # (offset in the unpadded flat param, numel, optimizer group, fqn)
+        self.segments = segments  # (offset in the unpadded flat param, numel, optimizer group's index, fqn)
         self.numel = numel  # unpadded flat numel (alignment padding included)
         self.sharded = sharded
         self.group = group  # FSDP's process group (hybrid: the node's L ranks)
@@ -355,7 +355,7 @@ def _pieces(unit: _Unit, grad: torch.Tensor, shard: int):
     m = unit.momentum_tensor()
     origin = unit.base if unit.hybrid else 0
     pieces = []
-    coefs = _GroupCoefs()
+    coefs = _coefs(unit.opt)
     for (_, _, group, _), start, end in _segments(unit):
         spans, lo = [], start
         while lo < end:
@@ -363,23 +363,14 @@ def _pieces(unit: _Unit, grad: torch.Tensor, shard: int):
             hi = min(end, (r + 1) * shard)
             spans.append((0 if unit.hybrid else r, lo - start, hi - lo, lo - r * shard))
             lo = hi
-        pieces.append((grad[start - origin : end - origin], m[start - origin : end - origin], coefs(group), spans))
+        pieces.append((grad[start - origin : end - origin], m[start - origin : end - origin], coefs[group], spans))
     return pieces
 
 
-class _GroupCoefs:
-    """One lion_math.Coefs a parameter group, made at its first segment: a
-    unit's segments share a few groups (a step asks once a group, not once a
-    segment)."""
-
-    def __init__(self):
-        self.made = {}
-
-    def __call__(self, group: dict) -> lion_math.Coefs:
-        coefs = self.made.get(id(group))
-        if coefs is None:
-            coefs = self.made[id(group)] = lion_math.Coefs(group)
-        return coefs
+def _coefs(opt) -> list:
+    """Each parameter group's hyperparameters as they stand now (a segment's
+    group index picks one): one Coefs a group, not one a segment."""
+    return [lion_math.Coefs(g) for g in opt.param_groups]
 
 
 def _local_shard(unit: _Unit) -> torch.Tensor:
@@ -459,10 +450,10 @@ def _state_changes(unit: _Unit, grad: torch.Tensor, delta):
     origin = base if unit.hybrid else 0
     momenta, applies = [], []
     fused_for = step_vote.fused_verdicts(opt)
-    coefs_of = _GroupCoefs()
+    coefs_of = _coefs(opt)
     m_fused = x_fused = None  # (the same for every segment: slices of the same flat tensors and Delta)
     for (off, numel, group, _), start, end in _segments(unit):
-        coefs = coefs_of(group)
+        coefs = coefs_of[group]
         gs, ms = grad[start - origin : end - origin], m[start - origin : end - origin]
         if m_fused is None:
             m_fused = fused_for(ms, gs)
@@ -492,7 +483,7 @@ def no_shard_entries(att) -> list:
     opt = att.opt
     entries = []
     fused_for = step_vote.fused_verdicts(opt)
-    coefs = _GroupCoefs()
+    coefs = _coefs(opt)
     for unit in att.units:
         fp = unit.flat_param
         if unit.sharded or fp.grad is None:
@@ -503,7 +494,7 @@ def no_shard_entries(att) -> list:
                 f"{unit.where()}: step() found a flat gradient of {g.numel()} elements, expected {unit.numel}"
             )
         fused = fused_for(x, g)  # (every segment a slice of these flat tensors: the same verdict)
-        entries += [step_vote.Entry(x[off : off + numel], g[off : off + numel], m[off : off + numel], coefs(group),
+        entries += [step_vote.Entry(x[off : off + numel], g[off : off + numel], m[off : off + numel], coefs[group],
                                     fused) for off, numel, group, _ in unit.segments]
     return entries
 
@@ -784,6 +775,9 @@ def _units(att, opt, model):
     # module names without FSDP's wrapper prefixes ("b", not "_fsdp_wrapped_module.b")
     names = {m: _clean(n) for n, m in model.named_modules()}
     known = opt.param_group_of()
+    # A segment names its group by index: torch's load_state_dict replaces the
+    # group dicts, and a scheduler then sets the new ones' lr.
+    group_index = {id(g): i for i, g in enumerate(opt.param_groups)}
     units: List[_Unit] = []
     covered = set()
     group0 = replicas0 = hybrid0 = None
@@ -862,7 +856,7 @@ def _units(att, opt, model):
                             + "is not in this optimizer; it would be voted with no momentum or hyperparameters"
                         )
                     covered.add(owner)
-                    segments.append((off, numel, group, prefix + fqn))
+                    segments.append((off, numel, group_index[id(group)], prefix + fqn))
                 i += 1
             off += numel
         if off != layout.unpadded_numel:

@@ -88,6 +88,52 @@ def test_fsdp1_equals_ddp_bitwise(world_size, configs):
         assert len({r[i]["digest"] for r in res}) == 1, cfg
 
 
+def _resumed_with_a_schedule(model, rank, steps=6, reload_after=2):
+    """A user's loop: decay / no-decay groups, a StepLR schedule, and after
+    step ``reload_after`` torch's own resume of the optimizer in place
+    (``opt.load_state_dict(opt.state_dict())``, which makes new group dicts
+    that the schedule then sets)."""
+    import copy
+
+    import lionbit
+
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if n.endswith("weight")]
+    no_decay = [p for n, p in named if not n.endswith("weight")]
+    groups = [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    opt = lionbit.DistributedLion(groups, **LION)
+    opt.attach(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(steps):
+        _loss(model, rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        if step == reload_after:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    return model
+
+
+def fsdp1_resume_vs_ddp(rank, world_size, strategies):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = [p.detach().clone() for p in _resumed_with_a_schedule(DDP(_net()), rank).module.parameters()]
+    out = {}
+    for strategy in strategies:  # (one original parameter a flat parameter's segment: a group each)
+        full = _params(_resumed_with_a_schedule(_wrap(_net(), strategy, use_orig_params=True), rank))
+        out[strategy] = [bool(torch.equal(a, b)) for a, b in zip(ddp, full)]
+    return out
+
+
+def test_fsdp1_follows_the_schedule_after_a_resumed_state_dict():
+    """torch's load_state_dict replaces the parameter groups' dicts; FSDP1's
+    step must read the new ones (the schedule's lr), as DDP's does."""
+    res = values(run_ranks("test_fsdp1:fsdp1_resume_vs_ddp", 2, kwargs={"strategies": ["FULL_SHARD", "NO_SHARD"]}))
+    for r in res:
+        for strategy, same in r.items():
+            assert all(same), (strategy, same)
+
+
 def fsdp1_bytes(rank, world_size, steps, limit=None):
     import lionbit
     from lionbit import step_vote
