@@ -340,13 +340,14 @@ std::vector<Span> list_spans(
     const char* op,
     const std::vector<at::Tensor>& gs,
     const std::optional<std::vector<int64_t>>& starts,
-    const std::optional<std::vector<int64_t>>& lengths) {
+    const std::optional<std::vector<int64_t>>& lengths,
+    const char* name) {
   TORCH_CHECK_VALUE(
       starts.has_value() == lengths.has_value(), "lionbit.", op,
       ": starts and lengths are given together or not at all");
   TORCH_CHECK_VALUE(
       !starts || (starts->size() == gs.size() && lengths->size() == gs.size()), "lionbit.", op,
-      ": ", gs.size(), " gradients, ", starts ? starts->size() : 0, " starts and ",
+      ": ", gs.size(), " entries of '", name, "', ", starts ? starts->size() : 0, " starts and ",
       lengths ? lengths->size() : 0, " lengths");
   std::vector<Span> spans(gs.size());
   for (size_t i = 0; i < gs.size(); ++i) {
@@ -358,7 +359,7 @@ std::vector<Span> list_spans(
     const int64_t a = (*starts)[i], k = (*lengths)[i];
     TORCH_CHECK_VALUE(
         a >= 0 && k >= 0 && a <= numel && k <= numel - a, "lionbit.", op, ": elements [", a, ", ",
-        a, " + ", k, ") of gs[", i, "] (", numel, " elements) are out of range");
+        a, " + ", k, ") of ", name, "[", i, "] (", numel, " elements) are out of range");
     spans[i] = Span{static_cast<size_t>(a), static_cast<size_t>(k)};
   }
   return spans;
@@ -460,7 +461,8 @@ void apply_planes(
     const at::Tensor& zero,
     const std::vector<int64_t>& bit_offsets,
     double lr,
-    double decay) {
+    double decay,
+    const std::vector<Span>& spans) {
   const char* op = names.op;
   TORCH_CHECK_VALUE(
       xs.size() == bit_offsets.size(), "lionbit.", op, ": ", xs.size(), " parameters and ",
@@ -469,13 +471,15 @@ void apply_planes(
     require(op, check_float(xs[i], names("x", "xs", i).c_str(), at::kCPU));
     TORCH_CHECK_VALUE(
         bit_offsets[i] >= 0, "lionbit.", op, ": negative ", names("bit_offset", "bit_offsets", i));
-    require(op, check_planes(sign, "sign", at::kCPU, bit_offsets[i] + xs[i].numel()));
-    require(op, check_planes(zero, "zero", at::kCPU, bit_offsets[i] + xs[i].numel()));
+    const auto n = static_cast<int64_t>(spans[i].count);
+    require(op, check_planes(sign, "sign", at::kCPU, bit_offsets[i] + n));
+    require(op, check_planes(zero, "zero", at::kCPU, bit_offsets[i] + n));
   }
   for (size_t i = 0; i < xs.size(); ++i) {
     optim::lion_apply_planes(
-        *float_dtype(xs[i].scalar_type()), xs[i].data_ptr(), words_of(sign), words_of(zero),
-        static_cast<uint64_t>(bit_offsets[i]), static_cast<size_t>(xs[i].numel()),
+        *float_dtype(xs[i].scalar_type()),
+        static_cast<char*>(xs[i].data_ptr()) + spans[i].start * xs[i].element_size(),
+        words_of(sign), words_of(zero), static_cast<uint64_t>(bit_offsets[i]), spans[i].count,
         static_cast<float>(lr), static_cast<float>(decay));
   }
 }
@@ -503,7 +507,10 @@ void lion_apply_planes(
     double lr,
     double decay) {
   std::vector<at::Tensor> xs{x};
-  apply_planes({"lion_apply_planes", true}, xs, sign, zero, {bit_offset}, lr, decay);
+  const char* op = "lion_apply_planes";
+  apply_planes(
+      {op, true}, xs, sign, zero, {bit_offset}, lr, decay,
+      list_spans(op, xs, std::nullopt, std::nullopt, "xs"));
 }
 
 void lion_apply_planes_list(
@@ -512,8 +519,13 @@ void lion_apply_planes_list(
     const at::Tensor& zero,
     const std::vector<int64_t>& bit_offsets,
     double lr,
-    double decay) {
-  apply_planes({"lion_apply_planes_list", false}, xs, sign, zero, bit_offsets, lr, decay);
+    double decay,
+    const std::optional<std::vector<int64_t>>& starts,
+    const std::optional<std::vector<int64_t>>& lengths) {
+  const char* op = "lion_apply_planes_list";
+  apply_planes(
+      {op, false}, xs, sign, zero, bit_offsets, lr, decay,
+      list_spans(op, xs, starts, lengths, "xs"));
 }
 
 std::vector<std::tuple<std::string, std::string>> check_kernel_sets(

@@ -95,12 +95,14 @@ struct Span {
 // A direction list's spans: every pair whole (starts and lengths None), or
 // pair i's elements [starts[i], starts[i] + lengths[i]), so that a caller
 // passes the pieces of a tensor without making a view of each (FSDP's
-// chunks of a parameter). Raises ValueError naming `op` and the entry.
+// chunks of a parameter). Raises ValueError naming `op` and the entry
+// (`name`: the list's argument).
 std::vector<Span> list_spans(
     const char* op,
     const std::vector<at::Tensor>& gs,
     const std::optional<std::vector<int64_t>>& starts,
-    const std::optional<std::vector<int64_t>>& lengths);
+    const std::optional<std::vector<int64_t>>& lengths,
+    const char* name = "gs");
 
 // lion_direction_into over a list of CPU tensors in one call (the step of a
 // model of many small tensors pays one call, not one a tensor): pair i's bits
@@ -133,8 +135,9 @@ void lion_apply_list(
 
 // x = x * decay - lr * Delta, in place, Delta from a vote's result planes:
 // bits [bit_offset, bit_offset + x.numel()) of `sign` and `zero`
-// (optimizer/lion.h lion_apply_planes); the list form updates xs[i] from
-// the bits at bit_offsets[i] of the same planes, every one checked first.
+// (optimizer/lion.h lion_apply_planes); the list form updates xs[i] (its
+// span, list_spans: FSDP1's segments of a flat shard) from the bits at
+// bit_offsets[i] of the same planes, every one checked first.
 void lion_apply_planes(
     at::Tensor& x,
     const at::Tensor& sign,
@@ -148,7 +151,9 @@ void lion_apply_planes_list(
     const at::Tensor& zero,
     const std::vector<int64_t>& bit_offsets,
     double lr,
-    double decay);
+    double decay,
+    const std::optional<std::vector<int64_t>>& starts = std::nullopt,
+    const std::optional<std::vector<int64_t>>& lengths = std::nullopt);
 
 // Whether the fused kernels take these dtypes.
 bool lion_fused_supported(at::ScalarType param, at::ScalarType grad, at::ScalarType momentum);

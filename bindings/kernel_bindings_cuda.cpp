@@ -193,11 +193,14 @@ void lion_apply_planes_list_device(
     const at::Tensor& zero,
     const std::vector<int64_t>& bit_offsets,
     double lr,
-    double decay) {
+    double decay,
+    const std::optional<std::vector<int64_t>>& starts,
+    const std::optional<std::vector<int64_t>>& lengths) {
   const char* op = "lion_apply_planes_list_device";
   TORCH_CHECK_VALUE(
       xs.size() == bit_offsets.size(), "lionbit.", op, ": ", xs.size(), " parameters and ",
       bit_offsets.size(), " bit offsets");
+  const std::vector<Span> spans = list_spans(op, xs, starts, lengths, "xs");
   if (xs.empty()) {
     return;
   }
@@ -206,11 +209,12 @@ void lion_apply_planes_list_device(
   std::vector<optim::cuda::ApplySeg> segs(xs.size());
   for (size_t i = 0; i < xs.size(); ++i) {
     TORCH_CHECK_VALUE(bit_offsets[i] >= 0, "lionbit.", op, ": negative bit_offsets[", i, "]");
-    require(op, check_planes(sign, "sign", device, bit_offsets[i] + xs[i].numel()));
-    require(op, check_planes(zero, "zero", device, bit_offsets[i] + xs[i].numel()));
+    const auto n = static_cast<int64_t>(spans[i].count);
+    require(op, check_planes(sign, "sign", device, bit_offsets[i] + n));
+    require(op, check_planes(zero, "zero", device, bit_offsets[i] + n));
     segs[i] = optim::cuda::ApplySeg{
-        xs[i].data_ptr(), nullptr, static_cast<uint64_t>(xs[i].numel()),
-        static_cast<uint64_t>(bit_offsets[i]), 0};
+        static_cast<char*>(xs[i].data_ptr()) + spans[i].start * xs[i].element_size(), nullptr,
+        static_cast<uint64_t>(n), static_cast<uint64_t>(bit_offsets[i]), 0};
   }
   run_apply_list(
       segs, device, [&](const optim::cuda::ApplySeg* table, uint64_t units, cudaStream_t stream) {

@@ -57,14 +57,17 @@ void lion_apply_list_device(
     double decay);
 
 // lion_apply_planes (kernel_bindings.hpp) over xs (one dtype) in one launch:
-// xs[i]'s Delta from bits bit_offsets[i] .. + numel of the vote's result
-// planes `sign` and `zero` (uint8, on the xs' device).
+// xs[i]'s Delta (of its span, list_spans) from bits bit_offsets[i] .. +
+// its elements of the vote's result planes `sign` and `zero` (uint8, on the
+// xs' device).
 void lion_apply_planes_list_device(
     const std::vector<at::Tensor>& xs,
     const at::Tensor& sign,
     const at::Tensor& zero,
     const std::vector<int64_t>& bit_offsets,
     double lr,
-    double decay);
+    double decay,
+    const std::optional<std::vector<int64_t>>& starts = std::nullopt,
+    const std::optional<std::vector<int64_t>>& lengths = std::nullopt);
 
 } // namespace lionbit

@@ -210,6 +210,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "lion_apply_planes_list", &lionbit::lion_apply_planes_list, py::arg("xs"), py::arg("sign"),
       py::arg("zero"), py::arg("bit_offsets"), py::arg("lr"), py::arg("decay"),
+      py::arg("starts") = py::none(), py::arg("lengths") = py::none(),
       py::call_guard<py::gil_scoped_release>());
   m.def("lion_fused_supported", &lionbit::lion_fused_supported);
   m.def(
@@ -245,7 +246,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("lr"), py::arg("decay"));
   m.def(
       "lion_apply_planes_list_device", &lionbit::lion_apply_planes_list_device, py::arg("xs"),
-      py::arg("sign"), py::arg("zero"), py::arg("bit_offsets"), py::arg("lr"), py::arg("decay"));
+      py::arg("sign"), py::arg("zero"), py::arg("bit_offsets"), py::arg("lr"), py::arg("decay"),
+      py::arg("starts") = py::none(), py::arg("lengths") = py::none());
 #endif
   m.def(
       "_shutdown_workers", &lionbit::LionBitBackend::shutdownAllWorkers,

@@ -240,37 +240,47 @@ def check_apply_list(candidate: Callable, device, seed: int = 0) -> Optional[str
 
 
 def check_apply_planes_list(candidate: Callable, device, seed: int = 0) -> Optional[str]:
-    """Runs ``candidate(xs, sign, zero, bit_offsets, lr, decay)`` (the fused
-    apply over a list of tensors in one launch, each tensor's Delta from
-    its bits of a vote's result planes: -1, +1 and 0 where the zero bit is
-    set) against the torch path tensor by tensor, the tensors end to end
-    from an odd bit and from a word; returns the first case that differs,
-    or None."""
+    """Runs ``candidate(xs, sign, zero, bit_offsets, lr, decay, starts=None,
+    lengths=None)`` (the fused apply over a list of tensors in one launch,
+    each tensor's Delta from its bits of a vote's result planes: -1, +1 and
+    0 where the zero bit is set) against the torch path tensor by tensor,
+    the tensors end to end from an odd bit and from a word; then spans of
+    the tensors (elements [start, start + length) of each: FSDP1's segments
+    of a flat shard) the same way. Returns the first case that differs, or
+    None."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
+    # Disjoint spans, not in the tensors' order: an empty one, odd starts, spans that cross words.
+    spans = [(3, 3, 500), (1, 2, 5), (3, 503, 0), (2, 0, 67), (3, 503, 526), (0, 0, 1), (4, 64, 8000)]
     with torch.no_grad():
         for pdt in CHECK_DTYPES:
             for wd in CHECK_DECAYS:
                 coefs = lion_math.Coefs({"betas": (0.9, 0.99), "lr": CHECK_LR, "weight_decay": wd})
-                for start in (5, 64):
+                for start, cuts in ((5, None), (64, None), (5, spans)):
                     xs = [_inputs(n, pdt, pdt, gen)[0].to(device) for n in CHECK_SIZES]
+                    cuts_ = cuts if cuts is not None else [(i, 0, x.numel()) for i, x in enumerate(xs)]
                     offsets, off = [], start
-                    for x in xs:
+                    for _, _, k in cuts_:
                         offsets.append(off)
-                        off += x.numel()
+                        off += k
                     nbytes = lion_math.plane_bytes(off) + 8
                     sign = torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8).to(device)
                     zero = (torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8)
                             & torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8)).to(device)
                     got = [x.clone() for x in xs]
-                    candidate(got, sign, zero, offsets, coefs.values[4], coefs.values[5])
+                    if cuts is None:
+                        candidate(got, sign, zero, offsets, coefs.values[4], coefs.values[5])
+                    else:
+                        candidate([got[i] for i, _, _ in cuts], sign, zero, offsets, coefs.values[4], coefs.values[5],
+                                  starts=[a for _, a, _ in cuts], lengths=[k for *_, k in cuts])
+                    want = [x.clone() for x in xs]
+                    for (i, a, k), at in zip(cuts_, offsets):
+                        lion_math.apply_update(lion_math.span(want[i], a, k), lion_math.VotedPlanes(sign, zero, at, k),
+                                               coefs, False)
                     bits = torch.int32 if pdt == torch.float32 else torch.int16
-                    for x, at, g in zip(xs, offsets, got):
-                        want = x.clone()
-                        lion_math.apply_update(want, lion_math.VotedPlanes(sign, zero, at, x.numel()), coefs, False)
-                        if not torch.equal(g.view(bits), want.view(bits)):
-                            return (f"{_name(pdt)} parameters, sizes {CHECK_SIZES} from bit {start}, "
-                                    f"weight_decay={wd}")
+                    if not all(torch.equal(g.view(bits), w.view(bits)) for g, w in zip(got, want)):
+                        return (f"{_name(pdt)} parameters, sizes {CHECK_SIZES} from bit {start}"
+                                f"{'' if cuts is None else ', spans'}, weight_decay={wd}")
     return None
 
 
@@ -326,8 +336,8 @@ def _lion_apply_list_device(xs, deltas, lr, decay) -> None:
     _C.lion_apply_list_device(xs, deltas, lr, decay)
 
 
-def _lion_apply_planes_list_device(xs, sign, zero, bit_offsets, lr, decay) -> None:
-    _C.lion_apply_planes_list_device(xs, sign, zero, bit_offsets, lr, decay)
+def _lion_apply_planes_list_device(xs, sign, zero, bit_offsets, lr, decay, starts=None, lengths=None) -> None:
+    _C.lion_apply_planes_list_device(xs, sign, zero, bit_offsets, lr, decay, starts=starts, lengths=lengths)
 
 
 #: The first-use checks of ``auto``, by device type (tests add one for "cpu"):

@@ -317,13 +317,17 @@ def update_momenta(items, k: Coefs) -> None:
         momenta_from(*zip(*group), k)
 
 
-def momenta_from(gs, ms, k: Coefs) -> None:
-    """:func:`update_momenta` of lists given column by column (on a GPU one dtype pair)."""
+def momenta_from(gs, ms, k: Coefs, starts=None, lengths=None) -> None:
+    """:func:`update_momenta` of lists given column by column (on a GPU one
+    dtype pair); with ``starts`` and ``lengths``, elements [start, start +
+    length) of each pair (flat indices), as :func:`directions_into`."""
     b1, omb1, b2, omb2, _, _ = k.values
     if not gs[0].is_cuda:
-        _C.lion_direction_list(gs, ms, b1, omb1, b2, omb2, None, None, [0] * len(gs), update_momentum=True)
+        _C.lion_direction_list(gs, ms, b1, omb1, b2, omb2, None, None, [0] * len(gs), update_momentum=True,
+                               starts=starts, lengths=lengths)
         return
-    _C.lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, None, None, None, [0] * len(gs), update_momentum=True)
+    _C.lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, None, None, None, [0] * len(gs), update_momentum=True,
+                                  starts=starts, lengths=lengths)
 
 
 _sign, _offset = attrgetter("sign"), attrgetter("offset")
@@ -365,14 +369,15 @@ def apply_updates(items, k: Coefs) -> None:
         apply_planes(xs, d.sign, d.zero, offsets, k)
 
 
-def apply_planes(xs, sign, zero, offsets, k: Coefs) -> None:
+def apply_planes(xs, sign, zero, offsets, k: Coefs, starts=None, lengths=None) -> None:
     """The parameters ``xs`` (on a GPU of one dtype) updated from a vote's
-    result planes, each from its Delta's bits at its offset."""
+    result planes, each from its Delta's bits at its offset; with ``starts``
+    and ``lengths``, elements [start, start + length) of each (flat indices)."""
     _, _, _, _, lr, decay = k.values
     if not xs[0].is_cuda:
-        _C.lion_apply_planes_list(xs, sign, zero, offsets, lr, decay)
+        _C.lion_apply_planes_list(xs, sign, zero, offsets, lr, decay, starts=starts, lengths=lengths)
         return
-    _C.lion_apply_planes_list_device(xs, sign, zero, offsets, lr, decay)
+    _C.lion_apply_planes_list_device(xs, sign, zero, offsets, lr, decay, starts=starts, lengths=lengths)
 
 
 def pack_abstain(numel: int, sign, zero, bit_offset: int, bits=None) -> None:

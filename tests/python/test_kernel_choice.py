@@ -219,13 +219,22 @@ def test_the_list_checks_pass_right_kernels_and_name_wrong_ones():
         assert not check.ok("cpu")
 
 
-def _planes_apply_reads_one_bit_late(xs, sign, zero, offsets, lr, decay):
-    _C.lion_apply_planes_list(xs, sign, zero, [o + 1 for o in offsets], lr, decay)
+def _planes_apply_reads_one_bit_late(xs, sign, zero, offsets, lr, decay, **spans):
+    _C.lion_apply_planes_list(xs, sign, zero, [o + 1 for o in offsets], lr, decay, **spans)
 
 
-def _planes_apply_as_values(xs, sign, zero, offsets, lr, decay):
-    for x, off in zip(xs, offsets):
-        _C.lion_apply(x, lion_math.VotedPlanes(sign, zero, off, x.numel()).values(), lr, decay)
+def _planes_apply_as_values(xs, sign, zero, offsets, lr, decay, starts=None, lengths=None):
+    starts = starts or [0] * len(xs)
+    lengths = lengths or [x.numel() for x in xs]
+    for x, off, a, k in zip(xs, offsets, starts, lengths):
+        _C.lion_apply(x[a : a + k], lion_math.VotedPlanes(sign, zero, off, k).values(), lr, decay)
+
+
+def _planes_apply_starts_ignored(xs, sign, zero, offsets, lr, decay, starts=None, lengths=None):
+    """Each span written from its tensor's first element (a table whose data
+    pointers were not moved by the span's start)."""
+    starts = None if starts is None else [0] * len(starts)
+    _C.lion_apply_planes_list(xs, sign, zero, offsets, lr, decay, starts=starts, lengths=lengths)
 
 
 def test_the_planes_apply_check_passes_right_kernels_and_names_wrong_ones():
@@ -233,6 +242,17 @@ def test_the_planes_apply_check_passes_right_kernels_and_names_wrong_ones():
     assert kernel_choice.check_apply_planes_list(_planes_apply_as_values, "cpu") is None
     case = kernel_choice.check_apply_planes_list(_planes_apply_reads_one_bit_late, "cpu")
     assert case is not None and case.startswith("float32 parameters, sizes") and "from bit 5" in case, case
+    case = kernel_choice.check_apply_planes_list(_planes_apply_starts_ignored, "cpu")
+    assert case is not None and case.startswith("float32 parameters, sizes") and "from bit 5, spans" in case, case
+
+
+def test_the_planes_apply_list_names_a_span_out_of_range():
+    x, sign = torch.zeros(10), torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"lion_apply_planes_list: elements \[4, 4 \+ 7\) of xs\[0\] \(10 elements\)"):
+        _C.lion_apply_planes_list([x], sign, sign.clone(), [0], 1e-3, 0.9, starts=[4], lengths=[7])
+    with pytest.raises(ValueError, match="lion_apply_planes_list: 1 entries of 'xs', 2 starts and 2 lengths"):
+        _C.lion_apply_planes_list([x], sign, sign.clone(), [0], 1e-3, 0.9, starts=[0, 1], lengths=[1, 1])
+    assert torch.equal(x, torch.zeros(10))  # nothing written
 
 
 def test_the_check_leaves_the_global_random_state_alone():

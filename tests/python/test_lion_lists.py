@@ -233,7 +233,7 @@ def test_the_direction_list_takes_spans_as_it_takes_their_views(update_momentum)
     refused(r"elements \[-1, -1 \+ 1\) of gs\[1\]", starts=[0, -1], lengths=[64, 1])
     refused(r"elements \[0, 0 \+ -2\) of gs\[1\]", starts=[0, 0], lengths=[64, -2])
     refused("starts and lengths are given together or not at all", starts=[0, 0])
-    refused("2 gradients, 1 starts and 1 lengths", starts=[0], lengths=[1])
+    refused("2 entries of 'gs', 1 starts and 1 lengths", starts=[0], lengths=[1])
 
 
 # -- a user's training script -------------------------------------------------------
@@ -408,10 +408,11 @@ class _DeviceLists:
         self.calls.append(("apply", xs[0].dtype, deltas[0].dtype, len(xs)))
         self.real.lion_apply_list(self._plain(xs), self._plain(deltas), lr, decay)
 
-    def lion_apply_planes_list_device(self, xs, sign, zero, bit_offsets, lr, decay):
+    def lion_apply_planes_list_device(self, xs, sign, zero, bit_offsets, lr, decay, starts=None, lengths=None):
         assert len({x.dtype for x in xs}) == 1, "one parameter dtype a launch"
         self.calls.append(("apply_planes", xs[0].dtype, id(sign), len(xs)))
-        self.real.lion_apply_planes_list(self._plain(xs), sign, zero, bit_offsets, lr, decay)
+        self.real.lion_apply_planes_list(self._plain(xs), sign, zero, bit_offsets, lr, decay, starts=starts,
+                                         lengths=lengths)
 
 
 def test_the_gpu_branches_launch_once_a_dtype_pair_and_match_the_cpu(monkeypatch):
