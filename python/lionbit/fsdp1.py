@@ -70,7 +70,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from . import lion_math, step_vote, torch_internals
+from . import fsdp1_plan, lion_math, step_vote, torch_internals
 from ._backend import backend_for
 from .attachment import Attachment
 from .voter import end_to_end, runs
@@ -126,6 +126,7 @@ class _Unit:
         self.kept: Optional[torch.Tensor] = None
         self.shown: Optional[torch.Tensor] = None
         self.shown_version = -1
+        self.cuts = _cuts(self)  # the step's layout of its segments (sharded and hybrid units; fixed)
 
     def momentum_tensor(self) -> torch.Tensor:
         if self.momentum is None:
@@ -346,25 +347,39 @@ def _segments(unit: _Unit):
             yield seg, start, end
 
 
-def _pieces(unit: _Unit, grad: torch.Tensor, shard: int):
-    """The unit's original parameters as pieces of Voter.sharded_vote: each
-    segment of the flat parameter with its spans, split at the shards'
-    boundaries (element i of the flat parameter: shard i // shard). Hybrid:
-    grad and the momentum are this rank's shard alone (element i at i -
-    base), and so is every span (r = 0: Voter's replicated layout)."""
-    m = unit.momentum_tensor()
-    origin = unit.base if unit.hybrid else 0
-    pieces = []
-    coefs = _coefs(unit.opt)
-    for (_, _, group, _), start, end in _segments(unit):
+def _cuts(unit: _Unit) -> list:
+    """A sharded unit's step layout, one entry per segment with elements in
+    what this rank's gradient and momentum cover (:func:`_segments`): (its
+    parameter group's index, its first element and elements in the gradient
+    and the momentum (hybrid: in this rank's shard), its spans for
+    Voter.sharded_vote, its first element and elements in the local shard
+    (0: none there)). Spans (r, start, length, at): elements [start, start +
+    length) of the segment's part go to shard r at element ``at``, split at
+    the shards' boundaries (element i of the flat parameter: shard i // S);
+    hybrid: r = 0, the shard alone (Voter's replicated layout). Fixed for
+    the unit's life: the layout, the rank and S are."""
+    s, base = unit.shard_numel, unit.base
+    origin = base if unit.hybrid else 0
+    cuts = []
+    for (off, numel, group, _), start, end in _segments(unit):
         spans, lo = [], start
         while lo < end:
-            r = lo // shard
-            hi = min(end, (r + 1) * shard)
-            spans.append((0 if unit.hybrid else r, lo - start, hi - lo, lo - r * shard))
+            r = lo // s
+            hi = min(end, (r + 1) * s)
+            spans.append((0 if unit.hybrid else r, lo - start, hi - lo, lo - r * s))
             lo = hi
-        pieces.append((grad[start - origin : end - origin], m[start - origin : end - origin], coefs[group], spans))
-    return pieces
+        x_lo, x_hi = max(off, base), min(off + numel, base + s)
+        cuts.append((group, start - origin, end - start, spans, x_lo - base, max(0, x_hi - x_lo)))
+    return cuts
+
+
+def _pieces(unit: _Unit, grad: torch.Tensor):
+    """The unit's original parameters as pieces of Voter.sharded_vote (its
+    :func:`_cuts`): each segment's part of the gradient and the momentum
+    (hybrid: this rank's shard of them) with its hyperparameters and spans."""
+    m = unit.momentum_tensor()
+    coefs = _coefs(unit.opt)
+    return [(grad[a : a + n], m[a : a + n], coefs[group], spans) for group, a, n, spans, _, _ in unit.cuts]
 
 
 def _coefs(opt) -> list:
@@ -398,7 +413,7 @@ def _shard_grad(unit: _Unit) -> Optional[torch.Tensor]:
     return g.view(-1) if g.is_contiguous() else g.contiguous().view(-1)
 
 
-def _vote_units(units, grads, agreed: list, works: list) -> list:
+def _vote_units(units, grads, agreed: list, works: list, calls: list) -> list:
     """The vote of the directions of each unit's gradient in ``grads`` (the
     kept gradient; hybrid: its shard of the node's mean): this rank's shard
     of Delta per unit, as (element, count) -> Delta of those elements of the
@@ -410,7 +425,9 @@ def _vote_units(units, grads, agreed: list, works: list) -> list:
     stay within step_vote.chunk_limit (a larger unit is a call of its own).
     Changes no state. Every call is left in flight, its agreement and
     future appended to ``agreed`` and ``works`` (Voter.sharded_vote), and
-    Delta is read once the caller has waited for them."""
+    Delta is read once the caller has waited for them. Each call is
+    described in ``calls`` (its units, their first elements in a shard,
+    elements in a shard, group, replicated, where) for the step's plan."""
     deltas = []
 
     def group_of(unit):
@@ -422,17 +439,14 @@ def _vote_units(units, grads, agreed: list, works: list) -> list:
 
     for run in runs(list(zip(units, grads)), lambda item: (id(group_of(item[0])), item[0].hybrid, item[0].device),
                     planes_of, lambda item: step_vote.chunk_limit(item[0].device)):
-        pieces, s, bases = end_to_end([(_pieces(unit, grad, unit.shard_numel), unit.shard_numel)
-                                       for unit, grad in run])
+        pieces, s, bases = end_to_end([(_pieces(unit, grad), unit.shard_numel) for unit, grad in run])
         first, opt = run[0][0], run[0][0].opt
-        planes = opt.voter.votes_into_planes(first.device, group_of(first))
-        if first.hybrid:
-            delta = opt.voter.sharded_vote(pieces, s, first.replicas, first.device, "step (FSDP1 hybrid: the "
-                                           "replicas' all-reduce)", step_vote.fused_verdicts(opt), agreed, works,
-                                           replicated=True, into_planes=planes)
-        else:
-            delta = opt.voter.sharded_vote(pieces, s, first.group, first.device, "step (FSDP1)",
-                                           step_vote.fused_verdicts(opt), agreed, works, into_planes=planes)
+        group = group_of(first)
+        planes = opt.voter.votes_into_planes(first.device, group)
+        where = "step (FSDP1 hybrid: the replicas' all-reduce)" if first.hybrid else "step (FSDP1)"
+        delta = opt.voter.sharded_vote(pieces, s, group, first.device, where, step_vote.fused_verdicts(opt), agreed,
+                                       works, replicated=first.hybrid, into_planes=planes)
+        calls.append(([unit for unit, _ in run], bases, s, group, first.hybrid, where))
         delta_of = lion_math.delta_views(delta, planes)
         for _, base in zip(run, bases):
             deltas.append(lambda at, n, base=base, delta_of=delta_of: delta_of(base + at, n))
@@ -441,26 +455,23 @@ def _vote_units(units, grads, agreed: list, works: list) -> list:
 
 def _state_changes(unit: _Unit, grad: torch.Tensor, delta):
     """A unit's state change as step_vote.update_state's items, original
-    parameter by original parameter: the momenta from ``grad`` (full-size;
-    hybrid: this rank's shard), and the local shard of the parameters by
-    ``delta`` (:func:`_vote_units`' accessor of the unit's shard)."""
-    opt = unit.opt
+    parameter by original parameter (its :func:`_cuts`): the momenta from
+    ``grad`` (full-size; hybrid: this rank's shard), and the local shard of
+    the parameters by ``delta`` (:func:`_vote_units`' accessor of the unit's
+    shard)."""
     m, x = unit.momentum_tensor(), _local_shard(unit)
-    s, base = unit.shard_numel, unit.base
-    origin = base if unit.hybrid else 0
     momenta, applies = [], []
-    fused_for = step_vote.fused_verdicts(opt)
-    coefs_of = _coefs(opt)
+    fused_for = step_vote.fused_verdicts(unit.opt)
+    coefs_of = _coefs(unit.opt)
     m_fused = x_fused = None  # (the same for every segment: slices of the same flat tensors and Delta)
-    for (off, numel, group, _), start, end in _segments(unit):
+    for group, a, n, _, x_at, x_n in unit.cuts:
         coefs = coefs_of[group]
-        gs, ms = grad[start - origin : end - origin], m[start - origin : end - origin]
+        gs, ms = grad[a : a + n], m[a : a + n]
         if m_fused is None:
             m_fused = fused_for(ms, gs)
         momenta.append((gs, ms, coefs, m_fused))
-        lo, hi = max(off, base), min(off + numel, base + s)
-        if lo < hi:
-            xs, ds = x[lo - base : hi - base], delta(lo - base, hi - lo)
+        if x_n:
+            xs, ds = x[x_at : x_at + x_n], delta(x_at, x_n)
             if x_fused is None:
                 x_fused = fused_for(xs, ds)
             applies.append((xs, ds, coefs, x_fused))
@@ -517,6 +528,7 @@ class FSDP1Attachment(Attachment):
         self.hooked: List[_Unit] = []  # sharded units whose hook ran in the current backward
         self.units, self.states, group, self.replicas = _units(self, opt, model)
         self.hybrid = self.replicas is not None
+        self.plan = fsdp1_plan.FSDP1Plan()  # the step, replayed where it is the step before again
         # the vote's group (momentum sync, checkpoints' marker); hybrid: the replicas (the inter-node group)
         self.group = self.replicas if self.hybrid else (opt.group if opt.group is not None else group)
         self.norm_order = _norm_order(model, self.units)
@@ -632,32 +644,45 @@ class FSDP1Attachment(Attachment):
     def vote_step(self, abstain: bool):
         """Votes every sharded unit with a kept gradient (in self.order, the
         same on every rank) and the NO_SHARD units, every call started
-        before any is waited for; updates the momenta (full-size: this
-        rank's local gradients) once every rank has agreed to every call,
-        while the bits still move; returns the function that applies Delta
-        to the local shards. A rank that abstains (Join) has no sharded vote
-        to give. Raises step_vote.NonFinite (on every rank alike), changing
-        nothing."""
+        before any is waited for: as planned (lionbit.fsdp1_plan) where the
+        plan describes the step, else by the general path, which plans the
+        next. Updates the momenta (full-size: this rank's local gradients)
+        once every rank has agreed to every call, while the bits still move;
+        returns the function that applies Delta to the local shards. A rank
+        that abstains (Join) has no sharded vote to give. Raises
+        step_vote.NonFinite (on every rank alike), changing nothing."""
         units = []
         _check_synchronized(self.units, "step()")
         if not abstain:
             for unit in list(self.order):
                 _reconcile(unit, "step")
             units = list(self.order)
-        for unit in units:
-            _local_shard(unit)  # before any collective
+        shards = [_local_shard(unit) for unit in units]  # before any collective
+        sources = list(zip(units, [unit.kept for unit in units], shards)) + [
+            (unit, unit.flat_param.grad, unit.flat_param.data) for unit in self.units
+            if not unit.sharded and unit.flat_param.grad is not None]
+        started = None if abstain else self.plan.start(self, sources)
+        if started is not None:
+            agreed, works, momenta, apply = started
+            step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
+            self.plan.replayed += 1
+            momenta()
+            step_vote.wait_votes(works)
+            return apply
         entries = no_shard_entries(self)
         if entries:
             self.check_entries(entries)  # before any collective
         grads = [unit.kept for unit in units]
-        agreed, works = [], []
-        deltas = _vote_units(units, grads, agreed, works)
+        agreed, works, calls = [], [], []
+        deltas = _vote_units(units, grads, agreed, works, calls)
         if entries and units and self.group is not units[0].group:
             # The optimizer's own group: another communicator, whose calls
             # start once the units' bits are in (no two communicators' NCCL
             # kernels in flight at once, in different orders on different ranks).
             step_vote.wait_votes(works)
         no_shard = self.start_vote(entries, agreed, works)
+        if not abstain:
+            self.plan.learn(self, sources, calls, step_vote.fused_verdicts(self.opt))
         momenta, applies = _all_state_changes(units, grads, deltas)
         applies += step_vote.apply_items(entries, no_shard)
         step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
@@ -698,7 +723,8 @@ class FSDP1Attachment(Attachment):
             self.vote_hybrid, self.replicas, self.units[0].group, device, "FSDP1 hybrid"), None)
 
     def vote_hybrid(self, settle: bool = False):
-        """Starts the vote of every hybrid unit with a gradient and waits
+        """Starts the vote of every hybrid unit with a gradient (as planned
+        where the plan describes the step, lionbit.fsdp1_plan) and waits
         until every call is agreed to (``settle``: until its bits are in),
         changing nothing; returns the function that applies the step once
         the node's ranks agreed (the momenta while the bits still move, then
@@ -711,8 +737,24 @@ class FSDP1Attachment(Attachment):
                 _local_shard(unit)  # before any collective
                 units.append(unit)
                 grads.append(g)
-        agreed, works = [], []
-        deltas = _vote_units(units, grads, agreed, works)
+        sources = [(unit, g, unit.flat_param.data) for unit, g in zip(units, grads)]
+        started = self.plan.start(self, sources)
+        if started is not None:
+            agreed, works, momenta, apply = started
+            step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
+            self.plan.replayed += 1
+            if settle:
+                step_vote.wait_votes(works)
+
+            def planned() -> None:
+                momenta()
+                step_vote.wait_votes(works)
+                apply()
+
+            return planned
+        agreed, works, calls = [], [], []
+        deltas = _vote_units(units, grads, agreed, works, calls)
+        self.plan.learn(self, sources, calls, step_vote.fused_verdicts(self.opt))
         step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
         if settle:
             step_vote.wait_votes(works)

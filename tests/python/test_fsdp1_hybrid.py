@@ -169,6 +169,8 @@ def _run(rank, cfg, groups, mesh, path):
         local[unit.name] = lay.flat_param.detach().flatten().tolist()
     out["layouts"], out["local"] = layouts, local
     out["steps"] = opt.steps_taken
+    out["replayed"] = opt.attachment.plan.replayed
+    out["plannable"] = lionbit.kernel_choice.list_kernels_allowed("cpu")  # (not with LIONBIT_KERNELS=aten)
     return out
 
 
@@ -321,6 +323,9 @@ def test_fsdp1_hybrid_equals_the_m_worker_reference_bitwise(runs, name):
             want = _expected_momentum(ref["momentum"][node], layout, prefix, shard, len(got))
             assert got == want, (name, rank, unit)
     assert run["steps"] == ref["applied"] == cfg["steps"] - (1 if cfg["overflow"] else 0)
+    # every step but the first replayed its plan (lionbit.fsdp1_plan), where a plan can ("vote", the list kernels)
+    plannable = cfg["aggregation"] == "vote" and run["plannable"]
+    assert all(r["replayed"] == (run["steps"] - 1 if plannable else 0) for r in per_rank), run["replayed"]
     if cfg["clip"]:
         assert ref["norm_rel_err"] < 1e-5, ref["norm_rel_err"]
 
