@@ -34,7 +34,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import kernel_choice, lion_math, step_vote, torch_internals
-from .step_vote import NonFinite, nonfinite_ranks
 
 _grad, _requires_grad, _dtype = attrgetter("grad"), attrgetter("requires_grad"), attrgetter("dtype")
 _shape, _mesh, _placements = attrgetter("shape"), attrgetter("device_mesh"), attrgetter("placements")
@@ -264,15 +263,9 @@ class FSDP2Plan:
             counts = torch.zeros(2, dtype=torch.int64, device=lay.device) if lay.cuda else None
             bad = sum(lion_math.directions_into(c.grads(gs), c.ms, c.offsets, c.starts, c.lengths, coefs[c.group],
                                                 sign, zero, counts) for c in v.directions)
-            start = voter.all_reduce if v.replicated else voter.reduce_scatter
-            try:
-                works.append(start(sign, zero, v.numel, bad, delta, v.group, v.where, out_planes=True,
-                                   nans_tally=counts[1:] if lay.cuda else None, agreed=agreed))
-            except (RuntimeError, ValueError) as err:
-                ranks = nonfinite_ranks(err)
-                if ranks is None:
-                    raise
-                raise NonFinite(ranks) from None
+            tally = counts[1:] if lay.cuda else None
+            works.append(voter.start_sharded(sign, zero, v.numel, bad, delta, v.group, v.where, v.replicated,
+                                             out_planes=True, nans_tally=tally, agreed=agreed))
 
         def momenta() -> None:
             for c in lay.updates:

@@ -132,16 +132,26 @@ class Voter:
             delta = torch.empty(2 * lion_math.plane_bytes(shard_numel), dtype=torch.uint8, device=device)
         else:
             delta = torch.empty(shard_numel, dtype=self.delta_dtype, device=device)
+        works.append(self.start_sharded(sign, zero, shard_numel, nans, delta, group, where, replicated,
+                                        out_planes=into_planes, nans_tally=tally, agreed=agreed))
+        return delta
+
+    def start_sharded(self, sign, zero, shard_numel: int, nans: int, delta: torch.Tensor, group, where: str,
+                      replicated: bool, out_planes: bool = False, nans_tally=None, agreed: Optional[list] = None):
+        """Starts a sharded vote's collective over packed planes: the
+        reduce-scatter (:meth:`reduce_scatter`), or with ``replicated`` the
+        all-reduce of the one shard every rank of ``group`` holds; returns
+        its future. A non-finite direction that the call reports at once
+        raises :class:`step_vote.NonFinite`, as waiting for it would."""
+        start = self.all_reduce if replicated else self.reduce_scatter
         try:
-            start = self.all_reduce if replicated else self.reduce_scatter
-            works.append(start(sign, zero, shard_numel, nans, delta, group, where, out_planes=into_planes,
-                               nans_tally=tally, agreed=agreed))
+            return start(sign, zero, shard_numel, nans, delta, group, where, out_planes=out_planes,
+                         nans_tally=nans_tally, agreed=agreed)
         except (RuntimeError, ValueError) as err:
             ranks = nonfinite_ranks(err)
             if ranks is None:
                 raise
             raise NonFinite(ranks) from None
-        return delta
 
     def new_step(self) -> None:
         """The next collective is the first of a new step."""
