@@ -104,7 +104,9 @@ class _Unit:
         self.module = module
         self.name = name
         self.flat_param = fp = layout.flat_param
-        self.segments = segments  # (offset in the unpadded flat param, numel, optimizer group's index, fqn)
+        # (offset in the unpadded flat param, numel, its parameter, fqn) per original parameter; the
+        # parameter (use_orig_params=False: the FlatParameter) says at each step whether the segment trains
+        self.segments = segments
         self.numel = numel  # unpadded flat numel (alignment padding included)
         self.sharded = sharded
         self.group = group  # FSDP's process group (hybrid: the node's L ranks)
@@ -350,7 +352,7 @@ def _segments(unit: _Unit):
 def _cuts(unit: _Unit) -> list:
     """A sharded unit's step layout, one entry per segment with elements in
     what this rank's gradient and momentum cover (:func:`_segments`): (its
-    parameter group's index, its first element and elements in the gradient
+    index in ``unit.segments``, its first element and elements in the gradient
     and the momentum (hybrid: in this rank's shard), its spans for
     Voter.sharded_vote, its first element and elements in the local shard
     (0: none there)). Spans (r, start, length, at): elements [start, start +
@@ -361,7 +363,9 @@ def _cuts(unit: _Unit) -> list:
     s, base = unit.shard_numel, unit.base
     origin = base if unit.hybrid else 0
     cuts = []
-    for (off, numel, group, _), start, end in _segments(unit):
+    index = {id(seg): i for i, seg in enumerate(unit.segments)}
+    for seg, start, end in _segments(unit):
+        off, numel = seg[0], seg[1]
         spans, lo = [], start
         while lo < end:
             r = lo // s
@@ -369,23 +373,36 @@ def _cuts(unit: _Unit) -> list:
             spans.append((0 if unit.hybrid else r, lo - start, hi - lo, lo - r * s))
             lo = hi
         x_lo, x_hi = max(off, base), min(off + numel, base + s)
-        cuts.append((group, start - origin, end - start, spans, x_lo - base, max(0, x_hi - x_lo)))
+        cuts.append((index[id(seg)], start - origin, end - start, spans, x_lo - base, max(0, x_hi - x_lo)))
     return cuts
 
 
-def _pieces(unit: _Unit, grad: torch.Tensor):
-    """The unit's original parameters as pieces of Voter.sharded_vote (its
-    :func:`_cuts`): each segment's part of the gradient and the momentum
-    (hybrid: this rank's shard of them) with its hyperparameters and spans."""
+def _pieces(unit: _Unit, grad: torch.Tensor, groups: tuple):
+    """The unit's training original parameters as pieces of
+    Voter.sharded_vote (its :func:`_cuts`): each such segment's part of the
+    gradient and the momentum (hybrid: this rank's shard of them) with its
+    hyperparameters (``groups``: :func:`_step_groups`' of the unit) and spans."""
     m = unit.momentum_tensor()
     coefs = _coefs(unit.opt)
-    return [(grad[a : a + n], m[a : a + n], coefs[group], spans) for group, a, n, spans, _, _ in unit.cuts]
+    return [(grad[a : a + n], m[a : a + n], coefs[groups[i]], spans) for i, a, n, spans, _, _ in unit.cuts
+            if groups[i] is not None]
 
 
 def _coefs(opt) -> list:
     """Each parameter group's hyperparameters as they stand now (a segment's
     group index picks one): one Coefs a group, not one a segment."""
     return [lion_math.Coefs(g) for g in opt.param_groups]
+
+
+def _step_groups(att) -> dict:
+    """Per unit, each segment's parameter group at this step, by index into
+    ``opt.param_groups`` as they stand (torch's load_state_dict replaces the
+    group dicts, add_param_group adds one), or None where its parameter does
+    not train now (``requires_grad`` False, or in no group): DDP's step,
+    where a frozen parameter has no gradient and keeps its momentum."""
+    index = {id(p): gi for gi, g in enumerate(att.opt.param_groups) for p in g["params"]}
+    return {unit: tuple(index.get(id(owner)) if owner.requires_grad else None for _, _, owner, _ in unit.segments)
+            for unit in att.units}
 
 
 def _local_shard(unit: _Unit) -> torch.Tensor:
@@ -413,7 +430,7 @@ def _shard_grad(unit: _Unit) -> Optional[torch.Tensor]:
     return g.view(-1) if g.is_contiguous() else g.contiguous().view(-1)
 
 
-def _vote_units(units, grads, agreed: list, works: list, calls: list) -> list:
+def _vote_units(units, grads, groups: dict, agreed: list, works: list, calls: list) -> list:
     """The vote of the directions of each unit's gradient in ``grads`` (the
     kept gradient; hybrid: its shard of the node's mean): this rank's shard
     of Delta per unit, as (element, count) -> Delta of those elements of the
@@ -439,7 +456,7 @@ def _vote_units(units, grads, agreed: list, works: list, calls: list) -> list:
 
     for run in runs(list(zip(units, grads)), lambda item: (id(group_of(item[0])), item[0].hybrid, item[0].device),
                     planes_of, lambda item: step_vote.chunk_limit(item[0].device)):
-        pieces, s, bases = end_to_end([(_pieces(unit, grad), unit.shard_numel) for unit, grad in run])
+        pieces, s, bases = end_to_end([(_pieces(unit, grad, groups[unit]), unit.shard_numel) for unit, grad in run])
         first, opt = run[0][0], run[0][0].opt
         group = group_of(first)
         planes = opt.voter.votes_into_planes(first.device, group)
@@ -453,9 +470,10 @@ def _vote_units(units, grads, agreed: list, works: list, calls: list) -> list:
     return deltas
 
 
-def _state_changes(unit: _Unit, grad: torch.Tensor, delta):
+def _state_changes(unit: _Unit, grad: torch.Tensor, delta, groups: tuple):
     """A unit's state change as step_vote.update_state's items, original
-    parameter by original parameter (its :func:`_cuts`): the momenta from
+    parameter by original parameter (its :func:`_cuts`, those that train:
+    ``groups``, :func:`_step_groups`' of the unit): the momenta from
     ``grad`` (full-size; hybrid: this rank's shard), and the local shard of
     the parameters by ``delta`` (:func:`_vote_units`' accessor of the unit's
     shard)."""
@@ -464,8 +482,10 @@ def _state_changes(unit: _Unit, grad: torch.Tensor, delta):
     fused_for = step_vote.fused_verdicts(unit.opt)
     coefs_of = _coefs(unit.opt)
     m_fused = x_fused = None  # (the same for every segment: slices of the same flat tensors and Delta)
-    for group, a, n, _, x_at, x_n in unit.cuts:
-        coefs = coefs_of[group]
+    for i, a, n, _, x_at, x_n in unit.cuts:
+        if groups[i] is None:
+            continue
+        coefs = coefs_of[groups[i]]
         gs, ms = grad[a : a + n], m[a : a + n]
         if m_fused is None:
             m_fused = fused_for(ms, gs)
@@ -478,19 +498,20 @@ def _state_changes(unit: _Unit, grad: torch.Tensor, delta):
     return momenta, applies
 
 
-def _all_state_changes(units, grads, deltas):
+def _all_state_changes(units, grads, deltas, groups: dict):
     """:func:`_state_changes` of every unit, as two lists (momenta, applies)."""
     momenta, applies = [], []
     for unit, grad, delta in zip(units, grads, deltas):
-        unit_momenta, unit_applies = _state_changes(unit, grad, delta)
+        unit_momenta, unit_applies = _state_changes(unit, grad, delta, groups[unit])
         momenta += unit_momenta
         applies += unit_applies
     return momenta, applies
 
 
-def no_shard_entries(att) -> list:
+def no_shard_entries(att, groups: dict) -> list:
     """The step_vote entries of every NO_SHARD unit with a gradient: one per
-    original parameter's segment of the flat parameter."""
+    segment of the flat parameter whose parameter trains now (``groups``:
+    :func:`_step_groups`)."""
     opt = att.opt
     entries = []
     fused_for = step_vote.fused_verdicts(opt)
@@ -506,7 +527,8 @@ def no_shard_entries(att) -> list:
             )
         fused = fused_for(x, g)  # (every segment a slice of these flat tensors: the same verdict)
         entries += [step_vote.Entry(x[off : off + numel], g[off : off + numel], m[off : off + numel], coefs[group],
-                                    fused) for off, numel, group, _ in unit.segments]
+                                    fused) for (off, numel, _, _), group in zip(unit.segments, groups[unit])
+                    if group is not None]
     return entries
 
 
@@ -607,9 +629,10 @@ class FSDP1Attachment(Attachment):
             if unit is None:
                 g = param.grad
             else:
-                off, numel, _, _ = unit.segments[index]
+                off, numel, owner, _ = unit.segments[index]
                 flat = unit.kept if unit.sharded else unit.flat_param.grad
-                g = None if flat is None else flat.view(-1)[off : off + numel]
+                # (a frozen parameter has no gradient, as under DDP)
+                g = None if flat is None or not owner.requires_grad else flat.view(-1)[off : off + numel]
             if g is not None:
                 grads.append(g)
         for unit in self.units:
@@ -658,8 +681,9 @@ class FSDP1Attachment(Attachment):
                 _reconcile(unit, "step")
             units = list(self.order)
         shards = [_local_shard(unit) for unit in units]  # before any collective
-        sources = list(zip(units, [unit.kept for unit in units], shards)) + [
-            (unit, unit.flat_param.grad, unit.flat_param.data) for unit in self.units
+        groups = _step_groups(self)
+        sources = [(unit, unit.kept, x, groups[unit]) for unit, x in zip(units, shards)] + [
+            (unit, unit.flat_param.grad, unit.flat_param.data, groups[unit]) for unit in self.units
             if not unit.sharded and unit.flat_param.grad is not None]
         started = None if abstain else self.plan.start(self, sources)
         if started is not None:
@@ -669,12 +693,12 @@ class FSDP1Attachment(Attachment):
             momenta()
             step_vote.wait_votes(works)
             return apply
-        entries = no_shard_entries(self)
+        entries = no_shard_entries(self, groups)
         if entries:
             self.check_entries(entries)  # before any collective
         grads = [unit.kept for unit in units]
         agreed, works, calls = [], [], []
-        deltas = _vote_units(units, grads, agreed, works, calls)
+        deltas = _vote_units(units, grads, groups, agreed, works, calls)
         if entries and units and self.group is not units[0].group:
             # The optimizer's own group: another communicator, whose calls
             # start once the units' bits are in (no two communicators' NCCL
@@ -683,7 +707,7 @@ class FSDP1Attachment(Attachment):
         no_shard = self.start_vote(entries, agreed, works)
         if not abstain:
             self.plan.learn(self, sources, calls, step_vote.fused_verdicts(self.opt))
-        momenta, applies = _all_state_changes(units, grads, deltas)
+        momenta, applies = _all_state_changes(units, grads, deltas, groups)
         applies += step_vote.apply_items(entries, no_shard)
         step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
         step_vote.update_state(momenta + step_vote.momentum_items(entries), [])
@@ -691,7 +715,7 @@ class FSDP1Attachment(Attachment):
         return lambda: step_vote.update_state([], applies)
 
     @staticmethod
-    def _applier(units, grads, deltas, works):
+    def _applier(units, grads, deltas, works, groups: dict):
         """Hybrid: the function that applies voted deltas once the node's
         ranks agreed: the units' momenta from their gradients, while the
         votes' bits (``works``) still move, then their local shards, in a few
@@ -699,7 +723,7 @@ class FSDP1Attachment(Attachment):
         pair)."""
 
         def apply():
-            momenta, applies = _all_state_changes(units, grads, deltas)
+            momenta, applies = _all_state_changes(units, grads, deltas, groups)
             step_vote.update_state(momenta, [])
             step_vote.wait_votes(works)
             step_vote.update_state([], applies)
@@ -737,7 +761,8 @@ class FSDP1Attachment(Attachment):
                 _local_shard(unit)  # before any collective
                 units.append(unit)
                 grads.append(g)
-        sources = [(unit, g, unit.flat_param.data) for unit, g in zip(units, grads)]
+        groups = _step_groups(self)
+        sources = [(unit, g, unit.flat_param.data, groups[unit]) for unit, g in zip(units, grads)]
         started = self.plan.start(self, sources)
         if started is not None:
             agreed, works, momenta, apply = started
@@ -753,12 +778,12 @@ class FSDP1Attachment(Attachment):
 
             return planned
         agreed, works, calls = [], [], []
-        deltas = _vote_units(units, grads, agreed, works, calls)
+        deltas = _vote_units(units, grads, groups, agreed, works, calls)
         self.plan.learn(self, sources, calls, step_vote.fused_verdicts(self.opt))
         step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
         if settle:
             step_vote.wait_votes(works)
-        return self._applier(units, grads, deltas, works)
+        return self._applier(units, grads, deltas, works, groups)
 
     def momenta(self):
         out = []
@@ -817,9 +842,6 @@ def _units(att, opt, model):
     # module names without FSDP's wrapper prefixes ("b", not "_fsdp_wrapped_module.b")
     names = {m: _clean(n) for n, m in model.named_modules()}
     known = opt.param_group_of()
-    # A segment names its group by index: torch's load_state_dict replaces the
-    # group dicts, and a scheduler then sets the new ones' lr.
-    group_index = {id(g): i for i, g in enumerate(opt.param_groups)}
     units: List[_Unit] = []
     covered = set()
     group0 = replicas0 = hybrid0 = None
@@ -888,17 +910,17 @@ def _units(att, opt, model):
         off, i = 0, 0
         for numel, padding, fqn in layout.spans:
             if not padding:
+                # Every original parameter is a segment, frozen or not: one frozen now may train later
+                # (requires_grad_(True), in the optimizer from the start or by add_param_group).
                 owner = layout.params[i] if layout.use_orig_params else fp
-                if owner.requires_grad:
-                    group = known.get(owner)
-                    if group is None:
-                        raise ValueError(
-                            f"{_WHERE}: the FSDP model's parameter '{prefix + fqn}' "
-                            + ("" if layout.use_orig_params else f"(in the FlatParameter of {label}) ")
-                            + "is not in this optimizer; it would be voted with no momentum or hyperparameters"
-                        )
-                    covered.add(owner)
-                    segments.append((off, numel, group_index[id(group)], prefix + fqn))
+                if owner.requires_grad and owner not in known:
+                    raise ValueError(
+                        f"{_WHERE}: the FSDP model's parameter '{prefix + fqn}' "
+                        + ("" if layout.use_orig_params else f"(in the FlatParameter of {label}) ")
+                        + "is not in this optimizer; it would be voted with no momentum or hyperparameters"
+                    )
+                covered.add(owner)
+                segments.append((off, numel, owner, prefix + fqn))
                 i += 1
             off += numel
         if off != layout.unpadded_numel:

@@ -21,6 +21,7 @@ votes' planes, every pair served by the fused list kernels, every flat
 tensor contiguous, one device, no rank abstaining (Join). It is made from a
 step of the general path and dropped for any step it does not describe (a
 unit with a gradient or without one where it was not, in another order, a
+parameter that trains or is frozen where it was not, in another group, a
 gradient or a local shard of another dtype or size or not contiguous,
 another momentum tensor, another number of parameter groups, another
 choice of kernels); that step takes the general path, which plans the
@@ -110,8 +111,9 @@ class _Layout:
     """What a planned step replays, and what it must find to replay it."""
 
     def __init__(self, att, sources, calls):
-        self.units = [u for u, _, _ in sources]
-        gs, xs = [g for _, g, _ in sources], [x for _, _, x in sources]
+        self.units = [u for u, _, _, _ in sources]
+        gs, xs = [g for _, g, _, _ in sources], [x for _, _, x, _ in sources]
+        self.groups = tuple(groups for *_, groups in sources)
         self.g_dtypes, self.g_sizes = tuple(map(_dtype, gs)), tuple(map(_numel, gs))
         self.x_dtypes, self.x_sizes = tuple(map(_dtype, xs)), tuple(map(_numel, xs))
         self.momenta = [u.momentum_tensor() for u in self.units]
@@ -130,7 +132,10 @@ class _Layout:
             for u, base in zip(run, bases):
                 i = index[id(u)]
                 covered.add(i)
-                for gi, a, n, spans, x_at, x_n in u.cuts:
+                for si, a, n, spans, x_at, x_n in u.cuts:
+                    gi = self.groups[i][si]
+                    if gi is None:  # (frozen now: no vote, no momentum update, no apply)
+                        continue
                     directions += [((gi, pair(i)), (i, stride * r + base + at, a + sa, k))
                                    for r, sa, k, at in spans if k]
                     if x_n:
@@ -140,7 +145,7 @@ class _Layout:
                                     _grouped(applies, self.momenta)))
         # The NO_SHARD units' segments, as step_vote.start_chunks lays them out over the optimizer's group.
         flat = [(i, off, numel, gi) for i, u in enumerate(self.units) if i not in covered
-                for off, numel, gi, _ in u.segments]
+                for (off, numel, _, _), gi in zip(u.segments, self.groups[i]) if gi is not None]
         self.sizes = [numel for _, _, numel, _ in flat]
         self.wait_between = bool(calls) and bool(flat) and att.group is not calls[0][3]
         self.group = att.group
@@ -158,10 +163,12 @@ class _Layout:
 
     def describes(self, att, sources) -> bool:
         """Whether the plan describes the step of ``sources``."""
-        units = [u for u, _, _ in sources]
+        units = [u for u, _, _, _ in sources]
         if len(units) != len(self.units) or not all(map(is_, units, self.units)):
             return False
-        gs, xs = [g for _, g, _ in sources], [x for _, _, x in sources]
+        if tuple(groups for *_, groups in sources) != self.groups:
+            return False
+        gs, xs = [g for _, g, _, _ in sources], [x for _, _, x, _ in sources]
         return (tuple(map(_dtype, gs)) == self.g_dtypes and tuple(map(_numel, gs)) == self.g_sizes
                 and all(map(_contiguous, gs)) and tuple(map(_dtype, xs)) == self.x_dtypes
                 and tuple(map(_numel, xs)) == self.x_sizes and all(map(_contiguous, xs))
@@ -180,15 +187,15 @@ def plannable(att, sources, calls, fused_for) -> bool:
     device = sources[0][1].device
     if not kernel_choice.list_kernels_allowed(device):
         return False
-    gs, xs = [g for _, g, _ in sources], [x for _, _, x in sources]
-    ms = [u.momentum_tensor() for u, _, _ in sources]
+    gs, xs = [g for _, g, _, _ in sources], [x for _, _, x, _ in sources]
+    ms = [u.momentum_tensor() for u, _, _, _ in sources]
     if any(t.device != device for t in gs + xs + ms):
         return False
     if not all(map(_contiguous, gs + xs + ms)) or any(g.numel() != m.numel() for g, m in zip(gs, ms)):
         return False
     covered = {id(u) for run, *_ in calls for u in run}
     groups = [group for _, _, _, group, _, _ in calls]
-    if any(id(u) not in covered for u, _, _ in sources):
+    if any(id(u) not in covered for u, _, _, _ in sources):
         groups.append(att.group)
     if not all(voter.votes_into_planes(device, g) for g in groups):
         return False
@@ -207,7 +214,8 @@ class FSDP1Plan:
 
     def learn(self, att, sources, calls, fused_for) -> None:
         """Plans the step the general path just started: ``sources`` (unit,
-        its flat gradient, its flat local shard) of every unit it voted, the
+        its flat gradient, its flat local shard, each segment's parameter
+        group or None where it does not train) of every unit it voted, the
         sharded ones first in their calls' order, then the NO_SHARD ones, and
         ``calls`` (the sharded calls: units, their first elements in a shard,
         elements in a shard, process group, replicated, where), where a plan
@@ -225,7 +233,7 @@ class FSDP1Plan:
             return None
         opt = att.opt
         voter = opt.voter
-        gs, xs = [g for _, g, _ in sources], [x for _, _, x in sources]
+        gs, xs = [g for _, g, _, _ in sources], [x for _, _, x, _ in sources]
         coefs = [lion_math.Coefs(g) for g in opt.param_groups]
         if lay.sizes:
             att.buffers.prepare(lay.sizes, lay.device, voter.delta_dtype, None, True)

@@ -6,6 +6,8 @@ rate set in every group before each step, the root's clip_grad_norm_ every
 step, and what scripts do between steps that changes what a step is or
 must not: an inf in one rank's batch (every rank raises, nothing changes,
 the script goes on), a layer the forward skips for two steps,
+a parameter frozen at attach() (in the optimizer) that starts training, one
+frozen and outside the optimizer that joins it in a group of its own,
 zero_grad(set_to_none=False), torch's optimizer state dict reloaded, the
 per-rank momentum file reloaded, gradient accumulation under no_sync().
 Every step, on every rank, the parameters and this rank's momenta equal
@@ -26,13 +28,16 @@ LR, WD, BETAS, CLIP = 0.01, 0.1, (0.9, 0.99), 1.0
 STEPS = 16
 SKIP = 2  # the last rank's batch holds an inf: every rank raises, nothing changes anywhere
 DROP, RETURN = 3, 5  # the forward skips layer `a` in steps 3 and 4: its unit has no gradient
+THAW = 6  # head.bias, frozen at attach() and in the optimizer, trains from here
 KEEP_GRADS = 8  # from here zero_grad(set_to_none=False): the gradients are zeroed in place
 RELOAD = 9  # after this step: opt.load_state_dict(deepcopy(opt.state_dict()))
 LOCAL_RELOAD = 11  # after this step: opt.load_local_state_dict(deepcopy(opt.local_state_dict()))
+ADD = 12  # from here `extra` (frozen, in no group) trains, in a parameter group of its own
 ACCUMULATE = 13  # two micro-batches, the first under model.no_sync()
 # The steps a plan replays: not the first (it plans), nor the one that raised,
-# nor the first step without `a` and the first with it again (each plans anew).
-REPLAYED = [1, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+# nor the first step without `a`, the first with it again, the first with
+# head.bias or `extra` training (each plans anew).
+REPLAYED = [1, 4, 7, 8, 9, 10, 11, 13, 14, 15]
 
 
 class Net(torch.nn.Module):
@@ -44,16 +49,20 @@ class Net(torch.nn.Module):
         self.b = torch.nn.Linear(33, 7)
         self.head = torch.nn.Linear(7, 4)
         self.scale = Scale()
+        self.extra = torch.nn.Parameter(torch.zeros(4))  # trained from step ADD on
         self.register_buffer("bypass", torch.linspace(-1, 1, 8 * 33).reshape(8, 33))
 
     def forward(self, x, use_a=True):
         h = torch.tanh(self.a(x)) if use_a else x @ self.bypass
-        return self.scale(self.head(torch.tanh(self.b(h))))
+        return self.scale(self.head(torch.tanh(self.b(h)))) + self.extra
 
 
 def _model(device="cpu"):
     torch.manual_seed(0)
-    return Net().to(device)
+    net = Net().to(device)
+    net.head.bias.requires_grad_(False)
+    net.extra.requires_grad_(False)
+    return net
 
 
 def _batch(rank, world_size, step, micro):
@@ -78,6 +87,14 @@ def _decays(name):
     return name.endswith("weight")
 
 
+def _trained(name, step):
+    if name.startswith("a.") and DROP <= step < RETURN:
+        return False
+    if name == "head.bias":
+        return step >= THAW
+    return name != "extra" or step >= ADD
+
+
 def _f32(v):
     return torch.tensor(v, dtype=torch.float32)
 
@@ -97,11 +114,13 @@ def simulate(world_size, device="cpu"):
         if step == SKIP:  # nothing changes anywhere
             history.append(history[-1])
             continue
-        trained = [n for n in params if not (n.startswith("a.") and DROP <= step < RETURN)]
+        trained = [n for n in params if _trained(n, step)]
         votes = {n: torch.zeros(params[n].shape, device=device) for n in trained}
         for r in range(world_size):
             rep = copy.deepcopy(net)
             mine = dict(rep.named_parameters())
+            for n, p in mine.items():
+                p.requires_grad_(n in trained)
             for micro in range(2 if step == ACCUMULATE else 1):
                 _loss(rep, r, world_size, step, micro).backward()
             torch.nn.utils.clip_grad_norm_([mine[n] for n in trained], CLIP)
@@ -141,13 +160,18 @@ def script(rank, world_size, device="cpu"):
     model = FSDP(net, sharding_strategy=ShardingStrategy.FULL_SHARD, **kw)
     named = {n.replace("_fsdp_wrapped_module.", ""): p for n, p in model.named_parameters()}
     decay = [p for n, p in named.items() if _decays(n)]
-    no_decay = [p for n, p in named.items() if not _decays(n)]
+    no_decay = [p for n, p in named.items() if not _decays(n) and n != "extra"]  # (head.bias frozen: in it)
     opt = lionbit.DistributedLion([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=LR,
                                   betas=BETAS, weight_decay=WD)
     opt.attach(model)
     want = simulate(world_size, device)
     replayed = []
     for step in range(STEPS):
+        if step == THAW:
+            named["head.bias"].requires_grad_(True)
+        if step == ADD:
+            named["extra"].requires_grad_(True)
+            opt.add_param_group({"params": [named["extra"]], "weight_decay": 0.0})
         for group in opt.param_groups:
             group["lr"] = _lr(step)
         opt.zero_grad(set_to_none=step < KEEP_GRADS)
