@@ -1,6 +1,8 @@
 """DistributedLion inside the training loops users write: gradient clipping,
 GradScaler with an overflow on one rank, gradient accumulation, bf16
-autocast, under DDP (votes started in backward, and at step()), FSDP2 and
+autocast, activation checkpointing (non-reentrant, of a layer that is an
+FSDP unit of its own: FSDP gathers it again in backward), under DDP (votes
+started in backward, and at step()), FSDP2 and
 FSDP1, at N = 2 and 3.
 
 Every rank also runs a single-process simulation of Distributed Lion
@@ -39,8 +41,12 @@ class Net(torch.nn.Module):
         self.b = torch.nn.Linear(24, 16)
         self.head = torch.nn.Linear(16, 4)
 
-    def forward(self, x):
-        return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
+    def forward(self, x, checkpoint=False):
+        if checkpoint:  # recomputed in backward, as transformers' gradient_checkpointing_enable() does
+            h = torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False)
+        else:
+            h = self.a(x)
+        return self.head(torch.tanh(self.b(torch.tanh(h))))
 
 
 def _net():
@@ -60,7 +66,7 @@ def _loss(model, rank, step, micro, loop):
             out = model(x)
         out = out.float()
     else:
-        out = model(x)
+        out = model(x, checkpoint=loop == "checkpoint")
     loss = torch.nn.functional.cross_entropy(out, y)
     if loop == "grad_scaler" and step == OVERFLOW_STEP and rank == OVERFLOW_RANK:
         loss = loss * 1e38  # times the scale: inf gradients on this rank only
@@ -367,6 +373,21 @@ def fsdp_loop(rank, n, kind, loop):
 @pytest.mark.parametrize("kind", ["fsdp2", "fsdp1", "fsdp1_no_shard"])
 def test_fsdp_loop(kind, loop, n):
     res = values(run_ranks("test_training_loops:fsdp_loop", n, kwargs={"kind": kind, "loop": loop}))
+    assert len({str(r) for r in res}) == 1, res
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "at_step"])
+def test_ddp_activation_checkpointing_equals_simulation(overlap):
+    """The checkpointed layer's gradients come from its recomputation in
+    backward: the hook's votes start as under a plain backward."""
+    res = values(run_ranks("test_training_loops:ddp_loop", 2, kwargs={"loop": "checkpoint", "overlap": overlap}))
+    assert len({r["digest"] for r in res}) == 1, "replicas differ"
+    assert all(r["fallbacks"] == 0 and r["overlap_now"] == overlap for r in res), res
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "fsdp1", "fsdp1_no_shard"])
+def test_fsdp_activation_checkpointing_equals_simulation(kind):
+    res = values(run_ranks("test_training_loops:fsdp_loop", 2, kwargs={"kind": kind, "loop": "checkpoint"}))
     assert len({str(r) for r in res}) == 1, res
 
 
