@@ -9,7 +9,8 @@ the script goes on), a layer the forward skips for two steps,
 a parameter frozen at attach() (in the optimizer) that starts training, one
 frozen and outside the optimizer that joins it in a group of its own,
 zero_grad(set_to_none=False), torch's optimizer state dict reloaded, the
-per-rank momentum file reloaded, gradient accumulation under no_sync().
+per-rank momentum file reloaded, gradient accumulation under no_sync(),
+an evaluation pass (eval mode, no_grad) between two steps.
 Every step, on every rank, the parameters and this rank's momenta equal
 Distributed Lion computed independently in plain torch ops on unsharded
 copies; the steps the plan must not replay (each of those events) are the
@@ -31,6 +32,7 @@ DROP, RETURN = 3, 5  # the forward skips layer `a` in steps 3 and 4: its unit ha
 THAW = 6  # head.bias, frozen at attach() and in the optimizer, trains from here
 KEEP_GRADS = 8  # from here zero_grad(set_to_none=False): the gradients are zeroed in place
 RELOAD = 9  # after this step: opt.load_state_dict(deepcopy(opt.state_dict()))
+EVAL = 7  # after this step: a validation pass (eval mode, no_grad)
 LOCAL_RELOAD = 11  # after this step: opt.load_local_state_dict(deepcopy(opt.local_state_dict()))
 ADD = 12  # from here `extra` (frozen, in no group) trains, in a parameter group of its own
 ACCUMULATE = 13  # two micro-batches, the first under model.no_sync()
@@ -189,6 +191,11 @@ def script(rank, world_size, device="cpu"):
             assert step == SKIP and f"non-finite gradient (inf or NaN) on rank(s) [{world_size - 1}]" in str(err)
         if opt.attachment.plan.replayed > before:
             replayed.append(step)
+        if step == EVAL:  # a validation pass between steps: nothing of the next step changes
+            model.eval()
+            with torch.no_grad():
+                model(torch.ones(3, 8, device=device))
+            model.train()
         if step == RELOAD:
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
         if step == LOCAL_RELOAD:

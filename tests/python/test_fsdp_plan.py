@@ -7,7 +7,8 @@ one rank), and what scripts do between steps that changes what a step is:
 freezing and unfreezing a layer, zero_grad(set_to_none=False), gradient
 accumulation without a sync, a gradient set to None, reloading the optimizer's state dict,
 resetting one momentum, a parameter that starts training mid-run in a group
-of its own, a non-contiguous gradient. Every step, on every rank, the
+of its own, a non-contiguous gradient, an evaluation pass (eval mode,
+no_grad) between two steps. Every step, on every rank, the
 parameters and this rank's momenta equal Distributed Lion computed
 independently in plain torch ops on unsharded copies; the steps the plan
 must not replay (each of those events) are the ones it did not, and the
@@ -28,6 +29,7 @@ FREEZE, UNFREEZE = 3, 5  # layer `a` has no gradient in steps 3 and 4
 NONCONTIG = 7  # b's weight's gradient given as a transposed view
 KEEP_GRADS = 9  # from here zero_grad(set_to_none=False): the gradients are zeroed in place
 RELOAD = 10  # after this step: opt.load_state_dict(deepcopy(opt.state_dict()))
+EVAL = 5  # after this step: a validation pass (eval mode, no_grad)
 NO_GRAD = 11  # after backward head.bias.grad is set to None: it is not updated this step
 RESET = 12  # before this step: head.bias's state dropped (its momentum starts again at 0)
 ACCUMULATE = 13  # two micro-batches, the first without a gradient sync
@@ -201,6 +203,11 @@ def script(rank, world_size, device="cpu"):
         scaler.update()
         if opt.attachment.plan.replayed > before:
             replayed.append(step)
+        if step == EVAL:  # a validation pass between steps: nothing of the next step changes
+            net.eval()
+            with torch.no_grad():
+                net(torch.ones(3, 8, device=device))
+            net.train()
         if step == RELOAD:
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
         params, momenta = want[step]
