@@ -13,7 +13,10 @@ as the user's script on N = 2 and 3 real processes:
 - ``DDP(gradient_as_bucket_view=True)``: ``p.grad`` a view of DDP's bucket,
   bare and with clipping;
 - a convolutional model in ``channels_last`` (timm's ``--channels-last``,
-  torchvision's reference scripts), under DDP, FSDP1 and as a plain module.
+  torchvision's reference scripts), under DDP, FSDP1 and as a plain module;
+- two DDP models, each with its own DistributedLion (a GAN's loop: the
+  generator's backward runs through the discriminator, whose hooks vote
+  gradients its optimizer never steps on).
 
 Where they train, every rank compares its parameters bitwise with
 ``simulate``: Distributed Lion on N simulated ranks in one process, written
@@ -466,3 +469,94 @@ def test_dense_layout_is_torchs_non_overlapping_and_dense():
     sparse = [t[:, :2], t[..., ::2], torch.zeros(3).expand(4, 3), t.transpose(0, 1)[1:]]
     assert [dense_layout(x) for x in dense] == [True] * len(dense)
     assert [dense_layout(x) for x in sparse] == [False] * len(sparse)
+
+
+# -- two models, two optimizers: a GAN's loop ---------------------------------------------
+
+
+def _gan():
+    torch.manual_seed(0)
+    gen = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    disc = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return gen, disc
+
+
+def _gan_batch(rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+
+
+def _gan_losses(gen, disc, rank, step):
+    """The discriminator's loss (the generator's output detached) and a
+    function for the generator's (through the discriminator as it stands)."""
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    real, z = _gan_batch(rank, step)
+    ones, zeros = torch.ones(16, 1), torch.zeros(16, 1)
+    loss_d = bce(disc(real), ones) + bce(disc(gen(z).detach()), zeros)
+    return loss_d, lambda: bce(disc(gen(z)), ones)
+
+
+def simulate_gan(n, steps):
+    """Each optimizer's Distributed Lion on n simulated ranks, plain torch ops:
+    the discriminator's step from its loss, then the generator's from the
+    loss through the updated discriminator (its gradients there unused)."""
+    b1, b2 = LION["betas"]
+    lr, wd = LION["lr"], LION["weight_decay"]
+    cb1, comb1, cb2, comb2, clr, cdecay = (_f32(v) for v in (b1, 1 - b1, b2, 1 - b2, lr, 1 - lr * wd))
+    gen, disc = _gan()
+    momenta = {id(p): [torch.zeros_like(p) for _ in range(n)] for p in [*gen.parameters(), *disc.parameters()]}
+
+    def step_of(model, grads):  # grads[r]: rank r's gradients of model's parameters
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                vote = torch.zeros_like(p)
+                for r in range(n):
+                    m = momenta[id(p)][r]
+                    vote += torch.sign(torch.add(torch.mul(m, cb1), torch.mul(grads[r][i], comb1)))
+                    momenta[id(p)][r] = torch.add(torch.mul(m, cb2), torch.mul(grads[r][i], comb2))
+                p.copy_(torch.sub(torch.mul(p, cdecay), torch.mul(torch.sign(vote), clr)))
+
+    for step in range(steps):
+        grads = []
+        for r in range(n):
+            loss_d, _ = _gan_losses(gen, disc, r, step)
+            grads.append(torch.autograd.grad(loss_d, list(disc.parameters())))
+        step_of(disc, grads)
+        grads = []
+        for r in range(n):
+            _, loss_g = _gan_losses(gen, disc, r, step)
+            grads.append(torch.autograd.grad(loss_g(), list(gen.parameters())))
+        step_of(gen, grads)
+    return [p.detach().clone() for p in [*gen.parameters(), *disc.parameters()]]
+
+
+def gan_loop(rank, n, overlap):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
+
+    torch.set_num_threads(1)
+    steps = 5
+    gen, disc = _gan()
+    g, d = DDP(gen, bucket_cap_mb=0.0001), DDP(disc, bucket_cap_mb=0.0001)  # a bucket or two a model
+    opt_g = lionbit.DistributedLion(g.parameters(), **LION).attach(g, overlap=overlap)
+    opt_d = lionbit.DistributedLion(d.parameters(), **LION).attach(d, overlap=overlap)
+    for step in range(steps):
+        opt_d.zero_grad()
+        loss_d, loss_g = _gan_losses(g, d, rank, step)
+        loss_d.backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        loss_g().backward()  # (the discriminator's hooks vote too: its next zero_grad drops them)
+        opt_g.step()
+    want = simulate_gan(n, steps)
+    got = [p.detach() for p in [*gen.parameters(), *disc.parameters()]]
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), "the GAN's loop differs from the simulation"
+    return {"digest": _digest(got), "fallbacks": (opt_g.attachment.fallbacks, opt_d.attachment.fallbacks)}
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "at_step"])
+def test_two_ddp_models_with_their_own_optimizers_train_as_the_simulation(overlap):
+    res = values(run_ranks("test_habits:gan_loop", 2, kwargs={"overlap": overlap}))
+    assert len({r["digest"] for r in res}) == 1, "replicas differ"
+    assert all(r["fallbacks"] == [0, 0] for r in res), res  # (the votes stay in backward)
