@@ -166,6 +166,8 @@ def ddp_loop(rank, n, loop, overlap, compiled=False):
 
     torch.set_num_threads(1)
     model = _net()
+    if loop == "checkpoint_wrapper":
+        _checkpoint_b(model)
     # several buckets (torch.compile's DDP optimizer wants the default sizes)
     ddp = DDP(model) if compiled else DDP(model, bucket_cap_mb=0.001)
     opt = lionbit.DistributedLion(ddp.parameters(), **LION)
@@ -291,10 +293,34 @@ def test_ddp_torch_compile_equals_simulation():
     assert len({r["digest"] for r in res}) == 1 and all(r["fallbacks"] == 1 for r in res), res
 
 
-def _shard(model, kind):
+def _checkpoint_b(model, fsdp1=False):
+    """Layer b recomputed in backward by torch's own wrapper (non-reentrant):
+    torchtitan's order for FSDP2 and DDP (the wrapper first, then the
+    sharding), the FSDP1 tutorial's apply_activation_checkpointing on the
+    wrapped model. The reference is the model without it (the same math)."""
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    wrapper = partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    if fsdp1:
+        target = model.module.b if hasattr(model, "module") else model.b
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: m is target)
+        return
+    model.b = wrapper(model.b)
+
+
+def _shard(model, kind, loop="bare"):
+    wrapped = loop == "checkpoint_wrapper"
     if kind == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
+        if wrapped:
+            _checkpoint_b(model)
         fully_shard(model.a)
         fully_shard(model.b)
         return fully_shard(model)
@@ -302,16 +328,20 @@ def _shard(model, kind):
 
     cpu = torch.device("cpu")
     if kind == "fsdp1_no_shard":
-        return FSDP(model, device_id=cpu, use_orig_params=True, sharding_strategy=ShardingStrategy.NO_SHARD)
-    model.a = FSDP(model.a, device_id=cpu, use_orig_params=True)
-    return FSDP(model, device_id=cpu, use_orig_params=True)
+        model = FSDP(model, device_id=cpu, use_orig_params=True, sharding_strategy=ShardingStrategy.NO_SHARD)
+    else:
+        model.a = FSDP(model.a, device_id=cpu, use_orig_params=True)
+        model = FSDP(model, device_id=cpu, use_orig_params=True)
+    if wrapped:
+        _checkpoint_b(model, fsdp1=True)
+    return model
 
 
 def fsdp_loop(rank, n, kind, loop):
     import lionbit
 
     torch.set_num_threads(1)
-    model = _shard(_net(), kind)
+    model = _shard(_net(), kind, loop)
     opt = lionbit.DistributedLion(model.parameters(), **LION)
     opt.attach(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=65536.0) if loop == "grad_scaler" else None
@@ -376,18 +406,20 @@ def test_fsdp_loop(kind, loop, n):
     assert len({str(r) for r in res}) == 1, res
 
 
+@pytest.mark.parametrize("loop", ["checkpoint", "checkpoint_wrapper"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "at_step"])
-def test_ddp_activation_checkpointing_equals_simulation(overlap):
+def test_ddp_activation_checkpointing_equals_simulation(overlap, loop):
     """The checkpointed layer's gradients come from its recomputation in
     backward: the hook's votes start as under a plain backward."""
-    res = values(run_ranks("test_training_loops:ddp_loop", 2, kwargs={"loop": "checkpoint", "overlap": overlap}))
+    res = values(run_ranks("test_training_loops:ddp_loop", 2, kwargs={"loop": loop, "overlap": overlap}))
     assert len({r["digest"] for r in res}) == 1, "replicas differ"
     assert all(r["fallbacks"] == 0 and r["overlap_now"] == overlap for r in res), res
 
 
+@pytest.mark.parametrize("loop", ["checkpoint", "checkpoint_wrapper"])
 @pytest.mark.parametrize("kind", ["fsdp2", "fsdp1", "fsdp1_no_shard"])
-def test_fsdp_activation_checkpointing_equals_simulation(kind):
-    res = values(run_ranks("test_training_loops:fsdp_loop", 2, kwargs={"kind": kind, "loop": "checkpoint"}))
+def test_fsdp_activation_checkpointing_equals_simulation(kind, loop):
+    res = values(run_ranks("test_training_loops:fsdp_loop", 2, kwargs={"kind": kind, "loop": loop}))
     assert len({str(r) for r in res}) == 1, res
 
 
