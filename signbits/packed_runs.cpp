@@ -1,6 +1,8 @@
 #include "packed_runs.h"
 
 #include <cstring>
+#include <deque>
+#include <iterator>
 #include <vector>
 
 #include "bit_runs.h"
@@ -162,6 +164,45 @@ uint64_t padded(uint64_t bytes) {
   return (bytes + 7) / 8 * 8;
 }
 
+// The streams of the planes packed_runs_bytes sized last on this thread, for
+// encode_packed_runs: a vote sizes each shard's plane (the offer) and soon
+// after encodes those it sends, and the tokens are the same work twice. An
+// encode takes the stream of a kept plane of the same content (compared
+// word for word: the tokens depend on nothing else) and forgets it. At most
+// kKeptBytes of planes are kept, the oldest dropped first.
+struct KeptStream {
+  std::vector<uint64_t> plane;
+  std::vector<uint8_t> stream; // the u32 L's room, then the tokens
+};
+constexpr size_t kKeptBytes = size_t{32} << 20;
+thread_local std::deque<KeptStream> t_kept;
+thread_local size_t t_kept_bytes = 0;
+
+void keep_stream(const uint64_t* plane, size_t words, std::vector<uint8_t>&& stream) {
+  const size_t bytes = words * 8;
+  if (bytes > kKeptBytes) {
+    return;
+  }
+  while (t_kept_bytes + bytes > kKeptBytes) {
+    t_kept_bytes -= t_kept.front().plane.size() * 8;
+    t_kept.pop_front();
+  }
+  t_kept.push_back(KeptStream{std::vector<uint64_t>(plane, plane + words), std::move(stream)});
+  t_kept_bytes += bytes;
+}
+
+bool take_stream(const uint64_t* plane, size_t words, std::vector<uint8_t>& stream) {
+  for (auto it = t_kept.rbegin(); it != t_kept.rend(); ++it) {
+    if (it->plane.size() == words && std::memcmp(it->plane.data(), plane, words * 8) == 0) {
+      stream = std::move(it->stream);
+      t_kept_bytes -= words * 8;
+      t_kept.erase(std::next(it).base());
+      return true;
+    }
+  }
+  return false;
+}
+
 } // namespace
 
 uint64_t packed_runs_bytes(const uint64_t* plane, size_t words, uint64_t runs, uint64_t budget) {
@@ -170,14 +211,19 @@ uint64_t packed_runs_bytes(const uint64_t* plane, size_t words, uint64_t runs, u
       out.size() - kLengthBytes > 0xffffffffull) {
     return 0;
   }
-  return padded(out.size());
+  const uint64_t bytes = padded(out.size());
+  keep_stream(plane, words, std::move(out));
+  return bytes;
 }
 
 void encode_packed_runs(const uint64_t* plane, size_t words, uint8_t* out, size_t bytes) {
-  std::vector<uint8_t> s(kLengthBytes);
-  // No early stop (the caller's size fits); the runs counted first (a pass
-  // over the words, a fraction of the tokens' work) to store them at once.
-  tokenize(plane, words, bytes, 0, count_runs(plane, words), s);
+  std::vector<uint8_t> s;
+  if (!take_stream(plane, words, s)) {
+    s.assign(kLengthBytes, 0);
+    // No early stop (the caller's size fits); the runs counted first (a pass
+    // over the words, a fraction of the tokens' work) to store them at once.
+    tokenize(plane, words, bytes, 0, count_runs(plane, words), s);
+  }
   const uint32_t len = static_cast<uint32_t>(s.size() - kLengthBytes);
   std::memcpy(s.data(), &len, kLengthBytes);
   std::memcpy(out, s.data(), s.size() < bytes ? s.size() : bytes);
@@ -270,6 +316,11 @@ bool decode_packed_runs(const uint8_t* in, size_t bytes, size_t words, uint64_t*
     }
   }
   return true;
+}
+
+void drop_kept_packed_runs() {
+  t_kept.clear();
+  t_kept_bytes = 0;
 }
 
 } // namespace lionbit::bits

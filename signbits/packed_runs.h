@@ -42,8 +42,14 @@ constexpr uint64_t kMaxCopyDistance = uint64_t{1} << 16; // runs back a copy may
 uint64_t packed_runs_bytes(const uint64_t* plane, size_t words, uint64_t runs, uint64_t budget);
 
 // Writes the packed form into out[0, bytes), zero-padded; bytes must be at
-// least packed_runs_bytes(plane, words, 0, bytes).
+// least packed_runs_bytes(plane, words, 0, bytes). Where this thread sized a
+// plane of the same content with packed_runs_bytes lately, its tokens are
+// taken from then, not found again (the same bytes; up to 32 MiB of planes
+// are kept a thread for this).
 void encode_packed_runs(const uint64_t* plane, size_t words, uint8_t* out, size_t bytes);
+
+// Forgets the planes this thread keeps for encode_packed_runs.
+void drop_kept_packed_runs();
 
 // Reads what encode_packed_runs wrote (in[0, bytes)) into a plane of `words`
 // words. Returns false (plane unspecified) for a corrupt stream: L past the

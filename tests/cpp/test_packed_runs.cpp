@@ -135,6 +135,47 @@ TEST(PackedRuns, DeadColumnsCostAFewBytesEach) {
   EXPECT_EQ(zero_encoding_bytes(code, p.size()), bytes);
 }
 
+// A sized plane's tokens are kept for its encoding (packed_runs.h): the
+// bytes must be those of an encoding found afresh, for the plane as it is
+// when encoded, whatever else was sized in between.
+TEST(PackedRuns, AnEncodingAfterTheSizeIsTheFreshEncoding) {
+  const std::vector<uint64_t> cols{3, 17, 18, 40, 63};
+  const Plane a = matrix_plane(256, 5, 100, 64, cols, {7});
+  const Plane b = matrix_plane(256, 9, 100, 64, cols, {2, 3}); // as large, other bits
+  auto fresh = [](const Plane& p, size_t bytes) {
+    drop_kept_packed_runs();
+    return encode(p, bytes);
+  };
+  const uint64_t na = packed_runs_bytes(a.data(), a.size(), 0, ~0ull);
+  const uint64_t nb = packed_runs_bytes(b.data(), b.size(), 0, ~0ull);
+  ASSERT_GT(na, 0u);
+  ASSERT_GT(nb, 0u);
+  const std::vector<uint8_t> want_a = fresh(a, na), want_b = fresh(b, nb);
+  // Sized both, encoded in another order: each its own bytes.
+  EXPECT_EQ(packed_runs_bytes(a.data(), a.size(), 0, ~0ull), na);
+  EXPECT_EQ(packed_runs_bytes(b.data(), b.size(), 0, ~0ull), nb);
+  EXPECT_EQ(encode(b, nb), want_b);
+  EXPECT_EQ(encode(a, na), want_a);
+  // Sized, then changed in place before its encoding: the plane as it is now.
+  Plane c = a;
+  set(c, 64 * 200 + 1);
+  const uint64_t nc = packed_runs_bytes(c.data(), c.size(), 0, ~0ull);
+  const std::vector<uint8_t> want_c = fresh(c, nc);
+  c = a;
+  ASSERT_EQ(packed_runs_bytes(c.data(), c.size(), 0, ~0ull), na); // kept: a's bits, at c's address
+  set(c, 64 * 200 + 1);
+  std::vector<uint8_t> wire = encode(c, nc);
+  EXPECT_EQ(wire, want_c);
+  Plane back(c.size(), 0);
+  ASSERT_TRUE(decode_packed_runs(wire.data(), wire.size(), back.size(), back.data()));
+  EXPECT_EQ(back, c);
+  // A plane is taken once: its second encoding is found afresh, the same bytes.
+  EXPECT_EQ(packed_runs_bytes(b.data(), b.size(), 0, ~0ull), nb);
+  EXPECT_EQ(encode(b, nb), want_b);
+  EXPECT_EQ(encode(b, nb), want_b);
+  drop_kept_packed_runs();
+}
+
 TEST(PackedRuns, ALayerLikeTheLastIsACopy) {
   // Three layers whose units died alike, 1,000 bits apart: after the first,
   // each is one copy token, whatever its runs.
