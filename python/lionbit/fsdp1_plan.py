@@ -35,6 +35,7 @@ from typing import List, Optional
 import torch
 
 from . import kernel_choice, lion_math, step_vote
+from .voter import KeptShardPlanes
 
 _dtype, _momentum = attrgetter("dtype"), attrgetter("momentum")
 _numel, _contiguous = methodcaller("numel"), methodcaller("is_contiguous")
@@ -78,25 +79,19 @@ class _Vote:
     ``chunk``: its index in the attachment's VoteBuffers), with its
     directions' and applies' calls."""
 
-    __slots__ = ("group", "replicated", "chunk", "numel", "where", "directions", "applies", "sign", "zero", "delta")
+    __slots__ = ("group", "replicated", "chunk", "numel", "where", "directions", "applies", "kept")
 
     def __init__(self, group, replicated: bool, chunk: Optional[int], numel: int, where: str, directions, applies):
         self.group, self.replicated, self.chunk, self.numel, self.where = group, replicated, chunk, numel, where
         self.directions, self.applies = directions, applies
-        self.sign = self.zero = self.delta = None
+        self.kept = KeptShardPlanes()
 
     def buffers(self, voter, device, shared):
         """The vote's planes (zeroed) and Delta buffer: a sharded vote's own
         (made at the first replay, kept), a chunk's the attachment's."""
         if self.chunk is not None:
             return (*shared.planes[self.chunk], shared.outs[self.chunk])
-        if self.sign is None:
-            self.sign, self.zero = voter.shard_planes(1 if self.replicated else self.group.size(), self.numel, device)
-            self.delta = torch.empty(2 * lion_math.plane_bytes(self.numel), dtype=torch.uint8, device=device)
-        else:
-            self.sign.zero_()
-            self.zero.zero_()
-        return self.sign, self.zero, self.delta
+        return self.kept.get(voter, 1 if self.replicated else self.group.size(), self.numel, device)
 
 
 def _config(att, device, groups) -> tuple:

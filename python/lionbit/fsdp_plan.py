@@ -34,6 +34,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import kernel_choice, lion_math, step_vote, torch_internals
+from .voter import KeptShardPlanes
 
 _grad, _requires_grad, _dtype = attrgetter("grad"), attrgetter("requires_grad"), attrgetter("dtype")
 _shape, _mesh, _placements = attrgetter("shape"), attrgetter("device_mesh"), attrgetter("placements")
@@ -77,23 +78,17 @@ class _Vote:
     applies' calls, its size in each shard and its buffers (made at the
     first replay, kept)."""
 
-    __slots__ = ("group", "replicated", "shards", "numel", "where", "directions", "applies", "sign", "zero", "delta")
+    __slots__ = ("group", "replicated", "shards", "numel", "where", "directions", "applies", "kept")
 
     def __init__(self, group, replicated: bool, numel: int, where: str, directions, applies):
         self.group, self.replicated, self.numel, self.where = group, replicated, numel, where
         self.shards = 1 if replicated else group.size()
         self.directions, self.applies = directions, applies
-        self.sign = self.zero = self.delta = None
+        self.kept = KeptShardPlanes()
 
     def buffers(self, voter, device):
         """The planes (zeroed) and the Delta buffer of this vote."""
-        if self.sign is None:
-            self.sign, self.zero = voter.shard_planes(self.shards, self.numel, device)
-            self.delta = torch.empty(2 * lion_math.plane_bytes(self.numel), dtype=torch.uint8, device=device)
-        else:
-            self.sign.zero_()
-            self.zero.zero_()
-        return self.sign, self.zero, self.delta
+        return self.kept.get(voter, self.shards, self.numel, device)
 
 
 def _config(att, device, votes) -> tuple:
@@ -273,8 +268,9 @@ class FSDP2Plan:
 
         def apply() -> None:
             for v in lay.votes:
-                half = v.delta.numel() // 2
+                delta = v.kept.delta
+                half = delta.numel() // 2
                 for c in v.applies:
-                    lion_math.apply_planes(c.xs, v.delta[:half], v.delta[half:], c.offsets, coefs[c.group])
+                    lion_math.apply_planes(c.xs, delta[:half], delta[half:], c.offsets, coefs[c.group])
 
         return agreed, works, momenta, apply

@@ -54,6 +54,27 @@ def end_to_end(parts):
     return pieces, total, bases
 
 
+class KeptShardPlanes:
+    """A planned sharded vote's buffers (lionbit.fsdp_plan, lionbit.fsdp1_plan):
+    its planes and its Delta as the vote's two result planes, made at the
+    first use and zeroed at each use after."""
+
+    __slots__ = ("sign", "zero", "delta")
+
+    def __init__(self):
+        self.sign = self.zero = self.delta = None
+
+    def get(self, voter, shards: int, shard_numel: int, device):
+        """(sign, zero, Delta) of a vote of ``shards`` shards of ``shard_numel`` elements."""
+        if self.sign is None:
+            self.sign, self.zero = voter.shard_planes(shards, shard_numel, device)
+            self.delta = torch.empty(2 * lion_math.plane_bytes(shard_numel), dtype=torch.uint8, device=device)
+        else:
+            self.sign.zero_()
+            self.zero.zero_()
+        return self.sign, self.zero, self.delta
+
+
 class Voter:
     """The aggregation of one DistributedLion and its collectives."""
 
