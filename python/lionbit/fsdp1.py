@@ -27,9 +27,13 @@ non-finite direction on any rank raises on every rank before anything
 changed, lionbit.step_vote.NonFinite) is each unit's momentum updated from
 its kept gradient and ``x = x * (1 - lr * wd) - lr * Delta`` applied to its
 local flat-parameter shard, parameter by parameter (each original parameter's
-hyperparameters come from its optimizer group; with ``use_orig_params=False``
-the groups hold the FlatParameters). FSDP's next all-gather spreads the
-update.
+hyperparameters come from its optimizer group as the groups stand; with
+``use_orig_params=False`` the groups hold the FlatParameters). A parameter
+that does not require a gradient at that step, or is in no group, is
+skipped like padding and keeps its momentum (DDP's step for a parameter
+without a gradient); one frozen at ``attach()`` trains once it requires a
+gradient and is in a group. FSDP's next all-gather spreads the update. A
+step that is the step before again replays its plan (lionbit.fsdp1_plan).
 
 The kept gradient follows DDP's ``p.grad``: it accumulates over synchronized
 backwards until the gradients are zeroed (``zero_grad()`` to None or to
