@@ -23,8 +23,7 @@ step of the general path and dropped for any step it does not describe (a
 unit with a gradient or without one where it was not, in another order, a
 parameter that trains or is frozen where it was not, in another group, a
 gradient or a local shard of another dtype or size or not contiguous,
-another momentum tensor, another number of parameter groups, another
-choice of kernels); that step takes the general path, which plans the
+another momentum tensor, another choice of kernels); that step takes the general path, which plans the
 next. Both make the same collectives in the same order and run the same
 kernels on the same elements: bit for bit the same step.
 """
@@ -112,7 +111,6 @@ class _Layout:
         self.g_dtypes, self.g_sizes = tuple(map(_dtype, gs)), tuple(map(_numel, gs))
         self.x_dtypes, self.x_sizes = tuple(map(_dtype, xs)), tuple(map(_numel, xs))
         self.momenta = [u.momentum_tensor() for u in self.units]
-        self.n_groups = len(att.opt.param_groups)
         self.device = gs[0].device
         self.cuda = self.device.type == "cuda"
         index = {id(u): i for i, u in enumerate(self.units)}
@@ -143,7 +141,6 @@ class _Layout:
                 for (off, numel, _, _), gi in zip(u.segments, self.groups[i]) if gi is not None]
         self.sizes = [numel for _, _, numel, _ in flat]
         self.wait_between = bool(calls) and bool(flat) and att.group is not calls[0][3]
-        self.group = att.group
         for k, (first, end, total) in enumerate(step_vote.chunking(self.sizes, step_vote.chunk_limit(self.device))):
             items, at = [], 0
             for i, off, numel, gi in flat[first:end]:
@@ -168,7 +165,6 @@ class _Layout:
                 and all(map(_contiguous, gs)) and tuple(map(_dtype, xs)) == self.x_dtypes
                 and tuple(map(_numel, xs)) == self.x_sizes and all(map(_contiguous, xs))
                 and all(map(is_, map(_momentum, units), self.momenta))
-                and len(att.opt.param_groups) == self.n_groups
                 and _config(att, self.device, [v.group for v in self.votes]) == self.config)
 
 
