@@ -352,7 +352,11 @@ def main(argv=None):
         return ["env", f"LIONBIT_KERNELS={choice}"] + cmd
 
     def start_gpu_runs(step, limit):
-        files = ["tests/python/test_cuda.py", "tests/python/test_kernel_sets.py", "tests/python/test_step_plan.py"]
+        # Every file with a test marked gpu (the GPU twins of the CPU files' scripts among them).
+        folder = os.path.join(ROOT, "tests", "python")
+        files = sorted(os.path.join("tests", "python", name) for name in os.listdir(folder)
+                       if name.startswith("test_") and name.endswith(".py")
+                       and "pytest.mark.gpu" in open(os.path.join(folder, name)).read())
         rc, out = r.run(step, "pytest-collect", [py, "-m", "pytest", *files, "-m", "gpu", "--collect-only", "-q",
                                                  "-p", "no:cacheprovider"], timeout=120)
         ids = [ln.strip() for ln in out.splitlines() if "::" in ln and not ln.startswith(("$ ", "["))]
