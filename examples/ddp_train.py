@@ -1,6 +1,12 @@
 """Train a small transformer with DDP + DistributedLion over backend "lionbit".
 
-    torchrun --standalone --nproc-per-node 4 examples/ddp_train.py
+    torchrun --standalone --nproc-per-node 4 examples/ddp_train.py [--device cpu|cuda] [--hierarchy node]
+
+On a machine with a GPU for each of its ranks (and a lionbit built with its
+CUDA path) each rank takes the GPU of its LOCAL_RANK and the votes go over
+NCCL; elsewhere the ranks run on the CPU over Gloo. On several nodes of several GPUs,
+``--hierarchy node`` counts the signs inside each node first (the same
+result, bit for bit, with fewer bytes between nodes: docs/hierarchy.md).
 
 The data are scikit-learn's bundled digits (no download): each 8x8 image is a
 sequence of 8 row tokens. Each rank trains on its share of every global
@@ -10,6 +16,7 @@ all-reduce of every gradient) would have sent.
 """
 
 import argparse
+import os
 import sys
 import time
 
@@ -41,15 +48,36 @@ def progress(step, total, loss, width=30):
     sys.stdout.flush()
 
 
+def pick_device(choice):
+    """The rank's device: with "auto", its GPU (LOCAL_RANK, as torchrun sets it)
+    where the host has a GPU for each of its ranks and lionbit has its CUDA
+    path, else the CPU. With "cuda", more ranks than GPUs share them (NCCL
+    refuses that: set LIONBIT_CUDA_TRANSPORT=gloo)."""
+    if choice == "auto":
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        gpus = torch.cuda.device_count() if lionbit.built_with_cuda and torch.cuda.is_available() else 0
+        choice = "cuda" if gpus >= local_ranks else "cpu"
+    if choice == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(device)  # before the process group: NCCL uses the current device
+    return device
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--batch", type=int, default=64, help="global batch, split across ranks")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--aggregation", default="vote", choices=["vote", "avg"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: a GPU a rank where the host has one for each of its ranks, else the CPU")
+    parser.add_argument("--hierarchy", default="flat", choices=["flat", "node"],
+                        help="node: count the signs inside each node first (several GPUs a node)")
     args = parser.parse_args()
 
-    dist.init_process_group("lionbit")
+    device = pick_device(args.device)
+    dist.init_process_group("lionbit")  # CPU tensors over Gloo, CUDA tensors over NCCL
     rank, world = dist.get_rank(), dist.get_world_size()
     assert args.batch % world == 0, "the global batch must split evenly across ranks"
 
@@ -60,16 +88,18 @@ def main():
     xte, yte, xtr, ytr = x[perm[:360]], y[perm[:360]], x[perm[360:]], y[perm[360:]]
 
     torch.manual_seed(0)
-    model = DDP(RowTransformer())
+    model = DDP(RowTransformer().to(device), device_ids=[device.index] if device.type == "cuda" else None)
     d = sum(p.numel() for p in model.parameters())
-    opt = lionbit.DistributedLion(model.parameters(), lr=args.lr, weight_decay=0.1, aggregation=args.aggregation)
+    opt = lionbit.DistributedLion(model.parameters(), lr=args.lr, weight_decay=0.1, aggregation=args.aggregation,
+                                  hierarchy=args.hierarchy)
     opt.attach(model)
     steps_per_epoch = len(xtr) // args.batch
     total = steps_per_epoch * args.epochs
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, total)
     if rank == 0:
-        print(f"lionbit {lionbit.__version__}: {world} ranks, backend {dist.get_backend()}, "
-              f"transformer with {d:,} parameters, DistributedLion({args.aggregation})")
+        print(f"lionbit {lionbit.__version__}: {world} ranks on {device.type}, backend {dist.get_backend()}, "
+              f"transformer with {d:,} parameters, DistributedLion({args.aggregation}"
+              f"{', hierarchy=' + repr(args.hierarchy) if args.hierarchy != 'flat' else ''})")
 
     g = torch.Generator().manual_seed(1)
     step, t0 = 0, time.perf_counter()
@@ -79,7 +109,7 @@ def main():
         for i in range(steps_per_epoch):
             idx = order[i * args.batch : (i + 1) * args.batch].view(world, -1)[rank]
             opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
+            loss = torch.nn.functional.cross_entropy(model(xtr[idx].to(device)), ytr[idx].to(device))
             loss.backward()
             opt.step()
             sched.step()
@@ -88,7 +118,7 @@ def main():
                 progress(step, total, loss.item())
         model.eval()
         with torch.no_grad():
-            acc = 100.0 * (model(xte).argmax(1) == yte).float().mean().item()
+            acc = 100.0 * (model(xte.to(device)).argmax(1).cpu() == yte).float().mean().item()
         model.train()
         if rank == 0:
             sys.stdout.write(f"  epoch {epoch + 1}: test accuracy {acc:.2f}%\n")
@@ -102,14 +132,23 @@ def main():
     if rank == 0:
         print(f"\ndone: {step} steps in {secs:.1f}s, final test accuracy {acc:.2f}%, "
               f"replicas identical: {len(set(hashes)) == 1}")
-        sent, calls = stats["bytes_sent"], stats["sign_allreduce_calls"]
+        calls = stats["sign_allreduce_calls"]
+        intra, inter = stats.get("intra_node_bytes_sent", 0), stats.get("inter_node_bytes_sent", 0)
+        sent = stats["bytes_sent"] + intra + inter
         print(f"bytes sent per rank: lionbit {sent:,} ({sent / step:,.0f} per step; "
               f"the 1-bit figure 2(N-1)/N*d/8 is {one_bit / step:,.0f}: {sent / one_bit:.2f}x it)")
+        if args.hierarchy != "flat":
+            print(f"  of which inside the node {intra:,.0f}, between nodes {inter:,.0f}, "
+                  f"the header rounds {stats['bytes_sent']:,.0f} (docs/hierarchy.md: bytes)")
         print(f"                     fp32 DDP would send {fp32:,.0f} (32 bits a parameter, 32x the 1-bit figure): "
               f"{fp32 / sent:.1f}x lionbit's bytes")
-        print("  why more than the 1-bit figure (it counts sign bits only): each vote also sends its headers and")
-        print("  the directions that are exactly 0 (where, not their signs), which weigh more on a small model")
-        if world % 2 == 0 and stats["inline_tie_chunks"]:
+        if args.hierarchy != "flat":
+            print("  (hierarchy='node' sends each node's counts between nodes: fewer bytes than the flat vote's")
+            print("  where a node has several ranks, more with one rank a node)")
+        else:
+            print("  why more than the 1-bit figure (it counts sign bits only): each vote also sends its headers and")
+            print("  the directions that are exactly 0 (where, not their signs), which weigh more on a small model")
+        if args.hierarchy == "flat" and world % 2 == 0 and stats["inline_tie_chunks"]:
             tie, inline = f"{world // 2}-{world // 2}", stats["inline_tie_chunks"]
             print(f"  and, at an even N, where the ranks tie ({tie}): in {inline} of {calls} votes the tie positions")
             print("  rode along in the all-gather, at 1.625 bits an element there instead of 1 (up to 1.31x the 1-bit")

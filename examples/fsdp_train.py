@@ -1,7 +1,17 @@
 """Train a small transformer with FSDP2 (fully_shard) + DistributedLion over
 backend "lionbit".
 
-    torchrun --standalone --nproc-per-node 4 examples/fsdp_train.py [--fsdp1]
+    torchrun --standalone --nproc-per-node 4 examples/fsdp_train.py [--fsdp1] [--replicas M] [--device cpu|cuda]
+
+Several nodes: ``--replicas M`` shards inside groups of N / M ranks and votes
+across the M groups with 1 bit (FSDP2's HSDP, a 2-D (replicate, shard)
+mesh; with --fsdp1, HYBRID_SHARD over the same mesh). On M nodes launch it
+with ``--replicas M`` on each (torchrun --nnodes M ...): FSDP reduces inside
+the node over the fast link, the nodes vote over the slow one, and each rank
+keeps 1/(N / M) of its node's momentum. On one host it emulates the layout.
+On a machine with a GPU for each of its ranks (and a lionbit built with its
+CUDA path) each rank takes the GPU of its LOCAL_RANK; elsewhere the ranks
+run on the CPU.
 
 The same task and model as examples/ddp_train.py (scikit-learn's bundled
 digits, 8 row tokens per image). Each encoder layer and the root are
@@ -13,12 +23,14 @@ prints the optimizer memory per rank against FSDP + AdamW.
 """
 
 import argparse
+import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 from sklearn.datasets import load_digits
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import lionbit
@@ -44,6 +56,22 @@ def progress(step, total, loss, width=30):
     sys.stdout.flush()
 
 
+def pick_device(choice):
+    """The rank's device: with "auto", its GPU (LOCAL_RANK, as torchrun sets it)
+    where the host has a GPU for each of its ranks and lionbit has its CUDA
+    path, else the CPU. With "cuda", more ranks than GPUs share them (NCCL
+    refuses that: set LIONBIT_CUDA_TRANSPORT=gloo)."""
+    if choice == "auto":
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        gpus = torch.cuda.device_count() if lionbit.built_with_cuda and torch.cuda.is_available() else 0
+        choice = "cuda" if gpus >= local_ranks else "cpu"
+    if choice == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(device)  # before the process group: NCCL uses the current device
+    return device
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=12)
@@ -53,11 +81,22 @@ def main():
     parser.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy(param_dtype=bfloat16)")
     parser.add_argument("--fsdp1", action="store_true", help="FSDP1 (FullyShardedDataParallel) instead of fully_shard")
     parser.add_argument("--momentum-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="M > 1: shard inside M groups (nodes) of N / M ranks, vote across them (HSDP)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: a GPU a rank where the host has one for each of its ranks, else the CPU")
     args = parser.parse_args()
 
-    dist.init_process_group("lionbit")
+    device = pick_device(args.device)
+    dist.init_process_group("lionbit")  # CPU tensors over Gloo, CUDA tensors over NCCL
     rank, world = dist.get_rank(), dist.get_world_size()
     assert args.batch % world == 0, "the global batch must split evenly across ranks"
+    replicas = args.replicas
+    assert replicas >= 1 and world % replicas == 0, f"--replicas {replicas} must divide the {world} ranks"
+    shards = world // replicas  # ranks a node shards over
+    # (replicate, shard): rank r is shard r % shards of node r // shards, as torchrun numbers nodes' ranks
+    mesh = (init_device_mesh(device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
+            if replicas > 1 else init_device_mesh(device.type, (world,)))
 
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
@@ -72,11 +111,19 @@ def main():
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         assert not args.bf16, "--bf16 needs FSDP2 (lionbit refuses FSDP1 MixedPrecision)"
+        from torch.distributed.fsdp import ShardingStrategy
+
+        kw = {"device_id": device}
+        if replicas > 1:  # each node one worker: FSDP reduces inside it, the nodes vote
+            kw.update(device_mesh=mesh, sharding_strategy=ShardingStrategy.HYBRID_SHARD)
         for i, layer in enumerate(model.encoder.layers):
-            model.encoder.layers[i] = FSDP(layer, device_id=torch.device("cpu"))
-        model = FSDP(model, device_id=torch.device("cpu"))
+            model.encoder.layers[i] = FSDP(layer, **kw)
+        model = FSDP(model, **kw)
     else:
-        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if args.bf16 else {}
+        model = model.to(device)
+        kw = {"mesh": mesh}
+        if args.bf16:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
         for layer in model.encoder.layers:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
@@ -90,20 +137,24 @@ def main():
     total = steps_per_epoch * args.epochs
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, total)
     if rank == 0:
-        print(f"lionbit {lionbit.__version__}: {world} ranks, backend {dist.get_backend()}, "
-              f"transformer with {d:,} parameters in {units} {'FSDP1 instances' if args.fsdp1 else 'fully_shard units'}"
+        layout = f"{replicas} replicas (nodes) x {shards} shards" if replicas > 1 else "sharded over all"
+        kind = "FSDP1 instances" if args.fsdp1 else "fully_shard units"
+        print(f"lionbit {lionbit.__version__}: {world} ranks on {device.type} ({layout}), "
+              f"backend {dist.get_backend()}, transformer with {d:,} parameters in {units} {kind}"
               f"{' (bf16 compute)' if args.bf16 else ''}, DistributedLion({args.aggregation}, "
               f"{args.momentum_dtype} momentum)")
 
     g = torch.Generator().manual_seed(1)
     step, t0 = 0, time.perf_counter()
-    lionbit.reset_stats()
+    # The votes' group: every rank, or under HSDP the replicas (the ranks of one shard index across nodes).
+    votes = mesh.get_group("replicate") if replicas > 1 else None
+    lionbit.reset_stats(votes)
     for epoch in range(args.epochs):
         order = torch.randperm(len(xtr), generator=g)
         for i in range(steps_per_epoch):
             idx = order[i * args.batch : (i + 1) * args.batch].view(world, -1)[rank]
             opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
+            loss = torch.nn.functional.cross_entropy(model(xtr[idx].to(device)), ytr[idx].to(device))
             loss.backward()
             opt.step()
             sched.step()
@@ -111,25 +162,29 @@ def main():
             if rank == 0 and (step % 5 == 0 or step == total):
                 progress(step, total, loss.item())
         with torch.no_grad():
-            acc = 100.0 * (model(xte).argmax(1) == yte).float().mean().item()
+            acc = 100.0 * (model(xte.to(device)).argmax(1).cpu() == yte).float().mean().item()
         if not args.fsdp1:
             model.reshard()  # the root keeps its parameters unsharded after a forward
         if rank == 0:
             sys.stdout.write(f"  epoch {epoch + 1}: test accuracy {acc:.2f}%\n")
     secs = time.perf_counter() - t0
 
-    stats = lionbit.stats()
+    stats = lionbit.stats(votes)
     # Padded elements FSDP reduce-scatters per step (each parameter's dim 0
-    # padded to a multiple of N).
-    if args.fsdp1:  # each FlatParameter padded to a multiple of N
-        padded = sum(-(-u.numel // world) * world for u in opt.attachment.units)
+    # padded to a multiple of the shards L, N on a 1-D mesh).
+    if args.fsdp1:  # each FlatParameter padded to a multiple of L
+        padded = sum(-(-u.numel // shards) * shards for u in opt.attachment.units)
     else:
-        padded = sum(-(-p.shape[0] // world) * world * (p.numel() // p.shape[0]) for p in opt.param_groups[0]["params"])
+        padded = sum(-(-p.shape[0] // shards) * shards * (p.numel() // p.shape[0])
+                     for p in opt.param_groups[0]["params"])
     one_bit = (world - 1) / world * padded / 8 * step
     fp32_rs = (world - 1) / world * 4 * padded * step  # FSDP's fp32 reduce-scatter of gradients
     # FSDP's parameter all-gathers, the same with or without lionbit: forward
     # and backward (the root keeps its parameters unsharded after forward).
-    ag = (world - 1) / world * 4 * padded * step * 2
+    ag = (shards - 1) / shards * 4 * padded * step * 2
+    if replicas > 1:  # HSDP: the nodes vote on each rank's shard (padded / L elements) with 1 bit
+        one_bit = 2 * (replicas - 1) / replicas * padded / shards / 8 * step
+        fp32_ar = 2 * (replicas - 1) / replicas * 4 * padded / shards * step  # HSDP's fp32 all-reduce between nodes
     params = opt.param_groups[0]["params"]  # the sharded DTensors (FSDP1: FlatParameters)
     if args.fsdp1:
         mom_bytes = sum(u.momentum.numel() * u.momentum.element_size() for u in opt.attachment.units)
@@ -137,7 +192,19 @@ def main():
     else:
         mom_bytes = sum(opt.state[p]["exp_avg"].numel() * opt.state[p]["exp_avg"].element_size() for p in params)
         shard_bytes = sum(p.to_local().numel() * 4 for p in params)
-    if rank == 0:
+    if rank == 0 and replicas > 1:
+        print(f"\ndone: {step} steps in {secs:.1f}s, final test accuracy {acc:.2f}%")
+        print(f"between nodes, bytes sent per rank: lionbit {stats['bytes_sent']:,} "
+              f"({stats['bytes_sent'] / step:,.0f} per step, {stats['bytes_sent'] / one_bit:.2f}x the 1-bit figure "
+              f"2(M-1)/M*(d/L)/8, headers included)")
+        print(f"                                    HSDP's fp32 all-reduce would send {fp32_ar:,.0f}: "
+              f"{fp32_ar / stats['bytes_sent']:.1f}x more")
+        print(f"inside the node, FSDP's own reduce-scatter and all-gathers (unchanged): "
+              f"~{(shards - 1) / shards * 4 * padded * step * 3:,.0f}")
+        print(f"optimizer memory on rank 0: momentum {mom_bytes:,} bytes (its shard of the node's, "
+              f"{mom_bytes / d:.1f} B/param) vs AdamW's two sharded moments {2 * shard_bytes:,} bytes "
+              f"({2 * shard_bytes / d:.1f} B/param)")
+    elif rank == 0:
         print(f"\ndone: {step} steps in {secs:.1f}s, final test accuracy {acc:.2f}%")
         print(f"gradient path, bytes sent per rank: lionbit {stats['bytes_sent']:,} "
               f"({stats['bytes_sent'] / step:,.0f} per step, {stats['bytes_sent'] / one_bit:.2f}x the 1-bit figure "

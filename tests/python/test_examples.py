@@ -1,29 +1,66 @@
 """The examples a user starts from, run as the README says (torchrun), at
 N = 2 and one epoch: `make demo`'s DDP script, `make demo-fsdp`'s FSDP2 and
 FSDP1 scripts and `make demo-sign`'s collective. Each must finish, print its
-figures, and the three training scripts (one task, one seed, one data order)
-must end at the same test accuracy: DDP, FSDP2 and FSDP1 take the same steps
-bitwise (tests/python/test_fsdp.py, test_fsdp1.py)."""
+figures, and the training scripts (one task, one seed, one data order) must
+end at the same test accuracy: DDP, FSDP2 and FSDP1 take the same steps
+bitwise (tests/python/test_fsdp.py, test_fsdp1.py), and so do their layouts
+for several nodes where each node is one rank: HSDP over 2 x 1 ranks (FSDP2's
+2-D mesh, FSDP1's HYBRID_SHARD), and DDP with hierarchy="node" on two
+torchrun "nodes" (exact: the flat vote's result). At N = 4, HSDP over 2
+nodes x 2 ranks sends the 1-bit figure of a rank's shard between nodes and
+keeps half a momentum a rank."""
 
 import os
 import re
+import socket
 import subprocess
 import sys
 
 import pytest
+import torch
+
+import lionbit
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
 
 
-def _torchrun(script, *args):
+def _env():
     env = dict(os.environ)
     env.pop("LOCAL_WORLD_SIZE", None)  # Gloo's shared-memory shortcut
     env["OMP_NUM_THREADS"] = "1"
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", os.path.join(EXAMPLES, script), *args],
-                       capture_output=True, text=True, timeout=300, env=env)  # a hang guard: ~8 s each
+    return env
+
+
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+def _torchrun(script, *args, ranks=2, env=None):
+    r = subprocess.run([TORCHRUN, "--standalone", f"--nproc-per-node={ranks}", os.path.join(EXAMPLES, script), *args],
+                       capture_output=True, text=True, timeout=300, env={**_env(), **(env or {})})  # ~8 s each
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout.replace("\r", "\n")
+
+
+def _torchrun_nodes(script, *args, nodes=2):
+    """The script on `nodes` torchrun "nodes" of one rank each, on this host
+    (as on several hosts: --nnodes, --node-rank, one master); node 0's output."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([TORCHRUN, f"--nnodes={nodes}", f"--node-rank={k}", "--nproc-per-node=1",
+                               "--master-addr=127.0.0.1", f"--master-port={port}", os.path.join(EXAMPLES, script),
+                               *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+             for k in range(nodes)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)  # a hang guard
+            assert p.returncode == 0, out[-3000:] + err[-3000:]
+            outs.append(out)
+    finally:
+        for p in procs:
+            p.kill()
+    return outs[0].replace("\r", "\n")
 
 
 def _accuracy(out):
@@ -46,14 +83,61 @@ def test_the_ddp_example(ddp):
     assert _accuracy(ddp) > 20.0, ddp  # ten classes: one epoch learns something
 
 
-@pytest.mark.parametrize("flags", [[], ["--fsdp1"]], ids=["fsdp2", "fsdp1"])
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--fsdp1"], ["--replicas", "2"], ["--fsdp1", "--replicas", "2"]],
+    ids=["fsdp2", "fsdp1", "hsdp", "fsdp1_hybrid"],
+)
 def test_the_fsdp_example_steps_as_the_ddp_one(ddp, flags):
     out = _torchrun("fsdp_train.py", "--epochs", "1", *flags)
     assert 1.0 <= _times_one_bit(out) <= 1.05, out
+    assert ("between nodes" in out) == ("--replicas" in flags), out
     assert _accuracy(out) == _accuracy(ddp), (out, ddp)
+
+
+def test_the_hsdp_example_on_two_nodes_of_two():
+    out = _torchrun("fsdp_train.py", "--epochs", "1", "--replicas", "2", ranks=4)
+    assert "(2 replicas (nodes) x 2 shards)" in out, out
+    assert 1.0 <= _times_one_bit(out) <= 1.05, out  # of the vote between nodes: 2(M-1)/M (d/L)/8
+    assert "(its shard of the node's, 2.0 B/param)" in out, out  # 1/2 of a 4-byte momentum
+    assert _accuracy(out) > 20.0, out
+
+
+def test_the_ddp_example_on_two_nodes_with_the_node_hierarchy(ddp):
+    out = _torchrun_nodes("ddp_train.py", "--epochs", "1", "--hierarchy", "node")
+    assert "hierarchy='node'" in out and "replicas identical: True" in out, out
+    between = int(re.search(r"between nodes ([0-9,]+)", out).group(1).replace(",", ""))
+    assert between > 0, out
+    assert _accuracy(out) == _accuracy(ddp), (out, ddp)  # exact: the flat vote's result
 
 
 def test_the_sign_allreduce_example():
     out = _torchrun("sign_allreduce_demo.py")
     ratios = [float(x) for x in re.findall(r"lionbit sent ([0-9.]+)x that", out)]
     assert ratios and all(1.0 <= x <= 1.01 for x in ratios), out
+
+
+GPU_SKIP = ("lionbit was built without the CUDA path" if not lionbit.built_with_cuda
+            else "no CUDA device" if not torch.cuda.is_available() else "")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "script,flags",
+    [("ddp_train.py", []), ("fsdp_train.py", []), ("fsdp_train.py", ["--replicas", "2"]),
+     ("fsdp_train.py", ["--fsdp1", "--replicas", "2"])],
+    ids=["ddp", "fsdp2", "hsdp", "fsdp1_hybrid"],
+)
+def test_the_examples_on_a_gpu(script, flags):
+    """What a user runs first on a GPU machine: the examples with their ranks
+    on CUDA (two ranks, sharing the GPU where there is one: the Gloo
+    transport). CUDA's kernels round unlike the CPU's: the figures, not the
+    CPU runs' accuracy."""
+    if GPU_SKIP:
+        pytest.skip(GPU_SKIP)
+    out = _torchrun(script, "--epochs", "1", "--device", "cuda", *flags, env={"LIONBIT_CUDA_TRANSPORT": "gloo"})
+    assert "2 ranks on cuda" in out, out
+    assert 1.0 <= _times_one_bit(out) <= 1.05, out
+    assert _accuracy(out) > 20.0, out
+    if script == "ddp_train.py":
+        assert "replicas identical: True" in out, out
