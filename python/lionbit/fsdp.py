@@ -433,11 +433,17 @@ def _managed(opt, model):
             installs.append((module, pg))
     if not modules or not managed:
         raise ValueError(f"{_WHERE}: the model has no fully_shard-ed parameters")
-    stray = [fqns.get(p, "<unnamed>") for p in known if p not in managed]
-    if stray:
+    unsharded = [fqns[p] for p in known if p not in managed and p in fqns]
+    if unsharded:  # the root is fully_shard-ed, so FSDP left them out on purpose
         raise ValueError(
-            f"{_WHERE}: this optimizer's parameters {stray[:5]} are not managed by any fully_shard unit of the model; "
-            f"call fully_shard on the root module too"
+            f"{_WHERE}: this optimizer's parameters {unsharded[:5]} are the model's but not sharded by FSDP "
+            f"(fully_shard's ignored_params): FSDP reduces no gradient of theirs and DistributedLion steps only "
+            f"FSDP's parameters; let FSDP shard them, or leave them out of this optimizer"
+        )
+    strangers = sum(p not in managed for p in known)
+    if strangers:
+        raise ValueError(
+            f"{_WHERE}: {strangers} of this optimizer's parameters are not parameters of the model it is attached to"
         )
     if len(kinds) > 1:
         (a, ma), (b, mb) = list(kinds.items())[:2]

@@ -522,6 +522,8 @@ ATTACH_CASES = {
     "missing_param": "is not in this optimizer",
     "fp16_reduce": "not AVG",
     "not_root": "call fully_shard on the root module too",
+    "ignored_params": "['b.weight'] are the model's but not sharded by FSDP (fully_shard's ignored_params)",
+    "another_models": "2 of this optimizer's parameters are not parameters of the model it is attached to",
     "not_attached": "not attached to the model; call opt.attach(model)",
 }
 
@@ -597,6 +599,14 @@ def _error_case(rank, world_size, case):
         model = _net()
         fully_shard(model.a)
         lionbit.DistributedLion(model.parameters()).attach(model)
+    elif case == "ignored_params":
+        model = _net()
+        fully_shard(model.a)
+        fully_shard(model, ignored_params={model.b.weight})
+        lionbit.DistributedLion(model.parameters()).attach(model)
+    elif case == "another_models":
+        model, other = _shard(_net()), _net()
+        lionbit.DistributedLion([*model.parameters(), *other.b.parameters()]).attach(model)
     elif case == "not_attached":  # FSDP2's DTensors stepped as a plain module's parameters
         model = _shard(_net())
         opt = lionbit.DistributedLion(model.parameters())
