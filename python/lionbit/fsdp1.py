@@ -938,6 +938,14 @@ def _units(att, opt, model):
     if not units:
         raise ValueError(f"{_WHERE}: the model has no parameters managed by FSDP")
     stray = [p for p in known if p not in covered]
+    fqns = {p: _clean(n) for n, p in model.named_parameters()}
+    unsharded = [fqns[p] for p in stray if p in fqns]
+    if unsharded:  # the model's own, which FSDP left unflattened: its ignored states
+        raise ValueError(
+            f"{_WHERE}: this optimizer's parameters {unsharded[:5]} are the model's but not managed by FSDP "
+            f"(FSDP's ignored_states or ignored_modules): FSDP reduces no gradient of theirs and DistributedLion "
+            f"steps only FSDP's parameters; let FSDP manage them, or leave them out of this optimizer"
+        )
     if stray:
         raise ValueError(
             f"{_WHERE}: {len(stray)} of this optimizer's parameters are not managed by the FSDP model "

@@ -347,6 +347,8 @@ ERRORS = {
     "mixed_precision": "MixedPrecision is not supported",
     "missing_param": "is not in this optimizer",
     "missing_orig_param": "'b.weight' is not in this optimizer",
+    "ignored_states": "['b.weight', 'b.bias'] are the model's but not managed by FSDP (FSDP's ignored_states",
+    "another_models": "2 of this optimizer's parameters are not managed by the FSDP model",
     "nested": "attach the root FullyShardedDataParallel",
     "twice": "already attached",
 }
@@ -393,6 +395,12 @@ def _error_case(rank, world_size, case):
     elif case == "missing_orig_param":
         model = _wrap(_net(), use_orig_params=True)
         attach(model, [p for p in model.parameters() if p is not model.b.module.weight])
+    elif case == "ignored_states":
+        net = _net()
+        attach(FSDP(net, device_id=CPU, use_orig_params=True, ignored_states=[net.b]))
+    elif case == "another_models":
+        model = _wrap(_net())
+        attach(model, [*model.parameters(), *_net().b.parameters()])
     elif case == "nested":
         model = _wrap(_net())
         model(torch.zeros(1, 12))  # lazy init: model.a is no root now
