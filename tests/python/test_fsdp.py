@@ -1,7 +1,8 @@
 """DistributedLion on FSDP2 (fully_shard) models and the sign reduce-scatter,
 on real processes: parity with DDP + DistributedLion, bytes per step,
-gradient accumulation, mixed precision, DCP checkpoints, plain FSDP over
-lionbit, errors."""
+gradient accumulation, FSDP2's knobs (resharding, prefetching, unshard(), a
+tied embedding), mixed precision, DCP checkpoints, plain FSDP over lionbit,
+errors."""
 
 import hashlib
 import os
@@ -210,6 +211,94 @@ def test_fsdp2_gradients_accumulate_like_ddp(habit):
     res = values(run_ranks("test_fsdp:accumulate_like_ddp", 3, kwargs=dict(habit=habit)))
     for r in res:
         assert all(r["grads"]) and all(r["params"]), r
+    assert len({r["digest"] for r in res}) == 1
+
+
+KNOBS = ["reshard_after_forward_false", "reshard_after_forward_int", "explicit_prefetch", "explicit_unshard",
+         "no_reshard_after_backward", "is_last_backward", "tied_embedding"]
+
+
+class _TiedLM(torch.nn.Module):
+    """An embedding and an output head sharing one weight (GPT-2, Llama's small sizes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(13, 12)
+        self.a = torch.nn.Linear(12, 12)
+        self.b = torch.nn.Linear(12, 12)
+        self.head = torch.nn.Linear(12, 13, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(self.emb(x))))))
+
+
+def _knob_batch(model, knob, rank, step, micro):
+    if knob != "tied_embedding":
+        return _loss(model, rank, step, micro)
+    g = torch.Generator().manual_seed(10_000 * step + 100 * rank + micro)
+    x, y = torch.randint(0, 13, (4, 5), generator=g), torch.randint(0, 13, (4, 5), generator=g)
+    return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def knobs_like_ddp(rank, world_size, knob, steps=5):
+    """FSDP2's knobs as torchtitan's and other users' scripts set them, each
+    against the same script under DDP: the parameters stay bitwise DDP's."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
+
+    def net():
+        if knob == "tied_embedding":
+            torch.manual_seed(0)
+            return _TiedLM()
+        return _net()
+
+    accumulate = 2 if knob in ("no_reshard_after_backward", "is_last_backward") else 1
+    ddp = DDP(net())
+    dopt = lionbit.DistributedLion(ddp.parameters(), **LION).attach(ddp)
+    model = net()
+    kw = {"reshard_after_forward_false": {"reshard_after_forward": False},
+          "reshard_after_forward_int": {"reshard_after_forward": 1}}.get(knob, {})
+    fully_shard(model.a, **kw)
+    fully_shard(model.b, **kw)
+    fully_shard(model, **kw)  # (tied: the shared weight in the root's unit)
+    if knob == "explicit_prefetch":
+        model.a.set_modules_to_forward_prefetch([model.b])
+        model.b.set_modules_to_backward_prefetch([model.a])
+    opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
+    for step in range(steps):
+        if knob == "explicit_unshard":
+            model.unshard()
+        for micro in range(accumulate):
+            last = micro == accumulate - 1
+            if knob == "no_reshard_after_backward":
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_backward(last)
+            elif knob == "is_last_backward":
+                model.set_requires_gradient_sync(last)
+                model.set_is_last_backward(last)
+            _knob_batch(model, knob, rank, step, micro).backward()
+            if last:
+                _knob_batch(ddp, knob, rank, step, micro).backward()
+            else:
+                with ddp.no_sync():
+                    _knob_batch(ddp, knob, rank, step, micro).backward()
+        opt.step()
+        dopt.step()
+        opt.zero_grad()
+        dopt.zero_grad()
+    full = _full_params(model)
+    return {"same": [bool(torch.equal(a, b.detach())) for a, b in zip(full, ddp.module.parameters())],
+            "digest": _digest(full)}
+
+
+@pytest.mark.parametrize("knob", KNOBS)
+def test_fsdp2_knobs_step_like_ddp(knob):
+    res = values(run_ranks("test_fsdp:knobs_like_ddp", 3, kwargs=dict(knob=knob)))
+    for r in res:
+        assert r["same"] and all(r["same"]), r
     assert len({r["digest"] for r in res}) == 1
 
 

@@ -16,7 +16,11 @@ as the user's script on N = 2 and 3 real processes:
   torchvision's reference scripts), under DDP, FSDP1 and as a plain module;
 - two DDP models, each with its own DistributedLion (a GAN's loop: the
   generator's backward runs through the discriminator, whose hooks vote
-  gradients its optimizer never steps on).
+  gradients its optimizer never steps on);
+- hyperparameters that change: parameter groups with their own lr, beta2
+  and weight decay, OneCycleLR cycling beta1 (``cycle_momentum``) and the lr
+  of every group each step, the lr a tensor (as torch's optimizers allow),
+  as a plain module, under DDP (both modes), FSDP2 and FSDP1.
 
 Where they train, every rank compares its parameters bitwise with
 ``simulate``: Distributed Lion on N simulated ranks in one process, written
@@ -560,3 +564,123 @@ def test_two_ddp_models_with_their_own_optimizers_train_as_the_simulation(overla
     res = values(run_ranks("test_habits:gan_loop", 2, kwargs={"overlap": overlap}))
     assert len({r["digest"] for r in res}) == 1, "replicas differ"
     assert all(r["fallbacks"] == [0, 0] for r in res), res  # (the votes stay in backward)
+
+
+# -- 7. hyperparameters that change every step -----------------------------------
+
+SCHED_STEPS = 6
+
+
+def _sched_groups(params: dict, lr_tensor: bool) -> list:
+    """Three groups with their own lr, beta2 and weight decay (from named parameters)."""
+    def lr(v):
+        return torch.tensor(v) if lr_tensor else v
+
+    return [dict(params=[params["a.weight"], params["b.weight"]], lr=lr(0.02), betas=(0.9, 0.99), weight_decay=0.1),
+            dict(params=[params["a.bias"], params["b.bias"]], lr=lr(0.01), betas=(0.9, 0.98), weight_decay=0.0),
+            dict(params=[params["head.weight"], params["head.bias"]], lr=lr(0.04), betas=(0.9, 0.999),
+                 weight_decay=0.3)]
+
+
+def _one_cycle(opt):
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.02, 0.01, 0.04], total_steps=SCHED_STEPS,
+                                               cycle_momentum=True, base_momentum=0.8, max_momentum=0.95)
+
+
+def _schedule() -> list:
+    """Each step's (lr, beta1, beta2, weight decay) of each group, from the same
+    scheduler on a stand-in optimizer that has betas (Adam)."""
+    net = _net()
+    stand_in = torch.optim.Adam(_sched_groups(dict(net.named_parameters()), False))
+    sched, out = _one_cycle(stand_in), []
+    for _ in range(SCHED_STEPS):
+        out.append([(g["lr"], *g["betas"], g["weight_decay"]) for g in stand_in.param_groups])
+        stand_in.step()
+        sched.step()
+    return out
+
+
+def simulate_schedule(n: int) -> list:
+    """Distributed Lion on n simulated ranks, each group at its step's values."""
+    model = _net()
+    replicas = [copy.deepcopy(model) for _ in range(n)]
+    names = [name for name, _ in model.named_parameters()]
+    group_of = {name: i for i, g in enumerate(_sched_groups(dict(model.named_parameters()), False))
+                for name in names if any(p is dict(model.named_parameters())[name] for p in g["params"])}
+    momenta = [{name: torch.zeros_like(p) for name, p in model.named_parameters()} for _ in range(n)]
+    for step, values_ in enumerate(_schedule()):
+        coefs = [tuple(_f32(v) for v in (b1, 1 - b1, b2, 1 - b2, lr, 1 - lr * wd)) for lr, b1, b2, wd in values_]
+        directions = []
+        for r, rep in enumerate(replicas):
+            for p, q in zip(rep.parameters(), model.parameters()):
+                p.data.copy_(q.data)
+                p.grad = None
+            _loss(rep, r, step, 0, "bare").backward()
+            dirs = {}
+            for name, p in rep.named_parameters():
+                cb1, comb1, cb2, comb2, _, _ = coefs[group_of[name]]
+                m = momenta[r][name]
+                dirs[name] = torch.sign(torch.add(torch.mul(m, cb1), torch.mul(p.grad, comb1)))
+                momenta[r][name] = torch.add(torch.mul(m, cb2), torch.mul(p.grad, comb2))
+            directions.append(dirs)
+        for name, p in model.named_parameters():
+            *_, clr, cdecay = coefs[group_of[name]]
+            total = sum((d[name] for d in directions), torch.zeros_like(p))
+            p.data.copy_(torch.sub(torch.mul(p.data, cdecay), torch.mul(torch.sign(total), clr)))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def schedule_loop(rank, n, wrapper, lr_tensor):
+    """The user's script: groups, OneCycleLR stepped after every step()."""
+    import lionbit
+
+    torch.set_num_threads(1)
+    model = _net()
+    names = dict(model.named_parameters())
+    if wrapper == "plain":
+        wrapped = model
+    elif wrapper.startswith("ddp"):
+        wrapped = _ddp(model)
+    elif wrapper == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model.a, model.b):
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+        names = dict(model.named_parameters())  # the sharded DTensors
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        wrapped = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+        names = {n.replace("_fsdp_wrapped_module.", ""): p for n, p in wrapped.named_parameters()}
+    opt = lionbit.DistributedLion(_sched_groups(names, lr_tensor))
+    if wrapper != "plain":
+        opt.attach(wrapped, **({"overlap": wrapper == "ddp"} if wrapper.startswith("ddp") else {}))
+    sched = _one_cycle(opt)
+    for step in range(SCHED_STEPS):
+        opt.zero_grad()
+        _loss(wrapped, rank, step, 0, "bare").backward()
+        opt.step()
+        sched.step()
+    if wrapper == "fsdp2":
+        got = [p.full_tensor() for p in model.parameters()]
+    elif wrapper == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(wrapped):
+            got = [p.detach().clone() for p in wrapped.parameters()]
+    else:
+        got = [p.detach() for p in model.parameters()]
+    want = simulate_schedule(n)
+    return {"same": [bool(torch.equal(g, w)) for g, w in zip(got, want)], "digest": _digest(got),
+            "tensor_lr": isinstance(opt.param_groups[0]["lr"], torch.Tensor)}
+
+
+@pytest.mark.parametrize("wrapper,lr_tensor,n", [("plain", False, 2), ("ddp", True, 2), ("ddp_at_step", False, 3),
+                                                 ("fsdp2", True, 2), ("fsdp1", False, 2)])
+def test_groups_and_a_schedule_that_cycles_beta1_train_as_the_simulation(wrapper, lr_tensor, n):
+    res = values(run_ranks("test_habits:schedule_loop", n, kwargs={"wrapper": wrapper, "lr_tensor": lr_tensor}))
+    for r in res:
+        assert all(r["same"]), r
+        assert r["tensor_lr"] == lr_tensor, r
+    assert len({r["digest"] for r in res}) == 1
