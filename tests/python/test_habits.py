@@ -17,6 +17,10 @@ as the user's script on N = 2 and 3 real processes:
 - two DDP models, each with its own DistributedLion (a GAN's loop: the
   generator's backward runs through the discriminator, whose hooks vote
   gradients its optimizer never steps on);
+- a mixture of experts whose ranks route to different experts
+  (``DDP(find_unused_parameters=True)``): an expert a rank did not use has
+  gradient 0 there (its direction follows that rank's momentum), an expert
+  no rank used is not stepped;
 - hyperparameters that change: parameter groups with their own lr, beta2
   and weight decay, OneCycleLR cycling beta1 (``cycle_momentum``) and the lr
   of every group each step, the lr a tensor (as torch's optimizers allow),
@@ -683,4 +687,98 @@ def test_groups_and_a_schedule_that_cycles_beta1_train_as_the_simulation(wrapper
     for r in res:
         assert all(r["same"]), r
         assert r["tensor_lr"] == lr_tensor, r
+    assert len({r["digest"] for r in res}) == 1
+
+
+# -- 8. experts that the ranks route to differently -------------------------------
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 8)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.out = torch.nn.Linear(8, 2)
+
+    def forward(self, x, route):
+        h = torch.tanh(self.inp(x))
+        for e in route:
+            h = h + torch.tanh(self.experts[e](h))
+        return self.out(h)
+
+
+def _experts():
+    torch.manual_seed(0)
+    return _Experts()
+
+
+def _route(rank, step):
+    """Expert 2: never used. Expert 0: rank 0 only. Expert 1: the other ranks, and rank 0 on odd steps."""
+    return ([0] if step % 2 == 0 else [0, 1]) if rank == 0 else [1]
+
+
+def _experts_loss(model, rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(5, 6, generator=g), torch.randint(0, 2, (5,), generator=g)
+    return torch.nn.functional.cross_entropy(model(x, _route(rank, step)), y)
+
+
+def simulate_experts(n, steps):
+    """Distributed Lion on n simulated ranks, a parameter a rank did not use
+    taking gradient 0 there (what DDP leaves in its bucket), one no rank used
+    not stepped (DDP leaves it no gradient)."""
+    b1, b2 = LION["betas"]
+    lr, wd = LION["lr"], LION["weight_decay"]
+    cb1, comb1, cb2, comb2, clr, cdecay = (_f32(v) for v in (b1, 1 - b1, b2, 1 - b2, lr, 1 - lr * wd))
+    model = _experts()
+    replicas = [copy.deepcopy(model) for _ in range(n)]
+    momenta = [{name: torch.zeros_like(p) for name, p in model.named_parameters()} for _ in range(n)]
+    for step in range(steps):
+        directions, used = [], set()
+        for r, rep in enumerate(replicas):
+            for p, q in zip(rep.parameters(), model.parameters()):
+                p.data.copy_(q.data)
+                p.grad = None
+            _experts_loss(rep, r, step).backward()
+            dirs = {}
+            for name, p in rep.named_parameters():
+                used |= {name} if p.grad is not None else set()
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                m = momenta[r][name]
+                dirs[name] = torch.sign(torch.add(torch.mul(m, cb1), torch.mul(g, comb1)))
+                momenta[r][name] = torch.add(torch.mul(m, cb2), torch.mul(g, comb2))
+            directions.append(dirs)
+        for name, p in model.named_parameters():
+            if name in used:
+                total = sum((d[name] for d in directions), torch.zeros_like(p))
+                p.data.copy_(torch.sub(torch.mul(p.data, cdecay), torch.mul(torch.sign(total), clr)))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def experts_loop(rank, n, overlap, steps=5):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
+
+    torch.set_num_threads(1)
+    model = _experts()
+    ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.0005)  # several buckets
+    opt = lionbit.DistributedLion(ddp.parameters(), **LION)
+    opt.attach(ddp, overlap=overlap)
+    for step in range(steps):
+        opt.zero_grad()
+        _experts_loss(ddp, rank, step).backward()
+        opt.step()
+    want = simulate_experts(n, steps)
+    return {"same": {name: bool(torch.equal(p.detach(), w)) for (name, p), w in zip(model.named_parameters(), want)},
+            "never_used": bool(torch.equal(model.experts[2].weight.detach(), _experts().experts[2].weight)),
+            "digest": _digest(model.parameters())}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "at_step"])
+def test_experts_routed_differently_per_rank_train_as_the_simulation(overlap, n):
+    res = values(run_ranks("test_habits:experts_loop", n, kwargs={"overlap": overlap}))
+    for r in res:
+        assert all(r["same"].values()) and r["never_used"], r
     assert len({r["digest"] for r in res}) == 1
