@@ -3,12 +3,12 @@ backend "lionbit".
 
     torchrun --standalone --nproc-per-node 4 examples/fsdp_train.py [--fsdp1] [--replicas M] [--device cpu|cuda]
 
-Several nodes: ``--replicas M`` shards inside groups of N / M ranks and votes
-across the M groups with 1 bit (FSDP2's HSDP, a 2-D (replicate, shard)
-mesh; with --fsdp1, HYBRID_SHARD over the same mesh). On M nodes launch it
-with ``--replicas M`` on each (torchrun --nnodes M ...): FSDP reduces inside
-the node over the fast link, the nodes vote over the slow one, and each rank
-keeps 1/(N / M) of its node's momentum. On one host it emulates the layout.
+Several nodes: on M nodes (torchrun --nnodes M ...) it shards inside each
+node and votes across the nodes with 1 bit (FSDP2's HSDP, a 2-D (replicate,
+shard) mesh; with --fsdp1, HYBRID_SHARD over the same mesh): FSDP reduces
+inside the node over the fast link, the nodes vote over the slow one, and
+each rank keeps 1/(N / M) of its node's momentum. ``--replicas M`` sets M
+itself (1: shard over every rank; on one host, M > 1 emulates the layout).
 On a machine with a GPU for each of its ranks (and a lionbit built with its
 CUDA path) each rank takes the GPU of its LOCAL_RANK; elsewhere the ranks
 run on the CPU.
@@ -81,8 +81,9 @@ def main():
     parser.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy(param_dtype=bfloat16)")
     parser.add_argument("--fsdp1", action="store_true", help="FSDP1 (FullyShardedDataParallel) instead of fully_shard")
     parser.add_argument("--momentum-dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--replicas", type=int, default=1,
-                        help="M > 1: shard inside M groups (nodes) of N / M ranks, vote across them (HSDP)")
+    parser.add_argument("--replicas", default="nodes",
+                        help="M > 1: shard inside M groups of N / M ranks, vote across them (HSDP); "
+                             "default: the number of nodes (torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="auto: a GPU a rank where the host has one for each of its ranks, else the CPU")
     args = parser.parse_args()
@@ -91,7 +92,8 @@ def main():
     dist.init_process_group("lionbit")  # CPU tensors over Gloo, CUDA tensors over NCCL
     rank, world = dist.get_rank(), dist.get_world_size()
     assert args.batch % world == 0, "the global batch must split evenly across ranks"
-    replicas = args.replicas
+    nodes = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    replicas = nodes if args.replicas == "nodes" else int(args.replicas)
     assert replicas >= 1 and world % replicas == 0, f"--replicas {replicas} must divide the {world} ranks"
     shards = world // replicas  # ranks a node shards over
     # (replicate, shard): rank r is shard r % shards of node r // shards, as torchrun numbers nodes' ranks

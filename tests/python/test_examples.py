@@ -5,8 +5,9 @@ figures, and the training scripts (one task, one seed, one data order) must
 end at the same test accuracy: DDP, FSDP2 and FSDP1 take the same steps
 bitwise (tests/python/test_fsdp.py, test_fsdp1.py), and so do their layouts
 for several nodes where each node is one rank: HSDP over 2 x 1 ranks (FSDP2's
-2-D mesh, FSDP1's HYBRID_SHARD), and DDP with hierarchy="node" on two
-torchrun "nodes" (exact: the flat vote's result). At N = 4, HSDP over 2
+2-D mesh, which the script picks by itself on two torchrun "nodes"; FSDP1's
+HYBRID_SHARD), and DDP with hierarchy="node" on two torchrun "nodes" (exact:
+the flat vote's result). At N = 4, HSDP over 2
 nodes x 2 ranks sends the 1-bit figure of a rank's shard between nodes and
 keeps half a momentum a rank."""
 
@@ -84,14 +85,18 @@ def test_the_ddp_example(ddp):
 
 
 @pytest.mark.parametrize(
-    "flags",
-    [[], ["--fsdp1"], ["--replicas", "2"], ["--fsdp1", "--replicas", "2"]],
-    ids=["fsdp2", "fsdp1", "hsdp", "fsdp1_hybrid"],
+    "flags,nodes",
+    [([], 1), (["--fsdp1"], 1), ([], 2), (["--fsdp1", "--replicas", "2"], 1)],
+    ids=["fsdp2", "fsdp1", "hsdp_on_two_nodes", "fsdp1_hybrid"],
 )
-def test_the_fsdp_example_steps_as_the_ddp_one(ddp, flags):
-    out = _torchrun("fsdp_train.py", "--epochs", "1", *flags)
+def test_the_fsdp_example_steps_as_the_ddp_one(ddp, flags, nodes):
+    """On two torchrun nodes the script shards inside each node by itself (HSDP)."""
+    if nodes > 1:
+        out = _torchrun_nodes("fsdp_train.py", "--epochs", "1", *flags, nodes=nodes)
+    else:
+        out = _torchrun("fsdp_train.py", "--epochs", "1", *flags)
     assert 1.0 <= _times_one_bit(out) <= 1.05, out
-    assert ("between nodes" in out) == ("--replicas" in flags), out
+    assert ("(2 replicas (nodes) x 1 shards)" in out) == (nodes > 1 or "--replicas" in flags), out
     assert _accuracy(out) == _accuracy(ddp), (out, ddp)
 
 
