@@ -67,6 +67,9 @@ def pick_device(choice):
         choice = "cuda" if gpus >= local_ranks else "cpu"
     if choice == "cpu":
         return torch.device("cpu")
+    if not (lionbit.built_with_cuda and torch.cuda.is_available()):
+        sys.exit("--device cuda: " + ("no CUDA device here" if lionbit.built_with_cuda else
+                                      "this lionbit was built without its CUDA path"))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     torch.cuda.set_device(device)  # before the process group: NCCL uses the current device
     return device

@@ -126,6 +126,15 @@ GPU_SKIP = ("lionbit was built without the CUDA path" if not lionbit.built_with_
             else "no CUDA device" if not torch.cuda.is_available() else "")
 
 
+@pytest.mark.parametrize("script", ["ddp_train.py", "fsdp_train.py"])
+def test_the_examples_say_when_cuda_is_not_there(script):
+    if not GPU_SKIP:
+        pytest.skip("there is a GPU here")
+    r = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), "--device", "cuda"], capture_output=True,
+                       text=True, timeout=120, env=_env())
+    assert r.returncode == 1 and r.stderr.strip().startswith("--device cuda: "), (r.returncode, r.stderr[-2000:])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "script,flags",
