@@ -65,6 +65,15 @@ ALWAYS = ("build", "import")
 COMMITTED_RATES = os.path.join("docs", "benchmarks", "gpu_check_h200_5.json")
 
 
+def gpu_test_files() -> list:
+    """Every test file with a test marked gpu (the GPU twins of the CPU files' scripts among them),
+    relative to the repository's root."""
+    folder = os.path.join(ROOT, "tests", "python")
+    return sorted(os.path.join("tests", "python", name) for name in os.listdir(folder)
+                  if name.startswith("test_") and name.endswith(".py")
+                  and "pytest.mark.gpu" in open(os.path.join(folder, name)).read())
+
+
 class Step:
     """One row of the table: status "passed" / "failed" / "skipped", a key figure."""
 
@@ -352,11 +361,7 @@ def main(argv=None):
         return ["env", f"LIONBIT_KERNELS={choice}"] + cmd
 
     def start_gpu_runs(step, limit):
-        # Every file with a test marked gpu (the GPU twins of the CPU files' scripts among them).
-        folder = os.path.join(ROOT, "tests", "python")
-        files = sorted(os.path.join("tests", "python", name) for name in os.listdir(folder)
-                       if name.startswith("test_") and name.endswith(".py")
-                       and "pytest.mark.gpu" in open(os.path.join(folder, name)).read())
+        files = gpu_test_files()
         rc, out = r.run(step, "pytest-collect", [py, "-m", "pytest", *files, "-m", "gpu", "--collect-only", "-q",
                                                  "-p", "no:cacheprovider"], timeout=120)
         ids = [ln.strip() for ln in out.splitlines() if "::" in ln and not ln.startswith(("$ ", "["))]

@@ -101,6 +101,20 @@ def test_gpu_check_cpu_mode(tmp_path):
     assert table[-1].startswith("no GPU;") and sum(line.startswith("| ") for line in table[-16:]) == 14
 
 
+def test_gpu_check_runs_every_file_with_a_gpu_test():
+    """Its pytest steps collect `-m gpu` from every file that has such a test,
+    not a list that a new GPU twin can miss (test_fsdp_plan's and
+    test_fsdp1_plan's once were)."""
+    files = _gpu_check_module().gpu_test_files()
+    r = subprocess.run([sys.executable, "-m", "pytest", os.path.join("tests", "python"), "-m", "gpu",
+                        "--collect-only", "-q", "-p", "no:cacheprovider"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    marked = sorted({line.split("::")[0] for line in r.stdout.splitlines() if "::" in line})
+    assert marked and files == marked, (files, marked, r.stdout[-2000:])
+    for twin in ("test_fsdp_plan.py", "test_fsdp1_plan.py", "test_step_plan.py", "test_examples.py"):
+        assert os.path.join("tests", "python", twin) in files
+
+
 def test_gpu_check_only_runs_the_steps_named(tmp_path):
     """--only (a rerun after a fix, within a lent GPU's few minutes): build and import and the
     steps named run, every other step is in the table as skipped, "not in --only"; a name that
