@@ -1,12 +1,18 @@
 """Train a small transformer with DDP + DistributedLion over backend "lionbit".
 
     torchrun --standalone --nproc-per-node 4 examples/ddp_train.py [--device cpu|cuda] [--hierarchy node]
+                                                                    [--checkpoint DIR]
 
 On a machine with a GPU for each of its ranks (and a lionbit built with its
 CUDA path) each rank takes the GPU of its LOCAL_RANK and the votes go over
 NCCL; elsewhere the ranks run on the CPU over Gloo. On several nodes of several GPUs,
 ``--hierarchy node`` counts the signs inside each node first (the same
 result, bit for bit, with fewer bytes between nodes: docs/hierarchy.md).
+
+``--checkpoint DIR`` saves after every epoch and resumes from there: each rank
+its own file, since each rank's momentum is its own (saving rank 0's alone
+would restart every rank from rank 0's momentum); the resumed run takes the
+same steps, bit for bit, as one that was never stopped.
 
 The data are scikit-learn's bundled digits (no download): each 8x8 image is a
 sequence of 8 row tokens. Each rank trains on its share of every global
@@ -16,6 +22,7 @@ all-reduce of every gradient) would have sent.
 """
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -77,6 +84,8 @@ def main():
                         help="auto: a GPU a rank where the host has one for each of its ranks, else the CPU")
     parser.add_argument("--hierarchy", default="flat", choices=["flat", "node"],
                         help="node: count the signs inside each node first (several GPUs a node)")
+    parser.add_argument("--checkpoint", help="a folder: save every epoch, resume from the last save")
+    parser.add_argument("--stop-after", type=int, help="stop after this many epochs (a run cut short, to resume)")
     args = parser.parse_args()
 
     device = pick_device(args.device)
@@ -104,10 +113,30 @@ def main():
               f"transformer with {d:,} parameters, DistributedLion({args.aggregation}"
               f"{', hierarchy=' + repr(args.hierarchy) if args.hierarchy != 'flat' else ''})")
 
+    def accuracy():
+        model.eval()
+        with torch.no_grad():
+            acc = 100.0 * (model(xte.to(device)).argmax(1).cpu() == yte).float().mean().item()
+        model.train()
+        return acc
+
     g = torch.Generator().manual_seed(1)
-    step, t0 = 0, time.perf_counter()
+    step, first, acc, t0 = 0, 0, None, time.perf_counter()
+    mine = os.path.join(args.checkpoint, f"rank{rank}.pt") if args.checkpoint else None
+    if mine and os.path.exists(mine):  # resume: this rank's own file
+        ckpt = torch.load(mine, map_location=device, weights_only=False)
+        model.module.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        sched.load_state_dict(ckpt["scheduler"])
+        g.set_state(ckpt["data_order"])
+        step, first = ckpt["step"], ckpt["epoch"]
+        if rank == 0:
+            print(f"resumed from {args.checkpoint} after epoch {first} (step {step})")
+    start = step
     lionbit.reset_stats()
-    for epoch in range(args.epochs):
+    for epoch in range(first, args.epochs):
+        if args.stop_after is not None and epoch == args.stop_after:
+            break
         order = torch.randperm(len(xtr), generator=g)
         for i in range(steps_per_epoch):
             idx = order[i * args.batch : (i + 1) * args.batch].view(world, -1)[rank]
@@ -119,27 +148,33 @@ def main():
             step += 1
             if rank == 0 and (step % 5 == 0 or step == total):
                 progress(step, total, loss.item())
-        model.eval()
-        with torch.no_grad():
-            acc = 100.0 * (model(xte.to(device)).argmax(1).cpu() == yte).float().mean().item()
-        model.train()
+        acc = accuracy()
         if rank == 0:
             sys.stdout.write(f"  epoch {epoch + 1}: test accuracy {acc:.2f}%\n")
+        if mine:  # every rank its own file: the momentum is the rank's own
+            os.makedirs(args.checkpoint, exist_ok=True)
+            torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
+                        "scheduler": sched.state_dict(), "data_order": g.get_state(), "step": step,
+                        "epoch": epoch + 1}, mine + ".tmp")
+            os.replace(mine + ".tmp", mine)  # a crash mid-save leaves the last good file
     secs = time.perf_counter() - t0
+    acc = accuracy() if acc is None else acc
+    ran = max(step - start, 1)  # this run's steps (lionbit's counters start at this run)
 
     stats = lionbit.stats()
-    fp32 = 2 * (world - 1) / world * 4 * d * step  # ring all-reduce of fp32 gradients
-    one_bit = 2 * (world - 1) / world * d / 8 * step
+    fp32 = 2 * (world - 1) / world * 4 * d * ran  # ring all-reduce of fp32 gradients
+    one_bit = 2 * (world - 1) / world * d / 8 * ran
     hashes = [None] * world
     dist.all_gather_object(hashes, hash(tuple(p.detach().sum().item() for p in model.parameters())))
     if rank == 0:
+        digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters()))
         print(f"\ndone: {step} steps in {secs:.1f}s, final test accuracy {acc:.2f}%, "
-              f"replicas identical: {len(set(hashes)) == 1}")
+              f"replicas identical: {len(set(hashes)) == 1}, parameters {digest.hexdigest()[:12]}")
         calls = stats["sign_allreduce_calls"]
         intra, inter = stats.get("intra_node_bytes_sent", 0), stats.get("inter_node_bytes_sent", 0)
         sent = stats["bytes_sent"] + intra + inter
-        print(f"bytes sent per rank: lionbit {sent:,} ({sent / step:,.0f} per step; "
-              f"the 1-bit figure 2(N-1)/N*d/8 is {one_bit / step:,.0f}: {sent / one_bit:.2f}x it)")
+        print(f"bytes sent per rank: lionbit {sent:,} ({sent / ran:,.0f} per step; "
+              f"the 1-bit figure 2(N-1)/N*d/8 is {one_bit / ran:,.0f}: {sent / one_bit:.2f}x it)")
         if args.hierarchy != "flat":
             print(f"  of which inside the node {intra:,.0f}, between nodes {inter:,.0f}, "
                   f"the header rounds {stats['bytes_sent']:,.0f} (docs/hierarchy.md: bytes)")

@@ -84,6 +84,25 @@ def test_the_ddp_example(ddp):
     assert _accuracy(ddp) > 20.0, ddp  # ten classes: one epoch learns something
 
 
+def _digest(out):
+    return re.search(r"parameters ([0-9a-f]{12})", out).group(1)
+
+
+def test_the_ddp_example_resumes_from_its_checkpoint_bitwise(tmp_path):
+    """Stopped after an epoch and started again with the same command, it
+    takes the steps of a run that was never stopped: each rank resumes from
+    its own file (its momentum), the schedule and the data order too."""
+    ckpt = str(tmp_path / "ckpt")
+    whole = _torchrun("ddp_train.py", "--epochs", "2")
+    cut = _torchrun("ddp_train.py", "--epochs", "2", "--checkpoint", ckpt, "--stop-after", "1")
+    assert sorted(os.listdir(ckpt)) == ["rank0.pt", "rank1.pt"], os.listdir(ckpt)
+    resumed = _torchrun("ddp_train.py", "--epochs", "2", "--checkpoint", ckpt)
+    assert "resumed from" in resumed and "after epoch 1 (step 22)" in resumed, resumed
+    assert _digest(cut) != _digest(whole), (cut, whole)
+    assert _digest(resumed) == _digest(whole), (resumed, whole)
+    assert _accuracy(resumed) == _accuracy(whole)
+
+
 @pytest.mark.parametrize(
     "flags,nodes",
     [([], 1), (["--fsdp1"], 1), ([], 2), (["--fsdp1", "--replicas", "2"], 1)],
