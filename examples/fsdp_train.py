@@ -2,6 +2,7 @@
 backend "lionbit".
 
     torchrun --standalone --nproc-per-node 4 examples/fsdp_train.py [--fsdp1] [--replicas M] [--device cpu|cuda]
+                                                                     [--checkpoint DIR]
 
 Several nodes: on M nodes (torchrun --nnodes M ...) it shards inside each
 node and votes across the nodes with 1 bit (FSDP2's HSDP, a 2-D (replicate,
@@ -13,6 +14,12 @@ On a machine with a GPU for each of its ranks (and a lionbit built with its
 CUDA path) each rank takes the GPU of its LOCAL_RANK; elsewhere the ranks
 run on the CPU.
 
+``--checkpoint DIR`` saves after every epoch and resumes from there, bit for bit:
+FSDP2 through torch.distributed.checkpoint (get_state_dict / set_state_dict:
+every rank's momentum, sharded as FSDP shards the parameter), FSDP1 as one
+file a rank (its shard of the model and of its momentum); the same number of
+ranks and nodes to resume.
+
 The same task and model as examples/ddp_train.py (scikit-learn's bundled
 digits, 8 row tokens per image). Each encoder layer and the root are
 fully_shard units; opt.attach(model) replaces FSDP's fp32 gradient
@@ -23,6 +30,7 @@ prints the optimizer memory per rank against FSDP + AdamW.
 """
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -75,6 +83,69 @@ def pick_device(choice):
     return device
 
 
+def save(folder, model, opt, sched, g, epoch, step, fsdp1):
+    """The epoch's checkpoint. FSDP2: torch.distributed.checkpoint, each rank
+    writing its shards (of the model and of its momentum); FSDP1: a file a
+    rank (its local shards and its momentum). Then rank 0 points last.pt at
+    it, with what every rank shares (schedule, data order, step)."""
+    rank = dist.get_rank()
+    where = os.path.join(folder, f"epoch{epoch}")
+    os.makedirs(where, exist_ok=True)
+    if fsdp1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+        with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+            torch.save({"model": model.state_dict(), "optimizer": opt.local_state_dict()},
+                       os.path.join(where, f"rank{rank}.pt"))
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=where)
+    dist.barrier()  # every rank's part is written
+    if rank == 0:
+        torch.save({"epoch": epoch, "step": step, "scheduler": sched.state_dict(), "data_order": g.get_state(),
+                    "where": where}, os.path.join(folder, "last.tmp"))
+        os.replace(os.path.join(folder, "last.tmp"), os.path.join(folder, "last.pt"))
+    dist.barrier()
+
+
+def load(folder, model, opt, sched, g, fsdp1, device):
+    """Resumes from last.pt's checkpoint; returns (epochs done, steps done)."""
+    last = torch.load(os.path.join(folder, "last.pt"), weights_only=False)
+    if fsdp1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+        mine = torch.load(os.path.join(last["where"], f"rank{dist.get_rank()}.pt"), map_location=device,
+                          weights_only=False)
+        with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+            model.load_state_dict(mine["model"])
+        opt.load_local_state_dict(mine["optimizer"])
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=last["where"])
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    sched.load_state_dict(last["scheduler"])
+    g.set_state(last["data_order"])
+    return last["epoch"], last["step"]
+
+
+def params_digest(model, fsdp1):
+    """A digest of the whole model's parameters (the same on every rank)."""
+    if fsdp1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model):
+            tensors = [p.detach().cpu().clone() for p in model.parameters()]
+    else:
+        tensors = [p.full_tensor().detach().cpu() for p in model.parameters()]
+    return hashlib.sha256(b"".join(t.numpy().tobytes() for t in tensors)).hexdigest()[:12]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=12)
@@ -89,6 +160,8 @@ def main():
                              "default: the number of nodes (torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="auto: a GPU a rank where the host has one for each of its ranks, else the CPU")
+    parser.add_argument("--checkpoint", help="a folder: save every epoch, resume from the last save")
+    parser.add_argument("--stop-after", type=int, help="stop after this many epochs (a run cut short, to resume)")
     args = parser.parse_args()
 
     device = pick_device(args.device)
@@ -149,12 +222,26 @@ def main():
               f"{' (bf16 compute)' if args.bf16 else ''}, DistributedLion({args.aggregation}, "
               f"{args.momentum_dtype} momentum)")
 
+    def accuracy():
+        with torch.no_grad():
+            acc = 100.0 * (model(xte.to(device)).argmax(1).cpu() == yte).float().mean().item()
+        if not args.fsdp1:
+            model.reshard()  # the root keeps its parameters unsharded after a forward
+        return acc
+
     g = torch.Generator().manual_seed(1)
-    step, t0 = 0, time.perf_counter()
+    step, first, acc, t0 = 0, 0, None, time.perf_counter()
+    if args.checkpoint and os.path.exists(os.path.join(args.checkpoint, "last.pt")):
+        first, step = load(args.checkpoint, model, opt, sched, g, args.fsdp1, device)
+        if rank == 0:
+            print(f"resumed from {args.checkpoint} after epoch {first} (step {step})")
+    start = step
     # The votes' group: every rank, or under HSDP the replicas (the ranks of one shard index across nodes).
     votes = mesh.get_group("replicate") if replicas > 1 else None
     lionbit.reset_stats(votes)
-    for epoch in range(args.epochs):
+    for epoch in range(first, args.epochs):
+        if args.stop_after is not None and epoch == args.stop_after:
+            break
         order = torch.randperm(len(xtr), generator=g)
         for i in range(steps_per_epoch):
             idx = order[i * args.batch : (i + 1) * args.batch].view(world, -1)[rank]
@@ -166,13 +253,15 @@ def main():
             step += 1
             if rank == 0 and (step % 5 == 0 or step == total):
                 progress(step, total, loss.item())
-        with torch.no_grad():
-            acc = 100.0 * (model(xte.to(device)).argmax(1).cpu() == yte).float().mean().item()
-        if not args.fsdp1:
-            model.reshard()  # the root keeps its parameters unsharded after a forward
+        acc = accuracy()
         if rank == 0:
             sys.stdout.write(f"  epoch {epoch + 1}: test accuracy {acc:.2f}%\n")
+        if args.checkpoint:
+            save(args.checkpoint, model, opt, sched, g, epoch + 1, step, args.fsdp1)
     secs = time.perf_counter() - t0
+    acc = accuracy() if acc is None else acc
+    ran = max(step - start, 1)  # the byte figures: this run's steps (lionbit's counters start at this run)
+    digest = params_digest(model, args.fsdp1)
 
     stats = lionbit.stats(votes)
     # Padded elements FSDP reduce-scatters per step (each parameter's dim 0
@@ -182,14 +271,14 @@ def main():
     else:
         padded = sum(-(-p.shape[0] // shards) * shards * (p.numel() // p.shape[0])
                      for p in opt.param_groups[0]["params"])
-    one_bit = (world - 1) / world * padded / 8 * step
-    fp32_rs = (world - 1) / world * 4 * padded * step  # FSDP's fp32 reduce-scatter of gradients
+    one_bit = (world - 1) / world * padded / 8 * ran
+    fp32_rs = (world - 1) / world * 4 * padded * ran  # FSDP's fp32 reduce-scatter of gradients
     # FSDP's parameter all-gathers, the same with or without lionbit: forward
     # and backward (the root keeps its parameters unsharded after forward).
-    ag = (shards - 1) / shards * 4 * padded * step * 2
+    ag = (shards - 1) / shards * 4 * padded * ran * 2
     if replicas > 1:  # HSDP: the nodes vote on each rank's shard (padded / L elements) with 1 bit
-        one_bit = 2 * (replicas - 1) / replicas * padded / shards / 8 * step
-        fp32_ar = 2 * (replicas - 1) / replicas * 4 * padded / shards * step  # HSDP's fp32 all-reduce between nodes
+        one_bit = 2 * (replicas - 1) / replicas * padded / shards / 8 * ran
+        fp32_ar = 2 * (replicas - 1) / replicas * 4 * padded / shards * ran  # HSDP's fp32 all-reduce between nodes
     params = opt.param_groups[0]["params"]  # the sharded DTensors (FSDP1: FlatParameters)
     if args.fsdp1:
         mom_bytes = sum(u.momentum.numel() * u.momentum.element_size() for u in opt.attachment.units)
@@ -198,21 +287,21 @@ def main():
         mom_bytes = sum(opt.state[p]["exp_avg"].numel() * opt.state[p]["exp_avg"].element_size() for p in params)
         shard_bytes = sum(p.to_local().numel() * 4 for p in params)
     if rank == 0 and replicas > 1:
-        print(f"\ndone: {step} steps in {secs:.1f}s, final test accuracy {acc:.2f}%")
+        print(f"\ndone: {step} steps in {secs:.1f}s, final test accuracy {acc:.2f}%, parameters {digest}")
         print(f"between nodes, bytes sent per rank: lionbit {stats['bytes_sent']:,} "
-              f"({stats['bytes_sent'] / step:,.0f} per step, {stats['bytes_sent'] / one_bit:.2f}x the 1-bit figure "
+              f"({stats['bytes_sent'] / ran:,.0f} per step, {stats['bytes_sent'] / one_bit:.2f}x the 1-bit figure "
               f"2(M-1)/M*(d/L)/8, headers included)")
         print(f"                                    HSDP's fp32 all-reduce would send {fp32_ar:,.0f}: "
               f"{fp32_ar / stats['bytes_sent']:.1f}x more")
         print(f"inside the node, FSDP's own reduce-scatter and all-gathers (unchanged): "
-              f"~{(shards - 1) / shards * 4 * padded * step * 3:,.0f}")
+              f"~{(shards - 1) / shards * 4 * padded * ran * 3:,.0f}")
         print(f"optimizer memory on rank 0: momentum {mom_bytes:,} bytes (its shard of the node's, "
               f"{mom_bytes / d:.1f} B/param) vs AdamW's two sharded moments {2 * shard_bytes:,} bytes "
               f"({2 * shard_bytes / d:.1f} B/param)")
     elif rank == 0:
-        print(f"\ndone: {step} steps in {secs:.1f}s, final test accuracy {acc:.2f}%")
+        print(f"\ndone: {step} steps in {secs:.1f}s, final test accuracy {acc:.2f}%, parameters {digest}")
         print(f"gradient path, bytes sent per rank: lionbit {stats['bytes_sent']:,} "
-              f"({stats['bytes_sent'] / step:,.0f} per step, {stats['bytes_sent'] / one_bit:.2f}x the 1-bit figure "
+              f"({stats['bytes_sent'] / ran:,.0f} per step, {stats['bytes_sent'] / one_bit:.2f}x the 1-bit figure "
               f"(N-1)/N*d/8, headers included)")
         print(f"                                    fp32 FSDP reduce-scatter would send {fp32_rs:,.0f}: "
               f"{fp32_rs / stats['bytes_sent']:.1f}x more")

@@ -88,19 +88,27 @@ def _digest(out):
     return re.search(r"parameters ([0-9a-f]{12})", out).group(1)
 
 
-def test_the_ddp_example_resumes_from_its_checkpoint_bitwise(tmp_path):
-    """Stopped after an epoch and started again with the same command, it
-    takes the steps of a run that was never stopped: each rank resumes from
-    its own file (its momentum), the schedule and the data order too."""
+@pytest.fixture(scope="module")
+def two_epochs():
+    """Two epochs of the DDP script, never stopped (DDP, FSDP2, HSDP at 2 x 1
+    and FSDP1 take the same steps: every resumed script must end here)."""
+    return _torchrun("ddp_train.py", "--epochs", "2")
+
+
+@pytest.mark.parametrize("script,flags", [("ddp_train.py", []), ("fsdp_train.py", ["--replicas", "2"]),
+                                          ("fsdp_train.py", ["--fsdp1"])], ids=["ddp", "hsdp_dcp", "fsdp1_files"])
+def test_the_examples_resume_from_their_checkpoints_bitwise(two_epochs, tmp_path, script, flags):
+    """Stopped after an epoch and started again with the same command, each
+    takes the steps of a run that was never stopped: every rank resumes its
+    own momentum (DDP: its file; FSDP2: torch.distributed.checkpoint; FSDP1:
+    its file of shards), the schedule and the data order too."""
     ckpt = str(tmp_path / "ckpt")
-    whole = _torchrun("ddp_train.py", "--epochs", "2")
-    cut = _torchrun("ddp_train.py", "--epochs", "2", "--checkpoint", ckpt, "--stop-after", "1")
-    assert sorted(os.listdir(ckpt)) == ["rank0.pt", "rank1.pt"], os.listdir(ckpt)
-    resumed = _torchrun("ddp_train.py", "--epochs", "2", "--checkpoint", ckpt)
+    cut = _torchrun(script, "--epochs", "2", *flags, "--checkpoint", ckpt, "--stop-after", "1")
+    resumed = _torchrun(script, "--epochs", "2", *flags, "--checkpoint", ckpt)
     assert "resumed from" in resumed and "after epoch 1 (step 22)" in resumed, resumed
-    assert _digest(cut) != _digest(whole), (cut, whole)
-    assert _digest(resumed) == _digest(whole), (resumed, whole)
-    assert _accuracy(resumed) == _accuracy(whole)
+    assert _digest(cut) != _digest(two_epochs), (cut, two_epochs)
+    assert _digest(resumed) == _digest(two_epochs), (resumed, two_epochs)
+    assert _accuracy(resumed) == _accuracy(two_epochs)
 
 
 @pytest.mark.parametrize(
