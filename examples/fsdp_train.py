@@ -32,6 +32,7 @@ prints the optimizer memory per rank against FSDP + AdamW.
 import argparse
 import hashlib
 import os
+import shutil
 import sys
 import time
 
@@ -89,7 +90,8 @@ def save(folder, model, opt, sched, g, epoch, step, fsdp1):
     rank (its local shards and its momentum). Then rank 0 points last.pt at
     it, with what every rank shares (schedule, data order, step)."""
     rank = dist.get_rank()
-    where = os.path.join(folder, f"epoch{epoch}")
+    name = f"epoch{epoch}"
+    where = os.path.join(folder, name)
     os.makedirs(where, exist_ok=True)
     if fsdp1:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
@@ -105,9 +107,13 @@ def save(folder, model, opt, sched, g, epoch, step, fsdp1):
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=where)
     dist.barrier()  # every rank's part is written
     if rank == 0:
+        last = os.path.join(folder, "last.pt")
+        before = torch.load(last, weights_only=False)["where"] if os.path.exists(last) else None
         torch.save({"epoch": epoch, "step": step, "scheduler": sched.state_dict(), "data_order": g.get_state(),
-                    "where": where}, os.path.join(folder, "last.tmp"))
-        os.replace(os.path.join(folder, "last.tmp"), os.path.join(folder, "last.pt"))
+                    "where": name}, os.path.join(folder, "last.tmp"))
+        os.replace(os.path.join(folder, "last.tmp"), last)
+        if before not in (None, name):  # the epoch before: no longer needed once last.pt names this one
+            shutil.rmtree(os.path.join(folder, before), ignore_errors=True)
     dist.barrier()
 
 
@@ -117,7 +123,7 @@ def load(folder, model, opt, sched, g, fsdp1, device):
     if fsdp1:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
 
-        mine = torch.load(os.path.join(last["where"], f"rank{dist.get_rank()}.pt"), map_location=device,
+        mine = torch.load(os.path.join(folder, last["where"], f"rank{dist.get_rank()}.pt"), map_location=device,
                           weights_only=False)
         with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
             model.load_state_dict(mine["model"])
@@ -127,7 +133,7 @@ def load(folder, model, opt, sched, g, fsdp1, device):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=last["where"])
+        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(folder, last["where"]))
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
     sched.load_state_dict(last["scheduler"])
     g.set_state(last["data_order"])
