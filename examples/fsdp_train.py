@@ -88,7 +88,8 @@ def save(folder, model, opt, sched, g, epoch, step, fsdp1):
     """The epoch's checkpoint. FSDP2: torch.distributed.checkpoint, each rank
     writing its shards (of the model and of its momentum); FSDP1: a file a
     rank (its local shards and its momentum). Then rank 0 points last.pt at
-    it, with what every rank shares (schedule, data order, step)."""
+    it, with what every rank shares (schedule, data order, step), and removes
+    the epoch before."""
     rank = dist.get_rank()
     name = f"epoch{epoch}"
     where = os.path.join(folder, name)
