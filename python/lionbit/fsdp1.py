@@ -938,7 +938,7 @@ def _units(att, opt, model):
     if not units:
         raise ValueError(f"{_WHERE}: the model has no parameters managed by FSDP")
     stray = [p for p in known if p not in covered]
-    fqns = {p: _clean(n) for n, p in model.named_parameters()}
+    fqns = {p: _clean(n) for n, p in model.named_parameters()} if stray else {}
     unsharded = [fqns[p] for p in stray if p in fqns]
     if unsharded:  # the model's own, which FSDP left unflattened: its ignored states
         raise ValueError(

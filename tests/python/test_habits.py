@@ -608,9 +608,9 @@ def simulate_schedule(n: int) -> list:
     """Distributed Lion on n simulated ranks, each group at its step's values."""
     model = _net()
     replicas = [copy.deepcopy(model) for _ in range(n)]
-    names = [name for name, _ in model.named_parameters()]
-    group_of = {name: i for i, g in enumerate(_sched_groups(dict(model.named_parameters()), False))
-                for name in names if any(p is dict(model.named_parameters())[name] for p in g["params"])}
+    params = dict(model.named_parameters())
+    name_of = {id(p): name for name, p in params.items()}
+    group_of = {name_of[id(p)]: i for i, g in enumerate(_sched_groups(params, False)) for p in g["params"]}
     momenta = [{name: torch.zeros_like(p) for name, p in model.named_parameters()} for _ in range(n)]
     for step, values_ in enumerate(_schedule()):
         coefs = [tuple(_f32(v) for v in (b1, 1 - b1, b2, 1 - b2, lr, 1 - lr * wd)) for lr, b1, b2, wd in values_]
