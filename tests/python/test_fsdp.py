@@ -4,6 +4,7 @@ gradient accumulation, FSDP2's knobs (resharding, prefetching, unshard(), a
 tied embedding), mixed precision, DCP checkpoints, plain FSDP over lionbit,
 errors."""
 
+import contextlib
 import hashlib
 import os
 
@@ -410,12 +411,29 @@ def test_fsdp2_grad_scaler_unscale_and_clip_equal_ddp():
         assert r[0][1:] == [512.0, 3], r  # one skipped step, one back-off
 
 
-def fsdp_bytes(rank, world_size, steps, limit=None):
-    import lionbit
+@contextlib.contextmanager
+def chunk_limit(limit):
+    """The most elements of planes a call (step_vote.chunk_limit) for one
+    case, put back after it: the pooled ranks run the next case too."""
     from lionbit import step_vote
 
-    if limit is not None:  # the most elements of planes a call (step_vote.chunk_limit)
+    saved = step_vote.CHUNK_ELEMENTS
+    if limit is not None:
         step_vote.CHUNK_ELEMENTS = limit
+    try:
+        yield
+    finally:
+        step_vote.CHUNK_ELEMENTS = saved
+
+
+def fsdp_bytes(rank, world_size, steps, limit=None):
+    with chunk_limit(limit):
+        return _fsdp_bytes(rank, world_size, steps)
+
+
+def _fsdp_bytes(rank, world_size, steps):
+    import lionbit
+
     model, opt, _ = _train_fsdp(rank, 1, 1, "vote")
     # Per-rank shard sizes of the three units: a, b, root (head).
     units = []

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import run_ranks, values
-from test_fsdp import LION, _agg, _digest, _loss, _net, _train_ddp
+from test_fsdp import LION, _agg, _digest, _loss, _net, _train_ddp, chunk_limit
 
 CPU = torch.device("cpu")
 
@@ -136,19 +136,17 @@ def test_fsdp1_follows_the_schedule_after_a_resumed_state_dict():
 
 def fsdp1_bytes(rank, world_size, steps, limit=None):
     import lionbit
-    from lionbit import step_vote
 
-    if limit is not None:  # the most elements of planes a call (step_vote.chunk_limit)
-        step_vote.CHUNK_ELEMENTS = limit
     out = {}
-    for strategy in ("FULL_SHARD", "NO_SHARD"):
-        model, opt = _train_fsdp1(rank, 1, 1, "vote", strategy, False)
-        lionbit.reset_stats()
-        for step in range(1, steps + 1):
-            _loss(model, rank, step).backward()
-            opt.step()
-            opt.zero_grad()
-        out[strategy] = lionbit.stats()
+    with chunk_limit(limit):
+        for strategy in ("FULL_SHARD", "NO_SHARD"):
+            model, opt = _train_fsdp1(rank, 1, 1, "vote", strategy, False)
+            lionbit.reset_stats()
+            for step in range(1, steps + 1):
+                _loss(model, rank, step).backward()
+                opt.step()
+                opt.zero_grad()
+            out[strategy] = lionbit.stats()
     return out
 
 
