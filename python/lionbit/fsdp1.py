@@ -888,14 +888,7 @@ def _units(att, opt, model):
             )
         if state.cpu_offload is not None and state.cpu_offload.offload_params:
             raise NotImplementedError(f"{_WHERE}: {label}: CPUOffload(offload_params=True) is not supported")
-        mp = state.mixed_precision
-        if mp is not None and any(
-            getattr(mp, k, None) is not None for k in ("param_dtype", "reduce_dtype", "buffer_dtype")
-        ):
-            raise NotImplementedError(
-                f"{_WHERE}: {label}: FSDP1 MixedPrecision is not supported by lionbit's FSDP1 path "
-                f"(use FSDP2's MixedPrecisionPolicy, or float32 parameters)"
-            )
+        _check_mixed_precision(state.mixed_precision, label)
         if group0 is None:
             group0 = state.process_group
         elif state.process_group is not group0:
@@ -956,6 +949,24 @@ def _units(att, opt, model):
         return units, states, group0, replicas0
     backend_for(group0, units[0].device, "attach (FSDP1)")  # a lionbit group, or a clear error
     return units, states, group0, None
+
+
+def _check_mixed_precision(mp, label: str) -> None:
+    """FSDP1 ``MixedPrecision``: bfloat16 (or float32) compute and reduce
+    dtypes work. FSDP casts the gradient to ``reduce_dtype`` before the comm
+    hook: a sharded instance keeps it in that dtype; a NO_SHARD one votes
+    ``p.grad``, which FSDP casts back to the parameters' dtype after the hook
+    (unless ``keep_low_precision_grads``). Float16 is refused: it needs a loss
+    scale, and GradScaler is refused under FSDP1 (its checks see the shards)."""
+    if mp is None:
+        return
+    for k in ("param_dtype", "reduce_dtype"):
+        if getattr(mp, k, None) == torch.float16:
+            raise NotImplementedError(
+                f"{_WHERE}: {label}: MixedPrecision({k}=torch.float16) is not supported: float16 gradients need "
+                f"a loss scale, and GradScaler does not work with lionbit's FSDP1 path (its checks see the shards, "
+                f"not the local gradients lionbit votes from); use torch.bfloat16, which needs none"
+            )
 
 
 def _check_hybrid(opt, nodes_group, replicas, device) -> None:

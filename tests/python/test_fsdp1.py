@@ -342,7 +342,8 @@ ERRORS = {
     "hybrid_l1": "argument 'aggregation'='l1' is not supported with hybrid sharding (rank ",
     "hybrid_node_hierarchy": "argument 'hierarchy'='node' does not apply to hybrid sharding (rank ",
     "hybrid_and_not": "uses sharding_strategy=FULL_SHARD and the root does shard hybrid",
-    "mixed_precision": "MixedPrecision is not supported",
+    "float16_params": "MixedPrecision(param_dtype=torch.float16) is not supported: float16 gradients need a loss scale",
+    "float16_reduction": "MixedPrecision(reduce_dtype=torch.float16) is not supported",
     "missing_param": "is not in this optimizer",
     "missing_orig_param": "'b.weight' is not in this optimizer",
     "ignored_states": "['b.weight', 'b.bias'] are the model's but not managed by FSDP (FSDP's ignored_states",
@@ -385,8 +386,10 @@ def _error_case(rank, world_size, case):
             model = _net()
             model.a = FSDP(model.a, device_id=CPU, process_group=mesh.get_group(1))
             attach(FSDP(model, **hybrid))
-    elif case == "mixed_precision":
-        attach(FSDP(_net(), device_id=CPU, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)))
+    elif case == "float16_params":  # (bfloat16 works: test_fsdp_mixed.py)
+        attach(FSDP(_net(), device_id=CPU, mixed_precision=MixedPrecision(param_dtype=torch.float16)))
+    elif case == "float16_reduction":
+        attach(FSDP(_net(), device_id=CPU, mixed_precision=MixedPrecision(reduce_dtype=torch.float16)))
     elif case == "missing_param":
         model = _wrap(_net())
         attach(model, model.a.parameters())

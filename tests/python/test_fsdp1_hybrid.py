@@ -55,6 +55,9 @@ CONFIGS = {
     "HYBRID_SHARD, avg, GradScaler with an overflow on rank 3": _config(
         aggregation="avg", scaler=True, overflow=[2, 3]
     ),
+    "HYBRID_SHARD, MixedPrecision(param_dtype=bf16, reduce_dtype=fp32), device_mesh": _config(
+        mp="bfloat16", groups="device_mesh"
+    ),
 }
 
 
@@ -81,6 +84,10 @@ def _wrap(cfg, groups, mesh):
         use_orig_params=cfg["use_orig_params"],
     )
     kw.update(process_group=groups) if cfg["groups"] == "process_group" else kw.update(device_mesh=mesh)
+    if cfg["mp"]:  # computed in bf16, reduced in the node in float32 (test_hsdp's reference: FSDP2's default)
+        from torch.distributed.fsdp import MixedPrecision
+
+        kw["mixed_precision"] = MixedPrecision(param_dtype=getattr(torch, cfg["mp"]), reduce_dtype=torch.float32)
     model = _model()
     for i, block in enumerate(model.blocks):
         model.blocks[i] = FSDP(block, **kw)
