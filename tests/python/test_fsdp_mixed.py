@@ -54,8 +54,9 @@ def _mixed(mp: dict):
 
 
 def _forward_loss(model, rank, step, micro, cfg, dtype):
-    x, y = _batch(rank, step, micro)
-    with torch.autocast("cpu", dtype=BF16) if cfg["autocast"] else contextlib.nullcontext():
+    device = cfg.get("device", "cpu")
+    x, y = (t.to(device) for t in _batch(rank, step, micro))
+    with torch.autocast(device, dtype=BF16) if cfg["autocast"] else contextlib.nullcontext():
         return torch.nn.functional.cross_entropy(model(x.to(dtype)), y)
 
 
@@ -69,10 +70,10 @@ def _reference_grads(x: dict, rank, step, cfg):
     compute = getattr(torch, mp.get("param_dtype", "float32"))
     reduce = getattr(torch, mp.get("reduce_dtype", mp.get("param_dtype", "float32")))
     voted = F32 if cfg["strategy"] == "NO_SHARD" and not mp.get("keep_low_precision_grads") else reduce
-    model = _net().to(compute)
+    model = _net().to(cfg.get("device", "cpu"), compute)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            p.copy_(torch.from_numpy(x[n]).to(compute))
+            p.copy_(torch.from_numpy(x[n]).to(p.device, compute))
     for micro in range(cfg["accumulate"]):
         _forward_loss(model, rank, step, micro, cfg, compute).backward()
     grads = {n: p.grad.to(reduce).to(voted) for n, p in model.named_parameters()}
@@ -90,7 +91,7 @@ def _gather(grads: dict, n: int) -> list:
         parts = [torch.empty_like(g, dtype=F32) for _ in range(n)]
         dist.all_gather(parts, g.to(F32).contiguous())
         for r in range(n):
-            out[r].append(parts[r].numpy())
+            out[r].append(parts[r].cpu().numpy())
     return out
 
 
@@ -108,24 +109,26 @@ def _momenta(model, opt) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     if not isinstance(model, FSDP):  # FSDP2 on a 1-D mesh: full-size, per parameter
-        return {n: opt.attachment.momentum(p).reshape(-1).numpy() for n, p in model.named_parameters()}
+        return {n: opt.attachment.momentum(p).reshape(-1).cpu().numpy() for n, p in model.named_parameters()}
     out = {}
     for unit in opt.attachment.units:  # FSDP1: one flat full-size tensor an instance, in FlatParameter order
         for off, numel, _, name in unit.segments:
-            out[name.replace("_fsdp_wrapped_module.", "")] = unit.momentum[off : off + numel].numpy()
+            out[name.replace("_fsdp_wrapped_module.", "")] = unit.momentum[off : off + numel].cpu().numpy()
     return out
 
 
 def mixed_vs_reference(rank, world_size, cfg, steps):
     import lionbit
 
+    device = cfg.get("device", "cpu")
     if cfg["strategy"] == "fully_shard":  # FSDP2, as accelerate's fsdp_version=2 sets up bf16
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         policy = MixedPrecisionPolicy(**{k: getattr(torch, v) for k, v in cfg["mp"].items()})
-        model = _shard(_net(), mp_policy=policy)
+        model = _shard(_net(), device=device, mp_policy=policy)
     else:
-        model = _wrap(_net(), cfg["strategy"], cfg["use_orig_params"], mixed_precision=_mixed(cfg["mp"]))
+        model = _wrap(_net().to(device), cfg["strategy"], cfg["use_orig_params"], device=torch.device(device),
+                      mixed_precision=_mixed(cfg["mp"]))
     opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
     names = [n for n, _ in _net().named_parameters()]
     ref = ReferenceLion(list(_net().parameters()), world_size, LION["lr"], LION["betas"], LION["weight_decay"], "vote")
@@ -144,7 +147,7 @@ def mixed_vs_reference(rank, world_size, cfg, steps):
         opt.zero_grad()
         ref.step(_gather(_reference_grads(before, rank, step, cfg), world_size))
         full = _full(model)
-        out["equal"].append(all(np.array_equal(full[n].numpy().view(np.int32), ref.x[i].view(np.int32))
+        out["equal"].append(all(np.array_equal(full[n].cpu().numpy().view(np.int32), ref.x[i].view(np.int32))
                                 for i, n in enumerate(names)))
     mine = _momenta(model, opt)
     out["momentum_equal"] = all(np.array_equal(mine[n].view(np.int32), ref.m[rank][i].reshape(-1).view(np.int32))
@@ -194,3 +197,20 @@ def test_fsdp1_mixed_precision_equals_reference_bitwise(case):
     if cfg["clip"]:  # each rank's own norm: the ranks' data differ, so do their norms
         assert len({r["norms"][0] for r in res}) == world_size
         assert all(n > cfg["clip"] for r in res for n in r["norms"])  # every step clipped
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fsdp_mixed_precision_on_a_gpu_equals_reference_bitwise():
+    """The same on one GPU (NCCL underneath, world size 1: FSDP1 runs every
+    instance NO_SHARD): FSDP1 in bf16 with clipping and Lightning's
+    bf16-mixed under CUDA autocast, FSDP2 with accelerate's bf16 policy. The
+    reference computes its gradients on the GPU too (the same kernels)."""
+    cases = [_cfg("FULL_SHARD", ALL_BF16, clip=MAX_NORM),
+             _cfg("SHARD_GRAD_OP", LIGHTNING_BF16_MIXED, use_orig_params=True, autocast=True, accumulate=2),
+             _cfg("fully_shard", {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16", "output_dtype": "bfloat16"})]
+    for cfg in cases:
+        cfg["device"] = "cuda"
+        r, = values(run_ranks("test_fsdp_mixed:mixed_vs_reference", 1, kwargs=dict(cfg=cfg, steps=6)))
+        assert r["equal"] == [True] * 6 and r["momentum_equal"], (cfg, r["equal"], r["momentum_equal"])
+        assert r["moved"] > 0.1 and r["steps"] == 6
