@@ -78,7 +78,7 @@ def _loss(model, rank, step, micro=0):
 
 def _config(**kw):
     cfg = dict(aggregation="vote", tie_break="zero", steps=4, clip=None, accumulate=1, reshard=True, mp=None,
-               scaler=False, overflow=None, compile=False, tie=False)
+               reduce=None, scaler=False, overflow=None, compile=False, tie=False)
     cfg.update(kw)
     return cfg
 
@@ -91,7 +91,8 @@ def _hsdp_model(mesh, cfg, seed=0):
 
     kw = dict(mesh=mesh, reshard_after_forward=cfg["reshard"])
     if cfg["mp"]:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["mp"]))
+        reduce = getattr(torch, cfg["reduce"]) if cfg.get("reduce") else None
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["mp"]), reduce_dtype=reduce)
     model = _model(seed, cfg.get("tie", False))
     for block in model.blocks:
         if cfg["compile"]:  # torchtitan's order: compile each block, then shard it
@@ -178,8 +179,9 @@ def _node_grads(params, step, cfg):
     ranks compute their local gradients on the full parameters (in bf16
     under the mixed-precision policy) and FSDP averages them:
     (g_a + g_b) / 2 in float32, the reduction's dtype (FSDP casts bf16
-    gradients to the sharded parameters' float32 before it reduces). With 2
-    ranks the float order cannot matter: a + b = b + a, and / 2 is exact."""
+    gradients to the sharded parameters' float32 before it reduces), or
+    rounded once to ``reduce`` where the policy reduces in it. With 2 ranks
+    the float order cannot matter: a + b = b + a, and / 2 is exact."""
     model = _model(tie=cfg.get("tie", False))
     dtype = getattr(torch, cfg["mp"]) if cfg["mp"] else torch.float32
     model.to(dtype)
@@ -198,7 +200,10 @@ def _node_grads(params, step, cfg):
                     loss = loss * 1e38
                 (loss * SCALE if cfg["scaler"] else loss).backward()  # a power of 2: exact, unless it overflows
             local.append({n: p.grad / SCALE if cfg["scaler"] else p.grad.clone() for n, p in model.named_parameters()})
-        out.append({n: (local[0][n].float() + local[1][n].float()) / 2 for n in params})
+        mean = {n: (local[0][n].float() + local[1][n].float()) / 2 for n in params}
+        if cfg.get("reduce"):  # reduced in that dtype: the node's mean rounded to it once (/ 2 is exact)
+            mean = {n: g.to(getattr(torch, cfg["reduce"])).float() for n, g in mean.items()}
+        out.append(mean)
     return out
 
 
@@ -289,6 +294,7 @@ CONFIGS = {
     "avg": _config(aggregation="avg"),
     "vote+random, GradScaler with an overflow on rank 3": _config(tie_break="random", scaler=True, overflow=[2, 3]),
     "bf16 MixedPrecisionPolicy": _config(mp="bfloat16"),
+    "bf16 MixedPrecisionPolicy reduced in bf16 (accelerate's)": _config(mp="bfloat16", reduce="bfloat16"),
     "vote, clip, torch.compile per block": _config(clip=0.5, compile=True),
     "vote, the head tied to the embedding": _config(tie=True),
 }
