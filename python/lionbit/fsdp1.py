@@ -66,9 +66,12 @@ shard.
 
 Momentum: one flat full-size tensor per FSDP instance, in FlatParameter
 order (alignment padding included, never touched), kept on the optimizer
-(``opt.attachment.units``), not in ``opt.state``; see :func:`local_state_dict`.
+(``opt.attachment.units``); ``opt.state[p]["exp_avg"]`` is a view of p's part
+of it (:meth:`FSDP1Attachment.show_momenta`). Checkpoints: a file a rank,
+:func:`state_dict` or :func:`local_state_dict`.
 """
 
+import sys
 from typing import List, Optional
 
 import torch
@@ -558,6 +561,7 @@ class FSDP1Attachment(Attachment):
         # the vote's group (momentum sync, checkpoints' marker); hybrid: the replicas (the inter-node group)
         self.group = self.replicas if self.hybrid else (opt.group if opt.group is not None else group)
         self.norm_order = _norm_order(model, self.units)
+        self.show_momenta()
         by_module = {u.module: u for u in self.units}
         self.forward_hook = None
         if self.hybrid:
@@ -597,6 +601,32 @@ class FSDP1Attachment(Attachment):
             unit.kept = None
             unit.see(None)
         self.order, self.hooked = [], []
+        for p in self.shown:
+            self.opt.state.pop(p, None)
+
+    def show_momenta(self) -> None:
+        """Every parameter's momentum in ``opt.state[p]["exp_avg"]``: a view of
+        its unit's flat momentum (the whole of it for a FlatParameter; the
+        segment, hybrid: its part in this rank's shard, for an original
+        parameter), so that what reads an optimizer's state sees it, and torch's
+        ``_init_optim_state`` (which steps an optimizer with an empty state on
+        zero gradients) leaves this one alone. The units' tensors stay the
+        momentum; a loaded state dict is copied into them, and this is run
+        again after torch replaced ``opt.state``."""
+        known = self.opt.param_group_of()
+        self.shown = []
+        for unit in self.units:
+            m = unit.momentum_tensor()
+            if unit.flat_param in known:  # use_orig_params=False: the optimizer holds the FlatParameter
+                self.opt.state[unit.flat_param]["exp_avg"] = m
+                self.shown.append(unit.flat_param)
+                continue
+            origin = unit.base if unit.hybrid else 0
+            for seg, start, end in _segments(unit):
+                owner = seg[2]
+                if owner in known:
+                    self.opt.state[owner]["exp_avg"] = m[start - origin : end - origin]
+                    self.shown.append(owner)
 
     # -- backward ---------------------------------------------------------------
     def record_grads(self) -> None:
@@ -796,6 +826,12 @@ class FSDP1Attachment(Attachment):
             origin = unit.base if unit.hybrid else 0
             out += [m[start - origin : end - origin] for _, start, end in _segments(unit)]
         return out
+
+    def state_dict(self) -> dict:
+        return state_dict(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        load_state_dict(self, sd)
 
     def local_state_dict(self) -> dict:
         return local_state_dict(self)
@@ -1015,8 +1051,80 @@ def local_state_dict(att) -> dict:
     }
 
 
+def state_dict(att) -> dict:
+    """``opt.state_dict()``: torch's (the groups' hyperparameters, each
+    parameter's momentum in "state") with this rank's flat momenta and whose
+    they are under "lionbit" (the same storage: saved once): a file a rank,
+    as under DDP. Refused where torch's FSDP or distributed-checkpoint code
+    asks for it. Like torch's, it holds the live tensors."""
+    _refuse_torch_optim_state(att)
+    sd = torch.optim.Optimizer.state_dict(att.opt)  # "state": the views of show_momenta, as torch gives them
+    sd["lionbit"] = {"momentum": {u.name: u.momentum_tensor() for u in att.units},
+                     "aggregation": att.opt.aggregation, **_whose(att)}
+    return sd
+
+
+def load_state_dict(att, sd: dict) -> None:
+    where = "DistributedLion.load_state_dict"
+    saved = sd.get("lionbit")
+    if not isinstance(saved, dict) or "momentum" not in saved:
+        raise ValueError(
+            f"{where} (FSDP1) on rank {dist.get_rank()}: this state dict holds no momentum (lionbit's FSDP1 "
+            f"state dict keeps it under 'lionbit'; a state dict written by another optimizer, or through "
+            f"FSDP.optim_state_dict, has none), so the resume would start from zero momentum"
+        )
+    groups = sd.get("param_groups", [])
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in att.opt.param_groups]:
+        raise ValueError(
+            f"{where} (FSDP1): the state dict's parameter groups hold {[len(g['params']) for g in groups]} "
+            f"parameters, this optimizer's {[len(g['params']) for g in att.opt.param_groups]}"
+        )
+    _load_momenta(att, saved, where)  # every check passed: torch's own load below cannot fail half-way
+    torch.optim.Optimizer.load_state_dict(att.opt, {"state": {}, "param_groups": groups})
+    att.show_momenta()  # torch made a new opt.state
+
+
+def _refuse_torch_optim_state(att) -> None:
+    """``FSDP.optim_state_dict``, ``get_optimizer_state_dict`` and ``dcp``
+    hold one sharded (or replicated) value per parameter; under FSDP1 each
+    rank's momentum is its own and full-size, so through them it would be
+    lost without a word. They call ``opt.state_dict()`` from torch's own
+    modules, which is how they are told apart from a user's call."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(("torch.distributed.fsdp", "torch.distributed.checkpoint")):
+            raise RuntimeError(
+                f"DistributedLion.state_dict (FSDP1) on rank {dist.get_rank()}: called by {module}: FSDP1's and "
+                f"torch.distributed.checkpoint's optimizer state dicts (FSDP.optim_state_dict, "
+                f"get_optimizer_state_dict, dcp.save) hold one sharded or replicated value per parameter, and under "
+                f"FSDP1 each rank's momentum is its own, full-size (it follows the rank's local gradient), so "
+                f"they would drop it. Save a file a rank: torch.save({{'model': <the model's LOCAL_STATE_DICT>, "
+                f"'optim': opt.state_dict()}}, f'ckpt/rank{{rank}}.pt') (docs/fsdp.md, FSDP1 checkpoints), or "
+                f"use FSDP2, whose dcp checkpoints carry every rank's momentum"
+            )
+        frame = frame.f_back
+
+
 def load_local_state_dict(att, sd: dict) -> None:
+    opt = att.opt
     where = "DistributedLion.load_local_state_dict"
+    if len(sd["param_groups"]) != len(opt.param_groups):
+        raise ValueError(
+            f"{where}: the checkpoint has {len(sd['param_groups'])} parameter groups, "
+            f"this optimizer {len(opt.param_groups)}"
+        )
+    _load_momenta(att, sd, where)
+    for mine, saved in zip(opt.param_groups, sd["param_groups"]):
+        for k, v in saved.items():
+            mine[k] = tuple(v) if k == "betas" else v
+
+
+def _load_momenta(att, sd: dict, where: str) -> None:
+    """Checks a per-rank file's layout, rank, aggregation and instances
+    against this run, then copies its momenta into the units."""
     opt = att.opt
     mine = _whose(att)
     if sd.get("hybrid") != mine.get("hybrid"):
@@ -1036,11 +1144,6 @@ def load_local_state_dict(att, sd: dict) -> None:
         raise ValueError(
             f"{where}: the checkpoint used aggregation={sd.get('aggregation')!r}, this optimizer {opt.aggregation!r}"
         )
-    if len(sd["param_groups"]) != len(opt.param_groups):
-        raise ValueError(
-            f"{where}: the checkpoint has {len(sd['param_groups'])} parameter groups, "
-            f"this optimizer {len(opt.param_groups)}"
-        )
     units = {u.name: u for u in att.units}
     if set(sd["momentum"]) != set(units):
         raise ValueError(
@@ -1053,7 +1156,5 @@ def load_local_state_dict(att, sd: dict) -> None:
             raise ValueError(
                 f"{where}: momentum of FSDP instance '{name}' has {m.numel()} elements, expected {u.momentum_numel}"
             )
-        u.momentum_tensor().copy_(m.reshape(-1))
-    for mine, saved in zip(opt.param_groups, sd["param_groups"]):
-        for k, v in saved.items():
-            mine[k] = tuple(v) if k == "betas" else v
+    for name, m in sd["momentum"].items():
+        units[name].momentum_tensor().copy_(m.reshape(-1))

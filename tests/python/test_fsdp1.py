@@ -177,17 +177,22 @@ def test_fsdp1_bytes_per_step_are_the_phase1_figure(limit):
         assert st["bytes_sent"] > steps * payload
 
 
+CHECKPOINTS = [("torch.float32", "local_state_dict", False), ("torch.bfloat16", "local_state_dict", False),
+               ("torch.float32", "state_dict", True), ("torch.bfloat16", "state_dict", False)]
+
+
 def fsdp1_checkpoint(rank, world_size, path):
-    """Per momentum dtype: 10 uninterrupted steps (lr changed at step 5)
-    against 6 steps, per-rank files (model LOCAL_STATE_DICT + the optimizer's
-    local_state_dict), a fresh model from another seed with another lr loading
-    them, and 4 more steps."""
+    """Per momentum dtype and way of saving: 10 uninterrupted steps (lr
+    changed at step 5) against 6 steps, per-rank files (model
+    LOCAL_STATE_DICT + the optimizer's local_state_dict(), or its
+    state_dict() as a user saves any optimizer's), a fresh model from another
+    seed with another lr loading them, and 4 more steps."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
 
     import lionbit
 
-    def build(md, seed):
-        model = _wrap(_net(seed))
+    def build(md, seed, orig):
+        model = _wrap(_net(seed), use_orig_params=orig)
         opt = lionbit.DistributedLion(model.parameters(), momentum_dtype=md, **LION)
         return model, opt.attach(model)
 
@@ -203,27 +208,93 @@ def fsdp1_checkpoint(rank, world_size, path):
         return {"params": _digest(_params(model)), "momentum": _digest([u.momentum for u in opt.attachment.units])}
 
     out = {}
-    for md in (torch.float32, torch.bfloat16):
-        where = os.path.join(path, f"{md}-rank{rank}.pt")
-        model, opt = build(md, 0)
+    for name, how, orig in CHECKPOINTS:
+        md = getattr(torch, name.partition(".")[2])
+        where = os.path.join(path, f"{md}-{how}-rank{rank}.pt")
+        model, opt = build(md, 0, orig)
         train(model, opt, range(10))
         full = digests(model, opt)
 
-        model, opt = build(md, 0)
+        model, opt = build(md, 0, orig)
         train(model, opt, range(6))
-        with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
-            torch.save({"model": model.state_dict(), "optim": opt.local_state_dict()}, where)
+        kind = StateDictType.FULL_STATE_DICT if orig else StateDictType.LOCAL_STATE_DICT  # (LOCAL: FlatParameters)
+        with FSDP.state_dict_type(model, kind):
+            torch.save({"model": model.state_dict(), "optim": getattr(opt, how)()}, where)
 
-        model, opt = build(md, 1)
+        model, opt = build(md, 1, orig)
         opt.param_groups[0]["lr"] = 0.123
         sd = torch.load(where, weights_only=False)
-        with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        with FSDP.state_dict_type(model, kind):
             model.load_state_dict(sd["model"])
-        opt.load_local_state_dict(sd["optim"])
+        getattr(opt, "load_" + how)(sd["optim"])
         assert opt.param_groups[0]["lr"] == 0.005
         train(model, opt, range(6, 10))
-        out[str(md)] = {"full": full, "resumed": digests(model, opt)}
+        out[f"{name} {how}"] = {"full": full, "resumed": digests(model, opt)}
     return out
+
+
+def torch_state_dicts(rank, world_size):
+    """What torch's own optimizer-state tools do with an FSDP1 model's
+    DistributedLion: opt.state shows each parameter's momentum; FSDP's and
+    DCP's state dicts are refused before anything changes (torch's
+    get_optimizer_state_dict would first step an optimizer with an empty
+    state on zero gradients); a state dict without lionbit's momentum, or
+    another rank's, is refused by load_state_dict."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+    import lionbit
+
+    model = _wrap(_net(), use_orig_params=True)
+    opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
+    fresh = [p for p in model.parameters() if "exp_avg" not in opt.state[p]]
+    for step in range(2):
+        _loss(model, rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+    shown = {}
+    for unit in opt.attachment.units:
+        for off, numel, owner, _ in unit.segments:
+            shown[owner] = torch.equal(opt.state[owner]["exp_avg"], unit.momentum[off : off + numel])
+    before = _digest([u.momentum for u in opt.attachment.units] + _params(model))
+    said = {}
+    for what, call in {
+        "optim_state_dict": lambda: FSDP.optim_state_dict(model, opt),
+        "get_optimizer_state_dict": lambda: get_optimizer_state_dict(model, opt),
+    }.items():
+        try:
+            with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+                call()
+            said[what] = "no error"
+        except RuntimeError as err:
+            said[what] = str(err)
+    unchanged = _digest([u.momentum for u in opt.attachment.units] + _params(model)) == before
+    sd = opt.state_dict()
+    for what, bad in {
+        "without momentum": {k: v for k, v in sd.items() if k != "lionbit"},
+        "another rank's": {**sd, "lionbit": {**sd["lionbit"], "rank": 1 - rank}},
+    }.items():
+        try:
+            opt.load_state_dict(bad)
+            said[what] = "no error"
+        except ValueError as err:
+            said[what] = str(err)
+    return {"fresh": len(fresh), "shown": all(shown.values()) and len(shown) == 6, "said": said,
+            "unchanged": unchanged and _digest([u.momentum for u in opt.attachment.units] + _params(model)) == before,
+            "steps": opt.steps_taken}
+
+
+def test_fsdp1_torch_state_dicts_show_momentum_or_refuse():
+    for rank, r in enumerate(values(run_ranks("test_fsdp1:torch_state_dicts", 2))):
+        assert r["fresh"] == 0  # every parameter's state shows its momentum from attach on
+        assert r["shown"]
+        assert "called by torch.distributed.fsdp" in r["said"]["optim_state_dict"], r["said"]
+        assert "called by torch.distributed.checkpoint" in r["said"]["get_optimizer_state_dict"], r["said"]
+        for said in (r["said"]["optim_state_dict"], r["said"]["get_optimizer_state_dict"]):
+            assert f"DistributedLion.state_dict (FSDP1) on rank {rank}" in said and "a file a rank" in said
+        assert "holds no momentum" in r["said"]["without momentum"]
+        assert f"the file holds rank {1 - rank} of 2, this is rank {rank} of 2" in r["said"]["another rank's"]
+        assert r["unchanged"] and r["steps"] == 2  # no step on zero gradients, nothing loaded half-way
 
 
 def nan_in_one_call(rank, world_size, strategies, layer, own_group=False):
@@ -331,11 +402,12 @@ def test_fsdp1_nan_in_one_call_changes_nothing(strategies, layer, own_group):
 def test_fsdp1_per_rank_checkpoint_resume_is_bitwise(tmp_path):
     n = 2
     res = values(run_ranks("test_fsdp1:fsdp1_checkpoint", n, kwargs=dict(path=str(tmp_path))))
-    for md in ("torch.float32", "torch.bfloat16"):
+    for name, how, _ in CHECKPOINTS:
+        key = f"{name} {how}"
         for r in res:
-            assert r[md]["resumed"] == r[md]["full"]
-        assert len({r[md]["resumed"]["momentum"] for r in res}) == n  # each rank's own
-        assert len({r[md]["resumed"]["params"] for r in res}) == 1
+            assert r[key]["resumed"] == r[key]["full"], key
+        assert len({r[key]["resumed"]["momentum"] for r in res}) == n  # each rank's own
+        assert len({r[key]["resumed"]["params"] for r in res}) == 1
 
 
 ERRORS = {
