@@ -58,6 +58,24 @@ def _registered(group) -> bool:
     return True
 
 
+def asked_by_torch_state_dicts() -> Optional[str]:
+    """The torch module whose code is asking for an optimizer's state dict:
+    FSDP1's ``FSDP.optim_state_dict`` (torch.distributed.fsdp), and
+    ``get_optimizer_state_dict`` or ``dcp.save`` of the optimizer
+    (torch.distributed.checkpoint), whose formats hold one sharded or
+    replicated value per parameter; None for any other caller (a user's
+    ``torch.save(opt.state_dict())``). Looks at the few frames above."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return None
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(("torch.distributed.fsdp", "torch.distributed.checkpoint")):
+            return module
+        frame = frame.f_back
+    return None
+
+
 class Attachment:
     """The interface, and a plain module's (or no model's) attachment."""
 
@@ -190,8 +208,17 @@ class Attachment:
         return {"rank": dist.get_rank(self.group), "world_size": dist.get_world_size(self.group)}
 
     def state_dict(self) -> dict:
-        sd = torch.optim.Optimizer.state_dict(self.opt)
         marker = self.marker()
+        asker = asked_by_torch_state_dicts()
+        if asker is not None and marker is not None and marker["world_size"] > 1:
+            raise RuntimeError(
+                f"DistributedLion.state_dict ({self.kind}) on rank {marker['rank']}: called by {asker}: "
+                f"torch.distributed.checkpoint keeps one value per parameter's state (a plain tensor counts as "
+                f"replicated: dcp.save writes one rank's), and each rank's momentum is its own, so a resume would "
+                f"give every rank the same momentum without a word. Save a file a rank: "
+                f"torch.save(opt.state_dict(), f'ckpt/opt.rank{{rank}}.pt') (docs/checkpoints.md)"
+            )
+        sd = torch.optim.Optimizer.state_dict(self.opt)
         if marker is not None:
             sd["lionbit"] = marker
         return sd

@@ -71,7 +71,6 @@ of it (:meth:`FSDP1Attachment.show_momenta`). Checkpoints: a file a rank,
 :func:`state_dict` or :func:`local_state_dict`.
 """
 
-import sys
 from typing import List, Optional
 
 import torch
@@ -79,7 +78,7 @@ import torch.distributed as dist
 
 from . import fsdp1_plan, lion_math, step_vote, torch_internals
 from ._backend import backend_for
-from .attachment import Attachment
+from .attachment import Attachment, asked_by_torch_state_dicts
 from .voter import end_to_end, runs
 
 try:
@@ -1088,24 +1087,18 @@ def _refuse_torch_optim_state(att) -> None:
     """``FSDP.optim_state_dict``, ``get_optimizer_state_dict`` and ``dcp``
     hold one sharded (or replicated) value per parameter; under FSDP1 each
     rank's momentum is its own and full-size, so through them it would be
-    lost without a word. They call ``opt.state_dict()`` from torch's own
-    modules, which is how they are told apart from a user's call."""
-    frame = sys._getframe(2)
-    for _ in range(8):
-        if frame is None:
-            return
-        module = frame.f_globals.get("__name__", "")
-        if module.startswith(("torch.distributed.fsdp", "torch.distributed.checkpoint")):
-            raise RuntimeError(
-                f"DistributedLion.state_dict (FSDP1) on rank {dist.get_rank()}: called by {module}: FSDP1's and "
-                f"torch.distributed.checkpoint's optimizer state dicts (FSDP.optim_state_dict, "
-                f"get_optimizer_state_dict, dcp.save) hold one sharded or replicated value per parameter, and under "
-                f"FSDP1 each rank's momentum is its own, full-size (it follows the rank's local gradient), so "
-                f"they would drop it. Save a file a rank: torch.save({{'model': <the model's LOCAL_STATE_DICT>, "
-                f"'optim': opt.state_dict()}}, f'ckpt/rank{{rank}}.pt') (docs/fsdp.md, FSDP1 checkpoints), or "
-                f"use FSDP2, whose dcp checkpoints carry every rank's momentum"
-            )
-        frame = frame.f_back
+    lost without a word."""
+    asker = asked_by_torch_state_dicts()
+    if asker is not None:
+        raise RuntimeError(
+            f"DistributedLion.state_dict (FSDP1) on rank {dist.get_rank()}: called by {asker}: FSDP1's and "
+            f"torch.distributed.checkpoint's optimizer state dicts (FSDP.optim_state_dict, "
+            f"get_optimizer_state_dict, dcp.save) hold one sharded or replicated value per parameter, and under "
+            f"FSDP1 each rank's momentum is its own, full-size (it follows the rank's local gradient), so "
+            f"they would drop it. Save a file a rank: torch.save({{'model': <the model's LOCAL_STATE_DICT>, "
+            f"'optim': opt.state_dict()}}, f'ckpt/rank{{rank}}.pt') (docs/fsdp.md, FSDP1 checkpoints), or "
+            f"use FSDP2, whose dcp checkpoints carry every rank's momentum"
+        )
 
 
 def load_local_state_dict(att, sd: dict) -> None:

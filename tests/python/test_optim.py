@@ -362,6 +362,38 @@ def test_checkpoint_stop_restart_continue_is_bitwise_identical():
     assert len(set(hashes)) == 1
 
 
+def dcp_is_refused(rank, n, ckpt_dir):
+    """torch.distributed.checkpoint on a DDP model's DistributedLion: its
+    optimizer state dict holds one value per parameter (dcp.save writes one
+    rank's copy of a plain tensor), so a resume would hand every rank the
+    same momentum; refused, naming the per-rank file, and nothing changes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model, opt = _ddp_train(rank, n, 2, ddp_kwargs={})
+    before = _hash(model) + str([opt.state[p]["exp_avg"].sum().item() for p in model.parameters() if p in opt.state])
+    said = []
+    for call in (lambda: get_optimizer_state_dict(model, opt),
+                 lambda: dcp.save({"optim": opt}, checkpoint_id=os.path.join(ckpt_dir, "dcp"))):
+        try:
+            call()
+            said.append("no error")
+        except RuntimeError as err:
+            said.append(str(err))
+    after = _hash(model) + str([opt.state[p]["exp_avg"].sum().item() for p in model.parameters() if p in opt.state])
+    return {"said": said, "unchanged": before == after, "steps": opt.steps_taken}
+
+
+def test_dcp_of_a_ddp_models_optimizer_is_refused():
+    with tempfile.TemporaryDirectory() as d:
+        res = values(run_ranks("test_optim:dcp_is_refused", 2, kwargs={"ckpt_dir": d}))
+    for rank, r in enumerate(res):
+        for said in r["said"]:
+            assert f"DistributedLion.state_dict (DDP) on rank {rank}: called by torch.distributed.checkpoint" in said
+            assert "torch.save(opt.state_dict(), f'ckpt/opt.rank{rank}.pt')" in said
+        assert r["unchanged"] and r["steps"] == 2
+
+
 def test_a_bfloat16_models_float32_momentum_survives_its_state_dict():
     """torch's load_state_dict casts the state to each parameter's dtype; a
     bfloat16 model's momentum (float32 by default) comes back as it was saved,
