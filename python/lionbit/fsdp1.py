@@ -1057,6 +1057,7 @@ def state_dict(att) -> dict:
     as under DDP. Refused where torch's FSDP or distributed-checkpoint code
     asks for it. Like torch's, it holds the live tensors."""
     _refuse_torch_optim_state(att)
+    att.show_momenta()  # (parameters added to the optimizer since attach too)
     sd = torch.optim.Optimizer.state_dict(att.opt)  # "state": the views of show_momenta, as torch gives them
     sd["lionbit"] = {"momentum": {u.name: u.momentum_tensor() for u in att.units},
                      "aggregation": att.opt.aggregation, **_whose(att)}

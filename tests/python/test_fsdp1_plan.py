@@ -206,6 +206,12 @@ def script(rank, world_size, device="cpu"):
                 assert torch.equal(p.detach(), params[n]), f"step {step}: {n} differs from the simulation"
         for n, m in _momenta(opt).items():
             assert torch.equal(m, momenta[rank][n].reshape(-1)), f"step {step}: {n}'s momentum differs"
+    # opt.state shows every parameter's momentum in its state dict, `extra` (added at step ADD) too
+    sd = opt.state_dict()
+    name_of = {p: n for n, p in named.items()}
+    mine = _momenta(opt)
+    ps = [p for g in opt.param_groups for p in g["params"]]  # torch's indices of "state"
+    assert all(torch.equal(sd["state"][i]["exp_avg"], mine[name_of[p]]) for i, p in enumerate(ps))
     # (no plan where the list kernels do not run: LIONBIT_KERNELS=aten)
     return replayed == (REPLAYED if lionbit.kernel_choice.list_kernels_allowed(device) else []) or replayed
 
