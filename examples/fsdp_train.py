@@ -2,7 +2,7 @@
 backend "lionbit".
 
     torchrun --standalone --nproc-per-node 4 examples/fsdp_train.py [--fsdp1] [--replicas M] [--device cpu|cuda]
-                                                                     [--checkpoint DIR]
+                                                                     [--checkpoint DIR] [--bf16]
 
 Several nodes: on M nodes (torchrun --nnodes M ...) it shards inside each
 node and votes across the nodes with 1 bit (FSDP2's HSDP, a 2-D (replicate,
@@ -18,7 +18,8 @@ run on the CPU.
 FSDP2 through torch.distributed.checkpoint (get_state_dict / set_state_dict:
 every rank's momentum, sharded as FSDP shards the parameter), FSDP1 as one
 file a rank (its shard of the model and of its momentum); the same number of
-ranks and nodes to resume.
+ranks and nodes to resume. ``--bf16`` computes in bf16 (FSDP2's
+MixedPrecisionPolicy, FSDP1's MixedPrecision: the same steps on both).
 
 The same task and model as examples/ddp_train.py (scikit-learn's bundled
 digits, 8 row tokens per image). Each encoder layer and the root are
@@ -159,7 +160,9 @@ def main():
     parser.add_argument("--batch", type=int, default=64, help="global batch, split across ranks")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--aggregation", default="vote", choices=["vote", "avg"])
-    parser.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy(param_dtype=bfloat16)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="bf16 compute: MixedPrecisionPolicy / FSDP1's MixedPrecision(param_dtype=bfloat16, "
+                             "reduce_dtype=float32)")
     parser.add_argument("--fsdp1", action="store_true", help="FSDP1 (FullyShardedDataParallel) instead of fully_shard")
     parser.add_argument("--momentum-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--replicas", default="nodes",
@@ -193,12 +196,12 @@ def main():
     model = RowTransformer()
     d = sum(p.numel() for p in model.parameters())
     if args.fsdp1:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        assert not args.bf16, "--bf16 needs FSDP2 (lionbit refuses FSDP1 MixedPrecision)"
-        from torch.distributed.fsdp import ShardingStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
 
         kw = {"device_id": device}
+        if args.bf16:  # (as FSDP2's policy: Lion reads the gradient reduced in float32; accelerate's bf16 sets
+            # reduce_dtype=torch.bfloat16 too, which works as well)
+            kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if replicas > 1:  # each node one worker: FSDP reduces inside it, the nodes vote
             kw.update(device_mesh=mesh, sharding_strategy=ShardingStrategy.HYBRID_SHARD)
         for i, layer in enumerate(model.encoder.layers):

@@ -127,6 +127,15 @@ def test_the_fsdp_example_steps_as_the_ddp_one(ddp, flags, nodes):
     assert _accuracy(out) == _accuracy(ddp), (out, ddp)
 
 
+def test_the_fsdp_example_in_bf16_steps_alike_on_fsdp2_and_fsdp1():
+    """--bf16: FSDP2's MixedPrecisionPolicy and FSDP1's MixedPrecision, both
+    bf16 compute reduced in float32: the same local gradients, the same steps."""
+    two, one = (_torchrun("fsdp_train.py", "--epochs", "1", "--bf16", *flags) for flags in ([], ["--fsdp1"]))
+    assert "(bf16 compute)" in two and "(bf16 compute)" in one, (two, one)
+    assert _digest(one) == _digest(two), (one, two)
+    assert _accuracy(one) > 20.0, one
+
+
 def test_the_hsdp_example_on_two_nodes_of_two():
     out = _torchrun("fsdp_train.py", "--epochs", "1", "--replicas", "2", ranks=4)
     assert "(2 replicas (nodes) x 2 shards)" in out, out
