@@ -88,6 +88,7 @@ class Attachment:
         self.plan = step_plan.StepPlan()  # a plain module's step, replayed (not DDP's or FSDP's)
         self.layout: Optional[list] = None  # the parameters of the last applied step (Join)
         self.checked_ddp = False
+        self.meshes = {}  # device type -> a 1-D DeviceMesh of the group (DCP's state dicts: _rows)
 
     # -- the step ---------------------------------------------------------------
     def step(self, grad_scaler=None, abstain: bool = False) -> bool:
@@ -208,20 +209,64 @@ class Attachment:
         return {"rank": dist.get_rank(self.group), "world_size": dist.get_world_size(self.group)}
 
     def state_dict(self) -> dict:
+        """torch's state dict plus ``"lionbit": {"rank", "world_size"}``, for a
+        file a rank. Asked by torch.distributed.checkpoint (which keeps one
+        value per entry, and a plain tensor for replicated: it writes one
+        rank's) on several ranks, each momentum is presented as row r of an
+        (N, *shape) DTensor over the group instead, row r being rank r's, so
+        that every rank's is saved and comes back to it."""
         marker = self.marker()
-        asker = asked_by_torch_state_dicts()
-        if asker is not None and marker is not None and marker["world_size"] > 1:
-            raise RuntimeError(
-                f"DistributedLion.state_dict ({self.kind}) on rank {marker['rank']}: called by {asker}: "
-                f"torch.distributed.checkpoint keeps one value per parameter's state (a plain tensor counts as "
-                f"replicated: dcp.save writes one rank's), and each rank's momentum is its own, so a resume would "
-                f"give every rank the same momentum without a word. Save a file a rank: "
-                f"torch.save(opt.state_dict(), f'ckpt/opt.rank{{rank}}.pt') (docs/checkpoints.md)"
-            )
+        if marker is not None and marker["world_size"] > 1 and asked_by_torch_state_dicts() is not None:
+            # every momentum, zero where none yet: dcp.load fills the entries of the state dict it is given
+            for group in self.opt.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad:
+                        self.opt.momentum_of(p)
+            sd = torch.optim.Optimizer.state_dict(self.opt)
+            sd["state"] = {k: {n: self._rows(v) if n == "exp_avg" else v for n, v in st.items()}
+                           for k, st in sd["state"].items()}
+            return sd  # (no marker: DCP would keep one rank's; the rows say whose each momentum is)
         sd = torch.optim.Optimizer.state_dict(self.opt)
         if marker is not None:
             sd["lionbit"] = marker
         return sd
+
+    def _rows(self, m: torch.Tensor):
+        """m as this rank's row of an (N, *shape) DTensor, placed Shard(0)
+        over a 1-D mesh of the group (sharing m's memory)."""
+        from torch.distributed.device_mesh import DeviceMesh  # optional: DTensor's cost only where DCP asks
+        from torch.distributed.tensor import DTensor, Shard  # optional: as above
+
+        if m.device.type not in self.meshes:
+            self.meshes[m.device.type] = DeviceMesh.from_group(self.group or dist.group.WORLD, m.device.type)
+        return DTensor.from_local(m.unsqueeze(0), self.meshes[m.device.type], [Shard(0)], run_check=False)
+
+    def _own_rows(self, sd: dict) -> dict:
+        """The state of a loaded state dict with each momentum given as the
+        DTensor of :meth:`_rows` (dcp.load wrote every rank's row into it)
+        replaced by this rank's row."""
+        tensor = sys.modules.get("torch.distributed.tensor")
+        if tensor is None:  # nothing loaded can be a DTensor (and a torch.save file's load need not import it)
+            return dict(sd.get("state", {}))
+        DTensor = tensor.DTensor  # noqa: N806 - the class
+        params = {key: p for group, saved in zip(self.opt.param_groups, sd.get("param_groups", []))
+                  for p, key in zip(group["params"], saved["params"])}
+        out = {}
+        for key, st in sd.get("state", {}).items():
+            if isinstance(st, dict) and isinstance(st.get("exp_avg"), DTensor) and key in params:
+                st = {**st, "exp_avg": self._own_row(params[key], st["exp_avg"])}
+            out[key] = st
+        return out
+
+    def _own_row(self, p: torch.Tensor, m) -> torch.Tensor:
+        local = m.to_local()
+        if tuple(m.shape) != (dist.get_world_size(self.group), *p.shape) or tuple(local.shape) != (1, *p.shape):
+            raise ValueError(
+                f"DistributedLion.load_state_dict on rank {dist.get_rank()}: a momentum is a DTensor of shape "
+                f"{tuple(m.shape)}; expected {(dist.get_world_size(self.group), *p.shape)}, row r being rank r's "
+                f"(as state_dict() gives it to torch.distributed.checkpoint), of which this rank holds its own"
+            )
+        return local[0]
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
@@ -239,6 +284,7 @@ class Attachment:
                 f"restart). For an exact resume save each rank's own: torch.save(opt.state_dict(), "
                 f"f'opt.rank{{dist.get_rank()}}.pt') on every rank, and load each rank's file"
             )
+        state_dict["state"] = self._own_rows(state_dict)  # (checked before anything is loaded)
         torch.optim.Optimizer.load_state_dict(self.opt, state_dict)
         # torch casts loaded state to each parameter's dtype: a float32
         # momentum of a bfloat16 parameter would come back rounded. Each
