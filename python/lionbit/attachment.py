@@ -216,24 +216,23 @@ class Attachment:
         (N, *shape) DTensor over the group instead, row r being rank r's, so
         that every rank's is saved and comes back to it."""
         marker = self.marker()
-        if marker is not None and marker["world_size"] > 1 and asked_by_torch_state_dicts() is not None:
-            # every momentum, zero where none yet: dcp.load fills the entries of the state dict it is given
-            for group in self.opt.param_groups:
-                for p in group["params"]:
-                    if p.requires_grad:
-                        self.opt.momentum_of(p)
-            sd = torch.optim.Optimizer.state_dict(self.opt)
+        rows = marker is not None and marker["world_size"] > 1 and asked_by_torch_state_dicts() is not None
+        if rows:  # every momentum, zero where none yet: dcp.load fills the entries of the state dict it is given
+            for p in (p for group in self.opt.param_groups for p in group["params"] if p.requires_grad):
+                self.opt.momentum_of(p)
+        sd = torch.optim.Optimizer.state_dict(self.opt)
+        if rows:  # (no marker: DCP would keep one rank's; the rows say whose each momentum is)
             sd["state"] = {k: {n: self._rows(v) if n == "exp_avg" else v for n, v in st.items()}
                            for k, st in sd["state"].items()}
-            return sd  # (no marker: DCP would keep one rank's; the rows say whose each momentum is)
-        sd = torch.optim.Optimizer.state_dict(self.opt)
-        if marker is not None:
+        elif marker is not None:
             sd["lionbit"] = marker
         return sd
 
     def _rows(self, m: torch.Tensor):
         """m as this rank's row of an (N, *shape) DTensor, placed Shard(0)
-        over a 1-D mesh of the group (sharing m's memory)."""
+        over a 1-D mesh of the group (sharing m's memory): the format of
+        FSDP2's state dicts on a 1-D mesh (lionbit.fsdp._rows), whose mesh
+        is the parameter's."""
         from torch.distributed.device_mesh import DeviceMesh  # optional: DTensor's cost only where DCP asks
         from torch.distributed.tensor import DTensor, Shard  # optional: as above
 

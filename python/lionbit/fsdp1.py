@@ -1041,13 +1041,15 @@ def local_state_dict(att) -> dict:
     FSDP instance (flat, full-size; hybrid: this rank's shard of its node's,
     the FlatParameter's local shard's size), keyed by the instance's module
     name, and the hyperparameters of every group."""
-    opt = att.opt
-    return {
-        "momentum": {u.name: u.momentum_tensor().clone() for u in att.units},
-        "param_groups": [{k: v for k, v in grp.items() if k != "params"} for grp in opt.param_groups],
-        "aggregation": opt.aggregation,
-        **_whose(att),
-    }
+    groups = [{k: v for k, v in grp.items() if k != "params"} for grp in att.opt.param_groups]
+    return {**_momenta(att, clone=True), "param_groups": groups}
+
+
+def _momenta(att, clone: bool) -> dict:
+    """Each FSDP instance's flat momentum by its module name, and whose they
+    are: what a per-rank file holds and :func:`_load_momenta` checks."""
+    return {"momentum": {u.name: u.momentum_tensor().clone() if clone else u.momentum_tensor() for u in att.units},
+            "aggregation": att.opt.aggregation, **_whose(att)}
 
 
 def state_dict(att) -> dict:
@@ -1059,8 +1061,7 @@ def state_dict(att) -> dict:
     _refuse_torch_optim_state(att)
     att.show_momenta()  # (parameters added to the optimizer since attach too)
     sd = torch.optim.Optimizer.state_dict(att.opt)  # "state": the views of show_momenta, as torch gives them
-    sd["lionbit"] = {"momentum": {u.name: u.momentum_tensor() for u in att.units},
-                     "aggregation": att.opt.aggregation, **_whose(att)}
+    sd["lionbit"] = _momenta(att, clone=False)
     return sd
 
 

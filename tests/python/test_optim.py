@@ -403,8 +403,6 @@ def dcp_resume(rank, n, ckpt_dir, how):
 
 
 def _hash_momenta(opt, model):
-    import hashlib
-
     h = hashlib.sha256()
     for p in model.parameters():
         if p in opt.state:
