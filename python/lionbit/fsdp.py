@@ -68,6 +68,13 @@ Resuming needs the same number of ranks. Under HSDP each state dict also
 carries the mesh's rank layout (:data:`MESH_SHAPE_KEY`) ahead of the momenta,
 so that ``dcp.load`` on another mesh fails on it first, naming both mesh
 shapes.
+
+Tensor parallelism beside a 1-D FSDP mesh (``fully_shard`` over the dp dim
+of a (dp, tp) mesh; lionbit.tensor_parallel): all of the above on each
+rank's tensor-parallel-local tensors, which are what FSDP shards and
+reduces; ``p.grad`` and the checkpoints' rows are placed over the
+tensor-parallel dim as the parameter, and the ranks of a tensor-parallel
+group (one worker) agree whether to step, as an HSDP node's do.
 """
 
 import copy
@@ -78,7 +85,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import fsdp_plan, lion_math, step_vote, torch_internals, user_warning
+from . import fsdp_plan, lion_math, step_vote, tensor_parallel, torch_internals, user_warning
 from ._backend import backend_for
 from .attachment import Attachment
 from .voter import end_to_end, runs
@@ -215,10 +222,14 @@ class FSDP2Attachment(Attachment):
         self.dp = mesh  # how the ranks shard and vote (_Mesh)
         # HSDP: the replicate group, over which the replicas vote; None on a 1-D mesh.
         self.replicas = mesh.replicas
-        super().__init__(opt, opt.group if opt.group is not None and mesh.replicas is None else mesh.vote_group)
+        own = mesh.replicas is None and mesh.tp is None  # a 1-D mesh: the optimizer's group, if it names one
+        super().__init__(opt, opt.group if opt.group is not None and own else mesh.vote_group)
         self.model = model
-        self.mesh = next(iter(self.managed)).device_mesh
+        self.mesh = mesh.device_mesh  # FSDP's
         self.mesh_size = self.mesh.size()  # (DeviceMesh.size() is not a stored number)
+        # a tensor-parallel parameter -> how its local gradient is placed (Replicate() over FSDP's dim)
+        self.tp = {p: tensor_parallel.grad_placements(p) for p in self.managed if mesh.tp is not None
+                   and p.device_mesh.ndim == 2}
         # sharded parameter -> its local gradient, from the reduce-scatter
         # until FSDP's grad hook puts it into p.grad
         self.captured: Dict[torch.Tensor, torch.Tensor] = {}
@@ -265,8 +276,14 @@ class FSDP2Attachment(Attachment):
     def grad_hook(self, p: torch.Tensor) -> None:
         """FSDP assigned p's sharded gradient (zeros): put the local one in its place."""
         full = self.captured.pop(p, None)
-        if full is not None:
+        if full is None:
+            return
+        placements = self.tp.get(p)
+        if placements is None:
             p.grad = DTensor.from_local(full, p.device_mesh, [Replicate()], run_check=False)
+        else:  # its tensor-parallel part of this rank's gradient, the global shape the parameter's
+            p.grad = DTensor.from_local(full, p.device_mesh, placements, run_check=False, shape=p.shape,
+                                        stride=p.stride())
 
     def step(self, grad_scaler=None, abstain: bool = False) -> bool:
         return fsdp_step(self, grad_scaler)
@@ -289,8 +306,9 @@ class FSDP2Attachment(Attachment):
 
     def momentum(self, p: torch.Tensor) -> torch.Tensor:
         """p's momentum: full-size on a 1-D mesh (it follows this rank's local
-        gradient); on HSDP this rank's shard of its node's momentum (the
-        shape of p's local shard)."""
+        gradient; with tensor parallelism, its tensor-parallel part); on HSDP
+        this rank's shard of its node's momentum (the shape of p's local
+        shard)."""
         if self.replicas is not None:
             return self.opt.momentum_of(p, p.to_local().shape)
         return self.opt.momentum_of(p, torch_internals.fsdp2_orig_size(self.managed[p]))
@@ -329,20 +347,32 @@ class _Mesh:
     Either way the unit's layout is FSDP's chunk layout over the L (= N)
     ranks of the shard group, Delta is this rank's chunk, and the apply is
     the same. In a checkpoint the momentum has one row per worker
-    (``rows``; this rank's worker is ``row``)."""
+    (``rows``; this rank's worker is ``row``).
 
-    def __init__(self, device_mesh, replicate_dim: Optional[int]):
-        self.device_mesh = device_mesh
+    Tensor parallelism beside a 1-D FSDP mesh (``tp``: the group of the
+    tensor-parallel dim; a (dp, tp) mesh of N x P ranks): the 1-D case,
+    on the tensor-parallel-local tensors. A worker is the P ranks of one dp
+    index: each rank holds the part of the worker's gradient and momentum
+    that its tensor-parallel rank computes, and the N ranks of one
+    tensor-parallel index (the FSDP group) vote on that part. The ranks of
+    a worker step or skip together (``agree``)."""
+
+    def __init__(self, device_mesh, replicate_dim: Optional[int], tp=None):
+        self.device_mesh = device_mesh  # FSDP's mesh
         self.replicas = None if replicate_dim is None else device_mesh.get_group(replicate_dim)
         shard_dim = 0 if replicate_dim is None else 1 - replicate_dim
         self.shard_group = device_mesh.get_group(shard_dim)
+        self.tp = tp
         self.vote_group = self.shard_group if self.replicas is None else self.replicas
+        # the ranks of one worker, which agree whether to step: HSDP's node, a tensor-parallel group
+        self.agree = self.shard_group if self.replicas is not None else tp
         self.shards, self.shard = self.shard_group.size(), self.shard_group.rank()
         workers = self.shard_group if self.replicas is None else self.replicas
         self.rows, self.row = workers.size(), workers.rank()
 
     def describe(self) -> str:
-        return describe_mesh(self.device_mesh)
+        own = describe_mesh(self.device_mesh)
+        return own if self.tp is None else f"{own} x {self.tp.size()} (tensor parallel)"
 
 
 def describe_mesh(mesh) -> str:
@@ -353,33 +383,41 @@ def describe_mesh(mesh) -> str:
     return f"{shape} (1-D)" if mesh.ndim == 1 else f"{shape} (unnamed dims)"
 
 
-def _mesh_kind(fp, p, name: str) -> Optional[int]:
-    """The replicate dim of p's mesh: None on a 1-D FSDP mesh, 0 on HSDP;
-    a clear error naming what works for any other mesh."""
+def _mesh_kind(fp, p, name: str):
+    """(the replicate dim of p's FSDP mesh: None on a 1-D FSDP mesh, 0 on
+    HSDP; the group of p's tensor-parallel dim, None without one), or a
+    clear error naming what works for any other mesh."""
     mesh, kind = p.device_mesh, type(fp.mesh_info).__name__
-    works = "supported: a 1-D FSDP mesh, or HSDP (fully_shard over a 2-D mesh (replicate, shard))"
-    if kind == "FSDPMeshInfo" and mesh.ndim == 1:
-        if tuple(p.placements) != (Shard(0),):
-            raise NotImplementedError(
-                f"{_WHERE}: parameter '{name}' is sharded as {tuple(p.placements)}; only Shard(0) "
-                f"(no shard_placement_fn) is supported"
-            )
-        return None
-    if kind == "HSDPMeshInfo" and mesh.ndim == 2:
+    works = ("supported: a 1-D FSDP mesh, with or without tensor parallelism beside it (fully_shard over the dp "
+             "dim of a (dp, tp) mesh), or HSDP (fully_shard over a 2-D mesh (replicate, shard))")
+    spmd = getattr(fp.mesh_info, "is_spmd_mesh", False)  # fully_shard(dp_mesh_dims=...) (newer torch)
+    if kind == "FSDPMeshInfo" and fp.mesh_info.mesh.ndim == 1 and not spmd:
+        if mesh.ndim == 1:
+            if tuple(p.placements) != (Shard(0),):
+                raise NotImplementedError(
+                    f"{_WHERE}: parameter '{name}' is sharded as {tuple(p.placements)}; only Shard(0) "
+                    f"(no shard_placement_fn) is supported"
+                )
+            return None, None
+        if mesh.ndim == 2:
+            tensor_parallel.check_placements(p, name, _WHERE)
+            return None, mesh.get_group(1)
+    if kind == "HSDPMeshInfo" and mesh.ndim == 2 and not spmd:
         if tuple(p.placements) != (Replicate(), Shard(0)):
             raise NotImplementedError(
                 f"{_WHERE}: parameter '{name}' is placed {tuple(p.placements)} on the HSDP mesh "
                 f"{describe_mesh(mesh)}; only (Replicate(), Shard(0)) (no shard_placement_fn) is supported"
             )
-        return 0
+        return 0, None
     if kind == "DDPMeshInfo":
         raise NotImplementedError(
             f"{_WHERE}: parameter '{name}' is replicated by FSDP2's replicate() over {describe_mesh(mesh)}, which "
             f"is not supported; {works}, or DistributedDataParallel"
         )
+    what = "HSDP with tensor parallelism" if kind == "HSDPMeshInfo" else "FSDP with another layout"
     raise NotImplementedError(
-        f"{_WHERE}: parameter '{name}' lives on the {mesh.ndim}-D mesh {describe_mesh(mesh)} ({kind}: FSDP with "
-        f"tensor parallelism or another layout), which is not supported; {works}"
+        f"{_WHERE}: parameter '{name}' lives on the {mesh.ndim}-D mesh {describe_mesh(mesh)} ({kind}"
+        f"{', dp_mesh_dims' if spmd else ''}: {what}), which is not supported; {works}"
     )
 
 
@@ -392,7 +430,8 @@ def _managed(opt, model):
     managed = {}
     installs = []
     groups = set()
-    kinds = {}  # (replicate dim, mesh) -> a parameter's name
+    kinds = {}  # (replicate dim, FSDP mesh) -> a parameter's name
+    tps = {}  # tensor-parallel group -> a parameter's name
     for module in modules:
         pgs = torch_internals.fsdp2_param_groups(module, _WHERE)
         if not pgs:
@@ -417,7 +456,10 @@ def _managed(opt, model):
                 name = fqns.get(p, "<unnamed>")
                 if not isinstance(p, DTensor):
                     raise ValueError(f"{_WHERE}: parameter '{name}' is not a DTensor (unexpected FSDP state)")
-                kinds.setdefault((_mesh_kind(fp, p, name), p.device_mesh), name)
+                replicate_dim, tp = _mesh_kind(fp, p, name)
+                kinds.setdefault((replicate_dim, fp.mesh_info.mesh), name)
+                if tp is not None:
+                    tps.setdefault(tp, name)
                 if fp.offload_to_cpu:
                     raise NotImplementedError(f"{_WHERE}: CPUOffloadPolicy is not supported (parameter '{name}')")
                 opt.check_param(p, "attach (FSDP2)")  # CPU, or CUDA where this build has the CUDA path
@@ -451,8 +493,14 @@ def _managed(opt, model):
             f"{_WHERE}: parameters '{kinds[(a, ma)]}' and '{kinds[(b, mb)]}' are sharded over different meshes "
             f"({describe_mesh(ma)} and {describe_mesh(mb)}); one optimizer votes over one mesh"
         )
+    if len(tps) > 1:
+        a, b = list(tps.values())[:2]
+        raise NotImplementedError(
+            f"{_WHERE}: parameters '{a}' and '{b}' are split over different tensor-parallel groups; one optimizer "
+            f"votes over one mesh"
+        )
     (replicate_dim, device_mesh), = kinds
-    mesh = _Mesh(device_mesh, replicate_dim)
+    mesh = _Mesh(device_mesh, replicate_dim, next(iter(tps), None))
     first = next(iter(managed))
     # the vote's group must be lionbit's (a clear error otherwise); HSDP: the replicate group
     backend_for(mesh.vote_group, first.device, "attach (FSDP2)")
@@ -462,11 +510,23 @@ def _managed(opt, model):
             f"{mesh.describe()}): its L1 scale is per tensor, and a rank holds only its shard of the node's; "
             f"use 'vote' or 'avg'"
         )
+    if mesh.tp is not None and opt.aggregation == "l1":
+        raise NotImplementedError(
+            f"{_WHERE}: argument 'aggregation'='l1' is not supported with tensor parallelism (rank "
+            f"{dist.get_rank()}, mesh {mesh.describe()}): its L1 scale is per tensor, and a rank holds only its "
+            f"tensor-parallel part of the gradient; use 'vote' or 'avg'"
+        )
     if mesh.replicas is not None and getattr(opt.voter, "hierarchy", "flat") != "flat":
         raise ValueError(
             f"{_WHERE}: argument 'hierarchy'={opt.voter.hierarchy!r} does not apply to HSDP (rank "
             f"{dist.get_rank()}, mesh {mesh.describe()}): the replicas already vote over the replicate group, one "
             f"rank a node; use hierarchy='flat'"
+        )
+    if mesh.tp is not None and getattr(opt.voter, "hierarchy", "flat") != "flat":
+        raise ValueError(
+            f"{_WHERE}: argument 'hierarchy'={opt.voter.hierarchy!r} is not supported with tensor parallelism "
+            f"(rank {dist.get_rank()}, mesh {mesh.describe()}): the vote runs over the dp group of each "
+            f"tensor-parallel rank; use hierarchy='flat'"
         )
     return managed, fqns, installs, mesh
 
@@ -509,7 +569,7 @@ def fsdp_capture(att, layout, inp, out, group, where) -> None:
     for fp, off, rows, row in pieces:
         p = fp.sharded_param
         old = p.grad
-        if isinstance(old, DTensor) and _replicated(old):
+        if isinstance(old, DTensor) and _is_local_grad(att, p, old):
             # This rank's local gradient from an earlier backward (no
             # zero_grad since): FSDP would add its sharded gradient into it.
             old = old.to_local()
@@ -536,6 +596,14 @@ def _replicated(t) -> bool:
     to another placement type (3 us through pybind11, against 0.1 for an isinstance)."""
     placements = t.placements
     return len(placements) == 1 and isinstance(placements[0], Replicate)
+
+
+def _is_local_grad(att, p, g) -> bool:
+    """Whether DTensor g is placed as the grad hook places p's local
+    gradient: Replicate() (and with tensor parallelism, as p over the
+    tensor-parallel dim)."""
+    placements = att.tp.get(p)
+    return _replicated(g) if placements is None else tuple(g.placements) == placements
 
 
 def _mesh_size(att, mesh) -> int:
@@ -580,9 +648,9 @@ def _local_grad(att, p: torch.Tensor) -> Optional[torch.Tensor]:
             local = g.to_local()
             if local.shape == p.to_local().shape:
                 return local
-    elif isinstance(g, DTensor) and (_replicated(g) or _mesh_size(att, g.device_mesh) == 1):
+    elif isinstance(g, DTensor) and (_is_local_grad(att, p, g) or _alone(att, p, g)):
         local = g.to_local()
-        if tuple(local.shape) == tuple(p.shape):
+        if tuple(local.shape) == tuple(torch_internals.fsdp2_orig_size(att.managed[p])):
             return local
     what = (
         f"a DTensor placed {tuple(g.placements)} with local shape {tuple(g.to_local().shape)}"
@@ -595,12 +663,24 @@ def _local_grad(att, p: torch.Tensor) -> Optional[torch.Tensor]:
             f"parameter {tuple(p.placements)} with local shape {tuple(p.to_local().shape)}. Change it in place "
             f"(clipping, unscaling) or with DTensor ops, or set it to None, but do not replace it"
         )
+    expected = (
+        f"a DTensor of the parameter's shape {tuple(p.shape)} placed Replicate()" if p not in att.tp else
+        f"a DTensor of the parameter's shape {tuple(p.shape)} placed {att.tp[p]}, its tensor-parallel part, of "
+        f"local shape {tuple(torch_internals.fsdp2_orig_size(att.managed[p]))}"
+    )
     raise RuntimeError(
         f"DistributedLion.step (FSDP2) on rank {att.mesh.get_local_rank()}: p.grad of '{att.fqns.get(p, '?')}' is "
-        f"{what}; after backward it is this rank's local gradient, a DTensor of the parameter's shape "
-        f"{tuple(p.shape)} placed Replicate(). Change it in place (clipping, unscaling) or with DTensor ops, "
-        f"or set it to None, but do not replace it by a sharded gradient"
+        f"{what}; after backward it is this rank's local gradient, {expected}. Change it in place (clipping, "
+        f"unscaling) or with DTensor ops, or set it to None, but do not replace it by a sharded gradient"
     )
+
+
+def _alone(att, p, g) -> bool:
+    """Whether g is FSDP's own gradient of p on a mesh of one FSDP rank
+    (which calls no reduce-scatter): placed as p, the whole local gradient."""
+    if p not in att.tp:
+        return _mesh_size(att, g.device_mesh) == 1
+    return att.mesh_size == 1 and tuple(g.placements) == tuple(p.placements)
 
 
 class _UnitVote(NamedTuple):
@@ -628,31 +708,32 @@ def fsdp_vote(att, settle: bool = False):
     which plans the next. On a 1-D mesh the momenta are updated here, once
     every rank has agreed to every call (their header rounds), while the
     shards still move; returns the function that applies Delta to the local
-    shards (on HSDP, called once the node's ranks agreed: it updates the
-    momenta first, while the bits still move, then waits for them;
-    ``settle``: the bits are in before this returns). Raises
-    step_vote.NonFinite (on every rank alike), changing nothing."""
+    shards (on HSDP, and with tensor parallelism, called once the ranks of
+    a worker agreed: it updates the momenta first, while the bits still
+    move, then waits for them; ``settle``: the bits are in before this
+    returns). Raises step_vote.NonFinite (on every rank alike), changing
+    nothing."""
     att.stepped = True
-    hsdp = att.replicas is not None
+    defer = att.dp.agree is not None  # the worker's ranks agree after this returns
     started = att.plan.start(att)
     planned = started is not None
     agreed, works, update_momenta, apply_deltas = started if planned else _start_votes(att)
     # Every call is issued before any is waited for. On a 1-D mesh the
     # momenta (full-size: this rank's local gradients) are updated once every
-    # rank has agreed to every call, while the shards still move. HSDP's
-    # ranks of a node agree once every call of theirs is agreed to
-    # (node_agreed, after this returns), and no state changes before that:
-    # the momenta then change while the bits still move.
+    # rank has agreed to every call, while the shards still move. The ranks
+    # of an HSDP node, or of a tensor-parallel group, agree once every call
+    # of theirs is agreed to (node_agreed, after this returns), and no state
+    # changes before that: the momenta then change while the bits still move.
     step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
     att.plan.replayed += planned
     if settle:
         step_vote.wait_votes(works)
-    if not hsdp:
+    if not defer:
         update_momenta()
         step_vote.wait_votes(works)
 
     def apply() -> None:
-        if hsdp:
+        if defer:
             update_momenta()
             step_vote.wait_votes(works)
         apply_deltas()
@@ -741,18 +822,21 @@ def fsdp_step(att, grad_scaler=None) -> bool:
     if not att.opt.state and (att.stepped or not att.order):
         init_momentum(att)  # torch's _init_optim_state: step() with zero gradients on a fresh optimizer
         return False
-    if att.replicas is None:
+    if att.dp.agree is None:
         return step_vote.voted_step(att.opt, grad_scaler, lambda: fsdp_vote(att), att.group)
-    # HSDP: errors name global ranks (the default group's)
+    # HSDP, tensor parallelism: errors name global ranks (the default group's)
     return step_vote.voted_step(att.opt, grad_scaler, lambda: _node_agreed_vote(att), None)
 
 
 def _node_agreed_vote(att):
-    """HSDP: :func:`fsdp_vote`, then the ranks of each node agree whether to
-    step (lionbit.step_vote.node_agreed)."""
+    """HSDP and tensor parallelism: :func:`fsdp_vote`, then the ranks of each
+    worker (an HSDP node, a tensor-parallel group) agree whether to step
+    (lionbit.step_vote.node_agreed)."""
     device = next(iter(att.managed)).device
-    return step_vote.node_agreed(lambda settle: fsdp_vote(att, settle), att.replicas, att.dp.shard_group, device,
-                                 "FSDP2, HSDP")
+    what, peers = ("FSDP2, HSDP", "this node") if att.replicas is not None else (
+        "FSDP2, tensor parallel", "this tensor-parallel group")
+    return step_vote.node_agreed(lambda settle: fsdp_vote(att, settle), att.dp.vote_group, att.dp.agree, device,
+                                 what, peers)
 
 
 # -- checkpoints --------------------------------------------------------------
@@ -776,16 +860,26 @@ def _rows(att, p: torch.Tensor, m: torch.Tensor):
     over (replicate, shard): the rows over the replicas, each row's dim 1
     sharded as FSDP shards the parameter's dim 0 (torch.chunk's split, which
     DTensor's Shard shares)."""
+    if p in att.tp:  # tensor parallel: row r is rank r's part, placed over the tensor-parallel dim as p
+        shape = (att.dp.rows, *p.shape)
+        return DTensor.from_local(m.unsqueeze(0), p.device_mesh, tensor_parallel.rows_placements(p),
+                                  run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape))
     if att.replicas is None:
         return DTensor.from_local(m.unsqueeze(0), p.device_mesh, [Shard(0)], run_check=False)
     shape = (att.dp.rows, *torch_internals.fsdp2_orig_size(att.managed[p]))
-    stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(m.unsqueeze(0), p.device_mesh, [Shard(0), Shard(1)], run_check=False,
-                              shape=torch.Size(shape), stride=stride)
+                              shape=torch.Size(shape), stride=_contiguous_stride(shape))
+
+
+def _contiguous_stride(shape) -> tuple:
+    return torch.empty(shape, device="meta").stride()
 
 
 def _own_part(att, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """HSDP: this rank's rows of a full tensor of p's shape (FSDP's chunk)."""
+    """This rank's part of a full tensor of p's shape: with tensor
+    parallelism its tensor-parallel part; HSDP: its rows (FSDP's chunk)."""
+    if p in att.tp:
+        return tensor_parallel.part(p, t)
     if att.replicas is None:
         return t
     rows = -(-t.shape[0] // att.dp.shards)
@@ -800,10 +894,13 @@ def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optiona
     shape (what torch's default state_dict held before): taken as it is
     (HSDP: this rank's chunk), its name added to ``unsure`` (see
     :func:`_warn_unsure`)."""
-    shape = tuple(torch_internals.fsdp2_orig_size(att.managed[p]))
+    shape = tuple(p.shape if p in att.tp else torch_internals.fsdp2_orig_size(att.managed[p]))
     n, row = att.dp.rows, att.dp.row
     mine = tuple(att.momentum(p).shape)  # the parameter's shape (1-D), its local shard's (HSDP)
-    placed = (Shard(0),) if att.replicas is None else (Shard(0), Shard(1))
+    if p in att.tp:  # its tensor-parallel part's
+        placed = tensor_parallel.rows_placements(p)
+    else:
+        placed = (Shard(0),) if att.replicas is None else (Shard(0), Shard(1))
     rows = (n, *shape)
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{where}: momentum of '{name}' is a {type(value).__name__}, not a tensor")

@@ -426,12 +426,16 @@ def flags_on_cpu(group) -> bool:
     return True
 
 
-def node_agreed(vote: Callable[[bool], Callable[[], None]], replicas, shard_group, device, what: str):
+def node_agreed(vote: Callable[[bool], Callable[[], None]], replicas, shard_group, device, what: str,
+                peers: str = "this node"):
     """Hybrid sharding (FSDP2 HSDP, FSDP1 HYBRID_SHARD): ``vote(settle)``
     (the replicas' votes of this rank's shards, returning once every rank
     agreed to them: their header rounds; with ``settle``, once their bits
     are in too), then the ranks of each node agree whether to step, while
-    the votes' bits still move. A vote's header round
+    the votes' bits still move (``peers``: the ranks of ``shard_group`` as
+    errors name them; FSDP2 with tensor parallelism passes the
+    tensor-parallel group, whose ranks hold parts of one worker's gradient
+    alike). A vote's header round
     tells only the replicas of one shard that a direction was non-finite;
     the ranks of a node hold different shards of one worker, which must step
     or skip together (a GradScaler skip, or the error, on every rank). One
@@ -458,7 +462,7 @@ def node_agreed(vote: Callable[[bool], Callable[[], None]], replicas, shard_grou
         raise failure
     if agreed[world]:
         raise RuntimeError(
-            f"DistributedLion.step ({what}) on rank {dist.get_rank()}: another rank of this node failed its "
+            f"DistributedLion.step ({what}) on rank {dist.get_rank()}: another rank of {peers} failed its "
             f"vote (its own error says why); no parameter or momentum changed on this rank"
         )
     ranks = [r for r in range(world) if agreed[r]]
