@@ -9,7 +9,8 @@ for several nodes where each node is one rank: HSDP over 2 x 1 ranks (FSDP2's
 HYBRID_SHARD), and DDP with hierarchy="node" on two torchrun "nodes" (exact:
 the flat vote's result). At N = 4, HSDP over 2
 nodes x 2 ranks sends the 1-bit figure of a rank's shard between nodes and
-keeps half a momentum a rank."""
+keeps half a momentum a rank; so does the tensor-parallel script at dp 2 x tp
+2 (each rank its tensor-parallel part)."""
 
 import os
 import re
@@ -141,6 +142,18 @@ def test_the_hsdp_example_on_two_nodes_of_two():
     assert "(2 replicas (nodes) x 2 shards)" in out, out
     assert 1.0 <= _times_one_bit(out) <= 1.05, out  # of the vote between nodes: 2(M-1)/M (d/L)/8
     assert "(its shard of the node's, 2.0 B/param)" in out, out  # 1/2 of a 4-byte momentum
+    assert _accuracy(out) > 20.0, out
+
+
+def test_the_fsdp_tp_example():
+    """dp 2 x tp 2: the dp ranks vote with 1 bit on each rank's tensor-parallel part,
+    and a rank keeps about half a momentum (the blocks' linears are split; the
+    embedding, norms and head are not)."""
+    out = _torchrun("fsdp_tp_train.py", "--epochs", "1", ranks=4)
+    assert "4 ranks as dp 2 x tp 2" in out, out
+    assert 1.0 <= _times_one_bit(out) <= 1.05, out
+    per_param = float(re.search(r"bytes \(([0-9.]+) B/param: its tensor-parallel part", out).group(1))
+    assert 2.0 <= per_param <= 2.5, out
     assert _accuracy(out) > 20.0, out
 
 
