@@ -70,11 +70,13 @@ so that ``dcp.load`` on another mesh fails on it first, naming both mesh
 shapes.
 
 Tensor parallelism beside a 1-D FSDP mesh (``fully_shard`` over the dp dim
-of a (dp, tp) mesh; lionbit.tensor_parallel): all of the above on each
-rank's tensor-parallel-local tensors, which are what FSDP shards and
-reduces; ``p.grad`` and the checkpoints' rows are placed over the
-tensor-parallel dim as the parameter, and the ranks of a tensor-parallel
-group (one worker) agree whether to step, as an HSDP node's do.
+of a (dp, tp) mesh) or HSDP (over the (replicate, shard) dims of a
+(replicate, shard, tp) mesh; lionbit.tensor_parallel): all of the above on
+each rank's tensor-parallel-local tensors, which are what FSDP shards and
+reduces; ``p.grad`` (1-D) and the checkpoints' rows are placed over the
+tensor-parallel dim as the parameter, and the ranks that hold parts of one
+worker (a tensor-parallel group; under HSDP the node's shard and
+tensor-parallel ranks) agree whether to step.
 """
 
 import copy
@@ -227,9 +229,10 @@ class FSDP2Attachment(Attachment):
         self.model = model
         self.mesh = mesh.device_mesh  # FSDP's
         self.mesh_size = self.mesh.size()  # (DeviceMesh.size() is not a stored number)
-        # a tensor-parallel parameter -> how its local gradient is placed (Replicate() over FSDP's dim)
-        self.tp = {p: tensor_parallel.grad_placements(p) for p in self.managed if mesh.tp is not None
-                   and p.device_mesh.ndim == 2}
+        # the parameters tensor parallelism splits (their mesh has a dim beside FSDP's)
+        self.split = {p for p in self.managed if p.device_mesh.ndim > self.mesh.ndim}
+        # 1-D: a split parameter -> how its local gradient is placed (Replicate() over FSDP's dim)
+        self.tp = {p: tensor_parallel.grad_placements(p) for p in self.split if mesh.replicas is None}
         # sharded parameter -> its local gradient, from the reduce-scatter
         # until FSDP's grad hook puts it into p.grad
         self.captured: Dict[torch.Tensor, torch.Tensor] = {}
@@ -349,13 +352,15 @@ class _Mesh:
     the same. In a checkpoint the momentum has one row per worker
     (``rows``; this rank's worker is ``row``).
 
-    Tensor parallelism beside a 1-D FSDP mesh (``tp``: the group of the
-    tensor-parallel dim; a (dp, tp) mesh of N x P ranks): the 1-D case,
-    on the tensor-parallel-local tensors. A worker is the P ranks of one dp
-    index: each rank holds the part of the worker's gradient and momentum
-    that its tensor-parallel rank computes, and the N ranks of one
-    tensor-parallel index (the FSDP group) vote on that part. The ranks of
-    a worker step or skip together (``agree``)."""
+    Tensor parallelism beside either (``tp``: the group of the
+    tensor-parallel dim, the mesh's last; a (dp, tp) mesh of N x P ranks, or
+    (replicate, shard, tp) of M x L x P): the same on the
+    tensor-parallel-local tensors. A worker is the P ranks of one dp index
+    (under HSDP the L x P ranks of a node): each rank holds the part of the
+    worker's gradient and momentum that its tensor-parallel rank computes
+    (its shard of it), and the ranks of one tensor-parallel index vote on
+    that part. The ranks of a worker step or skip together: ``agree``, the
+    groups they agree over in turn."""
 
     def __init__(self, device_mesh, replicate_dim: Optional[int], tp=None):
         self.device_mesh = device_mesh  # FSDP's mesh
@@ -364,8 +369,10 @@ class _Mesh:
         self.shard_group = device_mesh.get_group(shard_dim)
         self.tp = tp
         self.vote_group = self.shard_group if self.replicas is None else self.replicas
-        # the ranks of one worker, which agree whether to step: HSDP's node, a tensor-parallel group
-        self.agree = self.shard_group if self.replicas is not None else tp
+        # the groups whose ranks hold parts of one worker, and agree whether to step (in turn: HSDP's
+        # node is its shard groups' ranks, with tensor parallelism each shard's tensor-parallel ranks)
+        self.agree = tuple(g for g in ((self.shard_group if self.replicas is not None else None), tp)
+                           if g is not None)
         self.shards, self.shard = self.shard_group.size(), self.shard_group.rank()
         workers = self.shard_group if self.replicas is None else self.replicas
         self.rows, self.row = workers.size(), workers.rank()
@@ -388,8 +395,9 @@ def _mesh_kind(fp, p, name: str):
     HSDP; the group of p's tensor-parallel dim, None without one), or a
     clear error naming what works for any other mesh."""
     mesh, kind = p.device_mesh, type(fp.mesh_info).__name__
-    works = ("supported: a 1-D FSDP mesh, with or without tensor parallelism beside it (fully_shard over the dp "
-             "dim of a (dp, tp) mesh), or HSDP (fully_shard over a 2-D mesh (replicate, shard))")
+    works = ("supported: a 1-D FSDP mesh or HSDP (fully_shard over a 2-D mesh (replicate, shard)), each with or "
+             "without tensor parallelism beside it (fully_shard over mesh['dp'] or mesh['replicate', 'shard'] of a "
+             "mesh whose last dim is tp)")
     spmd = getattr(fp.mesh_info, "is_spmd_mesh", False)  # fully_shard(dp_mesh_dims=...) (newer torch)
     if kind == "FSDPMeshInfo" and fp.mesh_info.mesh.ndim == 1 and not spmd:
         if mesh.ndim == 1:
@@ -402,6 +410,9 @@ def _mesh_kind(fp, p, name: str):
         if mesh.ndim == 2:
             tensor_parallel.check_placements(p, name, _WHERE)
             return None, mesh.get_group(1)
+    if kind == "HSDPMeshInfo" and fp.mesh_info.mesh.ndim == 2 and mesh.ndim == 3 and not spmd:
+        tensor_parallel.check_placements(p, name, _WHERE, hsdp=True)
+        return 0, mesh.get_group(2)
     if kind == "HSDPMeshInfo" and mesh.ndim == 2 and not spmd:
         if tuple(p.placements) != (Replicate(), Shard(0)):
             raise NotImplementedError(
@@ -414,10 +425,9 @@ def _mesh_kind(fp, p, name: str):
             f"{_WHERE}: parameter '{name}' is replicated by FSDP2's replicate() over {describe_mesh(mesh)}, which "
             f"is not supported; {works}, or DistributedDataParallel"
         )
-    what = "HSDP with tensor parallelism" if kind == "HSDPMeshInfo" else "FSDP with another layout"
     raise NotImplementedError(
         f"{_WHERE}: parameter '{name}' lives on the {mesh.ndim}-D mesh {describe_mesh(mesh)} ({kind}"
-        f"{', dp_mesh_dims' if spmd else ''}: {what}), which is not supported; {works}"
+        f"{', dp_mesh_dims' if spmd else ''}: FSDP with another layout), which is not supported; {works}"
     )
 
 
@@ -510,7 +520,7 @@ def _managed(opt, model):
             f"{mesh.describe()}): its L1 scale is per tensor, and a rank holds only its shard of the node's; "
             f"use 'vote' or 'avg'"
         )
-    if mesh.tp is not None and opt.aggregation == "l1":
+    if mesh.tp is not None and mesh.replicas is None and opt.aggregation == "l1":
         raise NotImplementedError(
             f"{_WHERE}: argument 'aggregation'='l1' is not supported with tensor parallelism (rank "
             f"{dist.get_rank()}, mesh {mesh.describe()}): its L1 scale is per tensor, and a rank holds only its "
@@ -522,7 +532,7 @@ def _managed(opt, model):
             f"{dist.get_rank()}, mesh {mesh.describe()}): the replicas already vote over the replicate group, one "
             f"rank a node; use hierarchy='flat'"
         )
-    if mesh.tp is not None and getattr(opt.voter, "hierarchy", "flat") != "flat":
+    if mesh.tp is not None and mesh.replicas is None and getattr(opt.voter, "hierarchy", "flat") != "flat":
         raise ValueError(
             f"{_WHERE}: argument 'hierarchy'={opt.voter.hierarchy!r} is not supported with tensor parallelism "
             f"(rank {dist.get_rank()}, mesh {mesh.describe()}): the vote runs over the dp group of each "
@@ -714,7 +724,7 @@ def fsdp_vote(att, settle: bool = False):
     returns). Raises step_vote.NonFinite (on every rank alike), changing
     nothing."""
     att.stepped = True
-    defer = att.dp.agree is not None  # the worker's ranks agree after this returns
+    defer = bool(att.dp.agree)  # the worker's ranks agree after this returns
     started = att.plan.start(att)
     planned = started is not None
     agreed, works, update_momenta, apply_deltas = started if planned else _start_votes(att)
@@ -822,7 +832,7 @@ def fsdp_step(att, grad_scaler=None) -> bool:
     if not att.opt.state and (att.stepped or not att.order):
         init_momentum(att)  # torch's _init_optim_state: step() with zero gradients on a fresh optimizer
         return False
-    if att.dp.agree is None:
+    if not att.dp.agree:
         return step_vote.voted_step(att.opt, grad_scaler, lambda: fsdp_vote(att), att.group)
     # HSDP, tensor parallelism: errors name global ranks (the default group's)
     return step_vote.voted_step(att.opt, grad_scaler, lambda: _node_agreed_vote(att), None)
@@ -835,6 +845,8 @@ def _node_agreed_vote(att):
     device = next(iter(att.managed)).device
     what, peers = ("FSDP2, HSDP", "this node") if att.replicas is not None else (
         "FSDP2, tensor parallel", "this tensor-parallel group")
+    if att.replicas is not None and att.dp.tp is not None:
+        what = "FSDP2, HSDP, tensor parallel"
     return step_vote.node_agreed(lambda settle: fsdp_vote(att, settle), att.dp.vote_group, att.dp.agree, device,
                                  what, peers)
 
@@ -859,27 +871,21 @@ def _rows(att, p: torch.Tensor, m: torch.Tensor):
     over the FSDP mesh. HSDP: row r is node r's, placed (Shard(0), Shard(1))
     over (replicate, shard): the rows over the replicas, each row's dim 1
     sharded as FSDP shards the parameter's dim 0 (torch.chunk's split, which
-    DTensor's Shard shares)."""
-    if p in att.tp:  # tensor parallel: row r is rank r's part, placed over the tensor-parallel dim as p
-        shape = (att.dp.rows, *p.shape)
-        return DTensor.from_local(m.unsqueeze(0), p.device_mesh, tensor_parallel.rows_placements(p),
-                                  run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape))
-    if att.replicas is None:
+    DTensor's Shard shares). With tensor parallelism each row is placed over
+    the tensor-parallel dim as p (lionbit.tensor_parallel.rows_placements)."""
+    if att.replicas is None and p not in att.split:
         return DTensor.from_local(m.unsqueeze(0), p.device_mesh, [Shard(0)], run_check=False)
-    shape = (att.dp.rows, *torch_internals.fsdp2_orig_size(att.managed[p]))
-    return DTensor.from_local(m.unsqueeze(0), p.device_mesh, [Shard(0), Shard(1)], run_check=False,
-                              shape=torch.Size(shape), stride=_contiguous_stride(shape))
-
-
-def _contiguous_stride(shape) -> tuple:
-    return torch.empty(shape, device="meta").stride()
+    shape = (att.dp.rows, *p.shape)
+    return DTensor.from_local(m.unsqueeze(0), p.device_mesh, tensor_parallel.rows_placements(p), run_check=False,
+                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
 
 def _own_part(att, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a full tensor of p's shape: with tensor
-    parallelism its tensor-parallel part; HSDP: its rows (FSDP's chunk)."""
-    if p in att.tp:
-        return tensor_parallel.part(p, t)
+    parallelism its tensor-parallel part; under HSDP then its rows of that
+    (FSDP's chunk)."""
+    if p in att.split:
+        t = tensor_parallel.part(p, t)
     if att.replicas is None:
         return t
     rows = -(-t.shape[0] // att.dp.shards)
@@ -894,13 +900,10 @@ def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optiona
     shape (what torch's default state_dict held before): taken as it is
     (HSDP: this rank's chunk), its name added to ``unsure`` (see
     :func:`_warn_unsure`)."""
-    shape = tuple(p.shape if p in att.tp else torch_internals.fsdp2_orig_size(att.managed[p]))
+    shape = tuple(p.shape)
     n, row = att.dp.rows, att.dp.row
-    mine = tuple(att.momentum(p).shape)  # the parameter's shape (1-D), its local shard's (HSDP)
-    if p in att.tp:  # its tensor-parallel part's
-        placed = tensor_parallel.rows_placements(p)
-    else:
-        placed = (Shard(0),) if att.replicas is None else (Shard(0), Shard(1))
+    mine = tuple(att.momentum(p).shape)  # the parameter's shape (1-D), its local shard's (HSDP), tensor-parallel
+    placed = tensor_parallel.rows_placements(p)
     rows = (n, *shape)
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{where}: momentum of '{name}' is a {type(value).__name__}, not a tensor")

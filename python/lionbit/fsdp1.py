@@ -923,6 +923,13 @@ def _units(att, opt, model):
             )
         if state.cpu_offload is not None and state.cpu_offload.offload_params:
             raise NotImplementedError(f"{_WHERE}: {label}: CPUOffload(offload_params=True) is not supported")
+        if torch_internals.fsdp1_on_a_sliced_mesh(state):
+            raise NotImplementedError(
+                f"{_WHERE} on rank {dist.get_rank()}: {label} shards over a device mesh sliced out of a larger one "
+                f"(tensor parallelism beside FSDP1), which is not supported: the ranks that hold parts of one "
+                f"worker's gradient would not agree whether to step; FSDP2 (fully_shard over mesh['dp']) supports "
+                f"tensor parallelism"
+            )
         _check_mixed_precision(state.mixed_precision, label)
         if group0 is None:
             group0 = state.process_group

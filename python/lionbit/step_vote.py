@@ -433,9 +433,10 @@ def node_agreed(vote: Callable[[bool], Callable[[], None]], replicas, shard_grou
     agreed to them: their header rounds; with ``settle``, once their bits
     are in too), then the ranks of each node agree whether to step, while
     the votes' bits still move (``peers``: the ranks of ``shard_group`` as
-    errors name them; FSDP2 with tensor parallelism passes the
-    tensor-parallel group, whose ranks hold parts of one worker's gradient
-    alike). A vote's header round
+    errors name them). ``shard_group`` may be a tuple of groups, one round
+    over each in turn: FSDP2 passes the groups whose ranks hold parts of one
+    worker (HSDP's shard group, the tensor-parallel group, or both: then
+    the second round covers every rank of the node). A vote's header round
     tells only the replicas of one shard that a direction was non-finite;
     the ranks of a node hold different shards of one worker, which must step
     or skip together (a GradScaler skip, or the error, on every rank). One
@@ -446,7 +447,8 @@ def node_agreed(vote: Callable[[bool], Callable[[], None]], replicas, shard_grou
     vote settles). Returns what ``vote()`` returned (which waits for the
     bits); raises :class:`NonFinite` on every rank alike."""
     world = dist.get_world_size()
-    on_cpu = flags_on_cpu(shard_group)
+    groups = shard_group if isinstance(shard_group, tuple) else (shard_group,)
+    on_cpu = all(map(flags_on_cpu, groups))
     flags = torch.zeros(world + 1, dtype=torch.int32, device=_CPU if on_cpu else device)
     apply, failure = None, None
     try:
@@ -457,7 +459,9 @@ def node_agreed(vote: Callable[[bool], Callable[[], None]], replicas, shard_grou
     except Exception as err:  # re-raised below, after the node heard of it (no peer waits forever)
         failure = err
         flags[world] = 1
-    agreed = gather_flags(flags, shard_group).amax(0).tolist()  # any rank's flag, per entry
+    for group in groups:  # any rank's flag, per entry (after the second round: any rank of the node's)
+        flags = gather_flags(flags, group).amax(0)
+    agreed = flags.tolist()
     if failure is not None:
         raise failure
     if agreed[world]:

@@ -7,11 +7,14 @@ parallelism) makes each such parameter a DTensor on the (dp, tp) mesh,
 placed (FSDP's Shard(0) of the tensor-parallel-local tensor, the
 tensor-parallel placement): ``Shard(0)``, or ``_StridedShard(0)`` where the
 tensor-parallel plan also splits dim 0, then ``Shard(k)`` or
-``Replicate()``. FSDP reduces each rank's tensor-parallel-local gradient
-over the dp group; DistributedLion votes that part over the dp group
-instead. These are the placements of what it shows of that part: the
-local gradient in ``p.grad``, and in a checkpoint the momentum with one row
-per dp rank. All of them are pure functions of the parameter.
+``Replicate()``; under HSDP (``mesh=mesh["replicate", "shard"]``) on the
+(replicate, shard, tp) mesh, ``Replicate()`` first. FSDP reduces each
+rank's tensor-parallel-local gradient over the dp (shard) group;
+DistributedLion votes that part (under HSDP, FSDP's shard of the node's
+mean of it) over the dp (replicate) group instead. These are the
+placements of what it shows of that part: the local gradient in
+``p.grad`` (1-D), and in a checkpoint the momentum with one row per
+worker. All of them are pure functions of the parameter.
 """
 
 from typing import Tuple
@@ -21,18 +24,19 @@ from torch.distributed.tensor import Replicate, Shard
 
 
 def _fsdp_shards_dim0(placement) -> bool:
-    """FSDP's placement of a tensor-parallel parameter over the dp dim:
+    """FSDP's placement of a tensor-parallel parameter over its shard dim:
     Shard(0), or _StridedShard(0) (a private class of torch: told by name)."""
     return type(placement).__name__ in ("Shard", "_StridedShard") and getattr(placement, "dim", None) == 0
 
 
-def check_placements(p, name: str, where: str) -> None:
-    """A clear error unless p is placed (FSDP's dim-0 shard, Shard(k) or
-    Replicate()) on a (dp, tp) mesh: the layouts of torch's tensor-parallel
-    styles under FSDP2."""
+def check_placements(p, name: str, where: str, hsdp: bool = False) -> None:
+    """A clear error unless p is placed ([HSDP: Replicate(),] FSDP's dim-0
+    shard, Shard(k) or Replicate()) on a ([replicate,] dp, tp) mesh: the
+    layouts of torch's tensor-parallel styles under FSDP2."""
     placements = tuple(p.placements)
-    if (len(placements) != 2 or not _fsdp_shards_dim0(placements[0])
-            or type(placements[1]) not in (Shard, Replicate)):
+    lead = (Replicate(),) if hsdp else ()
+    if (len(placements) != len(lead) + 2 or placements[:len(lead)] != lead
+            or not _fsdp_shards_dim0(placements[len(lead)]) or type(placements[-1]) not in (Shard, Replicate)):
         raise NotImplementedError(
             f"{where}: parameter '{name}' is placed {placements} on the mesh {p.device_mesh}; with tensor "
             f"parallelism DistributedLion supports FSDP's Shard(0) over the dp dim and Shard(k) or Replicate() "
@@ -50,10 +54,24 @@ def grad_placements(p) -> Tuple:
 
 
 def rows_placements(p) -> Tuple:
-    """How a checkpoint's (dp ranks, *p.shape) momentum of p is placed: its
-    rows over the dp dim (row r is dp rank r's), each row placed as p over
-    the tensor-parallel dim (a Shard's dim one further on)."""
-    return (Shard(0), *(Shard(t.dim % p.dim() + 1) if isinstance(t, Shard) else t for t in tuple(p.placements)[1:]))
+    """How a checkpoint's (workers, *p.shape) momentum of p is placed: its
+    rows over the mesh's first dim (row r is worker r's: dp rank r's on a
+    1-D FSDP mesh, node r's under HSDP), each row placed as p over the
+    other dims (HSDP's shard dim, the tensor-parallel dim), one tensor dim
+    further on. The momentum of a parameter without tensor parallelism on a
+    1-D mesh: (Shard(0),); on HSDP: (Shard(0), Shard(1))."""
+    return (Shard(0), *(_one_dim_on(t, p.dim()) for t in tuple(p.placements)[1:]))
+
+
+def _one_dim_on(placement, ndim: int):
+    """A placement of a tensor of ``ndim`` dims, on the dim after (Shard(k)
+    -> Shard(k + 1), and _StridedShard alike, with its split factor);
+    Replicate() as it is."""
+    if type(placement).__name__ == "_StridedShard":
+        return type(placement)(placement.dim % ndim + 1, split_factor=placement.split_factor)
+    if isinstance(placement, Shard):
+        return Shard(placement.dim % ndim + 1)
+    return placement
 
 
 def part(p, full: torch.Tensor) -> torch.Tensor:
@@ -62,7 +80,8 @@ def part(p, full: torch.Tensor) -> torch.Tensor:
     torch.chunk gives this rank (DTensor's split: ceil(size / n) rows a
     rank, the last ones shorter or empty)."""
     mesh = p.device_mesh
-    for i, placement in enumerate(tuple(p.placements)[1:], start=1):
+    first = mesh.ndim - 1  # the tensor-parallel dim: the mesh's last
+    for i, placement in enumerate(tuple(p.placements)[first:], start=first):
         if not isinstance(placement, Shard):
             continue
         dim = placement.dim % full.dim()

@@ -80,6 +80,8 @@ NAMES = (
          "one hook state per FSDP1 instance (register_comm_hook sets one for all)"),
     Name("FullyShardedDataParallel._inter_node_pg",
          "FSDP1 hybrid sharding: the group of a shard's replicas across nodes, over which they vote"),
+    Name("FullyShardedDataParallel._fsdp_extension",
+         "FSDP1 over a mesh sliced out of a larger one (tensor parallelism beside it), refused at attach"),
     Name("FlatParamHandle._use_orig_params", "where the original parameters' .grad live"),
     Name("FlatParameter._params", "the original parameters (use_orig_params=True)"),
     Name("FlatParameter._numels_with_padding", "the FlatParameter's layout: each original parameter's span"),
@@ -269,6 +271,13 @@ def fsdp1_inter_node_group(state):
     """A hybrid instance's inter-node group (the replicas of this rank's
     shard, one rank a node); None for the other strategies."""
     return getattr(state, "_inter_node_pg", None)
+
+
+def fsdp1_on_a_sliced_mesh(state) -> bool:
+    """Whether an FSDP1 instance shards over a device mesh sliced out of a
+    larger one (tensor parallelism beside it): FSDP1 then sets a DTensor
+    extension for its state dicts."""
+    return getattr(state, "_fsdp_extension", None) is not None
 
 
 def fsdp1_clear_comm_hook(state) -> None:

@@ -623,7 +623,8 @@ COLLECTIVE_CASES = {
     "kind_mismatch": "collective differs across ranks",
 }
 ATTACH_CASES = {
-    "replicate": "is not supported; supported: a 1-D FSDP mesh, with or without tensor parallelism beside it",
+    "replicate": "is not supported; supported: a 1-D FSDP mesh or HSDP (fully_shard over a 2-D mesh (replicate, "
+                 "shard)), each with or without tensor parallelism beside it",
     "hsdp_placement": "only (Replicate(), Shard(0)) (no shard_placement_fn) is supported",
     "offload": "CPUOffloadPolicy is not supported",
     "missing_param": "is not in this optimizer",

@@ -11,13 +11,16 @@ tensor-parallel-local gradient gathered over the dp group, each worker's
 momentum and direction, the vote, the update. Every step's parameters and
 every rank's momentum are compared with it, bitwise."""
 
+import math
+
 import pytest
 import torch
 
 import test_hsdp_dcp
 from harness import run_ranks, values
 
-DP, TP = 2, 2
+DP, TP = 2, 2  # the 1-D FSDP mesh's dp ranks, tensor-parallel ranks
+M, L = 2, 2  # HSDP: nodes, shard ranks a node (each with TP tensor-parallel ranks: 8 ranks)
 # vocabulary, width, heads, MLP width, tokens (19 and 17 rows a tensor-parallel rank: FSDP pads them)
 V, D, HEADS, H, T = 38, 12, 2, 34, 8
 LION = dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)
@@ -142,6 +145,33 @@ def _mesh():
     return init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
 
 
+def _hsdp_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (M, L, TP), mesh_dim_names=("replicate", "shard", "tp"))
+
+
+def _hsdp(mesh) -> bool:
+    return "replicate" in mesh.mesh_dim_names
+
+
+def _fsdp_mesh(mesh):
+    """What fully_shard shards over: the dp dim, or HSDP's (replicate, shard) dims."""
+    return mesh["replicate", "shard"] if _hsdp(mesh) else mesh["dp"]
+
+
+def _dp_index(mesh) -> int:
+    """Whose batch a rank trains on: its dp rank's (its tensor-parallel ranks take the same batch)."""
+    if _hsdp(mesh):
+        return mesh["replicate"].get_local_rank() * L + mesh["shard"].get_local_rank()
+    return mesh["dp"].get_local_rank()
+
+
+def _workers(mesh):
+    """The group of the vote, one rank a worker: dp; HSDP: the replicate group (a worker is a node)."""
+    return (mesh["replicate"] if _hsdp(mesh) else mesh["dp"]).get_group()
+
+
 def _model(mesh, cfg):
     torch.manual_seed(0)
     return tensor_parallel(TinyLlama(), mesh["tp"], cfg["sequence"])
@@ -153,8 +183,8 @@ def _fsdp_tp_model(mesh, cfg):
 
     model = _model(mesh, cfg)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=cfg["reshard"])
-    return fully_shard(model, mesh=mesh["dp"], reshard_after_forward=cfg["reshard"])
+        fully_shard(layer, mesh=_fsdp_mesh(mesh), reshard_after_forward=cfg["reshard"])
+    return fully_shard(model, mesh=_fsdp_mesh(mesh), reshard_after_forward=cfg["reshard"])
 
 
 def _poison(model, mesh, cfg, step) -> None:
@@ -172,7 +202,7 @@ def _full(t):
 def _train(mesh, cfg, model=None, opt=None, steps=None):
     import lionbit
 
-    dp = mesh["dp"].get_local_rank()
+    dp = _dp_index(mesh)
     if model is None:
         model = _fsdp_tp_model(mesh, cfg)
         opt = lionbit.DistributedLion(model.parameters(), aggregation=cfg["aggregation"], **LION).attach(model)
@@ -202,12 +232,9 @@ def _train(mesh, cfg, model=None, opt=None, steps=None):
         "steps": opt.steps_taken,
         "momentum": [opt.state[p]["exp_avg"].flatten().tolist() for p in model.parameters()],
         "state_numel": sum(s["exp_avg"].numel() for s in opt.state.values()),
-        "local_shapes": [list(opt.state[p]["exp_avg"].shape) for p in model.parameters()],
+        # each parameter's tensor-parallel-local shape (FSDP's unsharded tensor)
+        "full_shapes": [list(lionbit.torch_internals.fsdp2_orig_size(fp)) for fp in opt.attachment.managed.values()],
     }
-
-
-def _local_shapes(run):
-    return [tuple(s) for s in run["local_shapes"]]
 
 
 # -- the reference: the same tensor-parallel model alone, Distributed Lion in plain torch ---------------------
@@ -226,18 +253,47 @@ def _tp_local_grad(p):
     return g
 
 
+def _gather(t, group) -> list:
+    parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+def _worker_grads(mesh, grads) -> list:
+    """Per parameter, every worker's gradient: each dp rank's; under HSDP
+    each node's mean, (a + b) / 2 in float32 over its two shard ranks, as
+    FSDP averages them (with 2 ranks the order cannot matter)."""
+    if not _hsdp(mesh):
+        return [_gather(g, mesh["dp"].get_group()) for g in grads]
+    out = []
+    for g in grads:
+        a, b = _gather(g, mesh["shard"].get_group())
+        out.append(_gather((a + b) / 2, mesh["replicate"].get_group()))
+    return out
+
+
+def _own_shard(mesh, t):
+    """Under HSDP this rank's rows of a tensor-parallel-local tensor (FSDP's chunk of dim 0)."""
+    if not _hsdp(mesh):
+        return t
+    rows = -(-t.shape[0] // L)
+    shard = mesh["shard"].get_local_rank()
+    return t[shard * rows : (shard + 1) * rows]
+
+
 def _reference(mesh, cfg, run):
-    """Distributed Lion with DP workers on the tensor-parallel model alone.
-    Each rank computes its dp rank's gradient with the same tensor-parallel
-    kernels as the FSDP run; the dp ranks' tensor-parallel-local gradients
-    are gathered over the dp group, and every worker's momentum is kept
-    here; every float32 operation rounded on its own:
+    """Distributed Lion with 2 workers on the tensor-parallel model alone
+    (the dp ranks; under HSDP the nodes, with their mean gradients). Each
+    rank computes its dp rank's gradient with the same tensor-parallel
+    kernels as the FSDP run; the workers' tensor-parallel-local gradients
+    are gathered, and every worker's momentum is kept here; every float32
+    operation rounded on its own:
     c = b1 m + (1 - b1) g, m = b2 m + (1 - b2) g, x = x (1 - lr wd) - lr Delta.
     Clipping: each worker clips its gradient by its own norm, the one the
     run computed (checked against this reference's float64 norm)."""
     dist = torch.distributed
-    dp_group = mesh["dp"].get_group()
-    dp = mesh["dp"].get_local_rank()
+    workers = _workers(mesh)
+    dp = _dp_index(mesh)
     model = _model(mesh, cfg)
     params = list(model.parameters())
     momentum = [[torch.zeros_like(_local(p)) for p in params] for _ in range(DP)]
@@ -253,22 +309,18 @@ def _reference(mesh, cfg, run):
         if cfg["scaler"]:
             grads = [g / SCALE for g in grads]
         _poison_grads(grads, params, model, cfg, step)
-        everyone = []  # per parameter, every dp rank's gradient
-        for g in grads:
-            parts = [torch.empty_like(g) for _ in range(DP)]
-            dist.all_gather(parts, g.contiguous(), group=dp_group)
-            everyone.append(parts)
+        everyone = _worker_grads(mesh, grads)  # per parameter, every worker's gradient
         finite = torch.tensor([all(bool(torch.isfinite(g).all()) for g in grads)], dtype=torch.int32)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # (the reference's own agreement: every rank)
         if not finite.item():
             report["traj"].append("skipped")
             continue
         if cfg["clip"]:
-            own = _full_norm(model, grads, params)
+            mine = dist.get_rank(workers)
+            own = _full_norm(model, [parts[mine] for parts in everyone], params)
             ran = run["norms"][step]
             report["norm_rel_err"] = max(report["norm_rel_err"], abs(ran - own) / own)
-            norms = [torch.zeros(1) for _ in range(DP)]
-            dist.all_gather(norms, torch.tensor([ran], dtype=torch.float32), group=dp_group)
+            norms = _gather(torch.tensor([ran], dtype=torch.float32), workers)
             for w in range(DP):
                 coef = torch.clamp(cfg["clip"] / (norms[w][0] + 1e-6), max=1.0)
                 everyone = [[g * coef if r == w else g for r, g in enumerate(parts)] for parts in everyone]
@@ -285,7 +337,7 @@ def _reference(mesh, cfg, run):
                 x.copy_(torch.sub(torch.mul(x, _f32(1.0 - lr * wd)), torch.mul(delta, _f32(lr))))
         report["applied"] += 1
         report["traj"].append([_full(p) for p in params])
-    report["momentum"] = [m.flatten().tolist() for m in momentum[dp]]
+    report["momentum"] = [_own_shard(mesh, m).flatten().tolist() for m in momentum[dist.get_rank(workers)]]
     return report
 
 
@@ -311,18 +363,19 @@ def _full_norm(model, grads, params) -> float:
     return total ** 0.5
 
 
-def fsdp_tp_runs(rank, world_size, configs):
+def fsdp_tp_runs(rank, world_size, configs, hsdp=False):
     import lionbit
 
-    mesh = _mesh()
+    mesh = _hsdp_mesh() if hsdp else _mesh()
     out = []
     for cfg in configs:
-        lionbit.reset_stats(mesh["dp"].get_group())
+        lionbit.reset_stats(_workers(mesh))
         run = _train(mesh, cfg)
-        run["stats"] = lionbit.stats(mesh["dp"].get_group())
-        # this rank's chunk in FSDP's layout: each parameter's tensor-parallel-local dim 0 padded to DP rows
-        run["chunk"] = sum(-(-m.shape[0] // DP) * (m.numel() // m.shape[0])
-                           for m in (torch.empty(s) for s in _local_shapes(run)))
+        run["stats"] = lionbit.stats(_workers(mesh))
+        # this rank's chunk in FSDP's layout: each parameter's tensor-parallel-local dim 0 padded to
+        # a multiple of the shard ranks (dp on a 1-D mesh)
+        n = L if hsdp else DP
+        run["chunk"] = sum(-(-s[0] // n) * (math.prod(s) // s[0]) for s in run["full_shapes"])
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -343,17 +396,26 @@ CONFIGS = {
 }
 
 
+HSDP_CONFIGS = {  # on the (replicate, shard, tp) mesh of 2 x 2 x 2 ranks
+    "HSDP + TP: vote, clip": _config(clip=0.5),
+    "HSDP + TP: avg, accumulation, GradScaler, an inf in rank 3's part of a gradient": _config(
+        aggregation="avg", accumulate=2, scaler=True, inf=[1, 3]),
+}
+
+
 @pytest.fixture(scope="module")
 def runs():
     return values(run_ranks("test_fsdp_tp:fsdp_tp_runs", DP * TP, kwargs=dict(configs=list(CONFIGS.values())),
                             timeout=240))
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_fsdp_tp_equals_the_reference_bitwise(runs, name):
-    i = list(CONFIGS).index(name)
-    cfg = CONFIGS[name]
-    per_rank = [r[i] for r in runs]
+@pytest.fixture(scope="module")
+def hsdp_runs():
+    return values(run_ranks("test_fsdp_tp:fsdp_tp_runs", M * L * TP,
+                            kwargs=dict(configs=list(HSDP_CONFIGS.values()), hsdp=True), timeout=400))
+
+
+def _check_bitwise(name, cfg, per_rank) -> None:
     for rank, run in enumerate(per_rank):
         ref = run["ref"]
         # every rank holds the same full parameters after every step
@@ -364,11 +426,21 @@ def test_fsdp_tp_equals_the_reference_bitwise(runs, name):
                 continue
             bad = [k for k, (a, b) in enumerate(zip(got, want)) if a != b]
             assert not bad, f"{name}: rank {rank}, step {step}: parameters {bad} differ"
-        # each rank's momentum is its dp rank's, the tensor-parallel part
+        # each rank's momentum is its worker's, the tensor-parallel part (HSDP: FSDP's shard of it)
         assert run["momentum"] == ref["momentum"], (name, rank)
         assert run["steps"] == ref["applied"] == cfg["steps"] - (1 if cfg["inf"] else 0)
         if cfg["clip"]:
             assert ref["norm_rel_err"] < 1e-5, ref["norm_rel_err"]
+    # the momentum is 1/TP of the model's (plus the parameters no plan splits), HSDP: 1/(L TP)
+    d = sum(p.numel() for p in TinyLlama().parameters())
+    assert all(r["state_numel"] < d for r in per_rank)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fsdp_tp_equals_the_reference_bitwise(runs, name):
+    i = list(CONFIGS).index(name)
+    cfg = CONFIGS[name]
+    _check_bitwise(name, cfg, [r[i] for r in runs])
     # one 1-bit reduce-scatter a step over the dp group: the signs of this rank's tensor-parallel part
     for r in runs:
         st, s = r[i]["stats"], r[i]["chunk"]
@@ -378,9 +450,19 @@ def test_fsdp_tp_equals_the_reference_bitwise(runs, name):
         if not cfg["inf"]:
             assert st["bytes_sent"] - st["zero_bytes_sent"] == calls * signs, (st, s)
         assert st["bytes_sent"] * 16 < (DP - 1) * 4 * s * calls, st  # FSDP's fp32 reduce-scatter
-    # the momentum is 1/TP of the model's (plus the parameters no plan splits)
-    d = sum(p.numel() for p in TinyLlama().parameters())
-    assert all(r[i]["state_numel"] < d for r in runs)
+
+
+@pytest.mark.parametrize("name", list(HSDP_CONFIGS))
+def test_hsdp_tp_equals_the_reference_bitwise(hsdp_runs, name):
+    i = list(HSDP_CONFIGS).index(name)
+    cfg = HSDP_CONFIGS[name]
+    _check_bitwise(name, cfg, [r[i] for r in hsdp_runs])
+    # one 1-bit all-reduce a step over the replicate group: this rank's shard of its tensor-parallel part
+    for r in hsdp_runs:
+        st, s = r[i]["stats"], r[i]["chunk"]
+        calls = st["sign_allreduce_calls"]
+        assert r[i]["steps"] <= calls <= cfg["steps"] and st["sign_reduce_scatter_calls"] == 0, st
+        assert st["bytes_sent"] * 16 < 2 * (M - 1) / M * 4 * s * calls, st  # HSDP's fp32 all-reduce
 
 
 # -- checkpoints, a non-finite gradient, and what attach refuses ---------------------------------------------
@@ -430,7 +512,7 @@ def _load(model, opt, mode, where):
 
 
 def _run(model, opt, mesh, steps):
-    dp = mesh["dp"].get_local_rank()
+    dp = _dp_index(mesh)
     for step in steps:
         if step == K - 1:
             opt.param_groups[0]["lr"] = 0.005
@@ -439,10 +521,10 @@ def _run(model, opt, mesh, steps):
         opt.zero_grad()
 
 
-def fsdp_tp_checkpoints(rank, world_size, path):
+def fsdp_tp_checkpoints(rank, world_size, path, hsdp=False):
     import os
 
-    mesh = _mesh()
+    mesh = _hsdp_mesh() if hsdp else _mesh()
     out = {}
     for mode in MODES:
         where = os.path.join(path, mode.split(",")[0])
@@ -455,6 +537,8 @@ def fsdp_tp_checkpoints(rank, world_size, path):
         _load(model, opt, mode, where)
         _run(model, opt, mesh, range(K, K + J))
         out[mode] = {"same": _state(model, opt) == uninterrupted, "momentum": uninterrupted[1][3][:6]}
+    if hsdp:
+        return out
     # the consolidated file on 4 dp ranks (tp 1): refused, naming the number of ranks
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -469,21 +553,23 @@ def fsdp_tp_checkpoints(rank, world_size, path):
     return out
 
 
-def test_fsdp_tp_checkpoints_resume_bitwise(tmp_path):
-    res = values(run_ranks("test_fsdp_tp:fsdp_tp_checkpoints", DP * TP, kwargs=dict(path=str(tmp_path)),
-                           timeout=240))
+@pytest.mark.parametrize("hsdp", [False, True], ids=["dp 2 x tp 2", "HSDP 2 x 2 x tp 2"])
+def test_fsdp_tp_checkpoints_resume_bitwise(tmp_path, hsdp):
+    ranks = M * L * TP if hsdp else DP * TP
+    res = values(run_ranks("test_fsdp_tp:fsdp_tp_checkpoints", ranks, kwargs=dict(path=str(tmp_path), hsdp=hsdp),
+                           timeout=400))
     for mode in MODES:
         for rank, r in enumerate(res):
             assert r[mode]["same"], (mode, rank)
-        # the dp ranks' momenta differ (their own data); a dp rank's tensor-parallel ranks hold its parts
-        assert res[0][mode]["momentum"] != res[TP][mode]["momentum"]
+        # the workers' momenta differ (their own data)
+        assert res[0][mode]["momentum"] != res[ranks // 2][mode]["momentum"]
+    if hsdp:
+        return
     for rank, r in enumerate(res):
         assert "holds the momenta of 2 ranks and this run has 4" in r["dp_change"], (rank, r["dp_change"])
 
 
 def fsdp_tp_cases(rank, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import lionbit
 
@@ -511,6 +597,18 @@ def fsdp_tp_cases(rank, world_size):
     _run(model, opt, mesh, [2])
     out["steps_after"] = opt.steps_taken
 
+    # FSDP1 beside tensor parallelism: refused, naming FSDP2
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    model = FSDP(tensor_parallel(TinyLlama(), mesh["tp"], sequence=False), device_mesh=mesh["dp"],
+                 device_id=torch.device("cpu"), use_orig_params=True)
+    try:
+        lionbit.DistributedLion(model.parameters(), **LION).attach(model)
+        out["fsdp1"] = "no error"
+    except NotImplementedError as err:
+        out["fsdp1"] = str(err)
+
     # refused at attach, naming the argument: "l1" (a per-tensor scale of a split tensor), a hierarchy
     for case, kw in (("hierarchy", dict(hierarchy="node")), ("l1", dict(aggregation="l1"))):
         model = _fsdp_tp_model(mesh, _config())
@@ -520,15 +618,6 @@ def fsdp_tp_cases(rank, world_size):
         except (ValueError, NotImplementedError) as err:
             out[case] = str(err)
 
-    # HSDP with tensor parallelism: refused, naming what works
-    cube = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
-    model = tensor_parallel(TinyLlama(), cube["tp"])
-    fully_shard(model, mesh=cube["replicate", "shard"])
-    try:
-        lionbit.DistributedLion(model.parameters(), **LION).attach(model)
-        out["hsdp_tp"] = "no error"
-    except NotImplementedError as err:
-        out["hsdp_tp"] = str(err)
     return out
 
 
@@ -539,7 +628,8 @@ def test_fsdp_tp_non_finite_and_refusals():
         assert "no parameter or momentum changed on any rank" in r["inf"], r
         assert r["inf_changed_nothing"] and r["steps_after"] == 2, r
         assert "argument 'hierarchy'='node' is not supported with tensor parallelism" in r["hierarchy"], r
+        assert (f"DistributedLion.attach (FSDP1) on rank {rank}: FSDP instance '<root>' shards over a device mesh "
+                f"sliced out of a larger one (tensor parallelism beside FSDP1), which is not supported") \
+            in r["fsdp1"], r
         assert (f"argument 'aggregation'='l1' is not supported with tensor parallelism (rank {rank}, mesh 2 (dp) x 2 "
                 f"(tensor parallel))") in r["l1"], r
-        assert "(HSDPMeshInfo: HSDP with tensor parallelism), which is not supported; supported: a 1-D FSDP mesh, " \
-            "with or without tensor parallelism" in r["hsdp_tp"], r

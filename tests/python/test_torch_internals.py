@@ -282,6 +282,17 @@ def probe(rank, world_size):
         check("FullyShardedDataParallel._comm_hook", comm_hook)
         check("FullyShardedDataParallel._comm_hook_state", comm_hook)
 
+    # FSDP1 over the dp dim sliced out of a (dp, tp) mesh: the DTensor extension it sets (the plain model: none).
+    def sliced():
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "tp"))
+        inner = FSDP(torch.nn.Linear(4, 4), device_mesh=mesh["dp"], device_id=torch.device("cpu"))
+        return ti.fsdp1_on_a_sliced_mesh(inner) and not ti.fsdp1_on_a_sliced_mesh(states[0])
+
+    check("FullyShardedDataParallel._fsdp_extension", sliced)
+
     # FSDP1 hybrid sharding: 2 nodes x 1 rank; the hook set without register_comm_hook.
     from test_fsdp1_hybrid import hybrid_probe
 
