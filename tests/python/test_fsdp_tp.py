@@ -569,6 +569,83 @@ def test_fsdp_tp_checkpoints_resume_bitwise(tmp_path, hsdp):
         assert "holds the momenta of 2 ranks and this run has 4" in r["dp_change"], (rank, r["dp_change"])
 
 
+def _consolidated(model, opt) -> dict:
+    """Every rank's parameters and momenta, gathered: {name: full tensor},
+    {name: (dp ranks, *shape) momentum rows} (torch's full_state_dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    params = {k: v.clone() for k, v in get_model_state_dict(model, options=options).items()}
+    optim = get_optimizer_state_dict(model, opt, options=options)
+    return {"params": params, "momenta": {k: st["exp_avg"].clone() for k, st in optim["state"].items()}}
+
+
+def fsdp_tp_reshard(rank, world_size, path, tp):
+    """Writes (on dp 2 x tp 2) or reads (on dp 2 x ``tp``; tp 0: FSDP with no
+    tensor parallelism at all) a DCP checkpoint; returns whether what was
+    read is what was written, every rank's momentum row and every parameter
+    bitwise, and whether a step then runs."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import lionbit
+
+    where = os.path.join(path, "ckpt")
+    if world_size == DP * TP:  # the writer
+        model, opt = _build(_mesh(), 0)
+        _run(model, opt, _mesh(), range(K))
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=where)
+        written = _consolidated(model, opt)
+        if rank == 0:
+            torch.save(written, os.path.join(path, "written.pt"))
+        torch.distributed.barrier()
+        return {}
+    if tp:
+        mesh = init_device_mesh("cpu", (DP, tp), mesh_dim_names=("dp", "tp"))
+        model, opt = _build(mesh, 1, lr=0.123)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = None
+        torch.manual_seed(1)
+        model = TinyLlama()
+        for layer in model.layers:
+            fully_shard(layer)
+        model = fully_shard(model)
+        opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=where)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    read = _consolidated(model, opt)
+    written = torch.load(os.path.join(path, "written.pt"), weights_only=False)
+    same = (read["params"].keys() == written["params"].keys() and read["momenta"].keys() == written["momenta"].keys()
+            and all(torch.equal(read["params"][k], v) for k, v in written["params"].items())
+            and all(torch.equal(read["momenta"][k], v) for k, v in written["momenta"].items()))
+    dp = torch.distributed.get_rank() if mesh is None else _dp_index(mesh)
+    _loss(model, dp, K).backward()
+    opt.step()
+    return {"same": same, "lr": opt.param_groups[0]["lr"], "steps": opt.steps_taken,
+            "rows": sorted({tuple(v.shape[:1]) for v in read["momenta"].values()})}
+
+
+def test_fsdp_tp_checkpoint_loads_at_another_tp_size(tmp_path):
+    """A DCP checkpoint of dp 2 x tp 2 loads on dp 2 x tp 1 and on FSDP over 2
+    ranks without tensor parallelism (the momentum rows are DTensors of the
+    parameters' global shapes: DCP reshards them): every dp rank's momentum
+    and every parameter as written, bitwise, and training goes on."""
+    run_ranks("test_fsdp_tp:fsdp_tp_reshard", DP * TP, kwargs=dict(path=str(tmp_path), tp=TP), timeout=240)
+    for tp in (1, 0):
+        res = values(run_ranks("test_fsdp_tp:fsdp_tp_reshard", DP, kwargs=dict(path=str(tmp_path), tp=tp),
+                               timeout=240))
+        for rank, r in enumerate(res):
+            assert r["same"] and r["lr"] == 0.005 and r["steps"] == K + 1 and r["rows"] == [[DP]], (tp, rank, r)
+
+
 def fsdp_tp_cases(rank, world_size):
 
     import lionbit
