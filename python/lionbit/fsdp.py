@@ -371,8 +371,8 @@ class _Mesh:
         self.vote_group = self.shard_group if self.replicas is None else self.replicas
         # the groups whose ranks hold parts of one worker, and agree whether to step (in turn: HSDP's
         # node is its shard groups' ranks, with tensor parallelism each shard's tensor-parallel ranks)
-        self.agree = tuple(g for g in ((self.shard_group if self.replicas is not None else None), tp)
-                           if g is not None)
+        node = (self.shard_group,) if self.replicas is not None else ()
+        self.agree = node + ((tp,) if tp is not None else ())
         self.shards, self.shard = self.shard_group.size(), self.shard_group.rank()
         workers = self.shard_group if self.replicas is None else self.replicas
         self.rows, self.row = workers.size(), workers.rank()
@@ -843,10 +843,9 @@ def _node_agreed_vote(att):
     worker (an HSDP node, a tensor-parallel group) agree whether to step
     (lionbit.step_vote.node_agreed)."""
     device = next(iter(att.managed)).device
-    what, peers = ("FSDP2, HSDP", "this node") if att.replicas is not None else (
-        "FSDP2, tensor parallel", "this tensor-parallel group")
-    if att.replicas is not None and att.dp.tp is not None:
-        what = "FSDP2, HSDP, tensor parallel"
+    hsdp, tp = att.replicas is not None, att.dp.tp is not None
+    what = "FSDP2" + (", HSDP" if hsdp else "") + (", tensor parallel" if tp else "")
+    peers = "this node" if hsdp else "this tensor-parallel group"
     return step_vote.node_agreed(lambda settle: fsdp_vote(att, settle), att.dp.vote_group, att.dp.agree, device,
                                  what, peers)
 

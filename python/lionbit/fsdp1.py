@@ -777,7 +777,7 @@ class FSDP1Attachment(Attachment):
             )
         device = self.units[0].device
         return step_vote.voted_step(self.opt, grad_scaler, lambda: step_vote.node_agreed(
-            self.vote_hybrid, self.replicas, self.units[0].group, device, "FSDP1 hybrid"), None)
+            self.vote_hybrid, self.replicas, (self.units[0].group,), device, "FSDP1 hybrid"), None)
 
     def vote_hybrid(self, settle: bool = False):
         """Starts the vote of every hybrid unit with a gradient (as planned

@@ -426,28 +426,28 @@ def flags_on_cpu(group) -> bool:
     return True
 
 
-def node_agreed(vote: Callable[[bool], Callable[[], None]], replicas, shard_group, device, what: str,
+def node_agreed(vote: Callable[[bool], Callable[[], None]], replicas, groups: tuple, device, what: str,
                 peers: str = "this node"):
     """Hybrid sharding (FSDP2 HSDP, FSDP1 HYBRID_SHARD): ``vote(settle)``
     (the replicas' votes of this rank's shards, returning once every rank
     agreed to them: their header rounds; with ``settle``, once their bits
     are in too), then the ranks of each node agree whether to step, while
-    the votes' bits still move (``peers``: the ranks of ``shard_group`` as
-    errors name them). ``shard_group`` may be a tuple of groups, one round
-    over each in turn: FSDP2 passes the groups whose ranks hold parts of one
-    worker (HSDP's shard group, the tensor-parallel group, or both: then
-    the second round covers every rank of the node). A vote's header round
+    the votes' bits still move (``peers``: the ranks of ``groups`` as errors
+    name them). ``groups`` are the groups whose ranks hold parts of one
+    worker, one round of flags over each in turn: the node's shard group
+    (FSDP1 hybrid, HSDP), FSDP2's tensor-parallel group, or both (HSDP with
+    tensor parallelism: the second round covers every rank of the node).
+    A vote's header round
     tells only the replicas of one shard that a direction was non-finite;
     the ranks of a node hold different shards of one worker, which must step
     or skip together (a GradScaler skip, or the error, on every rank). One
-    round of world-size flags over ``shard_group`` (inside the node,
+    round of world-size flags over each group (inside the node,
     gather_flags) carries the non-finite ranks (global numbers) and any
     other failure of a rank's vote up to its agreement; on the CPU (where
     :func:`flags_on_cpu`), else on ``device``, after the bits are in (the
     vote settles). Returns what ``vote()`` returned (which waits for the
     bits); raises :class:`NonFinite` on every rank alike."""
     world = dist.get_world_size()
-    groups = shard_group if isinstance(shard_group, tuple) else (shard_group,)
     on_cpu = all(map(flags_on_cpu, groups))
     flags = torch.zeros(world + 1, dtype=torch.int32, device=_CPU if on_cpu else device)
     apply, failure = None, None
