@@ -823,15 +823,9 @@ def _start_votes(att):
 def fsdp_step(att, grad_scaler=None) -> bool:
     """``step()`` under FSDP2: the vote of :func:`fsdp_vote` through
     step_vote.voted_step (GradScaler: unscaled first; a non-finite direction
-    on any rank skips the step everywhere). Returns False for torch's
-    ``_init_optim_state`` call (no reduce-scatter since the last step, no
-    state yet), which is not a step: the step counter (and the momentum
-    sync) ignore it."""
+    on any rank skips the step everywhere)."""
     for p in list(att.captured):  # a grad hook FSDP did not call
         att.grad_hook(p)
-    if not att.opt.state and (att.stepped or not att.order):
-        init_momentum(att)  # torch's _init_optim_state: step() with zero gradients on a fresh optimizer
-        return False
     if not att.dp.agree:
         return step_vote.voted_step(att.opt, grad_scaler, lambda: fsdp_vote(att), att.group)
     # HSDP, tensor parallelism: errors name global ranks (the default group's)
@@ -1007,18 +1001,6 @@ def _warn_unsure(att, names: list, where: str) -> None:
         )
 
 
-def init_momentum(att) -> None:
-    """Zero momentum for every trainable parameter that has none yet (what
-    the first step would create). :func:`fsdp_step` calls it when step()
-    finds no reduce-scatter since the last step and the state empty: torch's
-    ``_init_optim_state`` (get/set_optimizer_state_dict on a fresh optimizer)
-    calls step() with zero gradients and lr 0 on each rank on its own, and
-    then reads the state. No collective runs and no parameter changes."""
-    for p in att.managed:
-        if p.requires_grad:
-            att.momentum(p)
-
-
 def state_dict(att) -> dict:
     """``DistributedLion.state_dict()`` under FSDP2 (after attach): torch's
     layout (``{"state": {index: {"exp_avg": ...}}, "param_groups": [...]}``,
@@ -1037,7 +1019,7 @@ def state_dict(att) -> dict:
     opt = att.opt
     for hook in torch_internals.state_dict_hooks(opt, "state_dict_pre"):
         hook(opt)
-    init_momentum(att)
+    att.momenta()  # zero momentum where a parameter has none yet: the state dict is complete
     index: Dict[int, int] = {}
     groups = []
     for g in opt.param_groups:

@@ -207,6 +207,11 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
                 "DistributedLion.step: this torch's GradScaler set optimizer.grad_scale / found_inf instead of "
                 "passing grad_scaler=; lionbit does not support that protocol yet (the step would use scaled "
                 "gradients)")
+        if not self.state and torch_internals.initializing_optimizer_state():
+            # get/set_optimizer_state_dict on a fresh optimizer: torch steps it on zero gradients with lr 0
+            # to create its state. Not a step: zero momentum, and no count, collective or synchronization.
+            self._attachment.momenta()
+            return loss
         join.notify(self)
         self._take_step(grad_scaler, abstain=False)
         return loss

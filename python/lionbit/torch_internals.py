@@ -34,6 +34,7 @@ computed inside ``_fsdp_param_group.foreach_reduce``, which lionbit wraps).
 """
 
 import inspect
+import sys
 from typing import Callable, List, NamedTuple, Optional
 
 import torch
@@ -67,6 +68,9 @@ NAMES = (
     Name("Optimizer._optimizer_load_state_dict_pre_hooks", "the same for load_state_dict()"),
     Name("Optimizer._optimizer_load_state_dict_post_hooks", "the same for load_state_dict(), after"),
     Name("OptimizedModule._orig_mod", "attach(torch.compile(model)) attaches to the model inside"),
+    Name("torch.distributed.checkpoint.state_dict._init_optim_state",
+         "get/set_optimizer_state_dict on a fresh optimizer call step() on zero gradients with lr 0 to create "
+         "its state: not a step (no count, no momentum synchronization, no collective)"),
     # GradScaler
     Name("GradScaler._per_optimizer_states", "whether the user already unscaled this optimizer's gradients"),
     Name("GradScaler._found_inf_per_device", "the found-inf tensors that GradScaler.update() reads"),
@@ -187,6 +191,21 @@ def state_dict_hooks(opt, when: str) -> list:
     """The hooks registered on the optimizer for `when` (a key of _STATE_DICT_HOOKS): Optimizer
     keeps them in private dicts, and a state_dict() that replaces Optimizer's runs them itself."""
     return list(getattr(opt, _STATE_DICT_HOOKS[when], {}).values())
+
+
+def initializing_optimizer_state() -> bool:
+    """Whether the step() running now is the one torch.distributed.checkpoint's
+    ``_init_optim_state`` makes (get/set_optimizer_state_dict on an optimizer
+    with an empty state: zero gradients, lr 0), found among the few frames above."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if (frame.f_code.co_name == "_init_optim_state"
+                and frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def compiled_inner(model):

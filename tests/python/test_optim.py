@@ -420,6 +420,59 @@ def test_dcp_resume_gives_every_rank_its_own_momentum(how):
     assert res[0]["momentum"] != res[1]["momentum"]  # each rank's own, not one rank's for all
 
 
+def dcp_at_step_zero(rank, n, ckpt_dir, wrap):
+    """A checkpoint before the first step (a seed checkpoint, or a loop that
+    saves every k steps from step 0) through get_state_dict / dcp.save, with a
+    momentum synchronization every 2 steps. torch fills a fresh optimizer's
+    state by a step() on zero gradients with lr 0: that must create zero
+    momentum and nothing else (no step counted, no collective, no
+    synchronization), so the 4 steps after it equal a run without the save,
+    parameters and this rank's momentum, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import lionbit
+
+    def train(save):
+        model = _model()
+        net = DDP(model, bucket_cap_mb=0.01) if wrap == "ddp" else model
+        opt = lionbit.DistributedLion(_groups(model), momentum_sync=2)
+        opt.attach(net)
+        out = {}
+        if save:
+            lionbit.reset_stats()
+            model_sd, optim_sd = get_state_dict(net, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(ckpt_dir, wrap))
+            st = lionbit.stats()
+            out = {"steps": opt.steps_taken, "group_steps": [g["step"] for g in opt.param_groups],
+                   "calls": st["sign_allreduce_calls"], "synced": st["momentum_sync_calls"],
+                   "zeros": sorted({bool(opt.state[p]["exp_avg"].any()) if p in opt.state else None
+                                    for p in model.parameters() if p.requires_grad}),
+                   "grads": sorted({p.grad is None for p in model.parameters()})}
+        for step in range(4):
+            opt.zero_grad()
+            _loss(net, rank, step, 0, it=step).backward()
+            opt.step()
+        out["params"] = _hash(model)
+        out["momentum"] = _hash_momenta(opt, model)
+        out["steps_after"] = opt.steps_taken
+        return out
+
+    return {"plain": train(False), "saved": train(True)}
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "plain"])
+def test_a_checkpoint_before_the_first_step_is_not_a_step(wrap):
+    with tempfile.TemporaryDirectory() as d:
+        res = values(run_ranks("test_optim:dcp_at_step_zero", 2, kwargs={"ckpt_dir": d, "wrap": wrap}))
+    for r in res:
+        saved = r["saved"]
+        assert (saved["steps"], saved["group_steps"], saved["calls"], saved["synced"]) == (0, [0, 0], 0, 0), saved
+        assert saved["zeros"] == [False] and saved["grads"] == [True], saved
+        assert (saved["params"], saved["momentum"]) == (r["plain"]["params"], r["plain"]["momentum"])
+        assert saved["steps_after"] == r["plain"]["steps_after"] == 4
+
+
 def test_a_bfloat16_models_float32_momentum_survives_its_state_dict():
     """torch's load_state_dict casts the state to each parameter's dtype; a
     bfloat16 model's momentum (float32 by default) comes back as it was saved,

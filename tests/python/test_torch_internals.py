@@ -222,6 +222,23 @@ def probe(rank, world_size):
 
     check("OptimizedModule._orig_mod", compiled)
 
+    # torch fills a fresh optimizer's state by a step() on zero gradients: lionbit must see that it is that one.
+    def init_optim_state():
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        net = torch.nn.Linear(3, 2)
+        opt = lionbit.DistributedLion(net.parameters(), lr=0.1)
+        seen = []
+        real = ti.initializing_optimizer_state
+        ti.initializing_optimizer_state = lambda: seen.append(real()) or seen[-1]
+        try:
+            _init_optim_state(opt)
+        finally:
+            ti.initializing_optimizer_state = real
+        return seen == [True] and opt.steps_taken == 0 and len(opt.state) == 2 and not real()
+
+    check("torch.distributed.checkpoint.state_dict._init_optim_state", init_optim_state)
+
     def scaler():
         w = torch.nn.Parameter(torch.ones(4))
         opt = torch.optim.SGD([w], lr=0.1)
