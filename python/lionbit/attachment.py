@@ -188,7 +188,7 @@ class Attachment:
                     f"DistributedLion.step on rank {dist.get_rank(self.group)}: these parameters belong to a "
                     f"DistributedDataParallel model that was not attached, so DDP all-reduces every gradient in "
                     f"fp32 and the 1-bit vote runs on top of it: all the cost, none of the saving. Call "
-                    f"opt.attach(ddp_model) once after creating both"
+                    f"opt.attach(ddp_model) once after creating both (with replicate(): opt.attach(model))"
                 )
                 return
 

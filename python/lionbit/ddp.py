@@ -107,12 +107,14 @@ class DDPAttachment(Attachment):
 
     @staticmethod
     def accepts(model) -> bool:
-        return isinstance(model, DDP)
+        return isinstance(model, DDP) or torch_internals.is_replicated(model)
 
     def __init__(self, opt, model, overlap: bool):
+        self.wrapper = model  # what the user attached: the DDP model, or a module given to replicate()
+        model, names = _ddp_of(model)
         super().__init__(opt, opt.group if opt.group is not None else model.process_group)
         known = opt.param_group_of()
-        missing = [n for n, p in model.module.named_parameters() if p.requires_grad and p not in known]
+        missing = [names[p] for p in model.module.parameters() if p.requires_grad and p not in known]
         if missing:
             raise ValueError(
                 f"DistributedLion.attach: the DDP model's parameters {missing[:5]} are not in this optimizer; "
@@ -142,7 +144,7 @@ class DDPAttachment(Attachment):
         self.slot = slot
 
     def is_attached_to(self, model) -> bool:
-        return model is self.model
+        return model is self.model or model is self.wrapper
 
     def detach(self) -> None:
         _drain(self.started)
@@ -391,6 +393,15 @@ class DDPAttachment(Attachment):
         deltas = list(map(delta_of, accumulate(bv.sizes, initial=0), bv.sizes))
         return (list(zip(gs, map(self.opt.momentum_of, bv.params), coefs, fused)),
                 list(zip(bv.params, deltas, coefs, fused)))
+
+
+def _ddp_of(model) -> Tuple[DDP, Dict[torch.Tensor, str]]:
+    """The DistributedDataParallel that reduces ``model``'s gradients, and its
+    parameters' names as the user knows them: the model itself, or the DDP
+    that composable replicate() builds over the module (torchtitan's DDP)."""
+    if isinstance(model, DDP):
+        return model, {p: n for n, p in model.module.named_parameters()}
+    return torch_internals.replicate_ddp(model, "DistributedLion.attach"), {p: n for n, p in model.named_parameters()}
 
 
 def _drain(votes) -> Optional[BaseException]:

@@ -423,7 +423,8 @@ def _mesh_kind(fp, p, name: str):
     if kind == "DDPMeshInfo":
         raise NotImplementedError(
             f"{_WHERE}: parameter '{name}' is replicated by FSDP2's replicate() over {describe_mesh(mesh)}, which "
-            f"is not supported; {works}, or DistributedDataParallel"
+            f"is not supported; {works}, or DDP (DistributedDataParallel, or torch.distributed._composable."
+            f"replicate's replicate())"
         )
     raise NotImplementedError(
         f"{_WHERE}: parameter '{name}' lives on the {mesh.ndim}-D mesh {describe_mesh(mesh)} ({kind}"

@@ -61,6 +61,15 @@ NAMES = (
     Name("torch._C._current_graph_task_id", "whether a DDP comm hook runs inside a backward or a Join shadow"),
     Name("torch._C._len_torch_dispatch_stack",
          "under a TorchDispatchMode in-place ops bump no version: vote again (optional: absent means none)"),
+    # composable replicate() (DDP underneath)
+    Name("torch.distributed._composable.replicate.DDP",
+         "whether a module is composable replicate()'s (torchtitan's and OLMo-core's DDP): attach reaches its DDP"),
+    Name("torch.distributed._composable.replicate._ReplicateState._ddp",
+         "the DistributedDataParallel that replicate() builds over the module's parameters: the comm hook's home"),
+    Name("torch.distributed._composable.replicate._ReplicateState.lazy_init",
+         "replicate() builds its DDP at the first forward; attach before that builds it then"),
+    Name("torch.distributed._composable.contract._get_registry",
+         "a replicate()d model with fully_shard-ed parts (which its DDP leaves out) is refused"),
     # torch.optim.Optimizer, torch.compile
     Name("Optimizer._optimizer_state_dict_pre_hooks",
          "DistributedLion's FSDP2 state_dict() runs the hooks users registered, as Optimizer's would"),
@@ -174,6 +183,48 @@ def in_backward() -> bool:
 def in_dispatch_mode() -> bool:
     """Under a TorchDispatchMode (FlopCounterMode, ...), where in-place ops bump no version."""
     return getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)() > 0
+
+
+# -- composable replicate() ---------------------------------------------------------
+# torch.distributed._composable.replicate.replicate(module, device_mesh=..., ...)
+# (torchtitan's and OLMo-core's DDP) builds a DistributedDataParallel over the
+# module's parameters at the module's first forward and keeps it in its state;
+# no public name reaches it. (The FSDP-based replicate of
+# torch.distributed._composable.replicate_with_fsdp is an FSDP2 module instead.)
+
+
+def _replicate_module():
+    return sys.modules.get("torch.distributed._composable.replicate")
+
+
+def is_replicated(module) -> bool:
+    """Whether ``module`` is composable replicate()'s (its class becomes a
+    subclass of that module's ``DDP``)."""
+    mod = _replicate_module()
+    return mod is not None and issubclass(type(module), mod.DDP)
+
+
+def replicate_ddp(module, where: str):
+    """The DistributedDataParallel of a replicate()d module, built now if no
+    forward has run yet (every rank attaches at the same point of its script,
+    so DDP's construction, a collective, runs on all of them alike)."""
+    state = _replicate_module().replicate.state(module)
+    if state is None or not hasattr(state, "has_initialized"):
+        raise unsupported(where, "composable replicate()'s state")
+    from torch.distributed._composable.contract import _get_registry  # optional: replicate() imported it already
+
+    for sub in module.modules():
+        if "fully_shard" in (_get_registry(sub) or {}):
+            raise NotImplementedError(
+                f"{where}: the replicate()d model has fully_shard-ed parts, which its DDP leaves out; replicate the "
+                f"whole model, or fully_shard all of it (FSDP2 and HSDP are supported)"
+            )
+    if not state.has_initialized:
+        state.lazy_init()
+    ddp = getattr(state, "_ddp", None)
+    if ddp is None:
+        raise unsupported(where, "_ReplicateState._ddp")
+    return ddp
 
 
 # -- torch.optim.Optimizer, torch.compile -----------------------------------------

@@ -222,6 +222,37 @@ def probe(rank, world_size):
 
     check("OptimizedModule._orig_mod", compiled)
 
+    # composable replicate(): its DDP, built at attach before any forward; a model with fully_shard-ed parts
+    def replicated():
+        from torch.distributed._composable.replicate import replicate
+        from torch.nn.parallel import DistributedDataParallel
+
+        net = replicate(torch.nn.Linear(3, 2))
+        ddp = ti.replicate_ddp(net, "probe")
+        params = list(ddp.module.parameters())
+        return (ti.is_replicated(net) and not ti.is_replicated(torch.nn.Linear(1, 1))
+                and isinstance(ddp, DistributedDataParallel) and len(params) == 2
+                and all(a is b for a, b in zip(params, net.parameters())) and ti.replicate_ddp(net, "probe") is ddp)
+
+    for name in ("DDP", "_ReplicateState._ddp", "_ReplicateState.lazy_init"):
+        check(f"torch.distributed._composable.replicate.{name}", replicated)
+
+    def mixed():
+        from torch.distributed._composable.replicate import replicate
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+        fully_shard(net[0], mesh=init_device_mesh("cpu", (world_size,)))
+        replicate(net)
+        try:
+            ti.replicate_ddp(net, "probe")
+        except NotImplementedError as err:
+            return "fully_shard-ed parts" in str(err)
+        return False
+
+    check("torch.distributed._composable.contract._get_registry", mixed)
+
     # torch fills a fresh optimizer's state by a step() on zero gradients: lionbit must see that it is that one.
     def init_optim_state():
         from torch.distributed.checkpoint.state_dict import _init_optim_state
