@@ -9,12 +9,14 @@ accumulates them, the last one reduces, the stage divides the gradients
 by the number of micro-batches), the gradients are clipped by the norm of
 this dp rank's whole model (each stage's norm, summed over pp), and each
 optimizer steps. Schedules: GPipe, 1F1B, and interleaved 1F1B with two
-model parts a rank.
+model parts a rank. With HSDP (8 ranks: pp 2 x 2 nodes x 2 shards,
+``fully_shard`` over ``mesh["replicate", "shard"]``) each node is a
+worker: its ranks' mean gradient, each rank's shard of its momentum.
 
 The reference runs inside each rank with no lionbit, FSDP or pipelining
 in it: the whole model computes this dp rank's gradient micro-batch by
 micro-batch with the same kernels on the same values (so the comparison
-is bitwise), the dp ranks' gradients are all-gathered, each is clipped by
+is bitwise), the workers' gradients are all-gathered, each is clipped by
 the norm the run computed (checked against the reference's own), and
 Distributed Lion with 2 workers runs in plain torch float32. After every
 step each rank's stage parameters and momentum must equal it bit for bit.
@@ -30,10 +32,10 @@ from harness import run_ranks, values
 
 pytestmark = pytest.mark.kernels
 
-PP, DP, MICRO = 2, 2, 4
+PP, DP, MICRO = 2, 2, 4  # DP: the workers (dp ranks, or HSDP's nodes)
+SHARDS = 2  # HSDP: the ranks of a node
 WIDTHS = (12, 21, 20, 17, 6)  # 4 layers; 21 and 17 rows do not split evenly over dp: FSDP pads
 LION = {"lr": 0.02, "betas": (0.9, 0.99), "weight_decay": 0.1}
-CLIP = 0.5
 
 
 def _blocks(seed=0):
@@ -77,12 +79,53 @@ def _clip_grad_norm(params, max_norm, pp_group):
     return norm
 
 
-def _pipeline(mesh, schedule, seed=0):
+class _Mesh:
+    """The pipeline's mesh and its data-parallel side: FSDP over dp (pp, dp),
+    or HSDP over (replicate, shard) of (pp, replicate, shard), a node a worker."""
+
+    def __init__(self, hsdp=False):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.hsdp = hsdp
+        if hsdp:
+            self.mesh = init_device_mesh("cpu", (PP, DP, SHARDS), mesh_dim_names=("pp", "replicate", "shard"))
+            self.fsdp, workers, self.shard = self.mesh["replicate", "shard"], self.mesh["replicate"], self.mesh["shard"]
+            self.data = workers.get_local_rank() * SHARDS + self.shard.get_local_rank()  # this rank's batch
+        else:
+            self.mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+            self.fsdp = workers = self.mesh["dp"]
+            self.data = workers.get_local_rank()
+        self.workers, self.worker = workers.get_group(), workers.get_local_rank()  # the ranks that vote, and mine
+        self.pp, self.pp_group = self.mesh["pp"].get_local_rank(), self.mesh["pp"].get_group()
+
+    def worker_grads(self, g) -> list:
+        """Every worker's gradient: each dp rank's, or (HSDP) each node's mean (a + b) / 2, as FSDP averages."""
+        if self.hsdp:
+            a, b = _gather(g, self.shard.get_group())
+            g = (a + b) / 2
+        return _gather(g, self.workers)
+
+    def own(self, t):
+        """This rank's part of its worker's momentum: under HSDP FSDP's chunk of dim 0."""
+        if not self.hsdp:
+            return t
+        rows = -(-t.shape[0] // SHARDS)
+        k = self.shard.get_local_rank()
+        return t[k * rows : (k + 1) * rows]
+
+
+def _gather(t, group) -> list:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+def _pipeline(m, schedule, seed=0):
     """This rank's model parts (each fully_shard-ed over dp), their stages and the schedule."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    pp = mesh["pp"].get_local_rank()
+    pp = m.pp
     stages = PP * (2 if schedule == "interleaved" else 1)
     mine = [pp, pp + PP] if schedule == "interleaved" else [pp]
     blocks = _blocks(seed)
@@ -91,10 +134,10 @@ def _pipeline(mesh, schedule, seed=0):
         # the blocks keep their names in the whole model, as torchtitan's model parts do
         part = torch.nn.Sequential(OrderedDict((f"block{i}", blocks[i]) for i in _stage_blocks(s, stages)))
         for block in part:
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(part, mesh=mesh["dp"])
+            fully_shard(block, mesh=m.fsdp)
+        fully_shard(part, mesh=m.fsdp)
         parts.append(part)
-        pipe.append(PipelineStage(part, s, stages, torch.device("cpu"), group=mesh["pp"].get_group()))
+        pipe.append(PipelineStage(part, s, stages, torch.device("cpu"), group=m.pp_group))
     if schedule == "interleaved":
         sched = ScheduleInterleaved1F1B(pipe, n_microbatches=MICRO, loss_fn=_loss_fn)
     else:
@@ -103,29 +146,25 @@ def _pipeline(mesh, schedule, seed=0):
     return parts, mine, stages, sched
 
 
-def _train_step(mesh, sched, opts, params, step, clip):
+def _train_step(m, sched, opts, params, step, clip):
     """torchtitan's train step: the schedule, clipping over pp, every model part's optimizer."""
-    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    x, y = _batch(dp, step)
-    if pp == 0:  # the first stage's rank feeds the inputs, the last stage's the targets
+    x, y = _batch(m.data, step)
+    if m.pp == 0:  # the first stage's rank feeds the inputs, the last stage's the targets
         sched.step(x)
     else:
         sched.step(target=y, losses=[])
-    norm = _clip_grad_norm(params, CLIP, mesh["pp"].get_group()) if clip else None
+    norm = _clip_grad_norm(params, clip, m.pp_group) if clip else None
     for opt in opts:
         opt.step()
         opt.zero_grad()
     return norm
 
 
-def pipeline_runs(rank, world_size, schedule, clip, steps=4):
-    from torch.distributed.device_mesh import init_device_mesh
-
+def pipeline_runs(rank, world_size, schedule, clip, hsdp=False, steps=4):
     import lionbit
 
-    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
-    dp = mesh["dp"].get_local_rank()
-    parts, mine, stages, sched = _pipeline(mesh, schedule)
+    m = _Mesh(hsdp)
+    parts, mine, stages, sched = _pipeline(m, schedule)
     opts = [lionbit.DistributedLion(part.parameters(), **LION).attach(part) for part in parts]
     params = [p for part in parts for p in part.parameters()]
 
@@ -139,34 +178,30 @@ def pipeline_runs(rank, world_size, schedule, clip, steps=4):
     b1, b2 = LION["betas"]
     lr, wd = LION["lr"], LION["weight_decay"]
     worst, clipped = 0.0, 0
-    lionbit.reset_stats(mesh["dp"].get_group())
+    lionbit.reset_stats(m.workers)
     for step in range(steps):
-        x, y = _batch(dp, step)
-        norm = _train_step(mesh, sched, opts, params, step, clip)
+        x, y = _batch(m.data, step)
+        norm = _train_step(m, sched, opts, params, step, clip)
 
         ref_model.zero_grad(set_to_none=True)
-        for m in range(MICRO):
-            _loss_fn(ref_model(x[2 * m : 2 * m + 2]), y[2 * m : 2 * m + 2]).backward()
-        grads = [p.grad / MICRO for p in every]
-        everyone = [[torch.empty_like(g) for _ in range(DP)] for g in grads]
-        for parts_of, g in zip(everyone, grads):
-            dist.all_gather(parts_of, g, group=mesh["dp"].get_group())
+        for k in range(MICRO):
+            _loss_fn(ref_model(x[2 * k : 2 * k + 2]), y[2 * k : 2 * k + 2]).backward()
+        everyone = [m.worker_grads(p.grad / MICRO) for p in every]  # per parameter, every worker's gradient
         if clip:
-            own = sum(float((p.grad.double() / MICRO).square().sum()) for p in ref_model.parameters()) ** 0.5
+            own = sum(float(row[m.worker].double().square().sum()) for row in everyone) ** 0.5
             worst = max(worst, abs(float(norm) - own) / own)
-            clipped += float(norm) > CLIP
-            norms = [torch.empty(1) for _ in range(DP)]
-            dist.all_gather(norms, norm.reshape(1), group=mesh["dp"].get_group())
+            clipped += float(norm) > clip
+            norms = _gather(norm.reshape(1), m.workers)
             for w in range(DP):
-                coef = torch.clamp(CLIP / (norms[w][0] + 1e-6), max=1.0)
+                coef = torch.clamp(clip / (norms[w][0] + 1e-6), max=1.0)
                 everyone = [[g * coef if r == w else g for r, g in enumerate(row)] for row in everyone]
         with torch.no_grad():
             for i, p in enumerate(every):
                 dirs = []
                 for w in range(DP):
-                    m, g = momentum[w][i], everyone[i][w]
-                    dirs.append(torch.sign(torch.add(torch.mul(m, _f32(b1)), torch.mul(g, _f32(1.0 - b1)))))
-                    momentum[w][i] = torch.add(torch.mul(m, _f32(b2)), torch.mul(g, _f32(1.0 - b2)))
+                    mw, g = momentum[w][i], everyone[i][w]
+                    dirs.append(torch.sign(torch.add(torch.mul(mw, _f32(b1)), torch.mul(g, _f32(1.0 - b1)))))
+                    momentum[w][i] = torch.add(torch.mul(mw, _f32(b2)), torch.mul(g, _f32(1.0 - b2)))
                 delta = torch.sign(dirs[0] + dirs[1])
                 p.copy_(torch.sub(torch.mul(p, _f32(1.0 - lr * wd)), torch.mul(delta, _f32(lr))))
         for i, (p, want) in enumerate(zip(params, ref_params)):
@@ -174,25 +209,43 @@ def pipeline_runs(rank, world_size, schedule, clip, steps=4):
             assert torch.equal(got, want), (
                 f"step {step}: stage parameter {i} differs from the reference by {(got - want).abs().max()}")
         ran = [opt.state[p]["exp_avg"] for opt, part in zip(opts, parts) for p in part.parameters()]
-        for i, (m, p) in enumerate(zip(ran, ref_params)):
-            want = momentum[dp][index[p]]
-            assert torch.equal(m, want), f"step {step}: this rank's momentum of stage parameter {i} differs"
-    stats = lionbit.stats(mesh["dp"].get_group())
-    return {"norm_rel_err": worst, "clipped": clipped, "calls": stats["sign_reduce_scatter_calls"]}
+        for i, (mine_m, p) in enumerate(zip(ran, ref_params)):
+            want = m.own(momentum[m.worker][index[p]])
+            assert torch.equal(mine_m, want), f"step {step}: this rank's momentum of stage parameter {i} differs"
+    stats = lionbit.stats(m.workers)
+    return {"norm_rel_err": worst, "clipped": clipped,
+            "calls": stats["sign_reduce_scatter_calls"] + stats["sign_allreduce_calls"]}
 
 
 CASES = {
-    "gpipe": dict(schedule="gpipe", clip=False),
-    "1f1b, clipping": dict(schedule="1f1b", clip=True),
-    "interleaved 1f1b, two parts a rank, clipping": dict(schedule="interleaved", clip=True),
+    "gpipe": dict(schedule="gpipe", clip=0.0),
+    "1f1b, clipping": dict(schedule="1f1b", clip=0.5),
+    "interleaved 1f1b, two parts a rank, clipping": dict(schedule="interleaved", clip=0.5),
 }
+
+
+HSDP_CASES = {
+    "HSDP, 1f1b, clipping": dict(schedule="1f1b", clip=0.2, hsdp=True),  # a node's mean: a smaller norm
+    "HSDP, interleaved 1f1b, two parts a rank": dict(schedule="interleaved", clip=0.0, hsdp=True),
+}
+
+
+def _check(case, runs) -> None:
+    for r in runs:
+        assert r["norm_rel_err"] < 1e-5 and r["calls"] > 0, r
+        assert r["clipped"] > 0 or not case["clip"], r
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_beside_fsdp_equals_the_reference_bitwise(case):
-    for r in values(run_ranks("test_fsdp_pp:pipeline_runs", PP * DP, kwargs=CASES[case], timeout=180)):
-        assert r["norm_rel_err"] < 1e-5 and r["calls"] > 0, r
-        assert r["clipped"] > 0 or not CASES[case]["clip"], r
+    _check(CASES[case], values(run_ranks("test_fsdp_pp:pipeline_runs", PP * DP, kwargs=CASES[case], timeout=180)))
+
+
+@pytest.mark.parametrize("case", list(HSDP_CASES))
+def test_pipeline_beside_hsdp_equals_the_reference_bitwise(case):
+    """torchtitan's PP x HSDP: 2 stages x 2 nodes x 2 shards (8 ranks)."""
+    runs = values(run_ranks("test_fsdp_pp:pipeline_runs", PP * DP * SHARDS, kwargs=HSDP_CASES[case], timeout=180))
+    _check(HSDP_CASES[case], runs)
 
 
 def pipeline_checkpoint(rank, world_size, path):
@@ -208,22 +261,21 @@ def pipeline_checkpoint(rank, world_size, path):
         set_model_state_dict,
         set_optimizer_state_dict,
     )
-    from torch.distributed.device_mesh import init_device_mesh
 
     import lionbit
 
-    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+    m = _Mesh()
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
 
     def build(seed):
-        parts, _, _, sched = _pipeline(mesh, "interleaved", seed)
+        parts, _, _, sched = _pipeline(m, "interleaved", seed)
         opts = [lionbit.DistributedLion(part.parameters(), **LION).attach(part) for part in parts]
         return parts, opts, sched
 
     def train(parts, opts, sched, steps):
         params = [p for part in parts for p in part.parameters()]
         for step in steps:
-            _train_step(mesh, sched, opts, params, step, clip=True)
+            _train_step(m, sched, opts, params, step, clip=0.5)
 
     def state_dicts(parts, opts):
         model = {k: v for part in parts for k, v in get_model_state_dict(part).items()}
