@@ -196,15 +196,26 @@ class _SignReduceScatter(torch_internals.LayoutLearner):
             return self.default_comm(output_tensor, input_tensor, group, op, async_op)
         if async_op:
             raise NotImplementedError(f"{where}: async_op=True is not supported")
-        if op != dist.ReduceOp.AVG:
+        if not _unscaled(op, input_tensor.dtype):
             raise RuntimeError(
-                f"{where}: FSDP asked for reduce op {op}, not AVG: it scales gradients itself "
-                f"(float16 reduce_dtype, set_gradient_divide_factor or set_force_sum_reduction_for_comms), "
-                f"which would change the local gradient; use float32 or bfloat16 gradients and no divide factor"
+                f"{where}: FSDP reduces {input_tensor.dtype} gradients with {op}, dividing them before the "
+                f"reduction, which would change the local gradient; reduce in float32 or bfloat16"
             )
         fsdp_capture(self.att, layout, input_tensor, output_tensor, group, where)
         self.group = group
         return None
+
+
+def _unscaled(op, dtype) -> bool:
+    """Whether FSDP handed its reduce-scatter the local gradients as they
+    are. FSDP divides them before the reduction only where it reduces with
+    SUM in a dtype other than float32 / bfloat16 (float16: it splits the
+    division around the sum); AVG and PREMUL_SUM (a divide factor, such as
+    torchtitan's 1.0) carry the division inside the collective, and SUM in
+    float32 / bfloat16 (set_force_sum_reduction_for_comms) divides after it."""
+    if op == dist.ReduceOp.AVG or op == dist.ReduceOp.PREMUL_SUM:
+        return True
+    return op == dist.ReduceOp.SUM and dtype in (torch.float32, torch.bfloat16)
 
 
 class FSDP2Attachment(Attachment):
@@ -332,6 +343,22 @@ class FSDP2Attachment(Attachment):
         load_sharded_state_dict(self, state_dict)
 
 
+class _OneRank:
+    """The shard group of FSDP2's replicate(), which shards over no one:
+    FSDP's chunk layout over this rank alone."""
+
+    @staticmethod
+    def size() -> int:
+        return 1
+
+    @staticmethod
+    def rank() -> int:
+        return 0
+
+
+_ALONE = _OneRank()
+
+
 class _Mesh:
     """How the ranks of an FSDP2 model shard and vote, the one thing the 1-D
     and the HSDP case do differently.
@@ -346,6 +373,11 @@ class _Mesh:
     the rank packs the direction of that shard alone (its shard of the
     node's momentum) and the sign all-reduce over the replicate group (the
     M ranks holding the same shard) gives Delta of the shard.
+
+    FSDP2's replicate() (a 1-D mesh of DDPMeshInfo, parameters placed
+    Replicate()) is HSDP with one rank a node: FSDP's reduction inside the
+    node is a copy, each rank a worker with its own local gradient and a
+    full-size momentum, and the replicate group votes, as under DDP.
 
     Either way the unit's layout is FSDP's chunk layout over the L (= N)
     ranks of the shard group, Delta is this rank's chunk, and the apply is
@@ -365,13 +397,15 @@ class _Mesh:
     def __init__(self, device_mesh, replicate_dim: Optional[int], tp=None):
         self.device_mesh = device_mesh  # FSDP's mesh
         self.replicas = None if replicate_dim is None else device_mesh.get_group(replicate_dim)
-        shard_dim = 0 if replicate_dim is None else 1 - replicate_dim
-        self.shard_group = device_mesh.get_group(shard_dim)
+        if replicate_dim is not None and device_mesh.ndim == 1:
+            self.shard_group = _ALONE  # FSDP2's replicate(): no shard dim, a node is one rank
+        else:
+            self.shard_group = device_mesh.get_group(0 if replicate_dim is None else 1 - replicate_dim)
         self.tp = tp
         self.vote_group = self.shard_group if self.replicas is None else self.replicas
         # the groups whose ranks hold parts of one worker, and agree whether to step (in turn: HSDP's
         # node is its shard groups' ranks, with tensor parallelism each shard's tensor-parallel ranks)
-        node = (self.shard_group,) if self.replicas is not None else ()
+        node = (self.shard_group,) if self.replicas is not None and self.shard_group is not _ALONE else ()
         self.agree = node + ((tp,) if tp is not None else ())
         self.shards, self.shard = self.shard_group.size(), self.shard_group.rank()
         workers = self.shard_group if self.replicas is None else self.replicas
@@ -392,7 +426,7 @@ def describe_mesh(mesh) -> str:
 
 def _mesh_kind(fp, p, name: str):
     """(the replicate dim of p's FSDP mesh: None on a 1-D FSDP mesh, 0 on
-    HSDP; the group of p's tensor-parallel dim, None without one), or a
+    HSDP and FSDP2's replicate(); the group of p's tensor-parallel dim, None without one), or a
     clear error naming what works for any other mesh."""
     mesh, kind = p.device_mesh, type(fp.mesh_info).__name__
     works = ("supported: a 1-D FSDP mesh or HSDP (fully_shard over a 2-D mesh (replicate, shard)), each with or "
@@ -420,11 +454,17 @@ def _mesh_kind(fp, p, name: str):
                 f"{describe_mesh(mesh)}; only (Replicate(), Shard(0)) (no shard_placement_fn) is supported"
             )
         return 0, None
+    if kind == "DDPMeshInfo" and fp.mesh_info.mesh.ndim == 1 and mesh.ndim == 1 and not spmd:
+        if tuple(p.placements) != (Replicate(),):  # FSDP2's replicate(): each rank holds the whole parameter
+            raise NotImplementedError(
+                f"{_WHERE}: parameter '{name}' is placed {tuple(p.placements)} by FSDP2's replicate() over "
+                f"{describe_mesh(mesh)}; only Replicate() is supported"
+            )
+        return 0, None
     if kind == "DDPMeshInfo":
         raise NotImplementedError(
-            f"{_WHERE}: parameter '{name}' is replicated by FSDP2's replicate() over {describe_mesh(mesh)}, which "
-            f"is not supported; {works}, or DDP (DistributedDataParallel, or torch.distributed._composable."
-            f"replicate's replicate())"
+            f"{_WHERE}: parameter '{name}' is replicated by FSDP2's replicate() over {describe_mesh(mesh)} "
+            f"beside another mesh dim, which is not supported; {works}, or FSDP2's replicate() over a 1-D mesh"
         )
     raise NotImplementedError(
         f"{_WHERE}: parameter '{name}' lives on the {mesh.ndim}-D mesh {describe_mesh(mesh)} ({kind}"
@@ -456,10 +496,6 @@ def _managed(opt, model):
                     f"{_WHERE}: FSDP unit '{torch_internals.fsdp2_unit_name(pg)}' already has a custom "
                     f"reduce-scatter ({type(comm).__name__}); lionbit needs to install its own"
                 )
-            if getattr(pg, "gradient_divide_factor", None) is not None:
-                raise ValueError(f"{_WHERE}: set_gradient_divide_factor is not supported (Lion needs the raw local gradient)")
-            if getattr(pg, "force_sum_reduction_for_comms", False):
-                raise ValueError(f"{_WHERE}: set_force_sum_reduction_for_comms(True) is not supported")
             if torch_internals.fsdp2_all_reduce_hook(pg) is not None:
                 raise ValueError(f"{_WHERE}: set_all_reduce_hook is not supported (the output is Lion's update, not a gradient)")
             for fp in pg.fsdp_params:

@@ -395,6 +395,10 @@ def fsdp2_unit_name(param_group) -> str:
 
 
 def fsdp2_reduce_scatter_group(param_group):
+    """The unit's reduce-scatter group; None for FSDP2's replicate(), which
+    shards over no group (FSDP's property asserts there)."""
+    if not hasattr(getattr(param_group, "mesh_info", None), "shard_process_group"):
+        return None
     return getattr(param_group, "_reduce_scatter_process_group", None)
 
 

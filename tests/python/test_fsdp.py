@@ -216,7 +216,8 @@ def test_fsdp2_gradients_accumulate_like_ddp(habit):
 
 
 KNOBS = ["reshard_after_forward_false", "reshard_after_forward_int", "explicit_prefetch", "explicit_unshard",
-         "no_reshard_after_backward", "is_last_backward", "tied_embedding"]
+         "no_reshard_after_backward", "is_last_backward", "tied_embedding", "gradient_divide_factor",
+         "force_sum_reduction"]
 
 
 class _TiedLM(torch.nn.Module):
@@ -265,6 +266,11 @@ def knobs_like_ddp(rank, world_size, knob, steps=5):
     fully_shard(model.a, **kw)
     fully_shard(model.b, **kw)
     fully_shard(model, **kw)  # (tied: the shared weight in the root's unit)
+    for unit in (model.a, model.b, model):
+        if knob == "gradient_divide_factor":  # torchtitan's disable_fsdp_gradient_division (a global-token loss)
+            unit.set_gradient_divide_factor(1.0)
+        elif knob == "force_sum_reduction":  # torchtitan's symmetric-memory setting, without symmetric memory
+            unit.set_force_sum_reduction_for_comms(True)
     if knob == "explicit_prefetch":
         model.a.set_modules_to_forward_prefetch([model.b])
         model.b.set_modules_to_backward_prefetch([model.a])
@@ -623,12 +629,10 @@ COLLECTIVE_CASES = {
     "kind_mismatch": "collective differs across ranks",
 }
 ATTACH_CASES = {
-    "replicate": "is not supported; supported: a 1-D FSDP mesh or HSDP (fully_shard over a 2-D mesh (replicate, "
-                 "shard)), each with or without tensor parallelism beside it",
     "hsdp_placement": "only (Replicate(), Shard(0)) (no shard_placement_fn) is supported",
     "offload": "CPUOffloadPolicy is not supported",
     "missing_param": "is not in this optimizer",
-    "fp16_reduce": "not AVG",
+    "fp16_reduce": "FSDP reduces torch.float16 gradients with RedOpType.SUM, dividing them before the reduction",
     "not_root": "call fully_shard on the root module too",
     "ignored_params": "['b.weight'] are the model's but not sharded by FSDP (fully_shard's ignored_params)",
     "another_models": "2 of this optimizer's parameters are not parameters of the model it is attached to",
@@ -676,11 +680,6 @@ def _error_case(rank, world_size, case):
             lionbit.all_reduce_sign(x)
         else:
             lionbit.reduce_scatter_sign(torch.zeros(64), x)
-    elif case == "replicate":  # FSDP2's composable replicate(): refused, naming what works
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        model = replicate(_net())
-        lionbit.DistributedLion(model.parameters()).attach(model)
     elif case == "hsdp_placement":  # HSDP (test_hsdp.py) with another shard placement
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard

@@ -78,7 +78,7 @@ def _loss(model, rank, step, micro=0):
 
 def _config(**kw):
     cfg = dict(aggregation="vote", tie_break="zero", steps=4, clip=None, accumulate=1, reshard=True, mp=None,
-               reduce=None, scaler=False, overflow=None, compile=False, tie=False)
+               reduce=None, scaler=False, overflow=None, compile=False, tie=False, divide=None)
     cfg.update(kw)
     return cfg
 
@@ -99,6 +99,10 @@ def _hsdp_model(mesh, cfg, seed=0):
             block.compile()
         fully_shard(block, **kw)
     fully_shard(model, **kw)
+    if cfg.get("divide"):  # torchtitan's disable_fsdp_gradient_division; the sum forced (Gloo has no PREMUL_SUM)
+        for unit in list(model.blocks) + [model]:
+            unit.set_gradient_divide_factor(cfg["divide"])
+            unit.set_force_sum_reduction_for_comms(True)
     return model
 
 
@@ -200,7 +204,7 @@ def _node_grads(params, step, cfg):
                     loss = loss * 1e38
                 (loss * SCALE if cfg["scaler"] else loss).backward()  # a power of 2: exact, unless it overflows
             local.append({n: p.grad / SCALE if cfg["scaler"] else p.grad.clone() for n, p in model.named_parameters()})
-        mean = {n: (local[0][n].float() + local[1][n].float()) / 2 for n in params}
+        mean = {n: (local[0][n].float() + local[1][n].float()) / (cfg.get("divide") or 2) for n in params}
         if cfg.get("reduce"):  # reduced in that dtype: the node's mean rounded to it once (/ 2 is exact)
             mean = {n: g.to(getattr(torch, cfg["reduce"])).float() for n, g in mean.items()}
         out.append(mean)
@@ -297,6 +301,7 @@ CONFIGS = {
     "bf16 MixedPrecisionPolicy reduced in bf16 (accelerate's)": _config(mp="bfloat16", reduce="bfloat16"),
     "vote, clip, torch.compile per block": _config(clip=0.5, compile=True),
     "vote, the head tied to the embedding": _config(tie=True),
+    "vote, clip, FSDP's division off (torchtitan's factor 1.0: the node's sum)": _config(clip=0.5, divide=1.0),
 }
 
 

@@ -263,3 +263,120 @@ def test_replicate_refusals_name_the_problem():
         assert "already attached to this model" in said.get("twice", ""), said
         assert "already attached to another DistributedLion" in said.get("another", ""), said
         assert "fully_shard-ed parts" in said.get("mixed", ""), said
+
+
+# -- FSDP2's replicate (torch.distributed._composable.replicate_with_fsdp) ---------------------------------
+# The newest torchtitan's DDP: replicate() on each block and then the root, over the dp mesh, FSDP's
+# gradient division turned off (its global-token loss). An FSDP2 module whose parameters are Replicate()
+# DTensors; each rank is a worker, as under DDP.
+
+
+def _fsdp_replicated(seed=0):
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _model(seed=seed)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_replicate",))
+    for block in (model.a, model.b):
+        replicate(block, mesh=mesh)
+    replicate(model, mesh=mesh)
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+    return model
+
+
+def fsdp_replicate_like_ddp(rank, world_size, clip, accumulate):
+    """The same script under DDP and under FSDP2's replicate(): parameters and this
+    rank's momentum bitwise equal after every step (test_optim checks DDP against
+    its numpy reference)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
+
+    ddp = DDP(_model(), bucket_cap_mb=0.01)
+    dopt = lionbit.DistributedLion(_groups(ddp.module)).attach(ddp)
+    model = _fsdp_replicated()
+    opt = lionbit.DistributedLion(_groups(model)).attach(model)
+    lionbit.reset_stats()
+    for step in range(6):
+        for net, o in ((ddp, dopt), (model, opt)):
+            o.zero_grad()
+            for micro in range(accumulate):
+                last = micro == accumulate - 1
+                if net is ddp and not last:
+                    with ddp.no_sync():
+                        _loss(net, rank, step, micro, it=step).backward()
+                    continue
+                if net is model:
+                    model.set_requires_gradient_sync(last)
+                _loss(net, rank, step, micro, it=step).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_([p for p in net.parameters() if p.requires_grad], clip)
+            o.step()
+        for (name, a), b in zip(model.named_parameters(), ddp.module.parameters()):
+            assert torch.equal(a.full_tensor(), b), f"step {step}: {name} differs from DDP's"
+            if b.requires_grad:
+                assert torch.equal(opt.state[a]["exp_avg"], dopt.state[b]["exp_avg"]), (
+                    f"step {step}: the momentum of {name} differs from DDP's")
+    return {"calls": lionbit.stats()["sign_allreduce_calls"], "steps": opt.steps_taken}
+
+
+FSDP_CASES = {"plain": dict(clip=0.0, accumulate=1), "clipping, accumulation": dict(clip=0.5, accumulate=2)}
+
+
+@pytest.mark.parametrize("case", list(FSDP_CASES))
+def test_fsdp2_replicate_steps_like_ddp_bitwise(case):
+    for r in values(run_ranks("test_replicate:fsdp_replicate_like_ddp", N, kwargs=FSDP_CASES[case], timeout=120)):
+        assert r["calls"] > 0 and r["steps"] == 6, r
+
+
+def fsdp_replicate_checkpoint(rank, world_size, path):
+    """DCP through get/set_state_dict: 3 + 3 steps against 6, each rank its own momentum."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import lionbit
+
+    def build(seed):
+        model = _fsdp_replicated(seed)
+        return model, lionbit.DistributedLion(_groups(model)).attach(model)
+
+    def train(model, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            _loss(model, rank, step, 0, it=step).backward()
+            opt.step()
+
+    def state(model, opt):
+        momenta = [opt.state[p]["exp_avg"].sum().item() for p in model.parameters() if p in opt.state]
+        return [_hash_full(model)] + momenta
+
+    model, opt = build(0)
+    train(model, opt, range(6))
+    want = state(model, opt)
+    model, opt = build(0)
+    train(model, opt, range(3))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    model, opt = build(1)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    steps = opt.steps_taken
+    train(model, opt, range(3, 6))
+    got = state(model, opt)
+    return {"same": got == want, "steps": steps, "momentum": want[1:]}
+
+
+def _hash_full(model):
+    return _hash(torch.nn.ParameterList([torch.nn.Parameter(p.full_tensor()) for p in model.parameters()]))
+
+
+def test_fsdp2_replicate_checkpoint_resumes_bitwise(tmp_path):
+    res = values(run_ranks("test_replicate:fsdp_replicate_checkpoint", N, kwargs={"path": str(tmp_path / "c")},
+                           timeout=120))
+    for r in res:
+        assert r["same"] and r["steps"] == 3, r
+    assert res[0]["momentum"] != res[1]["momentum"]
