@@ -1,6 +1,7 @@
 #include "backend/forwarding_backend.hpp"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
 
 namespace lionbit {
 namespace {
@@ -54,6 +55,45 @@ bool anyCuda(const std::vector<at::Tensor>& ts) {
     }
   }
   return false;
+}
+
+// PREMUL_SUM (each rank's input times a factor, then the sum: FSDP2's
+// set_gradient_divide_factor) is NCCL's; Gloo refuses it. On Gloo lionbit
+// applies the factor itself, to the tensors an all-reduce overwrites anyway
+// or to copies of a reduce-scatter's inputs (which stay as they were), and
+// asks Gloo for SUM: the same products, summed.
+bool isPremulSum(const c10d::ReduceOp& op) {
+  return op.op_ == c10d::ReduceOp::PREMUL_SUM;
+}
+
+const c10d::NCCLPreMulSumSupplement& premulFactor(
+    const c10d::ReduceOp& op,
+    int rank,
+    const char* what) {
+  const auto* factor = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+  TORCH_CHECK_VALUE(
+      factor != nullptr, "lionbit on rank ", rank, ": ", what,
+      ": ReduceOp.PREMUL_SUM without its factor");
+  return *factor;
+}
+
+void scaleInPlace(at::Tensor& t, const c10d::NCCLPreMulSumSupplement& f) {
+  if (f.tensor_factor.defined()) {
+    t.mul_(f.tensor_factor);
+  } else {
+    t.mul_(f.double_factor);
+  }
+}
+
+at::Tensor scaled(const at::Tensor& t, const c10d::NCCLPreMulSumSupplement& f) {
+  return f.tensor_factor.defined() ? t.mul(f.tensor_factor) : t.mul(f.double_factor);
+}
+
+template <typename Options>
+Options asSum(const Options& opts) {
+  Options sum = opts;
+  sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  return sum;
 }
 
 } // namespace
@@ -116,6 +156,13 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::broadcast(
 c10::intrusive_ptr<c10d::Work> ForwardingBackend::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
+  if (isPremulSum(opts.reduceOp) && toGloo(tensors)) {
+    const auto& factor = premulFactor(opts.reduceOp, rank_, "allreduce");
+    for (auto& t : tensors) {
+      scaleInPlace(t, factor);
+    }
+    return inner(tensors).allreduce(tensors, asSum(opts));
+  }
   return inner(tensors).allreduce(tensors, opts);
 }
 
@@ -128,6 +175,13 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::allreduce_sparse(
 c10::intrusive_ptr<c10d::Work> ForwardingBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
+  if (isPremulSum(opts.reduceOp) && toGloo(tensors)) {
+    const auto& factor = premulFactor(opts.reduceOp, rank_, "allreduce_coalesced");
+    for (auto& t : tensors) {
+      scaleInPlace(t, factor);
+    }
+    return inner(tensors).allreduce_coalesced(tensors, asSum(opts));
+  }
   return inner(tensors).allreduce_coalesced(tensors, opts);
 }
 
@@ -153,6 +207,10 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::_allgather_base(
 
 bool ForwardingBackend::glooOnCuda(const std::vector<at::Tensor>& ts) const {
   return !forward_cuda_ && anyCuda(ts);
+}
+
+bool ForwardingBackend::toGloo(const std::vector<at::Tensor>& ts) const {
+  return !(forward_cuda_ && anyCuda(ts));
 }
 
 // ProcessGroupGloo's two coalesced all-gathers run its host algorithm on
@@ -225,6 +283,16 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (isPremulSum(opts.reduceOp) && toGloo(outputs)) {
+    const auto& factor = premulFactor(opts.reduceOp, rank_, "reduce_scatter");
+    std::vector<std::vector<at::Tensor>> copies(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      for (const auto& t : inputs[i]) {
+        copies[i].push_back(scaled(t, factor));
+      }
+    }
+    return inner(outputs).reduce_scatter(outputs, copies, asSum(opts));
+  }
   return inner(outputs).reduce_scatter(outputs, inputs, opts);
 }
 
@@ -232,6 +300,10 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
+  if (isPremulSum(opts.reduceOp) && toGloo({input})) {
+    at::Tensor copy = scaled(input, premulFactor(opts.reduceOp, rank_, "reduce_scatter_tensor"));
+    return inner(input)._reduce_scatter_base(output, copy, asSum(opts));
+  }
   return inner(input)._reduce_scatter_base(output, input, opts);
 }
 
@@ -239,6 +311,14 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::reduce_scatter_tensor_coalesce
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (isPremulSum(opts.reduceOp) && toGloo(inputs)) {
+    const auto& factor = premulFactor(opts.reduceOp, rank_, "reduce_scatter_tensor_coalesced");
+    std::vector<at::Tensor> copies;
+    for (const auto& t : inputs) {
+      copies.push_back(scaled(t, factor));
+    }
+    return inner(inputs).reduce_scatter_tensor_coalesced(outputs, copies, asSum(opts));
+  }
   return inner(inputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
 

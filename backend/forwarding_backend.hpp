@@ -120,6 +120,8 @@ class ForwardingBackend : public c10d::Backend {
   c10d::Backend& inner(const std::vector<at::Tensor>& ts);
   // True where CUDA tensors among `ts` go to Gloo (no NCCL transport).
   bool glooOnCuda(const std::vector<at::Tensor>& ts) const;
+  // True where a collective on `ts` goes to Gloo (CPU tensors, or CUDA ones without NCCL).
+  bool toGloo(const std::vector<at::Tensor>& ts) const;
 
   c10::intrusive_ptr<c10d::Backend> forward_;
   c10::intrusive_ptr<c10d::Backend> forward_cuda_;

@@ -222,3 +222,52 @@ def test_every_collective_equals_gloo(world_size):
         del failed["all_to_all"]
     assert not failed, failed
     assert len(reports[0]) == 20
+
+
+def premul_sum(rank, n):
+    """ReduceOp.PREMUL_SUM, which Gloo lacks (FSDP2 reduces with it under
+    set_gradient_divide_factor): lionbit scales each rank's input by the
+    factor and has Gloo sum the products, so each collective must equal
+    Gloo's own with SUM on inputs scaled by hand, bit for bit, and leave a
+    reduce-scatter's input as it was; a float64 sum of the products checks
+    the meaning."""
+    R = dist.ReduceOp
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+
+    def exact(x, factor):  # every rank's products summed in float64
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x * factor, group=gloo)
+        return torch.stack([p.double() for p in parts]).sum(0)
+
+    for label, factor, op in (("double", 0.5, R.PREMUL_SUM(0.5)),
+                              ("tensor", torch.tensor(1 / 3), R.PREMUL_SUM(torch.tensor(1 / 3)))):
+        x = _data(rank, (4 * n,), 30)
+        ref = x * factor
+        dist.all_reduce(ref, group=gloo)
+        t = x.clone()
+        dist.all_reduce(t, op=op)
+        out[f"all_reduce {label}"] = torch.equal(t, ref) and torch.allclose(t.double(), exact(x, factor), rtol=1e-6)
+
+        y = _data(rank, (3 * n,), 31)
+        before = y.clone()
+        want = exact(y, factor).chunk(n)[rank]
+        ref, o = torch.empty(3), torch.empty(3)
+        dist.reduce_scatter_tensor(ref, y * factor, group=gloo)
+        dist.reduce_scatter_tensor(o, y, op=op)
+        out[f"reduce_scatter_tensor {label}"] = (torch.equal(o, ref) and torch.allclose(o.double(), want, rtol=1e-6)
+                                                 and torch.equal(y, before))
+        ref, o = torch.empty(3), torch.empty(3)
+        dist.reduce_scatter(ref, list((y * factor).chunk(n)), group=gloo)
+        dist.reduce_scatter(o, list(y.chunk(n)), op=op)
+        out[f"reduce_scatter {label}"] = (torch.equal(o, ref) and torch.allclose(o.double(), want, rtol=1e-6)
+                                          and torch.equal(y, before))
+    dist.barrier()
+    dist.destroy_process_group(gloo)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_premul_sum_which_gloo_lacks(world_size):
+    for r in values(run_ranks("test_forwarded:premul_sum", world_size)):
+        assert r and all(r.values()), r

@@ -99,10 +99,11 @@ def _hsdp_model(mesh, cfg, seed=0):
             block.compile()
         fully_shard(block, **kw)
     fully_shard(model, **kw)
-    if cfg.get("divide"):  # torchtitan's disable_fsdp_gradient_division; the sum forced (Gloo has no PREMUL_SUM)
+    if cfg.get("divide"):  # torchtitan's disable_fsdp_gradient_division (FSDP reduces with PREMUL_SUM)
         for unit in list(model.blocks) + [model]:
             unit.set_gradient_divide_factor(cfg["divide"])
-            unit.set_force_sum_reduction_for_comms(True)
+            if cfg.get("force_sum"):  # the sum forced, the division after it
+                unit.set_force_sum_reduction_for_comms(True)
     return model
 
 
@@ -302,6 +303,7 @@ CONFIGS = {
     "vote, clip, torch.compile per block": _config(clip=0.5, compile=True),
     "vote, the head tied to the embedding": _config(tie=True),
     "vote, clip, FSDP's division off (torchtitan's factor 1.0: the node's sum)": _config(clip=0.5, divide=1.0),
+    "avg, FSDP's division by 4 with the sum forced": _config(aggregation="avg", divide=4.0, force_sum=True),
 }
 
 
