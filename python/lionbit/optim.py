@@ -14,6 +14,7 @@ attachment's (lionbit.attachment: a plain module, lionbit.ddp, lionbit.fsdp,
 lionbit.fsdp1) and the aggregation's (lionbit.voter).
 """
 
+import sys
 import warnings
 from operator import attrgetter
 from typing import Dict, Optional, Sequence
@@ -132,6 +133,13 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
                  momentum_dtype: Optional[torch.dtype] = None, fused: Optional[bool] = None, *,
                  bits: Optional[int] = None, tie_break: str = "zero", momentum_sync=None,
                  momentum_sync_dtype: torch.dtype = torch.bfloat16, hierarchy: str = "flat", topology=None):
+        if _built_by_zero():
+            raise TypeError(
+                "DistributedLion: ZeroRedundancyOptimizer gives each rank a different part of the parameters, and "
+                "Distributed Lion votes every parameter on every rank (each rank keeps its own momentum of all of "
+                "them); pass the parameters to DistributedLion directly, or shard the optimizer state with FSDP2 or "
+                "HSDP (docs/fsdp.md)"
+            )
         bits = _checked_bits(lr, betas, weight_decay, aggregation, bits, tie_break, momentum_dtype)
         self.hierarchy = optimizer_hierarchy(hierarchy, aggregation, group, topology)
         self.momentum_sync, self._sync = momentum_sync, msync.schedule(momentum_sync, momentum_sync_dtype)
@@ -294,6 +302,20 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
     @property
     def join_process_group(self):
         return self._attachment.group
+
+
+def _built_by_zero() -> bool:
+    """Whether torch's ZeroRedundancyOptimizer is constructing this optimizer
+    (``optimizer_class=DistributedLion``): it builds one over each rank's
+    partition of the parameters. Looks at the few frames above."""
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == "torch.distributed.optim.zero_redundancy_optimizer":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _attachment_kind(model):

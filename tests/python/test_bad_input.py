@@ -556,6 +556,21 @@ def case_distributed_lion_nan_gradient(rank, n):
     assert torch.equal(opt.state[p]["exp_avg"], torch.zeros(50))  # nor a momentum change
 
 
+def case_distributed_lion_inside_zero_redundancy_optimizer(rank, n):
+    """ZeroRedundancyOptimizer(optimizer_class=DistributedLion) would give
+    each rank a part of the parameters to vote: refused where it is built, on
+    every rank, naming what to use instead."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    import lionbit
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    _raises(lambda: ZeroRedundancyOptimizer(model.parameters(), optimizer_class=lionbit.DistributedLion, lr=1e-3),
+            r"TypeError: DistributedLion: ZeroRedundancyOptimizer gives each rank a different part of the "
+            r"parameters.*FSDP2 or HSDP")
+    lionbit.DistributedLion(model.parameters())  # built directly: fine
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
