@@ -133,13 +133,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
                  momentum_dtype: Optional[torch.dtype] = None, fused: Optional[bool] = None, *,
                  bits: Optional[int] = None, tie_break: str = "zero", momentum_sync=None,
                  momentum_sync_dtype: torch.dtype = torch.bfloat16, hierarchy: str = "flat", topology=None):
-        if _built_by_zero():
-            raise TypeError(
-                "DistributedLion: ZeroRedundancyOptimizer gives each rank a different part of the parameters, and "
-                "Distributed Lion votes every parameter on every rank (each rank keeps its own momentum of all of "
-                "them); pass the parameters to DistributedLion directly, or shard the optimizer state with FSDP2 or "
-                "HSDP (docs/fsdp.md)"
-            )
+        _refuse_zero_redundancy()
         bits = _checked_bits(lr, betas, weight_decay, aggregation, bits, tie_break, momentum_dtype)
         self.hierarchy = optimizer_hierarchy(hierarchy, aggregation, group, topology)
         self.momentum_sync, self._sync = momentum_sync, msync.schedule(momentum_sync, momentum_sync_dtype)
@@ -216,9 +210,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
                 "passing grad_scaler=; lionbit does not support that protocol yet (the step would use scaled "
                 "gradients)")
         if not self.state and torch_internals.initializing_optimizer_state():
-            # get/set_optimizer_state_dict on a fresh optimizer: torch steps it on zero gradients with lr 0
-            # to create its state. Not a step: zero momentum, and no count, collective or synchronization.
-            self._attachment.momenta()
+            self._attachment.momenta()  # torch filling a fresh optimizer's state (zero grads, lr 0): not a step
             return loss
         join.notify(self)
         self._take_step(grad_scaler, abstain=False)
@@ -304,18 +296,22 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
         return self._attachment.group
 
 
-def _built_by_zero() -> bool:
-    """Whether torch's ZeroRedundancyOptimizer is constructing this optimizer
-    (``optimizer_class=DistributedLion``): it builds one over each rank's
-    partition of the parameters. Looks at the few frames above."""
+def _refuse_zero_redundancy() -> None:
+    """Raises where torch's ZeroRedundancyOptimizer is constructing this
+    optimizer (``optimizer_class=DistributedLion``): it builds one over each
+    rank's partition of the parameters. Looks at the few frames above."""
     frame = sys._getframe(2)
     for _ in range(6):
         if frame is None:
-            return False
+            return
         if frame.f_globals.get("__name__") == "torch.distributed.optim.zero_redundancy_optimizer":
-            return True
+            raise TypeError(
+                "DistributedLion: ZeroRedundancyOptimizer gives each rank a different part of the parameters, and "
+                "Distributed Lion votes every parameter on every rank (each rank keeps its own momentum of all of "
+                "them); pass the parameters to DistributedLion directly, or shard the optimizer state with FSDP2 or "
+                "HSDP (docs/fsdp.md)"
+            )
         frame = frame.f_back
-    return False
 
 
 def _attachment_kind(model):
