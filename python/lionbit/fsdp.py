@@ -461,10 +461,14 @@ def _mesh_kind(fp, p, name: str):
                 f"{describe_mesh(mesh)}; only Replicate() is supported"
             )
         return 0, None
+    if kind == "DDPMeshInfo" and fp.mesh_info.mesh.ndim == 1 and mesh.ndim == 2 and not spmd:
+        tensor_parallel.check_placements(p, name, _WHERE, replicated=True)  # replicate() beside tensor parallelism
+        return 0, mesh.get_group(1)
     if kind == "DDPMeshInfo":
         raise NotImplementedError(
-            f"{_WHERE}: parameter '{name}' is replicated by FSDP2's replicate() over {describe_mesh(mesh)} "
-            f"beside another mesh dim, which is not supported; {works}, or FSDP2's replicate() over a 1-D mesh"
+            f"{_WHERE}: parameter '{name}' is replicated by FSDP2's replicate() over {describe_mesh(mesh)}, "
+            f"which is not supported; {works}, or FSDP2's replicate() over a 1-D mesh (with or without tensor "
+            f"parallelism beside it)"
         )
     raise NotImplementedError(
         f"{_WHERE}: parameter '{name}' lives on the {mesh.ndim}-D mesh {describe_mesh(mesh)} ({kind}"

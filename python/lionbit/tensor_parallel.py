@@ -29,14 +29,17 @@ def _fsdp_shards_dim0(placement) -> bool:
     return type(placement).__name__ in ("Shard", "_StridedShard") and getattr(placement, "dim", None) == 0
 
 
-def check_placements(p, name: str, where: str, hsdp: bool = False) -> None:
+def check_placements(p, name: str, where: str, hsdp: bool = False, replicated: bool = False) -> None:
     """A clear error unless p is placed ([HSDP: Replicate(),] FSDP's dim-0
-    shard, Shard(k) or Replicate()) on a ([replicate,] dp, tp) mesh: the
-    layouts of torch's tensor-parallel styles under FSDP2."""
+    shard, Shard(k) or Replicate()) on a ([replicate,] dp, tp) mesh, or
+    (``replicated``: FSDP2's replicate()) (Replicate(), Shard(k) or
+    Replicate()) on a (dp, tp) mesh: the layouts of torch's tensor-parallel
+    styles under FSDP2."""
     placements = tuple(p.placements)
-    lead = (Replicate(),) if hsdp else ()
-    if (len(placements) != len(lead) + 2 or placements[:len(lead)] != lead
-            or not _fsdp_shards_dim0(placements[len(lead)]) or type(placements[-1]) not in (Shard, Replicate)):
+    lead = (Replicate(),) if hsdp or replicated else ()
+    dp = placements[len(lead):-1]  # FSDP's shard over dp: one, none under replicate()
+    if (len(placements) != len(lead) + (1 if replicated else 2) or placements[:len(lead)] != lead
+            or not all(map(_fsdp_shards_dim0, dp)) or type(placements[-1]) not in (Shard, Replicate)):
         raise NotImplementedError(
             f"{where}: parameter '{name}' is placed {placements} on the mesh {p.device_mesh}; with tensor "
             f"parallelism DistributedLion supports FSDP's Shard(0) over the dp dim and Shard(k) or Replicate() "

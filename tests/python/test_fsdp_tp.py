@@ -178,10 +178,21 @@ def _model(mesh, cfg):
 
 
 def _fsdp_tp_model(mesh, cfg):
-    """torchtitan's order: the tensor-parallel plan, then fully_shard over dp, block by block, then the root."""
+    """torchtitan's order: the tensor-parallel plan, then fully_shard over dp, block by block, then the root
+    (``cfg["replicate"]``: FSDP2's replicate() in its place, the newest torchtitan's DDP beside TP)."""
     from torch.distributed.fsdp import fully_shard
 
     model = _model(mesh, cfg)
+    if cfg.get("replicate"):
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for layer in model.layers:
+            replicate(layer, mesh=mesh["dp"])
+        replicate(model, mesh=mesh["dp"])
+        for module in model.modules():  # torchtitan's disable_fsdp_gradient_division
+            if hasattr(module, "set_gradient_divide_factor"):
+                module.set_gradient_divide_factor(1.0)
+        return model
     for layer in model.layers:
         fully_shard(layer, mesh=_fsdp_mesh(mesh), reshard_after_forward=cfg["reshard"])
     return fully_shard(model, mesh=_fsdp_mesh(mesh), reshard_after_forward=cfg["reshard"])
@@ -396,6 +407,13 @@ CONFIGS = {
 }
 
 
+REPLICATE_CONFIGS = {  # FSDP2's replicate() over dp beside TP, on the (dp, tp) mesh of 2 x 2 ranks
+    "replicate() + TP: vote, clip": _config(clip=0.5, replicate=True),
+    "replicate() + TP: avg, accumulation, GradScaler, an inf in rank 3's part of a gradient": _config(
+        aggregation="avg", accumulate=2, scaler=True, inf=[1, 3], replicate=True),
+}
+
+
 HSDP_CONFIGS = {  # on the (replicate, shard, tp) mesh of 2 x 2 x 2 ranks
     "HSDP + TP: vote, clip": _config(clip=0.5),
     "HSDP + TP: avg, accumulation, GradScaler, an inf in rank 3's part of a gradient": _config(
@@ -407,6 +425,12 @@ HSDP_CONFIGS = {  # on the (replicate, shard, tp) mesh of 2 x 2 x 2 ranks
 def runs():
     return values(run_ranks("test_fsdp_tp:fsdp_tp_runs", DP * TP, kwargs=dict(configs=list(CONFIGS.values())),
                             timeout=240))
+
+
+@pytest.fixture(scope="module")
+def replicate_runs():
+    return values(run_ranks("test_fsdp_tp:fsdp_tp_runs", DP * TP,
+                            kwargs=dict(configs=list(REPLICATE_CONFIGS.values())), timeout=240))
 
 
 @pytest.fixture(scope="module")
@@ -450,6 +474,19 @@ def test_fsdp_tp_equals_the_reference_bitwise(runs, name):
         if not cfg["inf"]:
             assert st["bytes_sent"] - st["zero_bytes_sent"] == calls * signs, (st, s)
         assert st["bytes_sent"] * 16 < (DP - 1) * 4 * s * calls, st  # FSDP's fp32 reduce-scatter
+
+
+@pytest.mark.parametrize("name", list(REPLICATE_CONFIGS))
+def test_replicate_tp_equals_the_reference_bitwise(replicate_runs, name):
+    i = list(REPLICATE_CONFIGS).index(name)
+    cfg = REPLICATE_CONFIGS[name]
+    _check_bitwise(name, cfg, [r[i] for r in replicate_runs])
+    # one 1-bit all-reduce a step over the dp group: the signs of this rank's whole tensor-parallel part
+    for r in replicate_runs:
+        st = r[i]["stats"]
+        calls = st["sign_allreduce_calls"]
+        assert r[i]["steps"] <= calls <= cfg["steps"] and st["sign_reduce_scatter_calls"] == 0, st
+        assert st["bytes_sent"] * 16 < 2 * (DP - 1) / DP * 4 * r[i]["state_numel"] * calls, st  # fp32 all-reduce
 
 
 @pytest.mark.parametrize("name", list(HSDP_CONFIGS))
