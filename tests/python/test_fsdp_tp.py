@@ -476,30 +476,30 @@ def test_fsdp_tp_equals_the_reference_bitwise(runs, name):
         assert st["bytes_sent"] * 16 < (DP - 1) * 4 * s * calls, st  # FSDP's fp32 reduce-scatter
 
 
+def _check_all_reduce_votes(name, cfg, per_rank, workers, elements) -> None:
+    """Bitwise against the reference, and one 1-bit all-reduce a step over ``workers`` ranks of this rank's
+    ``elements(run)`` momentum elements (no reduce-scatter), far below an fp32 all-reduce's bytes."""
+    _check_bitwise(name, cfg, per_rank)
+    for run in per_rank:
+        st = run["stats"]
+        calls = st["sign_allreduce_calls"]
+        assert run["steps"] <= calls <= cfg["steps"] and st["sign_reduce_scatter_calls"] == 0, st
+        assert st["bytes_sent"] * 16 < 2 * (workers - 1) / workers * 4 * elements(run) * calls, st
+
+
 @pytest.mark.parametrize("name", list(REPLICATE_CONFIGS))
 def test_replicate_tp_equals_the_reference_bitwise(replicate_runs, name):
+    """FSDP2's replicate(): the dp group votes this rank's whole tensor-parallel part."""
     i = list(REPLICATE_CONFIGS).index(name)
-    cfg = REPLICATE_CONFIGS[name]
-    _check_bitwise(name, cfg, [r[i] for r in replicate_runs])
-    # one 1-bit all-reduce a step over the dp group: the signs of this rank's whole tensor-parallel part
-    for r in replicate_runs:
-        st = r[i]["stats"]
-        calls = st["sign_allreduce_calls"]
-        assert r[i]["steps"] <= calls <= cfg["steps"] and st["sign_reduce_scatter_calls"] == 0, st
-        assert st["bytes_sent"] * 16 < 2 * (DP - 1) / DP * 4 * r[i]["state_numel"] * calls, st  # fp32 all-reduce
+    _check_all_reduce_votes(name, REPLICATE_CONFIGS[name], [r[i] for r in replicate_runs], DP,
+                            lambda run: run["state_numel"])
 
 
 @pytest.mark.parametrize("name", list(HSDP_CONFIGS))
 def test_hsdp_tp_equals_the_reference_bitwise(hsdp_runs, name):
+    """HSDP: the replicate group votes this rank's shard of its tensor-parallel part."""
     i = list(HSDP_CONFIGS).index(name)
-    cfg = HSDP_CONFIGS[name]
-    _check_bitwise(name, cfg, [r[i] for r in hsdp_runs])
-    # one 1-bit all-reduce a step over the replicate group: this rank's shard of its tensor-parallel part
-    for r in hsdp_runs:
-        st, s = r[i]["stats"], r[i]["chunk"]
-        calls = st["sign_allreduce_calls"]
-        assert r[i]["steps"] <= calls <= cfg["steps"] and st["sign_reduce_scatter_calls"] == 0, st
-        assert st["bytes_sent"] * 16 < 2 * (M - 1) / M * 4 * s * calls, st  # HSDP's fp32 all-reduce
+    _check_all_reduce_votes(name, HSDP_CONFIGS[name], [r[i] for r in hsdp_runs], M, lambda run: run["chunk"])
 
 
 # -- checkpoints, a non-finite gradient, and what attach refuses ---------------------------------------------
