@@ -200,6 +200,11 @@ class Attachment:
         gradients a rank saw)."""
         return [self.opt.momentum_of(p) for g in self.opt.param_groups for p in g["params"] if p.requires_grad]
 
+    def momentum_groups(self) -> list:
+        """[(momenta, the group whose ranks average them)]: :meth:`momenta`
+        over the attachment's group (FSDP2 with expert parallelism: per mesh)."""
+        return [(self.momenta(), self.group)]
+
     # -- checkpoints -----------------------------------------------------------
     def marker(self) -> Optional[dict]:
         """Whose momentum a state dict holds: ``{"rank", "world_size"}``, or

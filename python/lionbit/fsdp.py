@@ -77,6 +77,15 @@ reduces; ``p.grad`` (1-D) and the checkpoints' rows are placed over the
 tensor-parallel dim as the parameter, and the ranks that hold parts of one
 worker (a tensor-parallel group; under HSDP the node's shard and
 tensor-parallel ranks) agree whether to step.
+
+Expert parallelism (torchtitan's MoE on a 1-D mesh): the experts split over
+an ep dim and ``fully_shard``-ed over dp_mod_ep, the other parameters over
+the whole dp mesh (dp_mod_ep x ep). Each parameter has its own mesh
+(``mesh_of``): the experts are handled as tensor-parallel parameters of the
+(dp_mod_ep, ep) mesh and voted over dp_mod_ep, the rest over the dp mesh;
+each group's units vote together; the ranks agree over the ep group
+(whose rounds, after the votes, reach every rank of the dp mesh), and a
+NonFinite names ranks as the default group does.
 """
 
 import copy
@@ -231,17 +240,23 @@ class FSDP2Attachment(Attachment):
         return is_fsdp2(model)
 
     def __init__(self, opt, model, overlap: bool = True):
-        self.managed, self.fqns, installs, mesh = _managed(opt, model)
-        self.dp = mesh  # how the ranks shard and vote (_Mesh)
+        self.managed, self.fqns, installs, mesh, self.mesh_of = _managed(opt, model)
+        self.dp = mesh  # how the ranks shard and vote (_Mesh); with expert parallelism the whole dp mesh's
+        # each parameter's _Mesh: dp's, or (expert parallelism) the experts' mesh for theirs
+        kinds = list(dict.fromkeys(self.mesh_of.values()))
+        self.multi = len(kinds) > 1
+        # the groups whose ranks hold parts of one worker, and agree whether to step, in turn
+        self.agree = tuple(dict.fromkeys(g for m in kinds for g in m.agree))
         # HSDP: the replicate group, over which the replicas vote; None on a 1-D mesh.
         self.replicas = mesh.replicas
-        own = mesh.replicas is None and mesh.tp is None  # a 1-D mesh: the optimizer's group, if it names one
+        # a 1-D mesh: the optimizer's group, if it names one
+        own = mesh.replicas is None and mesh.tp is None and not self.multi
         super().__init__(opt, opt.group if opt.group is not None and own else mesh.vote_group)
         self.model = model
         self.mesh = mesh.device_mesh  # FSDP's
         self.mesh_size = self.mesh.size()  # (DeviceMesh.size() is not a stored number)
         # the parameters tensor parallelism splits (their mesh has a dim beside FSDP's)
-        self.split = {p for p in self.managed if p.device_mesh.ndim > self.mesh.ndim}
+        self.split = {p for p in self.managed if p.device_mesh.ndim > self.mesh_of[p].device_mesh.ndim}
         # 1-D: a split parameter -> how its local gradient is placed (Replicate() over FSDP's dim)
         self.tp = {p: tensor_parallel.grad_placements(p) for p in self.split if mesh.replicas is None}
         # sharded parameter -> its local gradient, from the reduce-scatter
@@ -307,6 +322,18 @@ class FSDP2Attachment(Attachment):
             self.momentum(p) for g in self.opt.param_groups for p in g["params"]
             if p in self.managed and p.requires_grad
         ]
+
+    def momentum_groups(self) -> list:
+        """With expert parallelism each mesh's momenta average over its own
+        vote group (the experts' over the dp ranks that hold the same experts)."""
+        if not self.multi:
+            return super().momentum_groups()
+        momenta = self.momenta()  # (every one created, in the optimizer's order)
+        trained = [p for g in self.opt.param_groups for p in g["params"] if p in self.managed and p.requires_grad]
+        by_group = {}
+        for p, m in zip(trained, momenta):
+            by_group.setdefault(self.mesh_of[p].vote_group, []).append(m)
+        return [(ms, group) for group, ms in by_group.items()]
 
     def flat_momenta(self, ps: list) -> list:
         """:meth:`momentum` of each of ps, flat (1-D views): an existing one
@@ -487,6 +514,8 @@ def _managed(opt, model):
     groups = set()
     kinds = {}  # (replicate dim, FSDP mesh) -> a parameter's name
     tps = {}  # tensor-parallel group -> a parameter's name
+    kind_of = {}  # parameter -> (replicate dim, FSDP mesh)
+    tp_of_kind = {}  # (replicate dim, FSDP mesh) -> the tensor-parallel group of its split parameters
     for module in modules:
         pgs = torch_internals.fsdp2_param_groups(module, _WHERE)
         if not pgs:
@@ -508,9 +537,12 @@ def _managed(opt, model):
                 if not isinstance(p, DTensor):
                     raise ValueError(f"{_WHERE}: parameter '{name}' is not a DTensor (unexpected FSDP state)")
                 replicate_dim, tp = _mesh_kind(fp, p, name)
-                kinds.setdefault((replicate_dim, fp.mesh_info.mesh), name)
+                kind = (replicate_dim, fp.mesh_info.mesh)
+                kinds.setdefault(kind, name)
+                kind_of[p] = kind
                 if tp is not None:
                     tps.setdefault(tp, name)
+                    tp_of_kind.setdefault(kind, tp)
                 if fp.offload_to_cpu:
                     raise NotImplementedError(f"{_WHERE}: CPUOffloadPolicy is not supported (parameter '{name}')")
                 opt.check_param(p, "attach (FSDP2)")  # CPU, or CUDA where this build has the CUDA path
@@ -538,33 +570,30 @@ def _managed(opt, model):
         raise ValueError(
             f"{_WHERE}: {strangers} of this optimizer's parameters are not parameters of the model it is attached to"
         )
-    if len(kinds) > 1:
-        (a, ma), (b, mb) = list(kinds.items())[:2]
-        raise NotImplementedError(
-            f"{_WHERE}: parameters '{kinds[(a, ma)]}' and '{kinds[(b, mb)]}' are sharded over different meshes "
-            f"({describe_mesh(ma)} and {describe_mesh(mb)}); one optimizer votes over one mesh"
-        )
     if len(tps) > 1:
         a, b = list(tps.values())[:2]
         raise NotImplementedError(
             f"{_WHERE}: parameters '{a}' and '{b}' are split over different tensor-parallel groups; one optimizer "
             f"votes over one mesh"
         )
-    (replicate_dim, device_mesh), = kinds
-    mesh = _Mesh(device_mesh, replicate_dim, next(iter(tps), None))
+    by_kind = {kind: _Mesh(kind[1], kind[0], tp_of_kind.get(kind)) for kind in kinds}
+    mesh = _widest(by_kind, kinds) if len(kinds) > 1 else next(iter(by_kind.values()))
+    meshes = {p: by_kind[kind_of[p]] for p in managed}
     first = next(iter(managed))
-    # the vote's group must be lionbit's (a clear error otherwise); HSDP: the replicate group
-    backend_for(mesh.vote_group, first.device, "attach (FSDP2)")
+    split = next((m for m in by_kind.values() if m.tp is not None), mesh)  # (the one with a tensor-parallel dim)
+    # the vote's groups must be lionbit's (a clear error otherwise); HSDP: the replicate group
+    for each in by_kind.values():
+        backend_for(each.vote_group, first.device, "attach (FSDP2)")
     if mesh.replicas is not None and opt.aggregation == "l1":
         raise NotImplementedError(
             f"{_WHERE}: argument 'aggregation'='l1' is not supported on HSDP (rank {dist.get_rank()}, mesh "
             f"{mesh.describe()}): its L1 scale is per tensor, and a rank holds only its shard of the node's; "
             f"use 'vote' or 'avg'"
         )
-    if mesh.tp is not None and mesh.replicas is None and opt.aggregation == "l1":
+    if split.tp is not None and split.replicas is None and opt.aggregation == "l1":
         raise NotImplementedError(
             f"{_WHERE}: argument 'aggregation'='l1' is not supported with tensor parallelism (rank "
-            f"{dist.get_rank()}, mesh {mesh.describe()}): its L1 scale is per tensor, and a rank holds only its "
+            f"{dist.get_rank()}, mesh {split.describe()}): its L1 scale is per tensor, and a rank holds only its "
             f"tensor-parallel part of the gradient; use 'vote' or 'avg'"
         )
     if mesh.replicas is not None and getattr(opt.voter, "hierarchy", "flat") != "flat":
@@ -573,13 +602,40 @@ def _managed(opt, model):
             f"{dist.get_rank()}, mesh {mesh.describe()}): the replicas already vote over the replicate group, one "
             f"rank a node; use hierarchy='flat'"
         )
-    if mesh.tp is not None and mesh.replicas is None and getattr(opt.voter, "hierarchy", "flat") != "flat":
+    if split.tp is not None and split.replicas is None and getattr(opt.voter, "hierarchy", "flat") != "flat":
         raise ValueError(
             f"{_WHERE}: argument 'hierarchy'={opt.voter.hierarchy!r} is not supported with tensor parallelism "
-            f"(rank {dist.get_rank()}, mesh {mesh.describe()}): the vote runs over the dp group of each "
+            f"(rank {dist.get_rank()}, mesh {split.describe()}): the vote runs over the dp group of each "
             f"tensor-parallel rank; use hierarchy='flat'"
         )
-    return managed, fqns, installs, mesh
+    return managed, fqns, installs, mesh, meshes
+
+
+def _widest(by_kind: dict, names: dict):
+    """Parameters on more than one FSDP mesh (torchtitan's expert
+    parallelism: the experts ``fully_shard``-ed over mesh["dp_mod_ep"] as
+    DTensors split over mesh["ep"], the rest over the whole dp mesh): the
+    mesh of the whole dp group, or a clear error. Every other mesh must be
+    1-D with a tensor-parallel (expert-parallel) dim beside it whose ranks
+    with its own span exactly the whole dp group: a rank's votes over its
+    meshes, then one round over that dim, reach every rank of the group, so
+    all of them step or skip together."""
+    widest = max(by_kind.values(), key=lambda m: m.shard_group.size())
+    name_of = {id(m): names[kind] for kind, m in by_kind.items()}
+    everyone = set(dist.get_process_group_ranks(widest.shard_group))
+    for m in by_kind.values():
+        if m is widest:
+            continue
+        spans = {r for g in (m.shard_group, m.tp) if g is not None for r in dist.get_process_group_ranks(g)}
+        if (m.replicas is not None or widest.replicas is not None or widest.tp is not None or m.tp is None
+                or not spans <= everyone or m.shard_group.size() * m.tp.size() != len(everyone)):
+            raise NotImplementedError(
+                f"{_WHERE}: parameters '{name_of[id(widest)]}' and '{name_of[id(m)]}' are sharded over different "
+                f"meshes ({widest.describe()} and {m.describe()}); one optimizer votes over one FSDP mesh, or, "
+                f"with expert parallelism, over a 1-D dp mesh and one of its sub-meshes with the expert-parallel "
+                f"dim beside it (torchtitan's dp_shard_mod_ep x ep; not under HSDP)"
+            )
+    return widest
 
 
 def _pieces(fsdp_params, n: int):
@@ -765,17 +821,17 @@ def fsdp_vote(att, settle: bool = False):
     returns). Raises step_vote.NonFinite (on every rank alike), changing
     nothing."""
     att.stepped = True
-    defer = bool(att.dp.agree)  # the worker's ranks agree after this returns
-    started = att.plan.start(att)
+    defer = bool(att.agree)  # the worker's ranks agree after this returns
+    started = att.plan.start(att, lambda group, ranks: _global_ranks(att, group, ranks))
     planned = started is not None
-    agreed, works, update_momenta, apply_deltas = started if planned else _start_votes(att)
+    agreed, groups, works, update_momenta, apply_deltas = started if planned else _start_votes(att)
     # Every call is issued before any is waited for. On a 1-D mesh the
     # momenta (full-size: this rank's local gradients) are updated once every
     # rank has agreed to every call, while the shards still move. The ranks
     # of an HSDP node, or of a tensor-parallel group, agree once every call
     # of theirs is agreed to (node_agreed, after this returns), and no state
     # changes before that: the momenta then change while the bits still move.
-    step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
+    _wait_agreed(att, agreed, groups)  # raises NonFinite (nothing changed) as the votes would
     att.plan.replayed += planned
     if settle:
         step_vote.wait_votes(works)
@@ -790,6 +846,30 @@ def fsdp_vote(att, settle: bool = False):
         apply_deltas()
 
     return apply
+
+
+def _wait_agreed(att, agreed: list, groups: list) -> None:
+    """step_vote.wait_votes of a step's agreements (``groups``: each one's
+    process group). With parameters on several meshes (expert parallelism)
+    the ranks of a NonFinite are the default group's: each group names its
+    own."""
+    if not att.multi:
+        step_vote.wait_votes(agreed)
+        return
+    bad = []
+    for group in dict.fromkeys(groups):
+        try:
+            step_vote.wait_votes([a for a, g in zip(agreed, groups) if g is group])
+        except step_vote.NonFinite as err:
+            bad += _global_ranks(att, group, err.ranks)
+    if bad:
+        raise step_vote.NonFinite(bad)
+
+
+def _global_ranks(att, group, ranks) -> list:
+    """Ranks of ``group`` as the default group numbers them where the step's
+    votes run over several groups (expert parallelism), else as they are."""
+    return [dist.get_global_rank(group, r) for r in ranks] if att.multi else list(ranks)
 
 
 def _start_votes(att):
@@ -834,15 +914,24 @@ def _start_votes(att):
     def planes_of(u):  # elements of planes a unit adds to its call
         return u.chunk * (1 if hsdp else u.group.size())
 
-    agreed, works, calls = [], [], []
+    if att.multi:  # each group's units together (their order within a group kept: the same on every rank)
+        first = {}
+        for u in units:
+            first.setdefault(id(u.group), len(first))
+        units.sort(key=lambda u: first[id(u.group)])
+    agreed, groups, works, calls = [], [], [], []
     for run in runs(units, lambda u: (id(u.group), u.device), planes_of, lambda u: step_vote.chunk_limit(u.device)):
         pieces, s, bases = end_to_end([(u.pieces, u.chunk) for u in run])
         group, device = (att.replicas if hsdp else run[0].group), run[0].device
         where = "step (HSDP all-reduce over the replicate group)" if hsdp else "step (FSDP2 reduce-scatter)"
         # Delta as the vote's two planes (2 bits an element) where the apply can read them
         planes = voter.votes_into_planes(device, group)
-        delta = voter.sharded_vote(pieces, s, group, device, where, fused_for, agreed, works, replicated=hsdp,
-                                   into_planes=planes)
+        try:
+            delta = voter.sharded_vote(pieces, s, group, device, where, fused_for, agreed, works, replicated=hsdp,
+                                       into_planes=planes)
+        except step_vote.NonFinite as err:
+            raise step_vote.NonFinite(_global_ranks(att, group, err.ranks)) from None
+        groups += [group] * (len(agreed) - len(groups))
         calls.append((run, bases, s, group, hsdp, where))
         delta_of = lion_math.delta_views(delta, planes)
         for u, base in zip(run, bases):
@@ -858,7 +947,7 @@ def _start_votes(att):
         a_verdicts = fused_for.many([a[0] for a in applies], [a[1] for a in applies])
         step_vote.update_state([], [(x, d, c, f) for (x, d, c), f in zip(applies, a_verdicts)])
 
-    return agreed, works, update_momenta, apply
+    return agreed, groups, works, update_momenta, apply
 
 
 def fsdp_step(att, grad_scaler=None) -> bool:
@@ -867,7 +956,7 @@ def fsdp_step(att, grad_scaler=None) -> bool:
     on any rank skips the step everywhere)."""
     for p in list(att.captured):  # a grad hook FSDP did not call
         att.grad_hook(p)
-    if not att.dp.agree:
+    if not att.agree:
         return step_vote.voted_step(att.opt, grad_scaler, lambda: fsdp_vote(att), att.group)
     # HSDP, tensor parallelism: errors name global ranks (the default group's)
     return step_vote.voted_step(att.opt, grad_scaler, lambda: _node_agreed_vote(att), None)
@@ -878,11 +967,13 @@ def _node_agreed_vote(att):
     worker (an HSDP node, a tensor-parallel group) agree whether to step
     (lionbit.step_vote.node_agreed)."""
     device = next(iter(att.managed)).device
-    hsdp, tp = att.replicas is not None, att.dp.tp is not None
-    what = "FSDP2" + (", HSDP" if hsdp else "") + (", tensor parallel" if tp else "")
-    peers = "this node" if hsdp else "this tensor-parallel group"
-    return step_vote.node_agreed(lambda settle: fsdp_vote(att, settle), att.dp.vote_group, att.dp.agree, device,
-                                 what, peers)
+    hsdp = att.replicas is not None
+    what = "FSDP2" + (", HSDP" if hsdp else "") + (", expert parallel" if att.multi else
+                                                   ", tensor parallel" if att.split else "")
+    peers = "this node" if hsdp else "this expert-parallel group" if att.multi else "this tensor-parallel group"
+    # (with expert parallelism the votes name ranks as the default group does: _wait_agreed)
+    replicas = None if att.multi else att.dp.vote_group
+    return step_vote.node_agreed(lambda settle: fsdp_vote(att, settle), replicas, att.agree, device, what, peers)
 
 
 # -- checkpoints --------------------------------------------------------------
@@ -909,7 +1000,7 @@ def _rows(att, p: torch.Tensor, m: torch.Tensor):
     the tensor-parallel dim as p (lionbit.tensor_parallel.rows_placements)."""
     if att.replicas is None and p not in att.split:
         return DTensor.from_local(m.unsqueeze(0), p.device_mesh, [Shard(0)], run_check=False)
-    shape = (att.dp.rows, *p.shape)
+    shape = (att.mesh_of[p].rows, *p.shape)
     return DTensor.from_local(m.unsqueeze(0), p.device_mesh, tensor_parallel.rows_placements(p), run_check=False,
                               shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
@@ -922,8 +1013,9 @@ def _own_part(att, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         t = tensor_parallel.part(p, t)
     if att.replicas is None:
         return t
-    rows = -(-t.shape[0] // att.dp.shards)
-    return t[att.dp.shard * rows : att.dp.shard * rows + p.to_local().shape[0]]
+    mesh = att.mesh_of[p]
+    rows = -(-t.shape[0] // mesh.shards)
+    return t[mesh.shard * rows : mesh.shard * rows + p.to_local().shape[0]]
 
 
 def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optional[list] = None) -> torch.Tensor:
@@ -935,7 +1027,8 @@ def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optiona
     (HSDP: this rank's chunk), its name added to ``unsure`` (see
     :func:`_warn_unsure`)."""
     shape = tuple(p.shape)
-    n, row = att.dp.rows, att.dp.row
+    mesh = att.mesh_of[p]
+    n, row = mesh.rows, mesh.row
     mine = tuple(att.momentum(p).shape)  # the parameter's shape (1-D), its local shard's (HSDP), tensor-parallel
     placed = tensor_parallel.rows_placements(p)
     rows = (n, *shape)
@@ -960,12 +1053,12 @@ def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optiona
             f": it holds the momenta of {value.shape[0]} ranks and this run has {n}; each rank's momentum "
             f"follows its own data, so resume with the same number of ranks"
         ) if att.replicas is None else (
-            f": it holds the momenta of {value.shape[0]} nodes and this run has {n} (mesh {att.dp.describe()}); "
+            f": it holds the momenta of {value.shape[0]} nodes and this run has {n} (mesh {mesh.describe()}); "
             f"each node's momentum follows its own data, so resume on the same mesh"
         )
     raise ValueError(
         f"{where} on rank {dist.get_rank()}: momentum of '{name}' is {got}; expected {rows} placed {placed}, row r "
-        f"being worker r's momentum (as state_dict() gives it on the mesh {att.dp.describe()}){hint}"
+        f"being worker r's momentum (as state_dict() gives it on the mesh {mesh.describe()}){hint}"
     )
 
 

@@ -172,7 +172,8 @@ def after_step(sync: Optional[Sync], step: int, attachment) -> None:
         return
     record_momentum_sync_step(attachment.group)
     if sync.when(step):
-        synchronize(attachment.momenta(), attachment.group, sync.dtype)
+        for momenta, group in attachment.momentum_groups():
+            synchronize(momenta, group, sync.dtype)
 
 
 def synchronize(momenta: List[torch.Tensor], group, dtype=torch.bfloat16) -> None:

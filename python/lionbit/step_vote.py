@@ -454,8 +454,8 @@ def node_agreed(vote: Callable[[bool], Callable[[], None]], replicas, groups: tu
     try:
         apply = vote(not on_cpu)
     except NonFinite as bad:
-        for r in bad.ranks:
-            flags[dist.get_global_rank(replicas, r)] = 1
+        for r in bad.ranks:  # (replicas None: the vote named them as the default group does)
+            flags[r if replicas is None else dist.get_global_rank(replicas, r)] = 1
     except Exception as err:  # re-raised below, after the node heard of it (no peer waits forever)
         failure = err
         flags[world] = 1

@@ -41,10 +41,10 @@ def check_placements(p, name: str, where: str, hsdp: bool = False, replicated: b
     if (len(placements) != len(lead) + (1 if replicated else 2) or placements[:len(lead)] != lead
             or not all(map(_fsdp_shards_dim0, dp)) or type(placements[-1]) not in (Shard, Replicate)):
         raise NotImplementedError(
-            f"{where}: parameter '{name}' is placed {placements} on the mesh {p.device_mesh}; with tensor "
-            f"parallelism DistributedLion supports FSDP's Shard(0) over the dp dim and Shard(k) or Replicate() "
-            f"over the tensor-parallel dim (torch's ColwiseParallel, RowwiseParallel and SequenceParallel; "
-            f"no shard_placement_fn)"
+            f"{where}: parameter '{name}' is placed {placements} on the mesh {p.device_mesh}; with tensor or "
+            f"expert parallelism DistributedLion supports FSDP's Shard(0) over the dp dim (no "
+            f"shard_placement_fn) and Shard(k) or Replicate() over the tensor- or expert-parallel dim (torch's "
+            f"ColwiseParallel, RowwiseParallel and SequenceParallel; torchtitan's ExpertParallel)"
         )
 
 

@@ -1,0 +1,508 @@
+"""DistributedLion on an MoE model with expert parallelism beside FSDP2
+(torchtitan's MoE: the experts split over mesh["ep"], ``fully_shard``-ed
+over mesh["dp_mod_ep"]; every block and the root over the whole dp mesh),
+on 4 real CPU ranks as dp_mod_ep 2 x ep 2, written as the training script a
+user writes.
+
+The reference runs in the same ranks with no lionbit or FSDP code: the same
+model under the same expert parallelism alone (each rank's gradients are
+then computed by the same kernels on the same values: its own gradient of
+every dense parameter, and of its experts the gradient of the tokens its
+expert-parallel group routed to them), and Distributed Lion in plain torch:
+the dense parameters voted by the 4 ranks, each rank's experts by the 2
+ranks that hold them (the dp_mod_ep group), each worker's momentum kept
+here. Every step's parameters and every rank's momentum are compared with
+it, bitwise."""
+
+import pytest
+import torch
+
+from harness import run_ranks, values
+from test_fsdp_tp import _f32, _full, _gather, _local
+
+DP_MOD_EP, EP = 2, 2  # 4 ranks: the dense parameters' dp group is all of them
+V, D, HEADS, H, E, TOP_K, T = 29, 12, 2, 20, 4, 2, 8  # vocabulary, width, heads, expert width, experts, top-k, tokens
+LION = dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)
+SCALE = 1024.0  # GradScaler's initial scale
+
+
+class Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wqkv = torch.nn.Linear(D, 3 * D)
+        self.wo = torch.nn.Linear(D, D)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (y.view(b, t, HEADS, D // HEADS).transpose(1, 2) for y in self.wqkv(x).chunk(3, dim=-1))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(a.transpose(1, 2).reshape(b, t, D))
+
+
+class GroupedExperts(torch.nn.Module):
+    """torchtitan's experts: E SwiGLU MLPs as three (E, ...) tensors, run one
+    expert after the other on the tokens routed to it (grouped by expert)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(E, D, H) * D ** -0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(E, H, D) * H ** -0.5)
+        self.w3 = torch.nn.Parameter(torch.randn(E, D, H) * D ** -0.5)
+
+    def forward(self, x, counts):
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        out = [torch.nn.functional.silu(xs @ w1[e]) * (xs @ w3[e]) @ w2[e]
+               for e, xs in enumerate(torch.split(x, counts.tolist()))]
+        return torch.cat(out)
+
+
+class MoE(torch.nn.Module):
+    """Top-k routing over softmax scores; each token's output is the
+    scores-weighted sum of its experts' outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(D, E, bias=False)
+        self.experts = GroupedExperts()
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        x = x.reshape(-1, D)
+        scores, chosen = self.router(x).softmax(-1).topk(TOP_K, dim=-1)
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)  # the (token, k) slots grouped by expert
+        counts = torch.bincount(flat, minlength=E)
+        y = self.experts(x[order // TOP_K], counts)
+        out = torch.zeros_like(y).index_copy(0, order, y).view(-1, TOP_K, D)
+        return (out * scores.unsqueeze(-1)).sum(1).view(b, t, D)
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention_norm = torch.nn.LayerNorm(D)
+        self.attention = Attention()
+        self.ffn_norm = torch.nn.LayerNorm(D)
+        self.moe = MoE()
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.moe(self.ffn_norm(x))
+
+
+class TinyMoE(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(V, D)
+        self.layers = torch.nn.ModuleList([Block(), Block()])
+        self.norm = torch.nn.LayerNorm(D)
+        self.output = torch.nn.Linear(D, V)
+
+    def forward(self, tokens):
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def expert_parallel(experts, ep_mesh):
+    """torchtitan's ExpertParallel, in short: the experts' tensors split on
+    dim 0 over ``ep_mesh`` (each rank E / EP of them); before the experts
+    run, an all-to-all sends every token to the rank of its expert, after it
+    another brings the outputs back."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+    n, local = ep_mesh.size(), E // ep_mesh.size()
+    group = ep_mesh.get_group()
+
+    def partition(name, module, mesh):
+        for key, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(key, torch.nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)])))
+
+    def dispatch(module, inputs, mesh):
+        routed, counts = inputs
+        got = torch.empty_like(counts)
+        torch.distributed.all_to_all_single(got, counts, group=group)  # (source rank, local expert) counts
+        got = got.view(n, local)
+        send, recv = counts.view(n, local).sum(1).tolist(), got.sum(1).tolist()
+        tokens = torch.split(all_to_all_single_autograd(routed, recv, send, group), got.reshape(-1).tolist())
+        module.ep_splits = (send, recv, got)
+        # grouped by local expert, each expert's tokens in the order of their source ranks
+        return torch.cat([tokens[s * local + e] for e in range(local) for s in range(n)]), got.sum(0)
+
+    def combine(module, y, mesh):
+        send, recv, got = module.ep_splits
+        outs = torch.split(y, got.t().reshape(-1).tolist())  # (local expert, source rank)
+        back = torch.cat([outs[e * n + s] for s in range(n) for e in range(local)])
+        return all_to_all_single_autograd(back, send, recv, group)
+
+    distribute_module(experts, ep_mesh, partition, dispatch, combine)
+
+
+def _config(**kw):
+    cfg = dict(aggregation="vote", steps=4, clip=None, accumulate=1, scaler=False, inf=None, momentum_sync=None)
+    cfg.update(kw)
+    return cfg
+
+
+# -- the ranks: the user's training script ------------------------------------------------------------------
+
+
+def _mesh():
+    """torchtitan's meshes for EP without TP: (dp_mod_ep, ep), the dense parameters' dp over both."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (DP_MOD_EP, EP), mesh_dim_names=("dp_mod_ep", "ep"))
+    return mesh, mesh["dp_mod_ep", "ep"]._flatten("dp_shard")
+
+
+def _model(ep_mesh):
+    torch.manual_seed(0)
+    model = TinyMoE()
+    for layer in model.layers:
+        expert_parallel(layer.moe.experts, ep_mesh)
+    return model
+
+
+def _fsdp_ep_model(mesh, dp):
+    """torchtitan's apply_fsdp with EP: each block's experts over dp_mod_ep, the block over dp, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(mesh["ep"])
+    for layer in model.layers:
+        fully_shard(layer.moe.experts, mesh=mesh["dp_mod_ep"])
+        fully_shard(layer, mesh=dp)
+    fully_shard(model, mesh=dp)
+    for module in model.modules():  # torchtitan's disable_fsdp_gradient_division
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+    return model
+
+
+def _batch(rank, step, micro=0):
+    g = torch.Generator().manual_seed(10_000 * step + 100 * rank + micro)
+    return torch.randint(0, V, (2, T + 1), generator=g)
+
+
+def _loss(model, rank, step, micro=0):
+    tokens = _batch(rank, step, micro)
+    logits = model(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, V), tokens[:, 1:].reshape(-1))
+
+
+def _is_expert(p) -> bool:
+    return "ep" in (getattr(p, "device_mesh", None) and p.device_mesh.mesh_dim_names or ())
+
+
+def _clip_with_ep(params, max_norm) -> float:
+    """torchtitan's clip_grad_norm_ with EP: the experts' and the other
+    gradients' norms apart (their meshes differ), then one total."""
+    parts = ([p for p in params if _is_expert(p)], [p for p in params if not _is_expert(p)])
+    norms = []
+    for part in parts:
+        n = torch.nn.utils.get_total_norm([p.grad for p in part if p.grad is not None])
+        norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for part in parts:
+        torch.nn.utils.clip_grads_with_norm_(part, max_norm, total)
+    return total
+
+
+def _poison(model, cfg, step) -> None:
+    """An inf in this rank's part of an expert's gradient where ``cfg["inf"]`` says: [step, rank]."""
+    if cfg["inf"] == [step, torch.distributed.get_rank()]:
+        with torch.no_grad():
+            model.layers[1].moe.experts.w2.grad.to_local().view(-1)[5] = float("inf")
+
+
+def _train(cfg, mesh, dp):
+    import lionbit
+
+    rank = torch.distributed.get_rank()
+    model = _fsdp_ep_model(mesh, dp)
+    opt = lionbit.DistributedLion(model.parameters(), aggregation=cfg["aggregation"],
+                                  momentum_sync=cfg["momentum_sync"], **LION).attach(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE) if cfg["scaler"] else None
+    params = list(model.parameters())
+    traj, norms = [], []
+    for step in range(cfg["steps"]):
+        for micro in range(cfg["accumulate"]):
+            model.set_requires_gradient_sync(micro == cfg["accumulate"] - 1)
+            loss = _loss(model, rank, step, micro)
+            (scaler.scale(loss) if scaler else loss).backward()
+        _poison(model, cfg, step)
+        if scaler:
+            scaler.unscale_(opt)
+        if cfg["clip"]:
+            norms.append(float(_clip_with_ep(params, cfg["clip"])))
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        traj.append([_full(p) for p in params])
+    return {
+        "traj": traj,
+        "norms": norms,
+        "steps": opt.steps_taken,
+        "momentum": [opt.state[p]["exp_avg"].flatten().tolist() for p in params],
+        "experts": [_is_expert(p) for p in params],
+    }
+
+
+# -- the reference: the same expert-parallel model alone, Distributed Lion in plain torch --------------------
+
+
+def _reference(cfg, run, mesh, dp):
+    """Distributed Lion on the expert-parallel model alone: each rank's
+    gradients by the same kernels as the FSDP run, clipped by the norm the
+    run computed (checked against this reference's own), gathered over the
+    workers of each parameter (every rank for the dense ones, the dp_mod_ep
+    group for the experts); each worker's momentum kept here; every float32
+    operation rounded on its own:
+    c = b1 m + (1 - b1) g, m = b2 m + (1 - b2) g, x = x (1 - lr wd) - lr Delta."""
+    dist = torch.distributed
+    rank = dist.get_rank()
+    model = _model(mesh["ep"])
+    params = list(model.parameters())
+    groups = [mesh["dp_mod_ep"].get_group() if _is_expert(p) else dp.get_group() for p in params]
+    workers = [dist.get_world_size(g) for g in groups]
+    momentum = [[torch.zeros_like(_local(p)) for _ in range(n)] for p, n in zip(params, workers)]
+    b1, b2 = LION["betas"]
+    lr, wd = LION["lr"], LION["weight_decay"]
+    report = {"traj": [], "norm_rel_err": 0.0, "applied": 0}
+    for step in range(cfg["steps"]):
+        model.zero_grad(set_to_none=True)
+        for micro in range(cfg["accumulate"]):
+            loss = _loss(model, rank, step, micro)
+            (loss * SCALE if cfg["scaler"] else loss).backward()  # a power of 2: exact
+        if cfg["scaler"]:
+            for p in params:
+                p.grad.div_(SCALE)
+        _poison(model, cfg, step)
+        grads = [_local(p.grad).clone() for p in params]
+        finite = torch.tensor([all(bool(torch.isfinite(g).all()) for g in grads)], dtype=torch.int32)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not finite.item():
+            report["traj"].append("skipped")
+            continue
+        if cfg["clip"]:
+            own = float(_clip_with_ep(params, float("inf")))  # (max_norm inf: the norm, nothing clipped)
+            ran = run["norms"][step]
+            report["norm_rel_err"] = max(report["norm_rel_err"], abs(ran - own) / own)
+            coef = torch.clamp(cfg["clip"] / (torch.tensor(ran, dtype=torch.float32) + 1e-6), max=1.0)
+            grads = [g * coef for g in grads]
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                everyone = _gather(grads[i], groups[i])
+                total = 0
+                for w in range(workers[i]):
+                    m, g = momentum[i][w], everyone[w]
+                    total = total + torch.sign(torch.add(torch.mul(m, _f32(b1)), torch.mul(g, _f32(1.0 - b1))))
+                    momentum[i][w] = torch.add(torch.mul(m, _f32(b2)), torch.mul(g, _f32(1.0 - b2)))
+                delta = total / workers[i] if cfg["aggregation"] == "avg" else torch.sign(total)
+                x = _local(p)
+                x.copy_(torch.sub(torch.mul(x, _f32(1.0 - lr * wd)), torch.mul(delta, _f32(lr))))
+        report["applied"] += 1
+        report["traj"].append([_full(p) for p in params])
+    report["momentum"] = [momentum[i][dist.get_rank(groups[i])].flatten().tolist() for i in range(len(params))]
+    return report
+
+
+def fsdp_ep_runs(rank, world_size, configs):
+    import lionbit
+
+    mesh, dp = _mesh()
+    groups = (dp.get_group(), mesh["dp_mod_ep"].get_group())
+    out = []
+    for cfg in configs:
+        for group in groups:
+            lionbit.reset_stats(group)
+        run = _train(cfg, mesh, dp)
+        run["stats"], run["expert_stats"] = map(lionbit.stats, groups)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            run["ref"] = _reference(cfg, run, mesh, dp) if cfg["momentum_sync"] is None else None
+        finally:
+            torch.set_num_threads(threads)
+        out.append(run)
+    return out
+
+
+# -- the tests ------------------------------------------------------------------------------------------------
+
+CONFIGS = {
+    "vote, top-2 routing, torchtitan's clip with EP": _config(clip=0.5),
+    "avg, accumulation, GradScaler, an inf in rank 3's part of an expert's gradient": _config(
+        aggregation="avg", accumulate=2, scaler=True, inf=[1, 3]),
+    "vote, momentum_sync=2": _config(momentum_sync=2),
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return values(run_ranks("test_fsdp_ep:fsdp_ep_runs", DP_MOD_EP * EP,
+                            kwargs=dict(configs=list(CONFIGS.values())), timeout=240))
+
+
+@pytest.mark.parametrize("name", [n for n, c in CONFIGS.items() if c["momentum_sync"] is None])
+def test_fsdp_ep_equals_the_reference_bitwise(runs, name):
+    i = list(CONFIGS).index(name)
+    cfg = CONFIGS[name]
+    per_rank = [r[i] for r in runs]
+    for rank, run in enumerate(per_rank):
+        ref = run["ref"]
+        assert run["traj"] == per_rank[0]["traj"], rank  # every rank holds the same parameters
+        for step, (got, want) in enumerate(zip(run["traj"], ref["traj"])):
+            if want == "skipped":
+                assert got == (run["traj"][step - 1] if step else None), f"{name}: step {step} skipped changed params"
+                continue
+            bad = [k for k, (a, b) in enumerate(zip(got, want)) if a != b]
+            assert not bad, f"{name}: rank {rank}, step {step}: parameters {bad} differ"
+        assert run["momentum"] == ref["momentum"], (name, rank)  # its own (experts: its dp_mod_ep worker's)
+        assert run["steps"] == ref["applied"] == cfg["steps"] - (1 if cfg["inf"] else 0)
+        if cfg["clip"]:
+            assert ref["norm_rel_err"] < 1e-5, ref["norm_rel_err"]
+        # one 1-bit reduce-scatter a step over each group: the dense parameters' (4 ranks), the experts' (2):
+        # (N-1)/N of the bits and the header rounds' 72 bytes a peer, far below FSDP's fp32 reduce-scatter
+        for n, st in ((DP_MOD_EP * EP, run["stats"]), (DP_MOD_EP, run["expert_stats"])):
+            calls = st["sign_reduce_scatter_calls"]
+            assert run["steps"] <= calls <= cfg["steps"], st
+            if not cfg["inf"]:  # (a skipped step's vote stops in its header round)
+                assert st["bytes_sent"] - st["zero_bytes_sent"] <= (n - 1) * (st["elements"] / n / 8 + 80 * calls), st
+            assert st["bytes_sent"] * 4 < (n - 1) / n * 4 * st["elements"], st
+    # the experts' momenta differ between the dp_mod_ep workers (their own data); the ranks of a worker
+    # (rank r and r + EP) hold the same experts
+    experts = per_rank[0]["experts"]
+    assert any(experts) and not all(experts)
+    k = experts.index(True)
+    assert per_rank[0]["momentum"][k] != per_rank[EP]["momentum"][k]
+
+
+def test_momentum_sync_averages_each_mesh_over_its_own_workers(runs):
+    """A momentum synchronization averages the dense momenta over every rank
+    and each expert's over the ranks that hold it."""
+    i = list(CONFIGS).index("vote, momentum_sync=2")
+    per_rank = [r[i] for r in runs]
+    experts = per_rank[0]["experts"]
+    for k, expert in enumerate(experts):
+        ms = [r["momentum"][k] for r in per_rank]
+        if not expert:
+            assert all(m == ms[0] for m in ms), k
+        else:  # ranks r and r + EP hold the same experts, ranks r and r + 1 others
+            assert ms[0] == ms[EP] and ms[1] == ms[1 + EP] and ms[0] != ms[1], k
+    assert all(r["traj"] == per_rank[0]["traj"] for r in per_rank)
+
+
+
+# -- checkpoints, and what attach refuses ---------------------------------------------------------------------
+
+K, J = 3, 2  # steps before the checkpoint, after it
+
+
+def _build(mesh, dp, seed):
+    import lionbit
+
+    model = _fsdp_ep_model(mesh, dp)
+    if seed:  # other weights: everything must come from the checkpoint
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().add_(0.5)
+    opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
+    if seed:
+        opt.param_groups[0]["lr"] = 0.123
+    return model, opt
+
+
+def _steps(model, opt, steps):
+    for step in steps:
+        if step == K - 1:
+            opt.param_groups[0]["lr"] = 0.005
+        _loss(model, torch.distributed.get_rank(), step).backward()
+        opt.step()
+        opt.zero_grad()
+    return ([_full(p) for p in model.parameters()], [opt.state[p]["exp_avg"].flatten().tolist()
+                                                      for p in model.parameters()], opt.param_groups[0]["lr"])
+
+
+def fsdp_ep_checkpoint(rank, world_size, path):
+    """torchtitan's checkpoint (the model's and the flattened optimizer's
+    state dicts through DCP) after K steps, read into a fresh model and
+    optimizer: J more steps give bitwise the uninterrupted run's parameters
+    and every rank's momentum."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    mesh, dp = _mesh()
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    where = os.path.join(path, "step3")
+    model, opt = _build(mesh, dp, 0)
+    _steps(model, opt, range(K))
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=flat)},
+             checkpoint_id=where)
+    uninterrupted = _steps(model, opt, range(K, K + J))
+    model, opt = _build(mesh, dp, 1)
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=flat)}
+    dcp.load(sd, checkpoint_id=where)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"], options=flat)
+    resumed = _steps(model, opt, range(K, K + J))
+    return {"same": resumed == uninterrupted, "momenta": uninterrupted[1]}
+
+
+def test_fsdp_ep_checkpoint_resumes_bitwise(tmp_path):
+    res = values(run_ranks("test_fsdp_ep:fsdp_ep_checkpoint", DP_MOD_EP * EP, kwargs=dict(path=str(tmp_path)),
+                           timeout=240))
+    assert all(r["same"] for r in res), [r["same"] for r in res]
+    # each rank resumed its own momenta: the dense ones differ between all ranks
+    assert res[0]["momenta"][0] != res[1]["momenta"][0] != res[2]["momenta"][0]
+
+
+def fsdp_ep_refusals(rank, world_size):
+    """What attach refuses, as a clear error on every rank: torchtitan's
+    Shard(1) experts (its shard_placement_fn where dp_mod_ep x ep exceeds
+    the number of experts), and experts sharded over a sub-mesh without
+    expert parallelism (no dim beside it spans the dp group)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    import lionbit
+
+    mesh, dp = _mesh()
+    out = {}
+    for case in ("Shard(1)", "sub-mesh without EP"):
+        torch.manual_seed(0)
+        model = TinyMoE()
+        for layer in model.layers:
+            if case == "Shard(1)":
+                expert_parallel(layer.moe.experts, mesh["ep"])
+                fully_shard(layer.moe.experts, mesh=mesh["dp_mod_ep"], shard_placement_fn=lambda p: Shard(1))
+            else:
+                fully_shard(layer.moe.experts, mesh=mesh["dp_mod_ep"])
+            fully_shard(layer, mesh=dp)
+        fully_shard(model, mesh=dp)
+        try:
+            lionbit.DistributedLion(model.parameters(), **LION).attach(model)
+            out[case] = "no error"
+        except NotImplementedError as err:
+            out[case] = str(err)
+    return out
+
+
+def test_fsdp_ep_refuses_what_it_cannot_vote():
+    res = values(run_ranks("test_fsdp_ep:fsdp_ep_refusals", DP_MOD_EP * EP, timeout=240))
+    for r in res:
+        assert "'layers.0.moe.experts.w1' is placed (Shard(dim=1), Shard(dim=0))" in r["Shard(1)"], r["Shard(1)"]
+        assert "are sharded over different meshes" in r["sub-mesh without EP"], r["sub-mesh without EP"]
+        assert "dp_shard_mod_ep x ep" in r["sub-mesh without EP"], r["sub-mesh without EP"]
