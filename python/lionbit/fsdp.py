@@ -78,14 +78,18 @@ tensor-parallel dim as the parameter, and the ranks that hold parts of one
 worker (a tensor-parallel group; under HSDP the node's shard and
 tensor-parallel ranks) agree whether to step.
 
-Expert parallelism (torchtitan's MoE on a 1-D mesh): the experts split over
-an ep dim and ``fully_shard``-ed over dp_mod_ep, the other parameters over
-the whole dp mesh (dp_mod_ep x ep). Each parameter has its own mesh
-(``mesh_of``): the experts are handled as tensor-parallel parameters of the
-(dp_mod_ep, ep) mesh and voted over dp_mod_ep, the rest over the dp mesh;
-each group's units vote together; the ranks agree over the ep group
-(whose rounds, after the votes, reach every rank of the dp mesh), and a
-NonFinite names ranks as the default group does.
+Expert parallelism (torchtitan's MoE): the experts split over an ep dim and
+``fully_shard``-ed over dp_mod_ep, the other parameters over the whole dp
+mesh (dp_mod_ep x ep); under HSDP both with the replicate dim first. Each
+parameter has its own mesh (``mesh_of``): the experts are handled as
+tensor-parallel parameters of the ([replicate,] dp_mod_ep, ep) mesh and
+voted over dp_mod_ep (HSDP: their replicate group), the rest over the dp
+mesh (its replicate group); each group's units vote together; the ranks
+agree over the shard groups and the ep group (whose rounds, after the
+votes, reach every rank), and a NonFinite names ranks as the default group
+does. On a 1-D mesh a parameter may be sharded Shard(k) for any k
+(shard_placement_fn): FSDP's chunk r is then block r along dim k of every
+index of the dims before it (:func:`_spans`).
 """
 
 import copy
@@ -176,12 +180,11 @@ class _SignReduceScatter(torch_internals.LayoutLearner):
         pieces, s = _pieces(fsdp_params, n)
         layout = []
         for fp, off, rows, row in pieces:
-            dim0 = torch_internals.fsdp2_orig_size(fp)[0]
-            own = _valid(dim0, rows, rank) * row
+            own = sum(count for _, count, _ in _spans(fp, n, rows, row, rank))
             if hsdp:  # g, m: this rank's chunk alone; the replicas hold the same chunk
                 spans = [(0, 0, own, off)]
-            else:  # FSDP's chunk r of the parameter: its rows [r * rows, (r + 1) * rows), padding left out.
-                spans = [(r, r * rows * row, _valid(dim0, rows, r) * row, off) for r in range(n)]
+            else:  # FSDP's chunk r of the parameter (Shard(0): its rows [r * rows, (r + 1) * rows)), no padding
+                spans = [(r, start, count, off + at) for r in range(n) for start, count, at in _spans(fp, n, rows, row, r)]
             layout.append((off, own, spans))
         self._vote_layout = (key, list(fsdp_params), (layout, s))
         return layout, s
@@ -462,10 +465,9 @@ def _mesh_kind(fp, p, name: str):
     spmd = getattr(fp.mesh_info, "is_spmd_mesh", False)  # fully_shard(dp_mesh_dims=...) (newer torch)
     if kind == "FSDPMeshInfo" and fp.mesh_info.mesh.ndim == 1 and not spmd:
         if mesh.ndim == 1:
-            if tuple(p.placements) != (Shard(0),):
+            if len(p.placements) != 1 or not isinstance(p.placements[0], Shard):  # (shard_placement_fn: Shard(k))
                 raise NotImplementedError(
-                    f"{_WHERE}: parameter '{name}' is sharded as {tuple(p.placements)}; only Shard(0) "
-                    f"(no shard_placement_fn) is supported"
+                    f"{_WHERE}: parameter '{name}' is sharded as {tuple(p.placements)}; only Shard(k) is supported"
                 )
             return None, None
         if mesh.ndim == 2:
@@ -614,48 +616,84 @@ def _managed(opt, model):
 def _widest(by_kind: dict, names: dict):
     """Parameters on more than one FSDP mesh (torchtitan's expert
     parallelism: the experts ``fully_shard``-ed over mesh["dp_mod_ep"] as
-    DTensors split over mesh["ep"], the rest over the whole dp mesh): the
-    mesh of the whole dp group, or a clear error. Every other mesh must be
-    1-D with a tensor-parallel (expert-parallel) dim beside it whose ranks
-    with its own span exactly the whole dp group: a rank's votes over its
-    meshes, then one round over that dim, reach every rank of the group, so
-    all of them step or skip together."""
+    DTensors split over mesh["ep"], the rest over the whole dp mesh; under
+    HSDP over mesh["dp_replicate", "dp_mod_ep"] and
+    mesh["dp_replicate", "dp_shard"]): the mesh of the whole dp group (a
+    node's under HSDP), or a clear error. Every other mesh must have a
+    tensor-parallel (expert-parallel) dim beside it whose ranks with its
+    own shard group's span exactly that group (and, under HSDP, the same
+    replicate group): a rank's votes over its meshes, then one round over
+    each shard group and that dim, reach every rank, so all of them step or
+    skip together."""
+    def ranks(group) -> set:
+        return set(dist.get_process_group_ranks(group))
+
     widest = max(by_kind.values(), key=lambda m: m.shard_group.size())
     name_of = {id(m): names[kind] for kind, m in by_kind.items()}
-    everyone = set(dist.get_process_group_ranks(widest.shard_group))
+    alone = any(m.shard_group is _ALONE for m in by_kind.values())  # (FSDP2's replicate(): no shard group)
+    everyone = set() if alone else ranks(widest.shard_group)
     for m in by_kind.values():
         if m is widest:
             continue
-        spans = {r for g in (m.shard_group, m.tp) if g is not None for r in dist.get_process_group_ranks(g)}
-        if (m.replicas is not None or widest.replicas is not None or widest.tp is not None or m.tp is None
-                or not spans <= everyone or m.shard_group.size() * m.tp.size() != len(everyone)):
+        fits = (not alone and widest.tp is None and m.tp is not None
+                and (m.replicas is None) == (widest.replicas is None)
+                and ranks(m.shard_group) | ranks(m.tp) <= everyone
+                and m.shard_group.size() * m.tp.size() == len(everyone)
+                and (m.replicas is None or ranks(m.replicas) == ranks(widest.replicas)))
+        if not fits:
             raise NotImplementedError(
                 f"{_WHERE}: parameters '{name_of[id(widest)]}' and '{name_of[id(m)]}' are sharded over different "
                 f"meshes ({widest.describe()} and {m.describe()}); one optimizer votes over one FSDP mesh, or, "
-                f"with expert parallelism, over a 1-D dp mesh and one of its sub-meshes with the expert-parallel "
-                f"dim beside it (torchtitan's dp_shard_mod_ep x ep; not under HSDP)"
+                f"with expert parallelism, over a dp mesh (1-D or HSDP) and one of its sub-meshes with the "
+                f"expert-parallel dim beside it (torchtitan's dp_shard_mod_ep x ep)"
             )
     return widest
 
 
 def _pieces(fsdp_params, n: int):
     """FSDP's layout of a unit on n ranks: per parameter (FSDPParam, offset
-    in the chunk, rows per chunk, elements per row); and the chunk's size."""
+    in the chunk, rows per chunk, elements per row); and the chunk's size.
+    FSDP cuts a parameter sharded Shard(0) into dim-0 row-blocks (dim 0
+    padded to a multiple of n); one sharded Shard(k), k > 0, into its n
+    blocks along dim k (evenly: FSDP requires it), each made contiguous and
+    stacked on dim 0: then a chunk holds dim 0's rows whole, each row 1/n of
+    its elements."""
     pieces, off = [], 0
     for fp in fsdp_params:
         size = torch_internals.fsdp2_orig_size(fp)
-        rows = -(-size[0] // n)  # dim 0 padded to a multiple of n
         row = 1
         for d in size[1:]:
             row *= d
+        if _shard_dim(fp):
+            rows, row = size[0], row // n
+        else:
+            rows = -(-size[0] // n)  # dim 0 padded to a multiple of n
         pieces.append((fp, off, rows, row))
         off += rows * row
     return pieces, off
 
 
-def _valid(dim0: int, rows: int, r: int) -> int:
-    """Rows of chunk r that are the parameter's, not padding."""
-    return max(0, min(rows, dim0 - r * rows))
+def _shard_dim(fp) -> int:
+    """The dim FSDP shards an FSDPParam's (tensor-parallel-local) tensor on."""
+    placement = getattr(fp, "fsdp_placement", None)
+    return getattr(placement, "dim", 0) or 0
+
+
+def _spans(fp, n: int, rows: int, row: int, r: int) -> list:
+    """Where chunk r of FSDP's layout (:func:`_pieces`) finds the
+    parameter's elements in its full flat tensor: (start, elements, at
+    which element of the parameter's piece of the chunk), padding left out.
+    Shard(0): one run of rows; Shard(k): a run per index of the dims before
+    k (a 3-D expert tensor sharded on dim 1: one per expert)."""
+    size = torch_internals.fsdp2_orig_size(fp)
+    k = _shard_dim(fp)
+    if not k:
+        return [(r * rows * row, max(0, min(rows, size[0] - r * rows)) * row, 0)]
+    outer = 1
+    for d in size[:k]:
+        outer *= d
+    block = rows * row // outer  # a chunk's elements of one index of the dims before k
+    return [(o * block * n + r * block, block, o * block) for o in range(outer)]
 
 
 def fsdp_capture(att, layout, inp, out, group, where) -> None:
@@ -688,9 +726,9 @@ def fsdp_capture(att, layout, inp, out, group, where) -> None:
         full = torch.empty(shape, dtype=dtype, device=inp.device)
         flat = full.view(-1)
         for r in range(n):
-            valid = _valid(shape[0], rows, r) * row
-            if valid:
-                flat[r * rows * row : r * rows * row + valid].copy_(gin[r, off : off + valid])
+            for start, count, at in _spans(fp, n, rows, row, r):
+                if count:
+                    flat[start : start + count].copy_(gin[r, off + at : off + at + count])
         if old is not None:
             full.add_(old.reshape(full.shape))
         att.captured[p] = full
@@ -787,7 +825,12 @@ def _alone(att, p, g) -> bool:
     (which calls no reduce-scatter): placed as p, the whole local gradient."""
     if p not in att.tp:
         return _mesh_size(att, g.device_mesh) == 1
-    return att.mesh_size == 1 and tuple(g.placements) == tuple(p.placements)
+    return att.mesh_of[p].shards == 1 and tuple(g.placements) == tuple(p.placements)
+
+
+def _unit_mesh(att, comm) -> "_Mesh":
+    """The _Mesh of a unit's parameters (one per unit: FSDP shards a unit over one mesh)."""
+    return att.mesh_of[comm.params[0].sharded_param] if comm.params else att.dp
 
 
 class _UnitVote(NamedTuple):
@@ -799,6 +842,7 @@ class _UnitVote(NamedTuple):
     ps: list  # its sharded parameters that have a gradient
     pieces: list  # Voter.sharded_vote's pieces, laid out in the unit's own chunk
     entries: list  # (g, m, coefs, local shard, element of the chunk, elements) per parameter
+    vote: "dist.ProcessGroup"  # the group of its vote: FSDP's shard group; HSDP: its mesh's replicate group
 
 
 def fsdp_vote(att, settle: bool = False):
@@ -886,7 +930,9 @@ def _start_votes(att):
     units: List[_UnitVote] = []
     for comm in att.order:
         # FSDP's chunk layout over the shard group, and the group of the vote
-        group = comm.group if comm.group is not None and not hsdp else att.dp.shard_group
+        # (FSDP calls no reduce-scatter over one rank: expert parallelism over the whole dp group)
+        mesh = _unit_mesh(att, comm)
+        group = comm.group if comm.group is not None and not hsdp else mesh.shard_group
         # (a unit's parameters column by column: a step reads hundreds)
         gs = _local_grads(att, list(map(_sharded_param, comm.params)))
         params = [fp for fp, g in zip(comm.params, gs) if g is not None]
@@ -908,7 +954,7 @@ def _start_votes(att):
         votes = [(g, m, c, spans) for g, m, c, (_, _, spans) in zip(grads, momenta, coefs, layout)]
         unit = [(g, m, c, local, off, own)
                 for g, m, c, local, (off, own, _) in zip(grads, momenta, coefs, shards, layout)]
-        units.append(_UnitVote(group, device, s, ps, votes, unit))
+        units.append(_UnitVote(group, device, s, ps, votes, unit, mesh.replicas if hsdp else group))
 
     # Consecutive units in one call, their chunks end to end in each shard.
     def planes_of(u):  # elements of planes a unit adds to its call
@@ -917,12 +963,12 @@ def _start_votes(att):
     if att.multi:  # each group's units together (their order within a group kept: the same on every rank)
         first = {}
         for u in units:
-            first.setdefault(id(u.group), len(first))
-        units.sort(key=lambda u: first[id(u.group)])
+            first.setdefault(id(u.vote), len(first))
+        units.sort(key=lambda u: first[id(u.vote)])
     agreed, groups, works, calls = [], [], [], []
-    for run in runs(units, lambda u: (id(u.group), u.device), planes_of, lambda u: step_vote.chunk_limit(u.device)):
+    for run in runs(units, lambda u: (id(u.vote), u.device), planes_of, lambda u: step_vote.chunk_limit(u.device)):
         pieces, s, bases = end_to_end([(u.pieces, u.chunk) for u in run])
-        group, device = (att.replicas if hsdp else run[0].group), run[0].device
+        group, device = run[0].vote, run[0].device
         where = "step (HSDP all-reduce over the replicate group)" if hsdp else "step (FSDP2 reduce-scatter)"
         # Delta as the vote's two planes (2 bits an element) where the apply can read them
         planes = voter.votes_into_planes(device, group)

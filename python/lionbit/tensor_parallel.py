@@ -23,10 +23,12 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 
-def _fsdp_shards_dim0(placement) -> bool:
+def _fsdp_shards(placement, any_dim: bool) -> bool:
     """FSDP's placement of a tensor-parallel parameter over its shard dim:
-    Shard(0), or _StridedShard(0) (a private class of torch: told by name)."""
-    return type(placement).__name__ in ("Shard", "_StridedShard") and getattr(placement, "dim", None) == 0
+    Shard(0), or _StridedShard(0) (a private class of torch: told by name);
+    ``any_dim``: on any dim (a 1-D FSDP mesh, whose shard_placement_fn may
+    choose one: torchtitan's Shard(1) experts)."""
+    return type(placement).__name__ in ("Shard", "_StridedShard") and (any_dim or getattr(placement, "dim", None) == 0)
 
 
 def check_placements(p, name: str, where: str, hsdp: bool = False, replicated: bool = False) -> None:
@@ -39,12 +41,13 @@ def check_placements(p, name: str, where: str, hsdp: bool = False, replicated: b
     lead = (Replicate(),) if hsdp or replicated else ()
     dp = placements[len(lead):-1]  # FSDP's shard over dp: one, none under replicate()
     if (len(placements) != len(lead) + (1 if replicated else 2) or placements[:len(lead)] != lead
-            or not all(map(_fsdp_shards_dim0, dp)) or type(placements[-1]) not in (Shard, Replicate)):
+            or not all(_fsdp_shards(t, not lead) for t in dp) or type(placements[-1]) not in (Shard, Replicate)):
         raise NotImplementedError(
             f"{where}: parameter '{name}' is placed {placements} on the mesh {p.device_mesh}; with tensor or "
-            f"expert parallelism DistributedLion supports FSDP's Shard(0) over the dp dim (no "
-            f"shard_placement_fn) and Shard(k) or Replicate() over the tensor- or expert-parallel dim (torch's "
-            f"ColwiseParallel, RowwiseParallel and SequenceParallel; torchtitan's ExpertParallel)"
+            f"expert parallelism DistributedLion supports FSDP's Shard(k) over the dp dim (under HSDP and FSDP2's "
+            f"replicate(): Shard(0), no shard_placement_fn) and Shard(k) or Replicate() over the tensor- or "
+            f"expert-parallel dim (torch's ColwiseParallel, RowwiseParallel and SequenceParallel; torchtitan's "
+            f"ExpertParallel)"
         )
 
 

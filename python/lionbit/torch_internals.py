@@ -451,6 +451,16 @@ def fsdp2_learn_layouts(param_group, comm: LayoutLearner, where: str) -> Callabl
     return undo
 
 
+def _chunk_cat_size(fp, size, n: int):
+    """The size FSDP gives a gradient before its reduce-scatter: as it is
+    for a parameter sharded Shard(0); for Shard(k), k > 0, its n blocks
+    along dim k stacked on dim 0."""
+    k = getattr(getattr(fp, "fsdp_placement", None), "dim", 0) or 0
+    if not k or n == 1:
+        return size
+    return torch.Size((size[0] * n, *size[1:k], size[k] // n, *size[k + 1:]))
+
+
 def _wrap_foreach_reduce(where: str, skipping: bool) -> None:
     """Wraps FSDP's foreach_reduce (once per process). For lionbit's
     reduce-scatters (LayoutLearner) it (torch 2.11) tells the comm the unit's
@@ -481,7 +491,8 @@ def _wrap_foreach_reduce(where: str, skipping: bool) -> None:
         if isinstance(reduce_scatter_comm, LayoutLearner):
             if learn:
                 n = reduce_scatter_group.size() if reduce_scatter_group is not None else 1
-                sizes = tuple(_get_dim0_padded_size(g.size(), n) for g in unsharded_grads)
+                sizes = tuple(_get_dim0_padded_size(_chunk_cat_size(fp, g.size(), n), n)
+                              for fp, g in zip(fsdp_params, unsharded_grads))
                 reduce_scatter_comm.learn_layout(fsdp_params, sizes)
             if reduce_scatter_comm.skips_all_reduce and at is not None:
                 if "all_reduce_group" in kwargs:

@@ -21,6 +21,7 @@ from harness import run_ranks, values
 from test_fsdp_tp import _f32, _full, _gather, _local
 
 DP_MOD_EP, EP = 2, 2  # 4 ranks: the dense parameters' dp group is all of them
+M = 2  # HSDP: 2 nodes of (dp_mod_ep 1, ep 2)
 V, D, HEADS, H, E, TOP_K, T = 29, 12, 2, 20, 4, 2, 8  # vocabulary, width, heads, expert width, experts, top-k, tokens
 LION = dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)
 SCALE = 1024.0  # GradScaler's initial scale
@@ -141,7 +142,8 @@ def expert_parallel(experts, ep_mesh):
 
 
 def _config(**kw):
-    cfg = dict(aggregation="vote", steps=4, clip=None, accumulate=1, scaler=False, inf=None, momentum_sync=None)
+    cfg = dict(aggregation="vote", steps=4, clip=None, accumulate=1, scaler=False, inf=None, momentum_sync=None,
+               shard1=False, dp_mod_ep=DP_MOD_EP, hsdp=False)
     cfg.update(kw)
     return cfg
 
@@ -149,12 +151,27 @@ def _config(**kw):
 # -- the ranks: the user's training script ------------------------------------------------------------------
 
 
-def _mesh():
-    """torchtitan's meshes for EP without TP: (dp_mod_ep, ep), the dense parameters' dp over both."""
+def _mesh(dp_mod_ep=DP_MOD_EP, hsdp=False):
+    """torchtitan's meshes for EP without TP: (dp_mod_ep, ep), the dense parameters' dp over both (dp_mod_ep 1:
+    expert parallelism over the whole dp group, whose experts FSDP shards over one rank); ``hsdp``: 2 nodes of
+    (dp_mod_ep 1, ep 2), the dense parameters' HSDP mesh (dp_replicate, dp_shard)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (DP_MOD_EP, EP), mesh_dim_names=("dp_mod_ep", "ep"))
+    if hsdp:
+        mesh = init_device_mesh("cpu", (M, 1, EP), mesh_dim_names=("dp_replicate", "dp_mod_ep", "ep"))
+        mesh["dp_mod_ep", "ep"]._flatten("dp_shard")
+        return mesh, mesh["dp_replicate", "dp_shard"]
+    mesh = init_device_mesh("cpu", (dp_mod_ep, DP_MOD_EP * EP // dp_mod_ep), mesh_dim_names=("dp_mod_ep", "ep"))
     return mesh, mesh["dp_mod_ep", "ep"]._flatten("dp_shard")
+
+
+def _hsdp(mesh) -> bool:
+    return "dp_replicate" in mesh.mesh_dim_names
+
+
+def _experts_mesh(mesh):
+    """What the experts are fully_shard-ed over: dp_mod_ep; under HSDP (dp_replicate, dp_mod_ep)."""
+    return mesh["dp_replicate", "dp_mod_ep"] if _hsdp(mesh) else mesh["dp_mod_ep"]
 
 
 def _model(ep_mesh):
@@ -165,15 +182,20 @@ def _model(ep_mesh):
     return model
 
 
-def _fsdp_ep_model(mesh, dp):
-    """torchtitan's apply_fsdp with EP: each block's experts over dp_mod_ep, the block over dp, then the root."""
+def _fsdp_ep_model(mesh, dp, shard1=False):
+    """torchtitan's apply_fsdp with EP: each block's experts over dp_mod_ep, the block over dp, then the root
+    (``shard1``: the experts sharded Shard(1), torchtitan's shard_placement_fn where dp_mod_ep x ep exceeds the
+    number of experts, and every matrix of the rest too)."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     model = _model(mesh["ep"])
+    experts = (lambda p: Shard(1)) if shard1 else None
+    dense = (lambda p: Shard(1) if p.ndim == 2 else Shard(0)) if shard1 else None
     for layer in model.layers:
-        fully_shard(layer.moe.experts, mesh=mesh["dp_mod_ep"])
-        fully_shard(layer, mesh=dp)
-    fully_shard(model, mesh=dp)
+        fully_shard(layer.moe.experts, mesh=_experts_mesh(mesh), shard_placement_fn=experts)
+        fully_shard(layer, mesh=dp, shard_placement_fn=dense)
+    fully_shard(model, mesh=dp, shard_placement_fn=dense)
     for module in model.modules():  # torchtitan's disable_fsdp_gradient_division
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)
@@ -220,7 +242,7 @@ def _train(cfg, mesh, dp):
     import lionbit
 
     rank = torch.distributed.get_rank()
-    model = _fsdp_ep_model(mesh, dp)
+    model = _fsdp_ep_model(mesh, dp, cfg["shard1"])
     opt = lionbit.DistributedLion(model.parameters(), aggregation=cfg["aggregation"],
                                   momentum_sync=cfg["momentum_sync"], **LION).attach(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE) if cfg["scaler"] else None
@@ -249,6 +271,7 @@ def _train(cfg, mesh, dp):
         "steps": opt.steps_taken,
         "momentum": [opt.state[p]["exp_avg"].flatten().tolist() for p in params],
         "experts": [_is_expert(p) for p in params],
+        "placements": [str(tuple(p.placements)) for p in params],
     }
 
 
@@ -262,12 +285,21 @@ def _reference(cfg, run, mesh, dp):
     workers of each parameter (every rank for the dense ones, the dp_mod_ep
     group for the experts); each worker's momentum kept here; every float32
     operation rounded on its own:
-    c = b1 m + (1 - b1) g, m = b2 m + (1 - b2) g, x = x (1 - lr wd) - lr Delta."""
+    c = b1 m + (1 - b1) g, m = b2 m + (1 - b2) g, x = x (1 - lr wd) - lr Delta.
+    HSDP: a worker is a node; its gradient the sum (torchtitan's divide
+    factor 1.0) of its ranks' (a dense parameter's over the node's 2 ranks,
+    an expert's its one rank's), gathered over the replicate group; each
+    rank keeps its shard (FSDP's chunk of dim 0) of its node's momentum."""
     dist = torch.distributed
     rank = dist.get_rank()
     model = _model(mesh["ep"])
     params = list(model.parameters())
-    groups = [mesh["dp_mod_ep"].get_group() if _is_expert(p) else dp.get_group() for p in params]
+    hsdp = _hsdp(mesh)
+    # per parameter: the ranks that sum their gradients into a worker's (HSDP), the group of the workers
+    nodes = [(mesh["dp_mod_ep"] if _is_expert(p) else mesh["dp_shard"]).get_group() if hsdp else None
+             for p in params]
+    groups = [mesh["dp_replicate"].get_group() if hsdp else (mesh["dp_mod_ep"] if _is_expert(p) else dp).get_group()
+              for p in params]
     workers = [dist.get_world_size(g) for g in groups]
     momentum = [[torch.zeros_like(_local(p)) for _ in range(n)] for p, n in zip(params, workers)]
     b1, b2 = LION["betas"]
@@ -294,6 +326,8 @@ def _reference(cfg, run, mesh, dp):
             report["norm_rel_err"] = max(report["norm_rel_err"], abs(ran - own) / own)
             coef = torch.clamp(cfg["clip"] / (torch.tensor(ran, dtype=torch.float32) + 1e-6), max=1.0)
             grads = [g * coef for g in grads]
+        if hsdp:  # the node's sum, the parts in rank order (two at most: the order cannot matter)
+            grads = [_node_sum(g, node) for g, node in zip(grads, nodes)]
         with torch.no_grad():
             for i, p in enumerate(params):
                 everyone = _gather(grads[i], groups[i])
@@ -307,17 +341,41 @@ def _reference(cfg, run, mesh, dp):
                 x.copy_(torch.sub(torch.mul(x, _f32(1.0 - lr * wd)), torch.mul(delta, _f32(lr))))
         report["applied"] += 1
         report["traj"].append([_full(p) for p in params])
-    report["momentum"] = [momentum[i][dist.get_rank(groups[i])].flatten().tolist() for i in range(len(params))]
+    report["momentum"] = [_own_rows(momentum[i][dist.get_rank(groups[i])], nodes[i]).flatten().tolist()
+                          for i in range(len(params))]
     return report
+
+
+def _node_sum(g, node):
+    parts = _gather(g, node)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def _own_rows(t, node):
+    """Under HSDP this rank's rows of its node's tensor (FSDP's chunk of dim 0 over the node's ranks)."""
+    if node is None:
+        return t
+    n, i = torch.distributed.get_world_size(node), torch.distributed.get_rank(node)
+    rows = -(-t.shape[0] // n)
+    return t[i * rows : (i + 1) * rows]
 
 
 def fsdp_ep_runs(rank, world_size, configs):
     import lionbit
 
-    mesh, dp = _mesh()
-    groups = (dp.get_group(), mesh["dp_mod_ep"].get_group())
+    meshes = {}
     out = []
     for cfg in configs:
+        key = (cfg["dp_mod_ep"], cfg["hsdp"])
+        if key not in meshes:
+            meshes[key] = _mesh(*key)
+        mesh, dp = meshes[key]
+        # the groups of the votes: the dense parameters' and the experts'; HSDP: the replicate group's
+        groups = (mesh["dp_replicate"].get_group(),) * 2 if cfg["hsdp"] else (dp.get_group(),
+                                                                               mesh["dp_mod_ep"].get_group())
         for group in groups:
             lionbit.reset_stats(group)
         run = _train(cfg, mesh, dp)
@@ -339,6 +397,11 @@ CONFIGS = {
     "avg, accumulation, GradScaler, an inf in rank 3's part of an expert's gradient": _config(
         aggregation="avg", accumulate=2, scaler=True, inf=[1, 3]),
     "vote, momentum_sync=2": _config(momentum_sync=2),
+    "vote, experts and matrices sharded Shard(1), clip, accumulation": _config(shard1=True, clip=0.5, accumulate=2),
+    "vote, EP over the whole dp group (dp_mod_ep 1 x ep 4), clip": _config(dp_mod_ep=1, clip=0.5),
+    "HSDP + EP (2 nodes of ep 2): vote": _config(hsdp=True, dp_mod_ep=1),
+    "HSDP + EP: avg, accumulation, GradScaler, an inf in rank 3's part of an expert's gradient": _config(
+        hsdp=True, dp_mod_ep=1, aggregation="avg", accumulate=2, scaler=True, inf=[1, 3]),
 }
 
 
@@ -366,20 +429,33 @@ def test_fsdp_ep_equals_the_reference_bitwise(runs, name):
         assert run["steps"] == ref["applied"] == cfg["steps"] - (1 if cfg["inf"] else 0)
         if cfg["clip"]:
             assert ref["norm_rel_err"] < 1e-5, ref["norm_rel_err"]
+        if cfg["hsdp"]:  # the replicas' 1-bit all-reduces of their shards between the nodes, no reduce-scatter
+            st = run["stats"]
+            assert run["steps"] <= st["sign_allreduce_calls"] <= 2 * cfg["steps"], st
+            assert not st["sign_reduce_scatter_calls"], st
+            continue
         # one 1-bit reduce-scatter a step over each group: the dense parameters' (4 ranks), the experts' (2):
         # (N-1)/N of the bits and the header rounds' 72 bytes a peer, far below FSDP's fp32 reduce-scatter
-        for n, st in ((DP_MOD_EP * EP, run["stats"]), (DP_MOD_EP, run["expert_stats"])):
+        for n, st in ((DP_MOD_EP * EP, run["stats"]), (cfg["dp_mod_ep"], run["expert_stats"])):
+            if n == 1:  # (each rank alone holds its experts: no one to vote with)
+                assert st["bytes_sent"] == 0, st
+                continue
             calls = st["sign_reduce_scatter_calls"]
             assert run["steps"] <= calls <= cfg["steps"], st
             if not cfg["inf"]:  # (a skipped step's vote stops in its header round)
                 assert st["bytes_sent"] - st["zero_bytes_sent"] <= (n - 1) * (st["elements"] / n / 8 + 80 * calls), st
             assert st["bytes_sent"] * 4 < (n - 1) / n * 4 * st["elements"], st
+    # FSDP shards as configured: the experts Shard(1) over dp_mod_ep, split Shard(0) over ep
+    placed = [pl for pl, expert in zip(per_rank[0]["placements"], per_rank[0]["experts"]) if expert]
+    want = "(Replicate(), " if cfg["hsdp"] else "(Shard(dim=1), " if cfg["shard1"] else "(_StridedShard(dim=0"
+    assert all(pl.startswith(want) and pl.endswith("Shard(dim=0))") for pl in placed), placed
     # the experts' momenta differ between the dp_mod_ep workers (their own data); the ranks of a worker
     # (rank r and r + EP) hold the same experts
     experts = per_rank[0]["experts"]
     assert any(experts) and not all(experts)
     k = experts.index(True)
-    assert per_rank[0]["momentum"][k] != per_rank[EP]["momentum"][k]
+    if cfg["dp_mod_ep"] > 1:
+        assert per_rank[0]["momentum"][k] != per_rank[EP]["momentum"][k]
 
 
 def test_momentum_sync_averages_each_mesh_over_its_own_workers(runs):
@@ -470,39 +546,27 @@ def test_fsdp_ep_checkpoint_resumes_bitwise(tmp_path):
 
 
 def fsdp_ep_refusals(rank, world_size):
-    """What attach refuses, as a clear error on every rank: torchtitan's
-    Shard(1) experts (its shard_placement_fn where dp_mod_ep x ep exceeds
-    the number of experts), and experts sharded over a sub-mesh without
-    expert parallelism (no dim beside it spans the dp group)."""
+    """What attach refuses, as a clear error on every rank: experts sharded
+    over a sub-mesh without expert parallelism (no dim beside it spans the
+    dp group)."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard
 
     import lionbit
 
     mesh, dp = _mesh()
-    out = {}
-    for case in ("Shard(1)", "sub-mesh without EP"):
-        torch.manual_seed(0)
-        model = TinyMoE()
-        for layer in model.layers:
-            if case == "Shard(1)":
-                expert_parallel(layer.moe.experts, mesh["ep"])
-                fully_shard(layer.moe.experts, mesh=mesh["dp_mod_ep"], shard_placement_fn=lambda p: Shard(1))
-            else:
-                fully_shard(layer.moe.experts, mesh=mesh["dp_mod_ep"])
-            fully_shard(layer, mesh=dp)
-        fully_shard(model, mesh=dp)
-        try:
-            lionbit.DistributedLion(model.parameters(), **LION).attach(model)
-            out[case] = "no error"
-        except NotImplementedError as err:
-            out[case] = str(err)
-    return out
+    torch.manual_seed(0)
+    model = TinyMoE()
+    for layer in model.layers:
+        fully_shard(layer.moe.experts, mesh=mesh["dp_mod_ep"])
+        fully_shard(layer, mesh=dp)
+    fully_shard(model, mesh=dp)
+    try:
+        lionbit.DistributedLion(model.parameters(), **LION).attach(model)
+        return "no error"
+    except NotImplementedError as err:
+        return str(err)
 
 
 def test_fsdp_ep_refuses_what_it_cannot_vote():
-    res = values(run_ranks("test_fsdp_ep:fsdp_ep_refusals", DP_MOD_EP * EP, timeout=240))
-    for r in res:
-        assert "'layers.0.moe.experts.w1' is placed (Shard(dim=1), Shard(dim=0))" in r["Shard(1)"], r["Shard(1)"]
-        assert "are sharded over different meshes" in r["sub-mesh without EP"], r["sub-mesh without EP"]
-        assert "dp_shard_mod_ep x ep" in r["sub-mesh without EP"], r["sub-mesh without EP"]
+    for r in values(run_ranks("test_fsdp_ep:fsdp_ep_refusals", DP_MOD_EP * EP, timeout=240)):
+        assert "are sharded over different meshes" in r and "dp_shard_mod_ep x ep" in r, r
