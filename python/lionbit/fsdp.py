@@ -271,7 +271,7 @@ class FSDP2Attachment(Attachment):
         self.plan = fsdp_plan.FSDP2Plan()  # the step, replayed where it is the step before again
         for module, pg in installs:
             comm = _SignReduceScatter(self, pg)
-            module.set_custom_reduce_scatter(comm)
+            torch_internals.fsdp2_set_reduce_scatter_comm(module, pg, comm, _WHERE)
             self.comms.append(comm)
         # 1-D: p.grad becomes the local gradient. HSDP: p.grad is FSDP's own (the node's mean, sharded).
         self.hooks = {}  # parameter -> its grad hook's handle
@@ -477,10 +477,11 @@ def _mesh_kind(fp, p, name: str):
         tensor_parallel.check_placements(p, name, _WHERE, hsdp=True)
         return 0, mesh.get_group(2)
     if kind == "HSDPMeshInfo" and mesh.ndim == 2 and not spmd:
-        if tuple(p.placements) != (Replicate(), Shard(0)):
+        placements = tuple(p.placements)
+        if len(placements) != 2 or placements[0] != Replicate() or not isinstance(placements[1], Shard):
             raise NotImplementedError(
-                f"{_WHERE}: parameter '{name}' is placed {tuple(p.placements)} on the HSDP mesh "
-                f"{describe_mesh(mesh)}; only (Replicate(), Shard(0)) (no shard_placement_fn) is supported"
+                f"{_WHERE}: parameter '{name}' is placed {placements} on the HSDP mesh "
+                f"{describe_mesh(mesh)}; only (Replicate(), Shard(k)) is supported"
             )
         return 0, None
     if kind == "DDPMeshInfo" and fp.mesh_info.mesh.ndim == 1 and mesh.ndim == 1 and not spmd:
@@ -1053,15 +1054,15 @@ def _rows(att, p: torch.Tensor, m: torch.Tensor):
 
 def _own_part(att, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a full tensor of p's shape: with tensor
-    parallelism its tensor-parallel part; under HSDP then its rows of that
-    (FSDP's chunk)."""
+    parallelism its tensor-parallel part; under HSDP then its block of that
+    along FSDP's shard dim (FSDP's chunk: Shard(0), its rows)."""
     if p in att.split:
         t = tensor_parallel.part(p, t)
     if att.replicas is None:
         return t
-    mesh = att.mesh_of[p]
-    rows = -(-t.shape[0] // mesh.shards)
-    return t[mesh.shard * rows : mesh.shard * rows + p.to_local().shape[0]]
+    mesh, k = att.mesh_of[p], _shard_dim(att.managed[p])
+    width = -(-t.shape[k] // mesh.shards)
+    return t.narrow(k, min(mesh.shard * width, t.shape[k]), p.to_local().shape[k])
 
 
 def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optional[list] = None) -> torch.Tensor:
@@ -1152,9 +1153,13 @@ def _saved_mesh(att, d: dict, has_layout: bool = False):
     """The mesh a state dict (or one of its groups) records: HSDP's own; a
     1-D run's records none. None where it records none but carries the
     mesh's layout (``has_layout``: MESH_SHAPE_KEY, which is checked
-    instead)."""
+    instead), and where torch's set_optimizer_state_dict unflattened it
+    (``flatten_optimizer_state_dict=True``, torchtitan's): that keeps only
+    the optimizer's own keys, and dcp.load checked MESH_SHAPE_KEY before."""
     saved = d.get(MESH_KEY)
     if saved is None and att.replicas is not None and not has_layout:
+        if torch_internals.loading_flattened_optimizer_state():  # (torch kept no entry of lionbit's own)
+            return None
         return "a 1-D mesh (FSDP without HSDP), or an older lionbit"
     return saved
 

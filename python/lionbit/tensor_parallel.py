@@ -23,17 +23,17 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 
-def _fsdp_shards(placement, any_dim: bool) -> bool:
+def _fsdp_shards(placement) -> bool:
     """FSDP's placement of a tensor-parallel parameter over its shard dim:
-    Shard(0), or _StridedShard(0) (a private class of torch: told by name);
-    ``any_dim``: on any dim (a 1-D FSDP mesh, whose shard_placement_fn may
-    choose one: torchtitan's Shard(1) experts)."""
-    return type(placement).__name__ in ("Shard", "_StridedShard") and (any_dim or getattr(placement, "dim", None) == 0)
+    Shard(k), or _StridedShard(k) (a private class of torch: told by name);
+    k is 0 unless a shard_placement_fn chose another (torchtitan's Shard(1)
+    experts)."""
+    return type(placement).__name__ in ("Shard", "_StridedShard")
 
 
 def check_placements(p, name: str, where: str, hsdp: bool = False, replicated: bool = False) -> None:
-    """A clear error unless p is placed ([HSDP: Replicate(),] FSDP's dim-0
-    shard, Shard(k) or Replicate()) on a ([replicate,] dp, tp) mesh, or
+    """A clear error unless p is placed ([HSDP: Replicate(),] FSDP's shard,
+    Shard(k) or Replicate()) on a ([replicate,] dp, tp) mesh, or
     (``replicated``: FSDP2's replicate()) (Replicate(), Shard(k) or
     Replicate()) on a (dp, tp) mesh: the layouts of torch's tensor-parallel
     styles under FSDP2."""
@@ -41,13 +41,12 @@ def check_placements(p, name: str, where: str, hsdp: bool = False, replicated: b
     lead = (Replicate(),) if hsdp or replicated else ()
     dp = placements[len(lead):-1]  # FSDP's shard over dp: one, none under replicate()
     if (len(placements) != len(lead) + (1 if replicated else 2) or placements[:len(lead)] != lead
-            or not all(_fsdp_shards(t, not lead) for t in dp) or type(placements[-1]) not in (Shard, Replicate)):
+            or not all(map(_fsdp_shards, dp)) or type(placements[-1]) not in (Shard, Replicate)):
         raise NotImplementedError(
             f"{where}: parameter '{name}' is placed {placements} on the mesh {p.device_mesh}; with tensor or "
-            f"expert parallelism DistributedLion supports FSDP's Shard(k) over the dp dim (under HSDP and FSDP2's "
-            f"replicate(): Shard(0), no shard_placement_fn) and Shard(k) or Replicate() over the tensor- or "
-            f"expert-parallel dim (torch's ColwiseParallel, RowwiseParallel and SequenceParallel; torchtitan's "
-            f"ExpertParallel)"
+            f"expert parallelism DistributedLion supports FSDP's Shard(k) over the dp dim and Shard(k) or "
+            f"Replicate() over the tensor- or expert-parallel dim (torch's ColwiseParallel, RowwiseParallel and "
+            f"SequenceParallel; torchtitan's ExpertParallel)"
         )
 
 

@@ -80,6 +80,9 @@ NAMES = (
     Name("torch.distributed.checkpoint.state_dict._init_optim_state",
          "get/set_optimizer_state_dict on a fresh optimizer call step() on zero gradients with lr 0 to create "
          "its state: not a step (no count, no momentum synchronization, no collective)"),
+    Name("torch.distributed.checkpoint.state_dict._load_optim_state_dict",
+         "set_optimizer_state_dict of a flattened state dict (torchtitan's) keeps only the optimizer's own keys: an "
+         "HSDP state dict's mesh entries are then missing (dcp.load has checked them)"),
     # GradScaler
     Name("GradScaler._per_optimizer_states", "whether the user already unscaled this optimizer's gradients"),
     Name("GradScaler._found_inf_per_device", "the found-inf tensors that GradScaler.update() reads"),
@@ -115,7 +118,8 @@ NAMES = (
     Name("torch.distributed.fsdp._fully_shard._fsdp_common._get_dim0_padded_size",
          "the padded sizes of each reduction, as FSDP computes them", "2.11"),
     Name("FSDPParamGroup._reduce_scatter_comm",
-         "checks: no other custom reduce-scatter; detach() gives FSDP its own back"),
+         "checks: no other custom reduce-scatter; detach() gives FSDP its own back; a module with several "
+         "parameter groups (a shard_placement_fn's per-parameter meshes) gets a reduce-scatter per group"),
     Name("FSDPParamGroup._all_reduce_hook", "a check: no all-reduce hook (the output is Lion's update)"),
     Name("FSDPParamGroup._module_fqn", "the unit's name in error messages"),
     Name("FSDPParamGroup._reduce_scatter_process_group", "a check: every unit reduces over one group"),
@@ -259,6 +263,24 @@ def initializing_optimizer_state() -> bool:
     return False
 
 
+def loading_flattened_optimizer_state() -> bool:
+    """Whether torch's set_optimizer_state_dict is loading a flattened
+    optimizer state dict now (``flatten_optimizer_state_dict=True``, as
+    torchtitan's checkpoints are): its ``_load_optim_state_dict`` got one
+    without a "state" key, and unflattened it into the optimizer's own state
+    and group keys only. Found among the few frames above."""
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            return False
+        if (frame.f_code.co_name == "_load_optim_state_dict"
+                and frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict"):
+            given = frame.f_locals.get("state_dict")
+            return isinstance(given, dict) and bool(given) and "state" not in given
+        frame = frame.f_back
+    return False
+
+
 def compiled_inner(model):
     """The module inside torch.compile's OptimizedModule (the model itself otherwise)."""
     return getattr(model, "_orig_mod", model)
@@ -381,6 +403,17 @@ def fsdp2_reduce_scatter_comm(param_group, where: str):
 def fsdp2_restore_reduce_scatter_comm(param_group, comm) -> None:
     """FSDP2 has a setter (set_custom_reduce_scatter) but no way back to its default."""
     param_group._reduce_scatter_comm = comm
+
+
+def fsdp2_set_reduce_scatter_comm(module, param_group, comm, where: str) -> None:
+    """set_custom_reduce_scatter for one of a module's FSDP parameter groups.
+    torch's setter refuses a module with several (a shard_placement_fn's
+    per-parameter meshes: torchtitan's expert parallelism), as one comm
+    would serve groups of different meshes; here each group gets its own."""
+    if len(fsdp2_param_groups(module, where)) == 1:
+        module.set_custom_reduce_scatter(comm)
+    else:
+        param_group._reduce_scatter_comm = comm
 
 
 def fsdp2_all_reduce_hook(param_group):

@@ -629,7 +629,6 @@ COLLECTIVE_CASES = {
     "kind_mismatch": "collective differs across ranks",
 }
 ATTACH_CASES = {
-    "hsdp_placement": "only (Replicate(), Shard(0)) (no shard_placement_fn) is supported",
     "offload": "CPUOffloadPolicy is not supported",
     "missing_param": "is not in this optimizer",
     "fp16_reduce": "FSDP reduces torch.float16 gradients with RedOpType.SUM, dividing them before the reduction",
@@ -680,13 +679,6 @@ def _error_case(rank, world_size, case):
             lionbit.all_reduce_sign(x)
         else:
             lionbit.reduce_scatter_sign(torch.zeros(64), x)
-    elif case == "hsdp_placement":  # HSDP (test_hsdp.py) with another shard placement
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Shard
-
-        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard"))
-        model = fully_shard(_net(), mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.shape[-1] == 12 else None)
-        lionbit.DistributedLion(model.parameters()).attach(model)
     elif case == "offload":
         from torch.distributed.fsdp import CPUOffloadPolicy
 

@@ -143,7 +143,7 @@ def expert_parallel(experts, ep_mesh):
 
 def _config(**kw):
     cfg = dict(aggregation="vote", steps=4, clip=None, accumulate=1, scaler=False, inf=None, momentum_sync=None,
-               shard1=False, dp_mod_ep=DP_MOD_EP, hsdp=False)
+               shard1=False, dp_mod_ep=DP_MOD_EP, hsdp=False, one_unit=False)
     cfg.update(kw)
     return cfg
 
@@ -182,10 +182,11 @@ def _model(ep_mesh):
     return model
 
 
-def _fsdp_ep_model(mesh, dp, shard1=False):
+def _fsdp_ep_model(mesh, dp, shard1=False, one_unit=False):
     """torchtitan's apply_fsdp with EP: each block's experts over dp_mod_ep, the block over dp, then the root
     (``shard1``: the experts sharded Shard(1), torchtitan's shard_placement_fn where dp_mod_ep x ep exceeds the
-    number of experts, and every matrix of the rest too)."""
+    number of experts, and every matrix of the rest too). ``one_unit``: the newest torchtitan's, one unit a
+    block whose shard_placement_fn gives the experts their own mesh (torch's ShardPlacementResult)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
@@ -193,6 +194,9 @@ def _fsdp_ep_model(mesh, dp, shard1=False):
     experts = (lambda p: Shard(1)) if shard1 else None
     dense = (lambda p: Shard(1) if p.ndim == 2 else Shard(0)) if shard1 else None
     for layer in model.layers:
+        if one_unit:
+            fully_shard(layer, mesh=dp, shard_placement_fn=_per_parameter_mesh(mesh, dp, layer, shard1))
+            continue
         fully_shard(layer.moe.experts, mesh=_experts_mesh(mesh), shard_placement_fn=experts)
         fully_shard(layer, mesh=dp, shard_placement_fn=dense)
     fully_shard(model, mesh=dp, shard_placement_fn=dense)
@@ -200,6 +204,23 @@ def _fsdp_ep_model(mesh, dp, shard1=False):
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)
     return model
+
+
+def _per_parameter_mesh(mesh, dp, layer, shard1):
+    """torchtitan's shard_placement_fn for a block with EP: the experts on their mesh, the rest on dp's."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    from torch.distributed.tensor import Shard
+
+    experts_info, dense_info = _get_mesh_info(_experts_mesh(mesh)), _get_mesh_info(dp)
+    experts = set(layer.moe.experts.parameters())
+
+    def place(p):
+        if p in experts:
+            return ShardPlacementResult(Shard(1) if shard1 else Shard(0), experts_info)
+        return ShardPlacementResult(Shard(1) if shard1 and p.ndim == 2 else Shard(0), dense_info)
+
+    return place
 
 
 def _batch(rank, step, micro=0):
@@ -242,7 +263,7 @@ def _train(cfg, mesh, dp):
     import lionbit
 
     rank = torch.distributed.get_rank()
-    model = _fsdp_ep_model(mesh, dp, cfg["shard1"])
+    model = _fsdp_ep_model(mesh, dp, cfg["shard1"], cfg["one_unit"])
     opt = lionbit.DistributedLion(model.parameters(), aggregation=cfg["aggregation"],
                                   momentum_sync=cfg["momentum_sync"], **LION).attach(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE) if cfg["scaler"] else None
@@ -341,7 +362,8 @@ def _reference(cfg, run, mesh, dp):
                 x.copy_(torch.sub(torch.mul(x, _f32(1.0 - lr * wd)), torch.mul(delta, _f32(lr))))
         report["applied"] += 1
         report["traj"].append([_full(p) for p in params])
-    report["momentum"] = [_own_rows(momentum[i][dist.get_rank(groups[i])], nodes[i]).flatten().tolist()
+    dims = [1 if cfg["shard1"] and (_is_expert(p) or p.dim() == 2) else 0 for p in params]  # FSDP's shard dims
+    report["momentum"] = [_own_block(momentum[i][dist.get_rank(groups[i])], nodes[i], dims[i]).flatten().tolist()
                           for i in range(len(params))]
     return report
 
@@ -354,13 +376,11 @@ def _node_sum(g, node):
     return total
 
 
-def _own_rows(t, node):
-    """Under HSDP this rank's rows of its node's tensor (FSDP's chunk of dim 0 over the node's ranks)."""
+def _own_block(t, node, dim):
+    """Under HSDP this rank's block of its node's tensor (FSDP's chunk of ``dim`` over the node's ranks)."""
     if node is None:
         return t
-    n, i = torch.distributed.get_world_size(node), torch.distributed.get_rank(node)
-    rows = -(-t.shape[0] // n)
-    return t[i * rows : (i + 1) * rows]
+    return torch.chunk(t, torch.distributed.get_world_size(node), dim=dim)[torch.distributed.get_rank(node)]
 
 
 def fsdp_ep_runs(rank, world_size, configs):
@@ -402,19 +422,42 @@ CONFIGS = {
     "HSDP + EP (2 nodes of ep 2): vote": _config(hsdp=True, dp_mod_ep=1),
     "HSDP + EP: avg, accumulation, GradScaler, an inf in rank 3's part of an expert's gradient": _config(
         hsdp=True, dp_mod_ep=1, aggregation="avg", accumulate=2, scaler=True, inf=[1, 3]),
+    "HSDP + EP: vote, experts and matrices sharded Shard(1)": _config(hsdp=True, dp_mod_ep=1, shard1=True),
 }
+
+
+ONE_UNIT_CONFIGS = {  # the newest torchtitan's: one FSDP unit a block, the experts' mesh per parameter
+    "one unit a block: vote, clip": _config(one_unit=True, clip=0.5),
+    "one unit a block: Shard(1), avg, GradScaler, an inf in rank 3's part of an expert's gradient": _config(
+        one_unit=True, shard1=True, aggregation="avg", scaler=True, inf=[1, 3]),
+    "one unit a block, HSDP: vote": _config(one_unit=True, hsdp=True, dp_mod_ep=1),
+}
+
+
+def _per_parameter_meshes() -> bool:
+    """Whether this torch's shard_placement_fn can choose a parameter's mesh (ShardPlacementResult)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+ALL_CONFIGS = {**CONFIGS, **(ONE_UNIT_CONFIGS if _per_parameter_meshes() else {})}
 
 
 @pytest.fixture(scope="module")
 def runs():
     return values(run_ranks("test_fsdp_ep:fsdp_ep_runs", DP_MOD_EP * EP,
-                            kwargs=dict(configs=list(CONFIGS.values())), timeout=240))
+                            kwargs=dict(configs=list(ALL_CONFIGS.values())), timeout=240))
 
 
-@pytest.mark.parametrize("name", [n for n, c in CONFIGS.items() if c["momentum_sync"] is None])
+@pytest.mark.parametrize("name", [n for n, c in {**CONFIGS, **ONE_UNIT_CONFIGS}.items() if c["momentum_sync"] is None])
 def test_fsdp_ep_equals_the_reference_bitwise(runs, name):
-    i = list(CONFIGS).index(name)
-    cfg = CONFIGS[name]
+    if name not in ALL_CONFIGS:
+        pytest.skip("this torch's shard_placement_fn cannot choose a parameter's mesh (no ShardPlacementResult)")
+    i = list(ALL_CONFIGS).index(name)
+    cfg = ALL_CONFIGS[name]
     per_rank = [r[i] for r in runs]
     for rank, run in enumerate(per_rank):
         ref = run["ref"]
@@ -447,7 +490,7 @@ def test_fsdp_ep_equals_the_reference_bitwise(runs, name):
             assert st["bytes_sent"] * 4 < (n - 1) / n * 4 * st["elements"], st
     # FSDP shards as configured: the experts Shard(1) over dp_mod_ep, split Shard(0) over ep
     placed = [pl for pl, expert in zip(per_rank[0]["placements"], per_rank[0]["experts"]) if expert]
-    want = "(Replicate(), " if cfg["hsdp"] else "(Shard(dim=1), " if cfg["shard1"] else "(_StridedShard(dim=0"
+    want = "(" + ("Replicate(), " if cfg["hsdp"] else "") + ("Shard(dim=1)" if cfg["shard1"] else "_StridedShard(dim=0")
     assert all(pl.startswith(want) and pl.endswith("Shard(dim=0))") for pl in placed), placed
     # the experts' momenta differ between the dp_mod_ep workers (their own data); the ranks of a worker
     # (rank r and r + EP) hold the same experts
@@ -479,10 +522,10 @@ def test_momentum_sync_averages_each_mesh_over_its_own_workers(runs):
 K, J = 3, 2  # steps before the checkpoint, after it
 
 
-def _build(mesh, dp, seed):
+def _build(mesh, dp, seed, shard1=False):
     import lionbit
 
-    model = _fsdp_ep_model(mesh, dp)
+    model = _fsdp_ep_model(mesh, dp, shard1)
     if seed:  # other weights: everything must come from the checkpoint
         with torch.no_grad():
             for p in model.parameters():
@@ -504,11 +547,19 @@ def _steps(model, opt, steps):
                                                       for p in model.parameters()], opt.param_groups[0]["lr"])
 
 
-def fsdp_ep_checkpoint(rank, world_size, path):
-    """torchtitan's checkpoint (the model's and the flattened optimizer's
-    state dicts through DCP) after K steps, read into a fresh model and
-    optimizer: J more steps give bitwise the uninterrupted run's parameters
-    and every rank's momentum."""
+CHECKPOINTS = {  # (HSDP, Shard(1))
+    "dp_mod_ep 2 x ep 2": (False, False),
+    "HSDP, 2 nodes of ep 2, Shard(1)": (True, True),
+}
+
+
+def fsdp_ep_checkpoint(rank, world_size, path, hsdp, shard1):
+    """After K steps, torchtitan's checkpoint (the model's and the flattened
+    optimizer's state dicts through DCP), and a consolidated optimizer file
+    (``full_state_dict``: every worker's momentum stacked) that every rank
+    reads and hands to set_optimizer_state_dict as it is; each read into a
+    fresh model and optimizer: J more steps give bitwise the uninterrupted
+    run's parameters and every rank's momentum."""
     import os
 
     import torch.distributed.checkpoint as dcp
@@ -520,29 +571,41 @@ def fsdp_ep_checkpoint(rank, world_size, path):
         set_optimizer_state_dict,
     )
 
-    mesh, dp = _mesh()
+    mesh, dp = _mesh(1 if hsdp else DP_MOD_EP, hsdp)
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
     where = os.path.join(path, "step3")
-    model, opt = _build(mesh, dp, 0)
+    model, opt = _build(mesh, dp, 0, shard1)
     _steps(model, opt, range(K))
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=flat)},
              checkpoint_id=where)
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    if rank == 0:
+        torch.save(full, where + ".pt")
+    torch.distributed.barrier()
     uninterrupted = _steps(model, opt, range(K, K + J))
-    model, opt = _build(mesh, dp, 1)
-    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=flat)}
-    dcp.load(sd, checkpoint_id=where)
-    set_model_state_dict(model, sd["model"])
-    set_optimizer_state_dict(model, opt, sd["optim"], options=flat)
-    resumed = _steps(model, opt, range(K, K + J))
-    return {"same": resumed == uninterrupted, "momenta": uninterrupted[1]}
+    out = {"momenta": uninterrupted[1]}
+    for mode in ("dcp", "consolidated"):
+        model, opt = _build(mesh, dp, 1, shard1)
+        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=flat)}
+        dcp.load(sd, checkpoint_id=where)
+        set_model_state_dict(model, sd["model"])
+        if mode == "dcp":
+            set_optimizer_state_dict(model, opt, sd["optim"], options=flat)
+        else:
+            set_optimizer_state_dict(model, opt, torch.load(where + ".pt", weights_only=False))
+        out[mode] = _steps(model, opt, range(K, K + J)) == uninterrupted
+    return out
 
 
-def test_fsdp_ep_checkpoint_resumes_bitwise(tmp_path):
-    res = values(run_ranks("test_fsdp_ep:fsdp_ep_checkpoint", DP_MOD_EP * EP, kwargs=dict(path=str(tmp_path)),
-                           timeout=240))
-    assert all(r["same"] for r in res), [r["same"] for r in res]
-    # each rank resumed its own momenta: the dense ones differ between all ranks
-    assert res[0]["momenta"][0] != res[1]["momenta"][0] != res[2]["momenta"][0]
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_fsdp_ep_checkpoint_resumes_bitwise(tmp_path, name):
+    hsdp, shard1 = CHECKPOINTS[name]
+    res = values(run_ranks("test_fsdp_ep:fsdp_ep_checkpoint", DP_MOD_EP * EP,
+                           kwargs=dict(path=str(tmp_path), hsdp=hsdp, shard1=shard1), timeout=240))
+    assert all(r["dcp"] and r["consolidated"] for r in res), res
+    # each rank resumed its own momenta: the dense ones differ between the workers (HSDP: between the nodes)
+    other = EP if hsdp else 1
+    assert res[0]["momenta"][0] != res[other]["momenta"][0]
 
 
 def fsdp_ep_refusals(rank, world_size):

@@ -20,7 +20,7 @@ from harness import run_ranks, values
 from test_hsdp import LION, L, M, _config, _hsdp_model, _loss
 
 K, J = 3, 3
-MODES = ("plain", "sharded", "full")
+MODES = ("plain", "sharded", "flattened", "full")  # flattened: torchtitan's (flatten_optimizer_state_dict)
 
 
 def _build(mesh, seed, lr=None):
@@ -55,10 +55,11 @@ def _save(model, opt, rank, mode, where):
     if mode == "plain":
         dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=where)
         return
-    options = StateDictOptions(full_state_dict=mode == "full", cpu_offload=mode == "full")
+    options = StateDictOptions(full_state_dict=mode == "full", cpu_offload=mode == "full",
+                               flatten_optimizer_state_dict=mode == "flattened")
     sd = {"model": get_model_state_dict(model, options=options), "optim": get_optimizer_state_dict(model, opt,
                                                                                                   options=options)}
-    if mode == "sharded":
+    if mode in ("sharded", "flattened"):
         dcp.save(sd, checkpoint_id=where)
         return
     if rank == 0:
@@ -73,6 +74,8 @@ def _drop_mesh_layout(optim_sd):
     optim_sd.pop(MESH_SHAPE_KEY, None)
     for st in optim_sd.get("state", {}).values():
         st.pop(MESH_SHAPE_KEY, None)
+    for key in [k for k in optim_sd if k.endswith("." + MESH_SHAPE_KEY)]:  # a flattened one's
+        del optim_sd[key]
 
 
 def _load(model, opt, mode, where, broadcast=True, older=False):
@@ -93,13 +96,14 @@ def _load(model, opt, mode, where, broadcast=True, older=False):
         model.load_state_dict(sd["model"])
         opt.load_sharded_state_dict(sd["optim"])
         return
-    if mode == "sharded":
-        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    if mode in ("sharded", "flattened"):
+        options = StateDictOptions(flatten_optimizer_state_dict=mode == "flattened")
+        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=options)}
         if older:
             _drop_mesh_layout(sd["optim"])
         dcp.load(sd, checkpoint_id=where)
         set_model_state_dict(model, sd["model"])
-        set_optimizer_state_dict(model, opt, sd["optim"])
+        set_optimizer_state_dict(model, opt, sd["optim"], options=options)
         return
     if not broadcast:  # every rank reads the consolidated file; its momenta go to lionbit as they are
         sd = torch.load(where + ".pt", weights_only=False)
@@ -169,7 +173,7 @@ def hsdp_checkpoints(rank, world_size, path):
             out[mode]["mesh_change"] = "no error"
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported to the test
             out[mode]["mesh_change"] = f"{type(err).__name__}: {err}"
-        if mode != "sharded":
+        if mode in ("plain", "full"):
             out[mode]["layout_check"] = _layout_check(model, opt, mode, where)
     return out
 
@@ -189,7 +193,8 @@ def test_hsdp_checkpoints_resume_bitwise_and_refuse_another_mesh(tmp_path):
         err = r["full"]["mesh_change"]
         assert "written on the mesh 2x2 (replicate, shard), this run shards over the mesh 1x4 (replicate, shard)" \
             in err, (rank, err)
-        first = {"plain": "optim.lionbit_mesh_shape", "sharded": "optim.state.emb.weight.lionbit_mesh_shape"}
+        first = {"plain": "optim.lionbit_mesh_shape", "sharded": "optim.state.emb.weight.lionbit_mesh_shape",
+                 "flattened": "optim.state.emb.weight.lionbit_mesh_shape"}
         for mode, key in first.items():
             err = r[mode]["mesh_change"]
             assert "CheckpointException" in err and "Size mismatch between saved torch.Size([2, 2]) and " \

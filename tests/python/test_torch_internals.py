@@ -270,6 +270,31 @@ def probe(rank, world_size):
 
     check("torch.distributed.checkpoint.state_dict._init_optim_state", init_optim_state)
 
+    # set_optimizer_state_dict unflattens a flattened state dict into the optimizer's own keys: lionbit must know.
+    def flattened_load():
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        net = torch.nn.Linear(3, 2)
+        opt = lionbit.DistributedLion(net.parameters(), lr=0.1)
+        seen = []
+        real = opt.load_state_dict
+
+        def spy(state_dict):
+            seen.append(ti.loading_flattened_optimizer_state())
+            return real(state_dict)
+
+        opt.load_state_dict = spy
+        for flatten in (True, False):
+            options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+            set_optimizer_state_dict(net, opt, get_optimizer_state_dict(net, opt, options=options), options=options)
+        return seen == [True, False] and not ti.loading_flattened_optimizer_state()
+
+    check("torch.distributed.checkpoint.state_dict._load_optim_state_dict", flattened_load)
+
     def scaler():
         w = torch.nn.Parameter(torch.ones(4))
         opt = torch.optim.SGD([w], lr=0.1)
