@@ -462,7 +462,7 @@ def _mesh_kind(fp, p, name: str):
     works = ("supported: a 1-D FSDP mesh or HSDP (fully_shard over a 2-D mesh (replicate, shard)), each with or "
              "without tensor parallelism beside it (fully_shard over mesh['dp'] or mesh['replicate', 'shard'] of a "
              "mesh whose last dim is tp)")
-    spmd = getattr(fp.mesh_info, "is_spmd_mesh", False)  # fully_shard(dp_mesh_dims=...) (newer torch)
+    spmd = getattr(fp.mesh_info, "is_spmd_mesh", False) and not _spmd_as_plain(fp, mesh)
     if kind == "FSDPMeshInfo" and fp.mesh_info.mesh.ndim == 1 and not spmd:
         if mesh.ndim == 1:
             if len(p.placements) != 1 or not isinstance(p.placements[0], Shard):  # (shard_placement_fn: Shard(k))
@@ -502,8 +502,24 @@ def _mesh_kind(fp, p, name: str):
         )
     raise NotImplementedError(
         f"{_WHERE}: parameter '{name}' lives on the {mesh.ndim}-D mesh {describe_mesh(mesh)} ({kind}"
-        f"{', dp_mesh_dims' if spmd else ''}: FSDP with another layout), which is not supported; {works}"
+        f"{', dp_mesh_dims with several shard or replicate dims, or a storage mesh with other dims' if spmd else ''}"
+        f": FSDP with another layout), which is not supported; {works}"
     )
+
+
+def _spmd_as_plain(fp, mesh) -> bool:
+    """Whether a parameter that fully_shard(..., dp_mesh_dims=...) placed on
+    a storage mesh (torchtitan's spmd_types backend, its default) lies as it
+    would without dp_mesh_dims: FSDP or HSDP over one shard dim (and one
+    replicate dim), the mesh's only dims, in that order. Then FSDP shards
+    and reduces exactly as on the plain meshes. Several shard dims (context
+    parallelism folded into FSDP's) and other dims (tensor parallelism
+    under spmd_types, untested) are not."""
+    dims = fp.mesh_info.dp_mesh_dims
+    if type(fp.mesh_info).__name__ not in ("FSDPMeshInfo", "HSDPMeshInfo") or dims is None:
+        return False
+    shard, replicate = tuple(dims.shard_names), tuple(dims.replicate_names)
+    return len(shard) == 1 and len(replicate) <= 1 and tuple(mesh.mesh_dim_names or ()) == replicate + shard
 
 
 def _managed(opt, model):
