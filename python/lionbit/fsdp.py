@@ -530,7 +530,6 @@ def _managed(opt, model):
     known = opt.param_group_of()
     managed = {}
     installs = []
-    groups = set()
     kinds = {}  # (replicate dim, FSDP mesh) -> a parameter's name
     tps = {}  # tensor-parallel group -> a parameter's name
     kind_of = {}  # parameter -> (replicate dim, FSDP mesh)
@@ -573,7 +572,6 @@ def _managed(opt, model):
                         f"it would be voted with no momentum or hyperparameters"
                     )
                 managed[p] = fp
-            groups.add(torch_internals.fsdp2_reduce_scatter_group(pg))
             installs.append((module, pg))
     if not modules or not managed:
         raise ValueError(f"{_WHERE}: the model has no fully_shard-ed parameters")

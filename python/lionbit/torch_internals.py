@@ -122,7 +122,6 @@ NAMES = (
          "parameter groups (a shard_placement_fn's per-parameter meshes) gets a reduce-scatter per group"),
     Name("FSDPParamGroup._all_reduce_hook", "a check: no all-reduce hook (the output is Lion's update)"),
     Name("FSDPParamGroup._module_fqn", "the unit's name in error messages"),
-    Name("FSDPParamGroup._reduce_scatter_process_group", "a check: every unit reduces over one group"),
     Name("FSDPParam._orig_size", "a parameter's global shape (its momentum, its rows in the layout)"),
     Name("DTensor._local_tensor",
          "a sharded parameter's local shard, and a gradient's local tensor, at each step: to_local() makes a "
@@ -248,19 +247,25 @@ def state_dict_hooks(opt, when: str) -> list:
     return list(getattr(opt, _STATE_DICT_HOOKS[when], {}).values())
 
 
+def _state_dict_frame(function: str, depth: int):
+    """The frame of torch.distributed.checkpoint.state_dict's ``function``
+    among the ``depth`` frames above the caller of the caller, or None."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if (frame.f_code.co_name == function
+                and frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict"):
+            return frame
+        frame = frame.f_back
+    return None
+
+
 def initializing_optimizer_state() -> bool:
     """Whether the step() running now is the one torch.distributed.checkpoint's
     ``_init_optim_state`` makes (get/set_optimizer_state_dict on an optimizer
     with an empty state: zero gradients, lr 0), found among the few frames above."""
-    frame = sys._getframe(1)
-    for _ in range(8):
-        if frame is None:
-            return False
-        if (frame.f_code.co_name == "_init_optim_state"
-                and frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict"):
-            return True
-        frame = frame.f_back
-    return False
+    return _state_dict_frame("_init_optim_state", 8) is not None
 
 
 def loading_flattened_optimizer_state() -> bool:
@@ -269,16 +274,9 @@ def loading_flattened_optimizer_state() -> bool:
     torchtitan's checkpoints are): its ``_load_optim_state_dict`` got one
     without a "state" key, and unflattened it into the optimizer's own state
     and group keys only. Found among the few frames above."""
-    frame = sys._getframe(1)
-    for _ in range(16):
-        if frame is None:
-            return False
-        if (frame.f_code.co_name == "_load_optim_state_dict"
-                and frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict"):
-            given = frame.f_locals.get("state_dict")
-            return isinstance(given, dict) and bool(given) and "state" not in given
-        frame = frame.f_back
-    return False
+    frame = _state_dict_frame("_load_optim_state_dict", 16)
+    given = None if frame is None else frame.f_locals.get("state_dict")
+    return isinstance(given, dict) and bool(given) and "state" not in given
 
 
 def compiled_inner(model):
@@ -425,14 +423,6 @@ def fsdp2_unit_name(param_group) -> str:
     """The unit's module name ("<root>" for the root, and for every unit before the first forward,
     when FSDP sets the names)."""
     return param_group._module_fqn or "<root>"
-
-
-def fsdp2_reduce_scatter_group(param_group):
-    """The unit's reduce-scatter group; None for FSDP2's replicate(), which
-    shards over no group (FSDP's property asserts there)."""
-    if not hasattr(getattr(param_group, "mesh_info", None), "shard_process_group"):
-        return None
-    return getattr(param_group, "_reduce_scatter_process_group", None)
 
 
 def fsdp2_orig_size(fsdp_param) -> torch.Size:
