@@ -500,9 +500,10 @@ def _mesh_kind(fp, p, name: str):
             f"which is not supported; {works}, or FSDP2's replicate() over a 1-D mesh (with or without tensor "
             f"parallelism beside it)"
         )
+    storage = (", dp_mesh_dims with several shard or replicate dims, or a storage mesh whose dims are not "
+               "[replicate,] shard[, tp or ep]") if spmd else ""
     raise NotImplementedError(
-        f"{_WHERE}: parameter '{name}' lives on the {mesh.ndim}-D mesh {describe_mesh(mesh)} ({kind}"
-        f"{', dp_mesh_dims with several shard or replicate dims, or a storage mesh with other dims' if spmd else ''}"
+        f"{_WHERE}: parameter '{name}' lives on the {mesh.ndim}-D mesh {describe_mesh(mesh)} ({kind}{storage}"
         f": FSDP with another layout), which is not supported; {works}"
     )
 
@@ -511,15 +512,19 @@ def _spmd_as_plain(fp, mesh) -> bool:
     """Whether a parameter that fully_shard(..., dp_mesh_dims=...) placed on
     a storage mesh (torchtitan's spmd_types backend, its default) lies as it
     would without dp_mesh_dims: FSDP or HSDP over one shard dim (and one
-    replicate dim), the mesh's only dims, in that order. Then FSDP shards
-    and reduces exactly as on the plain meshes. Several shard dims (context
-    parallelism folded into FSDP's) and other dims (tensor parallelism
-    under spmd_types, untested) are not."""
+    replicate dim) on a storage mesh of those dims in that order, with at
+    most one dim after them (torchtitan's tp of the dense storage mesh, its
+    ep of the experts'). Then FSDP keeps p on the storage mesh exactly as on
+    the plain meshes (tensor and expert parallelism included: the same
+    placements on a mesh of the same dims) and reduces alike. Several shard
+    dims (context parallelism folded into FSDP's) are not."""
     dims = fp.mesh_info.dp_mesh_dims
     if type(fp.mesh_info).__name__ not in ("FSDPMeshInfo", "HSDPMeshInfo") or dims is None:
         return False
     shard, replicate = tuple(dims.shard_names), tuple(dims.replicate_names)
-    return len(shard) == 1 and len(replicate) <= 1 and tuple(mesh.mesh_dim_names or ()) == replicate + shard
+    names = tuple(mesh.mesh_dim_names or ())
+    return (len(shard) == 1 and len(replicate) <= 1 and names[:len(replicate) + 1] == replicate + shard
+            and len(names) <= len(replicate) + 2)
 
 
 def _managed(opt, model):

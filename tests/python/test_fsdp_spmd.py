@@ -2,7 +2,10 @@
 mesh=storage_mesh, dp_mesh_dims=DataParallelMeshDims(...))`` of a model
 whose parameters carry spmd_types annotations (torchtitan's default
 ``spmd_backend="spmd_types"``), on 4 real CPU ranks: FSDP over dp_shard 4,
-and HSDP over (dp_replicate 2, dp_shard 2).
+HSDP over (dp_replicate 2, dp_shard 2), and with tensor parallelism beside
+them (storage meshes (dp_shard 2, tp 2) and (dp_replicate 2, dp_shard 1,
+tp 2), torchtitan's dense storage mesh), and an MoE's experts on their
+own storage mesh (efsdp 2, ep 2) beside the dense parameters' (dp_shard 4).
 
 The storage mesh changes where FSDP keeps its shards, not what it reduces:
 the same script on the plain meshes (``fully_shard(model, mesh=...)``, the
@@ -90,6 +93,266 @@ def spmd_runs(rank, world_size, hsdp):
     return {"spmd": _run(hsdp, True), "plain": _run(hsdp, False)}
 
 
+# -- tensor parallelism on the storage mesh --------------------------------------------------------------------
+# torchtitan's spmd_types models are local-tensor code with explicit tensor-parallel collectives. TPNet is one
+# such model: a column-parallel linear, a row-parallel one, a sequence-parallel LayerNorm (each tensor-parallel
+# rank normalizes its rows: its gradient is partial, summed by FSDP), a replicated head. Under spmd_types FSDP
+# exposes the plain local tensors; on the plain meshes (parameters as DTensors over mesh["tp"], the layout
+# torch's ColwiseParallel / RowwiseParallel give) the same code runs on their to_local() views.
+
+TP = 2
+# parameter -> its spmd_types type on tp: S(k) is Shard(k) on the plain tp mesh; I and R are Replicate() (R: each
+# rank's gradient is a part of the sum, FSDP all-reduces it over tp first)
+TP_LAYOUT = {"w1.weight": "S0", "w1.bias": "S0", "w2.weight": "S1", "w2.bias": "I", "norm.weight": "R",
+             "norm.bias": "R", "out.weight": "I", "out.bias": "I"}
+
+
+class _Copy(torch.autograd.Function):
+    """Into a tensor-parallel region: identity; backward: the partial input gradients summed."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        torch.distributed.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _Reduce(torch.autograd.Function):
+    """Out of a row-parallel linear: the partial outputs summed; backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        torch.distributed.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Rows(torch.autograd.Function):
+    """Sequence parallelism: this rank's rows (``gather``: all ranks' rows back); backward: the other."""
+
+    @staticmethod
+    def forward(ctx, x, group, gather):
+        ctx.group, ctx.gather = group, gather
+        return _all_rows(x, group) if gather else _own_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (_own_rows(g, ctx.group) if ctx.gather else _all_rows(g, ctx.group)), None, None
+
+
+def _own_rows(x, group):
+    return x.chunk(group.size())[group.rank()].contiguous()
+
+
+def _all_rows(x, group):
+    parts = [torch.empty_like(x) for _ in range(group.size())]
+    torch.distributed.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _local(t, partial=False):
+    """What the local-tensor code computes with: FSDP hands spmd_types modules plain local tensors; on the
+    plain meshes the DTensor's local part (``partial``: its gradient is this rank's part of a sum)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    if not isinstance(t, DTensor):
+        return t
+    return t.to_local(grad_placements=(Partial(),) if partial else None)
+
+
+class ParallelLinear(torch.nn.Linear):
+    """``column``: weight and bias split on their dim 0, a slice of the outputs; else row-parallel: weight
+    split on dim 1, the partial outputs summed, then the whole bias."""
+
+    def __init__(self, n_in, n_out, column, group=None):
+        super().__init__(n_in, n_out)
+        self.column, self.group = column, group
+
+    def forward(self, x):
+        w, b = _local(self.weight), _local(self.bias)
+        if self.column:
+            return torch.nn.functional.linear(_Copy.apply(x, self.group), w, b)
+        return _Reduce.apply(torch.nn.functional.linear(x, w), self.group) + b
+
+
+class SequenceParallelNorm(torch.nn.LayerNorm):
+    """Each tensor-parallel rank normalizes its rows; the rows gathered after."""
+
+    def __init__(self, n, group=None):
+        super().__init__(n)
+        self.group = group
+
+    def forward(self, x):
+        rows = _Rows.apply(x, self.group, False)
+        rows = torch.nn.functional.layer_norm(rows, self.normalized_shape, _local(self.weight, True),
+                                              _local(self.bias, True), self.eps)
+        return _Rows.apply(rows, self.group, True)
+
+
+class TPNet(torch.nn.Module):
+    def __init__(self, group):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w1, self.w2 = ParallelLinear(10, 24, True, group), ParallelLinear(24, 10, False, group)
+        self.norm, self.out = SequenceParallelNorm(10, group), torch.nn.Linear(10, 5)
+
+    def forward(self, x):
+        h = self.norm(self.w2(torch.nn.functional.gelu(self.w1(x))))
+        return torch.nn.functional.linear(h, _local(self.out.weight), _local(self.out.bias))
+
+
+def _tp_storage(hsdp):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if hsdp:  # torchtitan keeps dp_shard in the storage mesh even at size 1
+        return init_device_mesh("cpu", (2, 1, TP), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    return init_device_mesh("cpu", (2, TP), mesh_dim_names=("dp_shard", "tp"))
+
+
+def _tp_model(mesh, hsdp, spmd_backend):
+    """torchtitan's order: the tensor-parallel layout, then fully_shard each block, then the root."""
+    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    tp = mesh["tp"]
+    model = TPNet(tp.get_group())
+    dp_names = ("dp_replicate", "dp_shard") if hsdp else ("dp_shard",)
+    for name, kind in TP_LAYOUT.items():
+        module, attr = name.split(".")
+        full = getattr(getattr(model, module), attr).detach()
+        if spmd_backend:
+            import spmd_types as spmd
+
+            local = full.chunk(TP, int(kind[1]))[tp.get_local_rank()].clone() if kind[0] == "S" else full.clone()
+            param = torch.nn.Parameter(local)
+            with spmd.set_current_mesh(mesh):
+                on_tp = spmd.S(int(kind[1])) if kind[0] == "S" else getattr(spmd, kind)
+                spmd.assert_type(param, {**{n: spmd.R for n in dp_names}, "tp": on_tp})
+        else:
+            placement = Shard(int(kind[1])) if kind[0] == "S" else Replicate()
+            param = torch.nn.Parameter(distribute_tensor(full, tp, [placement]))
+        setattr(getattr(model, module), attr, param)
+    if spmd_backend:
+        kw = dict(mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard",
+                                                                replicate="dp_replicate" if hsdp else None))
+    else:
+        kw = dict(mesh=mesh[dp_names])
+    for block in (model.w1, model.w2, model.norm):
+        fully_shard(block, **kw)
+    return fully_shard(model, **kw)
+
+
+def _storage_meshes(model) -> list:
+    """Whether each FSDP unit keeps its parameters on a storage mesh (dp_mesh_dims given)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m._get_fsdp_state()._fsdp_param_group.mesh_info.is_spmd_mesh
+            for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _tp_run(hsdp, spmd_backend):
+    import lionbit
+
+    mesh = _tp_storage(hsdp)
+    dp = mesh["dp_replicate"].get_local_rank() if hsdp else mesh["dp_shard"].get_local_rank()
+    model = _tp_model(mesh, hsdp, spmd_backend)
+    opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
+    traj = []
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            model.set_requires_gradient_sync(micro == MICRO - 1)
+            g = torch.Generator().manual_seed(1000 * step + 10 * dp + micro)  # a dp rank's tp ranks: one batch
+            x, y = torch.randn(6, 10, generator=g), torch.randn(6, 5, generator=g)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        traj.append([p.full_tensor().flatten().tolist() for p in model.parameters()])
+    return {"traj": traj, "momentum": [opt.state[p]["exp_avg"].flatten().tolist() for p in model.parameters()],
+            "steps": opt.steps_taken, "placements": [str(tuple(p.placements)) for p in model.parameters()],
+            "storage": _storage_meshes(model)}
+
+
+def spmd_tp_runs(rank, world_size, hsdp):
+    return {"spmd": _tp_run(hsdp, True), "plain": _tp_run(hsdp, False)}
+
+
+# -- expert parallelism on the storage meshes -----------------------------------------------------------------
+# torchtitan's MoE under spmd_types: the experts on the sparse storage mesh (efsdp, ep) with dp_mesh_dims
+# shard="efsdp", the rest on the dense one (dp_shard); test_fsdp_ep's model, script and clip.
+
+
+def _ep_model(hsdp, spmd_backend):
+    import spmd_types as spmd
+    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+
+    import test_fsdp_ep as ep
+
+    # (dp_mod_ep 2, ep 2), dp_shard 4 (torchtitan's efsdp is dp_mod_ep); HSDP: (dp_replicate 2, dp_mod_ep 1,
+    # ep 2), (dp_replicate 2, dp_shard 2)
+    mesh, dp = ep._mesh(hsdp=hsdp)
+    replicate = "dp_replicate" if hsdp else None
+    dp_only = {"dp_replicate": spmd.R} if hsdp else {}
+    if not spmd_backend:
+        return mesh, ep._fsdp_ep_model(mesh, dp)
+    model = ep._model(mesh["ep"])
+    for layer in model.layers:
+        experts = layer.moe.experts
+        for key, p in list(experts.named_parameters()):  # the local experts, annotated on the sparse mesh
+            local = torch.nn.Parameter(p.to_local().clone())
+            with spmd.set_current_mesh(mesh):
+                spmd.assert_type(local, {**dp_only, "dp_mod_ep": spmd.R, "ep": spmd.S(0)})
+            experts.register_parameter(key, local)
+    experts_params = {p for layer in model.layers for p in layer.moe.experts.parameters()}
+    with spmd.set_current_mesh(dp):
+        for p in model.parameters():
+            if p not in experts_params:
+                spmd.assert_type(p, {**dp_only, "dp_shard": spmd.R})
+    for layer in model.layers:
+        fully_shard(layer.moe.experts, mesh=mesh, dp_mesh_dims=DataParallelMeshDims("dp_mod_ep", replicate))
+        fully_shard(layer, mesh=dp, dp_mesh_dims=DataParallelMeshDims("dp_shard", replicate))
+    fully_shard(model, mesh=dp, dp_mesh_dims=DataParallelMeshDims("dp_shard", replicate))
+    for module in model.modules():  # torchtitan's disable_fsdp_gradient_division
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+    return mesh, model
+
+
+def _ep_run(hsdp, spmd_backend):
+    import lionbit
+    import test_fsdp_ep as ep
+
+    rank = torch.distributed.get_rank()
+    mesh, model = _ep_model(hsdp, spmd_backend)
+    opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
+    params = list(model.parameters())
+    traj = []
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            model.set_requires_gradient_sync(micro == MICRO - 1)
+            ep._loss(model, rank, step, micro).backward()
+        ep._clip_with_ep(params, 0.5)
+        opt.step()
+        opt.zero_grad()
+        traj.append([p.full_tensor().flatten().tolist() for p in params])
+    return {"traj": traj, "momentum": [opt.state[p]["exp_avg"].flatten().tolist() for p in params],
+            "steps": opt.steps_taken, "placements": [str(tuple(p.placements)) for p in params],
+            "experts": [ep._is_expert(p) for p in params], "storage": _storage_meshes(model)}
+
+
+def spmd_ep_runs(rank, world_size, hsdp):
+    return {"spmd": _ep_run(hsdp, True), "plain": _ep_run(hsdp, False)}
+
+
 def spmd_refusal(rank, world_size):
     """dp_mesh_dims with two shard dims (torchtitan folds context parallelism into FSDP's): refused."""
     import spmd_types as spmd
@@ -126,3 +389,33 @@ def test_storage_mesh_steps_as_the_plain_mesh_bitwise(hsdp):
 def test_storage_mesh_with_two_shard_dims_is_refused():
     for r in values(run_ranks("test_fsdp_spmd:spmd_refusal", 4, timeout=240)):
         assert "dp_mesh_dims with several shard or replicate dims" in r, r
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["dp_shard 2 x tp 2", "HSDP 2 x 1 x tp 2"])
+def test_storage_mesh_with_tensor_parallelism_steps_as_the_plain_mesh_bitwise(hsdp):
+    res = values(run_ranks("test_fsdp_spmd:spmd_tp_runs", 4, kwargs=dict(hsdp=hsdp), timeout=240))
+    for rank, r in enumerate(res):
+        assert r["spmd"]["placements"] == r["plain"]["placements"], rank
+        assert all(r["spmd"]["storage"]) and not any(r["plain"]["storage"]) and len(r["spmd"]["storage"]) == 4
+        assert r["spmd"]["traj"] == r["plain"]["traj"], rank
+        assert r["spmd"]["momentum"] == r["plain"]["momentum"], rank
+        assert r["spmd"]["steps"] == STEPS
+        assert r["spmd"]["traj"] == res[0]["spmd"]["traj"]
+        assert r["spmd"]["traj"][0] != r["spmd"]["traj"][-1]
+    tp_ranks = (0, 1)  # one worker's two tensor-parallel ranks: their own halves of w1's momentum
+    assert res[tp_ranks[0]]["spmd"]["momentum"][0] != res[tp_ranks[1]]["spmd"]["momentum"][0]
+    assert res[0]["spmd"]["momentum"][-1] != res[-1]["spmd"]["momentum"][-1]  # each worker's own
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["efsdp 2 x ep 2", "HSDP: 2 nodes of ep 2"])
+def test_storage_meshes_with_expert_parallelism_step_as_the_plain_meshes_bitwise(hsdp):
+    res = values(run_ranks("test_fsdp_spmd:spmd_ep_runs", 4, kwargs=dict(hsdp=hsdp), timeout=240))
+    for rank, r in enumerate(res):
+        assert r["spmd"]["placements"] == r["plain"]["placements"], rank
+        assert r["spmd"]["experts"] == r["plain"]["experts"] and any(r["spmd"]["experts"])
+        assert all(r["spmd"]["storage"]) and not any(r["plain"]["storage"]) and len(r["spmd"]["storage"]) == 5
+        assert r["spmd"]["traj"] == r["plain"]["traj"], rank
+        assert r["spmd"]["momentum"] == r["plain"]["momentum"], rank
+        assert r["spmd"]["steps"] == STEPS
+        assert r["spmd"]["traj"] == res[0]["spmd"]["traj"]
+        assert r["spmd"]["traj"][0] != r["spmd"]["traj"][-1]
