@@ -536,9 +536,8 @@ def _managed(opt, model):
     managed = {}
     installs = []
     kinds = {}  # (replicate dim, FSDP mesh) -> a parameter's name
-    tps = {}  # tensor-parallel group -> a parameter's name
     kind_of = {}  # parameter -> (replicate dim, FSDP mesh)
-    tp_of_kind = {}  # (replicate dim, FSDP mesh) -> the tensor-parallel group of its split parameters
+    tp_of_kind = {}  # (replicate dim, FSDP mesh) -> (the tensor-parallel group of its split parameters, a name)
     for module in modules:
         pgs = torch_internals.fsdp2_param_groups(module, _WHERE)
         if not pgs:
@@ -564,8 +563,13 @@ def _managed(opt, model):
                 kinds.setdefault(kind, name)
                 kind_of[p] = kind
                 if tp is not None:
-                    tps.setdefault(tp, name)
-                    tp_of_kind.setdefault(kind, tp)
+                    other = tp_of_kind.setdefault(kind, (tp, name, p.device_mesh))
+                    if other[0] is not tp and _ranks(other[0]) != _ranks(tp):  # (torch may hand out twins)
+                        raise NotImplementedError(
+                            f"{_WHERE}: parameters '{other[1]}' and '{name}' are sharded over one FSDP mesh and "
+                            f"split over different tensor-parallel groups; DistributedLion votes a mesh's "
+                            f"parameters over one (dp, tp) mesh"
+                        )
                 if fp.offload_to_cpu:
                     raise NotImplementedError(f"{_WHERE}: CPUOffloadPolicy is not supported (parameter '{name}')")
                 opt.check_param(p, "attach (FSDP2)")  # CPU, or CUDA where this build has the CUDA path
@@ -592,14 +596,14 @@ def _managed(opt, model):
         raise ValueError(
             f"{_WHERE}: {strangers} of this optimizer's parameters are not parameters of the model it is attached to"
         )
-    if len(tps) > 1:
-        a, b = list(tps.values())[:2]
-        raise NotImplementedError(
-            f"{_WHERE}: parameters '{a}' and '{b}' are split over different tensor-parallel groups; one optimizer "
-            f"votes over one mesh"
-        )
-    by_kind = {kind: _Mesh(kind[1], kind[0], tp_of_kind.get(kind)) for kind in kinds}
-    mesh = _widest(by_kind, kinds) if len(kinds) > 1 else next(iter(by_kind.values()))
+    by_kind = {kind: _Mesh(kind[1], kind[0], tp_of_kind.get(kind, (None,))[0]) for kind in kinds}
+    if len(kinds) > 1:
+        # each mesh's ranks that hold parts of this rank's worker (with its tensor-parallel dim, if any)
+        spans = {kind: _worker_ranks(tp_of_kind[kind][2] if kind in tp_of_kind else kind[1], kind[0] is not None)
+                 for kind in kinds}
+        mesh = _widest(by_kind, kinds, spans)
+    else:
+        mesh = next(iter(by_kind.values()))
     meshes = {p: by_kind[kind_of[p]] for p in managed}
     first = next(iter(managed))
     split = next((m for m in by_kind.values() if m.tp is not None), mesh)  # (the one with a tensor-parallel dim)
@@ -633,39 +637,53 @@ def _managed(opt, model):
     return managed, fqns, installs, mesh, meshes
 
 
-def _widest(by_kind: dict, names: dict):
-    """Parameters on more than one FSDP mesh (torchtitan's expert
-    parallelism: the experts ``fully_shard``-ed over mesh["dp_mod_ep"] as
-    DTensors split over mesh["ep"], the rest over the whole dp mesh; under
-    HSDP over mesh["dp_replicate", "dp_mod_ep"] and
-    mesh["dp_replicate", "dp_shard"]): the mesh of the whole dp group (a
-    node's under HSDP), or a clear error. Every other mesh must have a
-    tensor-parallel (expert-parallel) dim beside it whose ranks with its
-    own shard group's span exactly that group (and, under HSDP, the same
-    replicate group): a rank's votes over its meshes, then one round over
-    each shard group and that dim, reach every rank, so all of them step or
-    skip together."""
-    def ranks(group) -> set:
-        return set(dist.get_process_group_ranks(group))
+def _ranks(group) -> frozenset:
+    return frozenset(dist.get_process_group_ranks(group))
 
+
+def _worker_ranks(mesh, replicated: bool) -> frozenset:
+    """The ranks of ``mesh`` that hold parts of this rank's worker: all of
+    them; with a replicate dim (HSDP's, the first) those of this rank's
+    replicate index."""
+    ranks = mesh.mesh
+    if replicated:
+        ranks = ranks[mesh.get_coordinate()[0]]
+    return frozenset(ranks.flatten().tolist())
+
+
+def _widest(by_kind: dict, names: dict, spans: dict):
+    """Parameters on more than one FSDP mesh (torchtitan's expert
+    parallelism: the experts ``fully_shard``-ed over mesh["efsdp"] (its
+    older dp_mod_ep) as DTensors split over mesh["ep"], the rest over the
+    whole dp mesh, with or without tensor parallelism beside it; under HSDP
+    over mesh["dp_replicate", "efsdp"] and mesh["dp_replicate", "dp_shard"]):
+    the dp mesh (the one with the largest shard group, the first seen among
+    equals), or a clear error. Each mesh with its tensor-parallel
+    (expert-parallel) dim must span the same ranks as the dp mesh with its
+    own (a node's under HSDP, with the same replicate group), the others
+    with such a dim: a rank's votes over its meshes, then one round over
+    each tensor- or expert-parallel group, reach every rank, so all of them
+    step or skip together (torchtitan's sparse mesh: efsdp x ep = dp x tp,
+    ep spanning the tensor-parallel ranks)."""
     widest = max(by_kind.values(), key=lambda m: m.shard_group.size())
     name_of = {id(m): names[kind] for kind, m in by_kind.items()}
+    span = {id(m): spans[kind] for kind, m in by_kind.items()}
     alone = any(m.shard_group is _ALONE for m in by_kind.values())  # (FSDP2's replicate(): no shard group)
-    everyone = set() if alone else ranks(widest.shard_group)
+    everyone = set() if alone else span[id(widest)]
     for m in by_kind.values():
         if m is widest:
             continue
-        fits = (not alone and widest.tp is None and m.tp is not None
+        fits = (not alone and m.tp is not None
                 and (m.replicas is None) == (widest.replicas is None)
-                and ranks(m.shard_group) | ranks(m.tp) <= everyone
+                and span[id(m)] == everyone
                 and m.shard_group.size() * m.tp.size() == len(everyone)
-                and (m.replicas is None or ranks(m.replicas) == ranks(widest.replicas)))
+                and (m.replicas is None or _ranks(m.replicas) == _ranks(widest.replicas)))
         if not fits:
             raise NotImplementedError(
                 f"{_WHERE}: parameters '{name_of[id(widest)]}' and '{name_of[id(m)]}' are sharded over different "
                 f"meshes ({widest.describe()} and {m.describe()}); one optimizer votes over one FSDP mesh, or, "
-                f"with expert parallelism, over a dp mesh (1-D or HSDP) and one of its sub-meshes with the "
-                f"expert-parallel dim beside it (torchtitan's dp_shard_mod_ep x ep)"
+                f"with expert parallelism, over a dp mesh (1-D or HSDP, with or without tensor parallelism) and "
+                f"meshes of the same ranks with the expert-parallel dim beside them (torchtitan's efsdp x ep)"
             )
     return widest
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from harness import run_ranks, values
-from test_fsdp_tp import _f32, _full, _gather, _local
+from test_fsdp_tp import _full, _gather, _local, check_trajectory, lion_step, single_threaded
 
 DP_MOD_EP, EP = 2, 2  # 4 ranks: the dense parameters' dp group is all of them
 M = 2  # HSDP: 2 nodes of (dp_mod_ep 1, ep 2)
@@ -92,10 +92,10 @@ class Block(torch.nn.Module):
 
 
 class TinyMoE(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, block=Block):
         super().__init__()
         self.tok_embeddings = torch.nn.Embedding(V, D)
-        self.layers = torch.nn.ModuleList([Block(), Block()])
+        self.layers = torch.nn.ModuleList([block(), block()])
         self.norm = torch.nn.LayerNorm(D)
         self.output = torch.nn.Linear(D, V)
 
@@ -323,8 +323,6 @@ def _reference(cfg, run, mesh, dp):
               for p in params]
     workers = [dist.get_world_size(g) for g in groups]
     momentum = [[torch.zeros_like(_local(p)) for _ in range(n)] for p, n in zip(params, workers)]
-    b1, b2 = LION["betas"]
-    lr, wd = LION["lr"], LION["weight_decay"]
     report = {"traj": [], "norm_rel_err": 0.0, "applied": 0}
     for step in range(cfg["steps"]):
         model.zero_grad(set_to_none=True)
@@ -349,17 +347,8 @@ def _reference(cfg, run, mesh, dp):
             grads = [g * coef for g in grads]
         if hsdp:  # the node's sum, the parts in rank order (two at most: the order cannot matter)
             grads = [_node_sum(g, node) for g, node in zip(grads, nodes)]
-        with torch.no_grad():
-            for i, p in enumerate(params):
-                everyone = _gather(grads[i], groups[i])
-                total = 0
-                for w in range(workers[i]):
-                    m, g = momentum[i][w], everyone[w]
-                    total = total + torch.sign(torch.add(torch.mul(m, _f32(b1)), torch.mul(g, _f32(1.0 - b1))))
-                    momentum[i][w] = torch.add(torch.mul(m, _f32(b2)), torch.mul(g, _f32(1.0 - b2)))
-                delta = total / workers[i] if cfg["aggregation"] == "avg" else torch.sign(total)
-                x = _local(p)
-                x.copy_(torch.sub(torch.mul(x, _f32(1.0 - lr * wd)), torch.mul(delta, _f32(lr))))
+        for i, p in enumerate(params):
+            lion_step(_local(p), _gather(grads[i], groups[i]), momentum[i], cfg["aggregation"])
         report["applied"] += 1
         report["traj"].append([_full(p) for p in params])
     dims = [1 if cfg["shard1"] and (_is_expert(p) or p.dim() == 2) else 0 for p in params]  # FSDP's shard dims
@@ -400,12 +389,7 @@ def fsdp_ep_runs(rank, world_size, configs):
             lionbit.reset_stats(group)
         run = _train(cfg, mesh, dp)
         run["stats"], run["expert_stats"] = map(lionbit.stats, groups)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            run["ref"] = _reference(cfg, run, mesh, dp) if cfg["momentum_sync"] is None else None
-        finally:
-            torch.set_num_threads(threads)
+        run["ref"] = single_threaded(_reference, cfg, run, mesh, dp) if cfg["momentum_sync"] is None else None
         out.append(run)
     return out
 
@@ -462,12 +446,7 @@ def test_fsdp_ep_equals_the_reference_bitwise(runs, name):
     for rank, run in enumerate(per_rank):
         ref = run["ref"]
         assert run["traj"] == per_rank[0]["traj"], rank  # every rank holds the same parameters
-        for step, (got, want) in enumerate(zip(run["traj"], ref["traj"])):
-            if want == "skipped":
-                assert got == (run["traj"][step - 1] if step else None), f"{name}: step {step} skipped changed params"
-                continue
-            bad = [k for k, (a, b) in enumerate(zip(got, want)) if a != b]
-            assert not bad, f"{name}: rank {rank}, step {step}: parameters {bad} differ"
+        check_trajectory(name, rank, run, ref)
         assert run["momentum"] == ref["momentum"], (name, rank)  # its own (experts: its dp_mod_ep worker's)
         assert run["steps"] == ref["applied"] == cfg["steps"] - (1 if cfg["inf"] else 0)
         if cfg["clip"]:
@@ -522,11 +501,11 @@ def test_momentum_sync_averages_each_mesh_over_its_own_workers(runs):
 K, J = 3, 2  # steps before the checkpoint, after it
 
 
-def _build(mesh, dp, seed, shard1=False):
+def attach_for_resume(model, seed):
+    """A DistributedLion on the FSDP model; ``seed`` 1: other weights and lr (all must come from the checkpoint)."""
     import lionbit
 
-    model = _fsdp_ep_model(mesh, dp, shard1)
-    if seed:  # other weights: everything must come from the checkpoint
+    if seed:
         with torch.no_grad():
             for p in model.parameters():
                 p.to_local().add_(0.5)
@@ -536,30 +515,27 @@ def _build(mesh, dp, seed, shard1=False):
     return model, opt
 
 
-def _steps(model, opt, steps):
+def resume_steps(model, opt, steps, batch):
+    """Steps with an lr change at step K - 1 (``batch``: whose batch this rank trains on); the parameters,
+    momenta and lr after them."""
     for step in steps:
         if step == K - 1:
             opt.param_groups[0]["lr"] = 0.005
-        _loss(model, torch.distributed.get_rank(), step).backward()
+        _loss(model, batch, step).backward()
         opt.step()
         opt.zero_grad()
     return ([_full(p) for p in model.parameters()], [opt.state[p]["exp_avg"].flatten().tolist()
                                                       for p in model.parameters()], opt.param_groups[0]["lr"])
 
 
-CHECKPOINTS = {  # (HSDP, Shard(1))
-    "dp_mod_ep 2 x ep 2": (False, False),
-    "HSDP, 2 nodes of ep 2, Shard(1)": (True, True),
-}
-
-
-def fsdp_ep_checkpoint(rank, world_size, path, hsdp, shard1):
-    """After K steps, torchtitan's checkpoint (the model's and the flattened
-    optimizer's state dicts through DCP), and a consolidated optimizer file
-    (``full_state_dict``: every worker's momentum stacked) that every rank
-    reads and hands to set_optimizer_state_dict as it is; each read into a
-    fresh model and optimizer: J more steps give bitwise the uninterrupted
-    run's parameters and every rank's momentum."""
+def resumes(rank, path, build, batch) -> dict:
+    """After K steps of ``build(seed)``'s model and optimizer, torchtitan's
+    checkpoint (the model's and the flattened optimizer's state dicts
+    through DCP), and a consolidated optimizer file (``full_state_dict``:
+    every worker's momentum stacked) that every rank reads and hands to
+    set_optimizer_state_dict as it is; each read into a fresh model and
+    optimizer: whether J more steps give bitwise the uninterrupted run's
+    parameters and every rank's momentum."""
     import os
 
     import torch.distributed.checkpoint as dcp
@@ -571,21 +547,20 @@ def fsdp_ep_checkpoint(rank, world_size, path, hsdp, shard1):
         set_optimizer_state_dict,
     )
 
-    mesh, dp = _mesh(1 if hsdp else DP_MOD_EP, hsdp)
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
     where = os.path.join(path, "step3")
-    model, opt = _build(mesh, dp, 0, shard1)
-    _steps(model, opt, range(K))
+    model, opt = build(0)
+    resume_steps(model, opt, range(K), batch)
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=flat)},
              checkpoint_id=where)
     full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
     if rank == 0:
         torch.save(full, where + ".pt")
     torch.distributed.barrier()
-    uninterrupted = _steps(model, opt, range(K, K + J))
+    uninterrupted = resume_steps(model, opt, range(K, K + J), batch)
     out = {"momenta": uninterrupted[1]}
     for mode in ("dcp", "consolidated"):
-        model, opt = _build(mesh, dp, 1, shard1)
+        model, opt = build(1)
         sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=flat)}
         dcp.load(sd, checkpoint_id=where)
         set_model_state_dict(model, sd["model"])
@@ -593,8 +568,19 @@ def fsdp_ep_checkpoint(rank, world_size, path, hsdp, shard1):
             set_optimizer_state_dict(model, opt, sd["optim"], options=flat)
         else:
             set_optimizer_state_dict(model, opt, torch.load(where + ".pt", weights_only=False))
-        out[mode] = _steps(model, opt, range(K, K + J)) == uninterrupted
+        out[mode] = resume_steps(model, opt, range(K, K + J), batch) == uninterrupted
     return out
+
+
+CHECKPOINTS = {  # (HSDP, Shard(1))
+    "dp_mod_ep 2 x ep 2": (False, False),
+    "HSDP, 2 nodes of ep 2, Shard(1)": (True, True),
+}
+
+
+def fsdp_ep_checkpoint(rank, world_size, path, hsdp, shard1):
+    mesh, dp = _mesh(1 if hsdp else DP_MOD_EP, hsdp)
+    return resumes(rank, path, lambda seed: attach_for_resume(_fsdp_ep_model(mesh, dp, shard1), seed), rank)
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
@@ -632,4 +618,4 @@ def fsdp_ep_refusals(rank, world_size):
 
 def test_fsdp_ep_refuses_what_it_cannot_vote():
     for r in values(run_ranks("test_fsdp_ep:fsdp_ep_refusals", DP_MOD_EP * EP, timeout=240)):
-        assert "are sharded over different meshes" in r and "dp_shard_mod_ep x ep" in r, r
+        assert "are sharded over different meshes" in r and "efsdp x ep" in r, r

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from harness import run_ranks, values
+from test_fsdp_ep_tp import Split
 
 pytest.importorskip("spmd_types", reason="spmd_types (tools/requirements-dev.txt) is not installed")
 
@@ -136,29 +137,6 @@ class _Reduce(torch.autograd.Function):
         return g, None
 
 
-class _Rows(torch.autograd.Function):
-    """Sequence parallelism: this rank's rows (``gather``: all ranks' rows back); backward: the other."""
-
-    @staticmethod
-    def forward(ctx, x, group, gather):
-        ctx.group, ctx.gather = group, gather
-        return _all_rows(x, group) if gather else _own_rows(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return (_own_rows(g, ctx.group) if ctx.gather else _all_rows(g, ctx.group)), None, None
-
-
-def _own_rows(x, group):
-    return x.chunk(group.size())[group.rank()].contiguous()
-
-
-def _all_rows(x, group):
-    parts = [torch.empty_like(x) for _ in range(group.size())]
-    torch.distributed.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts)
-
-
 def _local(t, partial=False):
     """What the local-tensor code computes with: FSDP hands spmd_types modules plain local tensors; on the
     plain meshes the DTensor's local part (``partial``: its gradient is this rank's part of a sum)."""
@@ -192,10 +170,10 @@ class SequenceParallelNorm(torch.nn.LayerNorm):
         self.group = group
 
     def forward(self, x):
-        rows = _Rows.apply(x, self.group, False)
+        rows = Split.apply(x, self.group, 0, False)
         rows = torch.nn.functional.layer_norm(rows, self.normalized_shape, _local(self.weight, True),
                                               _local(self.bias, True), self.eps)
-        return _Rows.apply(rows, self.group, True)
+        return Split.apply(rows, self.group, 0, True)
 
 
 class TPNet(torch.nn.Module):
