@@ -4,8 +4,10 @@ whose parameters carry spmd_types annotations (torchtitan's default
 ``spmd_backend="spmd_types"``), on 4 real CPU ranks: FSDP over dp_shard 4,
 HSDP over (dp_replicate 2, dp_shard 2), and with tensor parallelism beside
 them (storage meshes (dp_shard 2, tp 2) and (dp_replicate 2, dp_shard 1,
-tp 2), torchtitan's dense storage mesh), and an MoE's experts on their
-own storage mesh (efsdp 2, ep 2) beside the dense parameters' (dp_shard 4).
+tp 2), torchtitan's dense storage mesh), an MoE's experts on their own
+storage mesh (efsdp 2, ep 2) beside the dense parameters' (dp_shard 4),
+and both: an MoE with tensor parallelism on (fsdp 2, tp 2) and (efsdp 2,
+ep 2).
 
 The storage mesh changes where FSDP keeps its shards, not what it reduces:
 the same script on the plain meshes (``fully_shard(model, mesh=...)``, the
@@ -331,6 +333,100 @@ def spmd_ep_runs(rank, world_size, hsdp):
     return {"spmd": _ep_run(hsdp, True), "plain": _ep_run(hsdp, False)}
 
 
+# -- expert parallelism beside tensor parallelism on the storage meshes ----------------------------------------
+# test_fsdp_ep_tp's MoE (the router replicated over tp, each tp rank routing its part of the sequence, ep
+# spanning the tp ranks) with its attention as local-tensor code (column- and row-parallel linears), on
+# torchtitan's storage meshes (fsdp, tp) and (efsdp, ep); on the plain meshes the same code on DTensors.
+
+
+def _ep_tp_model(spmd_backend):
+    import spmd_types as spmd
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import test_fsdp_ep as ep
+    import test_fsdp_ep_tp as ep_tp
+
+    dense = init_device_mesh("cpu", (2, TP), mesh_dim_names=("fsdp", "tp"))
+    sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+    group = dense["tp"].get_group()
+    torch.manual_seed(0)
+    model = ep.TinyMoE(lambda: ep_tp.Block(group))
+    layout = {}  # parameter -> its type on tp: "S<k>" (split on dim k), "R" (gradient summed over tp) or "I"
+    for layer in model.layers:
+        attention = layer.attention
+        for name in ("wq", "wk", "wv", "wo"):
+            column = name != "wo"
+            linear = ParallelLinear(ep.D, ep.D, column, group)
+            linear.load_state_dict(getattr(attention, name).state_dict())
+            setattr(attention, name, linear)
+            layout[linear.weight], layout[linear.bias] = ("S0", "S0") if column else ("S1", "I")
+        layout[layer.moe.router.weight] = "R"
+        ep.expert_parallel(layer.moe.experts, sparse["ep"])
+    experts = {p for layer in model.layers for p in layer.moe.experts.parameters()}
+    for module in list(model.modules()):
+        for key, p in list(module.named_parameters(recurse=False)):
+            if p in experts:
+                if spmd_backend:  # the local experts, annotated on the sparse storage mesh
+                    local = torch.nn.Parameter(p.to_local().clone())
+                    with spmd.set_current_mesh(sparse):
+                        spmd.assert_type(local, {"efsdp": spmd.R, "ep": spmd.S(0)})
+                    module.register_parameter(key, local)
+                continue
+            kind = layout.get(p, "I")
+            split = int(kind[1]) if kind[0] == "S" else None
+            if spmd_backend:
+                local = p.detach().chunk(TP, split)[dense["tp"].get_local_rank()] if split is not None else p.detach()
+                param = torch.nn.Parameter(local.clone())
+                with spmd.set_current_mesh(dense):
+                    spmd.assert_type(param, {"fsdp": spmd.R, "tp": spmd.S(split) if split is not None else
+                                             getattr(spmd, kind)})
+            elif kind == "I":
+                continue  # on the plain meshes: a plain tensor, sharded over fsdp alone
+            else:
+                placement = Shard(split) if split is not None else Replicate()
+                param = torch.nn.Parameter(distribute_tensor(p.detach(), dense["tp"], [placement]))
+            module.register_parameter(key, param)
+    if spmd_backend:
+        dense_kw = dict(mesh=dense, dp_mesh_dims=DataParallelMeshDims(shard="fsdp"))
+        sparse_kw = dict(mesh=sparse, dp_mesh_dims=DataParallelMeshDims(shard="efsdp"))
+    else:
+        dense_kw, sparse_kw = dict(mesh=dense["fsdp"]), dict(mesh=sparse["efsdp"])
+    for layer in model.layers:
+        fully_shard(layer.moe.experts, **sparse_kw)
+        fully_shard(layer, **dense_kw)
+    fully_shard(model, **dense_kw)
+    for module in model.modules():  # torchtitan's disable_fsdp_gradient_division
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+    return dense, model
+
+
+def _ep_tp_run(spmd_backend):
+    import lionbit
+    import test_fsdp_ep as ep
+
+    dense, model = _ep_tp_model(spmd_backend)
+    dp = dense["fsdp"].get_local_rank()
+    opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
+    params = list(model.parameters())
+    traj = []
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            model.set_requires_gradient_sync(micro == MICRO - 1)
+            ep._loss(model, dp, step, micro).backward()
+        opt.step()
+        opt.zero_grad()
+        traj.append([p.full_tensor().flatten().tolist() for p in params])
+    return {"traj": traj, "momentum": [opt.state[p]["exp_avg"].flatten().tolist() for p in params],
+            "steps": opt.steps_taken, "storage": _storage_meshes(model)}
+
+
+def spmd_ep_tp_runs(rank, world_size):
+    return {"spmd": _ep_tp_run(True), "plain": _ep_tp_run(False)}
+
+
 def spmd_refusal(rank, world_size):
     """dp_mesh_dims with two shard dims (torchtitan folds context parallelism into FSDP's): refused."""
     import spmd_types as spmd
@@ -397,3 +493,15 @@ def test_storage_meshes_with_expert_parallelism_step_as_the_plain_meshes_bitwise
         assert r["spmd"]["steps"] == STEPS
         assert r["spmd"]["traj"] == res[0]["spmd"]["traj"]
         assert r["spmd"]["traj"][0] != r["spmd"]["traj"][-1]
+
+
+def test_storage_meshes_with_expert_and_tensor_parallelism_step_as_the_plain_meshes_bitwise():
+    res = values(run_ranks("test_fsdp_spmd:spmd_ep_tp_runs", 4, timeout=240))
+    for rank, r in enumerate(res):
+        assert all(r["spmd"]["storage"]) and not any(r["plain"]["storage"]) and len(r["spmd"]["storage"]) == 5
+        assert r["spmd"]["traj"] == r["plain"]["traj"], rank
+        assert r["spmd"]["momentum"] == r["plain"]["momentum"], rank
+        assert r["spmd"]["steps"] == STEPS
+        assert r["spmd"]["traj"] == res[0]["spmd"]["traj"]
+        assert r["spmd"]["traj"][0] != r["spmd"]["traj"][-1]
+    assert res[0]["spmd"]["momentum"] != res[1]["spmd"]["momentum"]  # the tp ranks' parts, their experts
