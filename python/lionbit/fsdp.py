@@ -537,7 +537,7 @@ def _managed(opt, model):
     installs = []
     kinds = {}  # (replicate dim, FSDP mesh) -> a parameter's name
     kind_of = {}  # parameter -> (replicate dim, FSDP mesh)
-    tp_of_kind = {}  # (replicate dim, FSDP mesh) -> (the tensor-parallel group of its split parameters, a name)
+    tp_of_kind = {}  # (replicate dim, FSDP mesh) -> (its tensor-parallel group, a split parameter's name, its mesh)
     for module in modules:
         pgs = torch_internals.fsdp2_param_groups(module, _WHERE)
         if not pgs:

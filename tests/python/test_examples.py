@@ -106,6 +106,7 @@ def test_the_examples_resume_from_their_checkpoints_bitwise(two_epochs, tmp_path
     ckpt = str(tmp_path / "ckpt")
     cut = _torchrun(script, "--epochs", "2", *flags, "--checkpoint", ckpt, "--stop-after", "1")
     resumed = _torchrun(script, "--epochs", "2", *flags, "--checkpoint", ckpt)
+    assert 1.0 <= _times_one_bit(cut) <= 1.05, cut  # the gradient path's bytes, each script's own count
     assert "resumed from" in resumed and "after epoch 1 (step 22)" in resumed, resumed
     assert _digest(cut) != _digest(two_epochs), (cut, two_epochs)
     assert _digest(resumed) == _digest(two_epochs), (resumed, two_epochs)
@@ -114,11 +115,12 @@ def test_the_examples_resume_from_their_checkpoints_bitwise(two_epochs, tmp_path
 
 @pytest.mark.parametrize(
     "flags,nodes",
-    [([], 1), (["--fsdp1"], 1), ([], 2), (["--fsdp1", "--replicas", "2"], 1)],
-    ids=["fsdp2", "fsdp1", "hsdp_on_two_nodes", "fsdp1_hybrid"],
+    [([], 1), ([], 2), (["--fsdp1", "--replicas", "2"], 1)],
+    ids=["fsdp2", "hsdp_on_two_nodes", "fsdp1_hybrid"],
 )
 def test_the_fsdp_example_steps_as_the_ddp_one(ddp, flags, nodes):
-    """On two torchrun nodes the script shards inside each node by itself (HSDP)."""
+    """On two torchrun nodes the script shards inside each node by itself (HSDP). (FSDP1 alone: its resume
+    test ends on the DDP script's parameters, bitwise, and checks its bytes.)"""
     if nodes > 1:
         out = _torchrun_nodes("fsdp_train.py", "--epochs", "1", *flags, nodes=nodes)
     else:
