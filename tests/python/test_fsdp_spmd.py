@@ -307,26 +307,35 @@ def _ep_model(hsdp, spmd_backend):
     return mesh, model
 
 
-def _ep_run(hsdp, spmd_backend):
+def _moe_steps(model, batch, clip) -> dict:
+    """test_fsdp_ep's MoE script (``clip``: with its clipping with EP): every step's parameters, the momenta."""
     import lionbit
     import test_fsdp_ep as ep
 
-    rank = torch.distributed.get_rank()
-    mesh, model = _ep_model(hsdp, spmd_backend)
     opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
     params = list(model.parameters())
     traj = []
     for step in range(STEPS):
         for micro in range(MICRO):
             model.set_requires_gradient_sync(micro == MICRO - 1)
-            ep._loss(model, rank, step, micro).backward()
-        ep._clip_with_ep(params, 0.5)
+            ep._loss(model, batch, step, micro).backward()
+        if clip:
+            ep._clip_with_ep(params, 0.5)
         opt.step()
         opt.zero_grad()
         traj.append([p.full_tensor().flatten().tolist() for p in params])
     return {"traj": traj, "momentum": [opt.state[p]["exp_avg"].flatten().tolist() for p in params],
-            "steps": opt.steps_taken, "placements": [str(tuple(p.placements)) for p in params],
-            "experts": [ep._is_expert(p) for p in params], "storage": _storage_meshes(model)}
+            "steps": opt.steps_taken, "storage": _storage_meshes(model)}
+
+
+def _ep_run(hsdp, spmd_backend):
+    import test_fsdp_ep as ep
+
+    _, model = _ep_model(hsdp, spmd_backend)
+    run = _moe_steps(model, torch.distributed.get_rank(), clip=True)
+    params = list(model.parameters())
+    return {**run, "placements": [str(tuple(p.placements)) for p in params],
+            "experts": [ep._is_expert(p) for p in params]}
 
 
 def spmd_ep_runs(rank, world_size, hsdp):
@@ -404,23 +413,8 @@ def _ep_tp_model(spmd_backend):
 
 
 def _ep_tp_run(spmd_backend):
-    import lionbit
-    import test_fsdp_ep as ep
-
     dense, model = _ep_tp_model(spmd_backend)
-    dp = dense["fsdp"].get_local_rank()
-    opt = lionbit.DistributedLion(model.parameters(), **LION).attach(model)
-    params = list(model.parameters())
-    traj = []
-    for step in range(STEPS):
-        for micro in range(MICRO):
-            model.set_requires_gradient_sync(micro == MICRO - 1)
-            ep._loss(model, dp, step, micro).backward()
-        opt.step()
-        opt.zero_grad()
-        traj.append([p.full_tensor().flatten().tolist() for p in params])
-    return {"traj": traj, "momentum": [opt.state[p]["exp_avg"].flatten().tolist() for p in params],
-            "steps": opt.steps_taken, "storage": _storage_meshes(model)}
+    return _moe_steps(model, dense["fsdp"].get_local_rank(), clip=False)
 
 
 def spmd_ep_tp_runs(rank, world_size):
@@ -465,17 +459,24 @@ def test_storage_mesh_with_two_shard_dims_is_refused():
         assert "dp_mesh_dims with several shard or replicate dims" in r, r
 
 
+def _check_storage_run(res, rank, r, units) -> None:
+    """A rank's run on the storage meshes against its run on the plain ones: ``units`` FSDP units, all on storage
+    meshes there and none here; bitwise the same parameters after every step and momenta; every rank's
+    parameters alike; they moved."""
+    assert all(r["spmd"]["storage"]) and not any(r["plain"]["storage"]) and len(r["spmd"]["storage"]) == units
+    assert r["spmd"]["traj"] == r["plain"]["traj"], rank
+    assert r["spmd"]["momentum"] == r["plain"]["momentum"], rank
+    assert r["spmd"]["steps"] == STEPS
+    assert r["spmd"]["traj"] == res[0]["spmd"]["traj"]
+    assert r["spmd"]["traj"][0] != r["spmd"]["traj"][-1]
+
+
 @pytest.mark.parametrize("hsdp", [False, True], ids=["dp_shard 2 x tp 2", "HSDP 2 x 1 x tp 2"])
 def test_storage_mesh_with_tensor_parallelism_steps_as_the_plain_mesh_bitwise(hsdp):
     res = values(run_ranks("test_fsdp_spmd:spmd_tp_runs", 4, kwargs=dict(hsdp=hsdp), timeout=240))
     for rank, r in enumerate(res):
         assert r["spmd"]["placements"] == r["plain"]["placements"], rank
-        assert all(r["spmd"]["storage"]) and not any(r["plain"]["storage"]) and len(r["spmd"]["storage"]) == 4
-        assert r["spmd"]["traj"] == r["plain"]["traj"], rank
-        assert r["spmd"]["momentum"] == r["plain"]["momentum"], rank
-        assert r["spmd"]["steps"] == STEPS
-        assert r["spmd"]["traj"] == res[0]["spmd"]["traj"]
-        assert r["spmd"]["traj"][0] != r["spmd"]["traj"][-1]
+        _check_storage_run(res, rank, r, units=4)
     tp_ranks = (0, 1)  # one worker's two tensor-parallel ranks: their own halves of w1's momentum
     assert res[tp_ranks[0]]["spmd"]["momentum"][0] != res[tp_ranks[1]]["spmd"]["momentum"][0]
     assert res[0]["spmd"]["momentum"][-1] != res[-1]["spmd"]["momentum"][-1]  # each worker's own
@@ -487,21 +488,11 @@ def test_storage_meshes_with_expert_parallelism_step_as_the_plain_meshes_bitwise
     for rank, r in enumerate(res):
         assert r["spmd"]["placements"] == r["plain"]["placements"], rank
         assert r["spmd"]["experts"] == r["plain"]["experts"] and any(r["spmd"]["experts"])
-        assert all(r["spmd"]["storage"]) and not any(r["plain"]["storage"]) and len(r["spmd"]["storage"]) == 5
-        assert r["spmd"]["traj"] == r["plain"]["traj"], rank
-        assert r["spmd"]["momentum"] == r["plain"]["momentum"], rank
-        assert r["spmd"]["steps"] == STEPS
-        assert r["spmd"]["traj"] == res[0]["spmd"]["traj"]
-        assert r["spmd"]["traj"][0] != r["spmd"]["traj"][-1]
+        _check_storage_run(res, rank, r, units=5)
 
 
 def test_storage_meshes_with_expert_and_tensor_parallelism_step_as_the_plain_meshes_bitwise():
     res = values(run_ranks("test_fsdp_spmd:spmd_ep_tp_runs", 4, timeout=240))
     for rank, r in enumerate(res):
-        assert all(r["spmd"]["storage"]) and not any(r["plain"]["storage"]) and len(r["spmd"]["storage"]) == 5
-        assert r["spmd"]["traj"] == r["plain"]["traj"], rank
-        assert r["spmd"]["momentum"] == r["plain"]["momentum"], rank
-        assert r["spmd"]["steps"] == STEPS
-        assert r["spmd"]["traj"] == res[0]["spmd"]["traj"]
-        assert r["spmd"]["traj"][0] != r["spmd"]["traj"][-1]
+        _check_storage_run(res, rank, r, units=5)
     assert res[0]["spmd"]["momentum"] != res[1]["spmd"]["momentum"]  # the tp ranks' parts, their experts
