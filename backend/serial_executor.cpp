@@ -4,7 +4,8 @@
 
 namespace lionbit {
 
-SerialExecutor::SerialExecutor() : thread_([this] { loop(); }) {}
+SerialExecutor::SerialExecutor()
+    : state_(std::make_shared<State>()), thread_([state = state_] { loop(state); }) {}
 
 SerialExecutor::~SerialExecutor() {
   shutdown();
@@ -12,10 +13,10 @@ SerialExecutor::~SerialExecutor() {
 
 void SerialExecutor::submit(Job job) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!stopping_) {
-      queue_.push_back(std::move(job));
-      cv_.notify_one();
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (!state_->stopping) {
+      state_->queue.push_back(std::move(job));
+      state_->cv.notify_one();
       return;
     }
   }
@@ -24,9 +25,9 @@ void SerialExecutor::submit(Job job) {
 
 void SerialExecutor::shutdown() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
-    cv_.notify_all();
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->stopping = true;
+    state_->cv.notify_all();
   }
   std::lock_guard<std::mutex> join_lock(join_mu_);
   if (!thread_.joinable()) {
@@ -39,19 +40,19 @@ void SerialExecutor::shutdown() {
   }
 }
 
-void SerialExecutor::loop() {
+void SerialExecutor::loop(const std::shared_ptr<State>& state) {
   for (;;) {
     Job job;
     bool cancelled;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) {
+      std::unique_lock<std::mutex> lock(state->mu);
+      state->cv.wait(lock, [&] { return state->stopping || !state->queue.empty(); });
+      if (state->queue.empty()) {
         return; // stopping and drained
       }
-      job = std::move(queue_.front());
-      queue_.pop_front();
-      cancelled = stopping_;
+      job = std::move(state->queue.front());
+      state->queue.pop_front();
+      cancelled = state->stopping;
     }
     job(cancelled);
   }

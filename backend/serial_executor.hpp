@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -26,17 +27,24 @@ class SerialExecutor {
 
   // Stops taking work: queued jobs run cancelled; the running one finishes;
   // then the worker is joined. Safe to call from several threads and more
-  // than once. Called from the worker itself (a job dropping the last
-  // reference to its owner), the worker is detached instead.
+  // than once. Called from the worker itself (a job, or a callback a job
+  // runs, dropping the last reference to the executor's owner), the worker is
+  // detached instead: it runs the rest of the queue cancelled and ends,
+  // touching nothing of the executor but the queue it shares (State).
   void shutdown();
 
  private:
-  void loop();
+  // What the worker reads: shared with it, so it outlives an executor
+  // destroyed from inside a job.
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Job> queue;
+    bool stopping = false;
+  };
+  static void loop(const std::shared_ptr<State>& state);
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Job> queue_;
-  bool stopping_ = false;
+  std::shared_ptr<State> state_;
   std::mutex join_mu_;
   std::thread thread_;
 };

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <mutex>
+#include <utility>
 
 namespace lionbit {
 
@@ -49,14 +50,19 @@ void SignWork::complete() {
   // The future keeps the outputs from here on: this Work holds no tensor
   // after completion, so releasing it (on the worker thread, perhaps while
   // the interpreter finalizes) never touches a Python object.
-  future_->markCompleted(c10::IValue(std::move(outputs_)));
-  outputs_.clear();
+  future_->markCompleted(c10::IValue(take_outputs()));
 }
 
 void SignWork::fail(std::exception_ptr error) {
   end_profiling();
-  outputs_.clear();
+  take_outputs();
   future_->setError(std::move(error));
+}
+
+std::vector<at::Tensor> SignWork::take_outputs() {
+  std::lock_guard<std::mutex> lock(outputs_mu_);
+  handed_over_ = true;
+  return std::exchange(outputs_, {});
 }
 
 bool SignWork::isCompleted() {
@@ -72,10 +78,15 @@ std::exception_ptr SignWork::exception() const {
 }
 
 std::vector<at::Tensor> SignWork::result() {
-  if (future_->completed() && !future_->hasError()) {
-    return future_->value().toTensorVector();
+  {
+    std::lock_guard<std::mutex> lock(outputs_mu_);
+    if (!handed_over_) {
+      return outputs_;
+    }
   }
-  return outputs_;
+  // The worker has taken them: the future has them (or an error) at once.
+  future_->wait();
+  return future_->hasError() ? std::vector<at::Tensor>{} : future_->value().toTensorVector();
 }
 
 bool SignWork::wait(std::chrono::milliseconds timeout) {

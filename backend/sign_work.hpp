@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/ivalue.h>
+#include <mutex>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "backend/sign_common.hpp"
@@ -30,8 +31,14 @@ class SignWork : public c10d::Work {
  private:
   void end_profiling();
 
+  // Handed to the future by complete() (or dropped by fail()) on the worker
+  // while the caller may read them through result(): under outputs_mu_.
+  std::vector<at::Tensor> take_outputs();
+
   const Collective kind_;
+  std::mutex outputs_mu_;
   std::vector<at::Tensor> outputs_;
+  bool handed_over_ = false;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 

@@ -223,6 +223,8 @@ def check_async(rank, n):
     # Several in flight at once, waited on out of order.
     works = [lionbit.all_reduce_sign(x, "vote", async_op=True) for x in xs[:2]]
     futs = [lionbit.all_reduce_sign(x, "vote", async_op=True).get_future() for x in xs[2:]]
+    # Work.result(): the output tensor, whether the worker is done with it yet or not.
+    assert [t.data_ptr() for t in works[0].result()] == [xs[0].data_ptr()]
     futs[1].wait()
     works[1].wait()
     out = futs[0].wait()
@@ -232,6 +234,7 @@ def check_async(rank, n):
     for x, r in zip(xs, refs):
         assert torch.equal(x, r)
     assert works[0].is_completed() and works[0].is_success()
+    assert [t.data_ptr() for t in works[1].result()] == [xs[1].data_ptr()]
     # A future chains like any torch future (what DDP's comm hooks do).
     y = torch.randn(300, generator=g)
     ry = _reference(y, "avg", n)
