@@ -6,7 +6,8 @@ and returns each rank's return value (JSON).
 
 Most calls run on a *pool*: one set of rank processes per (world size,
 backend, process-group timeout, environment), started at the first call that
-needs it and kept for the rest of the test session, so later modules find
+needs it and kept for the rest of the test session (or until its ranks hold
+more than MAX_GROUPS_PER_POOL process groups), so later modules find
 it warm (tests/python/conftest.py closes the pools at the session's end). Starting ranks (a process, ``import
 torch``, a process group) costs seconds; a case on a warm pool costs what the
 case does. Rank processes, pooled or fresh, are forked from a zygote that has
@@ -178,6 +179,7 @@ class _Pool:
         self.procs = _spawn(self.workdir, world_size, backend, pg_timeout, _rank_env(env), {}, pool=True)
         self.offsets = [0] * world_size
         self.cases = 0
+        self.groups = 0  # the most process groups a rank of the pool holds
 
     def close(self) -> None:
         _kill(self.procs)
@@ -232,6 +234,7 @@ class _Pool:
             else:
                 code = p.returncode if not rec else 1
             ok = ok and bool(rec) and "error" not in rec and not rec.get("spoiled")
+            self.groups = max(self.groups, rec.get("groups", 0))
             results.append(RankResult(r, code, rec.get("value"), rec.get("error"), output, _sanitizer_report(p.pid)))
         return results, ok, hung
 
@@ -242,6 +245,15 @@ _pools: Dict[tuple, _Pool] = {}  # oldest use first
 #: 1..5 ranks test by test on warm pools (a cap of 3 pools made it start
 #: ranks for every call).
 MAX_RANKS_ALIVE = 16
+#: Process groups a pool's rank may hold before the pool ends (a fresh one
+#: costs well under a second). The groups a case makes stay (torch keeps
+#: them, and DTensor's caches hand later cases' parameters earlier cases'
+#: meshes), and each lionbit group holds two Gloo groups whose I/O threads
+#: wake every 10 ms: a pool of every FSDP module's cases held two hundred
+#: and spent a quarter of a core per rank waking them, idle or not, which
+#: made those modules up to 3x slower in a whole run than alone. A named
+#: pool keeps its ranks (its cases share the groups they leave, by design).
+MAX_GROUPS_PER_POOL = 16
 
 
 def close_pools() -> None:
@@ -267,7 +279,7 @@ def _run_pooled(target, world_size, backend, timeout, pg_timeout, kwargs, env, t
         pool = _Pool(world_size, backend, pg_timeout, env)
     _pools[key] = pool  # now the most recently used
     results, ok, hung = pool.run(target, kwargs, timeout)
-    if not ok:
+    if not ok or (pool.groups > MAX_GROUPS_PER_POOL and not tag):
         _pools.pop(key).close()
     bad = [r for r in results if r.returncode != 0]
     if hung or bad:
@@ -464,6 +476,13 @@ def _in_step(k: int, n: int) -> bool:
         return False
 
 
+def _group_count() -> int:
+    """The process groups this rank holds, the default one included."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return len(c10d._world.pg_map)
+
+
 def _write(path: str, rec: dict) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(rec, f)
@@ -514,6 +533,7 @@ def _worker(spec: dict) -> int:
         rec = _call(case, rank, n)
         fresh.restore()  # what the case set (LIONBIT_TRACE, say) must not reach the check
         rec["spoiled"] = not dist.is_initialized() or dist.group.WORLD is not world or not _in_step(case["case"], n)
+        rec["groups"] = _group_count()
         sys.stdout.flush()
         sys.stderr.flush()
         _write(out(case["case"]), rec)
