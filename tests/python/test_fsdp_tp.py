@@ -599,16 +599,19 @@ def fsdp_tp_checkpoints(rank, world_size, path, hsdp=False):
     import os
 
     mesh = _hsdp_mesh() if hsdp else _mesh()
+    modes = HSDP_MODES if hsdp else MODES
+    written = {mode: mode.split(",")[0] for mode in modes}  # (the file every rank reads is "full"'s)
+    # one run, saved in every format after step K, then run on
+    model, opt = _build(mesh, 0)
+    _run(model, opt, mesh, range(K))
+    for kind in dict.fromkeys(written.values()):
+        test_hsdp_dcp._save(model, opt, rank, kind, os.path.join(path, kind))
+    _run(model, opt, mesh, range(K, K + J))
+    uninterrupted = _state(model, opt)
     out = {}
-    for mode in HSDP_MODES if hsdp else MODES:
-        where = os.path.join(path, mode.split(",")[0])
-        model, opt = _build(mesh, 0)
-        _run(model, opt, mesh, range(K))
-        test_hsdp_dcp._save(model, opt, rank, mode.split(",")[0], where)
-        _run(model, opt, mesh, range(K, K + J))
-        uninterrupted = _state(model, opt)
+    for mode in modes:
         model, opt = _build(mesh, 1, lr=0.123)
-        _load(model, opt, mode, where)
+        _load(model, opt, mode, os.path.join(path, written[mode]))
         _run(model, opt, mesh, range(K, K + J))
         out[mode] = {"same": _state(model, opt) == uninterrupted, "momentum": uninterrupted[1][3][:6]}
     if hsdp:
