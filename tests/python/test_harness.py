@@ -2,7 +2,8 @@
 rank that dies fails its case at once, with its exit status and what a
 sanitizer wrote about it, not at the deadline with empty output; a rank's
 error reaches the failure's message even after an earlier case on the same
-ranks redirected sys.stderr."""
+ranks redirected sys.stderr; a pool whose ranks hold too many process groups
+ends, so that their Gloo I/O threads stop waking."""
 
 import os
 import sys
@@ -63,3 +64,23 @@ def test_a_raised_error_shows_after_a_case_redirected_stderr():
     msg = str(err.value)
     assert "Traceback" in msg and "ValueError: the next case's error, on rank 0" in msg, msg
     assert "(it raised ValueError: the next case's error, on rank 0)" in msg, msg
+
+
+def make_groups(rank, world_size, count):
+    """``count`` new groups over every rank (a case's meshes); this rank's pid."""
+    for _ in range(count):
+        dist.new_group(list(range(world_size)), backend="lionbit")
+    return os.getpid()
+
+
+def test_a_pool_past_its_groups_makes_way_for_fresh_ranks(monkeypatch):
+    monkeypatch.setattr(harness, "MAX_GROUPS_PER_POOL", 6)
+    # (a variable of its own: a pool of its own, unnamed, as most tests' are)
+    call = lambda count: values(run_ranks("test_harness:make_groups", 2, kwargs=dict(count=count),  # noqa: E731
+                                          env={"HARNESS_TEST": "groups"}))
+    first = call(2)  # the default group and 2 more: 3
+    assert call(2) == first  # 5, still warm
+    assert call(2) == first  # 7 > 6: this case ran on them, then the pool ended
+    fresh = call(0)
+    assert set(fresh).isdisjoint(first), (first, fresh)
+    assert call(0) == fresh
