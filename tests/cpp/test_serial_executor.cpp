@@ -54,11 +54,21 @@ TEST(SerialExecutor, ShutdownFinishesTheRunningJobAndCancelsTheQueue) {
   }
   started.get_future().wait();
   std::thread stopper([&] { ex.shutdown(); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(20)); // shutdown waits on the running job
-  release.set_value();
+  // Until shutdown has begun: a job submitted after it runs at once, here.
+  const auto self = std::this_thread::get_id();
+  std::atomic<bool> stopping{false};
+  while (!stopping) {
+    ex.submit([&](bool cancelled) {
+      if (cancelled && std::this_thread::get_id() == self) {
+        stopping = true;
+      }
+    });
+    std::this_thread::yield();
+  }
+  release.set_value(); // shutdown has waited on the running job until now
   stopper.join();
   EXPECT_EQ(finished.load(), 1);
-  EXPECT_EQ(cancelled_jobs.load(), 5);
+  EXPECT_EQ(cancelled_jobs.load(), 5); // (and the probes queued before shutdown: cancelled too)
 
   // After shutdown a job runs at once, cancelled, on the caller's thread; a
   // second shutdown (the destructor's) is harmless.
