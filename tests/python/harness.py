@@ -249,10 +249,9 @@ MAX_RANKS_ALIVE = 16
 #: costs well under a second). The groups a case makes stay (torch keeps
 #: them, and DTensor's caches hand later cases' parameters earlier cases'
 #: meshes), and each lionbit group holds two Gloo groups whose I/O threads
-#: wake every 10 ms: a pool of every FSDP module's cases held two hundred
-#: and spent a quarter of a core per rank waking them, idle or not, which
-#: made those modules up to 3x slower in a whole run than alone. A named
-#: pool keeps its ranks (its cases share the groups they leave, by design).
+#: wake every 10 ms, idle or not (design-notes: "Idle Gloo threads in the
+#: test pools"). A named pool keeps its ranks (its cases share the groups
+#: they leave, by design).
 MAX_GROUPS_PER_POOL = 16
 
 
