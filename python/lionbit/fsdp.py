@@ -100,7 +100,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import fsdp_plan, lion_math, step_vote, tensor_parallel, torch_internals, user_warning
+from . import context_parallel, fsdp_plan, lion_math, step_vote, tensor_parallel, torch_internals, user_warning
 from ._backend import backend_for
 from .attachment import Attachment
 from .voter import end_to_end, runs
@@ -166,15 +166,19 @@ class _SignReduceScatter(torch_internals.LayoutLearner):
         self.params = self.layout[0]
         self.att.reduced(self)
 
-    def vote_layout(self, fsdp_params, group, hsdp: bool):
+    def vote_layout(self, fsdp_params, group, hsdp: bool, chunks: Optional[list] = None):
         """Where the step's vote puts the unit's parameters that have a
         gradient (``fsdp_params``, in FSDP's order) in the chunks of
         ``group``'s ranks: per parameter (its first element in a chunk, this
         rank's elements of it, its spans for Voter.sharded_vote), and a
-        chunk's elements. The same every step while those parameters and the
-        group's size stay (integers only: the tensors are read each step)."""
+        chunk's elements. ``chunks``: FSDP's chunks of the vote's ranks, in
+        its order, where the vote is over a part of ``group`` (context
+        parallelism); all of them by default. The same every step while
+        those parameters and the group's size stay (integers only: the
+        tensors are read each step)."""
         n, rank = group.size(), group.rank()
-        key = (tuple(map(id, fsdp_params)), n, rank, hsdp)
+        chunks = tuple(range(n)) if chunks is None else tuple(chunks)
+        key = (tuple(map(id, fsdp_params)), n, rank, hsdp, chunks)
         if self._vote_layout is not None and self._vote_layout[0] == key:
             return self._vote_layout[2]
         pieces, s = _pieces(fsdp_params, n)
@@ -184,7 +188,8 @@ class _SignReduceScatter(torch_internals.LayoutLearner):
             if hsdp:  # g, m: this rank's chunk alone; the replicas hold the same chunk
                 spans = [(0, 0, own, off)]
             else:  # FSDP's chunk r of the parameter (Shard(0): its rows [r * rows, (r + 1) * rows)), no padding
-                spans = [(r, start, count, off + at) for r in range(n) for start, count, at in _spans(fp, n, rows, row, r)]
+                spans = [(i, start, count, off + at)
+                         for i, r in enumerate(chunks) for start, count, at in _spans(fp, n, rows, row, r)]
             layout.append((off, own, spans))
         self._vote_layout = (key, list(fsdp_params), (layout, s))
         return layout, s
@@ -213,6 +218,10 @@ class _SignReduceScatter(torch_internals.LayoutLearner):
                 f"{where}: FSDP reduces {input_tensor.dtype} gradients with {op}, dividing them before the "
                 f"reduction, which would change the local gradient; reduce in float32 or bfloat16"
             )
+        cp = _unit_mesh(self.att, self).cp
+        if cp is not None:  # the worker's gradient: its cp ranks' together (lionbit.context_parallel)
+            factor = torch_internals.fsdp2_divide_factor(self.pg)
+            cp.worker_gradient(input_tensor, context_parallel.averages(factor, group.size(), where))
         fsdp_capture(self.att, layout, input_tensor, output_tensor, group, where)
         self.group = group
         return None
@@ -242,8 +251,8 @@ class FSDP2Attachment(Attachment):
     def accepts(model) -> bool:
         return is_fsdp2(model)
 
-    def __init__(self, opt, model, overlap: bool = True):
-        self.managed, self.fqns, installs, mesh, self.mesh_of = _managed(opt, model)
+    def __init__(self, opt, model, overlap: bool = True, context_parallel=None):
+        self.managed, self.fqns, installs, mesh, self.mesh_of = _managed(opt, model, context_parallel)
         self.dp = mesh  # how the ranks shard and vote (_Mesh); with expert parallelism the whole dp mesh's
         # each parameter's _Mesh: dp's, or (expert parallelism) the experts' mesh for theirs
         kinds = list(dict.fromkeys(self.mesh_of.values()))
@@ -253,7 +262,7 @@ class FSDP2Attachment(Attachment):
         # HSDP: the replicate group, over which the replicas vote; None on a 1-D mesh.
         self.replicas = mesh.replicas
         # a 1-D mesh: the optimizer's group, if it names one
-        own = mesh.replicas is None and mesh.tp is None and not self.multi
+        own = mesh.replicas is None and mesh.tp is None and mesh.cp is None and not self.multi
         super().__init__(opt, opt.group if opt.group is not None and own else mesh.vote_group)
         self.model = model
         self.mesh = mesh.device_mesh  # FSDP's
@@ -422,7 +431,12 @@ class _Mesh:
     worker's gradient and momentum that its tensor-parallel rank computes
     (its shard of it), and the ranks of one tensor-parallel index vote on
     that part. The ranks of a worker step or skip together: ``agree``, the
-    groups they agree over in turn."""
+    groups they agree over in turn.
+
+    Context parallelism beside a 1-D mesh (``cp``, lionbit.context_parallel):
+    a worker is the cp ranks of one dp index, each with the worker's whole
+    gradient and momentum; each votes FSDP's chunks of the dp ranks of its
+    cp index over their group (``vote_group``), and the cp ranks agree."""
 
     def __init__(self, device_mesh, replicate_dim: Optional[int], tp=None):
         self.device_mesh = device_mesh  # FSDP's mesh
@@ -440,9 +454,19 @@ class _Mesh:
         self.shards, self.shard = self.shard_group.size(), self.shard_group.rank()
         workers = self.shard_group if self.replicas is None else self.replicas
         self.rows, self.row = workers.size(), workers.rank()
+        self.cp: Optional[context_parallel.ContextParallel] = None
+
+    def split_context(self, cp) -> None:
+        """Context parallelism beside this 1-D mesh: each rank votes its cp
+        index's chunks over ``cp.vote``, and the cp ranks agree."""
+        self.cp = cp
+        self.vote_group = cp.vote
+        self.agree = self.agree + (cp.group,)
 
     def describe(self) -> str:
         own = describe_mesh(self.device_mesh)
+        if self.cp is not None:
+            own = f"{own} (dp x {self.cp.size} context parallel)"
         return own if self.tp is None else f"{own} x {self.tp.size()} (tensor parallel)"
 
 
@@ -500,8 +524,8 @@ def _mesh_kind(fp, p, name: str):
             f"which is not supported; {works}, or FSDP2's replicate() over a 1-D mesh (with or without tensor "
             f"parallelism beside it)"
         )
-    storage = (", dp_mesh_dims with several shard or replicate dims, or a storage mesh whose dims are not "
-               "[replicate,] shard[, tp or ep]") if spmd else ""
+    storage = (", dp_mesh_dims with several replicate dims, or a storage mesh whose dims are not "
+               "[replicate,] shard dims[, tp or ep]") if spmd else ""
     raise NotImplementedError(
         f"{_WHERE}: parameter '{name}' lives on the {mesh.ndim}-D mesh {describe_mesh(mesh)} ({kind}{storage}"
         f": FSDP with another layout), which is not supported; {works}"
@@ -517,19 +541,33 @@ def _spmd_as_plain(fp, mesh) -> bool:
     ep of the experts'). Then FSDP keeps p on the storage mesh exactly as on
     the plain meshes (tensor and expert parallelism included: the same
     placements on a mesh of the same dims) and reduces alike. Several shard
-    dims (context parallelism folded into FSDP's) are not."""
+    dims (context parallelism folded into FSDP's: shard=("dp_shard", "cp"))
+    FSDP flattens into one ("dp_shard_cp"), p's mesh being that dim's
+    (and the replicate and tensor-parallel dims'): the plain meshes'
+    too."""
     dims = fp.mesh_info.dp_mesh_dims
     if type(fp.mesh_info).__name__ not in ("FSDPMeshInfo", "HSDPMeshInfo") or dims is None:
         return False
     shard, replicate = tuple(dims.shard_names), tuple(dims.replicate_names)
     names = tuple(mesh.mesh_dim_names or ())
-    return (len(shard) == 1 and len(replicate) <= 1 and names[:len(replicate) + 1] == replicate + shard
+    return (len(shard) >= 1 and len(replicate) <= 1 and names[:len(replicate) + 1] == replicate + ("_".join(shard),)
             and len(names) <= len(replicate) + 2)
 
 
-def _managed(opt, model):
+def _folded_shard_dims(fp) -> tuple:
+    """The dims FSDP shards a 1-D (non-HSDP) unit over, where it shards
+    over several of a storage mesh (spmd_types: dp_mesh_dims' shard
+    names, context parallelism folded in); () otherwise."""
+    dims = getattr(fp.mesh_info, "dp_mesh_dims", None)
+    if dims is None or type(fp.mesh_info).__name__ != "FSDPMeshInfo" or len(dims.shard_names) < 2:
+        return ()
+    return tuple(dims.shard_names)
+
+
+def _managed(opt, model, cp=None):
     """Checks an FSDP2 model; returns (sharded parameter -> FSDPParam,
-    parameter -> name, [(module, FSDP parameter group)], its _Mesh)."""
+    parameter -> name, [(module, FSDP parameter group)], its _Mesh), the
+    context-parallel group ``cp`` (attach's argument) taken in."""
     modules = _fsdp2_modules(model)
     fqns = {p: n for n, p in model.named_parameters()}
     known = opt.param_group_of()
@@ -605,6 +643,10 @@ def _managed(opt, model):
     else:
         mesh = next(iter(by_kind.values()))
     meshes = {p: by_kind[kind_of[p]] for p in managed}
+    if cp is None:
+        _check_no_context(mesh, next(fp for p, fp in managed.items() if meshes[p] is mesh))
+    else:
+        _context_parallel(opt, mesh, len(kinds), cp, [pg for _, pg in installs])
     first = next(iter(managed))
     split = next((m for m in by_kind.values() if m.tp is not None), mesh)  # (the one with a tensor-parallel dim)
     # the vote's groups must be lionbit's (a clear error otherwise); HSDP: the replicate group
@@ -635,6 +677,62 @@ def _managed(opt, model):
             f"tensor-parallel rank; use hierarchy='flat'"
         )
     return managed, fqns, installs, mesh, meshes
+
+
+def _check_no_context(mesh: "_Mesh", fp) -> None:
+    """A clear error where a 1-D FSDP mesh has context-parallel ranks folded
+    in that attach was not told of (each would vote as a worker with a part
+    of a sequence): shard dims of a storage mesh, or a mesh flattened from
+    one with a "cp" dim (lionbit.context_parallel.folded)."""
+    if mesh.replicas is not None or mesh.shard_group is _ALONE:
+        return  # HSDP: a node (cp ranks included) is one worker anyway
+    dims = _folded_shard_dims(fp)
+    cp = context_parallel.folded(mesh.device_mesh) if not dims else None
+    if dims or cp is not None:
+        what = (f"over the storage mesh dims {dims}" if dims else
+                f"over a mesh flattened from one whose 'cp' dim's ranks {sorted(_ranks(cp))} are in it")
+        raise ValueError(
+            f"{_WHERE} on rank {dist.get_rank()}: FSDP shards {what}: context parallelism, whose ranks split a "
+            f"sequence and are one Distributed Lion worker; tell attach which ranks they are: "
+            f"opt.attach(model, context_parallel=mesh['cp'])"
+        )
+
+
+def _context_parallel(opt, mesh: "_Mesh", meshes: int, cp, pgs: list) -> None:
+    """attach's ``context_parallel`` on the model's mesh: on a 1-D mesh the
+    cp ranks of a worker (lionbit.context_parallel); under HSDP the node
+    holds them already (a clear error unless the cp group is in it); a clear
+    error for what is not supported with it."""
+    where = f"{_WHERE} on rank {dist.get_rank()}"
+    group = context_parallel.group_of(cp, where)
+    if meshes > 1:
+        raise NotImplementedError(
+            f"{where}: argument 'context_parallel' with expert parallelism (parameters on several FSDP meshes) is "
+            f"not supported yet; a model on one FSDP mesh, 1-D or HSDP, with or without tensor parallelism"
+        )
+    if mesh.replicas is not None:
+        if mesh.shard_group is _ALONE or not _ranks(group) <= _ranks(mesh.shard_group):
+            raise ValueError(
+                f"{where}: argument 'context_parallel' (ranks {sorted(_ranks(group))}) is not inside this rank's "
+                f"node of the mesh {mesh.describe()}: under HSDP the cp ranks are part of FSDP's shard dim "
+                f"(fully_shard over mesh['dp_replicate', 'fsdp'], fsdp = dp_shard x cp)"
+            )
+        return  # the node (its shard group, the cp ranks in it) is one worker already
+    if group.size() == 1:
+        return
+    for pg in pgs:  # (checked again at each reduce-scatter: a factor set after attach)
+        context_parallel.averages(torch_internals.fsdp2_divide_factor(pg), mesh.shards, where)
+    if opt.aggregation == "l1":
+        raise NotImplementedError(
+            f"{where}: argument 'aggregation'='l1' is not supported with context parallelism: its L1 scale is "
+            f"per tensor, and each cp rank votes a part of the tensors; use 'vote' or 'avg'"
+        )
+    if getattr(opt.voter, "hierarchy", "flat") != "flat":
+        raise ValueError(
+            f"{where}: argument 'hierarchy'={opt.voter.hierarchy!r} is not supported with context parallelism "
+            f"(the vote runs over the dp ranks of each cp index); use hierarchy='flat'"
+        )
+    mesh.split_context(context_parallel.ContextParallel(group, mesh.shard_group, where))
 
 
 def _ranks(group) -> frozenset:
@@ -874,13 +972,13 @@ def _unit_mesh(att, comm) -> "_Mesh":
 class _UnitVote(NamedTuple):
     """One FSDP2 unit's part of a step's vote (:func:`_start_votes`)."""
 
-    group: "dist.ProcessGroup"  # FSDP's shard group of the unit
+    group: "dist.ProcessGroup"  # FSDP's shard group of the unit (its chunk layout's)
     device: torch.device
     chunk: int  # its chunk's elements in each shard (padding included)
     ps: list  # its sharded parameters that have a gradient
     pieces: list  # Voter.sharded_vote's pieces, laid out in the unit's own chunk
     entries: list  # (g, m, coefs, local shard, element of the chunk, elements) per parameter
-    vote: "dist.ProcessGroup"  # the group of its vote: FSDP's shard group; HSDP: its mesh's replicate group
+    vote: "dist.ProcessGroup"  # its vote's group: FSDP's shard group; HSDP: the replicate group; cp: its dp ranks
 
 
 def fsdp_vote(att, settle: bool = False):
@@ -971,6 +1069,7 @@ def _start_votes(att):
         # (FSDP calls no reduce-scatter over one rank: expert parallelism over the whole dp group)
         mesh = _unit_mesh(att, comm)
         group = comm.group if comm.group is not None and not hsdp else mesh.shard_group
+        cp = mesh.cp
         # (a unit's parameters column by column: a step reads hundreds)
         gs = _local_grads(att, list(map(_sharded_param, comm.params)))
         params = [fp for fp, g in zip(comm.params, gs) if g is not None]
@@ -981,7 +1080,7 @@ def _start_votes(att):
         momenta = att.flat_momenta(ps)
         coefs = list(map(coefs_of.__getitem__, ps))
         shards = list(map(torch_internals.dtensor_local, ps))  # the local shards, written in place by apply()
-        layout, s = comm.vote_layout(params, group, hsdp)
+        layout, s = comm.vote_layout(params, group, hsdp, None if cp is None else cp.chunks)
         device = ps[0].device  # every buffer of the vote lives on the parameters' device
         for p, local, (_, own, _) in zip(ps, shards, layout):
             if local.numel() != own:
@@ -992,11 +1091,11 @@ def _start_votes(att):
         votes = [(g, m, c, spans) for g, m, c, (_, _, spans) in zip(grads, momenta, coefs, layout)]
         unit = [(g, m, c, local, off, own)
                 for g, m, c, local, (off, own, _) in zip(grads, momenta, coefs, shards, layout)]
-        units.append(_UnitVote(group, device, s, ps, votes, unit, mesh.replicas if hsdp else group))
+        units.append(_UnitVote(group, device, s, ps, votes, unit, mesh.vote_group if hsdp or cp else group))
 
     # Consecutive units in one call, their chunks end to end in each shard.
     def planes_of(u):  # elements of planes a unit adds to its call
-        return u.chunk * (1 if hsdp else u.group.size())
+        return u.chunk * (1 if hsdp else u.vote.size())
 
     if att.multi:  # each group's units together (their order within a group kept: the same on every rank)
         first = {}
@@ -1052,9 +1151,13 @@ def _node_agreed_vote(att):
     (lionbit.step_vote.node_agreed)."""
     device = next(iter(att.managed)).device
     hsdp = att.replicas is not None
+    cp = att.dp.cp is not None
     what = "FSDP2" + (", HSDP" if hsdp else "") + (", expert parallel" if att.multi else
-                                                   ", tensor parallel" if att.split else "")
-    peers = "this node" if hsdp else "this expert-parallel group" if att.multi else "this tensor-parallel group"
+                                                   ", tensor parallel" if att.split else "") + (
+        ", context parallel" if cp else "")
+    peers = ("this node" if hsdp else "this expert-parallel group" if att.multi else
+             "this worker's context- and tensor-parallel ranks" if cp and att.split else
+             "this context-parallel group" if cp else "this tensor-parallel group")
     # (with expert parallelism the votes name ranks as the default group does: _wait_agreed)
     replicas = None if att.multi else att.dp.vote_group
     return step_vote.node_agreed(lambda settle: fsdp_vote(att, settle), replicas, att.agree, device, what, peers)

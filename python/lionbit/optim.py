@@ -229,17 +229,18 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
             msync.after_step(self._sync, n, self._attachment)
 
     # -- attaching -----------------------------------------------------------------
-    def attach(self, model, overlap: bool = True):
-        """Route this optimizer's updates through the model's communication: DDP (a comm hook;
-        ``overlap=True`` starts the vote during backward where that is exact, ``False`` votes at
-        ``step()``), FSDP2 or FSDP1 (the 1-bit reduce-scatter). A plain module needs none. Attaching
-        to another model (a re-wrapped one) detaches from the first and keeps the momentum. Returns self."""
+    def attach(self, model, overlap: bool = True, context_parallel=None):
+        """Route this optimizer's updates through the model's communication: DDP (a comm hook; ``overlap=True``
+        starts the vote during backward where that is exact, ``False`` votes at ``step()``), FSDP2 or FSDP1 (the
+        1-bit reduce-scatter; ``context_parallel``: FSDP2's cp mesh or group, lionbit.context_parallel). A plain
+        module needs none. Attaching a re-wrapped model detaches from the first, momentum kept. Returns self."""
         model = torch_internals.compiled_inner(model)  # torch.compile(model): the model inside
         if self._attachment.is_attached_to(model):
             raise RuntimeError("DistributedLion.attach: this optimizer is already attached to this model")
         kind = _attachment_kind(model)
+        extra = _context_for(kind, context_parallel)
         if kind is not None:
-            attached = kind(self, model, bool(overlap))  # checks everything, then installs
+            attached = kind(self, model, bool(overlap), **extra)  # checks everything, then installs
             self._attachment.detach()
             self._attachment = attached
         return self
@@ -312,6 +313,19 @@ def _refuse_zero_redundancy() -> None:
                 "HSDP (docs/fsdp.md)"
             )
         frame = frame.f_back
+
+
+def _context_for(kind, context_parallel) -> dict:
+    """attach's ``context_parallel`` as the keyword of the attachment that takes it (FSDP2's), or a clear error."""
+    if context_parallel is None:
+        return {}
+    if getattr(kind, "kind", None) != "FSDP2":
+        raise NotImplementedError(
+            f"DistributedLion.attach: argument 'context_parallel' is supported for FSDP2 (fully_shard) models, "
+            f"not for {'a plain module' if kind is None else kind.kind}; shard the model with fully_shard over "
+            f"the dp and cp ranks together"
+        )
+    return {"context_parallel": context_parallel}
 
 
 def _attachment_kind(model):

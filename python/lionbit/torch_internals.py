@@ -419,6 +419,18 @@ def fsdp2_all_reduce_hook(param_group):
     return getattr(param_group, "_all_reduce_hook", None)
 
 
+def root_mesh(mesh):
+    """The DeviceMesh a sliced or flattened mesh was made from (itself if
+    none, or where this torch does not say: torch >= 2.9 does)."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    return mesh if get is None else get()
+
+
+def fsdp2_divide_factor(param_group) -> Optional[float]:
+    """The unit's set_gradient_divide_factor (None: FSDP averages)."""
+    return getattr(param_group, "gradient_divide_factor", None)
+
+
 def fsdp2_unit_name(param_group) -> str:
     """The unit's module name ("<root>" for the root, and for every unit before the first forward,
     when FSDP sets the names)."""

@@ -7,7 +7,7 @@ them (storage meshes (dp_shard 2, tp 2) and (dp_replicate 2, dp_shard 1,
 tp 2), torchtitan's dense storage mesh), an MoE's experts on their own
 storage mesh (efsdp 2, ep 2) beside the dense parameters' (dp_shard 4),
 and both: an MoE with tensor parallelism on (fsdp 2, tp 2) and (efsdp 2,
-ep 2).
+ep 2). (Context parallelism on the storage mesh: test_fsdp_cp.)
 
 The storage mesh changes where FSDP keeps its shards, not what it reduces:
 the same script on the plain meshes (``fully_shard(model, mesh=...)``, the
@@ -422,7 +422,8 @@ def spmd_ep_tp_runs(rank, world_size):
 
 
 def spmd_refusal(rank, world_size):
-    """dp_mesh_dims with two shard dims (torchtitan folds context parallelism into FSDP's): refused."""
+    """dp_mesh_dims with two shard dims (torchtitan folds context parallelism into FSDP's) on a 1-D mesh, attach
+    not told which ranks split a sequence: refused (test_fsdp_cp trains with it told)."""
     import spmd_types as spmd
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
@@ -438,7 +439,7 @@ def spmd_refusal(rank, world_size):
     try:
         lionbit.DistributedLion(model.parameters(), **LION).attach(model)
         return "no error"
-    except NotImplementedError as err:
+    except ValueError as err:
         return str(err)
 
 
@@ -454,9 +455,10 @@ def test_storage_mesh_steps_as_the_plain_mesh_bitwise(hsdp):
     assert res[0]["spmd"]["momentum"] != res[-1]["spmd"]["momentum"]  # each worker's own
 
 
-def test_storage_mesh_with_two_shard_dims_is_refused():
-    for r in values(run_ranks("test_fsdp_spmd:spmd_refusal", 4, timeout=240)):
-        assert "dp_mesh_dims with several shard or replicate dims" in r, r
+def test_storage_mesh_with_two_shard_dims_needs_context_parallel():
+    for rank, r in enumerate(values(run_ranks("test_fsdp_spmd:spmd_refusal", 4, timeout=240))):
+        assert f"rank {rank}: FSDP shards over the storage mesh dims ('dp_shard', 'cp')" in r, r
+        assert "opt.attach(model, context_parallel=mesh['cp'])" in r, r
 
 
 def _check_storage_run(res, rank, r, units) -> None:
