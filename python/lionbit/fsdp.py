@@ -218,10 +218,13 @@ class _SignReduceScatter(torch_internals.LayoutLearner):
                 f"{where}: FSDP reduces {input_tensor.dtype} gradients with {op}, dividing them before the "
                 f"reduction, which would change the local gradient; reduce in float32 or bfloat16"
             )
-        cp = _unit_mesh(self.att, self).cp
-        if cp is not None:  # the worker's gradient: its cp ranks' together (lionbit.context_parallel)
-            factor = torch_internals.fsdp2_divide_factor(self.pg)
-            cp.worker_gradient(input_tensor, context_parallel.averages(factor, group.size(), where))
+        mesh = _unit_mesh(self.att, self)
+        if mesh.cp is not None or mesh.cp_parts > 1:  # the worker's gradient, its cp ranks' (context_parallel)
+            mean = context_parallel.averages(torch_internals.fsdp2_divide_factor(self.pg), group.size(), where)
+            if mesh.cp is not None:
+                mesh.cp.worker_gradient(input_tensor, mean)
+            elif mean:  # experts whose ep group gathered the cp ranks' tokens: the sum of their chunks' losses'
+                input_tensor.div_(mesh.cp_parts)
         fsdp_capture(self.att, layout, input_tensor, output_tensor, group, where)
         self.group = group
         return None
@@ -436,7 +439,10 @@ class _Mesh:
     Context parallelism beside a 1-D mesh (``cp``, lionbit.context_parallel):
     a worker is the cp ranks of one dp index, each with the worker's whole
     gradient and momentum; each votes FSDP's chunks of the dp ranks of its
-    cp index over their group (``vote_group``), and the cp ranks agree."""
+    cp index over their group (``vote_group``), and the cp ranks agree. An
+    experts' mesh beside it, whose ep group spans the cp ranks, needs no
+    cp round: its local gradients already gather the worker's cp ranks'
+    tokens (``cp_parts`` of them, each its own chunk's loss)."""
 
     def __init__(self, device_mesh, replicate_dim: Optional[int], tp=None):
         self.device_mesh = device_mesh  # FSDP's mesh
@@ -455,6 +461,9 @@ class _Mesh:
         workers = self.shard_group if self.replicas is None else self.replicas
         self.rows, self.row = workers.size(), workers.rank()
         self.cp: Optional[context_parallel.ContextParallel] = None
+        # expert parallelism beside context parallelism: the cp ranks whose tokens this mesh's local
+        # gradients gather (its ep group spans them), each a loss of its own chunk
+        self.cp_parts = 1
 
     def split_context(self, cp) -> None:
         """Context parallelism beside this 1-D mesh: each rank votes its cp
@@ -646,7 +655,7 @@ def _managed(opt, model, cp=None):
     if cp is None:
         _check_no_context(mesh, next(fp for p, fp in managed.items() if meshes[p] is mesh))
     else:
-        _context_parallel(opt, mesh, len(kinds), cp, [pg for _, pg in installs])
+        _context_parallel(opt, mesh, list(by_kind.values()), cp, [pg for _, pg in installs])
     first = next(iter(managed))
     split = next((m for m in by_kind.values() if m.tp is not None), mesh)  # (the one with a tensor-parallel dim)
     # the vote's groups must be lionbit's (a clear error otherwise); HSDP: the replicate group
@@ -698,18 +707,25 @@ def _check_no_context(mesh: "_Mesh", fp) -> None:
         )
 
 
-def _context_parallel(opt, mesh: "_Mesh", meshes: int, cp, pgs: list) -> None:
-    """attach's ``context_parallel`` on the model's mesh: on a 1-D mesh the
-    cp ranks of a worker (lionbit.context_parallel); under HSDP the node
-    holds them already (a clear error unless the cp group is in it); a clear
-    error for what is not supported with it."""
+def _context_parallel(opt, mesh: "_Mesh", meshes: list, cp, pgs: list) -> None:
+    """attach's ``context_parallel`` on the model's mesh (the dp mesh of
+    ``meshes``): on a 1-D mesh the cp ranks of a worker
+    (lionbit.context_parallel), an experts' mesh beside it gathering their
+    tokens (its ep group spanning them); under HSDP the node holds them
+    already (a clear error unless the cp group is in it); a clear error for
+    what is not supported with it."""
     where = f"{_WHERE} on rank {dist.get_rank()}"
     group = context_parallel.group_of(cp, where)
-    if meshes > 1:
-        raise NotImplementedError(
-            f"{where}: argument 'context_parallel' with expert parallelism (parameters on several FSDP meshes) is "
-            f"not supported yet; a model on one FSDP mesh, 1-D or HSDP, with or without tensor parallelism"
-        )
+    experts = [m for m in meshes if m is not mesh]
+    if mesh.replicas is None and group.size() > 1:
+        for other in experts:
+            if _ranks(group) & _ranks(other.shard_group) != {dist.get_rank()}:
+                raise NotImplementedError(
+                    f"{where}: argument 'context_parallel' (ranks {sorted(_ranks(group))}) beside experts whose "
+                    f"FSDP group {sorted(_ranks(other.shard_group))} holds cp ranks of this rank's worker is not "
+                    f"supported; the expert-parallel dim must span the cp ranks (torchtitan's, when ep >= cp x tp)"
+                )
+            other.cp_parts = group.size()
     if mesh.replicas is not None:
         if mesh.shard_group is _ALONE or not _ranks(group) <= _ranks(mesh.shard_group):
             raise ValueError(
@@ -721,7 +737,7 @@ def _context_parallel(opt, mesh: "_Mesh", meshes: int, cp, pgs: list) -> None:
     if group.size() == 1:
         return
     for pg in pgs:  # (checked again at each reduce-scatter: a factor set after attach)
-        context_parallel.averages(torch_internals.fsdp2_divide_factor(pg), mesh.shards, where)
+        context_parallel.averages(torch_internals.fsdp2_divide_factor(pg), torch_internals.fsdp2_shards(pg), where)
     if opt.aggregation == "l1":
         raise NotImplementedError(
             f"{where}: argument 'aggregation'='l1' is not supported with context parallelism: its L1 scale is "

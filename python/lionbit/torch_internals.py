@@ -426,6 +426,11 @@ def root_mesh(mesh):
     return mesh if get is None else get()
 
 
+def fsdp2_shards(param_group) -> int:
+    """The size of the unit's shard group (1 without one: FSDP2's replicate())."""
+    return getattr(param_group.mesh_info, "shard_mesh_size", 1)
+
+
 def fsdp2_divide_factor(param_group) -> Optional[float]:
     """The unit's set_gradient_divide_factor (None: FSDP averages)."""
     return getattr(param_group, "gradient_divide_factor", None)

@@ -17,14 +17,18 @@ workers in plain torch (test_fsdp_tp.lion_step). Every step's parameters
 and every rank's momentum are compared with it, bitwise; the same script
 without ``context_parallel`` (each rank a worker) is not it."""
 
+from itertools import compress
+
 import pytest
 import torch
 
+import test_fsdp_ep as ep
 import test_fsdp_tp as tp
 from harness import run_ranks, values
 
 DP, CP, TP = 2, 2, 2
-V, D, H, B, T = 30, 10, 26, 2, 8  # vocabulary, width, MLP width, sequences a worker, tokens (T / CP a rank)
+V, H, B, T = 30, 26, 2, 8  # vocabulary, MLP width, sequences a worker, tokens (T / CP a rank)
+D = ep.D  # the width (test_fsdp_ep's MoE's)
 LION = dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)
 SCALE = 1024.0  # GradScaler's initial scale
 MAX_NORM = 0.5
@@ -50,13 +54,18 @@ class GatherSequence(torch.autograd.Function):
 
 
 class Block(torch.nn.Module):
-    def __init__(self, cp_group):
+    """Attention over the whole sequence, then an MLP (``moe``: test_fsdp_ep's MoE)."""
+
+    def __init__(self, cp_group, moe=False):
         super().__init__()
         self.cp = cp_group
         self.norm = torch.nn.LayerNorm(D)
         self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(D, D) for _ in range(4))
         self.mlp_norm = torch.nn.LayerNorm(D)
-        self.w1, self.w2 = torch.nn.Linear(D, H), torch.nn.Linear(H, D)
+        if moe:
+            self.moe = ep.MoE()
+        else:
+            self.w1, self.w2 = torch.nn.Linear(D, H), torch.nn.Linear(H, D)
 
     def forward(self, x):
         h = self.norm(x)
@@ -66,14 +75,15 @@ class Block(torch.nn.Module):
         rows = torch.arange(t) + self.cp.rank() * t  # this chunk's global positions
         mask = torch.arange(k.shape[1])[None, :] <= rows[:, None]
         x = x + self.wo(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-        return x + self.w2(torch.nn.functional.gelu(self.w1(self.mlp_norm(x))))
+        h = self.mlp_norm(x)
+        return x + (self.moe(h) if hasattr(self, "moe") else self.w2(torch.nn.functional.gelu(self.w1(h))))
 
 
 class LM(torch.nn.Module):
-    def __init__(self, cp_group):
+    def __init__(self, cp_group, moe=False):
         super().__init__()
         self.embed = torch.nn.Embedding(V, D)
-        self.layers = torch.nn.ModuleList([Block(cp_group) for _ in range(2)])
+        self.layers = torch.nn.ModuleList([Block(cp_group, moe) for _ in range(2)])
         self.norm = torch.nn.LayerNorm(D)
         self.head = torch.nn.Linear(D, V, bias=False)
 
@@ -86,7 +96,7 @@ class LM(torch.nn.Module):
 
 def _config(**kw):
     cfg = dict(hsdp=False, aggregation="vote", steps=4, accumulate=1, scaler=False, clip=False, inf=None,
-               titan=False, tell=True, tp=False, spmd=False)
+               titan=False, tell=True, tp=False, spmd=False, ep=False)
     cfg.update(kw)
     return cfg
 
@@ -107,6 +117,13 @@ def _meshes(hsdp, spmd=False):
     if hsdp:
         return init_device_mesh("cpu", (DP, CP), mesh_dim_names=("dp_replicate", "fsdp")), data
     return init_device_mesh("cpu", (DP * CP,), mesh_dim_names=("fsdp",)), data
+
+
+def _ep_mesh():
+    """torchtitan's sparse mesh for the experts, (efsdp, ep): ep spans the cp ranks (ep = cp here)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (DP, CP), mesh_dim_names=("efsdp", "ep"))
 
 
 def _tp_meshes():
@@ -137,11 +154,15 @@ def _loss(model, data, cfg, step, micro):
     return torch.nn.functional.cross_entropy(flat, want) / cfg["accumulate"]
 
 
-def _model(data, dense=None):
+def _model(data, dense=None, sparse=None):
     """The LM; with ``dense`` (the (fsdp, tp) mesh), each block's linears split over tp (torch's
-    ColwiseParallel and RowwiseParallel; the attention's features split, its sequence still the cp ranks')."""
+    ColwiseParallel and RowwiseParallel; the attention's features split, its sequence still the cp ranks');
+    with ``sparse`` (the (efsdp, ep) mesh), each block's MLP an MoE whose experts are split over ep."""
     torch.manual_seed(0)
-    model = LM(data["cp"].get_group())
+    model = LM(data["cp"].get_group(), moe=sparse is not None)
+    if sparse is not None:
+        for layer in model.layers:
+            ep.expert_parallel(layer.moe.experts, sparse["ep"])
     if dense is not None:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -152,10 +173,10 @@ def _model(data, dense=None):
     return model
 
 
-def _fsdp_model(fsdp_mesh, data, cfg):
+def _fsdp_model(fsdp_mesh, data, cfg, sparse=None):
     from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
 
-    model = _model(data, fsdp_mesh if cfg["tp"] else None)
+    model = _model(data, fsdp_mesh if cfg["tp"] else None, sparse)
     kw = dict(mesh=fsdp_mesh["fsdp"] if cfg["tp"] else fsdp_mesh)
     if cfg["spmd"]:  # every parameter annotated replicated over the storage mesh, FSDP told its dims
         import spmd_types as spmd
@@ -166,6 +187,8 @@ def _fsdp_model(fsdp_mesh, data, cfg):
         kw["dp_mesh_dims"] = DataParallelMeshDims(shard=("dp_shard", "cp"),
                                                   replicate="dp_replicate" if cfg["hsdp"] else None)
     for layer in model.layers:
+        if sparse is not None:  # torchtitan's: the experts over efsdp, then the block over fsdp
+            fully_shard(layer.moe.experts, mesh=sparse["efsdp"])
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
     if cfg["titan"]:
@@ -201,7 +224,7 @@ def _train(cfg, model, data, fsdp_mesh):
         if scaler:
             scaler.unscale_(opt)
         if cfg["clip"]:
-            norms.append(repr(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))))
+            norms.append(_clip(params))
         if scaler:
             scaler.step(opt)
             scaler.update()
@@ -219,6 +242,13 @@ def _train(cfg, model, data, fsdp_mesh):
     }
 
 
+def _clip(params) -> str:
+    """clip_grad_norm_; with experts torchtitan's (their norm and the rest's apart: their meshes differ)."""
+    if any(map(ep._is_expert, params)):
+        return repr(float(ep._clip_with_ep(params, MAX_NORM)))
+    return repr(float(torch.nn.utils.clip_grad_norm_(params, MAX_NORM)))
+
+
 def _full_momentum(p, m):
     """The worker's momentum of p (its tensor-parallel part): a rank's own on a 1-D mesh; under HSDP its
     node's, gathered."""
@@ -234,10 +264,14 @@ def _full_momentum(p, m):
 # -- the reference: the same model alone, Distributed Lion in plain torch ---------------------------------------
 
 
-def _reference(cfg, data, model):
+def _reference(cfg, data, model, sparse=None):
+    """Each worker's gradient of a parameter is its cp ranks' mean (an expert's: its ep group's gradient,
+    which gathered the cp ranks' tokens, /CP), voted over the dp ranks (an expert's over efsdp)."""
     dist = torch.distributed
     params = list(model.parameters())
-    cp, workers = data["cp"].get_group(), data["dp"].get_group()
+    cp, dp = data["cp"].get_group(), data["dp"].get_group()
+    experts = [ep._is_expert(p) for p in params]
+    groups = [sparse["efsdp"].get_group() if e else dp for e in experts]
     momentum = [[torch.zeros_like(tp._local(p)) for _ in range(DP)] for p in params]
     report = {"traj": [], "applied": 0, "norms": []}
     for step in range(cfg["steps"]):
@@ -245,15 +279,16 @@ def _reference(cfg, data, model):
         for micro in range(cfg["accumulate"]):
             loss = _loss(model, data, cfg, step, micro)
             (loss * SCALE if cfg["scaler"] else loss).backward()
-        for p in params:  # the worker's gradient: (a + b) / 2 over its cp ranks; torchtitan's: a + b
+        for p, expert in zip(params, experts):  # the worker's: (a + b) / 2 over its cp ranks; torchtitan's a + b
             g = tp._local(p.grad)  # (its tensor-parallel part)
-            dist.all_reduce(g, group=cp)
+            if not expert:
+                dist.all_reduce(g, group=cp)
             if not cfg["titan"]:
                 g.div_(CP)
             if cfg["scaler"]:
                 g.div_(SCALE)
         if cfg["clip"]:
-            report["norms"].append(repr(float(torch.nn.utils.clip_grad_norm_(params, MAX_NORM))))
+            report["norms"].append(_clip(params))
         finite = torch.tensor([all(bool(torch.isfinite(tp._local(p.grad)).all()) for p in params)],
                               dtype=torch.int32)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
@@ -262,12 +297,14 @@ def _reference(cfg, data, model):
             continue
         for i, p in enumerate(params):
             with torch.no_grad():
-                tp.lion_step(tp._local(p), tp._gather(tp._local(p.grad), workers), momentum[i], cfg["aggregation"])
+                tp.lion_step(tp._local(p), tp._gather(tp._local(p.grad), groups[i]), momentum[i], cfg["aggregation"])
         report["applied"] += 1
         report["traj"].append([tp._full(p) for p in params])
-    report["momentum"] = [momentum[i][dist.get_rank(workers)].flatten().tolist() for i in range(len(params))]
-    n = DP * CP  # FSDP pads each (tensor-parallel-local) parameter's dim 0 to a multiple of its ranks
-    report["elements"] = sum(-(-tp._local(p).shape[0] // n) * n * tp._local(p)[0].numel() for p in params)
+    report["momentum"] = [momentum[i][dist.get_rank(groups[i])].flatten().tolist() for i in range(len(params))]
+    n = DP * CP  # FSDP pads each (tensor-parallel-local) dense parameter's dim 0 to a multiple of its ranks
+    report["elements"] = sum(-(-tp._local(p).shape[0] // n) * n * tp._local(p)[0].numel()
+                             for p, expert in zip(params, experts) if not expert)
+    report["experts"] = experts
     return report
 
 
@@ -277,7 +314,8 @@ def fsdp_cp_runs(rank, world_size, configs):
     out = []
     for cfg in configs:
         fsdp_mesh, data = _tp_meshes() if cfg["tp"] else _meshes(cfg["hsdp"], cfg["spmd"])
-        model = _fsdp_model(fsdp_mesh, data, cfg)
+        sparse = _ep_mesh() if cfg["ep"] else None
+        model = _fsdp_model(fsdp_mesh, data, cfg, sparse)
         shard_group = next(model.parameters()).device_mesh.get_group(1 if cfg["hsdp"] else 0)  # FSDP's shard group
         lionbit.reset_stats(shard_group)
         run = _train(cfg, model, data, fsdp_mesh)
@@ -285,7 +323,8 @@ def fsdp_cp_runs(rank, world_size, configs):
         run["stats"] = lionbit.stats(group)
         run["fsdp_stats"] = lionbit.stats(shard_group)
         run["vote_ranks"] = torch.distributed.get_process_group_ranks(group)
-        run["ref"] = tp.single_threaded(_reference, cfg, data, _model(data, fsdp_mesh if cfg["tp"] else None))
+        run["ref"] = tp.single_threaded(_reference, cfg, data, _model(data, fsdp_mesh if cfg["tp"] else None, sparse),
+                                        sparse)
         out.append(run)
     return out
 
@@ -302,6 +341,8 @@ CONFIGS = {
     "HSDP, 2 nodes of cp 2: avg, GradScaler, an inf in rank 3's backward": _config(
         hsdp=True, aggregation="avg", scaler=True, inf=[2, 3]),
     "dp 2 x cp 2 without context_parallel": _config(tell=False, steps=2),
+    "dp 2 x cp 2, an MoE with ep 2 (= cp, efsdp 2): avg, clipping": _config(ep=True, aggregation="avg", clip=True),
+    "dp 2 x cp 2, an MoE with ep 2, torchtitan's loss and divide factor 1.0: vote": _config(ep=True, titan=True),
 }
 try:  # torchtitan's default backend: FSDP over the storage mesh's dims ("dp_shard", "cp")
     import spmd_types  # noqa: F401
@@ -361,7 +402,8 @@ def test_fsdp_cp_equals_the_reference_bitwise(request, name):
         assert per_step == ref["elements"] / CP, (per_step, ref["elements"])
         assert not fsdp_st["sign_reduce_scatter_calls"] and not fsdp_st["sign_allreduce_calls"], fsdp_st
     cp_peer, other_worker = ranks // DP // CP, ranks // DP
-    assert per_rank[0]["momentum"] == per_rank[cp_peer]["momentum"]  # a worker's cp ranks: one momentum
+    dense = [not e for e in per_rank[0]["ref"]["experts"]]
+    assert list(compress(per_rank[0]["momentum"], dense)) == list(compress(per_rank[cp_peer]["momentum"], dense))
     assert per_rank[0]["momentum"] != per_rank[other_worker]["momentum"]  # the workers' differ
     assert per_rank[0]["traj"][0] != per_rank[0]["traj"][-1]  # the parameters moved
 
@@ -427,6 +469,14 @@ def fsdp_cp_errors(rank, world_size):
         _loss(model, data, _config(), 0, 0).backward()
 
     out["divide factor 3 after attach"] = _attach_error(factor_after_attach)
+
+    def experts_over_cp():  # ep over the dp ranks, the experts sharded over the cp ranks: cp peers vote them
+        from torch.distributed.device_mesh import init_device_mesh
+
+        sparse = init_device_mesh("cpu", (DP, CP), mesh_dim_names=("ep", "efsdp"))
+        attach(_fsdp_model(fsdp_mesh, data, _config(ep=True), sparse), data["cp"])
+
+    out["experts sharded over the cp ranks"] = _attach_error(experts_over_cp)
     return out
 
 
@@ -440,6 +490,7 @@ ERRORS = {  # case: (exception, words of its message)
     "l1": ("NotImplementedError", ["'aggregation'='l1'", "context parallelism"]),
     "divide factor 3": ("NotImplementedError", ["divide factor is 3.0", "mean", "sum"]),
     "divide factor 3 after attach": ("NotImplementedError", ["divide factor is 3.0", "reduce-scatter"]),
+    "experts sharded over the cp ranks": ("NotImplementedError", ["'context_parallel'", "must span the cp ranks"]),
     "flattened (dp, cp), not told": ("ValueError", ["flattened from one whose 'cp' dim",
                                                      "context_parallel=mesh['cp']"]),
 }
