@@ -35,7 +35,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from . import torch_internals
+from . import step_vote, torch_internals
 
 _vote_groups: Dict[tuple, "dist.ProcessGroup"] = {}  # ranks -> the group made for them (a collective: once)
 
@@ -69,7 +69,7 @@ class ContextParallel:
     FSDP's order), ``chunks`` (FSDP's chunk index of each of ``vote``'s
     ranks: the chunks this rank packs, in the vote's order)."""
 
-    def __init__(self, group, fsdp_group, where: str):
+    def __init__(self, group, fsdp_group, where: str, device: torch.device):
         me = dist.get_rank()
         cp_ranks, fsdp_ranks = _ranks(group), _ranks(fsdp_group)
         if me not in cp_ranks:
@@ -84,7 +84,8 @@ class ContextParallel:
         self.size, self.index = len(cp_ranks), cp_ranks.index(me)
         # Which ranks of the FSDP group share this rank's cp index: gathered over it (no order of the
         # dims assumed: torchtitan's fsdp dim is dp_shard-major, another program's need not be).
-        indices = torch.tensor([self.index], dtype=torch.int64)
+        on = torch.device("cpu") if step_vote.flags_on_cpu(fsdp_group) else device  # (NCCL alone: the GPU)
+        indices = torch.tensor([self.index], dtype=torch.int64, device=on)
         every = [torch.zeros_like(indices) for _ in fsdp_ranks]
         dist.all_gather(every, indices, group=fsdp_group)
         mine = [r for r, i in zip(fsdp_ranks, every) if int(i) == self.index]

@@ -652,11 +652,11 @@ def _managed(opt, model, cp=None):
     else:
         mesh = next(iter(by_kind.values()))
     meshes = {p: by_kind[kind_of[p]] for p in managed}
+    first = next(iter(managed))
     if cp is None:
         _check_no_context(mesh, next(fp for p, fp in managed.items() if meshes[p] is mesh))
     else:
-        _context_parallel(opt, mesh, list(by_kind.values()), cp, [pg for _, pg in installs])
-    first = next(iter(managed))
+        _context_parallel(opt, mesh, list(by_kind.values()), cp, [pg for _, pg in installs], first.device)
     split = next((m for m in by_kind.values() if m.tp is not None), mesh)  # (the one with a tensor-parallel dim)
     # the vote's groups must be lionbit's (a clear error otherwise); HSDP: the replicate group
     for each in by_kind.values():
@@ -707,7 +707,7 @@ def _check_no_context(mesh: "_Mesh", fp) -> None:
         )
 
 
-def _context_parallel(opt, mesh: "_Mesh", meshes: list, cp, pgs: list) -> None:
+def _context_parallel(opt, mesh: "_Mesh", meshes: list, cp, pgs: list, device: torch.device) -> None:
     """attach's ``context_parallel`` on the model's mesh (the dp mesh of
     ``meshes``): on a 1-D mesh the cp ranks of a worker
     (lionbit.context_parallel), an experts' mesh beside it gathering their
@@ -748,7 +748,7 @@ def _context_parallel(opt, mesh: "_Mesh", meshes: list, cp, pgs: list) -> None:
             f"{where}: argument 'hierarchy'={opt.voter.hierarchy!r} is not supported with context parallelism "
             f"(the vote runs over the dp ranks of each cp index); use hierarchy='flat'"
         )
-    mesh.split_context(context_parallel.ContextParallel(group, mesh.shard_group, where))
+    mesh.split_context(context_parallel.ContextParallel(group, mesh.shard_group, where, device))
 
 
 def _ranks(group) -> frozenset:
