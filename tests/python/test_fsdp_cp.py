@@ -96,7 +96,7 @@ class LM(torch.nn.Module):
 
 def _config(**kw):
     cfg = dict(hsdp=False, aggregation="vote", steps=4, accumulate=1, scaler=False, clip=False, inf=None,
-               titan=False, tell=True, tp=False, spmd=False, ep=False)
+               titan=False, tell=True, tp=False, spmd=False, ep=False, sync=None)
     cfg.update(kw)
     return cfg
 
@@ -209,7 +209,7 @@ def _train(cfg, model, data, fsdp_mesh):
         region = lambda: spmd.set_current_mesh(fsdp_mesh)  # noqa: E731 - torchtitan runs the model in its mesh
     else:
         region = contextlib.nullcontext
-    opt = lionbit.DistributedLion(model.parameters(), aggregation=cfg["aggregation"], **LION)
+    opt = lionbit.DistributedLion(model.parameters(), aggregation=cfg["aggregation"], momentum_sync=cfg["sync"], **LION)
     opt.attach(model, context_parallel=data["cp"] if cfg["tell"] else None)
     lionbit.reset_stats(opt.attachment.dp.vote_group)  # (the vote's group: the one attach made, or FSDP's)
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE) if cfg["scaler"] else None
@@ -341,6 +341,7 @@ CONFIGS = {
     "HSDP, 2 nodes of cp 2: avg, GradScaler, an inf in rank 3's backward": _config(
         hsdp=True, aggregation="avg", scaler=True, inf=[2, 3]),
     "dp 2 x cp 2 without context_parallel": _config(tell=False, steps=2),
+    "dp 2 x cp 2, Lion Cub's momentum sync every 2 steps": _config(sync=2),
     "dp 2 x cp 2, an MoE with ep 2 (= cp, efsdp 2): avg, clipping": _config(ep=True, aggregation="avg", clip=True),
     "dp 2 x cp 2, an MoE with ep 2, torchtitan's loss and divide factor 1.0: vote": _config(ep=True, titan=True),
 }
@@ -376,7 +377,7 @@ def tp_runs():
     return {name: [r[i] for r in per_rank] for i, name in enumerate(TP_CONFIGS)}
 
 
-@pytest.mark.parametrize("name", [n for n, c in CONFIGS.items() if c["tell"]] + list(TP_CONFIGS))
+@pytest.mark.parametrize("name", [n for n, c in CONFIGS.items() if c["tell"] and not c["sync"]] + list(TP_CONFIGS))
 def test_fsdp_cp_equals_the_reference_bitwise(request, name):
     cfg = CONFIGS.get(name) or TP_CONFIGS[name]
     per_rank = request.getfixturevalue("tp_runs" if cfg["tp"] else "runs")[name]
@@ -406,6 +407,15 @@ def test_fsdp_cp_equals_the_reference_bitwise(request, name):
     assert list(compress(per_rank[0]["momentum"], dense)) == list(compress(per_rank[cp_peer]["momentum"], dense))
     assert per_rank[0]["momentum"] != per_rank[other_worker]["momentum"]  # the workers' differ
     assert per_rank[0]["traj"][0] != per_rank[0]["traj"][-1]  # the parameters moved
+
+
+def test_momentum_sync_averages_the_workers_and_keeps_cp_ranks_alike(runs):
+    """Lion Cub's momentum sync averages over the workers (each cp index's dp ranks, whose averages agree): after
+    the sync at the last step every rank holds one momentum; before it the workers' differed."""
+    per_rank = runs["dp 2 x cp 2, Lion Cub's momentum sync every 2 steps"]
+    assert all(r["momentum"] == per_rank[0]["momentum"] for r in per_rank)
+    assert all(r["traj"] == per_rank[0]["traj"] for r in per_rank)
+    assert per_rank[0]["momentum"] != runs["dp 2 x cp 2: vote"][0]["momentum"]  # (the same run without the sync)
 
 
 def test_without_context_parallel_each_rank_votes_as_a_worker(runs):
