@@ -6,7 +6,11 @@ tells attach which ranks split a sequence
 training script a user writes: each cp rank embeds its chunk of the
 tokens, attention gathers the keys and values of the whole sequence from
 the cp ranks (the all-gather form of context parallelism, causal over
-global positions), and the loss is the rank's chunk's.
+global positions), and the loss is the rank's chunk's. Also under HSDP
+(2 nodes of cp 2), on spmd_types storage meshes, beside tensor
+parallelism (dp 2 x cp 2 x tp 2 on 8 ranks) and beside an MoE's expert
+parallelism (ep spanning the cp ranks: an expert's gradient gathers the
+worker's tokens, its worker the efsdp rank, /cp where FSDP averages).
 
 The reference runs in the same ranks with no lionbit or FSDP code: the
 same model alone (each rank's gradient by the same kernels and the same
