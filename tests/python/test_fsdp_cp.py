@@ -19,7 +19,8 @@ in float32 (their sum under torchtitan's divide factor 1.0, the loss
 normalized by the global token count), and Distributed Lion with 2
 workers in plain torch (test_fsdp_tp.lion_step). Every step's parameters
 and every rank's momentum are compared with it, bitwise; the same script
-without ``context_parallel`` (each rank a worker) is not it."""
+without ``context_parallel`` (each rank a worker) is not it. On a GPU the
+same runs on CUDA parameters (4 ranks on one GPU, Gloo underneath)."""
 
 from itertools import compress
 
@@ -57,6 +58,17 @@ class GatherSequence(torch.autograd.Function):
         return g.chunk(ctx.group.size(), dim=1)[ctx.group.rank()], None
 
 
+def _attention(q, k, v, mask):
+    """torch's attention; on a GPU its math form, whose backward is deterministic (the fused kernels' need not
+    be: the reference and the FSDP run compute each gradient apart)."""
+    if not q.is_cuda:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class Block(torch.nn.Module):
     """Attention over the whole sequence, then an MLP (``moe``: test_fsdp_ep's MoE)."""
 
@@ -76,9 +88,9 @@ class Block(torch.nn.Module):
         q = self.wq(h)
         k, v = GatherSequence.apply(self.wk(h), self.cp), GatherSequence.apply(self.wv(h), self.cp)
         t = x.shape[1]
-        rows = torch.arange(t) + self.cp.rank() * t  # this chunk's global positions
-        mask = torch.arange(k.shape[1])[None, :] <= rows[:, None]
-        x = x + self.wo(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        rows = torch.arange(t, device=x.device) + self.cp.rank() * t  # this chunk's global positions
+        mask = torch.arange(k.shape[1], device=x.device)[None, :] <= rows[:, None]
+        x = x + self.wo(_attention(q, k, v, mask))
         h = self.mlp_norm(x)
         return x + (self.moe(h) if hasattr(self, "moe") else self.w2(torch.nn.functional.gelu(self.w1(h))))
 
@@ -108,50 +120,50 @@ def _config(**kw):
 # -- the ranks: the user's training script ------------------------------------------------------------------
 
 
-def _meshes(hsdp, spmd=False):
+def _meshes(hsdp, spmd=False, device="cpu"):
     """torchtitan's meshes over the same ranks: FSDP's (fsdp = dp_shard x cp, one dim; HSDP: 2 nodes,
     dp_replicate x fsdp, a node's fsdp being its cp ranks) and the data's (dp, cp); ``spmd``: its storage mesh
     (dp_shard, cp), or (dp_replicate, dp_shard 1, cp), for its default spmd_types backend."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    data = init_device_mesh("cpu", (DP, CP), mesh_dim_names=("dp", "cp"))
+    data = init_device_mesh(device, (DP, CP), mesh_dim_names=("dp", "cp"))
     if spmd:
         shape, names = ((DP, 1, CP), ("dp_replicate", "dp_shard", "cp")) if hsdp else ((DP, CP), ("dp_shard", "cp"))
-        return init_device_mesh("cpu", shape, mesh_dim_names=names), data
+        return init_device_mesh(device, shape, mesh_dim_names=names), data
     if hsdp:
-        return init_device_mesh("cpu", (DP, CP), mesh_dim_names=("dp_replicate", "fsdp")), data
-    return init_device_mesh("cpu", (DP * CP,), mesh_dim_names=("fsdp",)), data
+        return init_device_mesh(device, (DP, CP), mesh_dim_names=("dp_replicate", "fsdp")), data
+    return init_device_mesh(device, (DP * CP,), mesh_dim_names=("fsdp",)), data
 
 
-def _ep_mesh():
+def _ep_mesh(device="cpu"):
     """torchtitan's sparse mesh for the experts, (efsdp, ep): ep spans the cp ranks (ep = cp here)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (DP, CP), mesh_dim_names=("efsdp", "ep"))
+    return init_device_mesh(device, (DP, CP), mesh_dim_names=("efsdp", "ep"))
 
 
-def _tp_meshes():
+def _tp_meshes(device="cpu"):
     """The same beside tensor parallelism: FSDP's (fsdp, tp) and the data's (dp, cp, tp)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    data = init_device_mesh("cpu", (DP, CP, TP), mesh_dim_names=("dp", "cp", "tp"))
-    return init_device_mesh("cpu", (DP * CP, TP), mesh_dim_names=("fsdp", "tp")), data
+    data = init_device_mesh(device, (DP, CP, TP), mesh_dim_names=("dp", "cp", "tp"))
+    return init_device_mesh(device, (DP * CP, TP), mesh_dim_names=("fsdp", "tp")), data
 
 
 def _batch(data, step, micro):
     """This rank's chunk of its dp index's sequences, and their targets."""
     gen = torch.Generator().manual_seed(1000 * data["dp"].get_local_rank() + 10 * step + micro)
     tokens, targets = torch.randint(V, (B, T), generator=gen), torch.randint(V, (B, T), generator=gen)
-    c, n = data["cp"].get_local_rank(), T // CP
-    return tokens[:, c * n:(c + 1) * n], targets[:, c * n:(c + 1) * n]
+    c, n, device = data["cp"].get_local_rank(), T // CP, data.device_type
+    return tokens[:, c * n:(c + 1) * n].to(device), targets[:, c * n:(c + 1) * n].to(device)
 
 
 def _loss(model, data, cfg, step, micro):
     tokens, targets = _batch(data, step, micro)
     logits = model(tokens)
     if cfg["inf"] == [step, torch.distributed.get_rank()] and micro == 0:
-        logits.register_hook(lambda g: g.index_put((torch.tensor(0), torch.tensor(1), torch.tensor(2)),
-                                                   torch.tensor(float("inf"))))
+        logits.register_hook(lambda g: g.index_put(tuple(torch.tensor([i], device=g.device) for i in (0, 1, 2)),
+                                                   torch.tensor([float("inf")], device=g.device)))
     flat, want = logits.reshape(-1, V), targets.reshape(-1)
     if cfg["titan"]:  # torchtitan: the loss normalized by the global token count, FSDP's division off
         return torch.nn.functional.cross_entropy(flat, want, reduction="sum") / (DP * B * T * cfg["accumulate"])
@@ -163,7 +175,7 @@ def _model(data, dense=None, sparse=None):
     ColwiseParallel and RowwiseParallel; the attention's features split, its sequence still the cp ranks');
     with ``sparse`` (the (efsdp, ep) mesh), each block's MLP an MoE whose experts are split over ep."""
     torch.manual_seed(0)
-    model = LM(data["cp"].get_group(), moe=sparse is not None)
+    model = LM(data["cp"].get_group(), moe=sparse is not None).to(data.device_type)
     if sparse is not None:
         for layer in model.layers:
             ep.expert_parallel(layer.moe.experts, sparse["ep"])
@@ -216,7 +228,7 @@ def _train(cfg, model, data, fsdp_mesh):
     opt = lionbit.DistributedLion(model.parameters(), aggregation=cfg["aggregation"], momentum_sync=cfg["sync"], **LION)
     opt.attach(model, context_parallel=data["cp"] if cfg["tell"] else None)
     lionbit.reset_stats(opt.attachment.dp.vote_group)  # (the vote's group: the one attach made, or FSDP's)
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE) if cfg["scaler"] else None
+    scaler = torch.amp.GradScaler(data.device_type, init_scale=SCALE) if cfg["scaler"] else None
     params = list(model.parameters())
     traj, norms = [], []
     for step in range(cfg["steps"]):
@@ -312,13 +324,27 @@ def _reference(cfg, data, model, sparse=None):
     return report
 
 
-def fsdp_cp_runs(rank, world_size, configs):
+def fsdp_cp_runs(rank, world_size, configs, device="cpu"):
+    """Each config's run and reference on this rank; ``device="cuda"``: every rank on the host's GPU of its
+    rank (several on one), torch's deterministic algorithms on while the runs last."""
+    if device != "cuda":
+        return _fsdp_cp_runs(configs, device)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        return _fsdp_cp_runs(configs, device)
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _fsdp_cp_runs(configs, device):
     import lionbit
 
     out = []
     for cfg in configs:
-        fsdp_mesh, data = _tp_meshes() if cfg["tp"] else _meshes(cfg["hsdp"], cfg["spmd"])
-        sparse = _ep_mesh() if cfg["ep"] else None
+        fsdp_mesh, data = _tp_meshes(device) if cfg["tp"] else _meshes(cfg["hsdp"], cfg["spmd"], device)
+        sparse = _ep_mesh(device) if cfg["ep"] else None
         model = _fsdp_model(fsdp_mesh, data, cfg, sparse)
         shard_group = next(model.parameters()).device_mesh.get_group(1 if cfg["hsdp"] else 0)  # FSDP's shard group
         lionbit.reset_stats(shard_group)
@@ -329,6 +355,7 @@ def fsdp_cp_runs(rank, world_size, configs):
         run["vote_ranks"] = torch.distributed.get_process_group_ranks(group)
         run["ref"] = tp.single_threaded(_reference, cfg, data, _model(data, fsdp_mesh if cfg["tp"] else None, sparse),
                                         sparse)
+        run["devices"] = sorted({str(p.device) for p in model.parameters()})
         out.append(run)
     return out
 
@@ -384,7 +411,10 @@ def tp_runs():
 @pytest.mark.parametrize("name", [n for n, c in CONFIGS.items() if c["tell"] and not c["sync"]] + list(TP_CONFIGS))
 def test_fsdp_cp_equals_the_reference_bitwise(request, name):
     cfg = CONFIGS.get(name) or TP_CONFIGS[name]
-    per_rank = request.getfixturevalue("tp_runs" if cfg["tp"] else "runs")[name]
+    _check_bitwise(name, cfg, request.getfixturevalue("tp_runs" if cfg["tp"] else "runs")[name])
+
+
+def _check_bitwise(name, cfg, per_rank) -> None:
     ranks = len(per_rank)
     for rank, run in enumerate(per_rank):
         ref = run["ref"]
@@ -411,6 +441,28 @@ def test_fsdp_cp_equals_the_reference_bitwise(request, name):
     assert list(compress(per_rank[0]["momentum"], dense)) == list(compress(per_rank[cp_peer]["momentum"], dense))
     assert per_rank[0]["momentum"] != per_rank[other_worker]["momentum"]  # the workers' differ
     assert per_rank[0]["traj"][0] != per_rank[0]["traj"][-1]  # the parameters moved
+
+
+GPU_CONFIGS = [
+    "dp 2 x cp 2: vote",
+    "dp 2 x cp 2: avg, 2 micro-batches, GradScaler, clipping, an inf in rank 2's backward",
+    "HSDP, 2 nodes of cp 2: avg, GradScaler, an inf in rank 3's backward",
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fsdp_cp_on_a_gpu_equals_the_reference_bitwise():
+    """The same on CUDA parameters: 4 ranks on the host's GPU (several on one: Gloo carries the CUDA tensors,
+    as NCCL refuses), FSDP2's own gradients and the reference's by the same GPU kernels (cuBLAS and torch
+    deterministic); the cp all-reduce, the vote group made at attach and the cp ranks' agreement on CUDA."""
+    env = {"LIONBIT_CUDA_TRANSPORT": "gloo", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    per_rank = values(run_ranks("test_fsdp_cp:fsdp_cp_runs", DP * CP, env=env, timeout=600,
+                                kwargs=dict(configs=[CONFIGS[n] for n in GPU_CONFIGS], device="cuda")))
+    for i, name in enumerate(GPU_CONFIGS):
+        runs = [r[i] for r in per_rank]
+        assert all(run["devices"] == [f"cuda:{rank % torch.cuda.device_count()}"] for rank, run in enumerate(runs))
+        _check_bitwise(name, CONFIGS[name], runs)
 
 
 def test_momentum_sync_averages_the_workers_and_keeps_cp_ranks_alike(runs):
