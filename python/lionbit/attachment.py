@@ -236,7 +236,7 @@ class Attachment:
     def _rows(self, m: torch.Tensor):
         """m as this rank's row of an (N, *shape) DTensor, placed Shard(0)
         over a 1-D mesh of the group (sharing m's memory): the format of
-        FSDP2's state dicts on a 1-D mesh (lionbit.fsdp._rows), whose mesh
+        FSDP2's state dicts on a 1-D mesh (lionbit.fsdp_checkpoint._rows), whose mesh
         is the parameter's."""
         from torch.distributed.device_mesh import DeviceMesh  # optional: DTensor's cost only where DCP asks
         from torch.distributed.tensor import DTensor, Shard  # optional: as above

@@ -447,6 +447,13 @@ def fsdp2_orig_size(fsdp_param) -> torch.Size:
     return fsdp_param._orig_size
 
 
+def fsdp2_shard_dim(fsdp_param) -> int:
+    """The dim FSDP shards an FSDPParam's (tensor-parallel-local) tensor on
+    (0 unless a shard_placement_fn said Shard(k))."""
+    placement = getattr(fsdp_param, "fsdp_placement", None)
+    return getattr(placement, "dim", 0) or 0
+
+
 def dtensor_local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor itself, as ``to_local()`` gives it without
     grad mode (the same memory; for a parameter to_local() returns a new view
@@ -495,7 +502,7 @@ def _chunk_cat_size(fp, size, n: int):
     """The size FSDP gives a gradient before its reduce-scatter: as it is
     for a parameter sharded Shard(0); for Shard(k), k > 0, its n blocks
     along dim k stacked on dim 0."""
-    k = getattr(getattr(fp, "fsdp_placement", None), "dim", 0) or 0
+    k = fsdp2_shard_dim(fp)
     if not k or n == 1:
         return size
     return torch.Size((size[0] * n, *size[1:k], size[k] // n, *size[k + 1:]))

@@ -2,7 +2,7 @@
 node's momentum, sharded over its ranks, saved and resumed bitwise through
 opt.sharded_state_dict() + dcp, torch's get/set_optimizer_state_dict + dcp,
 and a consolidated full_state_dict=True checkpoint, also as a lionbit
-before the mesh's layout entry (lionbit.fsdp.MESH_SHAPE_KEY) wrote them; a
+before the mesh's layout entry (lionbit.fsdp_checkpoint.MESH_SHAPE_KEY) wrote them; a
 change of mesh fails with an error naming both meshes (through dcp.load:
 DCP's size check of that entry, the first it meets).
 
@@ -69,7 +69,7 @@ def _save(model, opt, rank, mode, where):
 
 def _drop_mesh_layout(optim_sd):
     """An HSDP optimizer state dict as a lionbit before MESH_SHAPE_KEY gave it."""
-    from lionbit.fsdp import MESH_SHAPE_KEY
+    from lionbit.fsdp_checkpoint import MESH_SHAPE_KEY
 
     optim_sd.pop(MESH_SHAPE_KEY, None)
     for st in optim_sd.get("state", {}).values():
@@ -123,7 +123,7 @@ def _layout_check(model, opt, mode, where):
     to this run's loader."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    from lionbit.fsdp import MESH_KEY, MESH_SHAPE_KEY
+    from lionbit.fsdp_checkpoint import MESH_KEY, MESH_SHAPE_KEY
 
     try:
         if mode == "plain":
