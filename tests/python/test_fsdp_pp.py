@@ -12,7 +12,9 @@ optimizer steps. Schedules: GPipe, 1F1B, and interleaved 1F1B with two
 model parts a rank. With HSDP (8 ranks: pp 2 x 2 nodes x 2 shards,
 ``fully_shard`` over ``mesh["replicate", "shard"]``) each node is a
 worker: its ranks' mean gradient, each rank's shard of its momentum. With
-each stage wrapped in DDP over ``mesh["dp"]`` instead, 1F1B (below).
+each stage made data-parallel over ``mesh["dp"]`` as DDP does instead
+(DistributedDataParallel, composable ``replicate``, FSDP2's ``replicate``:
+torchtitan's DDPs), each rank a worker (below).
 
 The reference runs inside each rank with no lionbit, FSDP or pipelining
 in it: the whole model computes this dp rank's gradient micro-batch by
@@ -121,12 +123,33 @@ def _gather(t, group) -> list:
     return parts
 
 
-def _pipeline(m, schedule, seed=0, ddp=False):
-    """This rank's model parts (each fully_shard-ed over dp, or with ``ddp`` wrapped in DDP over it), their
-    stages and the schedule."""
-    from torch.distributed.fsdp import fully_shard
+def _wrap(part, m, wrap):
+    """A model part made data-parallel over dp: ``fully_shard`` on each block and the part (torchtitan's FSDP),
+    ``DistributedDataParallel``, torch's composable ``replicate`` (torchtitan's DDP) or FSDP2's ``replicate`` on
+    each block and the part (the newest torchtitan's DDP)."""
+    if wrap == "ddp":  # (the stage runs DDP's no_sync for all micro-batches but the last)
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(part, process_group=m.workers)
+    if wrap == "replicate":
+        from torch.distributed._composable.replicate import replicate
+
+        return replicate(part, device_mesh=m.mesh["dp"])
+    if wrap == "replicate_with_fsdp":
+        from torch.distributed._composable.replicate_with_fsdp import replicate as shard
+        mesh = m.mesh["dp"]
+    else:
+        from torch.distributed.fsdp import fully_shard as shard
+        mesh = m.fsdp
+    for block in part:
+        shard(block, mesh=mesh)
+    return shard(part, mesh=mesh)
+
+
+def _pipeline(m, schedule, seed=0, wrap="fsdp"):
+    """This rank's model parts (each made data-parallel over dp by :func:`_wrap`), their stages and the
+    schedule."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     pp = m.pp
     stages = PP * (2 if schedule == "interleaved" else 1)
@@ -136,12 +159,7 @@ def _pipeline(m, schedule, seed=0, ddp=False):
     for s in mine:
         # the blocks keep their names in the whole model, as torchtitan's model parts do
         part = torch.nn.Sequential(OrderedDict((f"block{i}", blocks[i]) for i in _stage_blocks(s, stages)))
-        if ddp:  # (the stage runs DDP's no_sync for all micro-batches but the last)
-            part = DDP(part, process_group=m.workers)
-        else:
-            for block in part:
-                fully_shard(block, mesh=m.fsdp)
-            fully_shard(part, mesh=m.fsdp)
+        part = _wrap(part, m, wrap)
         parts.append(part)
         pipe.append(PipelineStage(part, s, stages, torch.device("cpu"), group=m.pp_group))
     if schedule == "interleaved":
@@ -166,11 +184,11 @@ def _train_step(m, sched, opts, params, step, clip):
     return norm
 
 
-def pipeline_runs(rank, world_size, schedule, clip, hsdp=False, steps=4, ddp=False, overlap=True):
+def pipeline_runs(rank, world_size, schedule, clip, hsdp=False, steps=4, wrap="fsdp", overlap=True):
     import lionbit
 
     m = _Mesh(hsdp)
-    parts, mine, stages, sched = _pipeline(m, schedule, ddp=ddp)
+    parts, mine, stages, sched = _pipeline(m, schedule, wrap=wrap)
     opts = [lionbit.DistributedLion(part.parameters(), **LION).attach(part, overlap=overlap) for part in parts]
     params = [p for part in parts for p in part.parameters()]
 
@@ -236,14 +254,21 @@ HSDP_CASES = {
 }
 
 
-# DDP-wrapped stages (the stage runs DDP's no_sync for all micro-batches but the last). The schedule divides the
-# gradients by the number of micro-batches after backward, so the votes DDP's hook started in backward are dropped
-# and step() votes (attach(part, overlap=False) says so from the start). GPipe and interleaved 1F1B stop in torch's
-# own DDP reducer with any backend (torch 2.15: "rebuilt parameter indices size is not same as original model
-# parameters size" at the second step's forward), so only 1F1B is here.
+# Stages made data-parallel as DDP does, each rank a worker. DistributedDataParallel (the stage runs DDP's no_sync
+# for all micro-batches but the last): the schedule divides the gradients by the number of micro-batches after
+# backward, so the votes DDP's hook started in backward are dropped and step() votes (attach(part, overlap=False)
+# says so from the start); GPipe and interleaved 1F1B stop in torch's own DDP reducer with any backend (torch 2.15:
+# "rebuilt parameter indices size is not same as original model parameters size" at the second step's forward), so
+# only 1F1B is here. Composable replicate() (torchtitan's DDP; not a DDP instance to the stage, which runs no
+# no_sync for it: the first step's votes are dropped the same way) and FSDP2's replicate() (the newest
+# torchtitan's, an FSDP module to the stage): every schedule.
 DDP_CASES = {
-    "DDP, 1f1b": dict(schedule="1f1b", clip=0.0, ddp=True),
-    "DDP, 1f1b, clipping, overlap=False": dict(schedule="1f1b", clip=0.5, ddp=True, overlap=False),
+    "DDP, 1f1b": dict(schedule="1f1b", clip=0.0, wrap="ddp"),
+    "DDP, 1f1b, clipping, overlap=False": dict(schedule="1f1b", clip=0.5, wrap="ddp", overlap=False),
+    "replicate(), gpipe": dict(schedule="gpipe", clip=0.0, wrap="replicate"),
+    "replicate(), interleaved 1f1b, clipping": dict(schedule="interleaved", clip=0.5, wrap="replicate"),
+    "FSDP2's replicate(), 1f1b, clipping": dict(schedule="1f1b", clip=0.5, wrap="replicate_with_fsdp"),
+    "FSDP2's replicate(), interleaved 1f1b": dict(schedule="interleaved", clip=0.0, wrap="replicate_with_fsdp"),
 }
 
 
