@@ -3,7 +3,10 @@ Stateful app state (``get_state_dict`` / ``set_state_dict``, the optimizer
 state flattened) on a gloo group of its own, the save in flight while
 training goes on, waited for before the next one; then a restart from
 another seed loads it and trains on. On 4 real CPU ranks, under DDP, FSDP2
-and HSDP (2 nodes of 2), with Lion Cub's momentum sync every 4 steps.
+and HSDP (2 nodes of 2), with Lion Cub's momentum sync every 4 steps; under
+FSDP2 also as torchtitan's ``async_with_pinned_mem``: DCP's writer in a
+process of its own and the staging itself asynchronous, running beside the
+next step's forward and backward, waited for just before ``step()``.
 
 The run that saved must equal one that never saved, and the restarted run
 must equal it too, parameters and each rank's own momentum, bit for bit:
@@ -22,6 +25,7 @@ STEPS, SAVE, WAIT = 10, 4, 7  # the save after step SAVE, in flight until before
 
 
 def _build(kind, seed):
+    kind = kind.split("/")[0]
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import lionbit
@@ -40,8 +44,9 @@ def _build(kind, seed):
     return model, net, opt.attach(net)
 
 
-def _step(rank, net, opt, step):
+def _step(rank, net, opt, step, before_step=lambda: None):
     fsdp._loss(net, rank, step).backward()
+    before_step()  # torchtitan waits for the last save's staging here
     opt.step()
     opt.zero_grad()
 
@@ -53,7 +58,9 @@ def _digests(model, opt):
 
 def async_checkpoints(rank, world_size, path, kinds):
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.checkpoint.stateful import Stateful
 
     class AppState(Stateful):  # torchtitan's ModelWrapper and OptimizersContainer in one
@@ -78,16 +85,23 @@ def async_checkpoints(rank, world_size, path, kinds):
             _step(rank, net, opt, step)
         never_saved = _digests(model, opt)
 
-        where = f"{path}/{kind}"
+        where = f"{path}/{kind.replace('/', '_')}"
+        kw = dict(async_checkpointer_type=AsyncCheckpointerType.THREAD)
+        if kind.endswith("/process"):  # torchtitan's async_with_pinned_mem (no pinned memory without a GPU)
+            kw = dict(async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=DefaultStager(
+                StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)))
         model, net, opt = _build(kind, 0)
-        pending = None
+        saving = staging = None
         for step in range(STEPS):
             if step == WAIT:
-                pending.result()
-            _step(rank, net, opt, step)
+                saving.result()
+            _step(rank, net, opt, step, lambda: staging.result() if staging is not None else None)
             if step == SAVE:
                 at_save = _digests(model, opt)
-                pending = dcp.async_save({"app": AppState(model, opt)}, checkpoint_id=where, process_group=group)
+                res = dcp.async_save({"app": AppState(model, opt)}, checkpoint_id=where, process_group=group, **kw)
+                # the staging runs on while the next step's forward and backward do (async_stager's)
+                staged = hasattr(res, "staging_completion")
+                saving, staging = (res.upload_completion, res.staging_completion) if staged else (res, None)
         saved = _digests(model, opt)
 
         model, net, opt = _build(kind, 1)  # other weights: all must come from the checkpoint
@@ -104,10 +118,13 @@ def async_checkpoints(rank, world_size, path, kinds):
 def runs(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("async"))
     return values(run_ranks("test_async_checkpoint:async_checkpoints", 4,
-                            kwargs=dict(path=path, kinds=["ddp", "fsdp2", "hsdp"])))
+                            kwargs=dict(path=path, kinds=KINDS)))
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2", "hsdp"])
+KINDS = ["ddp", "fsdp2", "hsdp", "fsdp2/process"]  # /process: DCP writes from a process of its own
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_async_save_while_training_then_resume_is_bitwise(runs, kind):
     for r in (run[kind] for run in runs):
         assert r["saved"] == r["never_saved"], "the save in flight changed the training"
