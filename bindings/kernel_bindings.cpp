@@ -1,5 +1,6 @@
 #include "bindings/kernel_bindings.hpp"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
@@ -250,6 +251,30 @@ void check_direction_pair(
       m_name, " ", m.numel());
 }
 
+// A pair's momentum output (m_out of lion_direction_into / m_outs of the
+// list): where the new momentum goes instead of m, so m's dtype and size, and
+// no element shared with m (m_out = m is what leaving it out does).
+void check_momentum_out(
+    const char* op,
+    const at::Tensor& m,
+    const at::Tensor& m_out,
+    bool update_momentum,
+    const std::string& m_name,
+    const std::string& out_name) {
+  TORCH_CHECK_VALUE(
+      update_momentum, "lionbit.", op, ": ", out_name,
+      " is the new momentum's buffer; it needs update_momentum=True");
+  require(op, check_float(m_out, out_name.c_str(), at::kCPU));
+  TORCH_CHECK_VALUE(
+      m_out.scalar_type() == m.scalar_type() && m_out.numel() == m.numel(), "lionbit.", op, ": ",
+      out_name, " (", m_out.scalar_type(), ", ", m_out.numel(),
+      " elements) must have the dtype and size of ", m_name, " (", m.scalar_type(), ", ", m.numel(),
+      " elements)");
+  TORCH_CHECK_VALUE(
+      at::get_overlap_status(m, m_out) == at::MemOverlapStatus::No, "lionbit.", op, ": ", out_name,
+      " overlaps ", m_name, " (leave it out to update ", m_name, " in place)");
+}
+
 // Whether a pair's bits go straight into the planes: only where the kernel's
 // whole words (it writes the bits past n in its last word as 0) are the
 // pair's alone.
@@ -265,17 +290,18 @@ std::unique_ptr<uint64_t[]> scratch_for(size_t elements) {
 
 // The fused direction of one checked pair: the bits of its n elements go to
 // `sign` / `zero` (words; null: dropped) at `bit_offset`, through `scratch`
-// (2 * words_for(n) words) unless they fill whole words in place. Returns the
+// (2 * words_for(n) words) unless they fill whole words in place; the new
+// momentum to `m_out` (m itself: in place; null: m only read). Returns the
 // non-finite count.
 // The pair's elements [start, start + n) (checked by the caller).
 int64_t direction_into(
     const at::Tensor& g,
-    at::Tensor& m,
+    const at::Tensor& m,
+    const at::Tensor* m_out,
     const DirectionCoefs& k,
     uint64_t* sign,
     uint64_t* zero,
     size_t bit_offset,
-    bool update_momentum,
     uint64_t* scratch,
     size_t start,
     size_t n) {
@@ -289,10 +315,12 @@ int64_t direction_into(
   const auto gd = *float_dtype(g.scalar_type());
   const auto md = *float_dtype(m.scalar_type());
   const void* gp = static_cast<const char*>(g.data_ptr()) + start * g.element_size();
-  void* mp = static_cast<char*>(m.data_ptr()) + start * m.element_size();
-  const bits::PackCounts c = update_momentum
-      ? optim::lion_direction(gd, gp, md, mp, n, k.b1, k.omb1, k.b2, k.omb2, s, z)
-      : optim::lion_direction_only(gd, gp, md, mp, n, k.b1, k.omb1, s, z);
+  const void* mp = static_cast<const char*>(m.data_ptr()) + start * m.element_size();
+  void* op = m_out == nullptr
+      ? nullptr
+      : static_cast<char*>(m_out->data_ptr()) + start * m_out->element_size();
+  const bits::PackCounts c = optim::lion_direction_to(
+      gd, gp, md, mp, op, n, k.b1, k.omb1, k.b2, k.omb2, s, z);
   if (sign != nullptr && !direct) {
     bits::copy_bits(sign, bit_offset, s, 0, n);
     bits::copy_bits(zero, bit_offset, z, 0, n);
@@ -322,18 +350,23 @@ int64_t lion_direction_into(
     at::Tensor& sign,
     at::Tensor& zero,
     int64_t bit_offset,
-    bool update_momentum) {
+    bool update_momentum,
+    const std::optional<at::Tensor>& m_out) {
   const char* op = "lion_direction_into";
   check_direction_pair(op, g, m, "g", "m");
+  if (m_out) {
+    check_momentum_out(op, m, *m_out, update_momentum, "m", "m_out");
+  }
   TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.", op, ": negative bit_offset");
   const int64_t n = g.numel();
   require(op, check_planes(sign, "sign", at::kCPU, bit_offset + n));
   require(op, check_planes(zero, "zero", at::kCPU, bit_offset + n));
   const auto scratch = scratch_for(
       in_place(true, static_cast<size_t>(bit_offset), static_cast<size_t>(n)) ? 0 : n);
+  const at::Tensor* out = m_out ? &*m_out : (update_momentum ? &m : nullptr);
   return direction_into(
-      g, m, direction_coefs(b1, omb1, b2, omb2), words_of(sign), words_of(zero),
-      static_cast<size_t>(bit_offset), update_momentum, scratch.get(), 0, static_cast<size_t>(n));
+      g, m, out, direction_coefs(b1, omb1, b2, omb2), words_of(sign), words_of(zero),
+      static_cast<size_t>(bit_offset), scratch.get(), 0, static_cast<size_t>(n));
 }
 
 std::vector<Span> list_spans(
@@ -377,7 +410,8 @@ int64_t lion_direction_list(
     const std::vector<int64_t>& bit_offsets,
     bool update_momentum,
     const std::optional<std::vector<int64_t>>& starts,
-    const std::optional<std::vector<int64_t>>& lengths) {
+    const std::optional<std::vector<int64_t>>& lengths,
+    const std::optional<std::vector<at::Tensor>>& m_outs) {
   const char* op = "lion_direction_list";
   TORCH_CHECK_VALUE(
       gs.size() == ms.size() && gs.size() == bit_offsets.size(), "lionbit.", op, ": ", gs.size(),
@@ -390,10 +424,17 @@ int64_t lion_direction_list(
   TORCH_CHECK_VALUE(
       planes || update_momentum, "lionbit.", op,
       ": without planes only the momentum update is left to do");
+  TORCH_CHECK_VALUE(
+      !m_outs || m_outs->size() == gs.size(), "lionbit.", op, ": ", gs.size(), " gradients and ",
+      m_outs ? m_outs->size() : 0, " entries of m_outs");
   // Every check before any momentum changes.
   size_t biggest = 0;
   for (size_t i = 0; i < gs.size(); ++i) {
     check_direction_pair(op, gs[i], ms[i], item("gs", i), item("ms", i));
+    if (m_outs) {
+      check_momentum_out(
+          op, ms[i], (*m_outs)[i], update_momentum, item("ms", i), item("m_outs", i));
+    }
     TORCH_CHECK_VALUE(bit_offsets[i] >= 0, "lionbit.", op, ": negative bit_offsets[", i, "]");
     const auto n = static_cast<int64_t>(spans[i].count);
     if (planes) {
@@ -408,10 +449,11 @@ int64_t lion_direction_list(
   const DirectionCoefs k = direction_coefs(b1, omb1, b2, omb2);
   int64_t nonfinite = 0;
   for (size_t i = 0; i < gs.size(); ++i) {
+    const at::Tensor* out = m_outs ? &(*m_outs)[i] : (update_momentum ? &ms[i] : nullptr);
     nonfinite += direction_into(
-        gs[i], ms[i], k, planes ? words_of(*sign) : nullptr, planes ? words_of(*zero) : nullptr,
-        static_cast<size_t>(bit_offsets[i]), update_momentum, scratch.get(), spans[i].start,
-        spans[i].count);
+        gs[i], ms[i], out, k, planes ? words_of(*sign) : nullptr,
+        planes ? words_of(*zero) : nullptr, static_cast<size_t>(bit_offsets[i]), scratch.get(),
+        spans[i].start, spans[i].count);
   }
   return nonfinite;
 }

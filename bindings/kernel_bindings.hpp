@@ -72,9 +72,10 @@ int64_t lion_pack_levels_into(
 at::Tensor tie_words(int64_t words, const std::string& tie_break, int64_t seed, int64_t first_word);
 
 // Fused Lion direction (optimizer/lion.h): reads g and m once, writes the new
-// m in place (unless update_momentum is false) and the direction's bits into
-// the planes at `bit_offset`. Returns the number of non-finite directions
-// (NaN or +-Inf: a non-finite g or m). Coefficients as in lion.h.
+// m in place (unless update_momentum is false; with `m_out`, into m_out, m only
+// read: lion_direction_to) and the direction's bits into the planes at
+// `bit_offset`. Returns the number of non-finite directions (NaN or +-Inf: a
+// non-finite g or m). Coefficients as in lion.h.
 int64_t lion_direction_into(
     const at::Tensor& g,
     at::Tensor& m,
@@ -85,7 +86,8 @@ int64_t lion_direction_into(
     at::Tensor& sign,
     at::Tensor& zero,
     int64_t bit_offset,
-    bool update_momentum);
+    bool update_momentum,
+    const std::optional<at::Tensor>& m_out = std::nullopt);
 
 // The elements a list call takes of its pair i: [start, start + count).
 struct Span {
@@ -107,9 +109,10 @@ std::vector<Span> list_spans(
 // lion_direction_into over a list of CPU tensors in one call (the step of a
 // model of many small tensors pays one call, not one a tensor): pair i's bits
 // (of its span, list_spans) at bit_offsets[i]; with sign and zero None, the
-// momentum update alone (update_momentum must be true). The pairs' dtypes may
-// differ. Every pair is checked before any momentum changes. Returns the
-// non-finite count of all.
+// momentum update alone (update_momentum must be true); with `m_outs`, pair
+// i's new momentum (of its span) goes to the same elements of m_outs[i], ms
+// only read. The pairs' dtypes may differ. Every pair is checked before any
+// momentum changes. Returns the non-finite count of all.
 int64_t lion_direction_list(
     const std::vector<at::Tensor>& gs,
     std::vector<at::Tensor>& ms,
@@ -122,7 +125,8 @@ int64_t lion_direction_list(
     const std::vector<int64_t>& bit_offsets,
     bool update_momentum,
     const std::optional<std::vector<int64_t>>& starts = std::nullopt,
-    const std::optional<std::vector<int64_t>>& lengths = std::nullopt);
+    const std::optional<std::vector<int64_t>>& lengths = std::nullopt,
+    const std::optional<std::vector<at::Tensor>>& m_outs = std::nullopt);
 
 // x = x * decay - lr * delta, in place (optimizer/lion.h); the list form
 // updates xs[i] from deltas[i], every pair checked first.

@@ -1,6 +1,7 @@
 #include "bindings/kernel_bindings_cuda.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -55,6 +56,31 @@ bits::DType list_dtype(
   return *float_dtype(ts[0].scalar_type());
 }
 
+// A destination `out` (named `name`) for the new momentum of `m`: a contiguous
+// tensor of m's dtype and element count on `device`, overlapping neither m
+// (the kernels read m while they write out) nor the gradient g; or an error
+// naming `op`.
+void check_momentum_out(
+    const char* op,
+    const at::Tensor& out,
+    const std::string& name,
+    const at::Tensor& m,
+    const std::string& m_name,
+    const at::Tensor& g,
+    const c10::Device& device) {
+  require(op, check_buffer(out, name.c_str(), m.scalar_type(), device, m.numel()));
+  TORCH_CHECK_VALUE(
+      out.numel() == m.numel(), "lionbit.", op, ": ", name, " has ", out.numel(), " elements, ",
+      m_name, " ", m.numel());
+  TORCH_CHECK_VALUE(
+      at::get_overlap_status(m, out) == at::MemOverlapStatus::No, "lionbit.", op, ": ", name,
+      " overlaps ", m_name, " (the new momentum goes to a separate buffer; for an in-place update",
+      " leave it out)");
+  TORCH_CHECK_VALUE(
+      at::get_overlap_status(g, out) == at::MemOverlapStatus::No, "lionbit.", op, ": ", name,
+      " overlaps the gradient");
+}
+
 // The CUDA device of an apply list `xs` (not empty), or an error naming `op`.
 c10::Device apply_list_device(const char* op, const std::vector<at::Tensor>& xs) {
   TORCH_CHECK_VALUE(
@@ -96,11 +122,20 @@ void lion_direction_list_device(
     const std::vector<int64_t>& bit_offsets,
     bool update_momentum,
     const std::optional<std::vector<int64_t>>& starts,
-    const std::optional<std::vector<int64_t>>& lengths) {
+    const std::optional<std::vector<int64_t>>& lengths,
+    const std::optional<std::vector<at::Tensor>>& m_outs) {
   const char* op = "lion_direction_list_device";
   TORCH_CHECK_VALUE(
       gs.size() == ms.size() && gs.size() == bit_offsets.size(), "lionbit.", op, ": ", gs.size(),
       " gradients, ", ms.size(), " momenta and ", bit_offsets.size(), " bit offsets");
+  if (m_outs.has_value()) {
+    TORCH_CHECK_VALUE(
+        m_outs->size() == ms.size(), "lionbit.", op, ": ", m_outs->size(), " m_outs for ",
+        ms.size(), " momenta (one a pair)");
+    TORCH_CHECK_VALUE(
+        update_momentum, "lionbit.", op,
+        ": argument 'm_outs' takes the new momentum, so update_momentum must be True");
+  }
   const std::vector<Span> spans = list_spans(op, gs, starts, lengths);
   if (gs.empty()) {
     return;
@@ -132,11 +167,23 @@ void lion_direction_list_device(
       require(op, check_planes(*sign, "sign", device, bit_offsets[i] + n));
       require(op, check_planes(*zero, "zero", device, bit_offsets[i] + n));
     }
+    if (m_outs.has_value()) {
+      const std::string idx = "[" + std::to_string(i) + "]";
+      check_momentum_out(op, (*m_outs)[i], "m_outs" + idx, ms[i], "ms" + idx, gs[i], device);
+    }
     const size_t start = spans[i].start;
+    const size_t mbytes = start * ms[i].element_size();
+    // the span's new momentum: the same elements of m_outs[i], of ms[i] in place, or none
+    void* const m_out = !update_momentum ? nullptr
+        : m_outs.has_value()             ? static_cast<char*>((*m_outs)[i].data_ptr()) + mbytes
+                                         : static_cast<char*>(ms[i].data_ptr()) + mbytes;
     segs[i] = optim::cuda::DirectionSeg{
         static_cast<const char*>(gs[i].data_ptr()) + start * gs[i].element_size(),
-        static_cast<char*>(ms[i].data_ptr()) + start * ms[i].element_size(),
-        static_cast<uint64_t>(n), static_cast<uint64_t>(bit_offsets[i]), 0};
+        static_cast<const char*>(ms[i].data_ptr()) + mbytes,
+        m_out,
+        static_cast<uint64_t>(n),
+        static_cast<uint64_t>(bit_offsets[i]),
+        0};
   }
   if (planes) {
     require(op, check_buffer(*counts, "counts", at::kLong, device, 2));
@@ -153,7 +200,7 @@ void lion_direction_list_device(
       static_cast<float>(omb2), planes ? words_of(*sign) : nullptr,
       planes ? words_of(*zero) : nullptr,
       planes ? reinterpret_cast<cuda::Counts*>(counts->data_ptr<int64_t>()) : nullptr,
-      c10::cuda::getCurrentCUDAStream(device.index()).stream(), update_momentum);
+      c10::cuda::getCurrentCUDAStream(device.index()).stream());
 }
 
 void lion_apply_list_device(
@@ -235,7 +282,8 @@ void lion_direction_into_device(
     at::Tensor& zero,
     at::Tensor& counts,
     int64_t bit_offset,
-    bool update_momentum) {
+    bool update_momentum,
+    const std::optional<at::Tensor>& m_out) {
   const char* op = "lion_direction_into_device";
   TORCH_CHECK_VALUE(
       g.defined() && g.is_cuda(), "lionbit.", op, ": argument 'g' must be a CUDA tensor, got ",
@@ -252,13 +300,23 @@ void lion_direction_into_device(
   require(op, check_planes(sign, "sign", g.device(), bit_offset + g.numel()));
   require(op, check_planes(zero, "zero", g.device(), bit_offset + g.numel()));
   require(op, check_buffer(counts, "counts", at::kLong, g.device(), 2));
+  if (m_out.has_value()) {
+    TORCH_CHECK_VALUE(
+        update_momentum, "lionbit.", op,
+        ": argument 'm_out' takes the new momentum, so update_momentum must be True");
+    check_momentum_out(op, *m_out, "m_out", m, "m", g, g.device());
+  }
+  // the new momentum: into m_out, into m in place, or nowhere (m only read)
+  void* const m_new = !update_momentum ? nullptr
+      : m_out.has_value()              ? m_out->data_ptr()
+                                       : m.data_ptr();
   c10::cuda::CUDAGuard guard(g.device());
   optim::cuda::lion_direction(
       *float_dtype(g.scalar_type()), g.data_ptr(), *float_dtype(m.scalar_type()), m.data_ptr(),
       static_cast<size_t>(g.numel()), static_cast<float>(b1), static_cast<float>(omb1),
       static_cast<float>(b2), static_cast<float>(omb2), words_of(sign), words_of(zero),
       static_cast<size_t>(bit_offset), counts_of(counts),
-      c10::cuda::getCurrentCUDAStream(g.device().index()).stream(), update_momentum);
+      c10::cuda::getCurrentCUDAStream(g.device().index()).stream(), m_new);
 }
 
 void lion_apply_device(at::Tensor& x, const at::Tensor& delta, double lr, double decay) {

@@ -3,8 +3,12 @@
 // and returns: no host synchronisation. lion_direction_into_device adds its
 // tallies to an int64 tensor `counts` {c == 0, c non-finite} on the same
 // device (the caller zeroes it); with update_momentum=False it only reads m
-// (lion_direction_into's update_momentum=False). (Packing signs and levels goes through the
-// kernel sets on every device: pack_signs_into, pack_levels_into.)
+// (lion_direction_into's update_momentum=False). With `m_out` (update_momentum
+// must be True; a contiguous tensor of m's dtype and element count on m's
+// device, overlapping neither m nor g) the new momentum goes to m_out and m is
+// only read: double-buffered momentum, the same bits, counts and values as
+// the in-place update. (Packing signs and levels goes through the kernel sets
+// on every device: pack_signs_into, pack_levels_into.)
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -25,7 +29,8 @@ void lion_direction_into_device(
     at::Tensor& zero,
     at::Tensor& counts,
     int64_t bit_offset,
-    bool update_momentum);
+    bool update_momentum,
+    const std::optional<at::Tensor>& m_out = std::nullopt);
 
 void lion_apply_device(at::Tensor& x, const at::Tensor& delta, double lr, double decay);
 
@@ -33,7 +38,10 @@ void lion_apply_device(at::Tensor& x, const at::Tensor& delta, double lr, double
 // kernels): every gradient of `gs` one dtype, every momentum of `ms` one
 // dtype, tensor i's bits (of its span: list_spans) at bit_offsets[i] of the
 // shared planes; without `sign` (None) the momentum update alone (no planes,
-// no tallies).
+// no tallies). With `m_outs` (one a pair, update_momentum True; each as
+// lion_direction_into_device's m_out for ms[i]) pair i's new momentum of its
+// span goes to the same elements of m_outs[i], ms[i] only read; every check
+// before anything is launched.
 void lion_direction_list_device(
     const std::vector<at::Tensor>& gs,
     const std::vector<at::Tensor>& ms,
@@ -47,7 +55,8 @@ void lion_direction_list_device(
     const std::vector<int64_t>& bit_offsets,
     bool update_momentum,
     const std::optional<std::vector<int64_t>>& starts = std::nullopt,
-    const std::optional<std::vector<int64_t>>& lengths = std::nullopt);
+    const std::optional<std::vector<int64_t>>& lengths = std::nullopt,
+    const std::optional<std::vector<at::Tensor>>& m_outs = std::nullopt);
 
 // lion_apply_device over xs[i], deltas[i] (each list one dtype).
 void lion_apply_list_device(

@@ -190,7 +190,7 @@ PYBIND11_MODULE(_C, m) {
       "lion_direction_into", &lionbit::lion_direction_into, py::arg("g"), py::arg("m"),
       py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("sign"),
       py::arg("zero"), py::arg("bit_offset"), py::arg("update_momentum") = true,
-      py::call_guard<py::gil_scoped_release>());
+      py::arg("m_out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def(
       "lion_apply", &lionbit::lion_apply, py::arg("x"), py::arg("delta"), py::arg("lr"),
       py::arg("decay"), py::call_guard<py::gil_scoped_release>());
@@ -203,7 +203,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("sign"),
       py::arg("zero"), py::arg("bit_offsets"), py::arg("update_momentum"),
       py::arg("starts") = py::none(), py::arg("lengths") = py::none(),
-      py::call_guard<py::gil_scoped_release>());
+      py::arg("m_outs") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def(
       "lion_apply_list", &lionbit::lion_apply_list, py::arg("xs"), py::arg("deltas"), py::arg("lr"),
       py::arg("decay"), py::call_guard<py::gil_scoped_release>());
@@ -232,7 +232,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "lion_direction_into_device", &lionbit::lion_direction_into_device, py::arg("g"),
       py::arg("m"), py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("sign"),
-      py::arg("zero"), py::arg("counts"), py::arg("bit_offset"), py::arg("update_momentum") = true);
+      py::arg("zero"), py::arg("counts"), py::arg("bit_offset"), py::arg("update_momentum") = true,
+      py::arg("m_out") = py::none());
   m.def(
       "lion_apply_device", &lionbit::lion_apply_device, py::arg("x"), py::arg("delta"),
       py::arg("lr"), py::arg("decay"));
@@ -240,7 +241,8 @@ PYBIND11_MODULE(_C, m) {
       "lion_direction_list_device", &lionbit::lion_direction_list_device, py::arg("gs"),
       py::arg("ms"), py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"),
       py::arg("sign"), py::arg("zero"), py::arg("counts"), py::arg("bit_offsets"),
-      py::arg("update_momentum"), py::arg("starts") = py::none(), py::arg("lengths") = py::none());
+      py::arg("update_momentum"), py::arg("starts") = py::none(), py::arg("lengths") = py::none(),
+      py::arg("m_outs") = py::none());
   m.def(
       "lion_apply_list_device", &lionbit::lion_apply_list_device, py::arg("xs"), py::arg("deltas"),
       py::arg("lr"), py::arg("decay"));

@@ -46,11 +46,12 @@ Isa lion_kernel_isa(Isa isa) {
   return detail::lion_kernels_for(isa).isa;
 }
 
-bits::PackCounts lion_direction(
+bits::PackCounts lion_direction_to(
     DType grad_dtype,
     const void* g,
     DType momentum_dtype,
-    void* m,
+    const void* m,
+    void* m_out,
     size_t n,
     float b1,
     float omb1,
@@ -64,7 +65,24 @@ bits::PackCounts lion_direction(
   }
   const detail::LionCoefs k{b1, omb1, b2, omb2};
   return detail::lion_kernels_for(isa).direction(
-      grad_dtype, g, momentum_dtype, m, n, k, sign, zero, true);
+      grad_dtype, g, momentum_dtype, m, m_out, n, k, sign, zero);
+}
+
+bits::PackCounts lion_direction(
+    DType grad_dtype,
+    const void* g,
+    DType momentum_dtype,
+    void* m,
+    size_t n,
+    float b1,
+    float omb1,
+    float b2,
+    float omb2,
+    uint64_t* sign,
+    uint64_t* zero,
+    Isa isa) {
+  return lion_direction_to(
+      grad_dtype, g, momentum_dtype, m, m, n, b1, omb1, b2, omb2, sign, zero, isa);
 }
 
 bits::PackCounts lion_direction_only(
@@ -78,13 +96,9 @@ bits::PackCounts lion_direction_only(
     uint64_t* sign,
     uint64_t* zero,
     Isa isa) {
-  if (n == 0 || !lion_direction_dtypes_supported(grad_dtype, momentum_dtype)) {
-    return {};
-  }
-  const detail::LionCoefs k{b1, omb1, 0.0f, 0.0f};
-  // update_momentum = false: m is only read.
-  return detail::lion_kernels_for(isa).direction(
-      grad_dtype, g, momentum_dtype, const_cast<void*>(m), n, k, sign, zero, false);
+  // No m_out: m is only read.
+  return lion_direction_to(
+      grad_dtype, g, momentum_dtype, m, nullptr, n, b1, omb1, 0.0f, 0.0f, sign, zero, isa);
 }
 
 void lion_apply_dense(

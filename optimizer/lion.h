@@ -101,6 +101,29 @@ bits::PackCounts lion_direction(
     uint64_t* zero,
     bits::Isa isa = bits::default_isa());
 
+// Step 1 with the new momentum written elsewhere: the same bits and counts as
+// lion_direction, m only read, and m_out[0..n) (m's dtype) given exactly the
+// values lion_direction would leave in m. m_out may be m (lion_direction
+// itself) or nullptr (lion_direction_only) but must not overlap m otherwise.
+// A caller that keeps two momentum buffers computes the next momentum in the
+// direction's pass and makes it the momentum (a swap) once every rank has
+// agreed to the step: two passes over memory fewer than lion_direction_only
+// now and the momentum update after the agreement.
+bits::PackCounts lion_direction_to(
+    bits::DType grad_dtype,
+    const void* g,
+    bits::DType momentum_dtype,
+    const void* m,
+    void* m_out,
+    size_t n,
+    float b1,
+    float omb1,
+    float b2,
+    float omb2,
+    uint64_t* sign,
+    uint64_t* zero,
+    bits::Isa isa = bits::default_isa());
+
 // Step 1 without the momentum: the same bits and counts as lion_direction,
 // m only read. With lion_direction run later on the same g and m (its bits
 // discarded), the two give exactly lion_direction's results; the caller can

@@ -7,12 +7,13 @@
 //
 //  * lion_direction: as pack_signs, a warp makes kDirGroups groups of
 //    kWordsPerWarpIter words of the sign and zero planes at a time
-//    (optimizer/lion_warp.cuh): whole groups with g and m at 16-byte
+//    (optimizer/lion_warp.cuh): whole groups with g, m and m_out at 16-byte
 //    boundaries by the vector path (lane l: 8 elements a group in 16-byte
 //    loads and stores, kDirBatch groups' loads in flight at once, shuffles
 //    join the bytes), the others by the ballot path (lane l:
 //    elements l and l + 32 of a word, coalesced loads of g and m, coalesced
-//    store of m unless the momentum is only read, two ballots per plane); the
+//    store of the new momentum to m_out (m itself in place, another buffer,
+//    or none: the momentum only read), two ballots per plane); the
 //    boundary words read-modify-written; the zero / non-finite tallies summed
 //    per block, one atomic per block.
 //  * lion_apply_dense: a block per unit of kApplyUnit elements and iteration:
@@ -43,22 +44,22 @@ static_assert(cd::kApplyThreads == kBlockThreads, "an apply unit is one block's"
 template <DType G, DType M>
 __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) direction_kernel(
     const typename FloatStore<G>::U* __restrict__ g,
-    typename FloatStore<M>::U* __restrict__ m,
+    const typename FloatStore<M>::U* m, // m_out may be m: neither __restrict__
+    typename FloatStore<M>::U* m_out,
     size_t n,
     cd::LionCoefs k,
     uint64_t* __restrict__ sign,
     uint64_t* __restrict__ zero,
     unsigned o,
     size_t nwords,
-    Counts* counts,
-    bool write_m) {
+    Counts* counts) {
   const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
   unsigned long long zeros = 0, nans = 0;
-  const bool vec = cd::direction_vec_aligned<G, M>(g, m, o);
+  const bool vec = cd::direction_vec_aligned<G, M>(g, m, m_out, o);
   for (size_t k0 = warp * kDirUnitWords; k0 < nwords; k0 += nwarps * kDirUnitWords) {
     warp_unit::direction_words<G, M, false>(
-        g, m, n, o, k0, nwords, vec, k, sign, zero, write_m, &zeros, &nans);
+        g, m, m_out, n, o, k0, nwords, vec, k, sign, zero, &zeros, &nans);
   }
   if (counts != nullptr) {
     cd::add_counts(counts, zeros, nans);
@@ -68,23 +69,25 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) direction_kern
 template <DType G, DType M>
 void launch_direction(
     const void* g,
-    void* m,
+    const void* m,
+    void* m_out,
     size_t n,
     const cd::LionCoefs& k,
     uint64_t* sign,
     uint64_t* zero,
     size_t bit_offset,
     Counts* counts,
-    cudaStream_t stream,
-    bool write_m) {
+    cudaStream_t stream) {
   const unsigned o = static_cast<unsigned>(bit_offset % 64);
   const size_t first = bit_offset / 64;
   const size_t nwords = cd::words_out(o, n);
   static const int resident = cd::resident_blocks(direction_kernel<G, M>);
   const unsigned grid = cd::grid_for(nwords, size_t{kWarpsPerBlock} * kDirUnitWords, resident);
   direction_kernel<G, M><<<grid, kBlockThreads, 0, stream>>>(
-      static_cast<const typename FloatStore<G>::U*>(g), static_cast<typename FloatStore<M>::U*>(m),
-      n, k, sign + first, zero + first, o, nwords, counts, write_m);
+      static_cast<const typename FloatStore<G>::U*>(g),
+      static_cast<const typename FloatStore<M>::U*>(m),
+      static_cast<typename FloatStore<M>::U*>(m_out), n, k, sign + first, zero + first, o, nwords,
+      counts);
   cd::check_launch("lion_direction");
 }
 
@@ -92,22 +95,22 @@ template <DType G>
 void direction_grad(
     DType md,
     const void* g,
-    void* m,
+    const void* m,
+    void* m_out,
     size_t n,
     const cd::LionCoefs& k,
     uint64_t* sign,
     uint64_t* zero,
     size_t bit_offset,
     Counts* counts,
-    cudaStream_t stream,
-    bool write_m) {
+    cudaStream_t stream) {
   switch (md) {
     case DType::kFloat32:
       return launch_direction<G, DType::kFloat32>(
-          g, m, n, k, sign, zero, bit_offset, counts, stream, write_m);
+          g, m, m_out, n, k, sign, zero, bit_offset, counts, stream);
     case DType::kBFloat16:
       return launch_direction<G, DType::kBFloat16>(
-          g, m, n, k, sign, zero, bit_offset, counts, stream, write_m);
+          g, m, m_out, n, k, sign, zero, bit_offset, counts, stream);
     default:
       return; // unsupported: nothing touched (the caller validates)
   }
@@ -170,7 +173,7 @@ void lion_direction(
     DType grad_dtype,
     const void* g,
     DType momentum_dtype,
-    void* m,
+    const void* m,
     size_t n,
     float b1,
     float omb1,
@@ -181,7 +184,7 @@ void lion_direction(
     size_t bit_offset,
     Counts* counts,
     cudaStream_t stream,
-    bool update_momentum) {
+    void* m_out) {
   if (n == 0) {
     return;
   }
@@ -189,13 +192,13 @@ void lion_direction(
   switch (grad_dtype) {
     case DType::kFloat32:
       return direction_grad<DType::kFloat32>(
-          momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream, update_momentum);
+          momentum_dtype, g, m, m_out, n, k, sign, zero, bit_offset, counts, stream);
     case DType::kBFloat16:
       return direction_grad<DType::kBFloat16>(
-          momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream, update_momentum);
+          momentum_dtype, g, m, m_out, n, k, sign, zero, bit_offset, counts, stream);
     case DType::kFloat16:
       return direction_grad<DType::kFloat16>(
-          momentum_dtype, g, m, n, k, sign, zero, bit_offset, counts, stream, update_momentum);
+          momentum_dtype, g, m, m_out, n, k, sign, zero, bit_offset, counts, stream);
     default:
       return;
   }

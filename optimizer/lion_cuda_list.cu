@@ -36,8 +36,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) direction_list
     cd::LionCoefs k,
     uint64_t* sign,
     uint64_t* zero,
-    Counts* counts,
-    bool write_m) {
+    Counts* counts) {
   const size_t warp = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t nwarps = static_cast<size_t>(gridDim.x) * blockDim.x / 32;
   unsigned long long zeros = 0, nans = 0;
@@ -45,12 +44,14 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) direction_list
   for (uint64_t u = warp; u < units; u += nwarps) {
     const DirectionUnit d = direction_unit(segs[walk.at(u)], u);
     const auto* g = static_cast<const typename FloatStore<G>::U*>(d.seg.g);
-    auto* m = static_cast<typename FloatStore<M>::U*>(d.seg.m);
+    const auto* m = static_cast<const typename FloatStore<M>::U*>(d.seg.m);
+    auto* m_out = static_cast<typename FloatStore<M>::U*>(d.seg.m_out); // m, another, or none
     const size_t first = static_cast<size_t>(d.seg.bit_offset / 64);
     warp_unit::direction_words<G, M, true>(
-        g, m, static_cast<size_t>(d.seg.n), d.o, d.k0, d.nwords,
-        cd::direction_vec_aligned<G, M>(g, m, d.o), k, sign != nullptr ? sign + first : nullptr,
-        zero != nullptr ? zero + first : nullptr, write_m, &zeros, &nans);
+        g, m, m_out, static_cast<size_t>(d.seg.n), d.o, d.k0, d.nwords,
+        cd::direction_vec_aligned<G, M>(g, m, m_out, d.o), k,
+        sign != nullptr ? sign + first : nullptr, zero != nullptr ? zero + first : nullptr, &zeros,
+        &nans);
   }
   if (counts != nullptr) {
     cd::add_counts(counts, zeros, nans);
@@ -101,12 +102,11 @@ void launch_direction_list(
     uint64_t* sign,
     uint64_t* zero,
     Counts* counts,
-    cudaStream_t stream,
-    bool write_m) {
+    cudaStream_t stream) {
   static const int resident = cd::resident_blocks(direction_list_kernel<G, M>);
   const unsigned grid = cd::grid_for(units, size_t{kWarpsPerBlock}, resident);
   direction_list_kernel<G, M>
-      <<<grid, kBlockThreads, 0, stream>>>(segs, count, units, k, sign, zero, counts, write_m);
+      <<<grid, kBlockThreads, 0, stream>>>(segs, count, units, k, sign, zero, counts);
   cd::check_launch("lion_direction_list");
 }
 
@@ -120,15 +120,14 @@ void direction_list_grad(
     uint64_t* sign,
     uint64_t* zero,
     Counts* counts,
-    cudaStream_t stream,
-    bool write_m) {
+    cudaStream_t stream) {
   switch (md) {
     case DType::kFloat32:
       return launch_direction_list<G, DType::kFloat32>(
-          segs, count, units, k, sign, zero, counts, stream, write_m);
+          segs, count, units, k, sign, zero, counts, stream);
     case DType::kBFloat16:
       return launch_direction_list<G, DType::kBFloat16>(
-          segs, count, units, k, sign, zero, counts, stream, write_m);
+          segs, count, units, k, sign, zero, counts, stream);
     default:
       return; // unsupported: nothing touched (the caller validates)
   }
@@ -201,8 +200,7 @@ void lion_direction_list(
     uint64_t* sign,
     uint64_t* zero,
     Counts* counts,
-    cudaStream_t stream,
-    bool update_momentum) {
+    cudaStream_t stream) {
   if (units == 0) {
     return;
   }
@@ -210,13 +208,13 @@ void lion_direction_list(
   switch (grad_dtype) {
     case DType::kFloat32:
       return direction_list_grad<DType::kFloat32>(
-          momentum_dtype, segs, count, units, k, sign, zero, counts, stream, update_momentum);
+          momentum_dtype, segs, count, units, k, sign, zero, counts, stream);
     case DType::kBFloat16:
       return direction_list_grad<DType::kBFloat16>(
-          momentum_dtype, segs, count, units, k, sign, zero, counts, stream, update_momentum);
+          momentum_dtype, segs, count, units, k, sign, zero, counts, stream);
     case DType::kFloat16:
       return direction_list_grad<DType::kFloat16>(
-          momentum_dtype, segs, count, units, k, sign, zero, counts, stream, update_momentum);
+          momentum_dtype, segs, count, units, k, sign, zero, counts, stream);
     default:
       return;
   }

@@ -52,9 +52,16 @@ struct WordBits {
 };
 
 // cnt (<= 64, a multiple of V::kW) elements from i0: new momentum stored
-// (if Update), the bits of c returned (bit j for element i0 + j).
+// into m_out (if Update; m_out may be m), the bits of c returned (bit j for
+// element i0 + j).
 template <class V, DType G, DType M, bool Update>
-inline WordBits direction_run(const void* g, void* m, size_t i0, unsigned cnt, const LionCoefs& k) {
+inline WordBits direction_run(
+    const void* g,
+    const void* m,
+    void* m_out,
+    size_t i0,
+    unsigned cnt,
+    const LionCoefs& k) {
   const typename V::F b1 = V::set1(k.b1);
   const typename V::F omb1 = V::set1(k.omb1);
   const typename V::F b2 = V::set1(k.b2);
@@ -66,7 +73,7 @@ inline WordBits direction_run(const void* g, void* m, size_t i0, unsigned cnt, c
     const typename V::F c = V::add(V::mul(b1, mv), V::mul(omb1, gv));
     if constexpr (Update) {
       const typename V::F mn = V::add(V::mul(b2, mv), V::mul(omb2, gv));
-      V::template store<M>(m, i0 + j, mn);
+      V::template store<M>(m_out, i0 + j, mn);
     }
     r.sign |= V::gt0(c) << j;
     r.zero |= V::eq0(c) << j;
@@ -91,7 +98,8 @@ inline void count_word(const WordBits& b, PackCounts& c) {
 template <DType G, DType M, bool Update>
 PackCounts direction_typed(
     const void* g,
-    void* m,
+    const void* m,
+    void* m_out,
     size_t n,
     const LionCoefs& k,
     uint64_t* sign,
@@ -99,14 +107,14 @@ PackCounts direction_typed(
   PackCounts c;
   const size_t full = n / kWordBits;
   for (size_t w = 0; w < full; ++w) {
-    const WordBits b = direction_run<Vec, G, M, Update>(g, m, w * kWordBits, kWordBits, k);
+    const WordBits b = direction_run<Vec, G, M, Update>(g, m, m_out, w * kWordBits, kWordBits, k);
     sign[w] = b.sign;
     zero[w] = b.zero;
     count_word(b, c);
   }
   const unsigned rest = static_cast<unsigned>(n - full * kWordBits);
   if (rest != 0) {
-    const WordBits b = direction_run<Sc, G, M, Update>(g, m, full * kWordBits, rest, k);
+    const WordBits b = direction_run<Sc, G, M, Update>(g, m, m_out, full * kWordBits, rest, k);
     sign[full] = b.sign;
     zero[full] = b.zero;
     count_word(b, c);
@@ -118,19 +126,21 @@ template <DType G>
 PackCounts direction_grad(
     const void* g,
     DType md,
-    void* m,
+    const void* m,
+    void* m_out,
     size_t n,
     const LionCoefs& k,
     uint64_t* sign,
-    uint64_t* zero,
-    bool update) {
+    uint64_t* zero) {
   switch (md) {
     case DType::kFloat32:
-      return update ? direction_typed<G, DType::kFloat32, true>(g, m, n, k, sign, zero)
-                    : direction_typed<G, DType::kFloat32, false>(g, m, n, k, sign, zero);
+      return m_out != nullptr
+          ? direction_typed<G, DType::kFloat32, true>(g, m, m_out, n, k, sign, zero)
+          : direction_typed<G, DType::kFloat32, false>(g, m, nullptr, n, k, sign, zero);
     case DType::kBFloat16:
-      return update ? direction_typed<G, DType::kBFloat16, true>(g, m, n, k, sign, zero)
-                    : direction_typed<G, DType::kBFloat16, false>(g, m, n, k, sign, zero);
+      return m_out != nullptr
+          ? direction_typed<G, DType::kBFloat16, true>(g, m, m_out, n, k, sign, zero)
+          : direction_typed<G, DType::kBFloat16, false>(g, m, nullptr, n, k, sign, zero);
     default:
       return {};
   }
@@ -140,19 +150,19 @@ PackCounts direction(
     DType gd,
     const void* g,
     DType md,
-    void* m,
+    const void* m,
+    void* m_out,
     size_t n,
     const LionCoefs& k,
     uint64_t* sign,
-    uint64_t* zero,
-    bool update) {
+    uint64_t* zero) {
   switch (gd) {
     case DType::kFloat32:
-      return direction_grad<DType::kFloat32>(g, md, m, n, k, sign, zero, update);
+      return direction_grad<DType::kFloat32>(g, md, m, m_out, n, k, sign, zero);
     case DType::kBFloat16:
-      return direction_grad<DType::kBFloat16>(g, md, m, n, k, sign, zero, update);
+      return direction_grad<DType::kBFloat16>(g, md, m, m_out, n, k, sign, zero);
     case DType::kFloat16:
-      return direction_grad<DType::kFloat16>(g, md, m, n, k, sign, zero, update);
+      return direction_grad<DType::kFloat16>(g, md, m, m_out, n, k, sign, zero);
     default:
       return {};
   }

@@ -14,16 +14,17 @@ struct LionCoefs {
 
 struct LionKernels {
   bits::Isa isa; // the instruction set this table was compiled for
+  // The new momentum goes to m_out (m itself: in place; nullptr: m only read).
   bits::PackCounts (*direction)(
       bits::DType grad_dtype,
       const void* g,
       bits::DType momentum_dtype,
-      void* m,
+      const void* m,
+      void* m_out,
       size_t n,
       const LionCoefs& k,
       uint64_t* sign,
-      uint64_t* zero,
-      bool update_momentum);
+      uint64_t* zero);
   void (*apply_dense)(
       bits::DType param_dtype,
       void* x,

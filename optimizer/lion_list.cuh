@@ -12,11 +12,14 @@
 namespace lionbit::optim::cuda {
 
 // One tensor of lion_direction_list: gradient and momentum (`n` elements,
-// the list's dtypes), its bits at `bit_offset` of the shared planes, its
-// first work unit (direction_units fills it in).
+// the list's dtypes; m only read), where its new momentum goes (`m_out`, n
+// elements of the momentum dtype: m itself for in place, another buffer not
+// overlapping m, or nullptr for no momentum write), its bits at `bit_offset`
+// of the shared planes, its first work unit (direction_units fills it in).
 struct DirectionSeg {
   const void* g;
-  void* m;
+  const void* m;
+  void* m_out;
   uint64_t n;
   uint64_t bit_offset;
   uint64_t first;

@@ -1,11 +1,13 @@
 // One warp's work unit of the lion_direction kernels (the per-tensor kernel of
 // lion_cuda.cu and the list kernel of lion_cuda_list.cu; nvcc only): the
 // plane words k0 .. k0 + kDirGroups * kWordsPerWarpIter - 1 of one tensor
-// (those below nwords). Where all of the unit's vector groups are whole and
-// g and m aligned, the vector path with kDirBatch<G, M> groups' loads in
-// flight at a time; else group by group, each by the vector path where it
-// is whole, by the ballot path where it is not (the tensor's edges, or
-// unaligned buffers). tests/cpp/test_cuda_host.cpp emulates it
+// (those below nwords), the new momentum stored to m_out (m itself in place,
+// a buffer not overlapping m, or nullptr: m only read; hence no __restrict__
+// on m or m_out). Where all of the unit's vector groups are whole and g, m and
+// m_out aligned (the caller's `vec`: direction_vec_aligned), the vector path
+// with kDirBatch<G, M> groups' loads in flight at a time; else group by
+// group, each by the vector path where it is whole, by the ballot path where
+// it is not (the tensor's edges, or unaligned buffers). tests/cpp/test_cuda_host.cpp emulates it
 // (emu_direction_words).
 #pragma once
 
@@ -20,7 +22,8 @@ namespace cd = lionbit::cuda::detail;
 template <bits::DType G, bits::DType M, bool Shared>
 __device__ __forceinline__ void direction_words(
     const typename cd::FloatStore<G>::U* __restrict__ g,
-    typename cd::FloatStore<M>::U* __restrict__ m,
+    const typename cd::FloatStore<M>::U* m,
+    typename cd::FloatStore<M>::U* m_out,
     size_t n,
     unsigned o,
     size_t k0,
@@ -29,14 +32,13 @@ __device__ __forceinline__ void direction_words(
     const cd::LionCoefs& c,
     uint64_t* sign,
     uint64_t* zero,
-    bool write_m,
     unsigned long long* zeros,
     unsigned long long* nans) {
   constexpr int U = cd::kWordsPerWarpIter;
   const unsigned lane = threadIdx.x & 31u;
   if (vec && cd::groups_full(k0, o, n, cd::kDirGroups)) { // warp-uniform
     cd::Frag fr[cd::kDirGroups];
-    cd::lion_direction_vec_groups<G, M, cd::kDirGroups>(g, m, o, k0, lane, c, write_m, fr);
+    cd::lion_direction_vec_groups<G, M, cd::kDirGroups>(g, m, m_out, o, k0, lane, c, fr);
     cd::commit_frags<Shared>(fr, cd::kDirGroups, k0, o, n, sign, zero, zeros, nans);
     return;
   }
@@ -48,12 +50,12 @@ __device__ __forceinline__ void direction_words(
     }
     if (vec && cd::group_full(k, o, n)) {
       cd::Frag fr[1];
-      cd::lion_direction_vec_groups<G, M, 1>(g, m, o, k, lane, c, write_m, fr);
+      cd::lion_direction_vec_groups<G, M, 1>(g, m, m_out, o, k, lane, c, fr);
       cd::commit_frags<Shared>(fr, 1, k, o, n, sign, zero, zeros, nans);
       continue;
     }
     unsigned f[U];
-    cd::lion_direction_group<G, M>(g, m, n, o, k, nwords, lane, c, f, write_m);
+    cd::lion_direction_group<G, M>(g, m, m_out, n, o, k, nwords, lane, c, f);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       cd::tally_flags(f[u], zeros, nans);

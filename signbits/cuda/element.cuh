@@ -309,18 +309,20 @@ LIONBIT_HD unsigned pack_lane(
   return f;
 }
 
-// lion_direction: the lane's two elements of word k (reads g, m; writes m
-// when write_m).
+// lion_direction: the lane's two elements of word k (reads g, m; writes the
+// new momentum to m_out unless it is nullptr). m_out is m itself (in place)
+// or a buffer that does not overlap m: each element is read before the same
+// thread stores it, so neither pointer may carry __restrict__.
 template <DType G, DType M>
 LIONBIT_HD unsigned lion_direction_lane(
     const typename FloatStore<G>::U* g,
-    typename FloatStore<M>::U* m,
+    const typename FloatStore<M>::U* m,
+    typename FloatStore<M>::U* m_out,
     size_t n,
     unsigned o,
     size_t k,
     unsigned lane,
-    const LionCoefs& c,
-    bool write_m) {
+    const LionCoefs& c) {
   unsigned f = 0;
   for (unsigned h = 0; h < 2; ++h) {
     size_t e;
@@ -328,8 +330,8 @@ LIONBIT_HD unsigned lion_direction_lane(
       float mn;
       const unsigned fl = lion_direction_math(
           FloatStore<G>::load(g[e]), FloatStore<M>::load(m[e]), c, &mn);
-      if (write_m) {
-        m[e] = FloatStore<M>::store(mn);
+      if (m_out != nullptr) {
+        m_out[e] = FloatStore<M>::store(mn);
       }
       f |= fl << (8 * h);
     }
@@ -381,20 +383,21 @@ LIONBIT_HD void pack_group(
   }
 }
 
-// lion_direction: the lane's flags for the group's words (and the new m when
-// write_m).
+// lion_direction: the lane's flags for the group's words (and the new
+// momentum into m_out unless it is nullptr; m_out == m: in place, every load
+// before the stores).
 template <DType G, DType M>
 LIONBIT_HD void lion_direction_group(
     const typename FloatStore<G>::U* g,
-    typename FloatStore<M>::U* m,
+    const typename FloatStore<M>::U* m,
+    typename FloatStore<M>::U* m_out,
     size_t n,
     unsigned o,
     size_t k0,
     size_t nwords,
     unsigned lane,
     const LionCoefs& c,
-    unsigned (&f)[kWordsPerWarpIter],
-    bool write_m = true) {
+    unsigned (&f)[kWordsPerWarpIter]) {
   constexpr int U = kWordsPerWarpIter;
   if (group_full(k0, o, n)) {
     const size_t e0 = k0 * 64 - o + lane;
@@ -410,8 +413,8 @@ LIONBIT_HD void lion_direction_group(
     for (int i = 0; i < 2 * U; ++i) {
       float mn;
       fl[i] = lion_direction_math(FloatStore<G>::load(gv[i]), FloatStore<M>::load(mv[i]), c, &mn);
-      if (write_m) {
-        m[e0 + 32 * i] = FloatStore<M>::store(mn);
+      if (m_out != nullptr) {
+        m_out[e0 + 32 * i] = FloatStore<M>::store(mn);
       }
     }
     LIONBIT_UNROLL
@@ -422,7 +425,7 @@ LIONBIT_HD void lion_direction_group(
   }
   LIONBIT_UNROLL
   for (int u = 0; u < U; ++u) {
-    f[u] = k0 + u < nwords ? lion_direction_lane<G, M>(g, m, n, o, k0 + u, lane, c, write_m) : 0u;
+    f[u] = k0 + u < nwords ? lion_direction_lane<G, M>(g, m, m_out, n, o, k0 + u, lane, c) : 0u;
   }
 }
 
@@ -459,14 +462,14 @@ LIONBIT_HD uint64_t join_halves(uint32_t lo, uint32_t hi) {
 // ------------------------------------------------------- vector groups ----
 // A group of kWordsPerWarpIter words whose bits are all elements (group_full)
 // and whose first element is 16-byte aligned in every buffer a kernel reads
-// (vec_aligned) is read in 16-byte loads: lane l takes the group's elements
-// 8l .. 8l + 7 (one load of 2-byte values, two of float32) and makes their
-// sign and zero bits, a byte each (a Frag); the 8 lanes of a word join their
-// bytes into it (warp_planes.cuh's join_fragments, three shuffles a plane;
-// join_fragments_host below). The ballot path classifies two elements a lane
-// and takes four ballots a word; the per-word kernels ran at the same elements
-// per second in float32 and bfloat16, so they were bound by instructions, not
-// by memory.
+// or writes (vec_aligned) is read in 16-byte loads: lane l takes the group's
+// elements 8l .. 8l + 7 (one load of 2-byte values, two of float32) and makes
+// their sign and zero bits, a byte each (a Frag); the 8 lanes of a word join
+// their bytes into it (warp_planes.cuh's join_fragments, three shuffles a
+// plane; join_fragments_host below). The ballot path classifies two elements
+// a lane and takes four ballots a word; the per-word kernels ran at the same
+// elements per second in float32 and bfloat16, so they were bound by
+// instructions, not by memory.
 
 // Elements a lane takes of a vector group.
 constexpr int kVecLane = 8;
@@ -638,17 +641,18 @@ LIONBIT_HD void pack_vec_batch(
 }
 
 // lion_direction: lane `lane`'s Frags of the B vector groups from word k0
-// (the new momentum written when write_m), every group's loads issued before
-// any math; nans counts non-finite c, as the flags.
+// (the new momentum written to m_out unless it is nullptr; m_out == m: in
+// place), every group's loads issued before any math or store; nans counts
+// non-finite c, as the flags.
 template <DType G, DType M, int B>
 LIONBIT_HD void lion_direction_vec_batch(
     const typename FloatStore<G>::U* g,
-    typename FloatStore<M>::U* m,
+    const typename FloatStore<M>::U* m,
+    typename FloatStore<M>::U* m_out,
     unsigned o,
     size_t k0,
     unsigned lane,
     const LionCoefs& c,
-    bool write_m,
     Frag* fr) {
   constexpr size_t SG = sizeof(typename FloatStore<G>::U);
   constexpr size_t SM = sizeof(typename FloatStore<M>::U);
@@ -671,8 +675,8 @@ LIONBIT_HD void lion_direction_vec_batch(
       f.zero |= ((fl & kZero) >> 1) << i;
       f.nans += (fl & kNan) >> 2;
     }
-    if (write_m) {
-      store8<SM>(m + vec_elem(k0, b, o, lane), out);
+    if (m_out != nullptr) {
+      store8<SM>(m_out + vec_elem(k0, b, o, lane), out);
     }
     fr[b] = f;
   }
@@ -695,27 +699,30 @@ constexpr int kDirGroups = 2;
 template <DType G, DType M, int Groups>
 LIONBIT_HD void lion_direction_vec_groups(
     const typename FloatStore<G>::U* g,
-    typename FloatStore<M>::U* m,
+    const typename FloatStore<M>::U* m,
+    typename FloatStore<M>::U* m_out,
     unsigned o,
     size_t k0,
     unsigned lane,
     const LionCoefs& c,
-    bool write_m,
     Frag* fr) {
   constexpr int B = kDirBatch<G, M> < Groups ? kDirBatch<G, M> : Groups;
   static_assert(Groups % B == 0, "a unit is whole batches");
   LIONBIT_UNROLL
   for (int b = 0; b < Groups; b += B) {
     lion_direction_vec_batch<G, M, B>(
-        g, m, o, k0 + static_cast<size_t>(b) * kWordsPerWarpIter, lane, c, write_m, fr + b);
+        g, m, m_out, o, k0 + static_cast<size_t>(b) * kWordsPerWarpIter, lane, c, fr + b);
   }
 }
 
-// The vector path's condition for lion_direction's buffers (both aligned).
+// The vector path's condition for lion_direction's buffers: g, m and the
+// momentum's destination m_out (unless nullptr; m itself when in place) all
+// aligned.
 template <DType G, DType M>
-LIONBIT_HD bool direction_vec_aligned(const void* g, const void* m, unsigned o) {
+LIONBIT_HD bool direction_vec_aligned(const void* g, const void* m, const void* m_out, unsigned o) {
   return vec_aligned<sizeof(typename FloatStore<G>::U)>(g, o) &&
-      vec_aligned<sizeof(typename FloatStore<M>::U)>(m, o);
+      vec_aligned<sizeof(typename FloatStore<M>::U)>(m, o) &&
+      (m_out == nullptr || vec_aligned<sizeof(typename FloatStore<M>::U)>(m_out, o));
 }
 
 // Adds a Frag's zeros and NaNs to a lane's tallies.

@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -290,11 +291,13 @@ void emu_unpack(
 
 // One warp's unit of the direction kernels (optimizer/lion_warp.cuh's
 // direction_words): words k0 .. k0 + kDirGroups * kWordsPerWarpIter - 1 of
-// one tensor, below nwords; `shared`: the list kernel's stores.
+// one tensor, below nwords, the new momentum into m_out (m in place, another
+// buffer, or nullptr); `shared`: the list kernel's stores.
 template <DType G, DType M>
 void emu_direction_words(
     const typename FloatStore<G>::U* g,
-    typename FloatStore<M>::U* m,
+    const typename FloatStore<M>::U* m,
+    typename FloatStore<M>::U* m_out,
     size_t n,
     unsigned o,
     size_t k0,
@@ -303,7 +306,6 @@ void emu_direction_words(
     const cd::LionCoefs& k,
     uint64_t* s,
     uint64_t* z,
-    bool write_m,
     bool shared,
     unsigned long long* zeros,
     unsigned long long* nans) {
@@ -323,7 +325,7 @@ void emu_direction_words(
   const auto vec_groups = [&](auto groups, size_t kv) {
     constexpr int C = decltype(groups)::value;
     const auto frags = [&](unsigned lane, cd::Frag* fr) {
-      cd::lion_direction_vec_groups<G, M, C>(g, m, o, kv, lane, k, write_m, fr);
+      cd::lion_direction_vec_groups<G, M, C>(g, m, m_out, o, kv, lane, k, fr);
     };
     // a batch where the kernel loads its groups at once (kDirBatch: not float32 / float32)
     emu_vec_groups<C>(frags, kv, commit, zeros, nans, C > 1 && (cd::kDirBatch<G, M> > 1));
@@ -345,7 +347,7 @@ void emu_direction_words(
     unsigned f[U][32];
     for (unsigned lane = 0; lane < 32; ++lane) {
       unsigned fl[U];
-      cd::lion_direction_group<G, M>(g, m, n, o, kb, nwords, lane, k, fl, write_m);
+      cd::lion_direction_group<G, M>(g, m, m_out, n, o, kb, nwords, lane, k, fl);
       for (int u = 0; u < U; ++u) {
         f[u][lane] = fl[u];
       }
@@ -361,29 +363,32 @@ void emu_direction_words(
   }
 }
 
-// direction_kernel of optimizer/lion_cuda.cu with `nwarps` warps in the grid.
+// direction_kernel of optimizer/lion_cuda.cu with `nwarps` warps in the grid:
+// the new momentum into m_out (m in place, another buffer, or nullptr: m only
+// read).
 template <DType G, DType M>
 bits::PackCounts emu_direction(
     const void* g,
-    void* m,
+    const void* m,
+    void* m_out,
     size_t n,
     const cd::LionCoefs& k,
     uint64_t* sign,
     uint64_t* zero,
     size_t bit_offset,
-    size_t nwarps,
-    bool write_m = true) {
+    size_t nwarps) {
   const unsigned o = static_cast<unsigned>(bit_offset % 64);
   const size_t nwords = cd::words_out(o, n);
   constexpr size_t W = size_t{cd::kDirGroups} * cd::kWordsPerWarpIter;
   unsigned long long zeros = 0, nans = 0;
-  const bool vec = cd::direction_vec_aligned<G, M>(g, m, o);
+  const bool vec = cd::direction_vec_aligned<G, M>(g, m, m_out, o);
   for (size_t warp = 0; warp < nwarps; ++warp) {
     for (size_t k0 = warp * W; k0 < nwords; k0 += nwarps * W) {
       emu_direction_words<G, M>(
           static_cast<const typename FloatStore<G>::U*>(g),
-          static_cast<typename FloatStore<M>::U*>(m), n, o, k0, nwords, vec, k,
-          sign + bit_offset / 64, zero + bit_offset / 64, write_m, false, &zeros, &nans);
+          static_cast<const typename FloatStore<M>::U*>(m),
+          static_cast<typename FloatStore<M>::U*>(m_out), n, o, k0, nwords, vec, k,
+          sign + bit_offset / 64, zero + bit_offset / 64, false, &zeros, &nans);
     }
   }
   return {zeros, nans};
@@ -1179,7 +1184,7 @@ void check_direction(std::mt19937_64& rng, size_t& runs) {
           auto m = m0;
           auto s = s0, z = z0;
           const auto c = emu_direction<G, M>(
-              g.data(), m.data(), n, k, s.data(), z.data(), off, nwarps);
+              g.data(), m.data(), m.data(), n, k, s.data(), z.data(), off, nwarps);
           ASSERT_EQ(s, es) << dname(G) << "/" << dname(M) << " n=" << n << " off=" << off;
           ASSERT_EQ(z, ez) << dname(G) << "/" << dname(M) << " n=" << n << " off=" << off;
           ASSERT_EQ(c.zeros, rc.zeros);
@@ -1192,7 +1197,7 @@ void check_direction(std::mt19937_64& rng, size_t& runs) {
           auto mo = m0;
           auto so = s0, zo = z0;
           const auto co = emu_direction<G, M>(
-              g.data(), mo.data(), n, k, so.data(), zo.data(), off, nwarps, false);
+              g.data(), mo.data(), nullptr, n, k, so.data(), zo.data(), off, nwarps);
           ASSERT_EQ(so, es);
           ASSERT_EQ(zo, ez);
           ASSERT_EQ(co.zeros, rc.zeros);
@@ -1219,6 +1224,90 @@ TEST(CudaHostLion, DirectionMatchesCpu) {
   RecordProperty("runs", static_cast<int>(runs));
 }
 
+// The new momentum into a separate buffer m_out (double-buffered momentum):
+// the bits and counts of the in-place run, m unchanged, m_out's n elements
+// bitwise what the in-place run left in m (a NaN any NaN, as same_at: the
+// host's NaN payloads follow the compiler's operand order; the GPU's NaNs are
+// canonical) and its bytes around them untouched. m_out 16-byte aligned as m
+// is (the vector path) and `shift` elements off (the ballot path only: there
+// the vector path's 16-byte stores would fault, which check_vec_address turns
+// into an abort).
+template <DType G, DType M>
+void check_direction_m_out(std::mt19937_64& rng, size_t& runs) {
+  constexpr size_t SM = sizeof(typename FloatStore<M>::U);
+  size_t vec_out = 0; // vector groups with a separate m_out
+  for (const Coefs& cf : {coef_sets()[0], coef_sets()[2]}) {
+    const cd::LionCoefs k{cf.b1, cf.omb1, cf.b2, cf.omb2};
+    for (size_t n :
+         {size_t{1}, size_t{3}, size_t{31}, size_t{33}, size_t{64}, size_t{65}, size_t{255},
+          size_t{257}, size_t{1001}, size_t{4097}, size_t{9001}}) {
+      const auto g = random_floats(G, n, rng);
+      const auto m0 = random_floats(M, n, rng);
+      for (size_t off :
+           {size_t{0}, size_t{1}, size_t{33}, size_t{63}, size_t{64}, size_t{65}, size_t{127},
+            size_t{130}}) {
+        const size_t words = (off + n) / 64 + 3;
+        const auto s0 = random_words(words, rng);
+        const auto z0 = random_words(words, rng);
+        for (size_t nwarps : {size_t{1}, size_t{5}}) {
+          // In place: m_out == m.
+          auto mi = m0;
+          auto si = s0, zi = z0;
+          const auto ci = emu_direction<G, M>(
+              g.data(), mi.data(), mi.data(), n, k, si.data(), zi.data(), off, nwarps);
+          for (size_t shift : {size_t{0}, size_t{1}, size_t{3}}) {
+            const std::string what = dname(G) + "/" + dname(M) + " n=" + std::to_string(n) +
+                " off=" + std::to_string(off) + " shift=" + std::to_string(shift) +
+                " nwarps=" + std::to_string(nwarps);
+            const auto out0 = random_floats(M, n + shift, rng); // n + shift + 16 / SM elements
+            auto out_buf = out0;
+            uint8_t* out = out_buf.data() + shift * SM;
+            auto m = m0;
+            auto s = s0, z = z0;
+            const size_t vec_before = g_vec_groups;
+            const auto c = emu_direction<G, M>(
+                g.data(), m.data(), out, n, k, s.data(), z.data(), off, nwarps);
+            ASSERT_EQ(s, si) << what;
+            ASSERT_EQ(z, zi) << what;
+            ASSERT_EQ(c.zeros, ci.zeros) << what;
+            ASSERT_EQ(c.nans, ci.nans) << what;
+            ASSERT_EQ(m, m0) << what << ": m written";
+            // bitwise; a NaN any NaN (the host compiler may take either NaN operand's payload)
+            for (size_t i = 0; i < n; ++i) {
+              ASSERT_TRUE(same_at(M, out, mi.data(), i)) << what << ": m_out " << i;
+            }
+            ASSERT_EQ(std::memcmp(out_buf.data(), out0.data(), shift * SM), 0)
+                << what << ": written before m_out";
+            ASSERT_EQ(
+                std::memcmp(
+                    out + n * SM, out0.data() + (shift + n) * SM, out0.size() - (shift + n) * SM),
+                0)
+                << what << ": written past m_out";
+            if (shift * SM % 16 != 0) {
+              ASSERT_EQ(g_vec_groups, vec_before) << what << ": vector path, m_out misaligned";
+            }
+            vec_out += g_vec_groups - vec_before;
+            ++runs;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(vec_out, 0u) << dname(G) << "/" << dname(M) << ": no vector group";
+}
+
+TEST(CudaHostLion, DirectionMomentumOutMatchesInPlace) {
+  std::mt19937_64 rng(43);
+  size_t runs = 0;
+  check_direction_m_out<DType::kFloat32, DType::kFloat32>(rng, runs);
+  check_direction_m_out<DType::kFloat32, DType::kBFloat16>(rng, runs);
+  check_direction_m_out<DType::kBFloat16, DType::kFloat32>(rng, runs);
+  check_direction_m_out<DType::kBFloat16, DType::kBFloat16>(rng, runs);
+  check_direction_m_out<DType::kFloat16, DType::kFloat32>(rng, runs);
+  check_direction_m_out<DType::kFloat16, DType::kBFloat16>(rng, runs);
+  EXPECT_GT(runs, 1000u);
+}
+
 // Every pair of special values for g and m, float32, element by element.
 TEST(CudaHostLion, DirectionSpecialPairs) {
   const auto sp = special_f32();
@@ -1237,7 +1326,8 @@ TEST(CudaHostLion, DirectionSpecialPairs) {
         DType::kFloat32, g.data(), DType::kFloat32, mref.data(), n, cf.b1, cf.omb1, cf.b2, cf.omb2,
         rs.data(), rz.data());
     const auto c = emu_direction<DType::kFloat32, DType::kFloat32>(
-        g.data(), mg.data(), n, {cf.b1, cf.omb1, cf.b2, cf.omb2}, s.data(), z.data(), 0, 3);
+        g.data(), mg.data(), mg.data(), n, {cf.b1, cf.omb1, cf.b2, cf.omb2}, s.data(), z.data(), 0,
+        3);
     EXPECT_EQ(s, rs);
     EXPECT_EQ(z, rz);
     EXPECT_EQ(c.zeros, rc.zeros);
@@ -1339,15 +1429,15 @@ using optim::cuda::DirectionSeg;
 
 // direction_list_kernel of optimizer/lion_cuda_list.cu with `nwarps` warps:
 // each warp's units in its grid loop, the lanes' bodies, the ballots, the
-// edge words written as commit_word_shared writes them.
+// edge words written as commit_word_shared writes them; each tensor's new
+// momentum into its seg's m_out.
 template <DType G, DType M>
 bits::PackCounts emu_direction_list(
     std::vector<DirectionSeg> segs,
     const cd::LionCoefs& k,
     uint64_t* sign,
     uint64_t* zero,
-    size_t nwarps,
-    bool write_m) {
+    size_t nwarps) {
   const uint64_t units = optim::cuda::direction_units(segs.data(), segs.size());
   unsigned long long zeros = 0, nans = 0;
   for (size_t warp = 0; warp < nwarps; ++warp) {
@@ -1357,10 +1447,11 @@ bits::PackCounts emu_direction_list(
       const size_t first = static_cast<size_t>(d.seg.bit_offset / 64);
       emu_direction_words<G, M>(
           static_cast<const typename FloatStore<G>::U*>(d.seg.g),
-          static_cast<typename FloatStore<M>::U*>(d.seg.m), static_cast<size_t>(d.seg.n), d.o, d.k0,
-          d.nwords, cd::direction_vec_aligned<G, M>(d.seg.g, d.seg.m, d.o), k,
-          sign != nullptr ? sign + first : nullptr, zero != nullptr ? zero + first : nullptr,
-          write_m, true, &zeros, &nans);
+          static_cast<const typename FloatStore<M>::U*>(d.seg.m),
+          static_cast<typename FloatStore<M>::U*>(d.seg.m_out), static_cast<size_t>(d.seg.n), d.o,
+          d.k0, d.nwords, cd::direction_vec_aligned<G, M>(d.seg.g, d.seg.m, d.seg.m_out, d.o), k,
+          sign != nullptr ? sign + first : nullptr, zero != nullptr ? zero + first : nullptr, true,
+          &zeros, &nans);
     }
   }
   return {zeros, nans};
@@ -1413,10 +1504,11 @@ void check_direction_list(std::mt19937_64& rng, size_t& runs) {
           std::vector<DirectionSeg> segs;
           off = at;
           for (size_t t = 0; t < sizes.size(); ++t) {
-            segs.push_back(DirectionSeg{gs[t].data(), ms[t].data(), sizes[t], off, 0});
+            segs.push_back(DirectionSeg{
+                gs[t].data(), ms[t].data(), write_m ? ms[t].data() : nullptr, sizes[t], off, 0});
             off += sizes[t];
           }
-          const auto c = emu_direction_list<G, M>(segs, k, s.data(), z.data(), nwarps, write_m);
+          const auto c = emu_direction_list<G, M>(segs, k, s.data(), z.data(), nwarps);
           ASSERT_EQ(s, es) << dname(G) << "/" << dname(M) << " at=" << at << " nwarps=" << nwarps;
           ASSERT_EQ(z, ez) << dname(G) << "/" << dname(M) << " at=" << at << " nwarps=" << nwarps;
           ASSERT_EQ(c.zeros, rzeros);
@@ -1432,8 +1524,9 @@ void check_direction_list(std::mt19937_64& rng, size_t& runs) {
             auto mo = m0s;
             for (size_t t = 0; t < sizes.size(); ++t) {
               segs[t].m = mo[t].data();
+              segs[t].m_out = mo[t].data();
             }
-            emu_direction_list<G, M>(segs, k, nullptr, nullptr, nwarps, true);
+            emu_direction_list<G, M>(segs, k, nullptr, nullptr, nwarps);
             for (size_t t = 0; t < sizes.size(); ++t) {
               for (size_t i = 0; i < sizes[t]; ++i) {
                 ASSERT_TRUE(same_at(M, mo[t].data(), mrefs[t].data(), i));
@@ -1447,6 +1540,123 @@ void check_direction_list(std::mt19937_64& rng, size_t& runs) {
   }
   EXPECT_GT(g_vec_groups, vec0) << dname(G) << "/" << dname(M) << ": no vector group";
   EXPECT_EQ(g_vec_batches > batch0, (cd::kDirBatch<G, M> > 1)) << dname(G) << "/" << dname(M);
+}
+
+// The list kernel with each tensor's own m_out: tensor t's new momentum, by
+// its mode (t + rot) % 4, in place (0), into a separate buffer 16-byte
+// aligned as m (1), one element off (2: the ballot path only), or not
+// written (3: m_out nullptr); rot turns every tensor through every mode.
+// With the planes: the bits and counts of the CPU kernel; without (sign ==
+// nullptr): the momentum update alone. Every m as the CPU kernel leaves it
+// in place where m_out == m, else unchanged; every m_out what the CPU kernel
+// leaves in m, its bytes around untouched.
+template <DType G, DType M>
+void check_direction_list_m_out(std::mt19937_64& rng, size_t& runs) {
+  constexpr size_t SM = sizeof(typename FloatStore<M>::U);
+  const std::vector<size_t> sizes = list_sizes();
+  const Coefs cf = coef_sets()[2];
+  const cd::LionCoefs k{cf.b1, cf.omb1, cf.b2, cf.omb2};
+  // the list's first bit: tensor 6 (1000 elements) and 10 (4097) then start
+  // 16-byte aligned (the vector path) from 58, 2, 122 and 66 and off it from
+  // 0, 3, 127
+  const size_t ats[] = {58, 2, 122, 66, 0, 3, 127};
+  for (size_t r = 0; r < std::size(ats); ++r) {
+    const size_t at = ats[r], rot = r % 4;
+    const auto mode = [&](size_t t) { return (t + rot) % 4; };
+    std::vector<std::vector<uint8_t>> gs, m0s;
+    size_t total = at;
+    for (size_t n : sizes) {
+      gs.push_back(random_floats(G, n, rng));
+      m0s.push_back(random_floats(M, n, rng));
+      total += n;
+    }
+    const size_t words = total / 64 + 3;
+    const auto s0 = random_words(words, rng);
+    const auto z0 = random_words(words, rng);
+    auto es = s0, ez = z0;
+    auto mrefs = m0s;
+    uint64_t rzeros = 0, rnans = 0;
+    size_t off = at;
+    for (size_t t = 0; t < sizes.size(); ++t) {
+      const size_t n = sizes[t];
+      std::vector<uint64_t> rs(n / 64 + 2), rz(n / 64 + 2);
+      const auto rc = optim::lion_direction(
+          G, gs[t].data(), M, mrefs[t].data(), n, cf.b1, cf.omb1, cf.b2, cf.omb2, rs.data(),
+          rz.data());
+      insert_bits(rs.data(), n, es.data(), off);
+      insert_bits(rz.data(), n, ez.data(), off);
+      rzeros += rc.zeros;
+      rnans += rc.nonfinite;
+      off += n;
+    }
+    for (size_t nwarps : {size_t{1}, size_t{5}, size_t{64}}) {
+      for (bool planes : {true, false}) {
+        auto ms = m0s;
+        std::vector<std::vector<uint8_t>> out0s, outs;
+        outs.reserve(sizes.size()); // segs point into its buffers
+        std::vector<DirectionSeg> segs;
+        off = at;
+        for (size_t t = 0; t < sizes.size(); ++t) {
+          const size_t shift = mode(t) == 2 ? 1 : 0;
+          out0s.push_back(random_floats(M, sizes[t] + shift, rng));
+          outs.push_back(out0s[t]);
+          void* m_out = mode(t) == 0 ? static_cast<void*>(ms[t].data())
+              : mode(t) == 3         ? nullptr
+                                     : static_cast<void*>(outs[t].data() + shift * SM);
+          segs.push_back(DirectionSeg{gs[t].data(), ms[t].data(), m_out, sizes[t], off, 0});
+          off += sizes[t];
+        }
+        auto s = s0, z = z0;
+        const auto c = emu_direction_list<G, M>(
+            segs, k, planes ? s.data() : nullptr, planes ? z.data() : nullptr, nwarps);
+        const std::string what = dname(G) + "/" + dname(M) + " at=" + std::to_string(at) +
+            " nwarps=" + std::to_string(nwarps) + (planes ? "" : " momentum only");
+        ASSERT_EQ(s, planes ? es : s0) << what;
+        ASSERT_EQ(z, planes ? ez : z0) << what;
+        ASSERT_EQ(c.zeros, rzeros) << what;
+        ASSERT_EQ(c.nans, rnans) << what;
+        for (size_t t = 0; t < sizes.size(); ++t) {
+          const size_t n = sizes[t];
+          const size_t shift = mode(t) == 2 ? 1 : 0;
+          for (size_t i = 0; i < n; ++i) {
+            ASSERT_TRUE(same_at(M, ms[t].data(), (mode(t) == 0 ? mrefs : m0s)[t].data(), i))
+                << what << " tensor " << t << " m " << i;
+          }
+          if (mode(t) == 1 || mode(t) == 2) {
+            const uint8_t* out = outs[t].data() + shift * SM;
+            for (size_t i = 0; i < n; ++i) {
+              ASSERT_TRUE(same_at(M, out, mrefs[t].data(), i))
+                  << what << " tensor " << t << " m_out " << i;
+            }
+            ASSERT_EQ(std::memcmp(outs[t].data(), out0s[t].data(), shift * SM), 0) << what;
+            ASSERT_EQ(
+                std::memcmp(
+                    out + n * SM, out0s[t].data() + (shift + n) * SM,
+                    out0s[t].size() - (shift + n) * SM),
+                0)
+                << what << " tensor " << t << ": written past m_out";
+          } else {
+            ASSERT_EQ(outs[t], out0s[t]) << what << " tensor " << t;
+          }
+        }
+        ++runs;
+      }
+    }
+  }
+}
+
+TEST(CudaHostLionList, DirectionListMomentumOut) {
+  std::mt19937_64 rng(62);
+  size_t runs = 0;
+  const size_t vec0 = g_vec_groups;
+  check_direction_list_m_out<DType::kFloat32, DType::kFloat32>(rng, runs);
+  check_direction_list_m_out<DType::kFloat32, DType::kBFloat16>(rng, runs);
+  check_direction_list_m_out<DType::kBFloat16, DType::kBFloat16>(rng, runs);
+  check_direction_list_m_out<DType::kBFloat16, DType::kFloat32>(rng, runs);
+  check_direction_list_m_out<DType::kFloat16, DType::kFloat32>(rng, runs);
+  check_direction_list_m_out<DType::kFloat16, DType::kBFloat16>(rng, runs);
+  EXPECT_GT(g_vec_groups, vec0);
+  EXPECT_GT(runs, 100u);
 }
 
 TEST(CudaHostLionList, DirectionListMatchesCpuPerTensor) {
@@ -1614,10 +1824,10 @@ TEST(CudaHostLionList, PlaneByteAtEveryBit) {
 
 TEST(CudaHostLionList, SegmentOfSkipsEmptyTensors) {
   std::vector<DirectionSeg> segs{
-      {nullptr, nullptr, 0, 0, 0},
-      {nullptr, nullptr, 300, 0, 0},
-      {nullptr, nullptr, 0, 300, 0},
-      {nullptr, nullptr, 1, 300, 0}};
+      {nullptr, nullptr, nullptr, 0, 0, 0},
+      {nullptr, nullptr, nullptr, 300, 0, 0},
+      {nullptr, nullptr, nullptr, 0, 300, 0},
+      {nullptr, nullptr, nullptr, 1, 300, 0}};
   const uint64_t units = optim::cuda::direction_units(segs.data(), segs.size());
   // 300 elements: 5 words, one unit of kDirGroups groups; 1 element at bit 300: one unit
   ASSERT_EQ(cd::kDirGroups * cd::kWordsPerWarpIter, 8);

@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -287,7 +288,7 @@ TEST_F(CudaKernels, EmptyCallsEnqueueNothing) {
   cuda::unpack(DType::kFloat32, {nullptr, 2, 0}, 0, nullptr, nullptr, stream_);
   optim::cuda::lion_direction(
       DType::kFloat32, nullptr, DType::kFloat32, nullptr, 0, 0.9f, 0.1f, 0.99f, 0.01f, nullptr,
-      nullptr, 0, nullptr, stream_);
+      nullptr, 0, nullptr, stream_, nullptr);
   optim::cuda::lion_apply_dense(
       DType::kFloat32, nullptr, DType::kFloat32, nullptr, 0, 1, 1, stream_);
   sync();
@@ -412,7 +413,7 @@ TEST_F(CudaKernels, LionDirectionMatchesCpu) {
         Dev dg(g), dm(m0), ds(s0), dz(z0), dc(std::vector<unsigned long long>{0, 0});
         optim::cuda::lion_direction(
             gd, dg.as<void>(), md, dm.as<void>(), n, b1, omb1, b2, omb2, ds.as<uint64_t>(),
-            dz.as<uint64_t>(), off, dc.as<cuda::Counts>(), stream_);
+            dz.as<uint64_t>(), off, dc.as<cuda::Counts>(), stream_, dm.as<void>());
         sync();
         ASSERT_EQ(ds.download<uint64_t>(words), es)
             << dname(gd) << "/" << dname(md) << " n=" << n << " off=" << off;
@@ -425,17 +426,168 @@ TEST_F(CudaKernels, LionDirectionMatchesCpu) {
         Dev dm2(m0), ds2(s0), dz2(z0), dc2(std::vector<unsigned long long>{0, 0});
         optim::cuda::lion_direction(
             gd, dg.as<void>(), md, dm2.as<void>(), n, b1, omb1, b2, omb2, ds2.as<uint64_t>(),
-            dz2.as<uint64_t>(), off, dc2.as<cuda::Counts>(), stream_, false);
+            dz2.as<uint64_t>(), off, dc2.as<cuda::Counts>(), stream_, nullptr);
         sync();
         ASSERT_EQ(ds2.download<uint64_t>(words), es);
         ASSERT_EQ(dz2.download<uint64_t>(words), ez);
         ASSERT_EQ(dc2.download<unsigned long long>(2), c);
-        ASSERT_EQ(dm2.download<uint8_t>(m0.size()), m0)
-            << "momentum written with update_momentum=false";
+        ASSERT_EQ(dm2.download<uint8_t>(m0.size()), m0) << "momentum written with m_out == nullptr";
         const auto m = dm.download<uint8_t>(m0.size());
         for (size_t i = 0; i < n; ++i) {
           ASSERT_TRUE(same_at(md, m.data(), mref.data(), i))
               << dname(gd) << "/" << dname(md) << " i=" << i;
+        }
+      }
+    }
+  }
+}
+
+// The new momentum into a separate buffer m_out (double-buffered momentum):
+// the CPU in-place kernel's bits and counts, m unchanged, m_out what the CPU
+// kernel leaves in m; m_out 16-byte aligned as m (the vector path) and one
+// element off (the ballot path).
+TEST_F(CudaKernels, LionDirectionMomentumOutMatchesCpu) {
+  std::mt19937_64 rng(402);
+  const float b1 = 0.9f, omb1 = static_cast<float>(1.0 - 0.9);
+  const float b2 = 0.99f, omb2 = static_cast<float>(1.0 - 0.99);
+  std::vector<size_t> ns = sizes_small();
+  ns.push_back(sizes_large()[1]);
+  for (auto [gd, md] : kDirPairs) {
+    const size_t sm = bits::dtype_size(md);
+    for (size_t n : ns) {
+      const auto g = lion_floats(gd, n, rng);
+      const auto m0 = lion_floats(md, n, rng);
+      auto mref = m0;
+      std::vector<uint64_t> rs(n / 64 + 2), rz(n / 64 + 2);
+      const auto rc = optim::lion_direction(
+          gd, g.data(), md, mref.data(), n, b1, omb1, b2, omb2, rs.data(), rz.data());
+      for (size_t off : {size_t{0}, size_t{1}, size_t{65}}) {
+        const size_t words = (off + n) / 64 + 2;
+        const auto s0 = random_words(words, rng);
+        const auto z0 = random_words(words, rng);
+        auto es = s0, ez = z0;
+        insert_bits(rs.data(), n, es.data(), off);
+        insert_bits(rz.data(), n, ez.data(), off);
+        for (size_t shift : {size_t{0}, size_t{1}}) {
+          const auto out0 = lion_floats(md, n + shift, rng);
+          Dev dg(g), dm(m0), dout(out0), ds(s0), dz(z0), dc(std::vector<unsigned long long>{0, 0});
+          optim::cuda::lion_direction(
+              gd, dg.as<void>(), md, dm.as<void>(), n, b1, omb1, b2, omb2, ds.as<uint64_t>(),
+              dz.as<uint64_t>(), off, dc.as<cuda::Counts>(), stream_,
+              dout.as<uint8_t>() + shift * sm);
+          sync();
+          const std::string what = dname(gd) + "/" + dname(md) + " n=" + std::to_string(n) +
+              " off=" + std::to_string(off) + " shift=" + std::to_string(shift);
+          ASSERT_EQ(ds.download<uint64_t>(words), es) << what;
+          ASSERT_EQ(dz.download<uint64_t>(words), ez) << what;
+          const auto c = dc.download<unsigned long long>(2);
+          ASSERT_EQ(c[0], rc.zeros) << what;
+          ASSERT_EQ(c[1], rc.nonfinite) << what;
+          ASSERT_EQ(dm.download<uint8_t>(m0.size()), m0) << what << ": m written";
+          const auto out = dout.download<uint8_t>(out0.size());
+          for (size_t i = 0; i < n; ++i) {
+            ASSERT_TRUE(same_at(md, out.data() + shift * sm, mref.data(), i)) << what << " i=" << i;
+          }
+          ASSERT_TRUE(std::equal(out.begin(), out.begin() + shift * sm, out0.begin())) << what;
+          ASSERT_TRUE(std::equal(
+              out.begin() + (shift + n) * sm, out.end(), out0.begin() + (shift + n) * sm))
+              << what << ": written past m_out";
+        }
+      }
+    }
+  }
+}
+
+// The list kernel with per-tensor m_out (in place, a separate buffer aligned
+// or one element off, none), with and without the planes, against the CPU
+// in-place kernel tensor by tensor.
+TEST_F(CudaKernels, LionDirectionListMomentumOutMatchesCpu) {
+  std::mt19937_64 rng(403);
+  const float b1 = 0.9f, omb1 = static_cast<float>(1.0 - 0.9);
+  const float b2 = 0.99f, omb2 = static_cast<float>(1.0 - 0.99);
+  const std::vector<size_t> sizes{1, 0, 63, 64, 65, 5, 1000, 2, 130, 0, 4097, 31, 1, 65537};
+  for (auto [gd, md] : kDirPairs) {
+    const size_t sm = bits::dtype_size(md);
+    for (size_t rot = 0; rot < 4; ++rot) {
+      const size_t at = rot * 37;
+      const auto mode = [&](size_t t) { return (t + rot) % 4; };
+      std::vector<std::vector<uint8_t>> gs, m0s, mrefs, out0s;
+      size_t total = at;
+      for (size_t t = 0; t < sizes.size(); ++t) {
+        gs.push_back(lion_floats(gd, sizes[t], rng));
+        m0s.push_back(lion_floats(md, sizes[t], rng));
+        out0s.push_back(lion_floats(md, sizes[t] + 1, rng));
+        total += sizes[t];
+      }
+      const size_t words = total / 64 + 2;
+      const auto s0 = random_words(words, rng);
+      const auto z0 = random_words(words, rng);
+      auto es = s0, ez = z0;
+      mrefs = m0s;
+      unsigned long long rzeros = 0, rnans = 0;
+      size_t off = at;
+      for (size_t t = 0; t < sizes.size(); ++t) {
+        std::vector<uint64_t> rs(sizes[t] / 64 + 2), rz(sizes[t] / 64 + 2);
+        const auto rc = optim::lion_direction(
+            gd, gs[t].data(), md, mrefs[t].data(), sizes[t], b1, omb1, b2, omb2, rs.data(),
+            rz.data());
+        insert_bits(rs.data(), sizes[t], es.data(), off);
+        insert_bits(rz.data(), sizes[t], ez.data(), off);
+        rzeros += rc.zeros;
+        rnans += rc.nonfinite;
+        off += sizes[t];
+      }
+      for (bool planes : {true, false}) {
+        std::vector<std::unique_ptr<Dev>> dgs, dms, douts;
+        std::vector<optim::cuda::DirectionSeg> segs;
+        off = at;
+        for (size_t t = 0; t < sizes.size(); ++t) {
+          dgs.push_back(std::make_unique<Dev>(gs[t]));
+          dms.push_back(std::make_unique<Dev>(m0s[t]));
+          douts.push_back(std::make_unique<Dev>(out0s[t]));
+          void* m_out = mode(t) == 0 ? dms[t]->as<void>()
+              : mode(t) == 1         ? douts[t]->as<void>()
+              : mode(t) == 2         ? static_cast<void*>(douts[t]->as<uint8_t>() + sm)
+                                     : nullptr;
+          segs.push_back(optim::cuda::DirectionSeg{
+              dgs[t]->as<void>(), dms[t]->as<void>(), m_out, sizes[t], off, 0});
+          off += sizes[t];
+        }
+        const uint64_t units = optim::cuda::direction_units(segs.data(), segs.size());
+        Dev table(segs), ds(s0), dz(z0), dc(std::vector<unsigned long long>{0, 0});
+        optim::cuda::lion_direction_list(
+            gd, md, table.as<optim::cuda::DirectionSeg>(), segs.size(), units, b1, omb1, b2, omb2,
+            planes ? ds.as<uint64_t>() : nullptr, planes ? dz.as<uint64_t>() : nullptr,
+            planes ? dc.as<cuda::Counts>() : nullptr, stream_);
+        sync();
+        const std::string what = dname(gd) + "/" + dname(md) + " rot=" + std::to_string(rot) +
+            (planes ? "" : " momentum only");
+        ASSERT_EQ(ds.download<uint64_t>(words), planes ? es : s0) << what;
+        ASSERT_EQ(dz.download<uint64_t>(words), planes ? ez : z0) << what;
+        const auto c = dc.download<unsigned long long>(2);
+        ASSERT_EQ(c[0], planes ? rzeros : 0u) << what;
+        ASSERT_EQ(c[1], planes ? rnans : 0u) << what;
+        for (size_t t = 0; t < sizes.size(); ++t) {
+          const size_t n = sizes[t];
+          const auto m = dms[t]->download<uint8_t>(m0s[t].size());
+          for (size_t i = 0; i < n; ++i) {
+            ASSERT_TRUE(same_at(md, m.data(), (mode(t) == 0 ? mrefs : m0s)[t].data(), i))
+                << what << " tensor " << t << " m " << i;
+          }
+          const auto out = douts[t]->download<uint8_t>(out0s[t].size());
+          if (mode(t) == 1 || mode(t) == 2) {
+            const size_t shift = mode(t) == 2 ? 1 : 0;
+            for (size_t i = 0; i < n; ++i) {
+              ASSERT_TRUE(same_at(md, out.data() + shift * sm, mrefs[t].data(), i))
+                  << what << " tensor " << t << " m_out " << i;
+            }
+            ASSERT_TRUE(std::equal(out.begin(), out.begin() + shift * sm, out0s[t].begin()));
+            ASSERT_TRUE(std::equal(
+                out.begin() + (shift + n) * sm, out.end(), out0s[t].begin() + (shift + n) * sm))
+                << what << " tensor " << t << ": written past m_out";
+          } else {
+            ASSERT_EQ(out, out0s[t]) << what << " tensor " << t;
+          }
         }
       }
     }

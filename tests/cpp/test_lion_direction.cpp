@@ -134,6 +134,26 @@ DirRun run_direction(
       << "lion_direction_only sign bits differ";
   EXPECT_TRUE(n == 0 || equal_bytes(z2.bytes(), zb.bytes(), words * 8))
       << "lion_direction_only zero bits differ";
+
+  // lion_direction_to on the original momentum: the same bits and counts, m
+  // left as it was, and m_out given what lion_direction left in m.
+  Guarded m3(n * esize(md)), o3(n * esize(md)), s3(words * 8), z3(words * 8);
+  m3.fill(m);
+  const bits::PackCounts c3 = lion_direction_to(
+      gd, gb.bytes(), md, m3.bytes(), o3.bytes(), n, k.b1, k.omb1, k.b2, k.omb2, s3.words(),
+      z3.words(), isa);
+  EXPECT_TRUE(m3.guard_intact() && o3.guard_intact() && s3.guard_intact() && z3.guard_intact())
+      << "lion_direction_to wrote past an end";
+  EXPECT_TRUE(equal_bytes(m3.bytes(), m.data(), m.size())) << "lion_direction_to modified m";
+  EXPECT_TRUE(equal_bytes(o3.bytes(), r.m.data(), r.m.size()))
+      << "lion_direction_to's m_out differs from lion_direction's m";
+  EXPECT_EQ(c3.zeros, r.counts.zeros);
+  EXPECT_EQ(c3.nans, r.counts.nans);
+  EXPECT_EQ(c3.nonfinite, r.counts.nonfinite);
+  EXPECT_TRUE(n == 0 || equal_bytes(s3.bytes(), sb.bytes(), words * 8))
+      << "lion_direction_to sign bits differ";
+  EXPECT_TRUE(n == 0 || equal_bytes(z3.bytes(), zb.bytes(), words * 8))
+      << "lion_direction_to zero bits differ";
   return r;
 }
 
