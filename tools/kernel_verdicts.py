@@ -57,9 +57,10 @@ def main(argv=None):
     if device.type == "cuda":
         direction = kernel_choice.DIRECTION_CHECKS["cuda"].candidate
     else:
-        def direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update):
+        def direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update, m_out=None):
             before = int(np.unpackbits(zero.numpy()).sum())
-            counts[1] += _C.lion_direction_into(g, m, b1, omb1, b2, omb2, sign, zero, off, update_momentum=update)
+            counts[1] += _C.lion_direction_into(g, m, b1, omb1, b2, omb2, sign, zero, off, update_momentum=update,
+                                                m_out=m_out)
             counts[0] += int(np.unpackbits(zero.numpy()).sum()) - before
     for seed in range(args.seeds):
         case = kernel_choice.check_direction(direction, device, seed)
@@ -74,16 +75,19 @@ def main(argv=None):
                                             kernel_choice.LIST_CHECKS["cuda"][2])}
         lists = {name: (check, c.candidate) for name, (check, c) in lists.items()}
     else:
-        def direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts=None, lengths=None):
+        def direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts=None, lengths=None,
+                           m_outs=None):
+            outs = m_outs or [None] * len(gs)
             if starts is not None:  # FSDP's chunks: the views the spans stand for
                 gs = [g.view(-1)[a : a + k] for g, a, k in zip(gs, starts, lengths)]
                 ms = [m.view(-1)[a : a + k] for m, a, k in zip(ms, starts, lengths)]
-            for g, m, off in zip(gs, ms, offsets):
+                outs = [o if o is None else o.view(-1)[a : a + k] for o, a, k in zip(outs, starts, lengths)]
+            for g, m, off, out in zip(gs, ms, offsets, outs):
                 if sign is None:
                     scratch = torch.zeros((g.numel() + 63) // 64 * 8, dtype=torch.uint8)
-                    _C.lion_direction_into(g, m, b1, omb1, b2, omb2, scratch, scratch.clone(), 0)
+                    _C.lion_direction_into(g, m, b1, omb1, b2, omb2, scratch, scratch.clone(), 0, m_out=out)
                 else:
-                    direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update)
+                    direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update, out)
 
         def apply_list(xs, deltas, lr, decay):
             for x, d in zip(xs, deltas):

@@ -4,9 +4,9 @@ The optimizer holds one attachment and never asks which kind it is: a plain
 module (this file's :class:`Attachment`), DDP (lionbit.ddp), FSDP2
 (lionbit.fsdp) or FSDP1 (lionbit.fsdp1). An attachment owns where the
 step's directions come from and how they travel; it uses the optimizer only
-through its package surface (``momentum_of``, ``coefs_of``, ``fused_for``,
-``check_param``, ``voter``, ``param_groups``, ``state``) and never through
-its private names.
+through its package surface (``momentum_of``, ``fused_for``,
+``check_param``, ``voter``, ``next_momenta``, ``param_groups``, ``state``)
+and never through its private names.
 
 A plain module's attachment votes at ``step()``: the directions of every
 parameter with a gradient, chunk by chunk (lionbit.step_vote), replaying
@@ -80,6 +80,8 @@ class Attachment:
     """The interface, and a plain module's (or no model's) attachment."""
 
     kind = "a plain module"
+    #: Whether its steps use the optimizer's second momentum buffers (lionbit.next_momenta).
+    serves_next_momenta = True
 
     def __init__(self, opt, group: Optional[dist.ProcessGroup] = None):
         self.opt = opt
@@ -142,7 +144,7 @@ class Attachment:
         self.check_entries(entries)
         # The momenta change once every rank has agreed to the votes, while their bits still move.
         deltas = step_vote.vote_chunks(self.opt, entries, self.group, "step", self.buffers,
-                                       on_agreed=lambda: step_vote.update_momenta(entries))
+                                       on_agreed=lambda: step_vote.update_momenta(entries, self.opt.next_momenta))
         return lambda: step_vote.apply_deltas(entries, deltas)
 
     def start_vote(self, entries, agreed: list, works: list) -> list:

@@ -197,7 +197,7 @@ class DDPAttachment(Attachment):
             fused = step_vote.fused_verdicts(self.opt).many(bv.params, grads)
             items = list(zip(grads, map(self.opt.momentum_of, bv.params), coefs, fused, offsets, repeat(0),
                              bv.sizes))
-        bad, tally = step_vote.pack_directions(items, sign, zero, bits)
+        bad, tally = step_vote.pack_directions(items, sign, zero, bits, self.opt.next_momenta)
         if offsets[-1] != total:
             raise RuntimeError(f"{_WHERE}: DDP bucket holds {total} elements, its gradients {offsets[-1]}")
         bv.bad, bv.tally, bv.versions = bad, tally, None
@@ -365,7 +365,7 @@ class DDPAttachment(Attachment):
         rest = [] if abstain and self.layout is None else self.entries(abstain, in_buckets)
         apply_rest = self.vote([e for e in rest if e.param not in in_buckets])
         def apply():
-            step_vote.update_state([m for _, momenta, _ in plan for m in momenta], [])
+            step_vote.update_state([m for _, momenta, _ in plan for m in momenta], [], self.opt.next_momenta)
             for i, (bv, _, applies) in enumerate(plan):
                 try:
                     bv.work.wait()

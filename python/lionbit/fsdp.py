@@ -249,6 +249,7 @@ class FSDP2Attachment(Attachment):
     the order of the units' votes at ``step()``."""
 
     kind = "FSDP2"
+    serves_next_momenta = False  # (the momentum in pieces of the shards: one buffer)
 
     @staticmethod
     def accepts(model) -> bool:

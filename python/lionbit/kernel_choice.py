@@ -89,9 +89,10 @@ def check_apply(candidate: Callable, device, seed: int = 0) -> Optional[str]:
 
 def check_direction(candidate: Callable, device, seed: int = 0) -> Optional[str]:
     """Runs ``candidate(g, m, b1, omb1, b2, omb2, sign, zero, counts,
-    bit_offset, update_momentum)`` (a fused Lion direction: the bits of
-    sign(b1 m + (1 - b1) g) at bit_offset, {c == 0, c non-finite} added to
-    counts, and with update_momentum m = b2 m + (1 - b2) g) against the torch
+    bit_offset, update_momentum, m_out=None)`` (a fused Lion direction: the
+    bits of sign(b1 m + (1 - b1) g) at bit_offset, {c == 0, c non-finite}
+    added to counts, and with update_momentum m = b2 m + (1 - b2) g, written
+    into m_out where given, m only read) against the torch
     path of lionbit.lion_math on small random inputs on ``device`` (some
     exact zeros, and Inf and NaN where the dtypes make them); returns the
     first case that differs, or None. Changes no global random state."""
@@ -108,38 +109,49 @@ def check_direction(candidate: Callable, device, seed: int = 0) -> Optional[str]
                         g[3], g[5] = float("inf"), float("nan")
                     g, m = g.to(device), m.to(device)
                     # a word-aligned offset (the GPU's 16-byte vector path) and an odd one
-                    for update, off in ((False, 5), (False, 64), (True, 5), (True, 64)):
+                    # (update "m_out": the new momentum into a second buffer, m only read)
+                    for update, off in ((False, 5), (False, 64), (True, 5), (True, 64), ("m_out", 5), ("m_out", 64)):
                         nbytes = lion_math.plane_bytes(off + n) + 8
                         planes = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(4)]
                         counts = torch.zeros(2, dtype=torch.int64, device=device)
                         got_m = m.clone()
-                        candidate(g, got_m, b1, omb1, b2, omb2, planes[0], planes[1], counts, off, update)
+                        out = torch.full_like(m, 7.0) if update == "m_out" else None
+                        kw = {} if out is None else {"m_out": out}
+                        candidate(g, got_m, b1, omb1, b2, omb2, planes[0], planes[1], counts, off, bool(update), **kw)
                         c = lion_math.direction(g, m, coefs)
                         _C.pack_signs_into(c, planes[2], planes[3], off)
                         want_m = m.clone()
                         if update:
                             lion_math.update_momentum(g, want_m, coefs, False, None)
-                        bits = torch.int32 if mdt == torch.float32 else torch.int16
                         case = (f"{_name(gdt)} gradient, {_name(mdt)} momentum, n={n}, "
                                 f"bit_offset={off}, update_momentum={update}")
                         if not (torch.equal(planes[0], planes[2]) and torch.equal(planes[1], planes[3])):
                             return case + ": direction bits"
                         if int(counts[1]) != int((~torch.isfinite(c)).sum()) or int(counts[0]) != int((c == 0).sum()):
                             return case + ": counts"
-                        if not torch.equal(got_m.view(bits), want_m.view(bits)):
-                            same_nan = torch.isnan(got_m) & torch.isnan(want_m)  # NaN payloads are not the contract
-                            if not bool((same_nan | (got_m.view(bits) == want_m.view(bits))).all()):
-                                return case + ": momentum"
+                        if out is not None and not _same_bits(got_m, m):
+                            return case + ": momentum written"
+                        if not _same_bits(got_m if out is None else out, want_m):
+                            return case + ": momentum"
     return None
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bit for bit, but NaN payloads (not the contract: any NaN is a NaN)."""
+    bits = torch.int32 if want.dtype == torch.float32 else torch.int16
+    if torch.equal(got.view(bits), want.view(bits)):
+        return True
+    return bool(((torch.isnan(got) & torch.isnan(want)) | (got.view(bits) == want.view(bits))).all())
 
 
 def check_direction_list(candidate: Callable, device, seed: int = 0) -> Optional[str]:
     """Runs ``candidate(gs, ms, b1, omb1, b2, omb2, sign, zero, counts,
-    bit_offsets, update_momentum, starts=None, lengths=None)`` (the fused
-    direction over a list of tensors in one launch, their bits end to end in
-    one pair of planes, so that neighbours share plane words; with sign None
-    the momentum update alone; with starts and lengths, elements [start,
-    start + length) of each pair, FSDP's chunks) against the torch path
+    bit_offsets, update_momentum, starts=None, lengths=None, m_outs=None)``
+    (the fused direction over a list of tensors in one launch, their bits
+    end to end in one pair of planes, so that neighbours share plane words;
+    with sign None the momentum update alone; with starts and lengths,
+    elements [start, start + length) of each pair, FSDP's chunks; with
+    m_outs, each pair's new momentum there, ms only read) against the torch path
     tensor by tensor (on views, for spans); returns the first case that
     differs, or None."""
     device = torch.device(device)
@@ -169,14 +181,17 @@ def _direction_list_differs(candidate: Callable, gs, ms, coefs, cuts, moved, spa
     """One layout of :func:`check_direction_list`: ``cuts`` (tensor, start,
     length) packed end to end from bit 5 (neighbours share plane words; a
     long one from the next plane word), then the momentum update of the
-    disjoint ``moved``; what differs ("direction bits", "counts", "momentum
-    written", "momentum") or None."""
+    disjoint ``moved``, in place and into second buffers; what differs
+    ("direction bits", "counts", "momentum written", "momentum", "momentum
+    in m_outs") or None."""
     b1, omb1, b2, omb2 = coefs.values[:4]
     device = gs[0].device
 
-    def call(cs, ms_, sign, zero, counts, offsets, update):
+    def call(cs, ms_, sign, zero, counts, offsets, update, outs=None):
         pick = [i for i, _, _ in cs]
         kw = {"starts": [a for _, a, _ in cs], "lengths": [k for *_, k in cs]} if spans else {}
+        if outs is not None:
+            kw["m_outs"] = [outs[i] for i in pick]
         candidate([gs[i] for i in pick], [ms_[i] for i in pick], b1, omb1, b2, omb2, sign, zero, counts, offsets,
                   update, **kw)
 
@@ -203,15 +218,22 @@ def _direction_list_differs(candidate: Callable, gs, ms, coefs, cuts, moved, spa
         return "counts"
     if any(not torch.equal(a, b) for a, b in zip(got_ms, ms)):
         return "momentum written"
-    call(moved, got_ms, None, None, None, [0] * len(moved), True)
     want_ms = [m.clone() for m in ms]
     for i, a, k in moved:
         lion_math.update_momentum(lion_math.span(gs[i], a, k), lion_math.span(want_ms[i], a, k), coefs, False, None)
-    bits = torch.int32 if ms[0].dtype == torch.float32 else torch.int16
-    for got, want in zip(got_ms, want_ms):
-        same_nan = torch.isnan(got) & torch.isnan(want)  # NaN payloads are not the contract
-        if not bool((same_nan | (got.view(bits) == want.view(bits))).all()):
-            return "momentum"
+    call(moved, got_ms, None, None, None, [0] * len(moved), True)
+    if not all(map(_same_bits, got_ms, want_ms)):
+        return "momentum"
+    # Into second buffers (double_buffer=True): outside the spans they keep what they held.
+    outs, got_outs = [torch.full_like(m, 7.0) for m in ms], [torch.full_like(m, 7.0) for m in ms]
+    for i, a, k in moved:
+        lion_math.span(outs[i], a, k).copy_(lion_math.span(want_ms[i], a, k))
+    got_ms = [m.clone() for m in ms]
+    call(moved, got_ms, None, None, None, [0] * len(moved), True, got_outs)
+    if any(not torch.equal(a, b) for a, b in zip(got_ms, ms)):
+        return "momentum written"
+    if not all(map(_same_bits, got_outs, outs)):
+        return "momentum in m_outs"
     return None
 
 
@@ -321,15 +343,16 @@ def _lion_apply_device(x, delta, lr, decay) -> None:
     _C.lion_apply_device(x, delta, lr, decay)
 
 
-def _lion_direction_device(g, m, b1, omb1, b2, omb2, sign, zero, counts, bit_offset, update_momentum) -> None:
+def _lion_direction_device(g, m, b1, omb1, b2, omb2, sign, zero, counts, bit_offset, update_momentum,
+                           m_out=None) -> None:
     _C.lion_direction_into_device(g, m, b1, omb1, b2, omb2, sign, zero, counts, bit_offset,
-                                  update_momentum=update_momentum)
+                                  update_momentum=update_momentum, m_out=m_out)
 
 
 def _lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, bit_offsets, update_momentum,
-                                starts=None, lengths=None) -> None:
+                                starts=None, lengths=None, m_outs=None) -> None:
     _C.lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, bit_offsets,
-                                  update_momentum=update_momentum, starts=starts, lengths=lengths)
+                                  update_momentum=update_momentum, starts=starts, lengths=lengths, m_outs=m_outs)
 
 
 def _lion_apply_list_device(xs, deltas, lr, decay) -> None:

@@ -237,7 +237,8 @@ def pack_levels_pieces(pieces, k: Coefs, bits: int, levels) -> int:
     return bad
 
 
-def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, bits=None, counts=None) -> int:
+def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, bits=None, counts=None,
+                   m_out=None) -> int:
     """ORs the bits of sign(b1 m + (1 - b1) g) into the uint8 planes at
     bit_offset (on g's device); m is only read. Returns the number of
     non-finite directions (NaN or +-Inf: a non-finite g or m). With ``bits``
@@ -245,19 +246,24 @@ def pack_direction(g, m, k: Coefs, sign, zero, bit_offset: int, fused: bool, bit
     tensor's mean |c|, into the level planes ``sign`` (zero: None).
     ``counts`` (int64 (zeros, non-finite) on g's GPU): the fused GPU kernel
     adds its tallies there and this returns 0, so that a caller reads them
-    once for many tensors (a read is a host round trip)."""
+    once for many tensors (a read is a host round trip). ``m_out`` (fused
+    only, m's size and dtype, contiguous): the new momentum
+    fl(fl(b2 m) + fl((1 - b2) g)) is written there in the same pass."""
     g = g.reshape(-1)
     if bits:
         return pack_levels_pieces([(g, m.reshape(-1), bit_offset)], k, bits, sign)
     if fused:
         b1, omb1, b2, omb2, _, _ = k.values
+        update, out = m_out is not None, None if m_out is None else m_out.view(-1)
         if not g.is_cuda:
             return _C.lion_direction_into(g, m.view(-1), b1, omb1, b2, omb2, sign, zero, bit_offset,
-                                          update_momentum=False)
+                                          update_momentum=update, m_out=out)
         mine = counts if counts is not None else torch.zeros(2, dtype=torch.int64, device=g.device)
         _C.lion_direction_into_device(g, m.view(-1), b1, omb1, b2, omb2, sign, zero, mine, bit_offset,
-                                      update_momentum=False)
+                                      update_momentum=update, m_out=out)
         return 0 if counts is not None else int(mine[1])
+    if m_out is not None:
+        raise ValueError("lionbit.lion_math.pack_direction: m_out needs the fused kernels")
     c = _direction_torch(g, m.reshape(-1), k)
     _, nans = _C.pack_signs_into(c, sign, zero, bit_offset)
     return nans + int(torch.isinf(c).sum())
@@ -280,28 +286,40 @@ def _by_dtypes(items):
 def pack_directions_list(items, k: Coefs, sign, zero, counts=None) -> int:
     """:func:`pack_direction` of many tensors on one device in one call (the
     list kernels; on a GPU a launch per dtype pair): ``items`` are (g, m,
-    bit_offset, start, length): elements [start, start + length) of g and m
-    (each contiguous, of any shape, in the fused kernels' dtypes; m only
-    read), so that the pieces of a tensor need no view each. On a GPU the
-    tallies are added to ``counts`` and this returns 0; on the CPU it
-    returns the non-finite count."""
-    if not items[0][0].is_cuda:
-        return directions_into(*zip(*items), k, sign, zero)
-    for group in _by_dtypes(items):
-        directions_into(*zip(*group), k, sign, zero, counts)
-    return 0
+    bit_offset, start, length[, m_out]): elements [start, start + length) of
+    g and m (each contiguous, of any shape, in the fused kernels' dtypes; m
+    only read), so that the pieces of a tensor need no view each; with
+    m_out (None or m's second buffer, lionbit.next_momenta), the new momentum
+    of those elements written there. On a GPU the tallies are added to
+    ``counts`` and this returns 0; on the CPU it returns the non-finite
+    count."""
+    groups = [items] if not items[0][0].is_cuda else _by_dtypes(items)
+    bad = 0
+    for group in groups:
+        cols = list(zip(*group))
+        outs = cols[5] if len(cols) > 5 else None
+        if outs is not None and None in outs:  # (some pairs' momenta are updated after the agreement)
+            bad += pack_directions_list([item[:5] for item in group if item[5] is None], k, sign, zero, counts)
+            group = [item for item in group if item[5] is not None]
+            if not group:
+                continue
+            cols = list(zip(*group))
+            outs = cols[5]
+        bad += directions_into(*cols[:5], k, sign, zero, counts, m_outs=outs)
+    return bad
 
 
-def directions_into(gs, ms, offsets, starts, lengths, k: Coefs, sign, zero, counts=None) -> int:
+def directions_into(gs, ms, offsets, starts, lengths, k: Coefs, sign, zero, counts=None, m_outs=None) -> int:
     """:func:`pack_directions_list` of lists given column by column (starts
     and lengths None: whole tensors); on a GPU one dtype pair, its tallies
-    added to ``counts``."""
+    added to ``counts``; ``m_outs``: each pair's new momentum written there."""
     b1, omb1, b2, omb2, _, _ = k.values
+    update, outs = m_outs is not None, None if m_outs is None else list(m_outs)
     if not gs[0].is_cuda:
-        return _C.lion_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, offsets, update_momentum=False,
-                                      starts=starts, lengths=lengths)
-    _C.lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update_momentum=False,
-                                  starts=starts, lengths=lengths)
+        return _C.lion_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, offsets, update_momentum=update,
+                                      starts=starts, lengths=lengths, m_outs=outs)
+    _C.lion_direction_list_device(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update_momentum=update,
+                                  starts=starts, lengths=lengths, m_outs=outs)
     return 0
 
 

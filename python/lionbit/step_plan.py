@@ -28,7 +28,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from . import kernel_choice, lion_math, step_vote
+from . import kernel_choice, lion_math, next_momenta, step_vote
 
 _grad, _dtype, _contiguous = attrgetter("grad"), attrgetter("dtype"), methodcaller("is_contiguous")
 _exp_avg = methodcaller("get", "exp_avg")  # (of a parameter's state; None where it has none)
@@ -39,25 +39,26 @@ class _Call:
     its list of parameters with a gradient) of parameter group ``group``,
     their momenta and bit offsets in their vote's planes."""
 
-    __slots__ = ("group", "idx", "ms", "offsets", "xs")
+    __slots__ = ("group", "idx", "ms", "outs", "offsets", "xs")
 
-    def __init__(self, group: int, idx: List[int], params, momenta, offsets):
+    def __init__(self, group: int, idx: List[int], params, momenta, offsets, spares=None):
         self.group, self.idx = group, idx
         self.xs = [params[i] for i in idx]
         self.ms = [momenta[i] for i in idx]
+        self.outs = None if spares is None else [spares[i] for i in idx]  # the momenta's second buffers
         self.offsets = [offsets[i] for i in idx]
 
     def grads(self, gs) -> list:
         return list(map(gs.__getitem__, self.idx))
 
 
-def _calls(group_of, params, momenta, offsets, idx, kind) -> List[_Call]:
+def _calls(group_of, params, momenta, offsets, idx, kind, spares=None) -> List[_Call]:
     """The tensors ``idx`` as list-kernel calls, one per parameter group and
     ``kind`` (what one launch must share: on a GPU the dtypes), in order."""
     calls = {}
     for i in idx:
         calls.setdefault((group_of[i], kind(i)), []).append(i)
-    return [_Call(g, ii, params, momenta, offsets) for (g, _), ii in calls.items()]
+    return [_Call(g, ii, params, momenta, offsets, spares) for (g, _), ii in calls.items()]
 
 
 class _Layout:
@@ -88,7 +89,11 @@ class _Layout:
                 at += self.sizes[i]
         pair = (lambda i: (self.dtypes[i], self.momenta[i].dtype)) if self.cuda else (lambda i: None)
         dtype = (lambda i: self.dtypes[i]) if self.cuda else (lambda i: None)
-        self.directions = [_calls(group_of, self.params, self.momenta, offsets, range(first, end), pair)
+        # double_buffer=True: each direction call writes the next momenta into the second buffers,
+        # which the agreement swaps in (lionbit.next_momenta); else the momenta are updated then.
+        nexts = opt.next_momenta
+        self.spares = None if nexts is None else list(map(nexts.spare, self.momenta))
+        self.directions = [_calls(group_of, self.params, self.momenta, offsets, range(first, end), pair, self.spares)
                            for first, end, _ in self.chunks]
         self.applies = [_calls(group_of, self.params, self.momenta, offsets, range(first, end), dtype)
                         for first, end, _ in self.chunks]
@@ -129,7 +134,8 @@ def plannable(opt, entries, group) -> bool:
     device = entries[0].param.device
     return (all(e.fused and not e.abstain and e.grad is e.param.grad and e.param.is_contiguous()
                 and e.param.device == device for e in entries)
-            and opt.voter.votes_into_planes(device, group) and kernel_choice.list_kernels_allowed(device))
+            and opt.voter.votes_into_planes(device, group) and kernel_choice.list_kernels_allowed(device)
+            and (opt.next_momenta is None or all(e.momentum.is_contiguous() for e in entries)))
 
 
 class StepPlan:
@@ -169,11 +175,13 @@ class StepPlan:
         for (_, _, total), (sign, zero), out, calls in zip(lay.chunks, buffers.planes, buffers.outs, lay.directions):
             counts = torch.zeros(2, dtype=torch.int64, device=lay.device) if lay.cuda else None
             bad = sum(lion_math.directions_into(c.grads(gs), c.ms, c.offsets, None, None, coefs[c.group], sign, zero,
-                                                counts) for c in calls)
+                                                counts, m_outs=c.outs) for c in calls)
             works.append(voter.all_reduce(sign, zero, total, bad, out, group, "step", out_planes=True,
                                           nans_tally=counts[1:] if lay.cuda else None, agreed=agreed))
         step_vote.wait_votes(agreed)  # every rank agreed: no direction non-finite anywhere
-        for c in lay.updates:  # the momenta, while the votes' bits still move (they do not read Delta)
+        if lay.spares is not None:  # the next momenta are in the second buffers: swapped in
+            next_momenta.swap(lay.momenta, lay.spares)
+        for c in lay.updates if lay.spares is None else ():  # the momenta, while the votes' bits still move
             lion_math.momenta_from(c.grads(gs), c.ms, coefs[c.group])
         step_vote.wait_votes(works)
         outs = list(buffers.outs)

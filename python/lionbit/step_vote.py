@@ -151,7 +151,7 @@ def _by_coefs(items):
     return groups.values(), rest
 
 
-def pack_directions(items, sign, zero, bits=None):
+def pack_directions(items, sign, zero, bits=None, nexts=None):
     """Packs the Lion directions of ``items`` ((g, m, coefs, fused,
     bit_offset, start, length): elements [start, start + length) of g and m,
     on one device; m only read) into the planes; returns
@@ -161,7 +161,9 @@ def pack_directions(items, sign, zero, bits=None):
     for the kernels, inside backward for DDP's hook); on the CPU None. The
     fused tensors of the same hyperparameters go in one call (the list
     kernels: on a GPU a launch per dtype pair, where their first-use check
-    passed; not with ``bits``)."""
+    passed; not with ``bits``). ``nexts`` (lionbit.next_momenta, the
+    optimizer's with double_buffer=True): the fused kernels also write each
+    momentum's next value into its second buffer."""
     if not items:
         return 0, None
     device = items[0][0].device
@@ -169,11 +171,18 @@ def pack_directions(items, sign, zero, bits=None):
     groups, rest = ((), items)
     if not bits and kernel_choice.list_kernels_allowed(device):
         groups, rest = _by_coefs(items)
+    if bits:
+        nexts = None  # (the level packing reads m only; the momentum is updated after the agreement)
     bad = 0
     for g, m, coefs, fused, off, a, k in rest:
+        out = None
+        if nexts is not None:
+            out = nexts.out(m, a, k) if fused else nexts.forget(m)
         bad += lion_math.pack_direction(lion_math.span(g, a, k), lion_math.span(m, a, k), coefs, sign, zero, off,
-                                        fused, bits, counts=counts)
+                                        fused, bits, counts=counts, m_out=out)
     for coefs, group_items in groups:
+        if nexts is not None:
+            group_items = [(*item, nexts.out(item[1], item[3], item[4])) for item in group_items]
         bad += lion_math.pack_directions_list(group_items, coefs, sign, zero, counts)
     return bad, (counts[1:] if counts is not None else None)
 
@@ -220,7 +229,7 @@ def start_chunks(opt, entries: Sequence[Entry], group, where: str, buffers: Vote
                 if e.abstain:
                     lion_math.pack_abstain(e.numel, sign, zero, off, voter.bits)
             items = [item for item, e in zip(items, chunk) if not e.abstain]
-        bad, tally = pack_directions(items, sign, zero, voter.bits)
+        bad, tally = pack_directions(items, sign, zero, voter.bits, opt.next_momenta)
         works.append(voter.all_reduce(sign, zero, total, bad, out, group, where, out_planes=into_planes,
                                       nans_tally=tally, agreed=agreed))
     deltas = []
@@ -261,14 +270,14 @@ def apply_items(entries: Sequence[Entry], deltas) -> list:
     return list(zip(map(_column["param"], entries), deltas, *_columns(entries, "coefs", "fused")))
 
 
-def update(entries: Sequence[Entry], deltas) -> None:
+def update(entries: Sequence[Entry], deltas, nexts=None) -> None:
     """The state change of a voted step: momentum, then parameters."""
-    update_state(momentum_items(entries), apply_items(entries, deltas))
+    update_state(momentum_items(entries), apply_items(entries, deltas), nexts)
 
 
-def update_momenta(entries: Sequence[Entry]) -> None:
+def update_momenta(entries: Sequence[Entry], nexts=None) -> None:
     """A voted step's momentum updates, alone (vote_chunks' ``on_agreed``)."""
-    update_state(momentum_items(entries), [])
+    update_state(momentum_items(entries), [], nexts)
 
 
 def apply_deltas(entries: Sequence[Entry], deltas) -> None:
@@ -276,16 +285,21 @@ def apply_deltas(entries: Sequence[Entry], deltas) -> None:
     update_state([], apply_items(entries, deltas))
 
 
-def update_state(momenta, applies) -> None:
+def update_state(momenta, applies, nexts=None) -> None:
     """The momentum updates ``momenta`` ((g, m, coefs, fused)), then the
     parameter updates ``applies`` ((x, delta, coefs, fused)), on one device
-    (a parameter's update never reads another's momentum). The fused tensors
-    of the same hyperparameters go in one call each (the list kernels: on a
-    GPU a launch per dtype pair, where their first-use check passed); where
+    (a parameter's update never reads another's momentum). With ``nexts``
+    (lionbit.next_momenta) a momentum whose next value the step's direction
+    pass wrote into its second buffer becomes that buffer (a swap); the
+    others are updated from g. The fused tensors of the same hyperparameters
+    go in one call each (the list kernels: on a GPU a launch per dtype pair,
+    where their first-use check passed); where
     the list kernels do not run, the per-tensor fused kernel writes its
     direction bits (not needed) to planes made here for the largest g. A
     fused parameter in another dense layout (channels_last) is updated in a
     contiguous copy, copied back: the kernels read memory in order."""
+    if nexts is not None and momenta:
+        momenta = nexts.take(momenta)
     copies = []
     if applies and not all(map(_contiguous, map(itemgetter(0), applies))):
         copies = [(x, x.contiguous()) for x, _, _, fused in applies if fused and not x.is_contiguous()]

@@ -106,13 +106,13 @@ def _ddp(model):
     return DDP(model, bucket_cap_mb=0.001)  # several buckets
 
 
-def _attached(overlap):
+def _attached(overlap, double_buffer=False):
     """A fresh model, its DDP wrapper and a DistributedLion attached to it."""
     import lionbit
 
     model = _net()
     ddp = _ddp(model)
-    opt = lionbit.DistributedLion(ddp.parameters(), **LION)
+    opt = lionbit.DistributedLion(ddp.parameters(), **LION, double_buffer=double_buffer)
     opt.attach(ddp, overlap=overlap)
     return model, ddp, opt
 
@@ -139,7 +139,7 @@ def _same(model, want, what):
 # -- 1. uneven inputs: torch's Join ---------------------------------------------
 
 
-def join_loop(rank, n, loop, overlap):
+def join_loop(rank, n, loop, overlap, double_buffer=False):
     """The user's loop over this rank's own number of batches, inside
     ``with Join([model, opt]):``."""
     from torch.distributed.algorithms.join import Join
@@ -147,7 +147,7 @@ def join_loop(rank, n, loop, overlap):
 
     torch.set_num_threads(1)
     batches = BATCHES[n]
-    model, ddp, opt = _attached(overlap)
+    model, ddp, opt = _attached(overlap, double_buffer)
     with Join([ddp, opt]):
         _train(ddp, opt, rank, range(batches[rank]), loop)
     _same(model, simulate(batches, loop), f"Join {loop} (overlap={overlap})")

@@ -78,26 +78,39 @@ def _zero_bits(plane) -> int:
     return int(sum(bin(b).count("1") for b in plane.tolist()))
 
 
-def _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update):
+def _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update, m_out=None):
     """The CPU fused direction, with the counts the CUDA kernel's interface adds."""
     before = _zero_bits(zero)
-    counts[1] += _C.lion_direction_into(g, m, b1, omb1, b2, omb2, sign, zero, off, update_momentum=update)
+    counts[1] += _C.lion_direction_into(g, m, b1, omb1, b2, omb2, sign, zero, off, update_momentum=update,
+                                        m_out=m_out)
     counts[0] += _zero_bits(zero) - before
 
 
-def _writes_momentum_always(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update):
-    _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, True)
+def _writes_momentum_always(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update, m_out=None):
+    _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, True, m_out)
 
 
-def _counts_nan_only(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update):
+def _counts_nan_only(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update, m_out=None):
     """Right bits, but Inf directions not counted (they would be applied)."""
-    _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update)
     c = lion_math_direction(g, m, b1, omb1)
+    _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update, m_out)
     counts[1] -= int(torch.isinf(c).sum())
 
 
-def _offset_ignored(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update):
-    _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, 0, update)
+def _offset_ignored(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update, m_out=None):
+    _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, 0, update, m_out)
+
+
+def _m_out_ignored(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update, m_out=None):
+    """The new momentum written in place where a second buffer was given."""
+    _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update)
+
+
+def _m_out_and_m_written(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update, m_out=None):
+    """The new momentum in the second buffer, and in m as well."""
+    _right_direction(g, m if m_out is None else m.clone(), b1, omb1, b2, omb2, sign, zero, counts, off, update, m_out)
+    if m_out is not None:
+        m.copy_(m_out)
 
 
 def lion_math_direction(g, m, b1, omb1):
@@ -108,7 +121,9 @@ def lion_math_direction(g, m, b1, omb1):
 def test_the_direction_check_passes_the_right_kernel_and_names_wrong_ones():
     assert kernel_choice.check_direction(_right_direction, "cpu") is None
     for wrong, what in ((_writes_momentum_always, "update_momentum=False: momentum"),
-                        (_counts_nan_only, ": counts"), (_offset_ignored, ": direction bits")):
+                        (_counts_nan_only, ": counts"), (_offset_ignored, ": direction bits"),
+                        (_m_out_ignored, "update_momentum=m_out: momentum written"),
+                        (_m_out_and_m_written, "update_momentum=m_out: momentum written")):
         case = kernel_choice.check_direction(wrong, "cpu")
         assert case is not None and what in case and "n=" in case, (wrong.__name__, case)
     check = kernel_choice.FirstUseCheck("broken_direction", _offset_ignored, kernel_choice.check_direction)
@@ -127,15 +142,18 @@ def _spans(gs, ms, starts, lengths):
             [m.view(-1)[a : a + k] for m, a, k in zip(ms, starts, lengths)])
 
 
-def _right_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts=None, lengths=None):
+def _right_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts=None, lengths=None,
+                          m_outs=None):
     """The CPU fused direction tensor by tensor: what a list kernel must give."""
+    outs = [None] * len(gs) if m_outs is None else _spans(m_outs, m_outs, starts, lengths)[0]
     gs, ms = _spans(gs, ms, starts, lengths)
-    for g, m, off in zip(gs, ms, offsets):
+    for g, m, off, out in zip(gs, ms, offsets, outs):
         if sign is None:
             scratch = torch.zeros(lion_math_plane_bytes(g.numel()) + 8, dtype=torch.uint8)
-            _C.lion_direction_into(g, m, b1, omb1, b2, omb2, scratch, scratch.clone(), 0, update_momentum=True)
+            _C.lion_direction_into(g, m, b1, omb1, b2, omb2, scratch, scratch.clone(), 0, update_momentum=True,
+                                   m_out=out)
         else:
-            _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update)
+            _right_direction(g, m, b1, omb1, b2, omb2, sign, zero, counts, off, update, out)
 
 
 def _neighbours_overwritten(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, **spans):
@@ -157,28 +175,40 @@ def _momentum_update_skips_the_last(gs, ms, b1, omb1, b2, omb2, sign, zero, coun
     _right_direction_list(gs[:n], ms[:n], b1, omb1, b2, omb2, sign, zero, counts, offsets[:n], update, **spans)
 
 
-def _cpu_list_kernel(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts=None, lengths=None):
+def _cpu_list_kernel(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts=None, lengths=None,
+                     m_outs=None):
     """The CPU's list kernel (which returns the non-finite count and counts no
     zeros) in the device list kernels' form."""
     if sign is None:
         _C.lion_direction_list(gs, ms, b1, omb1, b2, omb2, None, None, offsets, update_momentum=update,
-                               starts=starts, lengths=lengths)
+                               starts=starts, lengths=lengths, m_outs=m_outs)
         return
     before = int(np.unpackbits(zero.numpy()).sum())
     counts[1] += _C.lion_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, offsets, update_momentum=update,
-                                        starts=starts, lengths=lengths)
+                                        starts=starts, lengths=lengths, m_outs=m_outs)
     counts[0] += int(np.unpackbits(zero.numpy()).sum()) - before
 
 
-def _starts_ignored(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts=None, lengths=None):
+def _starts_ignored(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts=None, lengths=None,
+                    m_outs=None):
     """Each span read from its tensor's first element (a table whose data
     pointers were not moved by the span's start)."""
     starts = None if starts is None else [0] * len(starts)
-    _right_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts, lengths)
+    _right_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts, lengths, m_outs)
 
 
-def _spans_updated_whole(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts=None, lengths=None):
+def _m_outs_ignored(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, **spans):
+    """The new momenta written in place where second buffers were given."""
+    spans.pop("m_outs", None)
+    _right_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, **spans)
+
+
+def _spans_updated_whole(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts=None, lengths=None,
+                         m_outs=None):
     """The momentum update of whole tensors where spans were asked for."""
+    if m_outs is not None:
+        return _right_direction_list(gs, ms, b1, omb1, b2, omb2, sign, zero, counts, offsets, update, starts,
+                                     lengths, m_outs)
     if sign is None:
         starts = lengths = None
         seen = {id(m): (g, m) for g, m in zip(gs, ms)}
@@ -208,7 +238,8 @@ def test_the_list_checks_pass_right_kernels_and_name_wrong_ones():
     for wrong, layout, what in ((_neighbours_overwritten, whole, "direction bits"),
                                 (_momentum_update_skips_the_last, whole, "momentum"),
                                 (_starts_ignored, ", spans: ", "direction bits"),
-                                (_spans_updated_whole, ", spans: ", "momentum")):
+                                (_spans_updated_whole, ", spans: ", "momentum"),
+                                (_m_outs_ignored, whole, "momentum written")):
         case = kernel_choice.check_direction_list(wrong, "cpu")
         assert case is not None and case.endswith(layout + what), (wrong.__name__, case)
     case = kernel_choice.check_apply_list(_apply_list_misses_the_second, "cpu")

@@ -395,11 +395,12 @@ class _DeviceLists:
         return [t.as_subclass(torch.Tensor) for t in ts]
 
     def lion_direction_list_device(self, gs, ms, b1, omb1, b2, omb2, sign, zero, counts, bit_offsets,
-                                   update_momentum, starts=None, lengths=None):
+                                   update_momentum, starts=None, lengths=None, m_outs=None):
         assert len({(g.dtype, m.dtype) for g, m in zip(gs, ms)}) == 1, "one dtype pair a launch"
         self.calls.append(("direction", gs[0].dtype, ms[0].dtype, len(gs), update_momentum))
         bad = self.real.lion_direction_list(self._plain(gs), self._plain(ms), b1, omb1, b2, omb2, sign, zero,
-                                            bit_offsets, update_momentum, starts=starts, lengths=lengths)
+                                            bit_offsets, update_momentum, starts=starts, lengths=lengths,
+                                            m_outs=None if m_outs is None else self._plain(m_outs))
         if counts is not None:
             counts[1] += bad
 

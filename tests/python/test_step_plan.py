@@ -7,7 +7,8 @@ unfreezing a layer, zero_grad(set_to_none=False),
 reloading the optimizer's state dict, resetting one momentum, a parameter
 group added mid-run, a non-contiguous gradient. Every step, on every rank,
 the parameters and this rank's momenta equal Distributed Lion computed
-independently in plain torch ops; the steps the plan must not replay (each
+independently in plain torch ops (with one momentum buffer and with two:
+``double_buffer=True``); the steps the plan must not replay (each
 of those events) are the ones it did not, and the others were replayed.
 """
 
@@ -111,9 +112,11 @@ def simulate(world_size, device):
     return history
 
 
-def script(rank, world_size, device="cpu", wrapper="plain"):
+def script(rank, world_size, device="cpu", wrapper="plain", double_buffer=False):
     """The user's script; ``wrapper`` "ddp": the model in DDP with the votes
-    at step() (attach(overlap=False)), which votes as a plain module does."""
+    at step() (attach(overlap=False)), which votes as a plain module does;
+    ``double_buffer``: DistributedLion's second momentum buffers
+    (lionbit.next_momenta)."""
     import lionbit
 
     net, extra = _model(device)
@@ -121,7 +124,7 @@ def script(rank, world_size, device="cpu", wrapper="plain"):
     decay = [p for n, p in net.named_parameters() if n.endswith("weight")]
     no_decay = [p for n, p in net.named_parameters() if not n.endswith("weight")]
     opt = lionbit.DistributedLion([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=LR,
-                                  betas=BETAS, weight_decay=WD)
+                                  betas=BETAS, weight_decay=WD, double_buffer=double_buffer)
     model = net
     if wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -169,17 +172,20 @@ def script(rank, world_size, device="cpu", wrapper="plain"):
     return replayed
 
 
+@pytest.mark.parametrize("double_buffer", [False, True], ids=["", "double_buffer"])
 @pytest.mark.parametrize("wrapper", ["plain", "ddp"])
-def test_a_plain_modules_replayed_steps_equal_the_simulation(wrapper):
-    res = values(run_ranks("test_step_plan:script", 2, kwargs={"wrapper": wrapper}))
+def test_a_plain_modules_replayed_steps_equal_the_simulation(wrapper, double_buffer):
+    res = values(run_ranks("test_step_plan:script", 2, kwargs={"wrapper": wrapper, "double_buffer": double_buffer}))
     assert res == [REPLAYED, REPLAYED], res
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("double_buffer", [False, True], ids=["", "double_buffer"])
 @pytest.mark.parametrize("wrapper", ["plain", "ddp"])
-def test_a_plain_modules_replayed_steps_equal_the_simulation_on_a_gpu(wrapper):
+def test_a_plain_modules_replayed_steps_equal_the_simulation_on_a_gpu(wrapper, double_buffer):
     """The same on one GPU (NCCL underneath, world size 1): the plan's calls
     of the GPU's list kernels, a launch per parameter group and dtype pair."""
-    res = values(run_ranks("test_step_plan:script", 1, kwargs={"device": "cuda", "wrapper": wrapper}))
+    res = values(run_ranks("test_step_plan:script", 1,
+                           kwargs={"device": "cuda", "wrapper": wrapper, "double_buffer": double_buffer}))
     assert res == [REPLAYED], res

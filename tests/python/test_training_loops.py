@@ -159,7 +159,7 @@ def _user_step(opt, model, loop, scaler, clip):
     opt.step()
 
 
-def ddp_loop(rank, n, loop, overlap, compiled=False):
+def ddp_loop(rank, n, loop, overlap, compiled=False, double_buffer=False):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import lionbit
@@ -170,7 +170,7 @@ def ddp_loop(rank, n, loop, overlap, compiled=False):
         _checkpoint_b(model)
     # several buckets (torch.compile's DDP optimizer wants the default sizes)
     ddp = DDP(model) if compiled else DDP(model, bucket_cap_mb=0.001)
-    opt = lionbit.DistributedLion(ddp.parameters(), **LION)
+    opt = lionbit.DistributedLion(ddp.parameters(), **LION, double_buffer=double_buffer)
     opt.attach(ddp, overlap=overlap)
     if compiled:
         ddp = torch.compile(ddp)
