@@ -44,6 +44,9 @@ Not in the default list:
     ddp_no_comm_bv the same with DDP(gradient_as_bucket_view=True): the gradients are
                    views of DDP's buckets, so DDP copies no bucket back into p.grad
     distlion_vote_bv  distlion_vote with DDP(gradient_as_bucket_view=True)
+    distlion_vote_db  distlion_vote with DistributedLion(double_buffer=True): the next momentum
+                   written in the pass that packs the direction, swapped in at step()
+    distlion_vote_db_bv  both
 
 Lion Cub's levers (not in the default list; name them with --impls), each
 distlion_vote (attach, overlap) with one DistributedLion option (DISTLION):
@@ -149,12 +152,15 @@ DISTLION = {
     "distlion_node": dict(hierarchy="node"),
     "distlion_node_vote": dict(hierarchy="node_vote"),
     "distlion_vote_bv": {},
+    "distlion_vote_db": dict(double_buffer=True),
+    "distlion_vote_db_bv": dict(double_buffer=True),
 }
 # DDP without communication: the same step as no_comm under DDP (its autograd hooks and bucket copies)
 # with a comm hook that hands back the local gradient; what DDP itself costs a step.
 DDP_NO_COMM = ("ddp_no_comm", "ddp_no_comm_bv")
 # The configs that build DDP with more than init_sync=False.
 DDP_KWARGS = {"distlion_vote_bv": dict(gradient_as_bucket_view=True),
+              "distlion_vote_db_bv": dict(gradient_as_bucket_view=True),
               "ddp_no_comm_bv": dict(gradient_as_bucket_view=True)}
 KNOWN = IMPLS + [k for k in DISTLION if k not in IMPLS] + list(DDP_NO_COMM)
 
