@@ -32,6 +32,10 @@ floor. --trace-dir writes each method's profiled step on each list as a
 gzipped Chrome trace (lion_step_LIST_METHOD_DEVICE.trace.json.gz), which
 tools/trace_summary.py reads: where the device waited and on what.
 
+The double_buffer row keeps a second buffer for every momentum (the next
+momentum written in the pass that packs the direction: five passes over
+memory a parameter, fused Lion's, where one buffer makes seven).
+
 --chunks adds rows of DistributedLion (bf16 momentum) with other chunk
 sizes, each V/C: votes of 2^V elements (step_vote.CHUNK_ELEMENTS_GPU, the
 step's grouping of tensors into sign all-reduce calls) and the backend's
@@ -217,7 +221,8 @@ def launches(step, device, trace=None):
 
 
 #: Each method's name in its trace's file name.
-TRACE_NAMES = {TORCH: "torch", "DistributedLion (bf16 momentum)": "distlion_bf16",
+DOUBLE = "DistributedLion (bf16 momentum, double_buffer)"
+TRACE_NAMES = {TORCH: "torch", "DistributedLion (bf16 momentum)": "distlion_bf16", DOUBLE: "distlion_bf16_db",
                "DistributedLion (fp32 momentum, default)": "distlion_fp32",
                "DistributedLion fused=False (bf16 momentum)": "distlion_unfused"}
 
@@ -249,6 +254,7 @@ def run_list(name, shapes, device, steps, profile, trace_dir=None, chunks=()):
     momenta.clear()
     bf16 = {"momentum_dtype": torch.bfloat16}
     methods = [("DistributedLion (bf16 momentum)", bf16, (None, None)),
+               (DOUBLE, {**bf16, "double_buffer": True}, (None, None)),
                ("DistributedLion (fp32 momentum, default)", {}, (None, None)),
                ("DistributedLion fused=False (bf16 momentum)", {**bf16, "fused": False}, (None, None))]
     methods += [(f"DistributedLion (bf16) votes 2^{v} chunks 2^{c}", bf16, (v, c)) for v, c in chunks]

@@ -461,7 +461,7 @@ def main(argv=None):
             return
         res = json.load(open(path))
         r.figures["lion_step"] = res
-        key = "DistributedLion (bf16 momentum)"
+        key, double = "DistributedLion (bf16 momentum)", "DistributedLion (bf16 momentum, double_buffer)"
         parts = []
         for name, fig in res["lists"].items():
             ms, launched = fig["ms_per_step"], fig["launches_per_step"]
@@ -469,7 +469,9 @@ def main(argv=None):
                          f"{ms['torch Lion (foreach, bf16 momentum)']:.1f} ms, DistributedLion {ms[key]:.1f} ms "
                          f"(host {fig['host_ms_per_step'][key]:.1f}) = "
                          f"{fig['ratio_to_torch'][key]:.2f}x torch, {fig['ratio_to_floor'][key]:.2f}x floor"
-                         + (f", {launched[key]} launches" if launched[key] else ""))
+                         + (f", {launched[key]} launches" if launched[key] else "")
+                         + (f"; double_buffer {ms[double]:.1f} ms = {fig['ratio_to_torch'][double]:.2f}x torch, "
+                            f"{fig['ratio_to_floor'][double]:.2f}x floor" if double in ms else ""))
         figure = "; ".join(parts) + summarize_traces(step, "lion_step")
         if gpu:
             step.status, step.figure = "passed", figure

@@ -663,7 +663,7 @@ class _FourDLinear(torch.nn.Module):
         return torch.nn.functional.linear(x, self.weight.reshape(7, 96), self.bias)
 
 
-def _ddp_linear(rank, world_size, device, steps, aggregation, fused, channels_last=False):
+def _ddp_linear(rank, world_size, device, steps, aggregation, fused, channels_last=False, double_buffer=False):
     """A linear model with a linear loss and small-integer inputs: every
     gradient is an exact integer whatever the summation order, so a CPU and a
     CUDA run see the same gradients and must end bitwise equal (and a run
@@ -681,6 +681,7 @@ def _ddp_linear(rank, world_size, device, steps, aggregation, fused, channels_la
         weight_decay=0.5,
         aggregation=aggregation,
         fused=fused,
+        double_buffer=double_buffer,
     )
     opt.attach(ddp)
     for step in range(steps):
@@ -695,9 +696,9 @@ def _ddp_linear(rank, world_size, device, steps, aggregation, fused, channels_la
     return flat.view(torch.int32).tolist()
 
 
-def _ddp_both(rank, world_size, steps, aggregation, fused, channels_last=False):
+def _ddp_both(rank, world_size, steps, aggregation, fused, channels_last=False, double_buffer=False):
     cpu = _ddp_linear(rank, world_size, "cpu", steps, aggregation, fused)
-    gpu = _ddp_linear(rank, world_size, "cuda", steps, aggregation, fused, channels_last)
+    gpu = _ddp_linear(rank, world_size, "cuda", steps, aggregation, fused, channels_last, double_buffer)
     return {"equal": cpu == gpu, "hash": hash(tuple(gpu))}
 
 
@@ -720,6 +721,18 @@ def test_distributed_lion_ddp_cuda_matches_cpu(aggregation, fused):
     _skip_without_gpu()
     got = values(run_ranks("test_cuda:_ddp_both", 3, kwargs={"steps": 25, "aggregation": aggregation, "fused": fused},
                            env=GLOO, timeout=600))
+    assert all(v["equal"] for v in got), got
+    assert len({v["hash"] for v in got}) == 1, "replicas differ across ranks"
+
+
+@pytest.mark.gpu
+def test_distributed_lion_ddp_double_buffer_cuda_matches_cpu():
+    """double_buffer=True on the GPU (the hook's list kernels write the next
+    momenta into the second buffers, swapped in at step()): the CPU run with
+    one buffer, bitwise."""
+    _skip_without_gpu()
+    got = values(run_ranks("test_cuda:_ddp_both", 3, kwargs={"steps": 25, "aggregation": "vote", "fused": None,
+                                                             "double_buffer": True}, env=GLOO, timeout=600))
     assert all(v["equal"] for v in got), got
     assert len({v["hash"] for v in got}) == 1, "replicas differ across ranks"
 

@@ -68,6 +68,7 @@ def test_gpu_check_cpu_mode(tmp_path):
     # The GPU-only scripts ran on CPU and wrote what the GPU run reads.
     lion = json.loads((tmp_path / "lion_step.json").read_text())
     assert lion["ms_per_step"]["DistributedLion (bf16 momentum)"] > 0
+    assert lion["lists"]["stack"]["ms_per_step"]["DistributedLion (bf16 momentum, double_buffer)"] > 0
     assert set(lion["lists"]) == {"stack", "gpt2-medium"} and lion["lists"]["gpt2-medium"]["tensors"] == 292
     assert lion["lists"]["stack"]["floor_ms"] > 0
     train = json.loads((tmp_path / "train_step.json").read_text())
@@ -79,7 +80,7 @@ def test_gpu_check_cpu_mode(tmp_path):
     # each Lion step's method on each list.
     traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
     lion_traces = [f"lion_step_{name}_{m}_cpu.trace.json.gz" for name in ("stack", "gpt2-medium")
-                   for m in ("torch", "distlion_bf16", "distlion_fp32", "distlion_unfused")]
+                   for m in ("torch", "distlion_bf16", "distlion_bf16_db", "distlion_fp32", "distlion_unfused")]
     assert traces == sorted([f"train_step_{k}_cpu.trace.json.gz" for k in train["results"]] + lion_traces), traces
     with gzip.open(tmp_path / "traces" / "train_step_fsdp2_cpu.trace.json.gz") as f:
         assert "Optimizer.step#DistributedLion.step" in f.read().decode()
