@@ -11,6 +11,7 @@
 #include "signbits/zeros.h"
 #include "backend/phase2.hpp"
 #include "bindings/kernel_bindings.hpp"
+#include "bindings/storage_swap.hpp"
 #include "backend/lionbit_backend.hpp"
 #include "backend/sign_request.hpp"
 #include "backend/sign_errors.hpp"
@@ -213,6 +214,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("starts") = py::none(), py::arg("lengths") = py::none(),
       py::call_guard<py::gil_scoped_release>());
   m.def("lion_fused_supported", &lionbit::lion_fused_supported);
+  m.def(
+      "swap_storages", &lionbit::swap_storages, py::arg("tensors"), py::arg("buffers"),
+      py::call_guard<py::gil_scoped_release>());
   m.def(
       "pack_levels_into", &lionbit::pack_levels_into, py::arg("c"), py::arg("factor"),
       py::arg("bits"), py::arg("planes"), py::arg("bit_offset"),

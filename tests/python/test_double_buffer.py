@@ -209,3 +209,23 @@ def test_the_kernels_write_the_next_momentum_into_m_out_and_check_it():
         _C.lion_direction_list([g, g], [m, m.clone()], 0.9, 0.1, 0.99, 0.01, None, None, [0, 0],
                                update_momentum=True, m_outs=[torch.empty(100), torch.empty(3)])
     assert torch.equal(m, before), "a refused list call changed a momentum"
+
+
+def test_the_storage_swap_keeps_each_tensor_and_checks_every_pair_first():
+    from lionbit import _C
+
+    ms, spares = [torch.zeros(3), torch.zeros(2, 2)], [torch.ones(3), torch.ones(2, 2)]
+    objects = [id(t) for t in ms + spares]
+    _C.swap_storages(ms, spares)
+    assert [id(t) for t in ms + spares] == objects
+    assert all(bool((m == 1).all()) for m in ms) and all(bool((s == 0).all()) for s in spares)
+    assert ms[1].shape == (2, 2) and ms[1].is_contiguous()
+    for bad, what in (([torch.ones(3), torch.ones(4)], "pair 1 differs"),
+                      ([torch.ones(3), torch.ones(2, 2, dtype=torch.bfloat16)], "pair 1 differs"),
+                      ([torch.ones(3), torch.ones(2, 2).t()], "pair 1 is not contiguous"),
+                      ([torch.ones(3), ms[1]], "pair 1 share memory")):
+        with pytest.raises(ValueError, match=r"lionbit\.swap_storages: .*" + what):
+            _C.swap_storages(ms, bad)
+        assert bool((ms[0] == 1).all()), "a refused swap swapped the first pair"
+    with pytest.raises(ValueError, match="2 tensors and 1 buffers"):
+        _C.swap_storages(ms, spares[:1])
