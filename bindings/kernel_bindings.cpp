@@ -256,6 +256,7 @@ void check_direction_pair(
 // no element shared with m (m_out = m is what leaving it out does).
 void check_momentum_out(
     const char* op,
+    const at::Tensor& g,
     const at::Tensor& m,
     const at::Tensor& m_out,
     bool update_momentum,
@@ -273,6 +274,9 @@ void check_momentum_out(
   TORCH_CHECK_VALUE(
       at::get_overlap_status(m, m_out) == at::MemOverlapStatus::No, "lionbit.", op, ": ", out_name,
       " overlaps ", m_name, " (leave it out to update ", m_name, " in place)");
+  TORCH_CHECK_VALUE(
+      at::get_overlap_status(g, m_out) == at::MemOverlapStatus::No, "lionbit.", op, ": ", out_name,
+      " overlaps the gradient");
 }
 
 // Whether a pair's bits go straight into the planes: only where the kernel's
@@ -355,7 +359,7 @@ int64_t lion_direction_into(
   const char* op = "lion_direction_into";
   check_direction_pair(op, g, m, "g", "m");
   if (m_out) {
-    check_momentum_out(op, m, *m_out, update_momentum, "m", "m_out");
+    check_momentum_out(op, g, m, *m_out, update_momentum, "m", "m_out");
   }
   TORCH_CHECK_VALUE(bit_offset >= 0, "lionbit.", op, ": negative bit_offset");
   const int64_t n = g.numel();
@@ -433,7 +437,7 @@ int64_t lion_direction_list(
     check_direction_pair(op, gs[i], ms[i], item("gs", i), item("ms", i));
     if (m_outs) {
       check_momentum_out(
-          op, ms[i], (*m_outs)[i], update_momentum, item("ms", i), item("m_outs", i));
+          op, gs[i], ms[i], (*m_outs)[i], update_momentum, item("ms", i), item("m_outs", i));
     }
     TORCH_CHECK_VALUE(bit_offsets[i] >= 0, "lionbit.", op, ": negative bit_offsets[", i, "]");
     const auto n = static_cast<int64_t>(spans[i].count);

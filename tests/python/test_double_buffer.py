@@ -197,7 +197,8 @@ def test_the_kernels_write_the_next_momentum_into_m_out_and_check_it():
     sign, zero = torch.zeros(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
     for kwargs, what in (({"m_out": m}, "m_out overlaps m"), ({"m_out": m[:50]}, r"m_out \(Float, 50 elements\)"),
                          ({"m_out": torch.empty(100, dtype=torch.bfloat16)}, "must have the dtype and size of m"),
-                         ({"m_out": torch.empty(100), "update_momentum": False}, "needs update_momentum=True")):
+                         ({"m_out": torch.empty(100), "update_momentum": False}, "needs update_momentum=True"),
+                         ({"m_out": g}, "m_out overlaps the gradient")):
         with pytest.raises(ValueError, match=r"lionbit\.lion_direction_into: .*" + what):
             _C.lion_direction_into(g, m, 0.9, 0.1, 0.99, 0.01, sign, zero, 0, **kwargs)
     with pytest.raises(ValueError, match=r"lionbit\.lion_direction_list: m_outs\[1\] overlaps ms\[1\]"):
