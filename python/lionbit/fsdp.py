@@ -249,7 +249,6 @@ class FSDP2Attachment(Attachment):
     the order of the units' votes at ``step()``."""
 
     kind = "FSDP2"
-    serves_next_momenta = False  # (the momentum in pieces of the shards: one buffer)
 
     @staticmethod
     def accepts(model) -> bool:
@@ -1124,7 +1123,7 @@ def _start_votes(att):
         planes = voter.votes_into_planes(device, group)
         try:
             delta = voter.sharded_vote(pieces, s, group, device, where, fused_for, agreed, works, replicated=hsdp,
-                                       into_planes=planes)
+                                       into_planes=planes, nexts=opt.next_momenta)
         except step_vote.NonFinite as err:
             raise step_vote.NonFinite(_global_ranks(att, group, err.ranks)) from None
         groups += [group] * (len(agreed) - len(groups))
@@ -1136,7 +1135,7 @@ def _start_votes(att):
 
     def update_momenta() -> None:
         verdicts = fused_for.many([t[1] for t in todo], [t[0] for t in todo])
-        step_vote.update_state([(g, m, c, f) for (g, m, c, *_), f in zip(todo, verdicts)], [])
+        step_vote.update_state([(g, m, c, f) for (g, m, c, *_), f in zip(todo, verdicts)], [], opt.next_momenta)
 
     def apply() -> None:
         applies = [(local, d, coefs) for _, _, coefs, local, d, own in todo if own]

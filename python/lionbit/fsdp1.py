@@ -544,7 +544,7 @@ class FSDP1Attachment(Attachment):
     ``clip_grad_norm_``."""
 
     kind = "FSDP1"
-    serves_next_momenta = False  # (the momentum in pieces of the shards: one buffer)
+    serves_next_momenta = False  # (each unit's momenta are views of one flat buffer: one buffer)
 
     @staticmethod
     def accepts(model) -> bool:

@@ -33,7 +33,7 @@ from typing import List, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import kernel_choice, lion_math, step_vote, torch_internals
+from . import kernel_choice, lion_math, next_momenta, step_vote, torch_internals
 from .voter import KeptShardPlanes
 
 _grad, _requires_grad, _dtype = attrgetter("grad"), attrgetter("requires_grad"), attrgetter("dtype")
@@ -51,11 +51,12 @@ class _Call:
     lengths (a parameter once a span); for an apply ``xs``, their local
     shards, and their Delta's bit offsets."""
 
-    __slots__ = ("group", "idx", "ms", "offsets", "starts", "lengths", "xs")
+    __slots__ = ("group", "idx", "ms", "offsets", "starts", "lengths", "xs", "outs")
 
     def __init__(self, group: int):
         self.group = group
         self.idx, self.ms, self.offsets, self.starts, self.lengths, self.xs = [], [], [], [], [], []
+        self.outs = None  # a direction's momenta's second buffers (double_buffer=True, lionbit.next_momenta)
 
     def grads(self, gs) -> list:
         return list(map(gs.__getitem__, self.idx))
@@ -143,6 +144,26 @@ class _Layout:
                                     _grouped(applies, self._add_apply)))
         self.updates = _grouped((((group_of[p], pair(i)), i) for i, p in enumerate(self.ps)), self._add_momentum)
         self.config = _config(att, self.device, self.votes)
+        self.spares = self._spares(opt.next_momenta)
+
+    def _spares(self, nexts) -> Optional[list]:
+        """double_buffer=True: each momentum's second buffer, which the
+        directions' calls write and the agreement swaps in, where their spans
+        tile every momentum (else None: the momenta are updated from g)."""
+        if nexts is None:
+            return None
+        spans = [set() for _ in self.momenta]
+        for v in self.votes:
+            for c in v.directions:
+                for i, a, k in zip(c.idx, c.starts, c.lengths):
+                    spans[i].add((a, k))
+        if not all(next_momenta.tiles(s, m.numel()) for s, m in zip(spans, self.momenta)):
+            return None
+        spares = list(map(nexts.spare, self.momenta))
+        for v in self.votes:
+            for c in v.directions:
+                c.outs = [spares[i] for i in c.idx]
+        return spares
 
     def _add_span(self, call, item) -> None:
         i, offset, start, length = item
@@ -258,7 +279,7 @@ class FSDP2Plan:
             sign, zero, delta = v.buffers(voter, lay.device)
             counts = torch.zeros(2, dtype=torch.int64, device=lay.device) if lay.cuda else None
             bad = sum(lion_math.directions_into(c.grads(gs), c.ms, c.offsets, c.starts, c.lengths, coefs[c.group],
-                                                sign, zero, counts) for c in v.directions)
+                                                sign, zero, counts, m_outs=c.outs) for c in v.directions)
             tally = counts[1:] if lay.cuda else None
             try:
                 works.append(voter.start_sharded(sign, zero, v.numel, bad, delta, v.group, v.where, v.replicated,
@@ -268,6 +289,9 @@ class FSDP2Plan:
             groups += [v.group] * (len(agreed) - len(groups))
 
         def momenta() -> None:
+            if lay.spares is not None:  # the next momenta are in the second buffers: swapped in
+                next_momenta.swap(lay.momenta, lay.spares)
+                return
             for c in lay.updates:
                 lion_math.momenta_from(c.grads(gs), c.ms, coefs[c.group])
 

@@ -29,7 +29,7 @@ skipped or failed), and a momentum packed without its second buffer (the
 torch path, a piece of a tensor) is struck off at once.
 """
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -51,21 +51,26 @@ def for_optimizer(double_buffer: bool, bits) -> Optional["NextMomenta"]:
 
 def check_attachment(nexts: Optional["NextMomenta"], kind) -> None:
     """Refuses to attach an optimizer with second buffers (``nexts``) to a
-    model whose attachment class ``kind`` does not serve them (FSDP2, FSDP1:
-    their steps keep the momentum in pieces of the shards)."""
+    model whose attachment class ``kind`` does not serve them (FSDP1: its
+    momenta are views of one flat buffer a unit, which a swap of storage
+    would strand)."""
     if nexts is not None and kind is not None and not kind.serves_next_momenta:
         raise ValueError(
-            f"DistributedLion(double_buffer=True).attach: {kind.kind} keeps each rank's momentum in pieces of its "
-            f"shards; the second momentum buffer serves plain modules and DDP. Use double_buffer=False")
+            f"DistributedLion(double_buffer=True).attach: {kind.kind} keeps each unit's momenta as views of one flat "
+            f"buffer; the second momentum buffers serve plain modules, DDP and FSDP2 / HSDP. Use double_buffer=False")
 
 
 class NextMomenta:
     """Each momentum's second buffer (made at its first use, dropped with the
-    momentum) and which of them hold this step's next momentum."""
+    momentum) and which of them hold this step's next momentum: the spans
+    (start, length) of each that the step's passes wrote. A momentum may come
+    as a flat view of itself (FSDP2's step) and in spans (FSDP2's chunks):
+    its buffer is swapped in only where the spans written tile all of it."""
 
     def __init__(self):
         self.spares = WeakIdKeyDictionary()  # momentum -> its second buffer
-        self.written: Dict[int, torch.Tensor] = {}  # id -> momentum whose next value its buffer holds
+        # id -> (momentum, the spans of it whose next value its buffer holds)
+        self.written: Dict[int, Tuple[torch.Tensor, Set[Tuple[int, int]]]] = {}
 
     def spare(self, m: torch.Tensor) -> torch.Tensor:
         """``m``'s second buffer (uninitialized at first)."""
@@ -75,31 +80,39 @@ class NextMomenta:
         return s
 
     def out(self, m: torch.Tensor, start: int, length: int) -> Optional[torch.Tensor]:
-        """Where the pass that packs elements [start, start + length) of m
-        writes its next momentum: m's second buffer where that is all of a
-        contiguous m (recorded as written), else None (m is struck off: its
-        momentum is updated after the agreement, as with one buffer)."""
-        if start != 0 or length != m.numel() or not m.is_contiguous():
+        """Where the pass that packs elements [start, start + length) of m (a
+        momentum, or a flat view of all of one) writes their next momentum:
+        the second buffer, in m's shape (the span recorded as written; all
+        of m starts the record again), or None where m is not all of a
+        contiguous momentum (struck off: its momentum is updated after the
+        agreement, as with one buffer)."""
+        root = _root(m)
+        if not (root.is_contiguous() and m.is_contiguous() and m.numel() == root.numel()
+                and m.data_ptr() == root.data_ptr()):
             self.forget(m)
             return None
-        self.written[id(m)] = m
-        return self.spare(m)
+        entry = self.written.get(id(root))
+        if entry is None or entry[0] is not root or (start == 0 and length == m.numel()):
+            entry = self.written[id(root)] = (root, set())
+        entry[1].add((start, length))
+        return self.spare(root).view(m.shape)
 
     def forget(self, m: torch.Tensor) -> None:
         """m's next momentum is not (or no longer) in its second buffer."""
-        self.written.pop(id(m), None)
+        self.written.pop(id(_root(m)), None)
 
     def take(self, momenta: list) -> list:
         """Of a voted step's momentum items ((g, m, coefs, fused), every rank
-        having agreed): makes the written ones' second buffers their momenta
-        and returns the others, to be updated from g."""
+        having agreed): makes the second buffers written all over their
+        momenta and returns the others, to be updated from g."""
         if not self.written:
             return momenta
         rest, done = [], []
         for item in momenta:
-            m = item[1]
-            if self.written.pop(id(m), None) is m:
-                done.append(m)
+            root = _root(item[1])
+            entry = self.written.pop(id(root), None)
+            if entry is not None and entry[0] is root and tiles(entry[1], root.numel()):
+                done.append(root)
             else:
                 rest.append(item)
         swap(done, [self.spares[m] for m in done])
@@ -108,6 +121,23 @@ class NextMomenta:
     def clear(self) -> None:
         """The step is over: no second buffer holds a next momentum any more."""
         self.written.clear()
+
+
+def _root(m: torch.Tensor) -> torch.Tensor:
+    """The tensor a view ``m`` was made of (FSDP2's step reads its momenta
+    as flat views), or m itself."""
+    base = m._base
+    return m if base is None else base
+
+
+def tiles(spans, numel: int) -> bool:
+    """Whether the spans (start, length) cover [0, numel) once each."""
+    at = 0
+    for start, length in sorted(spans):
+        if start != at:
+            return False
+        at += length
+    return at == numel
 
 
 def swap(ms: List[torch.Tensor], spares: List[torch.Tensor]) -> None:

@@ -120,8 +120,8 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
             (plain torch ops). All give bitwise the same result. ``LIONBIT_KERNELS=aten`` turns them
             off everywhere (lionbit.kernel_choice; ``lionbit.kernels(device)`` says which run).
         double_buffer: a second buffer for every momentum: two passes over memory fewer a step (7 -> 5
-            a parameter) for one more momentum's memory, bitwise the same steps; plain modules and DDP,
-            aggregation vote/avg/sum (lionbit.next_momenta).
+            a parameter) for one more momentum's memory, bitwise the same steps; plain modules, DDP and
+            FSDP2 / HSDP, aggregation vote/avg/sum (lionbit.next_momenta).
 
     Without a process group it is single-process Lion; with a plain module ``step()`` votes.
     With DDP, FSDP2 or FSDP1 call ``attach(model)`` once. ``p.grad`` after backward is each rank's

@@ -116,7 +116,7 @@ class Voter:
 
     def sharded_vote(self, pieces, shard_numel: int, group, device, where: str, fused_for,
                      agreed: list, works: list, replicated: bool = False,
-                     into_planes: bool = False) -> torch.Tensor:
+                     into_planes: bool = False, nexts=None) -> torch.Tensor:
         """The vote of directions laid out in N shards of ``shard_numel``
         elements (FSDP2's chunks, FSDP1's flat parameter), as a sign
         reduce-scatter: this rank's shard of Delta (``into_planes``, where
@@ -134,7 +134,9 @@ class Voter:
         and ``works``; the caller waits for them (step_vote.wait_votes,
         which raises step_vote.NonFinite naming the ranks that had a
         non-finite direction) before it reads Delta. ``fused_for(m, g)``:
-        whether the fused kernels serve a pair (a step_vote.FusedVerdicts)."""
+        whether the fused kernels serve a pair (a step_vote.FusedVerdicts);
+        ``nexts``: the optimizer's second momentum buffers (lionbit.next_momenta),
+        written in the same pass."""
         sign, zero = self.shard_planes(1 if replicated else group.size(), shard_numel, device)
         nans, items = 0, []
         stride = lion_math.shard_bit(1, shard_numel)  # bits from one shard to the next
@@ -147,7 +149,7 @@ class Voter:
                     nans += lion_math.pack_levels_pieces(parts, coefs, self.bits, sign)
                 continue
             items += [(g, m, coefs, fused, stride * r + at, a, k) for r, a, k, at in spans if k]
-        packed, tally = pack_directions(items, sign, zero)
+        packed, tally = pack_directions(items, sign, zero, nexts=nexts)
         nans += packed
         if into_planes:
             delta = torch.empty(2 * lion_math.plane_bytes(shard_numel), dtype=torch.uint8, device=device)

@@ -758,7 +758,8 @@ def _fsdp_cuda_vs_ddp(rank, world_size, kind, configs, steps):
     """FSDP2 (kind "fsdp2") or FSDP1 on CUDA parameters against DDP +
     DistributedLion on CUDA parameters: the same model, seeds and batches as
     tests/python/test_fsdp.py's CPU parity tests. configs: (accumulate,
-    aggregation, FSDP1 (strategy, use_orig_params) or None)."""
+    aggregation, FSDP1 (strategy, use_orig_params); FSDP2: None, or
+    "double_buffer" for DistributedLion(double_buffer=True))."""
     from test_fsdp import _digest, _full_params, _net, _train_ddp, _train_fsdp
     from test_fsdp1 import _params, _train_fsdp1, _wrap
 
@@ -767,7 +768,8 @@ def _fsdp_cuda_vs_ddp(rank, world_size, kind, configs, steps):
     for accumulate, aggregation, fsdp1 in configs:
         ddp = _train_ddp(rank, steps, accumulate, aggregation, device=dev)
         if kind == "fsdp2":
-            model, _, _ = _train_fsdp(rank, steps, accumulate, aggregation, device=dev)
+            model, _, _ = _train_fsdp(rank, steps, accumulate, aggregation, device=dev,
+                                      double_buffer=fsdp1 == "double_buffer")
             full = _full_params(model)
         else:
             strategy, use_orig = fsdp1
@@ -784,7 +786,8 @@ def _fsdp_cuda_vs_ddp(rank, world_size, kind, configs, steps):
     return out
 
 
-FSDP2_CUDA = [(1, "vote", None), (2, "avg", None), (1, "l1:4+alternate", None), (1, "vote+random", None)]
+FSDP2_CUDA = [(1, "vote", None), (2, "avg", None), (1, "l1:4+alternate", None), (1, "vote+random", None),
+              (2, "vote", "double_buffer")]
 FSDP1_CUDA = [
     (1, "vote", ("FULL_SHARD", False)),
     (2, "avg", ("SHARD_GRAD_OP", True)),

@@ -8,12 +8,13 @@ gradient accumulation under ``no_sync()``; votes in backward and at
 ``step()``) and uneven inputs under ``Join`` on 2 and 3 ranks, each equal
 to Distributed Lion simulated in plain torch ops (the simulations of
 test_training_loops and test_habits); the plain module's planned steps are
-test_step_plan's, run with ``double_buffer=True`` too. Here also: the swap
+test_step_plan's, HSDP's test_hsdp's, run with ``double_buffer=True`` too;
+FSDP2 on a 1-D mesh equal to DDP. Here also: the swap
 keeps each momentum's tensor object while its storage alternates between
 two buffers, a checkpoint holds the momentum alone and resumes bitwise, a
 step that fails or is skipped leaves the momentum as it was (the second
 buffer, written by the failed step, is not swapped in by the next one), the
-refusals (l1, FSDP) and the kernels' argument checks.
+refusals (l1, FSDP1) and the kernels' argument checks.
 """
 
 import copy
@@ -141,19 +142,14 @@ def test_second_buffers_swap_storage_keep_tensors_and_checkpoint_bitwise():
 
 
 def refusals(rank, n):
-    """double_buffer=True where it cannot serve: "l1" and FSDP2 / FSDP1."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
+    """double_buffer=True where it cannot serve: "l1" and FSDP1."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     import lionbit
 
     errors = []
     try:
         lionbit.DistributedLion(_model().parameters(), aggregation="l1", double_buffer=True)
-    except ValueError as err:
-        errors.append(str(err))
-    sharded = fully_shard(_model())
-    try:
-        lionbit.DistributedLion(sharded.parameters(), double_buffer=True).attach(sharded)
     except ValueError as err:
         errors.append(str(err))
     fsdp1 = FSDP(_model(), device_id=torch.device("cpu"))
@@ -166,10 +162,39 @@ def refusals(rank, n):
 
 def test_double_buffer_is_refused_where_it_cannot_serve():
     for errors in values(run_ranks("test_double_buffer:refusals", 2)):
-        assert len(errors) == 3, errors
+        assert len(errors) == 2, errors
         assert "double_buffer=True" in errors[0] and "'l1'" in errors[0], errors[0]
-        assert "FSDP2" in errors[1] and "double_buffer=False" in errors[1], errors[1]
-        assert "FSDP1" in errors[2] and "double_buffer=False" in errors[2], errors[2]
+        assert "FSDP1" in errors[1] and "double_buffer=False" in errors[1], errors[1]
+
+
+def fsdp2_buffers(rank, n):
+    """FSDP2 on a 1-D mesh with the second buffers: the step's spans (FSDP's
+    chunks of each full-size momentum) tile every momentum, so the general
+    path's first step and the plan's replays swap them in."""
+    import lionbit
+    import test_fsdp
+
+    model = test_fsdp._shard(test_fsdp._net(), True)
+    opt = lionbit.DistributedLion(model.parameters(), double_buffer=True, **test_fsdp.LION).attach(model)
+    ptrs = []
+    for step in range(4):
+        test_fsdp._loss(model, rank, step, 0).backward()
+        opt.step()
+        opt.zero_grad()
+        ptrs.append([s["exp_avg"].data_ptr() for s in opt.state.values()])
+    swapped = all(ptrs[s] == ptrs[s - 2] and all(map(int.__ne__, ptrs[s], ptrs[s - 1])) for s in (2, 3))
+    return {"swapped": swapped, "replayed": opt.attachment.plan.replayed}
+
+
+@pytest.mark.parametrize("n,accumulate,aggregation", [(2, 1, "vote"), (3, 2, "avg")])
+def test_fsdp2_with_a_second_momentum_buffer_equals_ddp_bitwise(n, accumulate, aggregation):
+    """test_fsdp's FSDP2 run (nested units, 12 steps) with double_buffer=True
+    against DDP with one buffer (test_fsdp checks DDP against the simulation)."""
+    res = values(run_ranks("test_fsdp:fsdp_vs_ddp", n, kwargs=dict(steps=12, accumulate=accumulate,
+                                                                    aggregation=aggregation, double_buffer=True)))
+    assert all(all(r["same"]) for r in res), res
+    for r in values(run_ranks("test_double_buffer:fsdp2_buffers", n)):
+        assert r["swapped"] and r["replayed"] == 3, r
 
 
 def test_the_kernels_write_the_next_momentum_into_m_out_and_check_it():

@@ -118,7 +118,7 @@ def _train_ddp(rank, steps, accumulate, aggregation, momentum_dtype=None, device
 
 
 def _train_fsdp(rank, steps, accumulate, aggregation, nested=True, momentum_dtype=None, mp=None, fixed_batch=False,
-                device=None):
+                device=None, double_buffer=False):
     import lionbit
 
     kw = {}
@@ -127,7 +127,8 @@ def _train_fsdp(rank, steps, accumulate, aggregation, nested=True, momentum_dtyp
 
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp)
     model = _shard(_net(), nested, device=device, **kw)
-    opt = lionbit.DistributedLion(model.parameters(), **_agg(aggregation), momentum_dtype=momentum_dtype, **LION)
+    opt = lionbit.DistributedLion(model.parameters(), **_agg(aggregation), momentum_dtype=momentum_dtype,
+                                  double_buffer=double_buffer, **LION)
     opt.attach(model)
     losses = []
     for step in range(steps):
@@ -141,10 +142,10 @@ def _train_fsdp(rank, steps, accumulate, aggregation, nested=True, momentum_dtyp
     return model, opt, losses
 
 
-def fsdp_vs_ddp(rank, world_size, steps, accumulate, aggregation, momentum_dtype=None):
+def fsdp_vs_ddp(rank, world_size, steps, accumulate, aggregation, momentum_dtype=None, double_buffer=False):
     md = getattr(torch, momentum_dtype) if momentum_dtype else None
     ddp = _train_ddp(rank, steps, accumulate, aggregation, md)
-    model, _, _ = _train_fsdp(rank, steps, accumulate, aggregation, momentum_dtype=md)
+    model, _, _ = _train_fsdp(rank, steps, accumulate, aggregation, momentum_dtype=md, double_buffer=double_buffer)
     full = _full_params(model)
     same = [bool(torch.equal(a, b)) for a, b in zip(ddp, full)]
     moved = float(sum((a - _net().state_dict()[k]).abs().sum() for a, k in zip(full, _net().state_dict())))

@@ -78,7 +78,7 @@ def _loss(model, rank, step, micro=0):
 
 def _config(**kw):
     cfg = dict(aggregation="vote", tie_break="zero", steps=4, clip=None, accumulate=1, reshard=True, mp=None,
-               reduce=None, scaler=False, overflow=None, compile=False, tie=False, divide=None)
+               reduce=None, scaler=False, overflow=None, compile=False, tie=False, divide=None, double_buffer=False)
     cfg.update(kw)
     return cfg
 
@@ -112,10 +112,10 @@ def _train(rank, mesh, cfg):
 
     model = _hsdp_model(mesh, cfg)
     opt = lionbit.DistributedLion(model.parameters(), aggregation=cfg["aggregation"], tie_break=cfg["tie_break"],
-                                  **LION)
+                                  double_buffer=cfg["double_buffer"], **LION)
     opt.attach(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE) if cfg["scaler"] else None
-    traj, norms, grads = [], [], []
+    traj, norms, grads, ptrs = [], [], [], []
     for step in range(cfg["steps"]):
         for micro in range(cfg["accumulate"]):
             model.set_requires_gradient_sync(micro == cfg["accumulate"] - 1)
@@ -137,6 +137,7 @@ def _train(rank, mesh, cfg):
             opt.step()
         opt.zero_grad()
         traj.append([p.full_tensor().flatten().tolist() for p in model.parameters()])
+        ptrs.append([s["exp_avg"].data_ptr() for s in opt.state.values()])
     local = {n: p.to_local() for n, p in model.named_parameters()}
     return {
         "traj": traj,
@@ -148,6 +149,8 @@ def _train(rank, mesh, cfg):
         "momentum": {n: opt.state[p]["exp_avg"].flatten().tolist() for n, p in model.named_parameters()},
         "local": {n: t.flatten().tolist() for n, t in local.items()},
         "state_bytes": sum(s["exp_avg"].numel() * s["exp_avg"].element_size() for s in opt.state.values()),
+        # the steps after the first whose momenta moved to other storage (double_buffer's swaps)
+        "swapped": [all(map(int.__ne__, a, b)) for a, b in zip(ptrs, ptrs[1:])],
     }
 
 
@@ -298,6 +301,10 @@ CONFIGS = {
         tie_break="alternate", clip=0.5, accumulate=2, reshard=False),
     "avg": _config(aggregation="avg"),
     "vote+random, GradScaler with an overflow on rank 3": _config(tie_break="random", scaler=True, overflow=[2, 3]),
+    # DistributedLion(double_buffer=True): the next momenta written in the directions' pass, swapped in
+    "vote, clip, accumulation, double_buffer": _config(clip=0.5, accumulate=2, double_buffer=True),
+    "vote, GradScaler with an overflow on rank 3, double_buffer": _config(scaler=True, overflow=[2, 3],
+                                                                          double_buffer=True),
     "bf16 MixedPrecisionPolicy": _config(mp="bfloat16"),
     "bf16 MixedPrecisionPolicy reduced in bf16 (accelerate's)": _config(mp="bfloat16", reduce="bfloat16"),
     "vote, clip, torch.compile per block": _config(clip=0.5, compile=True),
@@ -321,6 +328,10 @@ def test_hsdp_equals_the_m_worker_reference_bitwise(runs, name):
     per_rank = [r["runs"][i] for r in runs]
     # every rank holds the same full parameters after every step (replicas and shards agree)
     assert all(r["traj"] == per_rank[0]["traj"] for r in per_rank)
+    # double_buffer: each applied step swapped the second buffers in (a skipped one did not); else none
+    skipped = cfg["overflow"][0] if cfg["overflow"] else None
+    want = [cfg["double_buffer"] and step != skipped for step in range(1, cfg["steps"])]
+    assert all(r["swapped"] == want for r in per_rank), (name, [r["swapped"] for r in per_rank])
     run = dict(per_rank[0])
     run["norms"] = [per_rank[node * L]["norms"] for node in range(M)]  # each node's own clipping norm
     ref = _reference(cfg, run)
