@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _C
+from . import _C, torch_internals
 
 
 def for_optimizer(double_buffer: bool, bits) -> Optional["NextMomenta"]:
@@ -86,7 +86,7 @@ class NextMomenta:
         of m starts the record again), or None where m is not all of a
         contiguous momentum (struck off: its momentum is updated after the
         agreement, as with one buffer)."""
-        root = _root(m)
+        root = torch_internals.view_base(m)
         if not (root.is_contiguous() and m.is_contiguous() and m.numel() == root.numel()
                 and m.data_ptr() == root.data_ptr()):
             self.forget(m)
@@ -99,7 +99,7 @@ class NextMomenta:
 
     def forget(self, m: torch.Tensor) -> None:
         """m's next momentum is not (or no longer) in its second buffer."""
-        self.written.pop(id(_root(m)), None)
+        self.written.pop(id(torch_internals.view_base(m)), None)
 
     def take(self, momenta: list) -> list:
         """Of a voted step's momentum items ((g, m, coefs, fused), every rank
@@ -109,7 +109,7 @@ class NextMomenta:
             return momenta
         rest, done = [], []
         for item in momenta:
-            root = _root(item[1])
+            root = torch_internals.view_base(item[1])
             entry = self.written.pop(id(root), None)
             if entry is not None and entry[0] is root and tiles(entry[1], root.numel()):
                 done.append(root)
@@ -121,13 +121,6 @@ class NextMomenta:
     def clear(self) -> None:
         """The step is over: no second buffer holds a next momentum any more."""
         self.written.clear()
-
-
-def _root(m: torch.Tensor) -> torch.Tensor:
-    """The tensor a view ``m`` was made of (FSDP2's step reads its momenta
-    as flat views), or m itself."""
-    base = m._base
-    return m if base is None else base
 
 
 def tiles(spans, numel: int) -> bool:

@@ -56,6 +56,7 @@ NAMES = (
     Name("ProcessGroupNCCL.Options._timeout", "the inner NCCL communicators get the group's timeout"),
     # autograd
     Name("Tensor._version", "whether the user changed p.grad in place between backward() and step()"),
+    Name("Tensor._base", "the momentum a flat view was made of (double_buffer's record under FSDP2)"),
     Name("torch.autograd.Variable._execution_engine.queue_callback",
          "a callback at the end of the backward pass (after DDP's and FSDP1's own)"),
     Name("torch._C._current_graph_task_id", "whether a DDP comm hook runs inside a backward or a Join shadow"),
@@ -171,6 +172,12 @@ def set_nccl_timeout(opts, timeout) -> None:
 def version(t: torch.Tensor) -> int:
     """The tensor's in-place version counter (what autograd checks saved tensors by)."""
     return t._version
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor ``t`` is a view of (autograd's record of views), or t itself."""
+    base = t._base
+    return t if base is None else base
 
 
 def queue_after_backward(fn: Callable[[], None]) -> None:

@@ -175,6 +175,12 @@ def probe(rank, world_size):
 
     check("Tensor._version", version)
 
+    def base():
+        t = torch.zeros(2, 3)
+        return ti.view_base(t.view(-1)) is t and ti.view_base(t) is t
+
+    check("Tensor._base", base)
+
     def backward_callbacks():
         x = torch.ones(2, requires_grad=True)
         seen = []
