@@ -167,13 +167,20 @@ def test_double_buffer_is_refused_where_it_cannot_serve():
         assert "FSDP1" in errors[1] and "double_buffer=False" in errors[1], errors[1]
 
 
-def fsdp2_buffers(rank, n):
+def fsdp2_buffers(rank, n, list_kernels=True):
     """FSDP2 on a 1-D mesh with the second buffers: the step's spans (FSDP's
     chunks of each full-size momentum) tile every momentum, so the general
-    path's first step and the plan's replays swap them in."""
+    path's first step and the plan's replays swap them in. Without the list
+    kernels (``list_kernels=False``: where a GPU's first-use check failed)
+    every step takes the general path, each span through the per-tensor
+    kernel; the same steps as DDP's, bitwise."""
     import lionbit
     import test_fsdp
 
+    if not list_kernels:
+        lionbit.kernel_choice.list_kernels_allowed = lambda device: False
+        same = test_fsdp.fsdp_vs_ddp(rank, n, 6, 1, "vote", double_buffer=True)["same"]
+        assert all(same), same
     model = test_fsdp._shard(test_fsdp._net(), True)
     opt = lionbit.DistributedLion(model.parameters(), double_buffer=True, **test_fsdp.LION).attach(model)
     ptrs = []
@@ -195,6 +202,11 @@ def test_fsdp2_with_a_second_momentum_buffer_equals_ddp_bitwise(n, accumulate, a
     assert all(all(r["same"]) for r in res), res
     for r in values(run_ranks("test_double_buffer:fsdp2_buffers", n)):
         assert r["swapped"] and r["replayed"] == 3, r
+
+
+def test_fsdp2_with_a_second_momentum_buffer_without_the_list_kernels():
+    for r in values(run_ranks("test_double_buffer:fsdp2_buffers", 2, kwargs={"list_kernels": False})):
+        assert r["swapped"] and r["replayed"] == 0, r
 
 
 def test_the_kernels_write_the_next_momentum_into_m_out_and_check_it():
