@@ -177,10 +177,23 @@ def fsdp2_buffers(rank, n, list_kernels=True):
     import lionbit
     import test_fsdp
 
-    if not list_kernels:
-        lionbit.kernel_choice.list_kernels_allowed = lambda device: False
-        same = test_fsdp.fsdp_vs_ddp(rank, n, 6, 1, "vote", double_buffer=True)["same"]
-        assert all(same), same
+    choice = lionbit.kernel_choice
+    allowed = choice.list_kernels_allowed
+    if not list_kernels:  # (the ranks' processes serve later tests too: restored below)
+        choice.list_kernels_allowed = lambda device: False
+    try:
+        if not list_kernels:
+            same = test_fsdp.fsdp_vs_ddp(rank, n, 6, 1, "vote", double_buffer=True)["same"]
+            assert all(same), same
+        return _fsdp2_swaps(rank)
+    finally:
+        choice.list_kernels_allowed = allowed
+
+
+def _fsdp2_swaps(rank):
+    import lionbit
+    import test_fsdp
+
     model = test_fsdp._shard(test_fsdp._net(), True)
     opt = lionbit.DistributedLion(model.parameters(), double_buffer=True, **test_fsdp.LION).attach(model)
     ptrs = []
