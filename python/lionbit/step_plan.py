@@ -179,10 +179,12 @@ class StepPlan:
             works.append(voter.all_reduce(sign, zero, total, bad, out, group, "step", out_planes=True,
                                           nans_tally=counts[1:] if lay.cuda else None, agreed=agreed))
         step_vote.wait_votes(agreed)  # every rank agreed: no direction non-finite anywhere
-        if lay.spares is not None:  # the next momenta are in the second buffers: swapped in
+        # The momenta, while the votes' bits still move: the second buffers swapped in, or updated from g.
+        if lay.spares is not None:
             next_momenta.swap(lay.momenta, lay.spares)
-        for c in lay.updates if lay.spares is None else ():  # the momenta, while the votes' bits still move
-            lion_math.momenta_from(c.grads(gs), c.ms, coefs[c.group])
+        else:
+            for c in lay.updates:
+                lion_math.momenta_from(c.grads(gs), c.ms, coefs[c.group])
         step_vote.wait_votes(works)
         outs = list(buffers.outs)
 

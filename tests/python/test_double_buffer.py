@@ -167,13 +167,15 @@ def test_double_buffer_is_refused_where_it_cannot_serve():
         assert "FSDP1" in errors[1] and "double_buffer=False" in errors[1], errors[1]
 
 
-def fsdp2_buffers(rank, n, list_kernels=True):
-    """FSDP2 on a 1-D mesh with the second buffers: the step's spans (FSDP's
-    chunks of each full-size momentum) tile every momentum, so the general
-    path's first step and the plan's replays swap them in. Without the list
-    kernels (``list_kernels=False``: where a GPU's first-use check failed)
-    every step takes the general path, each span through the per-tensor
-    kernel; the same steps as DDP's, bitwise."""
+def fsdp2_runs(rank, n, accumulate=1, aggregation="vote", list_kernels=True):
+    """test_fsdp's FSDP2 run (nested units, 12 steps) with double_buffer=True
+    against DDP with one buffer (test_fsdp checks DDP against the
+    simulation), then a short run whose momenta must alternate between two
+    storages: the step's spans (FSDP's chunks of each full-size momentum)
+    tile every momentum, so the general path's first step and the plan's
+    replays swap them in. Without the list kernels (``list_kernels=False``:
+    where a GPU's first-use check failed) every step takes the general path,
+    each span through the per-tensor kernel."""
     import lionbit
     import test_fsdp
 
@@ -182,10 +184,8 @@ def fsdp2_buffers(rank, n, list_kernels=True):
     if not list_kernels:  # (the ranks' processes serve later tests too: restored below)
         choice.list_kernels_allowed = lambda device: False
     try:
-        if not list_kernels:
-            same = test_fsdp.fsdp_vs_ddp(rank, n, 6, 1, "vote", double_buffer=True)["same"]
-            assert all(same), same
-        return _fsdp2_swaps(rank)
+        same = test_fsdp.fsdp_vs_ddp(rank, n, 12, accumulate, aggregation, double_buffer=True)["same"]
+        return {"same": same, **_fsdp2_swaps(rank)}
     finally:
         choice.list_kernels_allowed = allowed
 
@@ -208,18 +208,15 @@ def _fsdp2_swaps(rank):
 
 @pytest.mark.parametrize("n,accumulate,aggregation", [(2, 1, "vote"), (3, 2, "avg")])
 def test_fsdp2_with_a_second_momentum_buffer_equals_ddp_bitwise(n, accumulate, aggregation):
-    """test_fsdp's FSDP2 run (nested units, 12 steps) with double_buffer=True
-    against DDP with one buffer (test_fsdp checks DDP against the simulation)."""
-    res = values(run_ranks("test_fsdp:fsdp_vs_ddp", n, kwargs=dict(steps=12, accumulate=accumulate,
-                                                                    aggregation=aggregation, double_buffer=True)))
-    assert all(all(r["same"]) for r in res), res
-    for r in values(run_ranks("test_double_buffer:fsdp2_buffers", n)):
-        assert r["swapped"] and r["replayed"] == 3, r
+    res = values(run_ranks("test_double_buffer:fsdp2_runs", n,
+                           kwargs=dict(accumulate=accumulate, aggregation=aggregation)))
+    for r in res:
+        assert all(r["same"]) and r["swapped"] and r["replayed"] == 3, r
 
 
 def test_fsdp2_with_a_second_momentum_buffer_without_the_list_kernels():
-    for r in values(run_ranks("test_double_buffer:fsdp2_buffers", 2, kwargs={"list_kernels": False})):
-        assert r["swapped"] and r["replayed"] == 0, r
+    for r in values(run_ranks("test_double_buffer:fsdp2_runs", 2, kwargs={"list_kernels": False})):
+        assert all(r["same"]) and r["swapped"] and r["replayed"] == 0, r
 
 
 def test_the_kernels_write_the_next_momentum_into_m_out_and_check_it():
