@@ -25,4 +25,17 @@ def _standalone_tool() -> bool:
 
 if not _standalone_tool():
     from ._package import *  # noqa: F403
-    from ._package import __all__, __version__  # noqa: F401
+    from ._package import __all__ as _names, __version__  # noqa: F401
+
+    __all__ = [*_names, "ElasticLoadPlanner"]  # noqa: F405 - lionbit.elastic's, at first use (__getattr__ below)
+    del _names
+
+
+def __getattr__(name: str):
+    # lionbit.ElasticLoadPlanner subclasses torch.distributed.checkpoint's
+    # planner: imported at first use, not at torch's import of lionbit.
+    if name == "ElasticLoadPlanner" and not _standalone_tool():
+        from .elastic import ElasticLoadPlanner  # optional: imports torch.distributed.checkpoint
+
+        return ElasticLoadPlanner
+    raise AttributeError(f"module 'lionbit' has no attribute {name!r}")

@@ -243,9 +243,12 @@ class Attachment:
         from torch.distributed.device_mesh import DeviceMesh  # optional: DTensor's cost only where DCP asks
         from torch.distributed.tensor import DTensor, Shard  # optional: as above
 
+        from . import elastic  # optional: imports torch.distributed.checkpoint (which is asking)
+
         if m.device.type not in self.meshes:
             self.meshes[m.device.type] = DeviceMesh.from_group(self.group or dist.group.WORLD, m.device.type)
-        return DTensor.from_local(m.unsqueeze(0), self.meshes[m.device.type], [Shard(0)], run_check=False)
+        return elastic.presented(
+            DTensor.from_local(m.unsqueeze(0), self.meshes[m.device.type], [Shard(0)], run_check=False))
 
     def _own_rows(self, sd: dict) -> dict:
         """The state of a loaded state dict with each momentum given as the
@@ -270,8 +273,13 @@ class Attachment:
             raise ValueError(
                 f"DistributedLion.load_state_dict on rank {dist.get_rank()}: a momentum is a DTensor of shape "
                 f"{tuple(m.shape)}; expected {(dist.get_world_size(self.group), *p.shape)}, row r being rank r's "
-                f"(as state_dict() gives it to torch.distributed.checkpoint), of which this rank holds its own"
+                f"(as state_dict() gives it to torch.distributed.checkpoint), of which this rank holds its own; "
+                f"a checkpoint of another number of ranks loads through dcp.load(..., "
+                f"planner=lionbit.ElasticLoadPlanner()), every rank then starting from the mean of the saved momenta"
             )
+        elastic = sys.modules.get(__package__ + ".elastic")
+        if elastic is not None:  # saved by another number of ranks: the mean (lionbit.ElasticLoadPlanner)
+            elastic.mean_loaded(m)
         return local[0]
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -9,7 +9,9 @@ torch.distributed.checkpoint as a row of one DTensor, and taken back.
 shape (N, *param_shape) sharded on dim 0 of the FSDP mesh, so
 ``torch.distributed.checkpoint`` stores every rank's own momentum and a
 ``full_state_dict=True`` checkpoint holds all N of them (row r: rank r's).
-Resuming needs the same number of ranks. Under HSDP each state dict also
+Resuming needs the same number of ranks, except through ``dcp.load`` with
+lionbit.ElasticLoadPlanner (lionbit.elastic: every worker starts from the
+mean of the saved momenta). Under HSDP each state dict also
 carries the mesh's rank layout (:data:`MESH_SHAPE_KEY`) ahead of the momenta,
 so that ``dcp.load`` on another mesh fails on it first, naming both mesh
 shapes. Each function takes the FSDP2 attachment (lionbit.fsdp's
@@ -17,6 +19,7 @@ FSDP2Attachment) whose optimizer's state it presents.
 """
 
 import copy
+import sys
 from typing import Dict, Optional
 
 import torch
@@ -35,7 +38,8 @@ from . import tensor_parallel, torch_internals, user_warning
 # counts as replicated: dcp.save writes one rank's copy, whichever rank its
 # de-duplication balances the write onto, parameter by parameter), and
 # full_state_dict=True gathers the rows: a consolidated checkpoint holds all N
-# momenta stacked. Loading needs the same number of ranks.
+# momenta stacked. Loading needs the same number of ranks (lionbit.elastic's
+# planner loads another number as the rows' mean).
 
 
 def _rows(att, p: torch.Tensor, m: torch.Tensor):
@@ -46,11 +50,14 @@ def _rows(att, p: torch.Tensor, m: torch.Tensor):
     sharded as FSDP shards the parameter's dim 0 (torch.chunk's split, which
     DTensor's Shard shares). With tensor parallelism each row is placed over
     the tensor-parallel dim as p (lionbit.tensor_parallel.rows_placements)."""
+    from . import elastic  # optional: imports torch.distributed.checkpoint
+
     if att.replicas is None and p not in att.split:
-        return DTensor.from_local(m.unsqueeze(0), p.device_mesh, [Shard(0)], run_check=False)
+        return elastic.presented(DTensor.from_local(m.unsqueeze(0), p.device_mesh, [Shard(0)], run_check=False))
     shape = (att.mesh_of[p].rows, *p.shape)
-    return DTensor.from_local(m.unsqueeze(0), p.device_mesh, tensor_parallel.rows_placements(p), run_check=False,
-                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+    return elastic.presented(
+        DTensor.from_local(m.unsqueeze(0), p.device_mesh, tensor_parallel.rows_placements(p), run_check=False,
+                           shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride()))
 
 
 def _own_part(att, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -85,6 +92,9 @@ def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optiona
     if isinstance(value, DTensor):
         local = value.to_local()
         if tuple(value.shape) == rows and tuple(value.placements) == placed and tuple(local.shape) == (1, *mine):
+            elastic = sys.modules.get(__package__ + ".elastic")
+            if elastic is not None:  # saved by another number of workers: the mean (lionbit.ElasticLoadPlanner)
+                elastic.mean_loaded(value)
             return local[0]
         got = f"a DTensor of shape {tuple(value.shape)} placed {tuple(value.placements)}"
     else:
@@ -104,6 +114,8 @@ def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optiona
             f": it holds the momenta of {value.shape[0]} nodes and this run has {n} (mesh {mesh.describe()}); "
             f"each node's momentum follows its own data, so resume on the same mesh"
         )
+        hint += (", or load a torch.distributed.checkpoint checkpoint with dcp.load(..., "
+                 "planner=lionbit.ElasticLoadPlanner()): every worker then starts from the mean of the saved momenta")
     raise ValueError(
         f"{where} on rank {dist.get_rank()}: momentum of '{name}' is {got}; expected {rows} placed {placed}, row r "
         f"being worker r's momentum (as state_dict() gives it on the mesh {mesh.describe()}){hint}"
@@ -133,7 +145,18 @@ def _mesh_layout(att, device) -> torch.Tensor:
     momenta's device (DCP, which counts a plain tensor as replicated, writes
     one rank's copy: it is the same on every rank; ``dcp.load`` writes into
     it, so it is never the mesh's own)."""
-    return torch.as_tensor(att.dp.device_mesh.mesh).to(device=device, dtype=torch.int64, copy=True)
+    from . import elastic  # optional: imports torch.distributed.checkpoint
+
+    layout = torch.as_tensor(att.dp.device_mesh.mesh).to(device=device, dtype=torch.int64, copy=True)
+    return elastic.presented_layout(layout, MESH_KEY)
+
+
+def _remeshed(layout) -> bool:
+    """Whether dcp.load with lionbit.ElasticLoadPlanner met this layout
+    against a checkpoint of another mesh: its rows are then this mesh's
+    (each node's momentum resharded, or the mean of the saved nodes')."""
+    elastic = sys.modules.get(__package__ + ".elastic")
+    return elastic is not None and elastic.remeshed(layout)
 
 
 def _check_mesh_layout(att, value, where: str) -> None:
@@ -171,7 +194,9 @@ def _check_mesh(att, saved, where: str) -> None:
         raise ValueError(
             f"{where} on rank {dist.get_rank()}: the checkpoint was written on the mesh {saved}, this run shards "
             f"over the mesh {att.dp.describe()}; each worker's momentum (one per rank on a 1-D mesh, one per node "
-            f"under HSDP) follows its own data, so resume on the same mesh"
+            f"under HSDP) follows its own data, so resume on the same mesh, or through dcp.load(..., "
+            f"planner=lionbit.ElasticLoadPlanner()) on another (the nodes' momenta resharded, or their mean "
+            f"where the number of nodes changes)"
         )
 
 
@@ -259,6 +284,7 @@ def load_state_dict(att, state_dict: dict) -> None:
         )
     ids = {}
     has_layout = any(isinstance(st, dict) and MESH_SHAPE_KEY in st for st in sd["state"].values())
+    remeshed = any(isinstance(st, dict) and _remeshed(st.get(MESH_SHAPE_KEY)) for st in sd["state"].values())
     for i, (mine, saved) in enumerate(zip(groups, saved_groups)):
         if len(saved["params"]) != len(mine["params"]):
             raise ValueError(
@@ -266,7 +292,8 @@ def load_state_dict(att, state_dict: dict) -> None:
                 f"{len(mine['params'])} in this optimizer"
             )
         ids.update(zip(saved["params"], mine["params"]))
-        _check_mesh(att, _saved_mesh(att, saved, has_layout), where)
+        if not remeshed:
+            _check_mesh(att, _saved_mesh(att, saved, has_layout), where)
     marker = sd.get("lionbit")  # optim.py's {"rank", "world_size"} of a per-rank state dict
     own_file = isinstance(marker, dict) and (marker.get("rank"), marker.get("world_size")) == (
         att.dp.row,
@@ -279,7 +306,7 @@ def load_state_dict(att, state_dict: dict) -> None:
         if p is None:
             raise ValueError(f"{where}: the state dict has state for parameter {key!r}, which no parameter group lists")
         name = att.fqns.get(p, str(key))
-        if MESH_SHAPE_KEY in st:  # the mesh's layout: checked, never kept
+        if MESH_SHAPE_KEY in st and not remeshed:  # the mesh's layout: checked, never kept
             _check_mesh_layout(att, st[MESH_SHAPE_KEY], where)
         loaded[p] = {
             k: (_own_row(att, p, v, name, where, unsure) if k == "exp_avg" else v)
@@ -347,9 +374,10 @@ def load_sharded_state_dict(att, sd: dict) -> None:
         raise ValueError(
             f"{where}: the checkpoint has {len(groups)} parameter groups, this optimizer {len(opt.param_groups)}"
         )
-    _check_mesh(att, _saved_mesh(att, sd, MESH_SHAPE_KEY in sd), where)
-    if MESH_SHAPE_KEY in sd:  # the mesh's layout (absent from a 1-D or an older state dict)
-        _check_mesh_layout(att, sd[MESH_SHAPE_KEY], where)
+    if not _remeshed(sd.get(MESH_SHAPE_KEY)):
+        _check_mesh(att, _saved_mesh(att, sd, MESH_SHAPE_KEY in sd), where)
+        if MESH_SHAPE_KEY in sd:  # the mesh's layout (absent from a 1-D or an older state dict)
+            _check_mesh_layout(att, sd[MESH_SHAPE_KEY], where)
     by_name = {n: p for p, n in att.fqns.items()}
     rows, unsure = {}, []
     for name, value in sd["momentum"].items():

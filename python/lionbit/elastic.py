@@ -1,0 +1,197 @@
+"""Resuming a torch.distributed.checkpoint checkpoint on another number of
+workers.
+
+Each worker's momentum follows its own data, so a checkpoint of N workers
+holds N momenta a parameter: the rows of one (N, *shape) DTensor that
+lionbit presents to torch's state dicts (lionbit.attachment under DDP and
+plain modules, lionbit.fsdp_checkpoint under FSDP2). On M != N workers no
+worker continues a saved momentum of its own, and DCP's default planner
+refuses the rows ("Size mismatch between saved torch.Size([N, ...]) and
+current: torch.Size([M, ...])"). :class:`ElasticLoadPlanner` loads them
+instead as their mean: every worker starts from the average of the N saved
+momenta, what a momentum synchronization (Lion Cub's lever) leaves behind.
+The parameters and everything else load as DCP loads them (resharded as
+usual).
+
+The mean is taken in two halves, as the load runs:
+
+- ``dcp.load`` (the planner): worker w of M reads the saved rows w, w + M,
+  w + 2M, ... (each in its own part: under HSDP its shard of every row) and
+  adds them in float32, in the order it reads them, into a sum of its own
+  (one float32 momentum's memory a parameter while the load lasts). The
+  rows are read once over all workers: the checkpoint's size, not N times
+  it.
+- ``opt.load_state_dict`` (also through ``set_state_dict``; run on every rank,
+  the parameters in the same order): one all-reduce a parameter over the
+  rows' ranks sums the M sums and divides by N (in float32), written in the
+  momentum's dtype. Every worker gets the same bits.
+
+On the same number of workers the planner is DCP's default planner: an
+exact resume.
+"""
+
+import dataclasses
+import weakref
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor, Shard
+
+from . import user_warning
+
+#: The rows DTensors lionbit presented (by id: a Tensor's == is elementwise).
+_PRESENTED: "weakref.WeakValueDictionary[int, DTensor]" = weakref.WeakValueDictionary()
+
+#: Rows DTensors that dcp.load filled with a sum of saved rows (by id), and the sums.
+_SUMS: Dict[int, "_RowSum"] = {}
+
+#: HSDP's mesh layouts lionbit presented (lionbit.fsdp_checkpoint.MESH_SHAPE_KEY), and those
+#: that dcp.load met against a checkpoint of another mesh (left as they were: this run's).
+_LAYOUTS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_REMESHED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+#: The names of HSDP's records of its mesh (lionbit.fsdp_checkpoint.MESH_KEY): a checkpoint
+#: written on a 1-D mesh has none.
+_RECORD_NAMES: set = set()
+
+
+def presented(rows: DTensor) -> DTensor:
+    """Marks ``rows`` (worker r's momentum as row r of an (N, *shape)
+    DTensor placed Shard(0) on one mesh dim) as lionbit's: the only entries
+    :class:`ElasticLoadPlanner` loads as a mean."""
+    _PRESENTED[id(rows)] = rows
+    return rows
+
+
+def presented_layout(layout: torch.Tensor, record_name: str) -> torch.Tensor:
+    """Marks an HSDP state dict's mesh layout (a plain (M, L) tensor, ahead
+    of the momenta) as lionbit's, and ``record_name`` as the name of its
+    records of the mesh (strings): :class:`ElasticLoadPlanner` leaves them as
+    they are where the checkpoint's mesh has another shape (or, written on a
+    1-D mesh, has none)."""
+    _LAYOUTS[id(layout)] = layout
+    _RECORD_NAMES.add(record_name)
+    return layout
+
+
+def remeshed(layout) -> bool:
+    """Whether ``layout`` (an HSDP state dict's mesh layout) was loaded by
+    :class:`ElasticLoadPlanner` against a checkpoint of another mesh: then
+    the loaders take the momenta as it left them, on this run's mesh."""
+    return _REMESHED.get(id(layout)) is layout
+
+
+def _rows_dim(rows: DTensor) -> int:
+    """The mesh dim over which the rows (the workers) are placed."""
+    return next(k for k, pl in enumerate(rows.placements) if isinstance(pl, Shard) and pl.dim == 0)
+
+
+class _RowSum:
+    """The saved rows this rank reads into one float32 sum: its part of each."""
+
+    def __init__(self, rows: DTensor, saved: int):
+        dim = _rows_dim(rows)
+        self.mesh_dim = dim
+        self.workers = rows.device_mesh.size(dim)
+        self.saved = saved
+        self.worker = rows.device_mesh.get_local_rank(dim)
+        self.chunk = rows.__create_chunk_list__()[0]  # this rank's part: (1, *its block) at (worker, *offsets)
+        self.sum = torch.zeros(tuple(self.chunk.sizes), dtype=torch.float32, device=rows.to_local().device)
+        self.rows = weakref.ref(rows)
+
+    def chunks(self) -> list:
+        """The same part of every saved row this worker reads."""
+        rest = tuple(self.chunk.offsets[1:])
+        return [ChunkStorageMetadata(offsets=torch.Size((i, *rest)), sizes=self.chunk.sizes)
+                for i in range(self.worker, self.saved, self.workers)]
+
+    def add(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        block = self.sum
+        for d, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            block = block.narrow(d, start, length)
+        block.add_(tensor.to(device=block.device, dtype=torch.float32))
+
+
+class ElasticLoadPlanner(DefaultLoadPlanner):
+    """``dcp.load(state_dict, checkpoint_id=path, planner=lionbit.ElasticLoadPlanner())``:
+    DCP's default load planner, except that DistributedLion's momenta saved
+    by another number of workers load as their mean (this module's
+    docstring); ``opt.load_state_dict`` (or torch's ``set_state_dict``)
+    afterwards completes the mean. Takes DefaultLoadPlanner's arguments."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        self.row_sums: Dict[str, _RowSum] = {}
+        self.hidden = set()  # entries DCP's own plan does not see: the row sums, other meshes' layouts
+        saved_of = {}
+        for fqn, value in self.state_dict.items():
+            md = metadata.state_dict_metadata.get(fqn) if metadata is not None else None
+            if _LAYOUTS.get(id(value)) is value and (md is None or getattr(md, "size", None) != value.shape):
+                self.hidden.add(fqn)  # another mesh's checkpoint: this run's layout stays
+                _REMESHED[id(value)] = value
+                continue
+            if md is None and isinstance(value, str) and fqn.rsplit(".", 1)[-1] in _RECORD_NAMES:
+                self.hidden.add(fqn)  # a 1-D mesh's checkpoint records no mesh: this run's record stays
+                continue
+            if (_PRESENTED.get(id(value)) is value and isinstance(md, TensorStorageMetadata)
+                    and len(md.size) == value.dim() and tuple(md.size[1:]) == tuple(value.shape[1:])
+                    and md.size[0] != value.shape[0] and value.device_mesh.get_coordinate() is not None):
+                self.row_sums[fqn] = _SUMS[id(value)] = _RowSum(value, md.size[0])  # every worker's: all sum
+                self.hidden.add(fqn)
+                weakref.finalize(value, _SUMS.pop, id(value), None)
+                saved_of.setdefault((md.size[0], value.shape[0]), fqn)
+        for (saved, now), fqn in saved_of.items():
+            user_warning.warn(
+                f"dcp.load with lionbit.ElasticLoadPlanner on rank {dist.get_rank()}: the checkpoint holds the "
+                f"momenta of {saved} workers and this run has {now} (e.g. '{fqn}'), so every worker starts from "
+                f"the mean of the {saved} saved momenta (a momentum synchronization); the parameters load as saved"
+            )
+
+    def create_local_plan(self) -> LoadPlan:
+        if not self.hidden:
+            return super().create_local_plan()
+        # DCP's plan for everything else: the rows and layouts hidden from it (its size check would refuse them) ...
+        state_dict, metadata = self.state_dict, self.metadata
+        self.state_dict = {k: v for k, v in state_dict.items() if k not in self.hidden}
+        self.metadata = dataclasses.replace(metadata, state_dict_metadata={
+            k: v for k, v in metadata.state_dict_metadata.items() if k not in self.hidden})
+        try:
+            plan = super().create_local_plan()
+        finally:
+            self.state_dict, self.metadata = state_dict, metadata
+        # ... and the saved rows this worker sums.
+        items = [item for fqn, rs in self.row_sums.items()
+                 for item in create_read_items_for_chunk_list(fqn, metadata.state_dict_metadata[fqn], rs.chunks())]
+        return dataclasses.replace(plan, items=list(plan.items) + items)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        rs = self.row_sums.get(read_item.dest_index.fqn)
+        if rs is None:
+            return super().resolve_tensor(read_item)
+        dtype = self.metadata.state_dict_metadata[read_item.dest_index.fqn].properties.dtype
+        return torch.empty(tuple(read_item.lengths), dtype=dtype)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        rs = self.row_sums.get(read_item.dest_index.fqn)
+        if rs is None:
+            super().commit_tensor(read_item, tensor)
+            return
+        rs.add(read_item, tensor)
+
+
+def mean_loaded(value) -> None:
+    """Where ``value`` is a rows DTensor that :class:`ElasticLoadPlanner`
+    loaded as a sum of saved rows: the all-reduce of the workers' sums over
+    the rows' ranks, divided by the saved workers' number, written into
+    ``value``'s local row (this rank's momentum, in its dtype). Called by
+    every rank's loader, the parameters in the same order."""
+    rs: Optional[_RowSum] = _SUMS.pop(id(value), None) if isinstance(value, DTensor) else None
+    if rs is None or rs.rows() is not value:
+        return
+    dist.all_reduce(rs.sum, group=value.device_mesh.get_group(rs.mesh_dim))
+    value.to_local().copy_(rs.sum.div_(rs.saved))
