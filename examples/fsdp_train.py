@@ -17,8 +17,10 @@ run on the CPU.
 ``--checkpoint DIR`` saves after every epoch and resumes from there, bit for bit:
 FSDP2 through torch.distributed.checkpoint (get_state_dict / set_state_dict:
 every rank's momentum, sharded as FSDP shards the parameter), FSDP1 as one
-file a rank (its shard of the model and of its momentum); the same number of
-ranks and nodes to resume. ``--bf16`` computes in bf16 (FSDP2's
+file a rank (its shard of the model and of its momentum). FSDP2 also resumes
+on another number of ranks or nodes (lionbit.ElasticLoadPlanner: every worker
+starts from the mean of the saved momenta; the global batch must still split
+evenly); FSDP1 needs the same ones. ``--bf16`` computes in bf16 (FSDP2's
 MixedPrecisionPolicy, FSDP1's MixedPrecision: the same steps on both).
 
 The same task and model as examples/ddp_train.py (scikit-learn's bundled
@@ -135,7 +137,9 @@ def load(folder, model, opt, sched, g, fsdp1, device):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(folder, last["where"]))
+        # DCP's own planner on the same ranks; on another number, the saved momenta's mean for every worker
+        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(folder, last["where"]),
+                 planner=lionbit.ElasticLoadPlanner())
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
     sched.load_state_dict(last["scheduler"])
     g.set_state(last["data_order"])

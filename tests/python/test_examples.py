@@ -113,6 +113,20 @@ def test_the_examples_resume_from_their_checkpoints_bitwise(two_epochs, tmp_path
     assert _accuracy(resumed) == _accuracy(two_epochs)
 
 
+def test_the_fsdp_example_resumes_on_more_ranks(two_epochs, tmp_path):
+    """Stopped after an epoch on 2 ranks and started again on 4 (the same
+    command, torchrun's --nproc-per-node changed): FSDP2 loads the checkpoint
+    through lionbit.ElasticLoadPlanner, every rank starting from the mean of
+    the 2 saved momenta, the schedule and the data order as saved, and
+    trains on to an accuracy near the uninterrupted run's."""
+    ckpt = str(tmp_path / "ckpt")
+    cut = _torchrun("fsdp_train.py", "--epochs", "2", "--checkpoint", ckpt, "--stop-after", "1")
+    resumed = _torchrun("fsdp_train.py", "--epochs", "2", "--checkpoint", ckpt, ranks=4)
+    assert "4 ranks on cpu" in resumed and "after epoch 1 (step 22)" in resumed, resumed
+    assert _digest(resumed) not in (_digest(cut), _digest(two_epochs)), (resumed, cut, two_epochs)
+    assert abs(_accuracy(resumed) - _accuracy(two_epochs)) < 5.0, (resumed, two_epochs)
+
+
 @pytest.mark.parametrize(
     "flags,nodes",
     [([], 1), ([], 2), (["--fsdp1", "--replicas", "2"], 1)],
