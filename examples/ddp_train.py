@@ -170,6 +170,9 @@ def main():
         digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters()))
         print(f"\ndone: {step} steps in {secs:.1f}s, final test accuracy {acc:.2f}%, "
               f"replicas identical: {len(set(hashes)) == 1}, parameters {digest.hexdigest()[:12]}")
+    if rank == 0 and world == 1:
+        print("bytes sent: one rank, nothing sent")
+    elif rank == 0:
         calls = stats["sign_allreduce_calls"]
         intra, inter = stats.get("intra_node_bytes_sent", 0), stats.get("inter_node_bytes_sent", 0)
         sent = stats["bytes_sent"] + intra + inter

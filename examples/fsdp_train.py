@@ -314,13 +314,17 @@ def main():
               f"({2 * shard_bytes / d:.1f} B/param)")
     elif rank == 0:
         print(f"\ndone: {step} steps in {secs:.1f}s, final test accuracy {acc:.2f}%, parameters {digest}")
-        print(f"gradient path, bytes sent per rank: lionbit {stats['bytes_sent']:,} "
-              f"({stats['bytes_sent'] / ran:,.0f} per step, {stats['bytes_sent'] / one_bit:.2f}x the 1-bit figure "
-              f"(N-1)/N*d/8, headers included)")
-        print(f"                                    fp32 FSDP reduce-scatter would send {fp32_rs:,.0f}: "
-              f"{fp32_rs / stats['bytes_sent']:.1f}x more")
-        print(f"with FSDP's parameter all-gathers (~{ag:,.0f}, unchanged): lionbit FSDP {ag + stats['bytes_sent']:,.0f}"
-              f" vs fp32 FSDP {ag + fp32_rs:,.0f} ({(ag + fp32_rs) / (ag + stats['bytes_sent']):.2f}x)")
+        if world == 1:
+            print("gradient path: one rank, nothing sent")
+        else:
+            print(f"gradient path, bytes sent per rank: lionbit {stats['bytes_sent']:,} "
+                  f"({stats['bytes_sent'] / ran:,.0f} per step, {stats['bytes_sent'] / one_bit:.2f}x the 1-bit "
+                  f"figure (N-1)/N*d/8, headers included)")
+            print(f"                                    fp32 FSDP reduce-scatter would send {fp32_rs:,.0f}: "
+                  f"{fp32_rs / stats['bytes_sent']:.1f}x more")
+            print(f"with FSDP's parameter all-gathers (~{ag:,.0f}, unchanged): lionbit FSDP "
+                  f"{ag + stats['bytes_sent']:,.0f} vs fp32 FSDP {ag + fp32_rs:,.0f} "
+                  f"({(ag + fp32_rs) / (ag + stats['bytes_sent']):.2f}x)")
         print(f"optimizer memory on rank 0: momentum {mom_bytes:,} bytes (full-size, {mom_bytes / d:.0f} B/param) "
               f"vs AdamW's two sharded moments {2 * shard_bytes:,} bytes ({2 * shard_bytes / d:.1f} B/param)")
     dist.destroy_process_group()

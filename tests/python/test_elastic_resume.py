@@ -19,6 +19,7 @@ Checked against references computed here, apart from lionbit:
   nodes stays, their mean where it changes.
 """
 
+import os
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from harness import run_ranks, values
 from test_fsdp import LION, _loss, _net
+from test_fsdp_tp import K as TP_K
 from test_optim import ReferenceLion
 
 K, J = 4, 3  # steps before the save, after the restart
@@ -297,3 +299,53 @@ def test_without_the_planner_dcp_refuses_another_number_of_ranks(tmp_path):
     for r in _run(3, path, "ddp", "load", plan=False):
         assert "Size mismatch between saved torch.Size([2, 33, 12]) and current: torch.Size([3, 33, 12])" \
             in r["error"], r["error"]
+
+
+def tp_elastic(rank, world_size, path, dp, tp):
+    """test_fsdp_tp's model on dp x tp: the dp 2 x tp 2 checkpoint that
+    test_fsdp_tp.fsdp_tp_reshard wrote, loaded with the planner; returns
+    whether every parameter is as written and, from rank 0, the written and
+    the read momenta (dp rows, each placed over tp as its parameter)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import lionbit
+    from test_fsdp_tp import _build, _consolidated, _dp_index
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model, opt = _build(mesh, 1, lr=0.123)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=os.path.join(path, "ckpt"), planner=lionbit.ElasticLoadPlanner())
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    read = _consolidated(model, opt)
+    written = torch.load(os.path.join(path, "written.pt"), weights_only=False)
+    out = {"params": read["params"].keys() == written["params"].keys()
+           and all(torch.equal(read["params"][k], v) for k, v in written["params"].items())}
+    if rank == 0:
+        out["written"] = {k: v.tolist() for k, v in written["momenta"].items()}
+        out["read"] = {k: v.tolist() for k, v in read["momenta"].items()}
+    from test_fsdp_tp import _loss as tp_loss
+
+    tp_loss(model, _dp_index(mesh), TP_K).backward()  # and a step runs
+    opt.step()
+    out["steps"] = opt.steps_taken
+    return out
+
+
+def test_fsdp_tp_resumes_on_another_number_of_dp_ranks(tmp_path):
+    """FSDP2 beside tensor parallelism (torchtitan's 2-D): dp 2 x tp 2
+    saved; loaded on dp 1 x tp 2 and dp 3 x tp 1: the parameters as written,
+    every dp rank's momentum the mean of the 2 saved (the rows' other dims
+    placed over tp by DCP's resharding)."""
+    run_ranks("test_fsdp_tp:fsdp_tp_reshard", 4, kwargs=dict(path=str(tmp_path), tp=2), timeout=240)
+    for dp, tp in ((1, 2), (3, 1)):
+        res = values(run_ranks("test_elastic_resume:tp_elastic", dp * tp, kwargs=dict(path=str(tmp_path), dp=dp,
+                                                                                      tp=tp), timeout=240))
+        assert all(r["params"] and r["steps"] == TP_K + 1 for r in res), (dp, tp)
+        written, read = res[0]["written"], res[0]["read"]
+        assert written.keys() == read.keys()
+        for name in written:
+            assert len(read[name]) == dp, (name, dp)
+            _check_mean([written[name]], [read[name]])

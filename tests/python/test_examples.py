@@ -85,6 +85,12 @@ def test_the_ddp_example(ddp):
     assert _accuracy(ddp) > 20.0, ddp  # ten classes: one epoch learns something
 
 
+def test_the_ddp_example_on_one_rank():
+    """A first run on one process (a debug run) finishes: there are no bytes between ranks to report."""
+    out = _torchrun("ddp_train.py", "--epochs", "1", ranks=1)
+    assert "bytes sent: one rank, nothing sent" in out and _accuracy(out) > 20.0, out
+
+
 def _digest(out):
     return re.search(r"parameters ([0-9a-f]{12})", out).group(1)
 
@@ -113,16 +119,17 @@ def test_the_examples_resume_from_their_checkpoints_bitwise(two_epochs, tmp_path
     assert _accuracy(resumed) == _accuracy(two_epochs)
 
 
-def test_the_fsdp_example_resumes_on_more_ranks(two_epochs, tmp_path):
-    """Stopped after an epoch on 2 ranks and started again on 4 (the same
-    command, torchrun's --nproc-per-node changed): FSDP2 loads the checkpoint
-    through lionbit.ElasticLoadPlanner, every rank starting from the mean of
-    the 2 saved momenta, the schedule and the data order as saved, and
-    trains on to an accuracy near the uninterrupted run's."""
+def test_the_fsdp_example_resumes_on_fewer_ranks(two_epochs, tmp_path):
+    """Stopped after an epoch on 2 ranks and started again on 1 (the same
+    command, torchrun's --nproc-per-node changed: a node lost): FSDP2 loads
+    the checkpoint through lionbit.ElasticLoadPlanner, the rank starting from
+    the mean of the 2 saved momenta, the schedule and the data order as
+    saved, and trains on to an accuracy near the uninterrupted run's."""
     ckpt = str(tmp_path / "ckpt")
     cut = _torchrun("fsdp_train.py", "--epochs", "2", "--checkpoint", ckpt, "--stop-after", "1")
-    resumed = _torchrun("fsdp_train.py", "--epochs", "2", "--checkpoint", ckpt, ranks=4)
-    assert "4 ranks on cpu" in resumed and "after epoch 1 (step 22)" in resumed, resumed
+    resumed = _torchrun("fsdp_train.py", "--epochs", "2", "--checkpoint", ckpt, ranks=1)
+    assert "1 ranks on cpu" in resumed and "after epoch 1 (step 22)" in resumed, resumed
+    assert "gradient path: one rank, nothing sent" in resumed, resumed
     assert _digest(resumed) not in (_digest(cut), _digest(two_epochs)), (resumed, cut, two_epochs)
     assert abs(_accuracy(resumed) - _accuracy(two_epochs)) < 5.0, (resumed, two_epochs)
 
