@@ -14,6 +14,7 @@ keeps half a momentum a rank; so does the tensor-parallel script at dp 2 x tp
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -102,15 +103,28 @@ def two_epochs():
     return _torchrun("ddp_train.py", "--epochs", "2")
 
 
+@pytest.fixture(scope="module")
+def hsdp_cut(tmp_path_factory):
+    """The FSDP2 script on HSDP over 2 x 1 ranks stopped after its first
+    epoch: its output and its checkpoint (each test resumes a copy)."""
+    ckpt = str(tmp_path_factory.mktemp("hsdp_cut") / "ckpt")
+    out = _torchrun("fsdp_train.py", "--epochs", "2", "--replicas", "2", "--checkpoint", ckpt, "--stop-after", "1")
+    return out, ckpt
+
+
 @pytest.mark.parametrize("script,flags", [("ddp_train.py", []), ("fsdp_train.py", ["--replicas", "2"]),
                                           ("fsdp_train.py", ["--fsdp1"])], ids=["ddp", "hsdp_dcp", "fsdp1_files"])
-def test_the_examples_resume_from_their_checkpoints_bitwise(two_epochs, tmp_path, script, flags):
+def test_the_examples_resume_from_their_checkpoints_bitwise(two_epochs, hsdp_cut, tmp_path, script, flags):
     """Stopped after an epoch and started again with the same command, each
     takes the steps of a run that was never stopped: every rank resumes its
     own momentum (DDP: its file; FSDP2: torch.distributed.checkpoint; FSDP1:
     its file of shards), the schedule and the data order too."""
     ckpt = str(tmp_path / "ckpt")
-    cut = _torchrun(script, "--epochs", "2", *flags, "--checkpoint", ckpt, "--stop-after", "1")
+    if flags == ["--replicas", "2"]:
+        cut = hsdp_cut[0]
+        shutil.copytree(hsdp_cut[1], ckpt)
+    else:
+        cut = _torchrun(script, "--epochs", "2", *flags, "--checkpoint", ckpt, "--stop-after", "1")
     resumed = _torchrun(script, "--epochs", "2", *flags, "--checkpoint", ckpt)
     assert 1.0 <= _times_one_bit(cut) <= 1.05, cut  # the gradient path's bytes, each script's own count
     assert "resumed from" in resumed and "after epoch 1 (step 22)" in resumed, resumed
@@ -119,14 +133,16 @@ def test_the_examples_resume_from_their_checkpoints_bitwise(two_epochs, tmp_path
     assert _accuracy(resumed) == _accuracy(two_epochs)
 
 
-def test_the_fsdp_example_resumes_on_fewer_ranks(two_epochs, tmp_path):
-    """Stopped after an epoch on 2 ranks and started again on 1 (the same
-    command, torchrun's --nproc-per-node changed: a node lost): FSDP2 loads
-    the checkpoint through lionbit.ElasticLoadPlanner, the rank starting from
-    the mean of the 2 saved momenta, the schedule and the data order as
-    saved, and trains on to an accuracy near the uninterrupted run's."""
+def test_the_fsdp_example_resumes_on_fewer_ranks(two_epochs, hsdp_cut, tmp_path):
+    """Stopped after an epoch on 2 nodes of 1 rank (HSDP) and started again
+    on 1 (torchrun's --nproc-per-node changed, --replicas dropped: a node
+    lost): FSDP2 on a 1-D mesh loads the HSDP checkpoint through
+    lionbit.ElasticLoadPlanner, the rank starting from the mean of the 2
+    nodes' momenta, the schedule and the data order as saved, and trains on
+    to an accuracy near the uninterrupted run's."""
     ckpt = str(tmp_path / "ckpt")
-    cut = _torchrun("fsdp_train.py", "--epochs", "2", "--checkpoint", ckpt, "--stop-after", "1")
+    cut = hsdp_cut[0]
+    shutil.copytree(hsdp_cut[1], ckpt)
     resumed = _torchrun("fsdp_train.py", "--epochs", "2", "--checkpoint", ckpt, ranks=1)
     assert "1 ranks on cpu" in resumed and "after epoch 1 (step 22)" in resumed, resumed
     assert "gradient path: one rank, nothing sent" in resumed, resumed
