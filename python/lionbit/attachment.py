@@ -253,17 +253,22 @@ class Attachment:
     def _own_rows(self, sd: dict) -> dict:
         """The state of a loaded state dict with each momentum given as the
         DTensor of :meth:`_rows` (dcp.load wrote every rank's row into it)
-        replaced by this rank's row."""
-        tensor = sys.modules.get("torch.distributed.tensor")
-        if tensor is None:  # nothing loaded can be a DTensor (and a torch.save file's load need not import it)
-            return dict(sd.get("state", {}))
-        DTensor = tensor.DTensor  # noqa: N806 - the class
+        replaced by this rank's row; a plain momentum must have its
+        parameter's shape."""
+        tensor = sys.modules.get("torch.distributed.tensor")  # (a torch.save file's load need not import it)
+        DTensor = tensor.DTensor if tensor is not None else ()  # noqa: N806 - the class (none: nothing is one)
         params = {key: p for group, saved in zip(self.opt.param_groups, sd.get("param_groups", []))
                   for p, key in zip(group["params"], saved["params"])}
         out = {}
         for key, st in sd.get("state", {}).items():
-            if isinstance(st, dict) and isinstance(st.get("exp_avg"), DTensor) and key in params:
-                st = {**st, "exp_avg": self._own_row(params[key], st["exp_avg"])}
+            m = st.get("exp_avg") if isinstance(st, dict) and key in params else None
+            if isinstance(m, DTensor):
+                st = {**st, "exp_avg": self._own_row(params[key], m)}
+            elif isinstance(m, torch.Tensor) and m.shape != params[key].shape:
+                raise ValueError(
+                    f"DistributedLion.load_state_dict on rank {dist.get_rank()}: the momentum ('exp_avg') of "
+                    f"parameter {key!r} has shape {tuple(m.shape)}, its parameter {tuple(params[key].shape)}"
+                )
             out[key] = st
         return out
 
@@ -278,9 +283,8 @@ class Attachment:
                 f"planner=lionbit.ElasticLoadPlanner()), every rank then starting from the mean of the saved momenta"
             )
         elastic = sys.modules.get(__package__ + ".elastic")
-        if elastic is not None:  # saved by another number of ranks: the mean (lionbit.ElasticLoadPlanner)
-            elastic.mean_loaded(m)
-        return local[0]
+        mean = elastic.mean_loaded(m) if elastic is not None else None  # another number of ranks saved it
+        return local[0] if mean is None else mean[0]
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)

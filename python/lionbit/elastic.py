@@ -184,14 +184,15 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
         rs.add(read_item, tensor)
 
 
-def mean_loaded(value) -> None:
+def mean_loaded(value) -> Optional[torch.Tensor]:
     """Where ``value`` is a rows DTensor that :class:`ElasticLoadPlanner`
     loaded as a sum of saved rows: the all-reduce of the workers' sums over
-    the rows' ranks, divided by the saved workers' number, written into
-    ``value``'s local row (this rank's momentum, in its dtype). Called by
-    every rank's loader, the parameters in the same order."""
+    the rows' ranks, divided by the saved workers' number, as a new tensor
+    of ``value``'s local shape and dtype (this rank's momentum; the loader
+    copies it in once every entry is checked). None for any other value.
+    Called by every rank's loader, the parameters in the same order."""
     rs: Optional[_RowSum] = _SUMS.pop(id(value), None) if isinstance(value, DTensor) else None
     if rs is None or rs.rows() is not value:
-        return
+        return None
     dist.all_reduce(rs.sum, group=value.device_mesh.get_group(rs.mesh_dim))
-    value.to_local().copy_(rs.sum.div_(rs.saved))
+    return rs.sum.div_(rs.saved).to(value.to_local().dtype)

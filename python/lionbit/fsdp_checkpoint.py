@@ -93,9 +93,8 @@ def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optiona
         local = value.to_local()
         if tuple(value.shape) == rows and tuple(value.placements) == placed and tuple(local.shape) == (1, *mine):
             elastic = sys.modules.get(__package__ + ".elastic")
-            if elastic is not None:  # saved by another number of workers: the mean (lionbit.ElasticLoadPlanner)
-                elastic.mean_loaded(value)
-            return local[0]
+            mean = elastic.mean_loaded(value) if elastic is not None else None  # another number of workers saved it
+            return local[0] if mean is None else mean[0]
         got = f"a DTensor of shape {tuple(value.shape)} placed {tuple(value.placements)}"
     else:
         if tuple(value.shape) == rows:

@@ -349,3 +349,39 @@ def test_fsdp_tp_resumes_on_another_number_of_dp_ranks(tmp_path):
         for name in written:
             assert len(read[name]) == dp, (name, dp)
             _check_mean([written[name]], [read[name]])
+
+
+def elastic_bad_entry(rank, world_size, path):
+    """The 3-rank DDP checkpoint loaded on 2 with the planner, one momentum
+    of the state dict then replaced by a tensor of the wrong shape (after
+    the others, which the loader averages first): load_state_dict raises on
+    every rank, naming it, and no momentum has changed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import lionbit
+
+    model, net = _wrap("ddp", 7)
+    opt = lionbit.DistributedLion(net.parameters(), **LION)
+    opt.attach(net)
+    model_sd, optim_sd = get_state_dict(net, opt)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=path, planner=lionbit.ElasticLoadPlanner())
+    before = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    last = list(sd["optim"]["state"])[-1]
+    sd["optim"]["state"][last] = {**sd["optim"]["state"][last], "exp_avg": torch.zeros(5)}
+    try:
+        opt.load_state_dict(sd["optim"])
+        error = "no error"
+    except ValueError as err:
+        error = str(err)
+    unchanged = all(torch.equal(b, opt.state[p]["exp_avg"]) for b, p in zip(before, model.parameters()))
+    return {"error": error, "unchanged": unchanged}
+
+
+def test_a_bad_entry_after_averaged_ones_changes_no_momentum(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _run(3, path, "ddp", "save")
+    for r in values(run_ranks("test_elastic_resume:elastic_bad_entry", 2, kwargs=dict(path=path))):
+        assert "DistributedLion.load_state_dict on rank" in r["error"] and "has shape (5,)" in r["error"], r["error"]
+        assert r["unchanged"]
