@@ -16,7 +16,9 @@ Checked against references computed here, apart from lionbit:
 - on the same number of ranks the planner resumes as DCP's default does:
   bitwise as a run that never stopped;
 - HSDP on another mesh: the nodes' momenta resharded where the number of
-  nodes stays, their mean where it changes.
+  nodes stays, their mean where it changes; FSDP2 beside tensor
+  parallelism on another number of dp ranks: the mean;
+- a state dict refused after some momenta were averaged changes none.
 """
 
 import os
