@@ -34,7 +34,7 @@ if not _standalone_tool():
 def __getattr__(name: str):
     # lionbit.ElasticLoadPlanner subclasses torch.distributed.checkpoint's
     # planner: imported at first use, not at torch's import of lionbit.
-    if name == "ElasticLoadPlanner" and not _standalone_tool():
+    if name == "ElasticLoadPlanner":
         from .elastic import ElasticLoadPlanner  # optional: imports torch.distributed.checkpoint
 
         return ElasticLoadPlanner

@@ -102,7 +102,6 @@ class _RowSum:
         self.worker = rows.device_mesh.get_local_rank(dim)
         self.chunk = rows.__create_chunk_list__()[0]  # this rank's part: (1, *its block) at (worker, *offsets)
         self.sum = torch.zeros(tuple(self.chunk.sizes), dtype=torch.float32, device=rows.to_local().device)
-        self.rows = weakref.ref(rows)
 
     def chunks(self) -> list:
         """The same part of every saved row this worker reads."""
@@ -192,7 +191,7 @@ def mean_loaded(value) -> Optional[torch.Tensor]:
     copies it in once every entry is checked). None for any other value.
     Called by every rank's loader, the parameters in the same order."""
     rs: Optional[_RowSum] = _SUMS.pop(id(value), None) if isinstance(value, DTensor) else None
-    if rs is None or rs.rows() is not value:
+    if rs is None:  # (an entry leaves _SUMS when its DTensor dies, before its id can be reused)
         return None
     dist.all_reduce(rs.sum, group=value.device_mesh.get_group(rs.mesh_dim))
     return rs.sum.div_(rs.saved).to(value.to_local().dtype)

@@ -176,9 +176,12 @@ def pack_directions(items, sign, zero, bits=None, nexts=None):
     bad = 0
     for g, m, coefs, fused, off, a, k in rest:
         out = None
-        if nexts is not None:  # (the second buffer in m's shape: its span, as m's)
-            out = nexts.out(m, a, k) if fused else nexts.forget(m)
-            out = out if out is None else lion_math.span(out, a, k)
+        if nexts is not None and fused:  # the second buffer's span, as m's (None: m updated after the agreement)
+            out = nexts.out(m, a, k)
+            if out is not None:
+                out = lion_math.span(out, a, k)
+        elif nexts is not None:
+            nexts.forget(m)
         bad += lion_math.pack_direction(lion_math.span(g, a, k), lion_math.span(m, a, k), coefs, sign, zero, off,
                                         fused, bits, counts=counts, m_out=out)
     for coefs, group_items in groups:
