@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import lion_math, step_plan, step_vote, user_warning
+from . import lion_math, momentum_mean, step_plan, step_vote, user_warning
 
 #: DDP models that carry lionbit's comm hook (lionbit.ddp): they all-reduce
 #: no gradient, attached or not.
@@ -251,33 +251,58 @@ class Attachment:
             DTensor.from_local(m.unsqueeze(0), self.meshes[m.device.type], [Shard(0)], run_check=False))
 
     def _own_rows(self, sd: dict) -> dict:
-        """The state of a loaded state dict with each momentum given as the
-        DTensor of :meth:`_rows` (dcp.load wrote every rank's row into it)
-        replaced by this rank's row; a plain momentum must have its
-        parameter's shape."""
+        """The state of a loaded state dict with each momentum given as
+        every rank's, (N, *shape) (the DTensor of :meth:`_rows` that dcp.load
+        wrote every rank's row into, or a consolidated file's rows, plain or
+        as torch's set_optimizer_state_dict distributed them), replaced by
+        this rank's row; the momenta of another number of ranks by their
+        mean (lionbit.momentum_mean), with a warning. A plain momentum of
+        its parameter's shape is taken as it is."""
         tensor = sys.modules.get("torch.distributed.tensor")  # (a torch.save file's load need not import it)
         DTensor = tensor.DTensor if tensor is not None else ()  # noqa: N806 - the class (none: nothing is one)
         params = {key: p for group, saved in zip(self.opt.param_groups, sd.get("param_groups", []))
                   for p, key in zip(group["params"], saved["params"])}
+        averaged = None
         out = {}
         for key, st in sd.get("state", {}).items():
             m = st.get("exp_avg") if isinstance(st, dict) and key in params else None
+            p = params.get(key)
             if isinstance(m, DTensor):
-                st = {**st, "exp_avg": self._own_row(params[key], m)}
-            elif isinstance(m, torch.Tensor) and m.shape != params[key].shape:
-                raise ValueError(
-                    f"DistributedLion.load_state_dict on rank {dist.get_rank()}: the momentum ('exp_avg') of "
-                    f"parameter {key!r} has shape {tuple(m.shape)}, its parameter {tuple(params[key].shape)}"
-                )
+                st = {**st, "exp_avg": self._own_row(p, m)}
+            elif isinstance(m, torch.Tensor) and m.shape != p.shape:
+                if m.dim() != p.dim() + 1 or m.shape[1:] != p.shape:
+                    raise ValueError(
+                        f"DistributedLion.load_state_dict on rank {dist.get_rank()}: the momentum ('exp_avg') of "
+                        f"parameter {key!r} has shape {tuple(m.shape)}, its parameter {tuple(p.shape)}; expected "
+                        f"that shape, or every rank's momentum stacked, (ranks, *shape)"
+                    )
+                if m.shape[0] == self._workers():  # a consolidated file's rows: this rank's
+                    st = {**st, "exp_avg": m[dist.get_rank(self.group) if dist.is_initialized() else 0]}
+                else:
+                    st = {**st, "exp_avg": momentum_mean.of_stacked(m, self.opt.momentum_dtype)}
+            if (averaged is None and isinstance(m, torch.Tensor) and m.dim() == p.dim() + 1
+                    and m.shape[0] != self._workers()):
+                averaged = (m.shape[0], key)
             out[key] = st
+        if averaged is not None:
+            momentum_mean.warn("DistributedLion.load_state_dict", averaged[0], self._workers(), averaged[1])
         return out
 
+    def _workers(self) -> int:
+        """The ranks whose momenta a state dict holds (1 without a process group)."""
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
     def _own_row(self, p: torch.Tensor, m) -> torch.Tensor:
-        local = m.to_local()
-        if tuple(m.shape) != (dist.get_world_size(self.group), *p.shape) or tuple(local.shape) != (1, *p.shape):
+        """This rank's row of a rows DTensor over the group's ranks (or the
+        mean of another number of ranks' rows, as torch distributed them)."""
+        n, local = dist.get_world_size(self.group), m.to_local()
+        if (m.shape[0] != n and m.shape[1:] == p.shape and local.shape[1:] == p.shape and m.device_mesh.ndim == 1
+                and m.device_mesh.size() == n):
+            return momentum_mean.of_distributed(m, 0, self.opt.momentum_dtype)  # (a 1-D mesh of the group)
+        if tuple(m.shape) != (n, *p.shape) or tuple(local.shape) != (1, *p.shape):
             raise ValueError(
                 f"DistributedLion.load_state_dict on rank {dist.get_rank()}: a momentum is a DTensor of shape "
-                f"{tuple(m.shape)}; expected {(dist.get_world_size(self.group), *p.shape)}, row r being rank r's "
+                f"{tuple(m.shape)}; expected {(n, *p.shape)}, row r being rank r's "
                 f"(as state_dict() gives it to torch.distributed.checkpoint), of which this rank holds its own; "
                 f"a checkpoint of another number of ranks loads through dcp.load(..., "
                 f"planner=lionbit.ElasticLoadPlanner()), every rank then starting from the mean of the saved momenta"

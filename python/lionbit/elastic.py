@@ -24,7 +24,8 @@ The mean is taken in two halves, as the load runs:
 - ``opt.load_state_dict`` (also through ``set_state_dict``; run on every rank,
   the parameters in the same order): one all-reduce a parameter over the
   rows' ranks sums the M sums and divides by N (in float32), written in the
-  momentum's dtype. Every worker gets the same bits.
+  momentum's dtype (lionbit.momentum_mean.finish). Every worker gets the
+  same bits.
 
 On the same number of workers the planner is DCP's default planner: an
 exact resume.
@@ -35,14 +36,13 @@ import weakref
 from typing import Dict, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from . import user_warning
+from . import momentum_mean
 
 #: The rows DTensors lionbit presented (by id: a Tensor's == is elementwise).
 _PRESENTED: "weakref.WeakValueDictionary[int, DTensor]" = weakref.WeakValueDictionary()
@@ -68,6 +68,12 @@ def presented(rows: DTensor) -> DTensor:
     return rows
 
 
+def is_presented(value) -> bool:
+    """Whether ``value`` is a rows DTensor that lionbit presented (and that
+    dcp.load may have filled), not one that torch made from a file."""
+    return _PRESENTED.get(id(value)) is value
+
+
 def presented_layout(layout: torch.Tensor, record_name: str) -> torch.Tensor:
     """Marks an HSDP state dict's mesh layout (a plain (M, L) tensor, ahead
     of the momenta) as lionbit's, and ``record_name`` as the name of its
@@ -86,16 +92,11 @@ def remeshed(layout) -> bool:
     return _REMESHED.get(id(layout)) is layout
 
 
-def _rows_dim(rows: DTensor) -> int:
-    """The mesh dim over which the rows (the workers) are placed."""
-    return next(k for k, pl in enumerate(rows.placements) if isinstance(pl, Shard) and pl.dim == 0)
-
-
 class _RowSum:
     """The saved rows this rank reads into one float32 sum: its part of each."""
 
     def __init__(self, rows: DTensor, saved: int):
-        dim = _rows_dim(rows)
+        dim = momentum_mean.rows_mesh_dim(rows.placements)
         self.mesh_dim = dim
         self.workers = rows.device_mesh.size(dim)
         self.saved = saved
@@ -137,7 +138,7 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
             if md is None and isinstance(value, str) and fqn.rsplit(".", 1)[-1] in _RECORD_NAMES:
                 self.hidden.add(fqn)  # a 1-D mesh's checkpoint records no mesh: this run's record stays
                 continue
-            if (_PRESENTED.get(id(value)) is value and isinstance(md, TensorStorageMetadata)
+            if (is_presented(value) and isinstance(md, TensorStorageMetadata)
                     and len(md.size) == value.dim() and tuple(md.size[1:]) == tuple(value.shape[1:])
                     and md.size[0] != value.shape[0] and value.device_mesh.get_coordinate() is not None):
                 self.row_sums[fqn] = _SUMS[id(value)] = _RowSum(value, md.size[0])  # every worker's: all sum
@@ -145,11 +146,7 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
                 weakref.finalize(value, _SUMS.pop, id(value), None)
                 saved_of.setdefault((md.size[0], value.shape[0]), fqn)
         for (saved, now), fqn in saved_of.items():
-            user_warning.warn(
-                f"dcp.load with lionbit.ElasticLoadPlanner on rank {dist.get_rank()}: the checkpoint holds the "
-                f"momenta of {saved} workers and this run has {now} (e.g. '{fqn}'), so every worker starts from "
-                f"the mean of the {saved} saved momenta (a momentum synchronization); the parameters load as saved"
-            )
+            momentum_mean.warn("dcp.load with lionbit.ElasticLoadPlanner", saved, now, fqn)
 
     def create_local_plan(self) -> LoadPlan:
         if not self.hidden:
@@ -193,5 +190,4 @@ def mean_loaded(value) -> Optional[torch.Tensor]:
     rs: Optional[_RowSum] = _SUMS.pop(id(value), None) if isinstance(value, DTensor) else None
     if rs is None:  # (an entry leaves _SUMS when its DTensor dies, before its id can be reused)
         return None
-    dist.all_reduce(rs.sum, group=value.device_mesh.get_group(rs.mesh_dim))
-    return rs.sum.div_(rs.saved).to(value.to_local().dtype)
+    return momentum_mean.finish(rs.sum, value.device_mesh, rs.mesh_dim, rs.saved, value.to_local().dtype)

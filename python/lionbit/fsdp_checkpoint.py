@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from . import tensor_parallel, torch_internals, user_warning
+from . import momentum_mean, tensor_parallel, torch_internals, user_warning
 
 #
 # Each rank's momentum is full-size and its own (it follows the rank's local
@@ -73,14 +73,42 @@ def _own_part(att, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return t.narrow(k, min(mesh.shard * width, t.shape[k]), p.to_local().shape[k])
 
 
-def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optional[list] = None) -> torch.Tensor:
+def _other_workers(att, p: torch.Tensor, value) -> bool:
+    """Whether a loaded momentum holds the momenta of another number of
+    workers than this run has (:func:`_own_row` loads their mean)."""
+    return (isinstance(value, torch.Tensor) and value.dim() == p.dim() + 1 and value.shape[1:] == p.shape
+            and value.shape[0] != att.mesh_of[p].rows)
+
+
+def _consolidated(p: torch.Tensor, value) -> bool:
+    """Whether a loaded momentum is a consolidated file's rows, every
+    worker's of the run that wrote it: plain (workers, *shape), or as
+    torch's set_optimizer_state_dict(full_state_dict=True) distributed them
+    over this run's mesh (not rows lionbit presented, not a per-rank file's,
+    whose mesh is the run's that wrote it). They load on any mesh: each
+    saved worker's row, resharded, where the number of workers is this
+    run's; their mean where it is not."""
+    if not (isinstance(value, torch.Tensor) and value.dim() == p.dim() + 1 and value.shape[1:] == p.shape):
+        return False
+    if not isinstance(value, DTensor):
+        return True
+    elastic = sys.modules.get(__package__ + ".elastic")
+    return value.device_mesh == p.device_mesh and not (elastic is not None and elastic.is_presented(value))
+
+
+def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optional[list] = None,
+             averaged: Optional[list] = None) -> torch.Tensor:
     """This rank's momentum out of a loaded value: the (workers, *shape)
     DTensor of :func:`_rows`, or a plain (workers, *shape) tensor (a
     consolidated checkpoint given to load_state_dict as it is): its worker's
-    row (HSDP: this rank's chunk of it); a plain tensor of the parameter's
-    shape (what torch's default state_dict held before): taken as it is
-    (HSDP: this rank's chunk), its name added to ``unsure`` (see
-    :func:`_warn_unsure`)."""
+    row (HSDP: this rank's chunk of it); the same holding another number of
+    workers' momenta (a consolidated file, plain or distributed by torch's
+    ``set_optimizer_state_dict(full_state_dict=True)``): their mean
+    (lionbit.momentum_mean; a collective where torch distributed them), the
+    number of saved workers and the name added to ``averaged``; a plain
+    tensor of the parameter's shape (what torch's default state_dict held
+    before): taken as it is (HSDP: this rank's chunk), its name added to
+    ``unsure`` (see :func:`_warn_unsure`)."""
     shape = tuple(p.shape)
     mesh = att.mesh_of[p]
     n, row = mesh.rows, mesh.row
@@ -95,10 +123,19 @@ def _own_row(att, p: torch.Tensor, value, name: str, where: str, unsure: Optiona
             elastic = sys.modules.get(__package__ + ".elastic")
             mean = elastic.mean_loaded(value) if elastic is not None else None  # another number of workers saved it
             return local[0] if mean is None else mean[0]
+        if (_other_workers(att, p, value) and tuple(value.placements) == placed
+                and value.device_mesh == p.device_mesh and tuple(local.shape[1:]) == mine):
+            if averaged is not None:
+                averaged.append((value.shape[0], name))
+            return momentum_mean.of_distributed(value, momentum_mean.rows_mesh_dim(placed), att.opt.momentum_dtype)
         got = f"a DTensor of shape {tuple(value.shape)} placed {tuple(value.placements)}"
     else:
         if tuple(value.shape) == rows:
             return _own_part(att, p, value[row])
+        if _other_workers(att, p, value):
+            if averaged is not None:
+                averaged.append((value.shape[0], name))
+            return _own_part(att, p, momentum_mean.of_stacked(value, att.opt.momentum_dtype))
         if tuple(value.shape) == shape:
             if unsure is not None:
                 unsure.append(name)
@@ -282,8 +319,6 @@ def load_state_dict(att, state_dict: dict) -> None:
             f"{where}: the state dict has {len(saved_groups)} parameter groups, this optimizer {len(groups)}"
         )
     ids = {}
-    has_layout = any(isinstance(st, dict) and MESH_SHAPE_KEY in st for st in sd["state"].values())
-    remeshed = any(isinstance(st, dict) and _remeshed(st.get(MESH_SHAPE_KEY)) for st in sd["state"].values())
     for i, (mine, saved) in enumerate(zip(groups, saved_groups)):
         if len(saved["params"]) != len(mine["params"]):
             raise ValueError(
@@ -291,14 +326,20 @@ def load_state_dict(att, state_dict: dict) -> None:
                 f"{len(mine['params'])} in this optimizer"
             )
         ids.update(zip(saved["params"], mine["params"]))
-        if not remeshed:
+    has_layout = any(isinstance(st, dict) and MESH_SHAPE_KEY in st for st in sd["state"].values())
+    # The mesh is checked unless the rows are this mesh's (dcp.load with lionbit's planner) or a
+    # consolidated file's (every saved worker's: they load on any mesh).
+    remeshed = any(isinstance(st, dict) and (_remeshed(st.get(MESH_SHAPE_KEY)) or (
+        key in ids and _consolidated(ids[key], st.get("exp_avg")))) for key, st in sd["state"].items())
+    if not remeshed:
+        for saved in saved_groups:
             _check_mesh(att, _saved_mesh(att, saved, has_layout), where)
     marker = sd.get("lionbit")  # optim.py's {"rank", "world_size"} of a per-rank state dict
     own_file = isinstance(marker, dict) and (marker.get("rank"), marker.get("world_size")) == (
         att.dp.row,
         att.dp.rows,
     )
-    unsure = []
+    unsure, averaged = [], []
     loaded = {}
     for key, st in sd["state"].items():
         p = ids.get(key)
@@ -308,11 +349,13 @@ def load_state_dict(att, state_dict: dict) -> None:
         if MESH_SHAPE_KEY in st and not remeshed:  # the mesh's layout: checked, never kept
             _check_mesh_layout(att, st[MESH_SHAPE_KEY], where)
         loaded[p] = {
-            k: (_own_row(att, p, v, name, where, unsure) if k == "exp_avg" else v)
+            k: (_own_row(att, p, v, name, where, unsure, averaged) if k == "exp_avg" else v)
             for k, v in st.items() if k != MESH_SHAPE_KEY
         }
     if not own_file:
         _warn_unsure(att, unsure, where)
+    if averaged:
+        momentum_mean.warn(where, averaged[0][0], att.dp.rows, averaged[0][1])
     # Checked: now change the optimizer. Its state becomes the state dict's.
     for p in [p for p in opt.state if p not in loaded]:
         del opt.state[p]
@@ -378,13 +421,15 @@ def load_sharded_state_dict(att, sd: dict) -> None:
         if MESH_SHAPE_KEY in sd:  # the mesh's layout (absent from a 1-D or an older state dict)
             _check_mesh_layout(att, sd[MESH_SHAPE_KEY], where)
     by_name = {n: p for p, n in att.fqns.items()}
-    rows, unsure = {}, []
+    rows, unsure, averaged = {}, [], []
     for name, value in sd["momentum"].items():
         p = by_name.get(name)
         if p is None or p not in att.managed:
             raise ValueError(f"{where}: unknown parameter '{name}' in the checkpoint")
-        rows[p] = _own_row(att, p, value, name, where, unsure)
+        rows[p] = _own_row(att, p, value, name, where, unsure, averaged)
     _warn_unsure(att, unsure, where)
+    if averaged:
+        momentum_mean.warn(where, averaged[0][0], att.dp.rows, averaged[0][1])
     for p, row in rows.items():
         m = att.momentum(p)
         if row.data_ptr() != m.data_ptr():

@@ -473,6 +473,28 @@ def test_a_checkpoint_before_the_first_step_is_not_a_step(wrap):
         assert saved["steps_after"] == r["plain"]["steps_after"] == 4
 
 
+def test_one_process_loads_a_consolidated_file_of_three_ranks_as_their_mean():
+    """A single-process run (no process group) given a consolidated file's
+    momenta, every rank's stacked (get_optimizer_state_dict with
+    full_state_dict=True): three ranks' start it from their mean (float64
+    here, to float32's rounding), with a warning; one rank's, from its row."""
+    import lionbit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    rows = {i: torch.randn(3, *p.shape) for i, p in enumerate(model.parameters())}
+    groups = [{"lr": 0.1, "betas": (0.9, 0.99), "weight_decay": 0.0, "params": [0, 1]}]
+    opt = lionbit.DistributedLion(model.parameters(), lr=0.5)
+    with pytest.warns(UserWarning, match="holds the momenta of 3 workers and this run has 1"):
+        opt.load_state_dict({"state": {i: {"exp_avg": r} for i, r in rows.items()}, "param_groups": groups})
+    for i, p in enumerate(model.parameters()):
+        mean = rows[i].double().mean(0)
+        assert (opt.state[p]["exp_avg"].double() - mean).abs().max() <= 2 ** -22 * rows[i].abs().max()
+    assert opt.param_groups[0]["lr"] == 0.1
+    opt.load_state_dict({"state": {i: {"exp_avg": r[1:2]} for i, r in rows.items()}, "param_groups": groups})
+    assert all(torch.equal(opt.state[p]["exp_avg"], rows[i][1]) for i, p in enumerate(model.parameters()))
+
+
 def test_a_bfloat16_models_float32_momentum_survives_its_state_dict():
     """torch's load_state_dict casts the state to each parameter's dtype; a
     bfloat16 model's momentum (float32 by default) comes back as it was saved,
