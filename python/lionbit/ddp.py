@@ -137,6 +137,13 @@ class DDPAttachment(Attachment):
         self.join = join.ModelJoin(model)  # torch's Join: is the optimizer in the model's current one?
         self.join_due = False  # a joined rank shadowed a synchronized backward: its step is due
         if slot is None:
+            other = torch_internals.ddp_comm_hook_name(model)
+            if other is not None:
+                raise RuntimeError(
+                    f"DistributedLion.attach on rank {dist.get_rank()}: the DDP model already has a comm hook "
+                    f"({other}), and DDP takes one; DistributedLion's own replaces DDP's all-reduce with the 1-bit "
+                    f"vote, so build the DDP model without registering {other}"
+                )
             slot = _slots[model] = _HookSlot()
             model.register_comm_hook(slot, _hook)
             HOOKED_DDP_MODELS.add(model)

@@ -62,6 +62,9 @@ NAMES = (
     Name("torch._C._current_graph_task_id", "whether a DDP comm hook runs inside a backward or a Join shadow"),
     Name("torch._C._len_torch_dispatch_stack",
          "under a TorchDispatchMode in-place ops bump no version: vote again (optional: absent means none)"),
+    Name("DistributedDataParallel._get_ddp_logging_data",
+         "attach names the comm hook a user registered on the DDP model (torch's own error on lionbit's would "
+         "only say that one can be registered once)"),
     # composable replicate() (DDP underneath)
     Name("torch.distributed._composable.replicate.DDP",
          "whether a module is composable replicate()'s (torchtitan's and OLMo-core's DDP): attach reaches its DDP"),
@@ -201,6 +204,13 @@ def in_dispatch_mode() -> bool:
 # module's parameters at the module's first forward and keeps it in its state;
 # no public name reaches it. (The FSDP-based replicate of
 # torch.distributed._composable.replicate_with_fsdp is an FSDP2 module instead.)
+
+
+def ddp_comm_hook_name(model) -> Optional[str]:
+    """The name of the comm hook registered on a DDP model (a Python hook's
+    qualified name or a built-in hook's type), or None if it has none."""
+    name = model._get_ddp_logging_data().get("comm_hook")
+    return str(name) if name else None
 
 
 def _replicate_module():

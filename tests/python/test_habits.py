@@ -285,6 +285,35 @@ def test_rewrapping_keeps_the_momentum(how, n):
     assert len(set(res)) == 1, "replicas differ"
 
 
+def own_comm_hook(rank, n):
+    """A script that compressed DDP's all-reduce with a comm hook of its own
+    (bf16 here; PowerSGD alike) keeps registering it: attach refuses on every
+    rank, naming the hook, and changes nothing; the same module in a DDP
+    without the hook then trains as the simulation."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import lionbit
+
+    model = _net()
+    hooked = _ddp(model)
+    hooked.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    opt = lionbit.DistributedLion(hooked.parameters(), **LION)
+    with pytest.raises(RuntimeError) as err:
+        opt.attach(hooked)
+    ddp = _ddp(model)
+    opt.attach(ddp)
+    _train(ddp, opt, rank, range(4))
+    _same(model, simulate([4] * n), "after the refused attach")
+    return str(err.value)
+
+
+def test_a_ddp_model_with_its_own_comm_hook_is_refused_naming_it():
+    for rank, said in enumerate(values(run_ranks("test_habits:own_comm_hook", 2))):
+        assert said == (f"DistributedLion.attach on rank {rank}: the DDP model already has a comm hook "
+                        "(bf16_compress_hook), and DDP takes one; DistributedLion's own replaces DDP's all-reduce "
+                        "with the 1-bit vote, so build the DDP model without registering bf16_compress_hook"), said
+
+
 def new_process_group(rank, n, workdir):
     """destroy_process_group(), a new init_process_group, a new DDP wrapper:
     opt.state_dict() works throughout and training goes on, bitwise."""

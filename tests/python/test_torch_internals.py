@@ -259,6 +259,18 @@ def probe(rank, world_size):
 
     check("torch.distributed._composable.contract._get_registry", mixed)
 
+    def comm_hook_names():
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        plain, python, builtin = (DDP(torch.nn.Linear(2, 2)) for _ in range(3))
+        python.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        builtin._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+        return [ti.ddp_comm_hook_name(m) for m in (plain, python, builtin)] == [
+            None, "bf16_compress_hook", "BuiltinCommHookType.FP16_COMPRESS"]
+
+    check("DistributedDataParallel._get_ddp_logging_data", comm_hook_names)
+
     # torch fills a fresh optimizer's state by a step() on zero gradients: lionbit must see that it is that one.
     def init_optim_state():
         from torch.distributed.checkpoint.state_dict import _init_optim_state
