@@ -9,10 +9,13 @@ NCCL; elsewhere the ranks run on the CPU over Gloo. On several nodes of several 
 ``--hierarchy node`` counts the signs inside each node first (the same
 result, bit for bit, with fewer bytes between nodes: docs/hierarchy.md).
 
-``--checkpoint DIR`` saves after every epoch and resumes from there: each rank
-its own file, since each rank's momentum is its own (saving rank 0's alone
-would restart every rank from rank 0's momentum); the resumed run takes the
-same steps, bit for bit, as one that was never stopped.
+``--checkpoint DIR`` saves after every epoch and resumes from there, through
+torch.distributed.checkpoint: every rank writes its own momentum, since each
+rank's momentum is its own (saving rank 0's alone would restart every rank
+from rank 0's momentum); the resumed run takes the same steps, bit for bit,
+as one that was never stopped. On another number of ranks (a node lost or
+added: torchrun --nnodes=MIN:MAX) it resumes too, every rank from the mean of
+the saved momenta (lionbit.ElasticLoadPlanner).
 
 The data are scikit-learn's bundled digits (no download): each 8x8 image is a
 sequence of 8 row tokens. Each rank trains on its share of every global
@@ -24,6 +27,7 @@ all-reduce of every gradient) would have sent.
 import argparse
 import hashlib
 import os
+import shutil
 import sys
 import time
 
@@ -74,6 +78,44 @@ def pick_device(choice):
     return device
 
 
+def save(folder, model, opt, sched, g, epoch, step):
+    """The epoch's checkpoint: torch.distributed.checkpoint, every rank
+    writing its momentum (and one rank the model); then rank 0 points last.pt
+    at it, with what every rank shares (schedule, data order, step), and
+    removes the epoch before."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    name = f"epoch{epoch}"
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(folder, name))
+    if dist.get_rank() == 0:
+        last = os.path.join(folder, "last.pt")
+        before = torch.load(last, weights_only=False)["where"] if os.path.exists(last) else None
+        torch.save({"epoch": epoch, "step": step, "scheduler": sched.state_dict(), "data_order": g.get_state(),
+                    "where": name}, os.path.join(folder, "last.tmp"))
+        os.replace(os.path.join(folder, "last.tmp"), last)  # a crash mid-save leaves the last good one
+        if before not in (None, name):
+            shutil.rmtree(os.path.join(folder, before), ignore_errors=True)
+    dist.barrier()
+
+
+def load(folder, model, opt, sched, g):
+    """Resumes from last.pt's checkpoint; returns (epochs done, steps done)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    last = torch.load(os.path.join(folder, "last.pt"), weights_only=False)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    # DCP's own planner on the same ranks; on another number, the saved momenta's mean for every rank
+    dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(folder, last["where"]),
+             planner=lionbit.ElasticLoadPlanner())
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    sched.load_state_dict(last["scheduler"])
+    g.set_state(last["data_order"])
+    return last["epoch"], last["step"]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=12)
@@ -122,14 +164,8 @@ def main():
 
     g = torch.Generator().manual_seed(1)
     step, first, acc, t0 = 0, 0, None, time.perf_counter()
-    mine = os.path.join(args.checkpoint, f"rank{rank}.pt") if args.checkpoint else None
-    if mine and os.path.exists(mine):  # resume: this rank's own file
-        ckpt = torch.load(mine, map_location=device, weights_only=False)
-        model.module.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        sched.load_state_dict(ckpt["scheduler"])
-        g.set_state(ckpt["data_order"])
-        step, first = ckpt["step"], ckpt["epoch"]
+    if args.checkpoint and os.path.exists(os.path.join(args.checkpoint, "last.pt")):
+        first, step = load(args.checkpoint, model, opt, sched, g)
         if rank == 0:
             print(f"resumed from {args.checkpoint} after epoch {first} (step {step})")
     start = step
@@ -151,12 +187,8 @@ def main():
         acc = accuracy()
         if rank == 0:
             sys.stdout.write(f"  epoch {epoch + 1}: test accuracy {acc:.2f}%\n")
-        if mine:  # every rank its own file: the momentum is the rank's own
-            os.makedirs(args.checkpoint, exist_ok=True)
-            torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
-                        "scheduler": sched.state_dict(), "data_order": g.get_state(), "step": step,
-                        "epoch": epoch + 1}, mine + ".tmp")
-            os.replace(mine + ".tmp", mine)  # a crash mid-save leaves the last good file
+        if args.checkpoint:
+            save(args.checkpoint, model, opt, sched, g, epoch + 1, step)
     secs = time.perf_counter() - t0
     acc = accuracy() if acc is None else acc
     ran = max(step - start, 1)  # this run's steps (lionbit's counters start at this run)

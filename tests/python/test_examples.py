@@ -112,17 +112,25 @@ def hsdp_cut(tmp_path_factory):
     return out, ckpt
 
 
+@pytest.fixture(scope="module")
+def ddp_cut(tmp_path_factory):
+    """The DDP script on 2 ranks stopped after its first epoch: its output
+    and its checkpoint (each test resumes a copy)."""
+    ckpt = str(tmp_path_factory.mktemp("ddp_cut") / "ckpt")
+    return _torchrun("ddp_train.py", "--epochs", "2", "--checkpoint", ckpt, "--stop-after", "1"), ckpt
+
+
 @pytest.mark.parametrize("script,flags", [("ddp_train.py", []), ("fsdp_train.py", ["--replicas", "2"]),
                                           ("fsdp_train.py", ["--fsdp1"])], ids=["ddp", "hsdp_dcp", "fsdp1_files"])
-def test_the_examples_resume_from_their_checkpoints_bitwise(two_epochs, hsdp_cut, tmp_path, script, flags):
+def test_the_examples_resume_from_their_checkpoints_bitwise(two_epochs, ddp_cut, hsdp_cut, tmp_path, script, flags):
     """Stopped after an epoch and started again with the same command, each
     takes the steps of a run that was never stopped: every rank resumes its
-    own momentum (DDP: its file; FSDP2: torch.distributed.checkpoint; FSDP1:
-    its file of shards), the schedule and the data order too."""
+    own momentum (DDP and FSDP2: torch.distributed.checkpoint; FSDP1: its
+    file of shards), the schedule and the data order too."""
     ckpt = str(tmp_path / "ckpt")
-    if flags == ["--replicas", "2"]:
-        cut = hsdp_cut[0]
-        shutil.copytree(hsdp_cut[1], ckpt)
+    if script == "ddp_train.py" or flags == ["--replicas", "2"]:
+        cut, saved = ddp_cut if script == "ddp_train.py" else hsdp_cut
+        shutil.copytree(saved, ckpt)
     else:
         cut = _torchrun(script, "--epochs", "2", *flags, "--checkpoint", ckpt, "--stop-after", "1")
     resumed = _torchrun(script, "--epochs", "2", *flags, "--checkpoint", ckpt)
@@ -131,6 +139,24 @@ def test_the_examples_resume_from_their_checkpoints_bitwise(two_epochs, hsdp_cut
     assert _digest(cut) != _digest(two_epochs), (cut, two_epochs)
     assert _digest(resumed) == _digest(two_epochs), (resumed, two_epochs)
     assert _accuracy(resumed) == _accuracy(two_epochs)
+
+
+def test_the_ddp_example_resumes_on_more_ranks(two_epochs, ddp_cut, tmp_path):
+    """Stopped after an epoch on 2 ranks and started again on 4 (a node
+    added): every rank starts from the mean of the 2 saved momenta
+    (lionbit.ElasticLoadPlanner), the parameters, schedule and data order as
+    saved, and the 4 ranks train on to the end, replicas identical, to an
+    accuracy near the uninterrupted run's. (Each rank's own file, as the
+    script kept them before, left ranks 2 and 3 with none: they began at
+    epoch 0 and the ranks' steps no longer paired.)"""
+    ckpt = str(tmp_path / "ckpt")
+    cut = ddp_cut[0]
+    shutil.copytree(ddp_cut[1], ckpt)
+    resumed = _torchrun("ddp_train.py", "--epochs", "2", "--checkpoint", ckpt, ranks=4)
+    assert "4 ranks on cpu" in resumed and "after epoch 1 (step 22)" in resumed, resumed
+    assert "replicas identical: True" in resumed, resumed
+    assert _digest(resumed) not in (_digest(cut), _digest(two_epochs)), (resumed, cut, two_epochs)
+    assert abs(_accuracy(resumed) - _accuracy(two_epochs)) < 5.0, (resumed, two_epochs)
 
 
 def test_the_fsdp_example_resumes_on_fewer_ranks(two_epochs, hsdp_cut, tmp_path):
