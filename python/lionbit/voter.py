@@ -181,16 +181,18 @@ class Voter:
         self._calls = 0
 
     def _seed(self) -> int:
-        """The tie rule's seed of the next collective: "alternate" follows
-        the step counter; "random" draws from the step and the collective's
-        number within the step (both the same on every rank; the number
-        restarts at every step, so a resumed run draws the same signs)."""
+        """The tie rule's seed of the next collective: "alternate" (and
+        "zero", which draws nothing from it) the step counter; "random" the
+        step and the collective's number within the step (both the same on
+        every rank; the number restarts at every step, so a resumed run draws
+        the same signs). Every rank's header carries the seed and the header
+        round checks it: ranks at different steps (one resumed from another
+        checkpoint than the others, or from none) fail their first vote,
+        every rank alike, rather than vote one step against another."""
         index, self._calls = self._calls, self._calls + 1
-        if self.tie_break == "alternate":
-            return self._counter.steps_taken
         if self.tie_break == "random":
             return (self._counter.steps_taken << 20) + index
-        return -1
+        return self._counter.steps_taken
 
     def all_reduce(self, sign, zero, numel: int, nans: int, out: torch.Tensor, group, where: str,
                    out_planes: bool = False, nans_tally=None, agreed: Optional[list] = None):

@@ -275,9 +275,16 @@ TEST(Wire, TheTieRuleAndTheBitsMustAgree) {
   }
   EXPECT_EQ(check_headers(h.data(), 4, h[0]).error, "");
   h[3].tie_seed = 6;
-  const std::string e = check_headers(h.data(), 4, h[0]).error;
+  std::string e = check_headers(h.data(), 4, h[0]).error;
+  EXPECT_NE(
+      e.find("the tie rule's seed differs across ranks: rank 0 has 5, rank 3 has 6"),
+      std::string::npos)
+      << e;
+  h[3].tie_seed = 5;
+  h[2].tie_break = static_cast<uint8_t>(TieBreak::kRandom);
+  e = check_headers(h.data(), 4, h[0]).error;
   EXPECT_NE(e.find("the tie rule or the bits differ across ranks"), std::string::npos) << e;
-  EXPECT_NE(e.find("rank 3 has tie_break=alternate (seed 6)"), std::string::npos) << e;
+  EXPECT_NE(e.find("rank 2 has tie_break=random (seed 5)"), std::string::npos) << e;
 }
 
 TEST(Wire, LevelsNeedTheirBitsAndOnlyVotesBreakTies) {

@@ -314,6 +314,51 @@ def test_a_ddp_model_with_its_own_comm_hook_is_refused_naming_it():
                         "with the 1-bit vote, so build the DDP model without registering bf16_compress_hook"), said
 
 
+def steps_apart(rank, n, workdir, overlap):
+    """A restart where rank 1 found no checkpoint of its own (a per-rank
+    file missing, a glob that matched another run's): rank 0 goes on from
+    step 3, rank 1 from scratch. The first vote fails on every rank, naming
+    the two seeds (the steps), and no parameter changes; a vote one step
+    against another would train on, or hang where the step counts end apart."""
+    import os
+
+    import lionbit
+
+    model = _net()
+    ddp = _ddp(model)
+    opt = lionbit.DistributedLion(ddp.parameters(), **LION)
+    opt.attach(ddp, overlap=overlap)
+    _train(ddp, opt, rank, range(3))
+    mine = os.path.join(workdir, f"rank{rank}.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, mine)
+    dist.barrier()
+
+    model = _net()
+    ddp = _ddp(model)
+    opt = lionbit.DistributedLion(ddp.parameters(), **LION)
+    opt.attach(ddp, overlap=overlap)
+    if rank == 0:
+        saved = torch.load(mine, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError) as err:
+        _train(ddp, opt, rank, range(3, 4))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "a parameter changed"
+    return [str(err.value), opt.steps_taken]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["votes in backward", "votes at step()"])
+def test_ranks_at_different_steps_fail_their_first_vote(tmp_path, overlap):
+    res = values(run_ranks("test_habits:steps_apart", 2, kwargs={"workdir": str(tmp_path), "overlap": overlap},
+                           fresh=True))
+    for rank, (said, steps) in enumerate(res):
+        assert steps == (3 if rank == 0 else 0)
+        mine, theirs = (3, 0) if rank == 0 else (0, 3)
+        assert f"the tie rule's seed differs across ranks: rank {rank} has {mine}, rank {1 - rank} has {theirs} " \
+               "(a caller that seeds each call with its step count has ranks at different steps)" in said, said
+
+
 def new_process_group(rank, n, workdir):
     """destroy_process_group(), a new init_process_group, a new DDP wrapper:
     opt.state_dict() works throughout and training goes on, bitwise."""
