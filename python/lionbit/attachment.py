@@ -270,7 +270,7 @@ class Attachment:
             if isinstance(m, DTensor):
                 st = {**st, "exp_avg": self._own_row(p, m)}
             elif isinstance(m, torch.Tensor) and m.shape != p.shape:
-                if m.dim() != p.dim() + 1 or m.shape[1:] != p.shape:
+                if not momentum_mean.are_rows(m, p):
                     raise ValueError(
                         f"DistributedLion.load_state_dict on rank {dist.get_rank()}: the momentum ('exp_avg') of "
                         f"parameter {key!r} has shape {tuple(m.shape)}, its parameter {tuple(p.shape)}; expected "
@@ -280,8 +280,7 @@ class Attachment:
                     st = {**st, "exp_avg": m[dist.get_rank(self.group) if dist.is_initialized() else 0]}
                 else:
                     st = {**st, "exp_avg": momentum_mean.of_stacked(m, self.opt.momentum_dtype)}
-            if (averaged is None and isinstance(m, torch.Tensor) and m.dim() == p.dim() + 1
-                    and m.shape[0] != self._workers()):
+            if averaged is None and momentum_mean.are_rows(m, p) and m.shape[0] != self._workers():
                 averaged = (m.shape[0], key)
             out[key] = st
         if averaged is not None:
@@ -296,8 +295,8 @@ class Attachment:
         """This rank's row of a rows DTensor over the group's ranks (or the
         mean of another number of ranks' rows, as torch distributed them)."""
         n, local = dist.get_world_size(self.group), m.to_local()
-        if (m.shape[0] != n and m.shape[1:] == p.shape and local.shape[1:] == p.shape and m.device_mesh.ndim == 1
-                and m.device_mesh.size() == n):
+        if (m.shape[0] != n and momentum_mean.are_rows(m, p) and local.shape[1:] == p.shape
+                and m.device_mesh.ndim == 1 and m.device_mesh.size() == n):
             return momentum_mean.of_distributed(m, 0, self.opt.momentum_dtype)  # (a 1-D mesh of the group)
         if tuple(m.shape) != (n, *p.shape) or tuple(local.shape) != (1, *p.shape):
             raise ValueError(

@@ -76,8 +76,7 @@ def _own_part(att, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 def _other_workers(att, p: torch.Tensor, value) -> bool:
     """Whether a loaded momentum holds the momenta of another number of
     workers than this run has (:func:`_own_row` loads their mean)."""
-    return (isinstance(value, torch.Tensor) and value.dim() == p.dim() + 1 and value.shape[1:] == p.shape
-            and value.shape[0] != att.mesh_of[p].rows)
+    return momentum_mean.are_rows(value, p) and value.shape[0] != att.mesh_of[p].rows
 
 
 def _consolidated(p: torch.Tensor, value) -> bool:
@@ -88,7 +87,7 @@ def _consolidated(p: torch.Tensor, value) -> bool:
     whose mesh is the run's that wrote it). They load on any mesh: each
     saved worker's row, resharded, where the number of workers is this
     run's; their mean where it is not."""
-    if not (isinstance(value, torch.Tensor) and value.dim() == p.dim() + 1 and value.shape[1:] == p.shape):
+    if not momentum_mean.are_rows(value, p):
         return False
     if not isinstance(value, DTensor):
         return True

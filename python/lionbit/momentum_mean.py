@@ -30,6 +30,12 @@ import torch.distributed as dist
 from . import user_warning
 
 
+def are_rows(value, p: torch.Tensor) -> bool:
+    """Whether ``value`` is a tensor of workers' momenta of parameter ``p``,
+    stacked: shape (workers, *p.shape), any number of workers."""
+    return isinstance(value, torch.Tensor) and value.dim() == p.dim() + 1 and value.shape[1:] == p.shape
+
+
 def rows_mesh_dim(placements) -> int:
     """The mesh dim over which an (N, *shape) DTensor's rows (the workers)
     are placed: the one placement Shard(0)."""

@@ -141,37 +141,27 @@ def test_the_examples_resume_from_their_checkpoints_bitwise(two_epochs, ddp_cut,
     assert _accuracy(resumed) == _accuracy(two_epochs)
 
 
-def test_the_ddp_example_resumes_on_more_ranks(two_epochs, ddp_cut, tmp_path):
-    """Stopped after an epoch on 2 ranks and started again on 4 (a node
-    added): every rank starts from the mean of the 2 saved momenta
-    (lionbit.ElasticLoadPlanner), the parameters, schedule and data order as
-    saved, and the 4 ranks train on to the end, replicas identical, to an
-    accuracy near the uninterrupted run's. (Each rank's own file, as the
-    script kept them before, left ranks 2 and 3 with none: they began at
-    epoch 0 and the ranks' steps no longer paired.)"""
+@pytest.mark.parametrize("script,cut_name,ranks,says", [
+    ("ddp_train.py", "ddp_cut", 4, "replicas identical: True"),
+    ("fsdp_train.py", "hsdp_cut", 1, "gradient path: one rank, nothing sent"),
+], ids=["ddp 2 -> 4 ranks", "hsdp 2 x 1 -> 1 rank"])
+def test_the_examples_resume_on_another_number_of_ranks(two_epochs, request, tmp_path, script, cut_name, ranks, says):
+    """Stopped after an epoch and started again on another number of ranks
+    (torchrun's --nproc-per-node changed; the FSDP script's --replicas
+    dropped): each loads its DCP checkpoint through
+    lionbit.ElasticLoadPlanner, every rank starting from the mean of the
+    saved workers' momenta, the parameters, schedule and data order as saved,
+    and trains on to an accuracy near the uninterrupted run's. DDP: 2 ranks,
+    then 4 (a node added; each rank's own file, as the script kept them
+    before, left ranks 2 and 3 with none: they began at epoch 0 and the
+    ranks' steps no longer paired). FSDP2: HSDP on 2 nodes of 1 rank, then
+    FSDP2 on a 1-D mesh of 1 (a node lost)."""
+    cut, saved = request.getfixturevalue(cut_name)
     ckpt = str(tmp_path / "ckpt")
-    cut = ddp_cut[0]
-    shutil.copytree(ddp_cut[1], ckpt)
-    resumed = _torchrun("ddp_train.py", "--epochs", "2", "--checkpoint", ckpt, ranks=4)
-    assert "4 ranks on cpu" in resumed and "after epoch 1 (step 22)" in resumed, resumed
-    assert "replicas identical: True" in resumed, resumed
-    assert _digest(resumed) not in (_digest(cut), _digest(two_epochs)), (resumed, cut, two_epochs)
-    assert abs(_accuracy(resumed) - _accuracy(two_epochs)) < 5.0, (resumed, two_epochs)
-
-
-def test_the_fsdp_example_resumes_on_fewer_ranks(two_epochs, hsdp_cut, tmp_path):
-    """Stopped after an epoch on 2 nodes of 1 rank (HSDP) and started again
-    on 1 (torchrun's --nproc-per-node changed, --replicas dropped: a node
-    lost): FSDP2 on a 1-D mesh loads the HSDP checkpoint through
-    lionbit.ElasticLoadPlanner, the rank starting from the mean of the 2
-    nodes' momenta, the schedule and the data order as saved, and trains on
-    to an accuracy near the uninterrupted run's."""
-    ckpt = str(tmp_path / "ckpt")
-    cut = hsdp_cut[0]
-    shutil.copytree(hsdp_cut[1], ckpt)
-    resumed = _torchrun("fsdp_train.py", "--epochs", "2", "--checkpoint", ckpt, ranks=1)
-    assert "1 ranks on cpu" in resumed and "after epoch 1 (step 22)" in resumed, resumed
-    assert "gradient path: one rank, nothing sent" in resumed, resumed
+    shutil.copytree(saved, ckpt)
+    resumed = _torchrun(script, "--epochs", "2", "--checkpoint", ckpt, ranks=ranks)
+    assert f"{ranks} ranks on cpu" in resumed and "after epoch 1 (step 22)" in resumed, resumed
+    assert says in resumed, resumed
     assert _digest(resumed) not in (_digest(cut), _digest(two_epochs)), (resumed, cut, two_epochs)
     assert abs(_accuracy(resumed) - _accuracy(two_epochs)) < 5.0, (resumed, two_epochs)
 

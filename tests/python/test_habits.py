@@ -350,8 +350,7 @@ def steps_apart(rank, n, workdir, overlap):
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["votes in backward", "votes at step()"])
 def test_ranks_at_different_steps_fail_their_first_vote(tmp_path, overlap):
-    res = values(run_ranks("test_habits:steps_apart", 2, kwargs={"workdir": str(tmp_path), "overlap": overlap},
-                           fresh=True))
+    res = values(run_ranks("test_habits:steps_apart", 2, kwargs={"workdir": str(tmp_path), "overlap": overlap}))
     for rank, (said, steps) in enumerate(res):
         assert steps == (3 if rank == 0 else 0)
         mine, theirs = (3, 0) if rank == 0 else (0, 3)
