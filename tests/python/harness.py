@@ -98,16 +98,20 @@ def _spawn(workdir: str, world_size: int, backend: Optional[str], pg_timeout: fl
         spec = dict(extra, rank=rank, world_size=world_size, backend=backend, workdir=workdir,
                     store=os.path.join(workdir, "store"), pg_timeout=pg_timeout, pool=pool)
         log = open(os.path.join(workdir, f"rank{rank}.log"), "w+")
-        argv = [os.path.join(HERE, "harness.py"), json.dumps(spec)]
-        if zygote.enabled():
-            p = _zygote().spawn(argv, penv, log, pool)
-        else:
-            p = subprocess.Popen(
-                [sys.executable, *argv], stdin=subprocess.PIPE if pool else subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, env=penv, start_new_session=True,
-            )
-        procs.append((p, log))
+        procs.append((start_python([os.path.join(HERE, "harness.py"), json.dumps(spec)], penv, log, pool), log))
     return procs
+
+
+def start_python(argv: List[str], env: dict, log, stdin_pipe: bool = False):
+    """``python argv...`` with env, its output (stdout and stderr) to the
+    file log, in a process group of its own: forked from the session's
+    zygote (torch imported), or a new interpreter where LIONBIT_TEST_ZYGOTE=0.
+    A pipe on its stdin when stdin_pipe, else /dev/null. Returns what
+    ``subprocess.Popen`` does (pid, stdin, poll, wait, returncode)."""
+    if zygote.enabled():
+        return _zygote().spawn(argv, env, log, stdin_pipe)
+    return subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 _the_zygote: Optional[zygote.Zygote] = None
@@ -122,7 +126,12 @@ def _zygote() -> zygote.Zygote:
 
 
 def _kill(procs: list) -> None:
-    for p, _ in procs:
+    kill([p for p, _ in procs])
+
+
+def kill(processes: list) -> None:
+    """Kills each live process of ``processes`` (start_python's) and its process group, and reaps it."""
+    for p in processes:
         if p.poll() is None:
             try:
                 os.killpg(p.pid, 9)

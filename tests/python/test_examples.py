@@ -1,5 +1,4 @@
-"""The examples a user starts from, run as the README says (torchrun), at
-N = 2 and one epoch: `make demo`'s DDP script, `make demo-fsdp`'s FSDP2 and
+"""The examples a user starts from, at N = 2 and one epoch: `make demo`'s DDP script, `make demo-fsdp`'s FSDP2 and
 FSDP1 scripts and `make demo-sign`'s collective. Each must finish, print its
 figures, and the training scripts (one task, one seed, one data order) must
 end at the same test accuracy: DDP, FSDP2 and FSDP1 take the same steps
@@ -10,7 +9,13 @@ HYBRID_SHARD), and DDP with hierarchy="node" on two torchrun "nodes" (exact:
 the flat vote's result). At N = 4, HSDP over 2
 nodes x 2 ranks sends the 1-bit figure of a rank's shard between nodes and
 keeps half a momentum a rank; so does the tensor-parallel script at dp 2 x tp
-2 (each rank its tensor-parallel part)."""
+2 (each rank its tensor-parallel part).
+
+Two launches go through torchrun as the README writes them: the DDP
+script's epoch (--standalone) and its node hierarchy on two torchrun
+"nodes" (several agents' rendezvous, GROUP_RANK). The rest run the script's
+ranks with the environment torchrun gives its workers, forked from the test
+zygote (torchrun_env.py): the same script, a few seconds less a launch."""
 
 import os
 import re
@@ -23,6 +28,7 @@ import pytest
 import torch
 
 import lionbit
+import torchrun_env
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
 
@@ -42,6 +48,11 @@ def _torchrun(script, *args, ranks=2, env=None):
                        capture_output=True, text=True, timeout=300, env={**_env(), **(env or {})})  # ~8 s each
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout.replace("\r", "\n")
+
+
+def _launch(script, *args, ranks=2, nodes=1):
+    """The script on nodes x ranks ranks with torchrun's worker environment (torchrun_env.py)."""
+    return torchrun_env.run(os.path.join(EXAMPLES, script), *args, ranks=ranks, nodes=nodes)
 
 
 def _torchrun_nodes(script, *args, nodes=2):
@@ -88,7 +99,7 @@ def test_the_ddp_example(ddp):
 
 def test_the_ddp_example_on_one_rank():
     """A first run on one process (a debug run) finishes: there are no bytes between ranks to report."""
-    out = _torchrun("ddp_train.py", "--epochs", "1", ranks=1)
+    out = _launch("ddp_train.py", "--epochs", "1", ranks=1)
     assert "bytes sent: one rank, nothing sent" in out and _accuracy(out) > 20.0, out
 
 
@@ -100,7 +111,7 @@ def _digest(out):
 def two_epochs():
     """Two epochs of the DDP script, never stopped (DDP, FSDP2, HSDP at 2 x 1
     and FSDP1 take the same steps: every resumed script must end here)."""
-    return _torchrun("ddp_train.py", "--epochs", "2")
+    return _launch("ddp_train.py", "--epochs", "2")
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +119,7 @@ def hsdp_cut(tmp_path_factory):
     """The FSDP2 script on HSDP over 2 x 1 ranks stopped after its first
     epoch: its output and its checkpoint (each test resumes a copy)."""
     ckpt = str(tmp_path_factory.mktemp("hsdp_cut") / "ckpt")
-    out = _torchrun("fsdp_train.py", "--epochs", "2", "--replicas", "2", "--checkpoint", ckpt, "--stop-after", "1")
+    out = _launch("fsdp_train.py", "--epochs", "2", "--replicas", "2", "--checkpoint", ckpt, "--stop-after", "1")
     return out, ckpt
 
 
@@ -117,7 +128,7 @@ def ddp_cut(tmp_path_factory):
     """The DDP script on 2 ranks stopped after its first epoch: its output
     and its checkpoint (each test resumes a copy)."""
     ckpt = str(tmp_path_factory.mktemp("ddp_cut") / "ckpt")
-    return _torchrun("ddp_train.py", "--epochs", "2", "--checkpoint", ckpt, "--stop-after", "1"), ckpt
+    return _launch("ddp_train.py", "--epochs", "2", "--checkpoint", ckpt, "--stop-after", "1"), ckpt
 
 
 @pytest.mark.parametrize("script,flags", [("ddp_train.py", []), ("fsdp_train.py", ["--replicas", "2"]),
@@ -132,8 +143,8 @@ def test_the_examples_resume_from_their_checkpoints_bitwise(two_epochs, ddp_cut,
         cut, saved = ddp_cut if script == "ddp_train.py" else hsdp_cut
         shutil.copytree(saved, ckpt)
     else:
-        cut = _torchrun(script, "--epochs", "2", *flags, "--checkpoint", ckpt, "--stop-after", "1")
-    resumed = _torchrun(script, "--epochs", "2", *flags, "--checkpoint", ckpt)
+        cut = _launch(script, "--epochs", "2", *flags, "--checkpoint", ckpt, "--stop-after", "1")
+    resumed = _launch(script, "--epochs", "2", *flags, "--checkpoint", ckpt)
     assert 1.0 <= _times_one_bit(cut) <= 1.05, cut  # the gradient path's bytes, each script's own count
     assert "resumed from" in resumed and "after epoch 1 (step 22)" in resumed, resumed
     assert _digest(cut) != _digest(two_epochs), (cut, two_epochs)
@@ -159,7 +170,7 @@ def test_the_examples_resume_on_another_number_of_ranks(two_epochs, request, tmp
     cut, saved = request.getfixturevalue(cut_name)
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(saved, ckpt)
-    resumed = _torchrun(script, "--epochs", "2", "--checkpoint", ckpt, ranks=ranks)
+    resumed = _launch(script, "--epochs", "2", "--checkpoint", ckpt, ranks=ranks)
     assert f"{ranks} ranks on cpu" in resumed and "after epoch 1 (step 22)" in resumed, resumed
     assert says in resumed, resumed
     assert _digest(resumed) not in (_digest(cut), _digest(two_epochs)), (resumed, cut, two_epochs)
@@ -175,9 +186,9 @@ def test_the_fsdp_example_steps_as_the_ddp_one(ddp, flags, nodes):
     """On two torchrun nodes the script shards inside each node by itself (HSDP). (FSDP1 alone: its resume
     test ends on the DDP script's parameters, bitwise, and checks its bytes.)"""
     if nodes > 1:
-        out = _torchrun_nodes("fsdp_train.py", "--epochs", "1", *flags, nodes=nodes)
+        out = _launch("fsdp_train.py", "--epochs", "1", *flags, nodes=nodes, ranks=1)
     else:
-        out = _torchrun("fsdp_train.py", "--epochs", "1", *flags)
+        out = _launch("fsdp_train.py", "--epochs", "1", *flags)
     assert 1.0 <= _times_one_bit(out) <= 1.05, out
     assert ("(2 replicas (nodes) x 1 shards)" in out) == (nodes > 1 or "--replicas" in flags), out
     assert _accuracy(out) == _accuracy(ddp), (out, ddp)
@@ -186,14 +197,14 @@ def test_the_fsdp_example_steps_as_the_ddp_one(ddp, flags, nodes):
 def test_the_fsdp_example_in_bf16_steps_alike_on_fsdp2_and_fsdp1():
     """--bf16: FSDP2's MixedPrecisionPolicy and FSDP1's MixedPrecision, both
     bf16 compute reduced in float32: the same local gradients, the same steps."""
-    two, one = (_torchrun("fsdp_train.py", "--epochs", "1", "--bf16", *flags) for flags in ([], ["--fsdp1"]))
+    two, one = (_launch("fsdp_train.py", "--epochs", "1", "--bf16", *flags) for flags in ([], ["--fsdp1"]))
     assert "(bf16 compute)" in two and "(bf16 compute)" in one, (two, one)
     assert _digest(one) == _digest(two), (one, two)
     assert _accuracy(one) > 20.0, one
 
 
 def test_the_hsdp_example_on_two_nodes_of_two():
-    out = _torchrun("fsdp_train.py", "--epochs", "1", "--replicas", "2", ranks=4)
+    out = _launch("fsdp_train.py", "--epochs", "1", "--replicas", "2", ranks=4)
     assert "(2 replicas (nodes) x 2 shards)" in out, out
     assert 1.0 <= _times_one_bit(out) <= 1.05, out  # of the vote between nodes: 2(M-1)/M (d/L)/8
     assert "(its shard of the node's, 2.0 B/param)" in out, out  # 1/2 of a 4-byte momentum
@@ -204,7 +215,7 @@ def test_the_fsdp_tp_example():
     """dp 2 x tp 2: the dp ranks vote with 1 bit on each rank's tensor-parallel part,
     and a rank keeps about half a momentum (the blocks' linears are split; the
     embedding, norms and head are not)."""
-    out = _torchrun("fsdp_tp_train.py", "--epochs", "1", ranks=4)
+    out = _launch("fsdp_tp_train.py", "--epochs", "1", ranks=4)
     assert "4 ranks as dp 2 x tp 2" in out, out
     assert 1.0 <= _times_one_bit(out) <= 1.05, out
     per_param = float(re.search(r"bytes \(([0-9.]+) B/param: its tensor-parallel part", out).group(1))
@@ -221,7 +232,7 @@ def test_the_ddp_example_on_two_nodes_with_the_node_hierarchy(ddp):
 
 
 def test_the_sign_allreduce_example():
-    out = _torchrun("sign_allreduce_demo.py")
+    out = _launch("sign_allreduce_demo.py")
     ratios = [float(x) for x in re.findall(r"lionbit sent ([0-9.]+)x that", out)]
     assert ratios and all(1.0 <= x <= 1.01 for x in ratios), out
 

@@ -1,7 +1,8 @@
 """DistributedLion inside the frameworks that wrap the model in DDP for you:
 PyTorch Lightning (``Trainer(strategy=DDPStrategy(process_group_backend=
 "lionbit"))``), Hugging Face ``transformers.Trainer`` and
-``accelerate.Accelerator``, each on 2 CPU ranks under torchrun, written the
+``accelerate.Accelerator``, each on 2 CPU ranks as torchrun's workers
+(torchrun_env.py: its environment, the ranks forked), written the
 way the README tells a user to (gradient clipping at 1.0 included: HF's
 default ``max_grad_norm``).
 
@@ -29,13 +30,13 @@ import functools
 import hashlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 
 import pytest
 import torch
+
+import torchrun_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -294,24 +295,14 @@ def _rank_run(framework, outdir, mode):
 
 
 def _torchrun(framework, modes=("attach",)):
-    """One torchrun launch of NPROC ranks that runs the framework's loop for
-    each mode in turn; returns ({mode: every rank's record}, output)."""
+    """One launch of NPROC ranks with torchrun's worker environment
+    (torchrun_env.py: what the frameworks read to find they are under
+    torchrun, TORCHELASTIC_RUN_ID included) that runs the framework's loop
+    for each mode in turn; returns ({mode: every rank's record}, output)."""
     with tempfile.TemporaryDirectory(prefix="lionbit-fw-") as outdir:
-        env = dict(os.environ)
-        env.pop("LOCAL_WORLD_SIZE", None)
-        env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        cmd = [torchrun, "--standalone", f"--nproc-per-node={NPROC}", os.path.abspath(__file__),
-               framework, outdir, ",".join(modes)]
-        proc = subprocess.Popen(cmd, cwd=outdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            pytest.fail(f"{framework} on {NPROC} ranks hung past {TIMEOUT}s:\n{out[-6000:]}")
-        assert proc.returncode == 0, f"{framework} on {NPROC} ranks failed:\n{out[-6000:]}"
+        out = torchrun_env.run(os.path.abspath(__file__), framework, outdir, ",".join(modes), ranks=NPROC,
+                               env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}, cwd=outdir,
+                               timeout=TIMEOUT)
         res = {}
         for mode in modes:
             res[mode] = []
@@ -408,5 +399,5 @@ def test_unattached_ddp_is_caught():
     assert len({r["params"] for r in res}) == 1, where
 
 
-if __name__ == "__main__":  # one rank, started by torchrun from _torchrun
+if __name__ == "__main__":  # one rank, started by _torchrun
     _rank_main(sys.argv[1], sys.argv[2], sys.argv[3].split(","))

@@ -15,9 +15,9 @@ images."""
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
+
+import torchrun_env
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "convergence_digits.py")
 
@@ -25,18 +25,11 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "conve
 def test_distributed_lion_matches_lion_and_adamw_on_digits():
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "results.json")
-        env = dict(os.environ)
-        env.pop("LOCAL_WORLD_SIZE", None)
-        env["OMP_NUM_THREADS"] = "1"
-        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        r = subprocess.run(
-            [torchrun, "--standalone", "--nproc-per-node=4", EXAMPLE, "--seeds", "4", "--json", out],
-            # A hang guard, not a speed target: 89 s in a quiet hour, 260 s alone with a quarter
-            # of the cores stolen (2026-11-29), over 300 s inside a slow suite; about half that
-            # since the seeds' models train side by side (2026-12-01: 53 s against 113 s).
-            capture_output=True, text=True, timeout=900, env=env,
-        )
-        assert r.returncode == 0, r.stdout + r.stderr
+        # 4 ranks with torchrun's worker environment (torchrun_env.py). The deadline is a hang guard,
+        # not a speed target: 89 s in a quiet hour, 260 s alone with a quarter of the cores stolen
+        # (2026-11-29), over 300 s inside a slow suite; about half that since the seeds' models
+        # train side by side (2026-12-01: 53 s against 113 s).
+        torchrun_env.run(EXAMPLE, "--seeds", "4", "--json", out, ranks=4, timeout=900)
         with open(out) as f:
             res = json.load(f)
     lion = res["Lion, single process"]
