@@ -481,7 +481,7 @@ def node_agreed(vote: Callable[[bool], Callable[[], None]], replicas, groups: tu
         flags = gather_flags(flags, group).amax(0)
     agreed = flags.tolist()
     if failure is not None:
-        raise failure
+        raise with_group_ranks(failure, replicas)
     if agreed[world]:
         raise RuntimeError(
             f"DistributedLion.step ({what}) on rank {dist.get_rank()}: another rank of {peers} failed its "
@@ -491,6 +491,25 @@ def node_agreed(vote: Callable[[bool], Callable[[], None]], replicas, groups: tu
     if ranks:
         raise NonFinite(ranks)
     return apply
+
+
+def with_group_ranks(err: BaseException, group) -> BaseException:
+    """``err``, raised by a vote over ``group``, its message followed by
+    which global ranks the group holds, where the group is not the default
+    group's ranks in order (an HSDP replica group, a tensor-parallel run's
+    data-parallel group): the backend names ranks as their group numbers
+    them, so "rank 0" in a replica group's error may be global rank 1. The
+    type and attributes stay (``.ranks`` of lionbit.errors' types are the
+    group's ranks)."""
+    if group is None or not err.args or not isinstance(err.args[0], str):
+        return err
+    ranks = dist.get_process_group_ranks(group)
+    if ranks == list(range(dist.get_world_size())):
+        return err
+    shown = ", ".join(map(str, ranks[:16])) + (", ..." if len(ranks) > 16 else "")
+    err.args = (f"{err.args[0]} [this is global rank {dist.get_rank()}; the vote ran over a group of global ranks "
+                f"[{shown}], whose rank i is the i-th of them]",) + err.args[1:]
+    return err
 
 
 def voted_step(opt, grad_scaler, vote: Callable[[], Callable[[], None]], group, abstain: bool = False) -> bool:

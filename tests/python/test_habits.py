@@ -358,6 +358,72 @@ def test_ranks_at_different_steps_fail_their_first_vote(tmp_path, overlap):
                "(a caller that seeds each call with its step count has ranks at different steps)" in said, said
 
 
+def sharded_steps_apart(rank, n, wrapper):
+    """steps_apart under FSDP2, FSDP1 and HSDP (2 nodes x 2): after three
+    steps every rank builds its model and optimizer again and loads the
+    model's state, and every rank but the last its optimizer's (the last
+    found none). The first vote fails, nothing changes, and the default
+    group is still in step (an all-reduce after it)."""
+    import lionbit
+
+    torch.set_num_threads(1)
+
+    def build():
+        model = _net()
+        if wrapper == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            wrapped = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("replicate", "shard")) if wrapper == "hsdp" \
+                else None
+            for layer in (model.a, model.b):
+                fully_shard(layer, mesh=mesh)
+            wrapped = fully_shard(model, mesh=mesh)
+        opt = lionbit.DistributedLion(wrapped.parameters(), **LION)
+        opt.attach(wrapped)
+        return wrapped, opt
+
+    wrapped, opt = build()
+    _train(wrapped, opt, rank, range(3))
+    saved, weights = opt.state_dict(), wrapped.state_dict()
+    wrapped, opt = build()
+    wrapped.load_state_dict(weights)
+    if rank != n - 1:
+        opt.load_state_dict(saved)
+    before = [p.detach().clone() for p in wrapped.parameters()]
+    with pytest.raises((ValueError, RuntimeError)) as err:
+        _train(wrapped, opt, rank, range(3, 4))
+    assert all(torch.equal(p.detach(), b) for p, b in zip(wrapped.parameters(), before)), "a parameter changed"
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return [str(err.value), opt.steps_taken, t.item()]
+
+
+@pytest.mark.parametrize("wrapper,n", [("fsdp2", 2), ("fsdp1", 2), ("hsdp", 4)])
+def test_sharded_ranks_at_different_steps_fail_their_first_vote(wrapper, n):
+    res = values(run_ranks("test_habits:sharded_steps_apart", n, kwargs={"wrapper": wrapper}))
+    seed = "the tie rule's seed differs across ranks: rank {} has {}, rank {} has {} (a caller that seeds each call " \
+           "with its step count has ranks at different steps)"
+    for rank, (said, steps, total) in enumerate(res):
+        assert steps == (0 if rank == n - 1 else 3) and total == n, (rank, steps, total)
+        if wrapper != "hsdp":
+            mine, theirs = (0, 3) if rank == 1 else (3, 0)
+            want = f"reduce_scatter_sign(op=vote) on rank {rank}: " + seed.format(rank, mine, 1 - rank, theirs)
+            assert want in said, (rank, said)
+        elif rank % 2 == 0:  # shard 0's replicas (global ranks 0 and 2) agreed; their node-mates did not
+            assert f"(FSDP2, HSDP) on rank {rank}: another rank of this node failed its vote" in said, (rank, said)
+        else:  # shard 1's replicas, global ranks 1 and 3: ranks 0 and 1 of their replica group
+            r = rank // 2
+            assert f"all_reduce_sign(op=vote) on rank {r}: " + seed.format(r, 3 if r == 0 else 0, 1 - r,
+                                                                            0 if r == 0 else 3) in said, (rank, said)
+            assert f"[this is global rank {rank}; the vote ran over a group of global ranks [1, 3], whose rank i " \
+                   "is the i-th of them]" in said, (rank, said)
+
+
 def new_process_group(rank, n, workdir):
     """destroy_process_group(), a new init_process_group, a new DDP wrapper:
     opt.state_dict() works throughout and training goes on, bitwise."""
