@@ -20,8 +20,8 @@ with open(os.path.join(sys.argv[1], f"env{os.environ['RANK']}.json"), "w") as f:
 """
 
 #: What differs by design (torchrun_env.py's docstring): the port and the run's id are each
-#: launch's own, the store is rank 0's, and no error file is kept for an agent.
-OWN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE"}
+#: launch's own (and no error file is kept for an agent).
+OWN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID"}
 
 
 def _workers_env(tmp_path, launch) -> list:

@@ -17,28 +17,24 @@ s; the rendezvous, 0.5 s; each worker imports torch again, 1.4 s, and tears
 the interpreter down, 0.6 s), and an example trains an epoch in 0.2 s.
 Forked ranks (harness.start_python) skip all but the script.
 
-What a script can see differ (test_torchrun_env.py holds the list against
-a real launch): torchrun's workers reach the agent's store
-(TORCHELASTIC_USE_AGENT_STORE=True), here rank 0's ``init_process_group``
-starts the store at MASTER_PORT, as env:// does without torchrun; and
-there is no TORCHELASTIC_ERROR_FILE (torch's ``@record`` then prints a
+The store is the test process's, as the agent's is under torchrun
+(TORCHELASTIC_USE_AGENT_STORE=True: every rank a client of the store at
+MASTER_ADDR:MASTER_PORT), started on a port the kernel picks, so no other
+process can take the port first. What a script can see differ
+(test_torchrun_env.py holds the list against a real launch): the port and
+run id, and no TORCHELASTIC_ERROR_FILE (torch's ``@record`` then prints a
 rank's error rather than filing it for the agent).
 """
 
 import contextlib
 import os
-import socket
 import tempfile
 import time
 from typing import Optional
 
+import torch.distributed as dist
+
 import harness
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_env(rank: int, ranks: int, nodes: int, port: int) -> dict:
@@ -48,7 +44,7 @@ def worker_env(rank: int, ranks: int, nodes: int, port: int) -> dict:
             "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(ranks), "WORLD_SIZE": str(world),
             "GROUP_WORLD_SIZE": str(nodes), "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "localhost",
             "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-            "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 
 
@@ -62,7 +58,8 @@ def run(script: str, *args: str, ranks: int = 2, nodes: int = 1, env: Optional[d
     base.pop("LOCAL_WORLD_SIZE", None)
     base["OMP_NUM_THREADS"] = "1"
     base.update(env or {})
-    port = _free_port()
+    store = dist.TCPStore("localhost", 0, ranks * nodes, is_master=True, wait_for_workers=False)
+    port = store.port
     with tempfile.TemporaryDirectory(prefix="lionbit-torchrun-env-") as d:
         logs = [open(os.path.join(d, f"rank{r}.log"), "w+") for r in range(ranks * nodes)]
         with contextlib.chdir(cwd or os.getcwd()):
@@ -80,6 +77,7 @@ def run(script: str, *args: str, ranks: int = 2, nodes: int = 1, env: Optional[d
                 time.sleep(0.01)
         finally:
             harness.kill(procs)
+            del store
         outs = []
         for log in logs:
             log.seek(0)
