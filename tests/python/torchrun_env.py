@@ -27,14 +27,25 @@ rank's error rather than filing it for the agent).
 """
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 import time
 from typing import Optional
 
 import torch.distributed as dist
+from torch.distributed.launcher.api import LaunchConfig
 
 import harness
+
+
+def _signals_to_handle() -> dict:
+    """TORCHELASTIC_SIGNALS_TO_HANDLE as torchrun exports it by default, where this torch's
+    launcher has the setting (LaunchConfig.signals_to_handle: torch 2.15 has it; older
+    launchers may not, and then export nothing)."""
+    fields = dataclasses.fields(LaunchConfig)
+    default = next((f.default for f in fields if f.name == "signals_to_handle"), None)
+    return {} if default is None else {"TORCHELASTIC_SIGNALS_TO_HANDLE": default}
 
 
 def worker_env(rank: int, ranks: int, nodes: int, port: int) -> dict:
@@ -45,7 +56,7 @@ def worker_env(rank: int, ranks: int, nodes: int, port: int) -> dict:
             "GROUP_WORLD_SIZE": str(nodes), "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "localhost",
             "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
             "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", **_signals_to_handle()}
 
 
 def run(script: str, *args: str, ranks: int = 2, nodes: int = 1, env: Optional[dict] = None,
