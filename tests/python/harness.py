@@ -76,7 +76,9 @@ class RanksFailed(AssertionError):
 PER_CALL_ENV = frozenset({"LIONBIT_CHUNK_ELEMS"})
 
 
-def _rank_env(env: Optional[dict]) -> dict:
+def rank_env(env: Optional[dict]) -> dict:
+    """A rank's environment: this process's, less LOCAL_WORLD_SIZE (Gloo's shared-memory shortcut), with
+    this folder on PYTHONPATH, OMP_NUM_THREADS=1 unless set (as torchrun does), and ``env`` on top."""
     penv = dict(os.environ)
     penv.pop("LOCAL_WORLD_SIZE", None)
     penv["PYTHONPATH"] = HERE + os.pathsep + penv.get("PYTHONPATH", "")
@@ -121,7 +123,7 @@ def _zygote() -> zygote.Zygote:
     """The session's zygote (zygote.py), started at the first rank; a new one if it has ended."""
     global _the_zygote
     if _the_zygote is None or _the_zygote.proc.poll() is not None:
-        _the_zygote = zygote.Zygote(_rank_env(None))
+        _the_zygote = zygote.Zygote(rank_env(None))
     return _the_zygote
 
 
@@ -185,7 +187,7 @@ class _Pool:
     def __init__(self, world_size: int, backend: str, pg_timeout: float, env: Optional[dict]):
         self.world_size = world_size
         self.workdir = tempfile.mkdtemp(prefix="lionbit-pool-")
-        self.procs = _spawn(self.workdir, world_size, backend, pg_timeout, _rank_env(env), {}, pool=True)
+        self.procs = _spawn(self.workdir, world_size, backend, pg_timeout, rank_env(env), {}, pool=True)
         self.offsets = [0] * world_size
         self.cases = 0
         self.groups = 0  # the most process groups a rank of the pool holds
@@ -299,7 +301,7 @@ def _run_fresh(target, world_size, backend, timeout, pg_timeout, kwargs, expect_
     workdir = tempfile.mkdtemp(prefix="lionbit-test-")
     procs = []
     try:
-        procs = _spawn(workdir, world_size, backend, pg_timeout, _rank_env(env),
+        procs = _spawn(workdir, world_size, backend, pg_timeout, rank_env(env),
                        {"target": target, "kwargs": kwargs}, pool=False)
         deadline = time.monotonic() + timeout
         hung = False

@@ -1,5 +1,6 @@
-"""The examples a user starts from, at N = 2 and one epoch: `make demo`'s DDP script, `make demo-fsdp`'s FSDP2 and
-FSDP1 scripts and `make demo-sign`'s collective. Each must finish, print its
+"""The examples a user starts from, at N = 2 and one epoch: `make demo`'s
+DDP script, `make demo-fsdp`'s FSDP2 and FSDP1 scripts and `make
+demo-sign`'s collective. Each must finish, print its
 figures, and the training scripts (one task, one seed, one data order) must
 end at the same test accuracy: DDP, FSDP2 and FSDP1 take the same steps
 bitwise (tests/python/test_fsdp.py, test_fsdp1.py), and so do their layouts

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+import harness
 import torchrun_env
 
 DUMP = """
@@ -32,8 +33,7 @@ def _workers_env(tmp_path, launch) -> list:
 
 
 def test_the_ranks_see_what_torchruns_workers_see(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"}
-    env["OMP_NUM_THREADS"] = "1"
+    env = harness.rank_env(None)  # what both launches start from
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     (tmp_path / "real").mkdir()
     (tmp_path / "forked").mkdir()

@@ -40,7 +40,7 @@ elif what == "sleep":
 def zyg(tmp_path_factory):
     """The session's zygote, the one the harness's ranks come from."""
     z = harness._zygote()
-    assert "PYTHONPATH" in z.env  # harness._rank_env sets it; the ranks below go without
+    assert "PYTHONPATH" in z.env  # harness.rank_env sets it; the ranks below go without
     script = tmp_path_factory.mktemp("zygote") / "rank_script.py"
     script.write_text(RANK)
     return z, str(script)

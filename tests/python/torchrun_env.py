@@ -65,16 +65,12 @@ def run(script: str, *args: str, ranks: int = 2, nodes: int = 1, env: Optional[d
     this process's working directory); returns their output, rank by rank.
     Any rank's nonzero exit, or the deadline (every rank then killed), fails
     the test with every rank's output."""
-    base = dict(os.environ)
-    base.pop("LOCAL_WORLD_SIZE", None)
-    base["OMP_NUM_THREADS"] = "1"
-    base.update(env or {})
+    base = harness.rank_env(env)
     store = dist.TCPStore("localhost", 0, ranks * nodes, is_master=True, wait_for_workers=False)
-    port = store.port
     with tempfile.TemporaryDirectory(prefix="lionbit-torchrun-env-") as d:
         logs = [open(os.path.join(d, f"rank{r}.log"), "w+") for r in range(ranks * nodes)]
         with contextlib.chdir(cwd or os.getcwd()):
-            procs = [harness.start_python([script, *args], {**base, **worker_env(r, ranks, nodes, port)}, log)
+            procs = [harness.start_python([script, *args], {**base, **worker_env(r, ranks, nodes, store.port)}, log)
                      for r, log in enumerate(logs)]
         deadline, hung = time.monotonic() + timeout, False
         try:
@@ -88,7 +84,6 @@ def run(script: str, *args: str, ranks: int = 2, nodes: int = 1, env: Optional[d
                 time.sleep(0.01)
         finally:
             harness.kill(procs)
-            del store
         outs = []
         for log in logs:
             log.seek(0)
