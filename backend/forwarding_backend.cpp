@@ -68,11 +68,11 @@ bool isPremulSum(const c10d::ReduceOp& op) {
 
 const c10d::NCCLPreMulSumSupplement& premulFactor(
     const c10d::ReduceOp& op,
-    int rank,
+    const std::string& here,
     const char* what) {
   const auto* factor = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
   TORCH_CHECK_VALUE(
-      factor != nullptr, "lionbit on rank ", rank, ": ", what,
+      factor != nullptr, "lionbit on ", here, ": ", what,
       ": ReduceOp.PREMUL_SUM without its factor");
   return *factor;
 }
@@ -103,17 +103,19 @@ ForwardingBackend::ForwardingBackend(
     c10::intrusive_ptr<c10d::Backend> forward_cuda,
     int rank,
     int size,
-    std::chrono::milliseconds timeout)
+    std::chrono::milliseconds timeout,
+    const std::vector<int>& global_ranks)
     : c10d::Backend(rank, size),
       forward_(std::move(forward)),
       forward_cuda_(std::move(forward_cuda)),
-      timeout_(timeout) {
+      timeout_(timeout),
+      names_(std::make_shared<const RankNames>(size, global_ranks)) {
   TORCH_CHECK_VALUE(forward_, "lionbit: argument 'forward' is None");
 }
 
 c10d::Backend& ForwardingBackend::forwardInner() {
   TORCH_CHECK(
-      forward_, "lionbit on rank ", rank_,
+      forward_, "lionbit on ", here(),
       ": the backend was shut down (destroy_process_group, ProcessGroup.shutdown() "
       "or interpreter exit); create a new process group");
   return *forward_;
@@ -157,7 +159,7 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
   if (isPremulSum(opts.reduceOp) && toGloo(tensors)) {
-    const auto& factor = premulFactor(opts.reduceOp, rank_, "allreduce");
+    const auto& factor = premulFactor(opts.reduceOp, here(), "allreduce");
     for (auto& t : tensors) {
       scaleInPlace(t, factor);
     }
@@ -176,7 +178,7 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
   if (isPremulSum(opts.reduceOp) && toGloo(tensors)) {
-    const auto& factor = premulFactor(opts.reduceOp, rank_, "allreduce_coalesced");
+    const auto& factor = premulFactor(opts.reduceOp, here(), "allreduce_coalesced");
     for (auto& t : tensors) {
       scaleInPlace(t, factor);
     }
@@ -228,7 +230,7 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::allgather_coalesced(
     return inner(inputs).allgather_coalesced(outputs, inputs, opts);
   }
   TORCH_CHECK_VALUE(
-      outputs.size() == static_cast<size_t>(size_), "lionbit on rank ", rank_,
+      outputs.size() == static_cast<size_t>(size_), "lionbit on ", here(),
       ": allgather_coalesced: 'output_lists' has ", outputs.size(), " lists, expected one a rank (",
       size_, ")");
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
@@ -236,7 +238,7 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>> out(1);
     for (auto& from_rank : outputs) {
       TORCH_CHECK_VALUE(
-          from_rank.size() == inputs.size(), "lionbit on rank ", rank_,
+          from_rank.size() == inputs.size(), "lionbit on ", here(),
           ": allgather_coalesced: an output list has ", from_rank.size(), " tensors for ",
           inputs.size(), " inputs");
       out[0].push_back(from_rank[i]);
@@ -255,7 +257,7 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::allgather_into_tensor_coalesce
     return inner(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
   }
   TORCH_CHECK_VALUE(
-      outputs.size() == inputs.size(), "lionbit on rank ", rank_,
+      outputs.size() == inputs.size(), "lionbit on ", here(),
       ": allgather_into_tensor_coalesced: ", outputs.size(), " outputs for ", inputs.size(),
       " inputs");
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
@@ -284,7 +286,7 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::reduce_scatter(
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   if (isPremulSum(opts.reduceOp) && toGloo(outputs)) {
-    const auto& factor = premulFactor(opts.reduceOp, rank_, "reduce_scatter");
+    const auto& factor = premulFactor(opts.reduceOp, here(), "reduce_scatter");
     std::vector<std::vector<at::Tensor>> copies(inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) {
       for (const auto& t : inputs[i]) {
@@ -301,7 +303,7 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::_reduce_scatter_base(
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
   if (isPremulSum(opts.reduceOp) && toGloo({input})) {
-    at::Tensor copy = scaled(input, premulFactor(opts.reduceOp, rank_, "reduce_scatter_tensor"));
+    at::Tensor copy = scaled(input, premulFactor(opts.reduceOp, here(), "reduce_scatter_tensor"));
     return inner(input)._reduce_scatter_base(output, copy, asSum(opts));
   }
   return inner(input)._reduce_scatter_base(output, input, opts);
@@ -312,7 +314,7 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::reduce_scatter_tensor_coalesce
     std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   if (isPremulSum(opts.reduceOp) && toGloo(inputs)) {
-    const auto& factor = premulFactor(opts.reduceOp, rank_, "reduce_scatter_tensor_coalesced");
+    const auto& factor = premulFactor(opts.reduceOp, here(), "reduce_scatter_tensor_coalesced");
     std::vector<at::Tensor> copies;
     for (const auto& t : inputs) {
       copies.push_back(scaled(t, factor));

@@ -6,9 +6,13 @@
 #pragma once
 
 #include <chrono>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "backend/rank_names.hpp"
 
 namespace lionbit {
 
@@ -19,7 +23,14 @@ class ForwardingBackend : public c10d::Backend {
       c10::intrusive_ptr<c10d::Backend> forward_cuda,
       int rank,
       int size,
-      std::chrono::milliseconds timeout);
+      std::chrono::milliseconds timeout,
+      const std::vector<int>& global_ranks = {});
+
+  // How errors name ranks (global_ranks: the group's ranks in the default
+  // group's numbers, empty for the default group; see RankNames).
+  const std::shared_ptr<const RankNames>& rankNames() const { return names_; }
+  // Where this rank's errors say they are raised: "rank 5 (group of ranks [4, 5])".
+  std::string here() const { return names_->here(rank_); }
 
   // The backend that carries standard collectives on CUDA tensors.
   const c10::intrusive_ptr<c10d::Backend>& forwardCudaBackend() const {
@@ -126,6 +137,7 @@ class ForwardingBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> forward_;
   c10::intrusive_ptr<c10d::Backend> forward_cuda_;
   std::chrono::milliseconds timeout_;
+  std::shared_ptr<const RankNames> names_;
 };
 
 } // namespace lionbit

@@ -39,8 +39,15 @@ LionBitBackend::LionBitBackend(
     int size,
     std::chrono::milliseconds timeout,
     c10::intrusive_ptr<c10d::Backend> forward_cuda,
-    c10::intrusive_ptr<c10d::Backend> sign_cuda)
-    : ForwardingBackend(std::move(forward), std::move(forward_cuda), rank, size, timeout),
+    c10::intrusive_ptr<c10d::Backend> sign_cuda,
+    const std::vector<int>& global_ranks)
+    : ForwardingBackend(
+          std::move(forward),
+          std::move(forward_cuda),
+          rank,
+          size,
+          timeout,
+          global_ranks),
       sign_(std::move(sign)),
       sign_cuda_(std::move(sign_cuda)) {
   TORCH_CHECK_VALUE(sign_, "lionbit: argument 'sign' is None");
@@ -73,7 +80,7 @@ LionBitBackend::~LionBitBackend() {
 }
 
 SignComm LionBitBackend::signComm() {
-  return SignComm{sign_, rank_, size_, &stats_, sign_cuda_, &tie_hint_};
+  return SignComm{sign_, rank_, size_, &stats_, sign_cuda_, &tie_hint_, rankNames()};
 }
 
 void LionBitBackend::setHierarchy(
@@ -83,7 +90,7 @@ void LionBitBackend::setHierarchy(
     const std::vector<int64_t>& node_ranks) {
   auto* n = dynamic_cast<LionBitBackend*>(node.get());
   auto* x = dynamic_cast<LionBitBackend*>(cross.get());
-  const std::string at = "lionbit set_hierarchy on rank " + std::to_string(rank_) + ": ";
+  const std::string at = "lionbit set_hierarchy on " + here() + ": ";
   TORCH_CHECK_VALUE(
       n != nullptr && x != nullptr, at, "'node' and 'cross' must be lionbit backends");
   const int L = n->getSize();
@@ -242,8 +249,7 @@ bits::SignOp LionBitBackend::validate(const SignRequest& r, TieSpec& tie, Hierar
       }
     });
     TORCH_CHECK_VALUE(
-        false, "lionbit ", collective_name(r.kind), "(op=", r.op, ") on rank ", rank_, ": ",
-        reason);
+        false, "lionbit ", collective_name(r.kind), "(op=", r.op, ") on ", here(), ": ", reason);
   }
   return *op;
 }
@@ -254,7 +260,7 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
     at::Tensor out,
     SignJob body,
     std::shared_ptr<Agreement> agreement) {
-  auto work = c10::make_intrusive<SignWork>(rank_, kind, std::vector<at::Tensor>{out});
+  auto work = c10::make_intrusive<SignWork>(rank_, rankNames(), kind, std::vector<at::Tensor>{out});
   out = at::Tensor();
   // What the job holds that Python may own too (tensors, the inner Gloo
   // backend, the Python parts of the caller's thread-local state): released
@@ -268,16 +274,15 @@ c10::intrusive_ptr<c10d::Work> LionBitBackend::enqueue(
     at::ThreadLocalState caller_state;
   };
   auto held = std::make_shared<Held>(Held{signComm(), std::move(body), at::ThreadLocalState()});
-  const int rank = rank_;
-  executor_.submit([this, held = std::move(held), kind, op, rank, work,
+  executor_.submit([this, held = std::move(held), kind, op, work,
                     agreement = std::move(agreement)](bool cancelled) mutable {
     std::exception_ptr error;
     if (cancelled) {
       error = std::make_exception_ptr(c10::DistBackendError(
           {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
           c10::str(
-              "lionbit ", collective_name(kind), "(op=", bits::sign_op_name(op), ") on rank ", rank,
-              ": the backend was shut down before the call ran")));
+              "lionbit ", collective_name(kind), "(op=", bits::sign_op_name(op), ") on ",
+              held->comm.here(), ": the backend was shut down before the call ran")));
     } else {
       try {
         at::ThreadLocalStateGuard state(held->caller_state);

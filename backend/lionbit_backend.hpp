@@ -34,7 +34,9 @@ class LionBitBackend : public ForwardingBackend {
   // `sign_cuda` the sign path's data (both ProcessGroupNCCL, each its own
   // communicator). Either may be null: standard collectives on CUDA tensors
   // then go to `forward` (Gloo handles CUDA tensors), and the sign path
-  // stages its packed bits through host memory over `sign`.
+  // stages its packed bits through host memory over `sign`. `global_ranks`:
+  // the group's ranks as the default group numbers them, which every error
+  // names (empty: the default group; see RankNames).
   LionBitBackend(
       c10::intrusive_ptr<c10d::Backend> forward,
       c10::intrusive_ptr<c10d::Backend> sign,
@@ -42,7 +44,8 @@ class LionBitBackend : public ForwardingBackend {
       int size,
       std::chrono::milliseconds timeout,
       c10::intrusive_ptr<c10d::Backend> forward_cuda = {},
-      c10::intrusive_ptr<c10d::Backend> sign_cuda = {});
+      c10::intrusive_ptr<c10d::Backend> sign_cuda = {},
+      const std::vector<int>& global_ranks = {});
   ~LionBitBackend() override;
 
   const std::string getBackendName() const override { return "lionbit"; }

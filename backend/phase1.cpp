@@ -179,7 +179,8 @@ PlaneIn contribution(
   at::Tensor plane = scratch.narrow(0, slot * sb, sb);
   TORCH_CHECK_VALUE(
       call.k->decode_zeros(block.narrow(0, sb, block.numel() - sb), code, plane), where(call),
-      "rank ", sender, " sent a corrupt ", bits::zero_form_noun(form), " of zeros in ", step);
+      "rank ", call.c.name(sender), " sent a corrupt ", bits::zero_form_noun(form), " of zeros in ",
+      step);
   in.zero = plane;
   return in;
 }

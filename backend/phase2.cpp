@@ -114,7 +114,10 @@ bits::ZeroCode ties_code(const KernelSet& k, const at::Tensor& ties, size_t sw) 
 
 } // namespace
 
-std::string Phase2::ties_in(const at::Tensor& gathered, std::vector<bits::ZeroCode>& ties) const {
+std::string Phase2::ties_in(
+    const at::Tensor& gathered,
+    std::vector<bits::ZeroCode>& ties,
+    int& sender) const {
   const int64_t msg = static_cast<int64_t>(message_bytes());
   const int64_t head = static_cast<int64_t>(kTieCountBytes);
   const at::Tensor heads =
@@ -124,10 +127,10 @@ std::string Phase2::ties_in(const at::Tensor& gathered, std::vector<bits::ZeroCo
   ties.assign(static_cast<size_t>(N), bits::ZeroCode{});
   for (int k = 0; k < N; ++k) {
     if (!tie_code(words.data() + 2 * k, sw, ties[k])) {
+      sender = k;
       return c10::str(
-          "rank ", k, " sent a corrupt vote message (", ties[k].zeros, " ties in ", ties[k].runs,
-          " runs, ", ties[k].packed, " bytes packed, a shard of ", sw * bits::kWordBits,
-          " elements)");
+          "a corrupt vote message (", ties[k].zeros, " ties in ", ties[k].runs, " runs, ",
+          ties[k].packed, " bytes packed, a shard of ", sw * bits::kWordBits, " elements)");
     }
   }
   return "";

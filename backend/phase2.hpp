@@ -91,9 +91,10 @@ struct Phase2 {
     return format == Phase2Format::kVoteSigns || format == Phase2Format::kVoteTrits;
   }
   // The code of the ties (the result's zeros) each of the N messages of
-  // `gathered` announces (read on the host); "" or which rank sent a corrupt
-  // one.
-  std::string ties_in(const at::Tensor& gathered, std::vector<bits::ZeroCode>& ties) const;
+  // `gathered` announces (read on the host); "" or what rank `sender` sent
+  // that was corrupt.
+  std::string ties_in(const at::Tensor& gathered, std::vector<bits::ZeroCode>& ties, int& sender)
+      const;
 };
 
 // Decodes the messages of one chunk, shard by shard, into values of `dtype`.

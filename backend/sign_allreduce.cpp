@@ -422,8 +422,10 @@ class Run {
     bits::ZeroCode tie_code;
     if (ch.fmt.counts_ties()) {
       std::vector<bits::ZeroCode> ties;
-      const std::string corrupt = ch.fmt.ties_in(ch.gathered, ties);
-      TORCH_CHECK_VALUE(corrupt.empty(), where(call_), corrupt);
+      int sender = -1;
+      const std::string corrupt = ch.fmt.ties_in(ch.gathered, ties, sender);
+      TORCH_CHECK_VALUE(
+          corrupt.empty(), where(call_), "rank ", call_.c.name(sender), " sent ", corrupt);
       for (const bits::ZeroCode& t : ties) {
         tie_code = bits::max_code(tie_code, t);
       }
@@ -465,7 +467,8 @@ class Run {
               0, static_cast<int64_t>(ch.begin + begin), static_cast<int64_t>(len));
           corrupt = decoder.decode(*call_.k, in, ties, dst);
         }
-        TORCH_CHECK_VALUE(corrupt.empty(), where(call_), "rank ", k, " sent ", corrupt);
+        TORCH_CHECK_VALUE(
+            corrupt.empty(), where(call_), "rank ", call_.c.name(k), " sent ", corrupt);
       }
     }
     trace_.mark("unpacked", static_cast<int64_t>(idx));
@@ -528,7 +531,7 @@ class Run {
         plane.copy_(enc);
       } else {
         TORCH_CHECK_VALUE(
-            call_.k->decode_zeros(enc, ties[q], plane), where(call_), "rank ", k,
+            call_.k->decode_zeros(enc, ties[q], plane), where(call_), "rank ", call_.c.name(k),
             " sent a corrupt ", bits::zero_form_noun(form), " of ties");
       }
     }

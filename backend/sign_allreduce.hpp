@@ -18,10 +18,13 @@
 #include <ATen/core/Tensor.h>
 #include <atomic>
 #include <functional>
+#include <memory>
+#include <string>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "signbits/wire.h"
 #include "backend/agreement.hpp"
+#include "backend/rank_names.hpp"
 #include "backend/stats.hpp"
 
 namespace lionbit {
@@ -38,6 +41,13 @@ struct SignComm {
   // last vote sent a dense tie plane, so the next one offers to carry its tie
   // plane inline in phase 2. Null: never offered. Worker thread only.
   std::atomic<bool>* tie_hint = nullptr;
+  // How errors name ranks: their global ranks (null: as the group numbers them).
+  std::shared_ptr<const RankNames> names = {};
+
+  // The name of the group's rank r in errors.
+  int name(int r) const { return names ? (*names)(r) : r; }
+  // Where this rank's errors are raised: "rank 5 (group of ranks [4, 5])".
+  std::string here() const { return names ? names->here(rank) : "rank " + std::to_string(rank); }
 };
 
 // The tie rule a caller asks for: its seed, or (seed < 0) the call's number

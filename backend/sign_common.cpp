@@ -18,7 +18,7 @@ const char* collective_name(Collective kind) {
 
 std::string where(const SignCall& call) {
   return std::string("lionbit ") + collective_name(call.kind) +
-      "(op=" + bits::sign_op_name(call.op) + ") on rank " + std::to_string(call.c.rank) + ": ";
+      "(op=" + bits::sign_op_name(call.op) + ") on " + call.c.here() + ": ";
 }
 
 uint64_t requested_chunk_elems(int world_size, const c10::Device& device) {
@@ -192,9 +192,10 @@ bits::HeaderSummary exchange_headers(
     wait_inner(call, "header round", *c.comm, c.comm->alltoall_base(out, in, splits, splits));
   }
   count_allgather(c, kBytes); // the same bytes as an all-gather
+  static const std::vector<int> kAsNumbered; // no names: as the group numbers its ranks
   bits::HeaderSummary hs = bits::check_headers(
       reinterpret_cast<const bits::WireHeader*>(bytes_of(out)), c.world_size,
-      addressed[static_cast<size_t>(c.rank)]);
+      addressed[static_cast<size_t>(c.rank)], c.names ? c.names->table() : kAsNumbered);
   hs.sent.resize(n);
   for (size_t j = 0; j < n; ++j) {
     const bits::WireHeader& h = addressed[j];

@@ -175,9 +175,9 @@ class HierRun {
       uint64_t total = 0;
       for (int i = 0; i < N_; ++i) {
         TORCH_CHECK_VALUE(
-            z[i] <= sw_ * bits::kWordBits, where(call_), "rank ", h_.order[static_cast<size_t>(i)],
-            " sent a corrupt vote message (", z[i], " zeros in a shard of ", sw_ * bits::kWordBits,
-            " elements)");
+            z[i] <= sw_ * bits::kWordBits, where(call_), "rank ",
+            call_.c.name(h_.order[static_cast<size_t>(i)]), " sent a corrupt vote message (", z[i],
+            " zeros in a shard of ", sw_ * bits::kWordBits, " elements)");
         total += z[i];
       }
       if (total > 0) {
@@ -238,7 +238,7 @@ class HierRun {
       const int64_t used = static_cast<int64_t>(bits::words_for(len) * bits::kTritBytesPerWord);
       TORCH_CHECK_VALUE(
           call_.k->decode_trits(all.narrow(0, i * msg, used), lut, dst), where(call_), "rank ",
-          sender, " sent a corrupt vote message (a base-3 byte above 242)");
+          call_.c.name(sender), " sent a corrupt vote message (a base-3 byte above 242)");
     }
   }
 
@@ -457,8 +457,8 @@ void sign_allreduce_hierarchical(
   at::Tensor buf = tensor.contiguous().view({-1});
   if (packed != nullptr) {
     TORCH_CHECK(
-        packed->numel == static_cast<uint64_t>(buf.numel()), "lionbit all_reduce_sign on rank ",
-        c.rank, ": packed size mismatch");
+        packed->numel == static_cast<uint64_t>(buf.numel()), "lionbit all_reduce_sign on ",
+        c.here(), ": packed size mismatch");
     run.load_packed(*packed);
   } else {
     run.load_tensor(buf);
@@ -488,7 +488,7 @@ void sign_reduce_scatter_hierarchical(
   const bits::DType dtype = dtype_of(SignCall(c, op, Collective::kReduceScatter, seq), out);
   TORCH_CHECK(
       static_cast<uint64_t>(out.numel()) == in.shard_numel && out.is_contiguous(),
-      "lionbit reduce_scatter_sign on rank ", c.rank, ": output must be contiguous with ",
+      "lionbit reduce_scatter_sign on ", c.here(), ": output must be contiguous with ",
       in.shard_numel, " elements");
   run.load_shards(in);
   run.header(dtype, bits::kReduceScatter);

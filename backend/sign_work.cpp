@@ -23,7 +23,11 @@ std::vector<c10::Device> devices_of(const std::vector<at::Tensor>& ts) {
 }
 } // namespace
 
-SignWork::SignWork(int rank, Collective kind, std::vector<at::Tensor> outputs)
+SignWork::SignWork(
+    int rank,
+    std::shared_ptr<const RankNames> names,
+    Collective kind,
+    std::vector<at::Tensor> outputs)
     : c10d::Work(
           rank,
           kind == Collective::kReduceScatter ? c10d::OpType::REDUCE_SCATTER
@@ -32,6 +36,7 @@ SignWork::SignWork(int rank, Collective kind, std::vector<at::Tensor> outputs)
           kind == Collective::kReduceScatter ? "lionbit:reduce_scatter_sign"
                                              : "lionbit:all_reduce_sign",
           outputs),
+      names_(std::move(names)),
       kind_(kind),
       outputs_(std::move(outputs)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
@@ -102,7 +107,7 @@ bool SignWork::wait(std::chrono::milliseconds timeout) {
     const bool done = state->second.wait_for(
         lock, timeout, [this] { return future_->completed(); });
     TORCH_CHECK(
-        done, "lionbit ", collective_name(kind_), " on rank ", rank_,
+        done, "lionbit ", collective_name(kind_), " on ", names_->here(rank_),
         ": Work.wait() timed out after ", timeout.count(), " ms");
   }
   // Also with a timeout, once completed: the caller's current streams wait

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/ivalue.h>
+#include <memory>
 #include <mutex>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -15,7 +16,12 @@ class SignWork : public c10d::Work {
   // torch.profiler shows the call as a span "lionbit:all_reduce_sign" (or
   // "lionbit:reduce_scatter_sign") from this constructor, on the caller's
   // thread, to complete() / fail().
-  SignWork(int rank, Collective kind, std::vector<at::Tensor> outputs);
+  // `names`: how its errors name this rank (see RankNames).
+  SignWork(
+      int rank,
+      std::shared_ptr<const RankNames> names,
+      Collective kind,
+      std::vector<at::Tensor> outputs);
 
   // Called by the worker.
   void complete();
@@ -35,6 +41,7 @@ class SignWork : public c10d::Work {
   // while the caller may read them through result(): under outputs_mu_.
   std::vector<at::Tensor> take_outputs();
 
+  const std::shared_ptr<const RankNames> names_;
   const Collective kind_;
   std::mutex outputs_mu_;
   std::vector<at::Tensor> outputs_;

@@ -155,15 +155,17 @@ PYBIND11_MODULE(_C, m) {
                       const c10::intrusive_ptr<c10d::Backend>& sign, int rank, int size,
                       std::chrono::milliseconds timeout,
                       std::optional<c10::intrusive_ptr<c10d::Backend>> forward_cuda,
-                      std::optional<c10::intrusive_ptr<c10d::Backend>> sign_cuda) {
+                      std::optional<c10::intrusive_ptr<c10d::Backend>> sign_cuda,
+                      const std::vector<int>& global_ranks) {
             return lionbit::ReleasedWithoutGil<lionbit::LionBitBackend>(
                 c10::make_intrusive<lionbit::LionBitBackend>(
                     forward, sign, rank, size, timeout,
                     forward_cuda.value_or(c10::intrusive_ptr<c10d::Backend>()),
-                    sign_cuda.value_or(c10::intrusive_ptr<c10d::Backend>())));
+                    sign_cuda.value_or(c10::intrusive_ptr<c10d::Backend>()), global_ranks));
           }),
           py::arg("forward"), py::arg("sign"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-          py::arg("forward_cuda") = py::none(), py::arg("sign_cuda") = py::none())
+          py::arg("forward_cuda") = py::none(), py::arg("sign_cuda") = py::none(),
+          py::arg("global_ranks") = std::vector<int>{})
       .def(
           "call", &lionbit::LionBitBackend::call, py::arg("request"),
           py::call_guard<py::gil_scoped_release>())

@@ -181,16 +181,29 @@ std::vector<int> ranks_with(const WireHeader* headers, int world_size, uint32_t 
 
 } // namespace
 
-HeaderSummary check_headers(const WireHeader* headers, int world_size, const WireHeader& mine) {
+HeaderSummary check_headers(
+    const WireHeader* headers,
+    int world_size,
+    const WireHeader& mine,
+    const std::vector<int>& names) {
   HeaderSummary s;
   Checks check(s);
+  const auto name = [&names](int64_t r) -> int64_t {
+    return r >= 0 && static_cast<size_t>(r) < names.size() ? names[static_cast<size_t>(r)] : r;
+  };
+  const auto named = [&name](std::vector<int> ranks) {
+    for (int& r : ranks) {
+      r = static_cast<int>(name(r));
+    }
+    return ranks;
+  };
   constexpr uint32_t kKnownFlags = kHasZero | kHasNan | kRejected | kReduceScatter | kDevice |
       kTieHint | kHierExact | kHierNodeVote | kTwoPhase;
   // 1. Well-formed: magic, version, rank field, known enums, sane size.
   for (int r = 0; r < world_size; ++r) {
     const WireHeader& h = headers[r];
     if (check.fail(
-            h.magic != kWireMagic || h.version != kWireVersion, "rank ", r,
+            h.magic != kWireMagic || h.version != kWireVersion, "rank ", name(r),
             " sent a malformed header (magic ", hex(h.magic), ", version ", h.version,
             "): is every rank running the same lionbit version?") ||
         check.fail(
@@ -198,7 +211,7 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
                 h.numel > kMaxNumel || (h.flags & ~kKnownFlags) != 0 ||
                 (h.flags & (kHierExact | kHierNodeVote)) == (kHierExact | kHierNodeVote) ||
                 !known_rule(h),
-            "rank ", r, " sent a corrupt header (rank field ", h.rank, ", op ",
+            "rank ", name(r), " sent a corrupt header (rank field ", h.rank, ", op ",
             static_cast<int>(h.op), ", dtype ", static_cast<int>(h.dtype), ", numel ", h.numel,
             ", flags ", hex(h.flags), ", tie rule ", static_cast<int>(h.tie_break), ", bits ",
             static_cast<int>(h.value_bits), ")")) {
@@ -207,7 +220,7 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
   }
   // 2. A rank that rejected its own arguments: it raised there; fail here too
   //    instead of waiting for it.
-  const std::vector<int> rejected = ranks_with(headers, world_size, kRejected);
+  const std::vector<int> rejected = named(ranks_with(headers, world_size, kRejected));
   if (check.fail(
           !rejected.empty(), "rank(s) ", ranks_list(rejected),
           " rejected their input to this call (their own error says why)")) {
@@ -217,55 +230,57 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
   }
   // 3. Same call on every rank: order, collective, device, op, dtype, size,
   //    chunking.
+  const int64_t me = name(mine.rank);
   for (int r = 0; r < world_size; ++r) {
     const WireHeader& h = headers[r];
-    const uint32_t me = mine.rank;
+    const int64_t them = name(r);
     if (check.fail(
             h.seq != mine.seq, "ranks disagree on the order of sign all-reduce calls: this rank (",
-            me, ") is at call #", mine.seq, ", rank ", r, " at call #", h.seq) ||
+            me, ") is at call #", mine.seq, ", rank ", them, " at call #", h.seq) ||
         check.fail(
             (h.flags & kReduceScatter) != (mine.flags & kReduceScatter),
             "collective differs across ranks at call #", mine.seq, ": rank ", me, " runs ",
-            collective_text(mine.flags), ", rank ", r, " runs ", collective_text(h.flags)) ||
+            collective_text(mine.flags), ", rank ", them, " runs ", collective_text(h.flags)) ||
         check.fail(
             (h.flags & (kHierExact | kHierNodeVote)) != (mine.flags & (kHierExact | kHierNodeVote)),
             "the hierarchy differs across ranks at call #", mine.seq, ": rank ", me, " uses ",
-            hierarchy_text(mine.flags), ", rank ", r, " uses ", hierarchy_text(h.flags)) ||
+            hierarchy_text(mine.flags), ", rank ", them, " uses ", hierarchy_text(h.flags)) ||
         check.fail(
             (h.flags & kTwoPhase) != (mine.flags & kTwoPhase),
             "LIONBIT_SIGN_EXCHANGE differs across ranks: rank ", me, " ",
-            (mine.flags & kTwoPhase) ? "runs two phases" : "exchanges", ", rank ", r, " ",
+            (mine.flags & kTwoPhase) ? "runs two phases" : "exchanges", ", rank ", them, " ",
             (h.flags & kTwoPhase) ? "runs two phases" : "exchanges") ||
         check.fail(
             (h.flags & kDevice) != (mine.flags & kDevice),
             "tensor device type differs across ranks: rank ", me, " has a ",
-            device_text(mine.flags), " tensor, rank ", r, " a ", device_text(h.flags), " tensor") ||
+            device_text(mine.flags), " tensor, rank ", them, " a ", device_text(h.flags),
+            " tensor") ||
         check.fail(
             h.op != mine.op, "op differs across ranks: rank ", me, " has ", op_text(mine.op),
-            ", rank ", r, " has ", op_text(h.op)) ||
+            ", rank ", them, " has ", op_text(h.op)) ||
         check.fail(
             h.tie_break != mine.tie_break || h.value_bits != mine.value_bits,
             "the tie rule or the bits differ across ranks: rank ", me, " has ", rule_text(mine),
-            ", rank ", r, " has ", rule_text(h)) ||
+            ", rank ", them, " has ", rule_text(h)) ||
         check.fail(
             h.tie_seed != mine.tie_seed, "the tie rule's seed differs across ranks: rank ", me,
-            " has ", mine.tie_seed, ", rank ", r, " has ", h.tie_seed,
+            " has ", mine.tie_seed, ", rank ", them, " has ", h.tie_seed,
             " (a caller that seeds each call with its step count has ranks at different steps)") ||
         check.fail(
             h.dtype != mine.dtype, "dtype differs across ranks: rank ", me, " has ",
-            dtype_text(mine.dtype), ", rank ", r, " has ", dtype_text(h.dtype)) ||
+            dtype_text(mine.dtype), ", rank ", them, " has ", dtype_text(h.dtype)) ||
         check.fail(
             h.numel != mine.numel, "number of elements differs across ranks: rank ", me, " has ",
-            mine.numel, ", rank ", r, " has ", h.numel) ||
+            mine.numel, ", rank ", them, " has ", h.numel) ||
         check.fail(
             h.chunk_elems != mine.chunk_elems,
             "pipeline chunk size differs across ranks (LIONBIT_CHUNK_ELEMS?): rank ", me, " uses ",
-            mine.chunk_elems, ", rank ", r, " uses ", h.chunk_elems)) {
+            mine.chunk_elems, ", rank ", them, " uses ", h.chunk_elems)) {
       return s;
     }
   }
   // 4. NaN anywhere poisons the result on every rank.
-  const std::vector<int> nan_ranks = ranks_with(headers, world_size, kHasNan);
+  const std::vector<int> nan_ranks = named(ranks_with(headers, world_size, kHasNan));
   if (check.fail(
           !nan_ranks.empty(), "input contains NaN on rank(s) ", ranks_list(nan_ranks),
           "; the sign of NaN is undefined")) {
@@ -293,7 +308,7 @@ HeaderSummary check_headers(const WireHeader* headers, int world_size, const Wir
                 (h.zero_packed > 0 &&
                  (h.zero_capacity == 0 || h.zero_packed % 8 != 0 ||
                   h.zero_packed >= shard_elems / 8)),
-            "rank ", r, " sent a corrupt header (zero capacity ", h.zero_capacity, " in ",
+            "rank ", name(r), " sent a corrupt header (zero capacity ", h.zero_capacity, " in ",
             h.zero_runs, " runs, ", h.zero_packed, " bytes packed, most zeros ", h.zero_most,
             ", shard of ", shard_elems, " elements)")) {
       s.zero_codes.clear();

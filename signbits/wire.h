@@ -193,6 +193,13 @@ uint64_t default_chunk_elems(int world_size, bool gpu = false);
 // same on every rank, so all ranks fail together; an addressed code is
 // checked where it arrives (only a bug in its sender, or memory corrupted on
 // the way, makes one wrong: the transport is trusted, see above).
-HeaderSummary check_headers(const WireHeader* headers, int world_size, const WireHeader& mine);
+// `names`: how the error and `ranks` name rank r, names[r] (the caller's
+// numbering of its ranks, world_size of them: lionbit's backend passes their
+// global ranks); empty: r itself.
+HeaderSummary check_headers(
+    const WireHeader* headers,
+    int world_size,
+    const WireHeader& mine,
+    const std::vector<int>& names = {});
 
 } // namespace lionbit::bits

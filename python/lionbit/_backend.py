@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _C, lion_math, torch_internals
+from . import _C, lion_math, torch_internals, user_warning
 from .hierarchy import ensure_hierarchy
 
 BACKEND_NAME = "lionbit"
@@ -40,7 +40,17 @@ def _nccl(prefix: str, store, rank: int, size: int, timeout: timedelta):
     return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, opts)
 
 
-def _create_backend(store, rank: int, size: int, timeout: timedelta):
+def _create_backend(opts, backend_options=None):
+    """torch's extended creator API: ``opts`` holds the store, this rank's
+    number in the group and the group's size, its timeout, and its ranks as
+    the default group numbers them (``global_ranks_in_group``, empty for the
+    default group), by which lionbit's errors name every rank."""
+    if backend_options is not None:
+        user_warning.warn(
+            f"lionbit: pg_options={type(backend_options).__name__} is not used: lionbit configures its inner "
+            f"Gloo and NCCL communicators itself (the group's timeout reaches them all)"
+        )
+    store, rank, size, timeout = opts.store, opts.group_rank, opts.group_size, opts.timeout
     # Inner communicators from the same store, each under its own key prefix:
     # "forward" carries the standard collectives in the caller's order, "sign"
     # the sign path, which runs on lionbit's worker thread (and always its
@@ -52,14 +62,15 @@ def _create_backend(store, rank: int, size: int, timeout: timedelta):
     if _C.built_with_cuda and torch.cuda.is_available() and cuda_transport() == "nccl":
         forward_cuda = _nccl("lionbit/forward_cuda/", store, rank, size, timeout)
         sign_cuda = _nccl("lionbit/sign_cuda/", store, rank, size, timeout)
-    return _C.LionBitBackend(forward, sign, rank, size, timeout, forward_cuda, sign_cuda)
+    return _C.LionBitBackend(forward, sign, rank, size, timeout, forward_cuda, sign_cuda,
+                             global_ranks=list(opts.global_ranks_in_group))
 
 
 def register() -> None:
     """Register "lionbit" with torch.distributed (idempotent)."""
     if BACKEND_NAME in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"])
 
 
 # -- the sign collectives' entry points ---------------------------------------------
@@ -128,7 +139,7 @@ def backend_for(group: Optional[dist.ProcessGroup], device: torch.device, what: 
             f"torch.distributed.init_process_group('lionbit') first"
         )
     pg = group if group is not None else torch_internals.default_group()
-    where = f"lionbit.{what} on rank {pg.rank()}"
+    where = f"lionbit.{what} on rank {dist.get_rank()}"
     try:
         backend = torch_internals.backend_object(pg, device)
     except RuntimeError:
@@ -269,7 +280,7 @@ def reduce_scatter_sign(
         except (ValueError, RuntimeError):
             pass
         raise ValueError(
-            f"lionbit.reduce_scatter_sign on rank {dist.get_rank(group)}: argument 'input' has {input.numel()} "
+            f"lionbit.reduce_scatter_sign on rank {dist.get_rank()}: argument 'input' has {input.numel()} "
             f"elements; expected world size * output.numel() = {n} * {s}"
         )
     sign, zero = _planes(n, s, output.device)

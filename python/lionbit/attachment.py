@@ -101,7 +101,7 @@ class Attachment:
         if not abstain and not self.checked_ddp:
             self.checked_ddp = True
             self.warn_if_ddp_unattached()
-        return step_vote.voted_step(self.opt, grad_scaler, lambda: self.vote_now(abstain), self.group, abstain)
+        return step_vote.voted_step(self.opt, grad_scaler, lambda: self.vote_now(abstain), abstain)
 
     def vote_now(self, abstain: bool):
         """Votes the step and returns the function that applies it: as planned
@@ -162,7 +162,7 @@ class Attachment:
         params = [e.param for e in entries]
         if any(map(is_dtensor_type, set(map(type, params)))):  # (a few types, whatever the tensors)
             raise ValueError(
-                f"DistributedLion.step on rank {dist.get_rank(self.group) if _registered(self.group) else 0}: "
+                f"DistributedLion.step on rank {dist.get_rank() if _registered(self.group) else 0}: "
                 f"the parameters are DTensors (sharded by FSDP2's fully_shard) and this optimizer is not attached "
                 f"to the model; call opt.attach(model) once after fully_shard (the vote then runs at FSDP's "
                 f"reduce-scatter, lionbit.fsdp)"
@@ -187,7 +187,7 @@ class Attachment:
                 if obj in HOOKED_DDP_MODELS:
                     continue  # lionbit's hook (of a detached optimizer): no all-reduce
                 user_warning.warn(
-                    f"DistributedLion.step on rank {dist.get_rank(self.group)}: these parameters belong to a "
+                    f"DistributedLion.step on rank {dist.get_rank()}: these parameters belong to a "
                     f"DistributedDataParallel model that was not attached, so DDP all-reduces every gradient in "
                     f"fp32 and the 1-bit vote runs on top of it: all the cost, none of the saving. Call "
                     f"opt.attach(ddp_model) once after creating both (with replicate(): opt.attach(model))"

@@ -246,7 +246,7 @@ class DDPAttachment(Attachment):
                 except RuntimeError:
                     pass
             raise RuntimeError(
-                f"{_WHERE} on rank {dist.get_rank(self.group)}: this rank ran out of data and shadows its peers' "
+                f"{_WHERE} on rank {dist.get_rank()}: this rank ran out of data and shadows its peers' "
                 f"backward (DDP's model.join() or Join([model])), but the DistributedLion attached to the model is "
                 f"not part of that Join, so this rank cannot take the steps its peers take (they would wait for it "
                 f"until the group's timeout; their step() fails now instead). Use {_JOIN_FIX}"
@@ -271,9 +271,7 @@ class DDPAttachment(Attachment):
     def step(self, grad_scaler=None, abstain: bool = False) -> bool:
         scaled = grad_scaler is not None
         try:
-            return step_vote.voted_step(
-                self.opt, grad_scaler, lambda: self.vote_step(scaled, abstain), self.group, abstain
-            )
+            return step_vote.voted_step(self.opt, grad_scaler, lambda: self.vote_step(scaled, abstain), abstain)
         except PeerRejected as err:
             # The user's error (a RuntimeError, as DDP's own join errors) names the fix.
             raise RuntimeError(
@@ -305,7 +303,7 @@ class DDPAttachment(Attachment):
                 # Their hooks' calls were rejected: the votes fail with the backend's error, naming them.
                 err = _drain(started)
                 raise err or PeerRejected(
-                    f"{_WHERE} on rank {dist.get_rank(self.group)}: rank(s) {refused} rejected their input to this "
+                    f"{_WHERE} on rank {dist.get_rank()}: rank(s) {refused} rejected their input to this "
                     f"call",
                     refused,
                 )
@@ -435,7 +433,7 @@ def _agree(group, changed: bool, bad: int, refused: bool = False) -> Tuple[bool,
     path (step_vote.gather_flags), beside the sign path: it does not queue
     behind the votes still moving, so the step knows at once that it will be
     applied. Returns (changed, bad ranks, refused ranks)."""
-    rank = dist.get_rank(group)
+    rank = dist.get_rank()
     flags = torch.tensor([int(changed), bad, int(refused)], dtype=torch.int64)
     try:
         rows = step_vote.gather_flags(flags, group).tolist()
@@ -443,8 +441,9 @@ def _agree(group, changed: bool, bad: int, refused: bool = False) -> Tuple[bool,
         raise RuntimeError(
             f"lionbit {_WHERE} on rank {rank}: step()'s agreement round over the inner gloo communicator failed: {err}"
         ) from err
-    bad_ranks = [r for r, row in enumerate(rows) if row[1] > 0]
-    refused_ranks = [r for r, row in enumerate(rows) if row[2] > 0]
+    named = step_vote.global_ranks(group)  # errors name global ranks, as the backend's do
+    bad_ranks = [named[r] for r, row in enumerate(rows) if row[1] > 0]
+    refused_ranks = [named[r] for r, row in enumerate(rows) if row[2] > 0]
     return any(row[0] for row in rows), bad_ranks, refused_ranks
 
 

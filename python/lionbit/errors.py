@@ -3,7 +3,10 @@
 Both are ``ValueError`` (what these failures always raised), carry the ranks
 they name in ``.ranks``, and are raised on every rank of the call alike, by
 the header round that runs before any data moves: nothing was reduced. Their
-messages are for people; act on the type and ``.ranks``::
+messages are for people; act on the type and ``.ranks``. Ranks are global
+ranks (``dist.get_rank()``'s numbers), in ``.ranks`` and in every message of
+lionbit, whatever group the call ran over: in a group of global ranks [4, 5],
+its first rank is "rank 4"::
 
     try:
         lionbit.all_reduce_sign(x)

@@ -205,7 +205,7 @@ class _SignReduceScatter(torch_internals.LayoutLearner):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         layout, self.layout = self.layout, None
-        where = f"DistributedLion (FSDP2 reduce-scatter) on rank {group.rank()}"
+        where = f"DistributedLion (FSDP2 reduce-scatter) on rank {dist.get_rank()}"
         if layout is None:
             raise RuntimeError(f"{where}: called without FSDP's gradient layout (an unsupported FSDP code path)")
         if self.skips_all_reduce:  # HSDP: FSDP's own reduction inside the node, unchanged
@@ -962,7 +962,7 @@ def _local_grad(att, p: torch.Tensor) -> Optional[torch.Tensor]:
         f"local shape {tuple(torch_internals.fsdp2_orig_size(att.managed[p]))}"
     )
     raise RuntimeError(
-        f"DistributedLion.step (FSDP2) on rank {att.mesh.get_local_rank()}: p.grad of '{att.fqns.get(p, '?')}' is "
+        f"DistributedLion.step (FSDP2) on rank {dist.get_rank()}: p.grad of '{att.fqns.get(p, '?')}' is "
         f"{what}; after backward it is this rank's local gradient, {expected}. Change it in place (clipping, "
         f"unscaling) or with DTensor ops, or set it to None, but do not replace it by a sharded gradient"
     )
@@ -1014,16 +1014,16 @@ def fsdp_vote(att, settle: bool = False):
     nothing."""
     att.stepped = True
     defer = bool(att.agree)  # the worker's ranks agree after this returns
-    started = att.plan.start(att, lambda group, ranks: _global_ranks(att, group, ranks))
+    started = att.plan.start(att)
     planned = started is not None
-    agreed, groups, works, update_momenta, apply_deltas = started if planned else _start_votes(att)
+    agreed, works, update_momenta, apply_deltas = started if planned else _start_votes(att)
     # Every call is issued before any is waited for. On a 1-D mesh the
     # momenta (full-size: this rank's local gradients) are updated once every
     # rank has agreed to every call, while the shards still move. The ranks
     # of an HSDP node, or of a tensor-parallel group, agree once every call
     # of theirs is agreed to (node_agreed, after this returns), and no state
     # changes before that: the momenta then change while the bits still move.
-    _wait_agreed(att, agreed, groups)  # raises NonFinite (nothing changed) as the votes would
+    step_vote.wait_votes(agreed)  # raises NonFinite (nothing changed) as the votes would
     att.plan.replayed += planned
     if settle:
         step_vote.wait_votes(works)
@@ -1038,30 +1038,6 @@ def fsdp_vote(att, settle: bool = False):
         apply_deltas()
 
     return apply
-
-
-def _wait_agreed(att, agreed: list, groups: list) -> None:
-    """step_vote.wait_votes of a step's agreements (``groups``: each one's
-    process group). With parameters on several meshes (expert parallelism)
-    the ranks of a NonFinite are the default group's: each group names its
-    own."""
-    if not att.multi:
-        step_vote.wait_votes(agreed)
-        return
-    bad = []
-    for group in dict.fromkeys(groups):
-        try:
-            step_vote.wait_votes([a for a, g in zip(agreed, groups) if g is group])
-        except step_vote.NonFinite as err:
-            bad += _global_ranks(att, group, err.ranks)
-    if bad:
-        raise step_vote.NonFinite(bad)
-
-
-def _global_ranks(att, group, ranks) -> list:
-    """Ranks of ``group`` as the default group numbers them where the step's
-    votes run over several groups (expert parallelism), else as they are."""
-    return [dist.get_global_rank(group, r) for r in ranks] if att.multi else list(ranks)
 
 
 def _start_votes(att):
@@ -1097,7 +1073,7 @@ def _start_votes(att):
         for p, local, (_, own, _) in zip(ps, shards, layout):
             if local.numel() != own:
                 raise RuntimeError(
-                    f"DistributedLion.step (FSDP2) on rank {group.rank()}: parameter '{att.fqns.get(p, '?')}' has "
+                    f"DistributedLion.step (FSDP2) on rank {dist.get_rank()}: parameter '{att.fqns.get(p, '?')}' has "
                     f"{local.numel()} local elements, FSDP's layout {own}"
                 )
         votes = [(g, m, c, spans) for g, m, c, (_, _, spans) in zip(grads, momenta, coefs, layout)]
@@ -1114,19 +1090,15 @@ def _start_votes(att):
         for u in units:
             first.setdefault(id(u.vote), len(first))
         units.sort(key=lambda u: first[id(u.vote)])
-    agreed, groups, works, calls = [], [], [], []
+    agreed, works, calls = [], [], []
     for run in runs(units, lambda u: (id(u.vote), u.device), planes_of, lambda u: step_vote.chunk_limit(u.device)):
         pieces, s, bases = end_to_end([(u.pieces, u.chunk) for u in run])
         group, device = run[0].vote, run[0].device
         where = "step (HSDP all-reduce over the replicate group)" if hsdp else "step (FSDP2 reduce-scatter)"
         # Delta as the vote's two planes (2 bits an element) where the apply can read them
         planes = voter.votes_into_planes(device, group)
-        try:
-            delta = voter.sharded_vote(pieces, s, group, device, where, fused_for, agreed, works, replicated=hsdp,
-                                       into_planes=planes, nexts=opt.next_momenta)
-        except step_vote.NonFinite as err:
-            raise step_vote.NonFinite(_global_ranks(att, group, err.ranks)) from None
-        groups += [group] * (len(agreed) - len(groups))
+        delta = voter.sharded_vote(pieces, s, group, device, where, fused_for, agreed, works, replicated=hsdp,
+                                   into_planes=planes, nexts=opt.next_momenta)
         calls.append((run, bases, s, group, hsdp, where))
         delta_of = lion_math.delta_views(delta, planes)
         for u, base in zip(run, bases):
@@ -1142,7 +1114,7 @@ def _start_votes(att):
         a_verdicts = fused_for.many([a[0] for a in applies], [a[1] for a in applies])
         step_vote.update_state([], [(x, d, c, f) for (x, d, c), f in zip(applies, a_verdicts)])
 
-    return agreed, groups, works, update_momenta, apply
+    return agreed, works, update_momenta, apply
 
 
 def fsdp_step(att, grad_scaler=None) -> bool:
@@ -1151,10 +1123,8 @@ def fsdp_step(att, grad_scaler=None) -> bool:
     on any rank skips the step everywhere)."""
     for p in list(att.captured):  # a grad hook FSDP did not call
         att.grad_hook(p)
-    if not att.agree:
-        return step_vote.voted_step(att.opt, grad_scaler, lambda: fsdp_vote(att), att.group)
-    # HSDP, tensor parallelism: errors name global ranks (the default group's)
-    return step_vote.voted_step(att.opt, grad_scaler, lambda: _node_agreed_vote(att), None)
+    vote = (lambda: _node_agreed_vote(att)) if att.agree else (lambda: fsdp_vote(att))  # HSDP, TP: agreed
+    return step_vote.voted_step(att.opt, grad_scaler, vote)
 
 
 def _node_agreed_vote(att):
@@ -1170,6 +1140,4 @@ def _node_agreed_vote(att):
     peers = ("this node" if hsdp else "this expert-parallel group" if att.multi else
              "this worker's context- and tensor-parallel ranks" if cp and att.split else
              "this context-parallel group" if cp else "this tensor-parallel group")
-    # (with expert parallelism the votes name ranks as the default group does: _wait_agreed)
-    replicas = None if att.multi else att.dp.vote_group
-    return step_vote.node_agreed(lambda settle: fsdp_vote(att, settle), replicas, att.agree, device, what, peers)
+    return step_vote.node_agreed(lambda settle: fsdp_vote(att, settle), att.agree, device, what, peers)

@@ -151,8 +151,7 @@ class _Unit:
         return self.group.rank() * self.shard_numel
 
     def where(self) -> str:
-        rank = dist.get_rank() if self.hybrid else self.group.rank()
-        return f"DistributedLion (FSDP1 instance '{self.name or '<root>'}') on rank {rank}"
+        return f"DistributedLion (FSDP1 instance '{self.name or '<root>'}') on rank {dist.get_rank()}"
 
     def see(self, g: Optional[torch.Tensor]) -> None:
         """Records the sharded gradient as it stands now: lionbit's own state."""
@@ -696,7 +695,7 @@ class FSDP1Attachment(Attachment):
                 "see the sharded p.grad, not the full local gradients lionbit votes from. Use bfloat16 mixed "
                 "precision instead (torch.autocast with dtype=torch.bfloat16), which needs no loss scaling"
             )
-        return step_vote.voted_step(self.opt, None, lambda: self.vote_step(abstain), self.group, abstain)
+        return step_vote.voted_step(self.opt, None, lambda: self.vote_step(abstain), abstain)
 
     def vote_step(self, abstain: bool):
         """Votes every sharded unit with a kept gradient (in self.order, the
@@ -778,7 +777,7 @@ class FSDP1Attachment(Attachment):
             )
         device = self.units[0].device
         return step_vote.voted_step(self.opt, grad_scaler, lambda: step_vote.node_agreed(
-            self.vote_hybrid, self.replicas, (self.units[0].group,), device, "FSDP1 hybrid"), None)
+            self.vote_hybrid, (self.units[0].group,), device, "FSDP1 hybrid"))
 
     def vote_hybrid(self, settle: bool = False):
         """Starts the vote of every hybrid unit with a gradient (as planned

@@ -260,12 +260,12 @@ class FSDP2Plan:
         replay it."""
         self.layout = _Layout(att, units, calls) if plannable(att, units, calls, fused_for) else None
 
-    def start(self, att, global_ranks):
-        """Starts the step's votes as planned; returns (agreements, their
-        groups, works, the momentum update, the apply), as fsdp's general
+    def start(self, att):
+        """Starts the step's votes as planned; returns (agreements, works,
+        the momentum update, the apply), as fsdp's general
         path does, or None where the plan does not describe the step
         (nothing done). Raises :class:`step_vote.NonFinite` as the general
-        path does (its ranks through ``global_ranks(group, ranks)``)."""
+        path does."""
         lay = self.layout
         gs = None if lay is None else lay.grads(att)
         if gs is None:
@@ -274,19 +274,15 @@ class FSDP2Plan:
         opt = att.opt
         voter = opt.voter
         coefs = [lion_math.Coefs(g) for g in opt.param_groups]
-        agreed, groups, works = [], [], []
+        agreed, works = [], []
         for v in lay.votes:
             sign, zero, delta = v.buffers(voter, lay.device)
             counts = torch.zeros(2, dtype=torch.int64, device=lay.device) if lay.cuda else None
             bad = sum(lion_math.directions_into(c.grads(gs), c.ms, c.offsets, c.starts, c.lengths, coefs[c.group],
                                                 sign, zero, counts, m_outs=c.outs) for c in v.directions)
             tally = counts[1:] if lay.cuda else None
-            try:
-                works.append(voter.start_sharded(sign, zero, v.numel, bad, delta, v.group, v.where, v.replicated,
-                                                 out_planes=True, nans_tally=tally, agreed=agreed))
-            except step_vote.NonFinite as err:
-                raise step_vote.NonFinite(global_ranks(v.group, err.ranks)) from None
-            groups += [v.group] * (len(agreed) - len(groups))
+            works.append(voter.start_sharded(sign, zero, v.numel, bad, delta, v.group, v.where, v.replicated,
+                                             out_planes=True, nans_tally=tally, agreed=agreed))
 
         def momenta() -> None:
             if lay.spares is not None:  # the next momenta are in the second buffers: swapped in
@@ -302,4 +298,4 @@ class FSDP2Plan:
                 for c in v.applies:
                     lion_math.apply_planes(c.xs, delta[:half], delta[half:], c.offsets, coefs[c.group])
 
-        return agreed, groups, works, momenta, apply
+        return agreed, works, momenta, apply

@@ -100,24 +100,24 @@ def ensure_hierarchy(group: Optional[dist.ProcessGroup], where: str, topology: O
     pg = default if group is None else group
     backends = _lionbit_backends(pg)
     if not backends:
-        raise RuntimeError(f"lionbit.{where} on rank {pg.rank()}: the group has no lionbit backend")
+        raise RuntimeError(f"lionbit.{where} on rank {dist.get_rank()}: the group has no lionbit backend")
     if pg is not default:
         raise ValueError(
-            f"lionbit.{where} on rank {pg.rank()}: argument 'hierarchy' needs the default process group "
+            f"lionbit.{where} on rank {dist.get_rank()}: argument 'hierarchy' needs the default process group "
             f"(its node groups are made with new_group over every rank); pass group=None"
         )
     if all(b.has_hierarchy for _, b in backends) and pg in _set_up:
         known = _set_up[pg][0]
         if topology is not None and topology != known:
             raise ValueError(
-                f"lionbit.{where} on rank {pg.rank()}: argument 'topology' ({topology.describe()}) differs from "
+                f"lionbit.{where} on rank {dist.get_rank()}: argument 'topology' ({topology.describe()}) differs from "
                 f"the group's hierarchy, set up before ({known.describe()})"
             )
         return known
     topo = check_topology(topology, pg) if topology is not None else detect_topology(pg)
     if not topo.uniform:
         raise ValueError(
-            f"lionbit.{where} on rank {pg.rank()}: argument 'hierarchy' needs the same number of ranks on "
+            f"lionbit.{where} on rank {dist.get_rank()}: argument 'hierarchy' needs the same number of ranks on "
             f"every node; the group has {topo.describe()}"
         )
     nodes = topo.nodes  # each in rank order, numbered by their smallest rank

@@ -398,8 +398,15 @@ def step_entries(opt, params_groups, skip=frozenset()) -> List[Entry]:
     return entries
 
 
-def rank_of(group) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
+def rank_of() -> int:
+    """This rank as errors name it: its global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def global_ranks(group) -> List[int]:
+    """The global rank of each rank of ``group`` (None: the default group),
+    by which lionbit's errors name ranks, as the backend's do."""
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
 
 
 def unscale(opt, scaler) -> dict:
@@ -444,7 +451,7 @@ def flags_on_cpu(group) -> bool:
     return True
 
 
-def node_agreed(vote: Callable[[bool], Callable[[], None]], replicas, groups: tuple, device, what: str,
+def node_agreed(vote: Callable[[bool], Callable[[], None]], groups: tuple, device, what: str,
                 peers: str = "this node"):
     """Hybrid sharding (FSDP2 HSDP, FSDP1 HYBRID_SHARD): ``vote(settle)``
     (the replicas' votes of this rank's shards, returning once every rank
@@ -472,8 +479,7 @@ def node_agreed(vote: Callable[[bool], Callable[[], None]], replicas, groups: tu
     try:
         apply = vote(not on_cpu)
     except NonFinite as bad:
-        for r in bad.ranks:  # (replicas None: the vote named them as the default group does)
-            flags[r if replicas is None else dist.get_global_rank(replicas, r)] = 1
+        flags[bad.ranks] = 1  # (global ranks, as the backend names every rank)
     except Exception as err:  # re-raised below, after the node heard of it (no peer waits forever)
         failure = err
         flags[world] = 1
@@ -481,7 +487,7 @@ def node_agreed(vote: Callable[[bool], Callable[[], None]], replicas, groups: tu
         flags = gather_flags(flags, group).amax(0)
     agreed = flags.tolist()
     if failure is not None:
-        raise with_group_ranks(failure, replicas)
+        raise failure
     if agreed[world]:
         raise RuntimeError(
             f"DistributedLion.step ({what}) on rank {dist.get_rank()}: another rank of {peers} failed its "
@@ -493,26 +499,7 @@ def node_agreed(vote: Callable[[bool], Callable[[], None]], replicas, groups: tu
     return apply
 
 
-def with_group_ranks(err: BaseException, group) -> BaseException:
-    """``err``, raised by a vote over ``group``, its message followed by
-    which global ranks the group holds, where the group is not the default
-    group's ranks in order (an HSDP replica group, a tensor-parallel run's
-    data-parallel group): the backend names ranks as their group numbers
-    them, so "rank 0" in a replica group's error may be global rank 1. The
-    type and attributes stay (``.ranks`` of lionbit.errors' types are the
-    group's ranks)."""
-    if group is None or not err.args or not isinstance(err.args[0], str):
-        return err
-    ranks = dist.get_process_group_ranks(group)
-    if ranks == list(range(dist.get_world_size())):
-        return err
-    shown = ", ".join(map(str, ranks[:16])) + (", ..." if len(ranks) > 16 else "")
-    err.args = (f"{err.args[0]} [this is global rank {dist.get_rank()}; the vote ran over a group of global ranks "
-                f"[{shown}], whose rank i is the i-th of them]",) + err.args[1:]
-    return err
-
-
-def voted_step(opt, grad_scaler, vote: Callable[[], Callable[[], None]], group, abstain: bool = False) -> bool:
+def voted_step(opt, grad_scaler, vote: Callable[[], Callable[[], None]], abstain: bool = False) -> bool:
     """One step of an integration: ``vote()`` votes the step's directions
     and returns the function that applies them (a vote may update the
     momenta once every rank has agreed to it, while its bits still move:
@@ -527,7 +514,7 @@ def voted_step(opt, grad_scaler, vote: Callable[[], Callable[[], None]], group, 
     except NonFinite as bad:
         if found is None and not abstain:
             raise RuntimeError(
-                f"DistributedLion.step on rank {rank_of(group)}: non-finite gradient (inf or NaN) on rank(s) "
+                f"DistributedLion.step on rank {rank_of()}: non-finite gradient (inf or NaN) on rank(s) "
                 f"{bad.ranks}; no parameter or momentum changed on any rank. With float16 autocast use "
                 f"torch.amp.GradScaler, which skips such steps"
             ) from None

@@ -220,6 +220,31 @@ TEST(Wire, NanAndRejectionAreReportedOnEveryRank) {
   EXPECT_EQ(s.ranks, (std::vector<int>{2}));
 }
 
+// A group of global ranks [6, 2, 9] (an HSDP replica group, say): every
+// message and `ranks` name them so; without names, as the group numbers them.
+TEST(Wire, ErrorsNameRanksAsTheCallerNamesThem) {
+  const std::vector<int> names{6, 2, 9};
+  auto h = agreeing(3);
+  h[1].flags |= kHasNan;
+  h[2].flags |= kHasNan;
+  auto s = check_headers(h.data(), 3, h[0], names);
+  EXPECT_NE(s.error.find("NaN on rank(s) [2, 9]"), std::string::npos) << s.error;
+  EXPECT_EQ(s.ranks, (std::vector<int>{2, 9}));
+  EXPECT_EQ(check_headers(h.data(), 3, h[0]).ranks, (std::vector<int>{1, 2}));
+  h[0].flags |= kRejected;
+  s = check_headers(h.data(), 3, h[1], names);
+  EXPECT_NE(s.error.find("rank(s) [6] rejected"), std::string::npos) << s.error;
+  EXPECT_EQ(s.ranks, (std::vector<int>{6}));
+  h = agreeing(3);
+  h[2].numel = 7;
+  s = check_headers(h.data(), 3, h[1], names);
+  EXPECT_NE(s.error.find("rank 2 has 1000, rank 9 has 7"), std::string::npos) << s.error;
+  h = agreeing(3);
+  h[2].magic = 0;
+  s = check_headers(h.data(), 3, h[0], names);
+  EXPECT_NE(s.error.find("rank 9 sent a malformed header"), std::string::npos) << s.error;
+}
+
 TEST(Wire, OtherFailuresAreFaultsNamingNoRanks) {
   auto h = agreeing(3);
   EXPECT_EQ(check_headers(h.data(), 3, h[0]).verdict, HeaderVerdict::kAgree);

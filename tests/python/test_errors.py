@@ -132,3 +132,97 @@ def test_backend_construction_error_leaves_no_dangling_worker_registration(tmp_p
     ok = _C.LionBitBackend(fwd, sign, 0, 1, t)
     assert ok.cuda_transport in ("gloo", "nccl")
     _C._shutdown_workers()
+
+
+def check_subgroup_errors_name_global_ranks(rank, n):
+    """Rank 0 evaluates; ranks 1 and 2 train a DDP model over their own
+    group (``new_group([1, 2])``, whose ranks 0 and 1 they are): every error
+    names them as ``dist.get_rank()`` and torchrun's log prefixes do."""
+    import warnings
+
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.new_group([0, 1], pg_options=dist.ProcessGroupGloo._Options())  # every rank creates every group
+    told = [str(w.message) for w in caught if "pg_options" in str(w.message)]
+    assert told == (["lionbit: pg_options=_Options is not used: lionbit configures its inner Gloo and NCCL "
+                     "communicators itself (the group's timeout reaches them all)"] if rank < 2 else []), told
+    trainers = dist.new_group([1, 2])
+    said = {}
+    if rank == 0:  # the default group's own errors are unchanged: "on rank 0:", no group
+        said["default"] = _expect_error(lambda: lionbit.all_reduce_sign(torch.ones(3), "nope"),
+                                        r"^lionbit all_reduce_sign\(op=nope\) on rank 0: ")
+        dist.barrier()
+        return said
+    here = rf"on rank {rank} \(group of ranks \[1, 2\]\)"
+    x = torch.ones(8)
+    if rank == 2:
+        x[3] = float("nan")
+    try:
+        lionbit.all_reduce_sign(x, group=trainers)
+    except lionbit.NonFiniteInput as err:
+        assert err.ranks == [2], err.ranks
+        assert re.search(rf"all_reduce_sign\(op=vote\) {here}: input contains NaN on rank\(s\) \[2\]", str(err)), err
+    else:
+        raise AssertionError("no NonFiniteInput")
+    y = torch.ones(8 + (rank == 2))
+    said["sizes"] = _expect_error(lambda: lionbit.all_reduce_sign(y, group=trainers),
+                                  rf"{here}: number of elements differs across ranks: rank {rank} has {y.numel()}, "
+                                  rf"rank {3 - rank} has {17 - y.numel()}")
+    bad = torch.ones(4, dtype=torch.int64 if rank == 1 else torch.float32)
+    try:
+        lionbit.all_reduce_sign(bad, group=trainers)
+    except (lionbit.PeerRejected, TypeError, ValueError) as err:
+        if rank == 2:
+            assert isinstance(err, lionbit.PeerRejected) and err.ranks == [1], (type(err), err)
+            assert re.search(rf"{here}: rank\(s\) \[1\] rejected their input", str(err)), err
+        else:
+            assert re.search(rf"all_reduce_sign\(op=vote\) {here}: ", str(err)), err
+    # A training script: DDP over the trainers' group, a NaN gradient on global rank 2.
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 2), process_group=trainers)
+    opt = lionbit.DistributedLion(model.parameters(), lr=1e-3)
+    opt.attach(model)
+    inputs = torch.randn(5, 4)
+    if rank == 2:
+        inputs[0, 0] = float("inf")
+    model(inputs).sum().backward()
+    said["step"] = _expect_error(opt.step, rf"DistributedLion.step on rank {rank}: non-finite gradient \(inf or NaN\) "
+                                           rf"on rank\(s\) \[2\]")
+    dist.barrier()
+    return said
+
+
+def test_errors_on_a_subgroup_name_global_ranks():
+    res = values(run_ranks("test_errors:check_subgroup_errors_name_global_ranks", 3))
+    assert "default" in res[0] and all("step" in r for r in res[1:]), res
+
+
+def test_a_large_groups_errors_list_some_of_its_ranks():
+    """A backend over torch's FakeProcessGroup (200 "ranks"): its group of
+    global ranks 1000, 1002, ... shows its first ranks, its last and its
+    size; a bad 'global_ranks' is refused naming it."""
+    from datetime import timedelta
+
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    import lionbit
+
+    fake = FakeProcessGroup._create_internal(3, 200)
+    ranks = list(range(1000, 1400, 2))
+    b = lionbit._C.LionBitBackend(fake, fake, 3, 200, timedelta(seconds=5), global_ranks=ranks)
+    _expect_error(lambda: b.all_reduce_sign(torch.ones(10, dtype=torch.int8), "sum"),
+                  r"^lionbit all_reduce_sign\(op=sum\) on rank 1006 \(group of 200 ranks \[1000, 1002, 1004, 1006, "
+                  r"1008, 1010, 1012, \.\.\., 1398\]\): op 'sum' on int8 needs a world size <= 127")
+    b.shutdown()
+    for bad, why in ((ranks[:-1], r"has 199 ranks for a group of 200"),
+                     ([0] * 200, r"must hold distinct ranks >= 0; it has 0 at 1"),
+                     ([-1] + ranks[1:], r"must hold distinct ranks >= 0; it has -1 at 0")):
+        _expect_error(lambda bad=bad: lionbit._C.LionBitBackend(fake, fake, 3, 200, timedelta(seconds=5),
+                                                                global_ranks=bad),
+                      r"lionbit: argument 'global_ranks' " + why, ValueError)
+    lionbit._C._shutdown_workers()

@@ -416,12 +416,10 @@ def test_sharded_ranks_at_different_steps_fail_their_first_vote(wrapper, n):
             assert want in said, (rank, said)
         elif rank % 2 == 0:  # shard 0's replicas (global ranks 0 and 2) agreed; their node-mates did not
             assert f"(FSDP2, HSDP) on rank {rank}: another rank of this node failed its vote" in said, (rank, said)
-        else:  # shard 1's replicas, global ranks 1 and 3: ranks 0 and 1 of their replica group
-            r = rank // 2
-            assert f"all_reduce_sign(op=vote) on rank {r}: " + seed.format(r, 3 if r == 0 else 0, 1 - r,
-                                                                            0 if r == 0 else 3) in said, (rank, said)
-            assert f"[this is global rank {rank}; the vote ran over a group of global ranks [1, 3], whose rank i " \
-                   "is the i-th of them]" in said, (rank, said)
+        else:  # shard 1's replicas, global ranks 1 and 3 (ranks 0 and 1 of their replica group): named globally
+            mine, theirs = (3, 0) if rank == 1 else (0, 3)
+            assert f"all_reduce_sign(op=vote) on rank {rank} (group of ranks [1, 3]): " + seed.format(
+                rank, mine, 4 - rank, theirs) in said, (rank, said)
 
 
 def new_process_group(rank, n, workdir):
