@@ -4,6 +4,7 @@
 #include <ATen/ThreadLocalState.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_set>
 
@@ -167,6 +168,63 @@ std::vector<c10d::Backend*> LionBitBackend::inners() {
 
 void LionBitBackend::stopOwnWork() {
   executor_.shutdown();
+}
+
+namespace {
+LionBitBackend::Maker& maker() {
+  static LionBitBackend::Maker make;
+  return make;
+}
+} // namespace
+
+void LionBitBackend::setMaker(Maker make) {
+  maker() = std::move(make);
+}
+
+bool LionBitBackend::supportsSplitting() const {
+  return static_cast<bool>(maker());
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> LionBitBackend::getBackendOptions() {
+  auto opts = c10::make_intrusive<Options>(getBackendName(), timeout_);
+  opts->group_name = getGroupUid();
+  opts->global_ranks_in_group.assign(rankNames()->table().begin(), rankNames()->table().end());
+  return opts;
+}
+
+c10::intrusive_ptr<c10d::Backend> LionBitBackend::split(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const std::vector<int>& ranks,
+    const c10::intrusive_ptr<Options>& opts) {
+  const std::string at = "lionbit split_group on " + here() + ": ";
+  TORCH_CHECK(maker(), at, "no maker of lionbit backends (lionbit's Python module sets it)");
+  std::vector<int> members = ranks;
+  std::sort(members.begin(), members.end());
+  for (size_t i = 0; i < members.size(); ++i) {
+    TORCH_CHECK_VALUE(
+        members[i] >= 0 && members[i] < size_ && (i == 0 || members[i] != members[i - 1]), at,
+        "the new group's ranks must be distinct ranks of this group of ", size_, "; it has ",
+        members[i]);
+  }
+  const auto mine = std::find(members.begin(), members.end(), rank_);
+  if (mine == members.end()) {
+    return {}; // not a member: no backend, as torch expects
+  }
+  const std::string name = opts ? opts->group_name : std::string();
+  std::lock_guard<std::mutex> lock(split_mutex_);
+  if (store.get() == split_store_ && name == split_name_) {
+    if (auto child = split_child_.lock()) {
+      return child; // the same split, asked for another device type
+    }
+  }
+  auto child = maker()(
+      store, static_cast<int>(mine - members.begin()), static_cast<int>(members.size()),
+      opts ? opts->timeout : timeout_, rankNames()->of(members));
+  TORCH_CHECK(child, at, "the maker returned no backend");
+  split_store_ = store.get();
+  split_name_ = name;
+  split_child_ = c10::weak_intrusive_ptr<c10d::Backend>(child);
+  return child;
 }
 
 namespace {

@@ -74,6 +74,31 @@ class LionBitBackend : public ForwardingBackend {
   std::map<std::string, double> hierarchyStats();
   void resetHierarchyStats();
 
+  // --- groups split from this one ------------------------------------------
+  // dist.split_group, and DeviceMesh on GPUs once init_process_group had a
+  // device_id, make subgroups by splitting the parent group's backend. A
+  // child here is a lionbit backend as new_group makes one: inner
+  // communicators of its own, made over `store` by its members alone (never
+  // an ncclCommSplit of the parent's, in which every rank of the parent
+  // would have to take part). `ranks`: the child's members, ranks of this
+  // group (sorted); a rank outside them gets null. torch calls split once
+  // for each device type of the group: the second call gets the first's
+  // child. The maker (set once by the bindings: lionbit's Python creator)
+  // builds the child's inner communicators.
+  using Maker = std::function<c10::intrusive_ptr<LionBitBackend>(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      int rank,
+      int size,
+      std::chrono::milliseconds timeout,
+      const std::vector<int>& global_ranks)>;
+  static void setMaker(Maker make);
+  bool supportsSplitting() const override;
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  c10::intrusive_ptr<c10d::Backend> split(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      const std::vector<int>& ranks,
+      const c10::intrusive_ptr<Options>& opts) override;
+
   // Stops the sign-path worker of every live backend (queued calls fail,
   // running ones finish) and releases its inner CPU backends, joining their
   // workers, as shutdown() does. lionbit registers it with atexit: no worker
@@ -122,6 +147,12 @@ class LionBitBackend : public ForwardingBackend {
   c10::intrusive_ptr<LionBitBackend> node_, cross_;
   std::vector<int> order_, node_ranks_;
   Hierarchy hierarchy();
+  // The last child split() made, and which split it was (its store and group
+  // name): torch asks once for each device type.
+  std::mutex split_mutex_;
+  const c10d::Store* split_store_ = nullptr;
+  std::string split_name_;
+  c10::weak_intrusive_ptr<c10d::Backend> split_child_{c10::intrusive_ptr<c10d::Backend>()};
   // Last: destroyed first, so no job outlives the members it uses.
   SerialExecutor executor_;
 };

@@ -20,13 +20,9 @@ class RankNames {
   RankNames(int group_size, const std::vector<int>& global);
 
   // The global rank of the group's rank `group_rank` (0 <= it < size).
-  int operator()(int group_rank) const {
-    return global_[static_cast<size_t>(group_rank)];
-  }
+  int operator()(int group_rank) const { return global_[static_cast<size_t>(group_rank)]; }
   // Every group rank's global rank, in group rank order.
-  const std::vector<int>& table() const {
-    return global_;
-  }
+  const std::vector<int>& table() const { return global_; }
   // The same for a list of group ranks.
   std::vector<int> of(const std::vector<int>& group_ranks) const;
   // How an error says where it was raised: "rank 5", and where the group

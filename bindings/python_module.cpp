@@ -82,6 +82,21 @@ void translate_outcomes(std::exception_ptr p) {
   }
 }
 
+// A split's child (LionBitBackend::split), made by lionbit's Python creator
+// as new_group's backends are: the inner Gloo and NCCL communicators over
+// `store`. torch may call split with the GIL held or released.
+c10::intrusive_ptr<LionBitBackend> make_split_child(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout,
+    const std::vector<int>& global_ranks) {
+  py::gil_scoped_acquire gil;
+  const py::object made = py::module_::import("lionbit._backend")
+                              .attr("backend_over")(store, rank, size, timeout, global_ranks);
+  return c10::intrusive_ptr<LionBitBackend>::reclaim_copy(made.cast<LionBitBackend*>());
+}
+
 } // namespace
 } // namespace lionbit
 
@@ -93,6 +108,7 @@ PYBIND11_MODULE(_C, m) {
   // before this module derives from them.
   py::module_::import("torch.distributed");
   py::register_exception_translator(&lionbit::translate_outcomes);
+  lionbit::LionBitBackend::setMaker(&lionbit::make_split_child);
 
   // One sign collective, described (backend/sign_request.hpp): the one way
   // Python calls the sign path, LionBitBackend.call(request). The entry
@@ -177,7 +193,14 @@ PYBIND11_MODULE(_C, m) {
       .def("hierarchy_stats", &lionbit::LionBitBackend::hierarchyStats)
       .def("reset_hierarchy_stats", &lionbit::LionBitBackend::resetHierarchyStats)
       .def("stats", [](lionbit::LionBitBackend& self) { return self.stats().snapshot(); })
-      .def("reset_stats", [](lionbit::LionBitBackend& self) { self.stats().reset(); });
+      .def("reset_stats", [](lionbit::LionBitBackend& self) { self.stats().reset(); })
+      // new_group's ranks outside the new group call this on a parent that
+      // supports splitting (so that NCCL's split of the parent's
+      // communicator sees every rank); lionbit's groups never split their
+      // parent's communicators, so there is nothing to take part in.
+      .def(
+          "perform_nocolor_split", [](lionbit::LionBitBackend&, const py::object&) {},
+          py::arg("device"));
 
   m.attr("__version__") = LIONBIT_VERSION;
   m.attr("torch_version") = LIONBIT_TORCH_VERSION;

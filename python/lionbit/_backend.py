@@ -3,7 +3,7 @@
 import os
 import weakref
 from datetime import timedelta
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,13 @@ def _create_backend(opts, backend_options=None):
             f"lionbit: pg_options={type(backend_options).__name__} is not used: lionbit configures its inner "
             f"Gloo and NCCL communicators itself (the group's timeout reaches them all)"
         )
-    store, rank, size, timeout = opts.store, opts.group_rank, opts.group_size, opts.timeout
+    return backend_over(opts.store, opts.group_rank, opts.group_size, opts.timeout, list(opts.global_ranks_in_group))
+
+
+def backend_over(store, rank: int, size: int, timeout: timedelta, global_ranks: List[int]):
+    """A lionbit backend over ``store``: for a new group (the creator) and
+    for a group split from another (``dist.split_group``, DeviceMesh;
+    LionBitBackend.split calls this)."""
     # Inner communicators from the same store, each under its own key prefix:
     # "forward" carries the standard collectives in the caller's order, "sign"
     # the sign path, which runs on lionbit's worker thread (and always its
@@ -62,8 +68,7 @@ def _create_backend(opts, backend_options=None):
     if _C.built_with_cuda and torch.cuda.is_available() and cuda_transport() == "nccl":
         forward_cuda = _nccl("lionbit/forward_cuda/", store, rank, size, timeout)
         sign_cuda = _nccl("lionbit/sign_cuda/", store, rank, size, timeout)
-    return _C.LionBitBackend(forward, sign, rank, size, timeout, forward_cuda, sign_cuda,
-                             global_ranks=list(opts.global_ranks_in_group))
+    return _C.LionBitBackend(forward, sign, rank, size, timeout, forward_cuda, sign_cuda, global_ranks=global_ranks)
 
 
 def register() -> None:
