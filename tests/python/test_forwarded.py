@@ -231,7 +231,6 @@ def premul_sum(rank, n):
     Gloo's own with SUM on inputs scaled by hand, bit for bit, and leave a
     reduce-scatter's input as it was; a float64 sum of the products checks
     the meaning."""
-    R = dist.ReduceOp
     gloo = dist.new_group(backend="gloo")
     out = {}
 
@@ -240,8 +239,9 @@ def premul_sum(rank, n):
         dist.all_gather(parts, x * factor, group=gloo)
         return torch.stack([p.double() for p in parts]).sum(0)
 
-    for label, factor, op in (("double", 0.5, R.PREMUL_SUM(0.5)),
-                              ("tensor", torch.tensor(1 / 3), R.PREMUL_SUM(torch.tensor(1 / 3)))):
+    premul = dist._make_nccl_premul_sum  # (as FSDP2 makes the op; torch 2.11's PREMUL_SUM is not callable)
+    for label, factor, op in (("double", 0.5, premul(0.5)),
+                              ("tensor", torch.tensor(1 / 3), premul(torch.tensor(1 / 3)))):
         x = _data(rank, (4 * n,), 30)
         ref = x * factor
         dist.all_reduce(ref, group=gloo)

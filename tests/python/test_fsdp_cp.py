@@ -190,12 +190,13 @@ def _model(data, dense=None, sparse=None):
 
 
 def _fsdp_model(fsdp_mesh, data, cfg, sparse=None):
-    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     model = _model(data, fsdp_mesh if cfg["tp"] else None, sparse)
     kw = dict(mesh=fsdp_mesh["fsdp"] if cfg["tp"] else fsdp_mesh)
     if cfg["spmd"]:  # every parameter annotated replicated over the storage mesh, FSDP told its dims
         import spmd_types as spmd
+        from torch.distributed.fsdp import DataParallelMeshDims  # (torch >= 2.12)
 
         with spmd.set_current_mesh(fsdp_mesh):
             for p in model.parameters():
@@ -378,13 +379,14 @@ CONFIGS = {
 }
 try:  # torchtitan's default backend: FSDP over the storage mesh's dims ("dp_shard", "cp")
     import spmd_types  # noqa: F401
+    from torch.distributed.fsdp import DataParallelMeshDims  # noqa: F401 - (torch >= 2.12)
 
     CONFIGS |= {
         "spmd_types, storage mesh (dp_shard 2, cp 2): avg, clipping": _config(spmd=True, aggregation="avg",
                                                                                clip=True),
         "spmd_types, HSDP storage mesh (dp_replicate 2, dp_shard 1, cp 2): vote": _config(spmd=True, hsdp=True),
     }
-except ImportError:  # (tools/requirements-dev.txt installs it)
+except ImportError:  # (tools/requirements-dev.txt installs it; torch 2.11's FSDP has no storage meshes)
     pass
 
 

@@ -17,11 +17,14 @@ step, with clipping and two micro-batches."""
 
 import pytest
 import torch
+import torch.distributed.fsdp
 
 from harness import run_ranks, values
 from test_fsdp_ep_tp import Split
 
 pytest.importorskip("spmd_types", reason="spmd_types (tools/requirements-dev.txt) is not installed")
+if not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):
+    pytest.skip("this torch's fully_shard takes no dp_mesh_dims (torch >= 2.12)", allow_module_level=True)
 
 LION = dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)
 STEPS, MICRO = 4, 2
