@@ -82,6 +82,14 @@ void translate_outcomes(std::exception_ptr p) {
   }
 }
 
+// A lionbit backend's options as Python sees them (`backend.options`):
+// torch's own, with a copy. torch 2.11's split_group deep-copies the parent
+// backend's options before handing them to the split, and torch binds its
+// Options class without one.
+struct CopyableOptions : c10d::Backend::Options {
+  explicit CopyableOptions(const c10d::Backend::Options& o) : c10d::Backend::Options(o) {}
+};
+
 // A split's child (LionBitBackend::split), made by lionbit's Python creator
 // as new_group's backends are: the inner Gloo and NCCL communicators over
 // `store`. torch may call split with the GIL held or released.
@@ -164,6 +172,13 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("at_header", &lionbit::Agreement::at_header);
 
   py::class_<
+      lionbit::CopyableOptions, c10d::Backend::Options, c10::intrusive_ptr<lionbit::CopyableOptions>>(
+      m, "BackendOptions")
+      .def("__deepcopy__", [](const lionbit::CopyableOptions& self, const py::dict& /* memo */) {
+        return c10::make_intrusive<lionbit::CopyableOptions>(self);
+      });
+
+  py::class_<
       lionbit::LionBitBackend, c10d::Backend, lionbit::ReleasedWithoutGil<lionbit::LionBitBackend>>(
       m, "LionBitBackend")
       .def(
@@ -194,6 +209,13 @@ PYBIND11_MODULE(_C, m) {
       .def("reset_hierarchy_stats", &lionbit::LionBitBackend::resetHierarchyStats)
       .def("stats", [](lionbit::LionBitBackend& self) { return self.stats().snapshot(); })
       .def("reset_stats", [](lionbit::LionBitBackend& self) { self.stats().reset(); })
+      // What torch 2.11's split_group copies (copy.deepcopy) and hands the
+      // split (torch 2.15 binds it on every backend).
+      .def_property_readonly(
+          "options",
+          [](lionbit::LionBitBackend& self) {
+            return c10::make_intrusive<lionbit::CopyableOptions>(*self.getBackendOptions());
+          })
       // new_group's ranks outside the new group call this on a parent that
       // supports splitting (so that NCCL's split of the parent's
       // communicator sees every rank); lionbit's groups never split their

@@ -7,9 +7,13 @@ support splitting". A split's child is a lionbit backend as new_group's, so
 the HSDP run on such a mesh is checked bitwise against test_hsdp's reference
 (an independent simulation of Distributed Lion with plain torch).
 
-This machine has no GPU: the ranks give the default group a CPU device id,
-and DeviceMesh is told an accelerator exists while it builds the mesh (what
-it asks before it splits); it then splits the default group, counted here."""
+This machine has no GPU. The ranks bind the default group to a CPU device
+(with init_process_group's device_id where torch takes a CPU one, 2.15;
+else as torch 2.11 binds a GPU's), and while DeviceMesh builds the mesh
+torch says an accelerator is there (torch.accelerator in 2.15, torch.cuda
+in 2.11: what DeviceMesh asks before it splits); it then splits the default
+group, counted here. (LIONBIT_CUDA_TRANSPORT=gloo: lionbit, asked meanwhile
+to make a group, reaches for no NCCL.)"""
 
 import pytest
 import torch
@@ -18,19 +22,34 @@ import torch.distributed as dist
 import test_hsdp
 from harness import run_ranks, values
 
+GLOO = {"LIONBIT_CUDA_TRANSPORT": "gloo"}
+
+
+def _cpu_binds() -> bool:
+    """Whether this torch binds a group to a CPU device id (torch 2.15; 2.11
+    wants an accelerator's)."""
+    import inspect
+
+    from torch.distributed import distributed_c10d as c10d
+
+    return "must be an accelerator with an index" not in inspect.getsource(c10d._new_process_group_helper)
+
 
 def _init(rank, n, store):
     """The script's first line on a GPU machine, with the CPU's device."""
     import lionbit  # noqa: F401 - registers the backend
 
+    cpu0 = torch.device("cpu", 0)
     dist.init_process_group("lionbit", init_method=f"file://{store}", rank=rank, world_size=n,
-                            device_id=torch.device("cpu", 0))
+                            device_id=cpu0 if _cpu_binds() else None)
+    dist.distributed_c10d._get_default_group().bound_device_id = cpu0  # (what torch 2.11 sets for a GPU)
 
 
 def split_collectives(rank, n, store):
     """dist.split_group into [0, 2] and [1]: the standard collectives and the
     sign vote over the child, its errors naming global ranks; new_group with
-    the device bound (rank 1, outside it, takes the no-op part of a split)."""
+    the device bound (rank 1, outside it, takes the no-op part of a split),
+    where this torch makes groups bound to a CPU device."""
     import lionbit
 
     _init(rank, n, store)
@@ -51,17 +70,18 @@ def split_collectives(rank, n, store):
             lionbit.all_reduce_sign(bad, group=child)
         except lionbit.NonFiniteInput as err:
             out["nan"] = (str(err), err.ranks)
-    pair = dist.new_group([0, 2])
-    if rank != 1:
-        y = torch.ones(2) * (rank + 1)
-        dist.all_reduce(y, group=pair)
-        out["pair"] = y.tolist()
+    if _cpu_binds():  # (torch 2.11 makes no group bound to a CPU device)
+        pair = dist.new_group([0, 2])
+        if rank != 1:
+            y = torch.ones(2) * (rank + 1)
+            dist.all_reduce(y, group=pair)
+            out["pair"] = y.tolist()
     dist.barrier()
     return out
 
 
 def test_split_group_collectives_and_errors(tmp_path):
-    res = values(run_ranks("test_split_group:split_collectives", 3, backend=None,
+    res = values(run_ranks("test_split_group:split_collectives", 3, backend=None, env=GLOO,
                            kwargs={"store": str(tmp_path / "store")}))
     assert [r["ranks"] for r in res] == [[0, 2], [1], [0, 2]]
     assert [r["sum"] for r in res] == [[2.0] * 3, [1.0] * 3, [2.0] * 3]
@@ -73,7 +93,7 @@ def test_split_group_collectives_and_errors(tmp_path):
         assert ranks == [2], ranks
         assert msg.startswith(f"lionbit all_reduce_sign(op=vote) on rank {rank} (group of ranks [0, 2]): input "
                               "contains NaN on rank(s) [2]"), msg
-        assert res[rank]["pair"] == [4.0, 4.0]
+        assert res[rank].get("pair") == ([4.0, 4.0] if _cpu_binds() else None)
 
 
 def _as_on_a_gpu_machine(build):
@@ -91,6 +111,7 @@ def _as_on_a_gpu_machine(build):
 
     patched = [(torch.accelerator, "is_available", lambda: True),
                (torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cpu")),
+               (torch.cuda, "is_available", lambda: True),
                (dm, "split_group", counted)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patched]
     for obj, name, value in patched:
@@ -111,22 +132,9 @@ def hsdp_on_a_split_mesh(rank, n, store):
     return {"splits": splits, "run": test_hsdp._train(rank, mesh, test_hsdp._config())}
 
 
-def _mesh_asks_the_accelerator() -> bool:
-    """Whether this torch's DeviceMesh asks torch.accelerator (2.15) rather
-    than torch.cuda (2.11) whether to split, which only the former lets the
-    ranks here stand in for a GPU machine."""
-    import inspect
-
-    import torch.distributed.device_mesh as dm
-
-    return "torch.accelerator.is_available()" in inspect.getsource(dm)
-
-
-@pytest.mark.skipif(not _mesh_asks_the_accelerator(), reason="this torch's DeviceMesh asks torch.cuda whether to "
-                    "split: a GPU machine's path, not simulated here")
 def test_hsdp_on_a_mesh_split_from_the_default_group_equals_the_reference(tmp_path):
     n = test_hsdp.M * test_hsdp.L
-    res = values(run_ranks("test_split_group:hsdp_on_a_split_mesh", n, backend=None, timeout=240,
+    res = values(run_ranks("test_split_group:hsdp_on_a_split_mesh", n, backend=None, timeout=240, env=GLOO,
                            kwargs={"store": str(tmp_path / "store")}))
     assert all(r["splits"] == 2 for r in res), [r["splits"] for r in res]  # one split a mesh dim
     cfg = test_hsdp._config()
