@@ -182,6 +182,15 @@ def _f32(x):
     return torch.tensor(x, dtype=torch.float32)
 
 
+def _default_reduce_dtype(param_dtype):
+    """What FSDP2 reduces in under a policy that names no reduce_dtype: the
+    gradients' own dtype (param_dtype) on torch 2.11, the sharded
+    parameter's (float32: no rounding to model) from torch 2.12 on."""
+    from lionbit import torch_internals
+
+    return param_dtype if torch_internals.generation() == "2.11" else None
+
+
 def _node_grads(params, step, cfg):
     """Each node's mean gradient (a dict name -> tensor), as the node's
     ranks compute their local gradients on the full parameters (in bf16
@@ -209,8 +218,9 @@ def _node_grads(params, step, cfg):
                 (loss * SCALE if cfg["scaler"] else loss).backward()  # a power of 2: exact, unless it overflows
             local.append({n: p.grad / SCALE if cfg["scaler"] else p.grad.clone() for n, p in model.named_parameters()})
         mean = {n: (local[0][n].float() + local[1][n].float()) / (cfg.get("divide") or 2) for n in params}
-        if cfg.get("reduce"):  # reduced in that dtype: the node's mean rounded to it once (/ 2 is exact)
-            mean = {n: g.to(getattr(torch, cfg["reduce"])).float() for n, g in mean.items()}
+        reduce = cfg.get("reduce") or _default_reduce_dtype(cfg["mp"])
+        if reduce:  # reduced in that dtype: the node's mean rounded to it once (/ 2 is exact)
+            mean = {n: g.to(getattr(torch, reduce)).float() for n, g in mean.items()}
         out.append(mean)
     return out
 
