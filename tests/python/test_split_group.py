@@ -153,6 +153,7 @@ def hsdp_on_a_gpu(rank, n, store, bind):
     the GPU (``bind``: torch splits it for the mesh) or not (new_group)."""
     import torch.distributed.device_mesh as dm
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import lionbit
 
@@ -171,10 +172,12 @@ def hsdp_on_a_gpu(rank, n, store, bind):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = lionbit.DistributedLion(model.parameters(), **test_hsdp.LION).attach(model)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # (the two runs compared bitwise)
     for step in range(3):
         tokens = test_hsdp._batch(rank, step).to(device)
-        logits = model(tokens[:, :-1])
-        torch.nn.functional.cross_entropy(logits.reshape(-1, test_hsdp.V), tokens[:, 1:].reshape(-1)).backward()
+        with sdpa_kernel(SDPBackend.MATH):  # the fused attention kernels' backward need not be deterministic
+            logits = model(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(logits.reshape(-1, test_hsdp.V), tokens[:, 1:].reshape(-1)).backward()
         opt.step()
         opt.zero_grad()
     return {"splits": len(calls), "params": [p.full_tensor().cpu().flatten().tolist() for p in model.parameters()]}
