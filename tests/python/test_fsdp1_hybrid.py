@@ -56,7 +56,7 @@ CONFIGS = {
         aggregation="avg", scaler=True, overflow=[2, 3]
     ),
     "HYBRID_SHARD, MixedPrecision(param_dtype=bf16, reduce_dtype=fp32), device_mesh": _config(
-        mp="bfloat16", groups="device_mesh"
+        mp="bfloat16", reduce="float32", groups="device_mesh"
     ),
 }
 
@@ -84,10 +84,11 @@ def _wrap(cfg, groups, mesh):
         use_orig_params=cfg["use_orig_params"],
     )
     kw.update(process_group=groups) if cfg["groups"] == "process_group" else kw.update(device_mesh=mesh)
-    if cfg["mp"]:  # computed in bf16, reduced in the node in float32 (test_hsdp's reference: FSDP2's default)
+    if cfg["mp"]:  # computed in bf16, reduced in the node in cfg["reduce"] (the reference rounds the mean to it)
         from torch.distributed.fsdp import MixedPrecision
 
-        kw["mixed_precision"] = MixedPrecision(param_dtype=getattr(torch, cfg["mp"]), reduce_dtype=torch.float32)
+        kw["mixed_precision"] = MixedPrecision(param_dtype=getattr(torch, cfg["mp"]),
+                                               reduce_dtype=getattr(torch, cfg["reduce"]))
     model = _model()
     for i, block in enumerate(model.blocks):
         model.blocks[i] = FSDP(block, **kw)
