@@ -68,11 +68,12 @@ bool isPremulSum(const c10d::ReduceOp& op) {
 
 const c10d::NCCLPreMulSumSupplement& premulFactor(
     const c10d::ReduceOp& op,
-    const std::string& here,
+    const RankNames& names,
+    int rank,
     const char* what) {
   const auto* factor = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
   TORCH_CHECK_VALUE(
-      factor != nullptr, "lionbit on ", here, ": ", what,
+      factor != nullptr, "lionbit on ", names.here(rank), ": ", what,
       ": ReduceOp.PREMUL_SUM without its factor");
   return *factor;
 }
@@ -159,7 +160,7 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
   if (isPremulSum(opts.reduceOp) && toGloo(tensors)) {
-    const auto& factor = premulFactor(opts.reduceOp, here(), "allreduce");
+    const auto& factor = premulFactor(opts.reduceOp, *names_, rank_, "allreduce");
     for (auto& t : tensors) {
       scaleInPlace(t, factor);
     }
@@ -178,7 +179,7 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
   if (isPremulSum(opts.reduceOp) && toGloo(tensors)) {
-    const auto& factor = premulFactor(opts.reduceOp, here(), "allreduce_coalesced");
+    const auto& factor = premulFactor(opts.reduceOp, *names_, rank_, "allreduce_coalesced");
     for (auto& t : tensors) {
       scaleInPlace(t, factor);
     }
@@ -286,7 +287,7 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::reduce_scatter(
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   if (isPremulSum(opts.reduceOp) && toGloo(outputs)) {
-    const auto& factor = premulFactor(opts.reduceOp, here(), "reduce_scatter");
+    const auto& factor = premulFactor(opts.reduceOp, *names_, rank_, "reduce_scatter");
     std::vector<std::vector<at::Tensor>> copies(inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) {
       for (const auto& t : inputs[i]) {
@@ -303,7 +304,8 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::_reduce_scatter_base(
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
   if (isPremulSum(opts.reduceOp) && toGloo({input})) {
-    at::Tensor copy = scaled(input, premulFactor(opts.reduceOp, here(), "reduce_scatter_tensor"));
+    at::Tensor copy = scaled(
+        input, premulFactor(opts.reduceOp, *names_, rank_, "reduce_scatter_tensor"));
     return inner(input)._reduce_scatter_base(output, copy, asSum(opts));
   }
   return inner(input)._reduce_scatter_base(output, input, opts);
@@ -314,7 +316,8 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::reduce_scatter_tensor_coalesce
     std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   if (isPremulSum(opts.reduceOp) && toGloo(inputs)) {
-    const auto& factor = premulFactor(opts.reduceOp, here(), "reduce_scatter_tensor_coalesced");
+    const auto& factor = premulFactor(
+        opts.reduceOp, *names_, rank_, "reduce_scatter_tensor_coalesced");
     std::vector<at::Tensor> copies;
     for (const auto& t : inputs) {
       copies.push_back(scaled(t, factor));

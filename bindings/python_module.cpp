@@ -172,8 +172,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("at_header", &lionbit::Agreement::at_header);
 
   py::class_<
-      lionbit::CopyableOptions, c10d::Backend::Options, c10::intrusive_ptr<lionbit::CopyableOptions>>(
-      m, "BackendOptions")
+      lionbit::CopyableOptions, c10d::Backend::Options,
+      c10::intrusive_ptr<lionbit::CopyableOptions>>(m, "BackendOptions")
       .def("__deepcopy__", [](const lionbit::CopyableOptions& self, const py::dict& /* memo */) {
         return c10::make_intrusive<lionbit::CopyableOptions>(self);
       });

@@ -441,9 +441,11 @@ def _agree(group, changed: bool, bad: int, refused: bool = False) -> Tuple[bool,
         raise RuntimeError(
             f"lionbit {_WHERE} on rank {rank}: step()'s agreement round over the inner gloo communicator failed: {err}"
         ) from err
-    named = step_vote.global_ranks(group)  # errors name global ranks, as the backend's do
-    bad_ranks = [named[r] for r, row in enumerate(rows) if row[1] > 0]
-    refused_ranks = [named[r] for r, row in enumerate(rows) if row[2] > 0]
+    bad_ranks = [r for r, row in enumerate(rows) if row[1] > 0]
+    refused_ranks = [r for r, row in enumerate(rows) if row[2] > 0]
+    if bad_ranks or refused_ranks:  # errors name global ranks, as the backend's do
+        named = step_vote.global_ranks(group)
+        bad_ranks, refused_ranks = [named[r] for r in bad_ranks], [named[r] for r in refused_ranks]
     return any(row[0] for row in rows), bad_ranks, refused_ranks
 
 
