@@ -103,6 +103,11 @@ std::string result_problem(const at::Tensor& tensor, const char* name, bits::Sig
     return arg + " has layout " + c10::str(tensor.layout()) +
         "; only dense (strided) tensors are supported";
   }
+  if (!in_own_memory(tensor)) {
+    return arg +
+        " is a tensor subclass with no memory of its own (its values live in a tensor it "
+        "wraps, as a float8 training weight's do); pass the tensor that holds them";
+  }
   if (tensor.is_cuda() && !kCudaBuilt) {
     return arg + " is on " + tensor.device().str() +
         "; this build of lionbit runs the sign collectives on CPU tensors "

@@ -52,12 +52,17 @@ at::Tensor byte_buffer(size_t n) {
   return at::empty({static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte));
 }
 
+bool in_own_memory(const at::Tensor& t) {
+  return !t.key_set().has(c10::DispatchKey::Python);
+}
+
 std::string describe(const at::Tensor& t) {
   if (!t.defined()) {
     return "undefined";
   }
   return c10::str(
-      t.scalar_type(), " on ", t.device(), t.is_contiguous() ? "" : " (not contiguous)");
+      t.scalar_type(), " on ", t.device(), t.is_contiguous() ? "" : " (not contiguous)",
+      in_own_memory(t) ? "" : " (a tensor subclass with no memory of its own)");
 }
 
 std::string check_buffer(
@@ -67,7 +72,7 @@ std::string check_buffer(
     const c10::Device& device,
     int64_t min_numel) {
   if (t.defined() && t.device() == device && t.scalar_type() == dtype && t.is_contiguous() &&
-      t.numel() >= min_numel) {
+      t.numel() >= min_numel && in_own_memory(t)) {
     return "";
   }
   return c10::str(
@@ -85,7 +90,7 @@ std::string describe_planes(const at::Tensor& t) {
   }
   return c10::str(
       describe(t), " of ", t.numel(), " bytes",
-      word_aligned(t) ? "" : " starting off an 8-byte boundary");
+      !in_own_memory(t) || word_aligned(t) ? "" : " starting off an 8-byte boundary");
 }
 
 std::string check_planes(
@@ -94,7 +99,7 @@ std::string check_planes(
     const c10::Device& device,
     int64_t min_bits) {
   if (t.defined() && t.device() == device && t.scalar_type() == at::kByte && t.is_contiguous() &&
-      t.numel() % 8 == 0 && t.numel() * 8 >= min_bits && word_aligned(t)) {
+      t.numel() % 8 == 0 && t.numel() * 8 >= min_bits && in_own_memory(t) && word_aligned(t)) {
     return "";
   }
   return c10::str(
@@ -104,12 +109,13 @@ std::string check_planes(
 }
 
 std::string check_float(const at::Tensor& t, const char* name, const c10::Device& device) {
-  if (t.defined() && t.device() == device && t.is_contiguous() && float_dtype(t.scalar_type())) {
+  if (t.defined() && t.device() == device && t.is_contiguous() && float_dtype(t.scalar_type()) &&
+      in_own_memory(t)) {
     return "";
   }
   return c10::str(
       "argument '", name, "' must be a contiguous float32, bfloat16 or float16 tensor on ", device,
-      ", got ", describe(t));
+      " holding its elements in memory, got ", describe(t));
 }
 
 } // namespace lionbit

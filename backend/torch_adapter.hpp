@@ -40,7 +40,14 @@ inline uint8_t* bytes_of(const at::Tensor& t) {
 // A CPU uint8 tensor of n bytes (uninitialised).
 at::Tensor byte_buffer(size_t n);
 
-// "float32 on cpu", "float16 on cuda:0 (not contiguous)", "undefined".
+// Whether t's elements are in memory the kernels can address: not a tensor
+// subclass that dispatches its ops to Python (a wrapper such as torchao's
+// float8 training weight keeps its values in another tensor; its own data
+// pointer is null).
+bool in_own_memory(const at::Tensor& t);
+
+// "float32 on cpu", "float16 on cuda:0 (not contiguous)", "undefined"; a
+// tensor not in_own_memory says so.
 std::string describe(const at::Tensor& t);
 
 // A contiguous `dtype` tensor on `device` with at least `min_numel` elements.

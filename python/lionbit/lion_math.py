@@ -350,6 +350,50 @@ def momenta_from(gs, ms, k: Coefs, starts=None, lengths=None) -> None:
 
 _sign, _offset = attrgetter("sign"), attrgetter("offset")
 
+#: The tensor types whose memory the kernels write as it is.
+PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+
+
+def memory_of(x: torch.Tensor):
+    """x itself where it is a plain tensor; else (a tensor subclass) a plain
+    view of the memory that holds its values, what its own in-place ops
+    change: its ``aten.alias``, provided that is of x's shape, dtype and
+    strides and lies in x's own memory or in a tensor x holds (its
+    ``__tensor_flatten__`` names them): a wrapper that casts on use, such as
+    torchao's float8 training weights (which FSDP2 shards as they are), has
+    no memory of its own (its data pointer is null) and keeps its values in
+    a tensor it holds. None where no such memory exists: a quantized or
+    packed form, whose alias would be a new tensor, computed (an update of
+    it would be lost)."""
+    if type(x) in PLAIN:
+        return x
+    try:
+        with torch.no_grad():
+            a = torch.ops.aten.alias.default(x)
+        if type(a) not in PLAIN or (a.shape, a.dtype, a.device, a.stride()) != (x.shape, x.dtype, x.device, x.stride()):
+            return None
+        if not a.numel():
+            return a
+        flatten = getattr(x, "__tensor_flatten__", None)
+        holders = [x] if flatten is None else [getattr(x, name) for name in flatten()[0]]
+        where = a.untyped_storage().data_ptr()
+        held = any(h.untyped_storage().data_ptr() == where for h in holders if isinstance(h, torch.Tensor))
+    except (RuntimeError, TypeError, NotImplementedError, AttributeError):  # (a subclass without these: no such memory)
+        return None
+    return a if held and where else None
+
+
+def in_memory(xs):
+    """:func:`memory_of` each of the parameters ``xs`` (checked before the
+    step: DistributedLion.check_params); ``xs`` itself where every one is
+    a plain tensor, the common case, read in C."""
+    if PLAIN.issuperset(map(type, xs)):
+        return xs
+    out = list(map(memory_of, xs))
+    if None in out:
+        raise RuntimeError("lionbit: a parameter's values are not in memory the kernels can update (unchecked)")
+    return out
+
 
 def apply_updates(items, k: Coefs) -> None:
     """:func:`apply_update` of many (p, delta) pairs (p contiguous, of any
@@ -359,6 +403,9 @@ def apply_updates(items, k: Coefs) -> None:
     _, _, _, _, lr, decay = k.values
     cuda = items[0][0].is_cuda
     xs, ds = zip(*items)
+    mem = in_memory(xs)
+    if mem is not xs:  # (a wrapper among them: its tensor of values in its place)
+        xs, items = tuple(mem), list(zip(mem, ds))
     one = ds[0]
     if (
         set(map(type, ds)) == {VotedPlanes}
@@ -392,6 +439,7 @@ def apply_planes(xs, sign, zero, offsets, k: Coefs, starts=None, lengths=None) -
     result planes, each from its Delta's bits at its offset; with ``starts``
     and ``lengths``, elements [start, start + length) of each (flat indices)."""
     _, _, _, _, lr, decay = k.values
+    xs = in_memory(xs)
     if not xs[0].is_cuda:
         _C.lion_apply_planes_list(xs, sign, zero, offsets, lr, decay, starts=starts, lengths=lengths)
         return
@@ -432,6 +480,7 @@ def update_momentum(g, m, k: Coefs, fused: bool, scratch, counts=None) -> None:
 def apply_update(p, delta, k: Coefs, fused: bool) -> None:
     """x = fl(fl(x * decay) - fl(lr * Delta)), in place; ``delta`` a tensor
     or :class:`VotedPlanes`."""
+    p = in_memory([p])[0]
     if isinstance(delta, VotedPlanes):
         if fused and not p.is_cuda:
             _, _, _, _, lr, decay = k.values

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
 from . import _C, ddp, join, kernel_choice, lion_math, momentum_sync as msync, next_momenta, torch_internals
-from .attachment import Attachment, fsdp_loaded
+from .attachment import Attachment, fsdp_loaded, is_dtensor_type
 from .hierarchy import optimizer_hierarchy
 from .voter import Voter
 
@@ -84,6 +84,25 @@ def _check_params(params: Sequence[torch.Tensor], where: str) -> None:
         p = next(p for p in params if not (p.is_cpu or p.is_cuda))
         raise RuntimeError(
             f"DistributedLion.{where}: parameters on {p.device} are not supported (CPU and CUDA are)")
+    if not lion_math.PLAIN.issuperset(map(type, params)):  # (a few types, whatever the tensors)
+        _check_memory(params, where)
+
+
+def _check_memory(params: Sequence[torch.Tensor], where: str) -> None:
+    """Raises where a parameter (a DTensor's local tensor) is a tensor
+    subclass whose values the kernels cannot update in place
+    (lion_math.memory_of: no tensor of its shape and dtype holds them)."""
+    for p in params:
+        local = torch_internals.dtensor_local(p) if is_dtensor_type(type(p)) else p
+        if lion_math.memory_of(local) is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise TypeError(
+                f"DistributedLion.{where} on rank {rank}: a parameter of shape {tuple(p.shape)} is a "
+                f"{type(local).__module__}.{type(local).__qualname__} (a tensor subclass) whose values are not in a "
+                f"tensor of its shape and dtype ({p.dtype}), so DistributedLion cannot update it in place; "
+                f"subclasses that keep their values in a tensor of their own (torchao's float8 training weights) "
+                f"work. A quantized or packed weight is usually frozen: leave it out of the optimizer"
+            )
 
 
 def _fused_dtypes(pdt: torch.dtype, gdt: torch.dtype, mdt: torch.dtype) -> bool:
