@@ -86,6 +86,23 @@ def _check_params(params: Sequence[torch.Tensor], where: str) -> None:
             f"DistributedLion.{where}: parameters on {p.device} are not supported (CPU and CUDA are)")
     if not lion_math.PLAIN.issuperset(map(type, params)):  # (a few types, whatever the tensors)
         _check_memory(params, where)
+    if any(map(torch.is_complex, params)):  # (made complex after the constructor saw them)
+        _refuse_complex(params, where)
+
+
+def _refuse_complex(params: Sequence[torch.Tensor], where: str) -> None:
+    """Raises naming the first complex parameter: Lion's direction is the
+    sign of a real number, and torch's casts to a real dtype would drop the
+    imaginary part without a word."""
+    for i, p in enumerate(params):
+        if isinstance(p, torch.Tensor) and p.is_complex():
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise TypeError(
+                f"DistributedLion ({where}) on rank {rank}: parameter {i} (shape {tuple(p.shape)}) has dtype "
+                f"{p.dtype}; Lion's direction is the sign of a real number, so a complex parameter is not "
+                f"supported (its imaginary part would be lost). Keep it as a real parameter of its real and "
+                f"imaginary parts: nn.Parameter(torch.view_as_real(w)), and torch.view_as_complex(it) in forward"
+            )
 
 
 def _check_memory(params: Sequence[torch.Tensor], where: str) -> None:
@@ -170,6 +187,13 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
         self.voter = Voter(aggregation, bits, tie_break, self, hierarchy)
         self._attachment: Attachment = Attachment(self, group)
         Joinable.__init__(self)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, refusing complex parameters (each group, also those of the constructor)."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        _refuse_complex(params, f"parameter group {len(getattr(self, 'param_groups', []))}")
+        super().add_param_group(param_group)
 
     @property
     def steps_taken(self) -> int:

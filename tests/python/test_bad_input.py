@@ -571,6 +571,25 @@ def case_distributed_lion_inside_zero_redundancy_optimizer(rank, n):
     lionbit.DistributedLion(model.parameters())  # built directly: fine
 
 
+def case_distributed_lion_complex_parameter(rank, n):
+    """A complex parameter (a Fourier layer's weights): refused where the
+    optimizer is built (torch's casts to a real dtype would drop the
+    imaginary part without a word), naming it; made complex afterwards:
+    refused at the step, nothing changed."""
+    import lionbit
+
+    w = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.complex64))
+    _raises(lambda: lionbit.DistributedLion([{"params": [torch.nn.Parameter(torch.ones(2))]}, {"params": [w]}]),
+            r"TypeError: DistributedLion \(parameter group 1\) on rank %d: parameter 0 \(shape \(4, 3\)\) has dtype "
+            r"torch.complex64;.*torch.view_as_real" % rank)
+    p = torch.nn.Parameter(torch.ones(6))
+    opt = lionbit.DistributedLion([p], lr=0.1)
+    p.data = torch.ones(6, dtype=torch.complex64)
+    p.grad = torch.ones(6, dtype=torch.complex64)
+    _raises(opt.step, r"TypeError: DistributedLion \(step\) on rank %d: parameter 0 .* torch.complex64" % rank)
+    assert torch.equal(p.detach(), torch.ones(6, dtype=torch.complex64)) and not opt.state
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
