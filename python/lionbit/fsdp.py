@@ -621,7 +621,7 @@ def _managed(opt, model, cp=None):
                         )
                 if fp.offload_to_cpu:
                     raise NotImplementedError(f"{_WHERE}: CPUOffloadPolicy is not supported (parameter '{name}')")
-                opt.check_param(p, "attach (FSDP2)")  # CPU, or CUDA where this build has the CUDA path
+                opt.check_params([p], "attach (FSDP2)")  # CPU, or CUDA where this build has the CUDA path
                 if len(torch_internals.fsdp2_orig_size(fp)) == 0:
                     raise NotImplementedError(f"{_WHERE}: 0-dim parameter '{name}' is not supported")
                 if p.requires_grad and p not in known:

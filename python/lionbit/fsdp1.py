@@ -939,7 +939,7 @@ def _units(att, opt, model):
         if layout is None:
             continue
         fp = layout.flat_param
-        opt.check_param(fp, "attach (FSDP1)")  # CPU, or CUDA where this build has the CUDA path
+        opt.check_params([fp], "attach (FSDP1)")  # CPU, or CUDA where this build has the CUDA path
         if layout.use_orig_params and layout.params is None:
             raise RuntimeError(
                 f"{_WHERE}: {label}: use_orig_params=True but the FlatParameter keeps no original parameters"

@@ -90,6 +90,17 @@ def _check_params(params: Sequence[torch.Tensor], where: str) -> None:
         _refuse_complex(params, where)
 
 
+def _without_complex(param_group: dict, index: int) -> dict:
+    """``param_group``, checked by :func:`_refuse_complex` (its parameters
+    listed where they came as an iterator, which the check would use up;
+    torch's own checks see the rest as given)."""
+    params = param_group["params"]
+    if not isinstance(params, (torch.Tensor, set, dict)):
+        params = param_group["params"] = list(params)
+    _refuse_complex([params] if isinstance(params, torch.Tensor) else list(params), f"parameter group {index}")
+    return param_group
+
+
 def _refuse_complex(params: Sequence[torch.Tensor], where: str) -> None:
     """Raises naming the first complex parameter: Lion's direction is the
     sign of a real number, and torch's casts to a real dtype would drop the
@@ -190,10 +201,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, refusing complex parameters (each group, also those of the constructor)."""
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        _refuse_complex(params, f"parameter group {len(getattr(self, 'param_groups', []))}")
-        super().add_param_group(param_group)
+        super().add_param_group(_without_complex(param_group, len(getattr(self, "param_groups", []))))
 
     @property
     def steps_taken(self) -> int:
@@ -225,9 +233,6 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
         if not (ok if self.fused is None else self.fused):
             return False
         return kernel_choice.fused_lion_allowed(p.device)
-
-    def check_param(self, p: torch.Tensor, where: str) -> None:
-        self.check_params([p], where)
 
     def check_params(self, params: Sequence[torch.Tensor], where: str) -> None:
         _check_params(params, where)

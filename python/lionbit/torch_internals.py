@@ -53,6 +53,9 @@ NAMES = (
          "the default group, to find its lionbit backend (group=None)"),
     Name("ProcessGroup._get_backend", "the lionbit backend object of a group for a device"),
     Name("ProcessGroup._get_backend_name", "an error naming the backend a group has instead of lionbit"),
+    Name("torch.distributed.distributed_c10d._ProcessGroupWrapper",
+         "TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every backend in it: lionbit's own calls go to the backend inside"),
+    Name("_ProcessGroupWrapper.wrapped_pg", "the backend a debug wrapper checks the collectives of"),
     Name("ProcessGroupNCCL.Options._timeout", "the inner NCCL communicators get the group's timeout"),
     # autograd
     Name("Tensor._version", "whether the user changed p.grad in place between backward() and step()"),
@@ -156,8 +159,17 @@ def default_group() -> dist.ProcessGroup:
 
 
 def backend_object(pg: dist.ProcessGroup, device: torch.device):
-    """The group's backend for the device type; RuntimeError where it has none."""
-    return pg._get_backend(device)
+    """The group's backend for the device type; RuntimeError where it has
+    none. Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps each backend in
+    a ``_ProcessGroupWrapper``, which checks every standard collective
+    against the other ranks' over a Gloo group of its own before it runs:
+    the backend inside it (lionbit's sign calls check themselves, in their
+    header round)."""
+    backend = pg._get_backend(device)
+    wrapper = getattr(dist.distributed_c10d, "_ProcessGroupWrapper", None)
+    if wrapper is not None and isinstance(backend, wrapper):
+        return backend.wrapped_pg
+    return backend
 
 
 def backend_name(pg: dist.ProcessGroup) -> str:

@@ -51,6 +51,55 @@ def test_ddp_without_hook_matches_gloo_bit_for_bit(world_size):
     assert mine[0]["hash"] == ref[0]["hash"], "DDP over lionbit differs from DDP over gloo"
 
 
+def _lion_runs(rank):
+    """DDP + DistributedLion and FSDP2 + DistributedLion, a few steps each with clipping: their parameters' digests."""
+    import lionbit
+    from test_fsdp import LION, _full_params, _loss, _net, _shard
+
+    out = {}
+    for kind in ("ddp", "fsdp2"):
+        model = DDP(_net(), bucket_cap_mb=0.001) if kind == "ddp" else _shard(_net())
+        opt = lionbit.DistributedLion(model.parameters(), **LION)
+        opt.attach(model)
+        for step in range(4):
+            opt.zero_grad()
+            _loss(model, rank, step).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+        h = hashlib.sha256()
+        for p in _full_params(model):
+            h.update(p.detach().numpy().tobytes())
+        out[kind] = h.hexdigest()
+    return out
+
+
+def lion_under_debug_detail(rank, n, store):
+    """A script run with TORCH_DISTRIBUTED_DEBUG=DETAIL (torch reads it when it
+    is imported: these ranks are forked after that, so they read it again)."""
+    import lionbit  # noqa: F401 - registers the backend
+
+    dist.set_debug_level_from_env()
+    dist.init_process_group("lionbit", init_method=f"file://{store}", rank=rank, world_size=n)
+    wrapper = type(dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))).__name__
+    return {"wrapper": wrapper, **_lion_runs(rank)}
+
+
+def lion_plain(rank, n):
+    return _lion_runs(rank)
+
+
+def test_distributed_lion_under_torch_distributed_debug_detail(tmp_path):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL, what a user sets to find a hang, wraps
+    every backend in torch's checking wrapper: DistributedLion refused the
+    wrapped group as not lionbit's. Now its sign calls go to the backend
+    inside, and DDP and FSDP2 train bitwise as without the variable."""
+    detail = values(run_ranks("test_ddp_and_launch:lion_under_debug_detail", 2, backend=None,
+                              env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, kwargs={"store": str(tmp_path / "store")}))
+    plain = values(run_ranks("test_ddp_and_launch:lion_plain", 2))
+    assert {d.pop("wrapper") for d in detail} == {"_ProcessGroupWrapper"}
+    assert detail == plain and len({d["ddp"] for d in plain}) == 1
+
+
 TORCHRUN_WORKER = os.path.join(HERE, "torchrun_worker.py")
 
 

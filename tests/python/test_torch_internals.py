@@ -158,6 +158,24 @@ def probe(rank, world_size):
     gloo = dist.new_group(backend="gloo")  # (every rank, in the same order)
     check("ProcessGroup._get_backend_name", lambda: ti.backend_name(gloo) == "gloo")
 
+    wrapped = []
+
+    def debug_wrapped():  # a lionbit group made under TORCH_DISTRIBUTED_DEBUG=DETAIL: torch wraps its backend
+        if not wrapped:
+            level = dist.get_debug_level()
+            dist.set_debug_level(dist.DebugLevel.DETAIL)
+            try:
+                g = dist.new_group(backend="lionbit")  # (every rank, in the same order)
+            finally:
+                dist.set_debug_level(level)
+            raw = g._get_backend(cpu)
+            wrapped.append(isinstance(raw, dist.distributed_c10d._ProcessGroupWrapper)
+                           and isinstance(ti.backend_object(g, cpu), lionbit._C.LionBitBackend))
+        return wrapped[0]
+
+    check("torch.distributed.distributed_c10d._ProcessGroupWrapper", debug_wrapped)
+    check("_ProcessGroupWrapper.wrapped_pg", debug_wrapped)
+
     def nccl_timeout():
         if not hasattr(dist, "ProcessGroupNCCL"):
             raise Skip("this torch has no NCCL")
