@@ -241,6 +241,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
     #: torch.amp.GradScaler hands this optimizer the step (and itself).
     _step_supports_amp_scaling = True
 
+    @torch.compiler.disable  # torch.compile(opt.step) runs it as it is: its work is C++ kernels and collectives
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
         """One Lion step from the gradients as they stand now (after any clipping or unscaling).
