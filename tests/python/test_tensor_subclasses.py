@@ -106,38 +106,39 @@ def _wrap_weights(model, cls=CastOnUse):
 
 
 def _values(t) -> np.ndarray:
-    t = t.detach()
+    t = t.detach().cpu()
     inner = getattr(t, "_t", None) if isinstance(t, CastOnUse) else getattr(t, "_tensor", None)
     return (t if inner is None else inner).numpy()
 
 
 def _local_grads(plain, x, rank, step):
-    """This rank's gradient of the plain model at the reference's parameters x."""
+    """This rank's gradient of the plain model at the reference's parameters x
+    (on the plain model's device, whose kernels the wrapped model's use)."""
     with torch.no_grad():
         for p, v in zip(plain.parameters(), x):
             p.copy_(torch.from_numpy(v))
     plain.zero_grad()
     _loss(plain, rank, step).backward()
     torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM)
-    return [p.grad.numpy().copy() for p in plain.parameters()]
+    return [p.grad.cpu().numpy().copy() for p in plain.parameters()]
 
 
-def train_wrapped(rank, world_size, kind):
+def train_wrapped(rank, world_size, kind, device="cpu"):
     """A user's loop (zero_grad, backward, per-rank clipping, step) over the
     wrapped model under ``kind``, each step bitwise against the reference."""
     import lionbit
 
-    model = _wrap_weights(_net())
+    model = _wrap_weights(_net().to(device))
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model)
     elif kind == "fsdp2":
-        model = _shard(model)
+        model = _shard(model, device=None if device == "cpu" else device)
     opt = lionbit.DistributedLion(model.parameters(), **LION)
     if kind != "module":
         opt.attach(model)
-    plain = _net()
+    plain = _net().to(device)
     ref = ReferenceLion(list(plain.parameters()), world_size, LION["lr"], LION["betas"], LION["weight_decay"], "vote")
     same = []
     for step in range(STEPS):
@@ -151,7 +152,7 @@ def train_wrapped(rank, world_size, kind):
         same.append([bool(np.array_equal(_values(p), x)) for p, x in zip(_full_params(model), ref.x)])
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     return {"same": same, "wrapped": sum(isinstance(t, CastOnUse) for t in local),
-            "moved": float(sum((p - q).abs().sum() for p, q in zip(_full_params(model), _net().parameters())))}
+            "moved": float(sum((p.cpu() - q).abs().sum() for p, q in zip(_full_params(model), _net().parameters())))}
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +167,18 @@ def test_wrapped_weights_train_as_the_reference_bitwise(wrapped_runs, kind):
         assert all(all(step) for step in r["same"]), (kind, r["same"])
         assert r["wrapped"] == 3, r  # the three linear weights are wrappers still, after every step
         assert r["moved"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("kind", ["module", "ddp", "fsdp2"])
+def test_wrapped_weights_train_as_the_reference_bitwise_on_a_gpu(kind):
+    """The same on CUDA tensors (2 ranks on one GPU over the Gloo transport):
+    the GPU's list kernels update the tensors the wrappers hold."""
+    res = values(run_ranks("test_tensor_subclasses:train_wrapped", 2, kwargs={"kind": kind, "device": "cuda"},
+                           env={"LIONBIT_CUDA_TRANSPORT": "gloo"}))
+    for r in res:
+        assert all(all(step) for step in r["same"]) and r["wrapped"] == 3 and r["moved"] > 0, (kind, r)
 
 
 def packed_refused(rank, world_size, kind):
