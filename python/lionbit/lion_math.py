@@ -352,11 +352,13 @@ _sign, _offset = attrgetter("sign"), attrgetter("offset")
 
 #: The tensor types whose memory the kernels write as it is.
 PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+_NO_DISPATCH = torch.Tensor.__torch_dispatch__  # (a subclass that overrides it may keep no memory of its own)
 
 
 def memory_of(x: torch.Tensor):
-    """x itself where it is a plain tensor; else (a tensor subclass) a plain
-    view of the memory that holds its values, what its own in-place ops
+    """x itself where it is a plain tensor or a subclass that leaves torch's
+    dispatch alone (its memory is its own); else a plain view of the memory
+    that holds its values, what its own in-place ops
     change: its ``aten.alias``, provided that is of x's shape, dtype and
     strides and lies in x's own memory or in a tensor x holds (its
     ``__tensor_flatten__`` names them): a wrapper that casts on use, such as
@@ -365,8 +367,8 @@ def memory_of(x: torch.Tensor):
     a tensor it holds. None where no such memory exists: a quantized or
     packed form, whose alias would be a new tensor, computed (an update of
     it would be lost)."""
-    if type(x) in PLAIN:
-        return x
+    if type(x) in PLAIN or type(x).__torch_dispatch__ is _NO_DISPATCH:  # (a subclass of torch functions alone:
+        return x  # its own memory, as a Parameter's)
     try:
         with torch.no_grad():
             a = torch.ops.aten.alias.default(x)

@@ -101,6 +101,22 @@ def _without_complex(param_group: dict, index: int) -> dict:
     return param_group
 
 
+_STEP_OPAQUE = []  # [True] once DistributedLion.step is wrapped by torch.compiler.disable
+
+
+def _step_run_as_it_is_under_compile() -> None:
+    """``torch.compile(opt.step)`` (torch's recipe for a faster optimizer
+    step) runs DistributedLion's step as it is: its work is C++ kernels and
+    collectives, and Dynamo tracing into it stops at the process group (an
+    opaque object). Done at the first construction, not at import:
+    torch.compiler imports Dynamo, with sympy, FSDP and DTensor, seconds
+    that every ``import torch`` would pay (it imports lionbit); torch's
+    Optimizer imports it anyway."""
+    if not _STEP_OPAQUE:
+        DistributedLion.step = torch.compiler.disable(DistributedLion.step)
+        _STEP_OPAQUE.append(True)
+
+
 def _refuse_complex(params: Sequence[torch.Tensor], where: str) -> None:
     """Raises naming the first complex parameter: Lion's direction is the
     sign of a real number, and torch's casts to a real dtype would drop the
@@ -185,6 +201,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
                  momentum_sync_dtype: torch.dtype = torch.bfloat16, hierarchy: str = "flat", topology=None,
                  double_buffer: bool = False):
         _refuse_zero_redundancy()
+        _step_run_as_it_is_under_compile()
         bits = _checked_bits(lr, betas, weight_decay, aggregation, bits, tie_break, momentum_dtype)
         self.hierarchy = optimizer_hierarchy(hierarchy, aggregation, group, topology)
         self.momentum_sync, self._sync = momentum_sync, msync.schedule(momentum_sync, momentum_sync_dtype)
@@ -241,7 +258,6 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
     #: torch.amp.GradScaler hands this optimizer the step (and itself).
     _step_supports_amp_scaling = True
 
-    @torch.compiler.disable  # torch.compile(opt.step) runs it as it is: its work is C++ kernels and collectives
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
         """One Lion step from the gradients as they stand now (after any clipping or unscaling).
