@@ -357,11 +357,11 @@ _NO_DISPATCH = torch.Tensor.__torch_dispatch__  # (a subclass that overrides it 
 
 def memory_of(x: torch.Tensor):
     """x itself where it is a plain tensor or a subclass that leaves torch's
-    dispatch alone (its memory is its own); else a plain view of the memory
-    that holds its values, what its own in-place ops
-    change: its ``aten.alias``, provided that is of x's shape, dtype and
-    strides and lies in x's own memory or in a tensor x holds (its
-    ``__tensor_flatten__`` names them): a wrapper that casts on use, such as
+    dispatch alone (its memory is its own). Else a plain view of the memory
+    that holds its values, what its own in-place ops change: its
+    ``aten.alias``, provided that is of x's shape, dtype and strides and
+    lies in x's own memory or in a tensor x holds (its
+    ``__tensor_flatten__`` names them). A wrapper that casts on use, such as
     torchao's float8 training weights (which FSDP2 shards as they are), has
     no memory of its own (its data pointer is null) and keeps its values in
     a tensor it holds. None where no such memory exists: a quantized or
