@@ -57,14 +57,15 @@ def _detail_kinds() -> tuple:
     return ("ddp", "fsdp2") if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 12) else ("ddp",)
 
 
-def _lion_runs(rank):
+def _lion_runs(rank, device="cpu"):
     """DDP + DistributedLion and FSDP2 + DistributedLion, a few steps each with clipping: their parameters' digests."""
     import lionbit
     from test_fsdp import LION, _full_params, _loss, _net, _shard
 
     out = {}
     for kind in _detail_kinds():
-        model = DDP(_net(), bucket_cap_mb=0.001) if kind == "ddp" else _shard(_net())
+        model = (DDP(_net().to(device), bucket_cap_mb=0.001) if kind == "ddp"
+                 else _shard(_net(), device=None if device == "cpu" else device))
         opt = lionbit.DistributedLion(model.parameters(), **LION)
         opt.attach(model)
         for step in range(4):
@@ -74,24 +75,24 @@ def _lion_runs(rank):
             opt.step()
         h = hashlib.sha256()
         for p in _full_params(model):
-            h.update(p.detach().numpy().tobytes())
+            h.update(p.detach().cpu().numpy().tobytes())
         out[kind] = h.hexdigest()
     return out
 
 
-def lion_under_debug_detail(rank, n, store):
+def lion_under_debug_detail(rank, n, store, device="cpu"):
     """A script run with TORCH_DISTRIBUTED_DEBUG=DETAIL (torch reads it when it
     is imported: these ranks are forked after that, so they read it again)."""
     import lionbit  # noqa: F401 - registers the backend
 
     dist.set_debug_level_from_env()
     dist.init_process_group("lionbit", init_method=f"file://{store}", rank=rank, world_size=n)
-    wrapper = type(dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))).__name__
-    return {"wrapper": wrapper, **_lion_runs(rank)}
+    wrapper = type(dist.distributed_c10d._get_default_group()._get_backend(torch.device(device))).__name__
+    return {"wrapper": wrapper, **_lion_runs(rank, device)}
 
 
-def lion_plain(rank, n):
-    return _lion_runs(rank)
+def lion_plain(rank, n, device="cpu"):
+    return _lion_runs(rank, device)
 
 
 def test_distributed_lion_under_torch_distributed_debug_detail(tmp_path):
@@ -102,6 +103,19 @@ def test_distributed_lion_under_torch_distributed_debug_detail(tmp_path):
     detail = values(run_ranks("test_ddp_and_launch:lion_under_debug_detail", 2, backend=None,
                               env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, kwargs={"store": str(tmp_path / "store")}))
     plain = values(run_ranks("test_ddp_and_launch:lion_plain", 2))
+    assert {d.pop("wrapper") for d in detail} == {"_ProcessGroupWrapper"}
+    assert detail == plain and len({d["ddp"] for d in plain}) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_distributed_lion_under_torch_distributed_debug_detail_on_a_gpu(tmp_path):
+    """The same on CUDA tensors: 2 ranks on one GPU over the Gloo transport."""
+    gloo = {"LIONBIT_CUDA_TRANSPORT": "gloo"}
+    detail = values(run_ranks("test_ddp_and_launch:lion_under_debug_detail", 2, backend=None,
+                              env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL", **gloo},
+                              kwargs={"store": str(tmp_path / "store"), "device": "cuda"}))
+    plain = values(run_ranks("test_ddp_and_launch:lion_plain", 2, env=gloo, kwargs={"device": "cuda"}))
     assert {d.pop("wrapper") for d in detail} == {"_ProcessGroupWrapper"}
     assert detail == plain and len({d["ddp"] for d in plain}) == 1
 
