@@ -121,6 +121,7 @@ class DDPAttachment(Attachment):
                 f"DDP would vote them with no momentum or hyperparameters"
             )
         backend_for(self.group, next(model.parameters()).device, "attach")  # a lionbit group, or a clear error
+        opt.check_params([p for p in model.module.parameters() if p.requires_grad], "attach (DDP)")
         slot = _slots.get(model)
         if slot is not None and slot.attachment is not None:
             raise RuntimeError(

@@ -183,8 +183,8 @@ def test_wrapped_weights_train_as_the_reference_bitwise_on_a_gpu(kind):
 
 def packed_refused(rank, world_size, kind):
     """A weight whose values no tensor of its dtype holds: refused on every
-    rank, at attach() or the first step, with nothing changed; the sign
-    collective refuses a wrapper too."""
+    rank, at attach() (DDP) or the first step (a plain module), with nothing
+    changed; the sign collective refuses a wrapper too."""
     import lionbit
 
     out = {}
@@ -196,9 +196,12 @@ def packed_refused(rank, world_size, kind):
     opt = lionbit.DistributedLion(model.parameters(), **LION)
     before = [p.detach().clone() for p in model.parameters()]
     try:
+        out["where"] = "attach"
         if kind != "module":
             opt.attach(model)
+        out["where"] = "backward"
         _loss(model, rank, 0).backward()
+        out["where"] = "step"
         opt.step()
         out["error"] = None
     except TypeError as e:
@@ -217,7 +220,7 @@ def packed_refused(rank, world_size, kind):
 @pytest.mark.parametrize("kind", ["module", "ddp"])
 def test_a_subclass_without_its_values_in_memory_is_refused_naming_it(kind):
     for rank, r in enumerate(values(run_ranks("test_tensor_subclasses:packed_refused", 2, kwargs={"kind": kind}))):
-        assert r["error"] is not None, r
+        assert r["error"] is not None and r["where"] == ("step" if kind == "module" else "attach"), r
         assert f"on rank {rank}" in r["error"] and "test_tensor_subclasses.Packed" in r["error"], r["error"]
         assert "shape (33, 12)" in r["error"] and "cannot update it in place" in r["error"], r["error"]
         assert r["unchanged"] and r["no_momentum"], r
