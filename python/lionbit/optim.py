@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
-from . import _C, ddp, join, kernel_choice, lion_math, momentum_sync as msync, next_momenta, torch_internals
+from . import _C, ddp, join, kernel_choice, lion_math, momentum_sync as msync, next_momenta, step_vote, torch_internals
 from .attachment import Attachment, fsdp_loaded, is_dtensor_type
 from .hierarchy import optimizer_hierarchy
 from .voter import Voter
@@ -97,7 +97,7 @@ def _without_complex(param_group: dict, index: int) -> dict:
     params = param_group["params"]
     if not isinstance(params, (torch.Tensor, set, dict)):
         params = param_group["params"] = list(params)
-    _refuse_complex([params] if isinstance(params, torch.Tensor) else list(params), f"parameter group {index}")
+    _refuse_complex([params] if isinstance(params, torch.Tensor) else params, f"parameter group {index}")
     return param_group
 
 
@@ -123,10 +123,9 @@ def _refuse_complex(params: Sequence[torch.Tensor], where: str) -> None:
     imaginary part without a word."""
     for i, p in enumerate(params):
         if isinstance(p, torch.Tensor) and p.is_complex():
-            rank = dist.get_rank() if dist.is_initialized() else 0
             raise TypeError(
-                f"DistributedLion ({where}) on rank {rank}: parameter {i} (shape {tuple(p.shape)}) has dtype "
-                f"{p.dtype}; Lion's direction is the sign of a real number, so a complex parameter is not "
+                f"DistributedLion ({where}) on rank {step_vote.rank_of()}: parameter {i} (shape {tuple(p.shape)}) has "
+                f"dtype {p.dtype}; Lion's direction is the sign of a real number, so a complex parameter is not "
                 f"supported (its imaginary part would be lost). Keep it as a real parameter of its real and "
                 f"imaginary parts: nn.Parameter(torch.view_as_real(w)), and torch.view_as_complex(it) in forward"
             )
@@ -139,9 +138,8 @@ def _check_memory(params: Sequence[torch.Tensor], where: str) -> None:
     for p in params:
         local = torch_internals.dtensor_local(p) if is_dtensor_type(type(p)) else p
         if lion_math.memory_of(local) is None:
-            rank = dist.get_rank() if dist.is_initialized() else 0
             raise TypeError(
-                f"DistributedLion.{where} on rank {rank}: a parameter of shape {tuple(p.shape)} is a "
+                f"DistributedLion.{where} on rank {step_vote.rank_of()}: a parameter of shape {tuple(p.shape)} is a "
                 f"{type(local).__module__}.{type(local).__qualname__} (a tensor subclass) whose values are not in a "
                 f"tensor of its shape and dtype ({p.dtype}), so DistributedLion cannot update it in place; "
                 f"subclasses that keep their values in a tensor of their own (torchao's float8 training weights) "

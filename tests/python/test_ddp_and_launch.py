@@ -54,13 +54,15 @@ def test_ddp_without_hook_matches_gloo_bit_for_bit(world_size):
 def _detail_kinds() -> tuple:
     """torch 2.11's debug wrapper has no allgather_into_tensor_coalesced, which
     DTensor's full_tensor() calls (over Gloo too): FSDP2 under DETAIL from 2.12."""
-    return ("ddp", "fsdp2") if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 12) else ("ddp",)
+    from test_forwarded import _TORCH_2_11
+
+    return ("ddp",) if _TORCH_2_11 else ("ddp", "fsdp2")
 
 
 def _lion_runs(rank, device="cpu"):
     """DDP + DistributedLion and FSDP2 + DistributedLion, a few steps each with clipping: their parameters' digests."""
     import lionbit
-    from test_fsdp import LION, _full_params, _loss, _net, _shard
+    from test_fsdp import LION, _digest, _full_params, _loss, _net, _shard
 
     out = {}
     for kind in _detail_kinds():
@@ -73,10 +75,7 @@ def _lion_runs(rank, device="cpu"):
             _loss(model, rank, step).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
-        h = hashlib.sha256()
-        for p in _full_params(model):
-            h.update(p.detach().cpu().numpy().tobytes())
-        out[kind] = h.hexdigest()
+        out[kind] = _digest(_full_params(model))
     return out
 
 
