@@ -112,7 +112,9 @@ class Runner:
         """Runs the (name, cmd, timeout) jobs at the same time, each logged to logs/<name>.log;
         returns [(rc, output)] in their order (rc 124: stopped at its time limit)."""
         # A segfault prints the Python stack of every thread (the first GPU run's crashed silently).
+        # The caller's PYTEST_ADDOPTS is left out: its -q would hide the test ids the steps read.
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", **(env or {}))
+        full_env.pop("PYTEST_ADDOPTS", None)
         t0 = time.monotonic()
         running = []
         for name, cmd, timeout in jobs:

@@ -107,9 +107,10 @@ def test_gpu_check_runs_every_file_with_a_gpu_test():
     not a list that a new GPU twin can miss (test_fsdp_plan's and
     test_fsdp1_plan's once were)."""
     files = _gpu_check_module().gpu_test_files()
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # `make test PYTEST_ADDOPTS=-q`: -qq
     r = subprocess.run([sys.executable, "-m", "pytest", os.path.join("tests", "python"), "-m", "gpu",
                         "--collect-only", "-q", "-p", "no:cacheprovider"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     marked = sorted({line.split("::")[0] for line in r.stdout.splitlines() if "::" in line})
     assert marked and files == marked, (files, marked, r.stdout[-2000:])
     for twin in ("test_fsdp_plan.py", "test_fsdp1_plan.py", "test_step_plan.py", "test_examples.py"):
