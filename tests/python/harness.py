@@ -500,10 +500,14 @@ def _write(path: str, rec: dict) -> None:
 
 
 def _worker(spec: dict) -> int:
+    import faulthandler
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    # A rank that dies of SIGSEGV, SIGBUS or SIGABRT prints every thread's Python stack to its log, which
+    # the test's report shows (a torch 2.11 run once lost a rank to SIGSEGV with nothing to go on).
+    faulthandler.enable()
     rank, n = spec["rank"], spec["world_size"]
     out = lambda k: os.path.join(spec["workdir"], f"case{k}.rank{rank}.json")  # noqa: E731
     # Every rank has imported torch before any makes the group: on a busy

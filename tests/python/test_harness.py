@@ -2,8 +2,9 @@
 rank that dies fails its case at once, with its exit status and what a
 sanitizer wrote about it, not at the deadline with empty output; a rank's
 error reaches the failure's message even after an earlier case on the same
-ranks redirected sys.stderr; a pool whose ranks hold too many process groups
-ends, so that their Gloo I/O threads stop waking."""
+ranks redirected sys.stderr; a rank killed by SIGSEGV shows its Python stack;
+a pool whose ranks hold too many process groups ends, so that their Gloo I/O
+threads stop waking."""
 
 import os
 import sys
@@ -42,6 +43,27 @@ def test_a_pooled_rank_that_dies_fails_the_case_at_once_with_its_report(tmp_path
     assert "--- rank 1 (exit 1) ---" in msg, msg
     assert "AddressSanitizer: heap-use-after-free (written by the test)" in msg, msg
     assert msg.count("AddressSanitizer") == 1, msg  # only the rank it is about
+
+
+def segfault_on_rank_1(rank, world_size):
+    """Rank 1 dies of SIGSEGV (a read of address 0), as a fault in native
+    code kills a rank; its peers wait for it in a barrier."""
+    if rank == 1:
+        import ctypes
+
+        ctypes.string_at(0)
+    dist.barrier()
+    return rank
+
+
+def test_a_rank_that_segfaults_shows_its_python_stack():
+    """faulthandler in every rank: the report says where it died, not only
+    its exit status."""
+    with pytest.raises(RanksFailed) as err:
+        run_ranks("test_harness:segfault_on_rank_1", 2, timeout=240, pool="harness-segfault")
+    msg = str(err.value)
+    assert "Fatal Python error: Segmentation fault" in msg, msg
+    assert "in segfault_on_rank_1" in msg, msg
 
 
 def swallow_stderr(rank, world_size):
