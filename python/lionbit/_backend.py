@@ -1,6 +1,7 @@
 """Registration of the "lionbit" backend and the Python face of its collectives."""
 
 import os
+import warnings
 import weakref
 from datetime import timedelta
 from typing import List, Optional
@@ -137,12 +138,46 @@ for _name, _fill in (("all_reduce_sign", _all_reduce_sign), ("all_reduce_sign_pa
 del _name, _fill
 
 
+def _outside(group) -> bool:
+    """True on a rank that ``new_group(ranks=...)`` left out: torch hands it
+    ``GroupMember.NON_GROUP_MEMBER`` (an int) in place of a group."""
+    return isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER
+
+
+def check_group(group, what: str) -> None:
+    """``group`` as lionbit takes it: None (the default group) or a
+    ProcessGroup that this rank is in; else a clear error naming the rank."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if _outside(group):
+        raise ValueError(
+            f"lionbit.{what} on rank {rank}: argument 'group': this rank is not in the group "
+            f"(new_group(ranks=...) returned GroupMember.NON_GROUP_MEMBER on it); use the group on its ranks only"
+        )
+    raise TypeError(
+        f"lionbit.{what} on rank {rank}: argument 'group' must be a torch.distributed.ProcessGroup or None, "
+        f"not {type(group).__name__}"
+    )
+
+
+def _skipped_outside(group, what: str) -> bool:
+    """A collective called on a rank outside ``group`` does nothing there and
+    warns, as torch.distributed's collectives do."""
+    if not _outside(group):
+        return False
+    warnings.warn(f"lionbit.{what} on global rank {dist.get_rank()}, which is not in the given group: nothing done "
+                  f"here (as torch.distributed's collectives)", stacklevel=3)
+    return True
+
+
 def backend_for(group: Optional[dist.ProcessGroup], device: torch.device, what: str):
     if not dist.is_initialized():
         raise RuntimeError(
             f"lionbit.{what}: the default process group is not initialized; call "
             f"torch.distributed.init_process_group('lionbit') first"
         )
+    check_group(group, what)
     pg = group if group is not None else torch_internals.default_group()
     where = f"lionbit.{what} on rank {dist.get_rank()}"
     try:
@@ -157,10 +192,19 @@ def backend_for(group: Optional[dist.ProcessGroup], device: torch.device, what: 
     if not isinstance(backend, _C.LionBitBackend):
         raise RuntimeError(
             f"{where}: the group's backend for device type '{device.type}' is "
-            f"'{torch_internals.backend_name(pg)}', not lionbit; create the group with "
+            f"'{_name_of(backend, pg)}', not lionbit; create the group with "
             f"init_process_group('lionbit') or new_group(backend='lionbit')"
         )
     return backend
+
+
+def _name_of(backend, pg) -> str:
+    """The backend's own name ("gloo"); a group with a backend a device type
+    ("cpu:gloo,cuda:lionbit") calls itself "custom"."""
+    try:
+        return str(backend.name())
+    except (AttributeError, RuntimeError, TypeError):
+        return torch_internals.backend_name(pg)
 
 
 def all_reduce_sign(
@@ -204,7 +248,9 @@ def all_reduce_sign(
     ``topology``, a :class:`lionbit.Topology`, or detected).
 
     Returns a ``Work`` when ``async_op`` is true (``wait()``, ``get_future()``),
-    else None once the result is written. NaN input raises on every rank.
+    else None once the result is written. NaN input raises on every rank. On a
+    rank outside ``group`` it does nothing, warns and returns None, as
+    torch.distributed's collectives do.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(
@@ -216,6 +262,8 @@ def all_reduce_sign(
             f"lionbit.all_reduce_sign: argument 'op' must be a str ('vote', 'avg' or 'sum'), "
             f"not {type(op).__name__}"
         )
+    if _skipped_outside(group, "all_reduce_sign"):
+        return None
     backend = backend_for(group, tensor.device, "all_reduce_sign")
     if tie_seed is not None and (isinstance(tie_seed, bool) or not isinstance(tie_seed, int) or tie_seed < 0):
         raise ValueError(f"lionbit.all_reduce_sign: argument 'tie_seed' must be an int >= 0 or None, got {tie_seed!r}")
@@ -268,6 +316,8 @@ def reduce_scatter_sign(
     for name, t in (("output", output), ("input", input)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"lionbit.reduce_scatter_sign: argument '{name}' must be a torch.Tensor")
+    if _skipped_outside(group, "reduce_scatter_sign"):
+        return None
     backend = backend_for(group, output.device, "reduce_scatter_sign")
     if not isinstance(hierarchy, str):
         raise TypeError(

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
 from . import _C, ddp, join, kernel_choice, lion_math, momentum_sync as msync, next_momenta, step_vote, torch_internals
+from ._backend import check_group
 from .attachment import Attachment, fsdp_loaded, is_dtensor_type
 from .hierarchy import optimizer_hierarchy
 from .voter import Voter
@@ -34,8 +35,9 @@ from .voter import Voter
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
 
-def _checked_bits(lr, betas, weight_decay, aggregation, bits, tie_break, momentum_dtype) -> Optional[int]:
+def _checked_arguments(lr, betas, weight_decay, aggregation, bits, tie_break, momentum_dtype, group) -> Optional[int]:
     """Checks the constructor's arguments; returns ``bits`` with its default."""
+    check_group(group, "DistributedLion")
     def bad(name, want, got):
         raise ValueError(f"DistributedLion: argument '{name}' must be {want}, got {got}")
 
@@ -200,7 +202,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
                  double_buffer: bool = False):
         _refuse_zero_redundancy()
         _step_run_as_it_is_under_compile()
-        bits = _checked_bits(lr, betas, weight_decay, aggregation, bits, tie_break, momentum_dtype)
+        bits = _checked_arguments(lr, betas, weight_decay, aggregation, bits, tie_break, momentum_dtype, group)
         self.hierarchy = optimizer_hierarchy(hierarchy, aggregation, group, topology)
         self.momentum_sync, self._sync = momentum_sync, msync.schedule(momentum_sync, momentum_sync_dtype)
         # "step": the steps applied (skipped ones not counted), kept in every

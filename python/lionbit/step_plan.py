@@ -16,21 +16,23 @@ The plan covers the common step: every tensor served by the fused list
 kernels, contiguous, on one device, voted (aggregation "vote", flat) into
 planes. It is made from a step that the general path took, and dropped for
 any step it does not describe: a gradient missing or present where it was
-not, a non-contiguous gradient, other dtypes, another parameter list or
-group, a momentum that is not the one it holds, another choice of kernels;
+not, a non-contiguous gradient or parameter (``p.data`` replaced, a
+``channels_last`` conversion), other dtypes or devices, another parameter
+list or group, a momentum that is not the one it holds, another choice of kernels;
 that step takes the general path, and the next is planned again. Both paths
 run the same kernels on the same tensors: bit for bit the same step.
 """
 
 from itertools import compress, repeat
-from operator import attrgetter, is_, is_not, methodcaller
+from operator import attrgetter, eq, is_, is_not, methodcaller
 from typing import Callable, List, Optional
 
 import torch
 
 from . import kernel_choice, lion_math, next_momenta, step_vote
 
-_grad, _dtype, _contiguous = attrgetter("grad"), attrgetter("dtype"), methodcaller("is_contiguous")
+_grad, _dtype, _device = attrgetter("grad"), attrgetter("dtype"), attrgetter("device")
+_contiguous = methodcaller("is_contiguous")
 _exp_avg = methodcaller("get", "exp_avg")  # (of a parameter's state; None where it has none)
 
 
@@ -115,6 +117,8 @@ class _Layout:
                 return None
             gs += compress(mine, mask)
         if (not all(map(_contiguous, gs)) or tuple(map(_dtype, gs)) != self.dtypes
+                or not all(map(_contiguous, self.params)) or tuple(map(_dtype, self.params)) != self.dtypes
+                or not all(map(eq, map(_device, self.params), repeat(self.device)))
                 or not all(map(is_, map(_exp_avg, map(opt.state.get, self.params, repeat({}))), self.momenta))
                 or _config(opt, self.device, group) != self.config):
             return None

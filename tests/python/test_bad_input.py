@@ -530,6 +530,52 @@ def case_group_of_another_backend(rank, n):
     dist.destroy_process_group(g)
 
 
+def case_rank_outside_the_group(rank, n):
+    """new_group(ranks=[0, 1]) hands rank 2 GroupMember.NON_GROUP_MEMBER (an
+    int): there the collectives do nothing and warn, as torch.distributed's
+    do; the optimizer and stats refuse it by name. Ranks 0 and 1 vote."""
+    import warnings
+
+    import lionbit
+
+    g = dist.new_group(ranks=[0, 1], backend="lionbit")
+    x = torch.full((70,), 1.0 if rank == 0 else -1.0)
+    if rank < 2:
+        lionbit.all_reduce_sign(x, "sum", group=g)
+        assert torch.equal(x, torch.zeros(70))
+    else:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert lionbit.all_reduce_sign(x, "sum", group=g, async_op=True) is None
+            assert lionbit.reduce_scatter_sign(torch.empty(3), torch.ones(6), group=g) is None
+        assert torch.equal(x, torch.full((70,), -1.0)), "changed on a rank outside the group"
+        texts = [str(w.message) for w in seen]
+        assert len(texts) == 2 and all("on global rank 2, which is not in the given group" in t for t in texts), texts
+        _raises(lambda: lionbit.DistributedLion([torch.nn.Parameter(torch.ones(3))], group=g),
+                r"ValueError: lionbit.DistributedLion on rank 2: argument 'group': this rank is not in the group "
+                r"\(new_group\(ranks=...\) returned GroupMember.NON_GROUP_MEMBER on it\)")
+        _raises(lambda: lionbit.stats(g), r"ValueError: lionbit.stats on rank 2: argument 'group': this rank is not")
+    _raises(lambda: lionbit.all_reduce_sign(x, group="dp"),
+            r"TypeError: lionbit.all_reduce_sign on rank %d: argument 'group' must be a "
+            r"torch.distributed.ProcessGroup or None, not str" % rank)
+    dist.barrier()
+    if rank < 2:
+        dist.destroy_process_group(g)
+
+
+def case_group_with_a_backend_per_device(rank, n):
+    """A group made "cpu:gloo,cuda:lionbit" calls itself "custom"; the
+    error names the CPU's backend, gloo."""
+    import lionbit
+
+    g = dist.new_group(backend="cpu:gloo,cuda:lionbit")
+    _raises(lambda: lionbit.all_reduce_sign(torch.ones(3), group=g),
+            r"RuntimeError: lionbit.all_reduce_sign on rank \d: the group's backend for device type 'cpu' is 'gloo', "
+            r"not lionbit")
+    dist.barrier(group=g)
+    dist.destroy_process_group(g)
+
+
 def case_wait_timeout(rank, n):
     import lionbit
 
