@@ -32,7 +32,7 @@ import torch
 from . import kernel_choice, lion_math, next_momenta, step_vote
 
 _grad, _dtype, _device = attrgetter("grad"), attrgetter("dtype"), attrgetter("device")
-_contiguous = methodcaller("is_contiguous")
+_contiguous, _numel = methodcaller("is_contiguous"), methodcaller("numel")
 _exp_avg = methodcaller("get", "exp_avg")  # (of a parameter's state; None where it has none)
 
 
@@ -117,6 +117,7 @@ class _Layout:
                 return None
             gs += compress(mine, mask)
         if (not all(map(_contiguous, gs)) or tuple(map(_dtype, gs)) != self.dtypes
+                or list(map(_numel, gs)) != self.sizes
                 or not all(map(_contiguous, self.params)) or tuple(map(_dtype, self.params)) != self.dtypes
                 or not all(map(eq, map(_device, self.params), repeat(self.device)))
                 or not all(map(is_, map(_exp_avg, map(opt.state.get, self.params, repeat({}))), self.momenta))

@@ -387,15 +387,33 @@ def step_entries(opt, params_groups, skip=frozenset()) -> List[Entry]:
     a tensor."""
     entries = []
     verdicts = fused_verdicts(opt)  # LIONBIT_KERNELS and the first-use checks, once a kind of pair
-    for group in params_groups:
+    for index, group in enumerate(params_groups):
         params = [p for p in group["params"] if p.grad is not None and not (skip and p in skip)]
         if not params:
             continue
         opt.check_params(params, "step")
         grads = [g if g.is_contiguous() else g.contiguous() for g in map(_column["grad"], params)]
-        entries += map(Entry, params, grads, map(opt.momentum_of, params), repeat(lion_math.Coefs(group)),
-                       verdicts.many(params, grads))
+        momenta = list(map(opt.momentum_of, params))
+        if list(map(_numel, momenta)) != list(map(_numel, params)):
+            _refuse_stale_momentum(group, index, params, momenta)
+        entries += map(Entry, params, grads, momenta, repeat(lion_math.Coefs(group)), verdicts.many(params, grads))
     return entries
+
+
+_numel = methodcaller("numel")
+
+
+def _refuse_stale_momentum(group: dict, index: int, params, momenta) -> None:
+    """A momentum of another size than its parameter's: a clear error before anything changed."""
+    p, m = next((p, m) for p, m in zip(params, momenta) if p.numel() != m.numel())
+    at = next(i for i, q in enumerate(group["params"]) if q is p)
+    raise ValueError(
+        f"DistributedLion.step on rank {rank_of()}: parameter {at} of parameter group {index} (shape "
+        f"{tuple(p.shape)}) has {p.numel()} elements, its momentum ('exp_avg') {m.numel()}: the parameter was "
+        f"replaced by one of another size after its momentum was made (p.data = ..., a resized embedding), or "
+        f"another model's state dict was loaded. Start its momentum again (opt.state[p] = {{}}) on every rank; "
+        f"nothing was changed"
+    )
 
 
 def rank_of() -> int:

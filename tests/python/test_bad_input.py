@@ -636,6 +636,30 @@ def case_distributed_lion_complex_parameter(rank, n):
     assert torch.equal(p.detach(), torch.ones(6, dtype=torch.complex64)) and not opt.state
 
 
+def case_distributed_lion_momentum_of_another_size(rank, n):
+    """A parameter replaced by one of another size after two steps (the
+    second planned: lionbit.step_plan), its momentum left as it was:
+    refused at the step on every rank, naming it, nothing changed; its
+    momentum started again, it trains."""
+    import lionbit
+
+    a, b = torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(60))
+    opt = lionbit.DistributedLion([a, b], lr=0.1)
+    for _ in range(2):
+        a.grad, b.grad = torch.ones(5), torch.ones(60)
+        opt.step()
+    b.data = torch.ones(96)  # a grown vocabulary
+    a.grad, b.grad = torch.ones(5), torch.ones(96)
+    before = [t.detach().clone() for t in (a, b, opt.state[a]["exp_avg"], opt.state[b]["exp_avg"])]
+    _raises(opt.step, r"ValueError: DistributedLion.step on rank %d: parameter 1 of parameter group 0 \(shape "
+            r"\(96,\)\) has 96 elements, its momentum \('exp_avg'\) 60: .*opt.state\[p\] = \{\}" % rank)
+    after = (a, b, opt.state[a]["exp_avg"], opt.state[b]["exp_avg"])
+    assert all(torch.equal(x, y) for x, y in zip(before, after)), "a refused step changed something"
+    opt.state[b] = {}
+    opt.step()
+    assert torch.equal(b.detach(), torch.full((96,), 0.9)) and opt.state[b]["exp_avg"].numel() == 96
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
