@@ -118,7 +118,9 @@ class DDPAttachment(Attachment):
         if missing:
             raise ValueError(
                 f"DistributedLion.attach: the DDP model's parameters {missing[:5]} are not in this optimizer; "
-                f"DDP would vote them with no momentum or hyperparameters"
+                f"DDP would vote them with no momentum or hyperparameters. Freeze them (requires_grad_(False)) "
+                f"before wrapping the model in DDP, or give them to this optimizer (to train them later: a "
+                f"parameter group of their own with lr=0 until then)"
             )
         backend_for(self.group, next(model.parameters()).device, "attach")  # a lionbit group, or a clear error
         opt.check_params([p for p in model.module.parameters() if p.requires_grad], "attach (DDP)")

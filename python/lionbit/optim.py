@@ -84,8 +84,10 @@ def _check_params(params: Sequence[torch.Tensor], where: str) -> None:
             f"(rebuild it where nvcc and a CUDA build of torch are present)")
     if cuda + sum(map(_is_cpu, params)) != len(params):
         p = next(p for p in params if not (p.is_cpu or p.is_cuda))
+        then = " (a model built on the meta device: attach after to_empty() and its initialisation)"
+        then = then if p.is_meta else ""
         raise RuntimeError(
-            f"DistributedLion.{where}: parameters on {p.device} are not supported (CPU and CUDA are)")
+            f"DistributedLion.{where}: parameters on {p.device} are not supported (CPU and CUDA are){then}")
     if not lion_math.PLAIN.issuperset(map(type, params)):  # (a few types, whatever the tensors)
         _check_memory(params, where)
     if any(map(torch.is_complex, params)):  # (made complex after the constructor saw them)

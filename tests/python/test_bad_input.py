@@ -660,6 +660,42 @@ def case_distributed_lion_momentum_of_another_size(rank, n):
     assert torch.equal(b.detach(), torch.full((96,), 0.9)) and opt.state[b]["exp_avg"].numel() == 96
 
 
+def case_distributed_lion_ddp_parameters_outside_the_optimizer(rank, n):
+    """A DDP model whose trainable backbone is in no optimizer yet (added
+    later with add_param_group): refused at attach, naming the parameters
+    and both ways that work; a parameter group with lr=0 attaches."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    model = DDP(net)
+    _raises(lambda: lionbit.DistributedLion(net[1].parameters()).attach(model),
+            r"ValueError: DistributedLion.attach: the DDP model's parameters \['0.weight', '0.bias'\] are not in this "
+            r"optimizer; .*Freeze them \(requires_grad_\(False\)\) before wrapping the model in DDP, or give them "
+            r"to this optimizer \(to train them later: a parameter group of their own with lr=0 until then\)")
+    opt = lionbit.DistributedLion([{"params": net[1].parameters()}, {"params": net[0].parameters(), "lr": 0.0}])
+    opt.attach(model)
+    before = net[0].weight.detach().clone()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert torch.equal(net[0].weight.detach(), before)
+    opt.detach()
+
+
+def case_distributed_lion_meta_parameters(rank, n):
+    """Parameters still on the meta device (a model built there, not yet
+    to_empty()-ed): a clear error naming the order that works."""
+    import lionbit
+
+    p = torch.nn.Parameter(torch.empty(4, device="meta"))
+    p.grad = torch.empty(4, device="meta")
+    _raises(lionbit.DistributedLion([p]).step,
+            r"RuntimeError: DistributedLion.step: parameters on meta are not supported \(CPU and CUDA are\) \(a model "
+            r"built on the meta device: attach after to_empty\(\) and its initialisation\)")
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 

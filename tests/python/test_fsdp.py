@@ -218,7 +218,7 @@ def test_fsdp2_gradients_accumulate_like_ddp(habit):
 
 KNOBS = ["reshard_after_forward_false", "reshard_after_forward_int", "explicit_prefetch", "explicit_unshard",
          "no_reshard_after_backward", "is_last_backward", "tied_embedding", "gradient_divide_factor",
-         "force_sum_reduction"]
+         "force_sum_reduction", "eval_before_step"]
 
 
 class _TiedLM(torch.nn.Module):
@@ -263,7 +263,8 @@ def knobs_like_ddp(rank, world_size, knob, steps=5):
     dopt = lionbit.DistributedLion(ddp.parameters(), **LION).attach(ddp)
     model = net()
     kw = {"reshard_after_forward_false": {"reshard_after_forward": False},
-          "reshard_after_forward_int": {"reshard_after_forward": 1}}.get(knob, {})
+          "reshard_after_forward_int": {"reshard_after_forward": 1},
+          "eval_before_step": {"reshard_after_forward": False}}.get(knob, {})
     fully_shard(model.a, **kw)
     fully_shard(model.b, **kw)
     fully_shard(model, **kw)  # (tied: the shared weight in the root's unit)
@@ -293,6 +294,11 @@ def knobs_like_ddp(rank, world_size, knob, steps=5):
             else:
                 with ddp.no_sync():
                     _knob_batch(ddp, knob, rank, step, micro).backward()
+        if knob == "eval_before_step":  # docs/fsdp.md: an eval forward between backward() and step(), then
+            with torch.no_grad():  # every unit resharded (the root's reshard() alone leaves a and b unsharded)
+                _knob_batch(model, knob, rank, step, 0)
+            for unit in (model.a, model.b, model):
+                unit.reshard()
         opt.step()
         dopt.step()
         opt.zero_grad()
