@@ -66,6 +66,17 @@ def _checked_arguments(lr, betas, weight_decay, aggregation, bits, tie_break, mo
     return bits
 
 
+def _asked_by_grad_scaler(_opt) -> bool:
+    """``_step_supports_amp_scaling``: True where torch's GradScaler asks, so
+    that ``scaler.step(opt)`` hands step() the scaler (an inf/NaN on any rank
+    then skips the step on every rank, each rank's gradients being its own);
+    False to anyone else. Frameworks read the flag as "step() unscales by
+    itself, so gradients cannot be clipped before it": Lightning then refuses
+    gradient clipping, even in bf16 with no scaler. step() also takes
+    gradients that ``scaler.unscale_(opt)`` unscaled first, as they do."""
+    return sys._getframe(1).f_globals.get("__name__", "").startswith(("torch.amp.", "torch.cuda.amp."))
+
+
 _FUSED_DTYPES: Dict[tuple, bool] = {}  # (parameter, gradient, momentum) dtypes -> a fused kernel serves them
 
 
@@ -257,8 +268,8 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
         _check_params(params, where)
 
     # -- step ---------------------------------------------------------------------
-    #: torch.amp.GradScaler hands this optimizer the step (and itself).
-    _step_supports_amp_scaling = True
+    #: torch.amp.GradScaler hands this optimizer the step (and itself); others are told False.
+    _step_supports_amp_scaling = property(_asked_by_grad_scaler)
 
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):

@@ -147,7 +147,7 @@ class _Logging:
         _ALLREDUCES["on"] = False
 
 
-def _lightning(rec, attach, outdir):
+def _lightning(rec, attach, outdir, precision="32-true"):
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -174,7 +174,7 @@ def _lightning(rec, attach, outdir):
     rec["start"] = _eval_loss(module.net)
     trainer = L.Trainer(
         strategy=DDPStrategy(process_group_backend="lionbit"), accelerator="cpu", devices=NPROC,
-        max_steps=STEPS, gradient_clip_val=MAX_NORM,
+        max_steps=STEPS, gradient_clip_val=MAX_NORM, precision=precision,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=outdir,
     )
@@ -274,8 +274,9 @@ def _rank_run(framework, outdir, mode):
     if dist.is_initialized():
         lionbit.reset_stats()
     rec = {}
+    extra = {"precision": "bf16-mixed"} if mode == "attach_bf16" else {}
     model = {"lightning": _lightning, "hf_trainer": _hf_trainer, "accelerate": _accelerate}[framework](
-        rec, mode == "attach", outdir
+        rec, mode.startswith("attach"), outdir, **extra
     )
     rec.update(
         rank=dist.get_rank(),
@@ -362,9 +363,13 @@ def _check(res, out):
 
 
 def test_lightning():
+    """Also with precision="bf16-mixed": Lightning refuses to clip for an
+    optimizer that says it unscales in its step (_step_supports_amp_scaling),
+    bf16 or not; DistributedLion says so to torch's GradScaler only."""
     pytest.importorskip("lightning")
-    res, out = _torchrun("lightning")
+    res, out = _torchrun("lightning", modes=("attach", "attach_bf16"))
     _check(res["attach"], out)
+    _check(res["attach_bf16"], out)
 
 
 def test_hf_trainer():
