@@ -64,11 +64,13 @@ def asked_by_torch_state_dicts() -> Optional[str]:
     ``get_optimizer_state_dict`` or ``dcp.save`` of the optimizer
     (torch.distributed.checkpoint), whose formats hold one sharded or
     replicated value per parameter; None for any other caller (a user's
-    ``torch.save(opt.state_dict())``). Looks at the few frames above."""
+    ``torch.save(opt.state_dict())``). Looks at every frame above: between
+    DCP and this call there may be a framework's checkpoint manager, an app
+    state's helpers, decorators (with 12 frames, 7 nested calls in a
+    ``Stateful``'s ``state_dict`` hid DCP, and each rank got a mix of the
+    ranks' momenta back)."""
     frame = sys._getframe(1)
-    for _ in range(12):
-        if frame is None:
-            return None
+    while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if module.startswith(("torch.distributed.fsdp", "torch.distributed.checkpoint")):
             return module

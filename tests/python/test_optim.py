@@ -362,6 +362,24 @@ def test_checkpoint_stop_restart_continue_is_bitwise_identical():
     assert len(set(hashes)) == 1
 
 
+class _AppState:
+    """A Stateful app state as a framework's checkpoint manager makes one:
+    its state_dict reaches the optimizer's through 20 nested calls."""
+
+    def __init__(self, model, opt, depth=20):
+        self.model, self.opt, self.depth = model, opt, depth
+
+    def _nested(self, fn, depth):
+        return fn() if depth == 0 else self._nested(fn, depth - 1)
+
+    def state_dict(self):
+        return self._nested(lambda: {"model": self.model.state_dict(), "optim": self.opt.state_dict()}, self.depth)
+
+    def load_state_dict(self, sd):
+        self.model.load_state_dict(sd["model"])
+        self.opt.load_state_dict(sd["optim"])
+
+
 def dcp_resume(rank, n, ckpt_dir, how):
     """torch.distributed.checkpoint, as PyTorch's guide to it writes the
     loop: 12 uninterrupted steps against 6, a save, a fresh model and
@@ -382,6 +400,8 @@ def dcp_resume(rank, n, ckpt_dir, how):
     if how == "get/set":
         model_sd, optim_sd = get_state_dict(model, opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    elif how == "app state":
+        dcp.save({"app": _AppState(model, opt)}, checkpoint_id=path)
     else:
         dcp.save({"model": model.state_dict(), "optim": opt}, checkpoint_id=path)
     fresh = _model(seed=123)
@@ -391,6 +411,8 @@ def dcp_resume(rank, n, ckpt_dir, how):
         sd = {"model": model_sd, "optim": optim_sd}
         dcp.load(sd, checkpoint_id=path)
         set_state_dict(fresh, fresh_opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    elif how == "app state":
+        dcp.load({"app": _AppState(fresh, fresh_opt)}, checkpoint_id=path)
     else:
         sd = {"model": fresh.state_dict(), "optim": fresh_opt}
         dcp.load(sd, checkpoint_id=path)
@@ -410,7 +432,7 @@ def _hash_momenta(opt, model):
     return h.hexdigest()
 
 
-@pytest.mark.parametrize("how", ["get/set", "stateful"])
+@pytest.mark.parametrize("how", ["get/set", "stateful", "app state"])
 def test_dcp_resume_gives_every_rank_its_own_momentum(how):
     with tempfile.TemporaryDirectory() as d:
         res = values(run_ranks("test_optim:dcp_resume", 2, kwargs={"ckpt_dir": d, "how": how}))
