@@ -97,6 +97,34 @@ Options asSum(const Options& opts) {
   return sum;
 }
 
+// AVG of integer tensors is NCCL's (the sum divided by the world size,
+// rounded toward zero); Gloo divides in floating point and cannot write the
+// quotient back ("result type Float can't be cast to the desired output type
+// Long"). Lightning's self.log(..., sync_dist=True) sends it (it replaces AVG
+// by SUM only for a backend named "gloo"). On Gloo lionbit asks for SUM and
+// divides when the sum is in, as NCCL would.
+bool isIntegerAvg(const c10d::ReduceOp& op, const std::vector<at::Tensor>& ts) {
+  return op.op_ == c10d::ReduceOp::AVG && !ts.empty() &&
+      at::isIntegralType(ts.front().scalar_type(), /*includeBool=*/false);
+}
+
+c10::intrusive_ptr<c10d::Work> dividedWhenDone(
+    const c10::intrusive_ptr<c10d::Work>& sum,
+    std::vector<at::Tensor> tensors,
+    int size) {
+  auto done = sum->getFuture();
+  auto divided = done->then(
+      [tensors = std::move(tensors), size](c10::ivalue::Future& f) {
+        f.value(); // rethrows the sum's error
+        for (const auto& t : tensors) {
+          t.div_(size, "trunc");
+        }
+        return c10::IValue(tensors);
+      },
+      done->elementType());
+  return c10d::Work::create_from_future(divided);
+}
+
 } // namespace
 
 ForwardingBackend::ForwardingBackend(
@@ -165,6 +193,9 @@ c10::intrusive_ptr<c10d::Work> ForwardingBackend::allreduce(
       scaleInPlace(t, factor);
     }
     return inner(tensors).allreduce(tensors, asSum(opts));
+  }
+  if (isIntegerAvg(opts.reduceOp, tensors) && toGloo(tensors)) {
+    return dividedWhenDone(inner(tensors).allreduce(tensors, asSum(opts)), tensors, size_);
   }
   return inner(tensors).allreduce(tensors, opts);
 }

@@ -271,3 +271,36 @@ def premul_sum(rank, n):
 def test_premul_sum_which_gloo_lacks(world_size):
     for r in values(run_ranks("test_forwarded:premul_sum", world_size)):
         assert r and all(r.values()), r
+
+
+def integer_avg(rank, n):
+    """ReduceOp.AVG of integer tensors, which Gloo cannot write back (it
+    divides in floating point) and Lightning's self.log(..., sync_dist=True)
+    sends: the sum divided by the world size, rounded toward zero (NCCL's
+    answer), synchronous and async (the Work and its future), on every
+    rank; a float AVG stays Gloo's own."""
+    out = {}
+    for dtype in (torch.int64, torch.int32, torch.int8, torch.uint8):
+        x = torch.tensor([7, -5, 0, 3 * n + 1, 30], dtype=torch.int64)  # sums that fit in int8
+        x = (x + rank) if dtype != torch.uint8 else (x.abs() + rank)
+        want = torch.zeros(5, dtype=torch.int64)
+        for r in range(n):  # every rank's input, summed in int64, then divided toward zero
+            want += x - rank + r
+        want = torch.div(want, n, rounding_mode="trunc").to(dtype)
+        t = x.to(dtype)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        a = x.to(dtype)
+        work = dist.all_reduce(a, op=dist.ReduceOp.AVG, async_op=True)
+        got = work.get_future().wait()
+        work.wait()
+        out[str(dtype)] = torch.equal(t, want) and torch.equal(a, want) and torch.equal(got[0], want)
+    f = torch.arange(6, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(f, op=dist.ReduceOp.AVG)
+    out["float32"] = torch.equal(f, torch.arange(6, dtype=torch.float32) * (n + 1) / 2)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_integer_avg_which_gloo_cannot_write_back(world_size):
+    for r in values(run_ranks("test_forwarded:integer_avg", world_size)):
+        assert r and all(r.values()), r

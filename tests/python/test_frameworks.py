@@ -159,7 +159,10 @@ def _lightning(rec, attach, outdir, precision="32-true"):
             self.net = _net()
 
         def training_step(self, batch, batch_idx):
-            return self.net(batch["x"], batch["labels"])["loss"]
+            loss = self.net(batch["x"], batch["labels"])["loss"]
+            # The epoch's mean over the ranks: an AVG all-reduce, of an integer batch count too.
+            self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+            return loss
 
         def on_before_optimizer_step(self, optimizer):  # after backward, before clipping
             rec.setdefault("first_grads", _digest(p.grad for p in self.parameters()))
