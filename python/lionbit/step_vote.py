@@ -337,6 +337,7 @@ def _update_state(momenta, applies) -> None:
 
 
 _dtype, _contiguous, _get_device = attrgetter("dtype"), methodcaller("is_contiguous"), methodcaller("get_device")
+_numel = methodcaller("numel")
 
 
 class FusedVerdicts:
@@ -398,9 +399,6 @@ def step_entries(opt, params_groups, skip=frozenset()) -> List[Entry]:
             _refuse_stale_momentum(group, index, params, momenta)
         entries += map(Entry, params, grads, momenta, repeat(lion_math.Coefs(group)), verdicts.many(params, grads))
     return entries
-
-
-_numel = methodcaller("numel")
 
 
 def _refuse_stale_momentum(group: dict, index: int, params, momenta) -> None:
