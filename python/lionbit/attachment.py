@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import lion_math, momentum_mean, step_plan, step_vote, user_warning
+from . import lion_math, momentum_mean, step_plan, step_vote, torch_internals, user_warning
 
 #: DDP models that carry lionbit's comm hook (lionbit.ddp): they all-reduce
 #: no gradient, attached or not.
@@ -69,13 +69,8 @@ def asked_by_torch_state_dicts() -> Optional[str]:
     state's helpers, decorators (with 12 frames, 7 nested calls in a
     ``Stateful``'s ``state_dict`` hid DCP, and each rank got a mix of the
     ranks' momenta back)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if module.startswith(("torch.distributed.fsdp", "torch.distributed.checkpoint")):
-            return module
-        frame = frame.f_back
-    return None
+    frame = torch_internals.torch_caller(("torch.distributed.fsdp", "torch.distributed.checkpoint"))
+    return None if frame is None else frame.f_globals["__name__"]
 
 
 class Attachment:

@@ -14,7 +14,6 @@ attachment's (lionbit.attachment: a plain module, lionbit.ddp, lionbit.fsdp,
 lionbit.fsdp1) and the aggregation's (lionbit.voter).
 """
 
-import sys
 import warnings
 from operator import attrgetter
 from typing import Dict, Optional, Sequence
@@ -74,7 +73,7 @@ def _asked_by_grad_scaler(_opt) -> bool:
     itself, so gradients cannot be clipped before it": Lightning then refuses
     gradient clipping, even in bf16 with no scaler. step() also takes
     gradients that ``scaler.unscale_(opt)`` unscaled first, as they do."""
-    return sys._getframe(1).f_globals.get("__name__", "").startswith(("torch.amp.", "torch.cuda.amp."))
+    return torch_internals.torch_caller(("torch.amp", "torch.cuda.amp"), depth=1) is not None
 
 
 _FUSED_DTYPES: Dict[tuple, bool] = {}  # (parameter, gradient, momentum) dtypes -> a fused kernel serves them
@@ -394,18 +393,13 @@ def _refuse_zero_redundancy() -> None:
     """Raises where torch's ZeroRedundancyOptimizer is constructing this
     optimizer (``optimizer_class=DistributedLion``): it builds one over each
     rank's partition of the parameters. Looks at the few frames above."""
-    frame = sys._getframe(2)
-    for _ in range(6):
-        if frame is None:
-            return
-        if frame.f_globals.get("__name__") == "torch.distributed.optim.zero_redundancy_optimizer":
-            raise TypeError(
-                "DistributedLion: ZeroRedundancyOptimizer gives each rank a different part of the parameters, and "
-                "Distributed Lion votes every parameter on every rank (each rank keeps its own momentum of all of "
-                "them); pass the parameters to DistributedLion directly, or shard the optimizer state with FSDP2 or "
-                "HSDP (docs/fsdp.md)"
-            )
-        frame = frame.f_back
+    if torch_internals.torch_caller(("torch.distributed.optim.zero_redundancy_optimizer",), depth=7) is not None:
+        raise TypeError(
+            "DistributedLion: ZeroRedundancyOptimizer gives each rank a different part of the parameters, and "
+            "Distributed Lion votes every parameter on every rank (each rank keeps its own momentum of all of "
+            "them); pass the parameters to DistributedLion directly, or shard the optimizer state with FSDP2 or "
+            "HSDP (docs/fsdp.md)"
+        )
 
 
 def _context_for(kind, context_parallel) -> dict:

@@ -35,7 +35,7 @@ computed inside ``_fsdp_param_group.foreach_reduce``, which lionbit wraps).
 
 import inspect
 import sys
-from typing import Callable, List, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -276,17 +276,23 @@ def state_dict_hooks(opt, when: str) -> list:
     return list(getattr(opt, _STATE_DICT_HOOKS[when], {}).values())
 
 
-def _state_dict_frame(function: str, depth: int):
-    """The frame of torch.distributed.checkpoint.state_dict's ``function``
-    among the ``depth`` frames above the caller of the caller, or None."""
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        if (frame.f_code.co_name == function
-                and frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict"):
+def torch_caller(modules: Tuple[str, ...], function: Optional[str] = None, depth: Optional[int] = None):
+    """Which of torch's code is calling: the nearest frame above the caller of
+    this function's caller whose code is in one of ``modules`` (a module or a
+    module inside it) and, where given, in its function ``function``; among
+    ``depth`` frames (every frame where None); None if there is none. Some of
+    torch's callers get what they need from lionbit only so: DCP and FSDP1's
+    state dicts (one value per parameter), DCP's optimizer initialization (a
+    step with zero gradients), GradScaler (a step that unscales itself),
+    ZeroRedundancyOptimizer (one optimizer per partition). Every frame of an
+    unbounded search is read, however deep a framework nests the call."""
+    frame, left = sys._getframe(2), depth
+    while frame is not None and left != 0:
+        name = frame.f_globals.get("__name__", "")
+        if (any(name == m or name.startswith(m + ".") for m in modules)
+                and (function is None or frame.f_code.co_name == function)):
             return frame
-        frame = frame.f_back
+        frame, left = frame.f_back, None if left is None else left - 1
     return None
 
 
@@ -294,7 +300,7 @@ def initializing_optimizer_state() -> bool:
     """Whether the step() running now is the one torch.distributed.checkpoint's
     ``_init_optim_state`` makes (get/set_optimizer_state_dict on an optimizer
     with an empty state: zero gradients, lr 0), found among the few frames above."""
-    return _state_dict_frame("_init_optim_state", 8) is not None
+    return torch_caller(("torch.distributed.checkpoint.state_dict",), "_init_optim_state", 8) is not None
 
 
 def loading_flattened_optimizer_state() -> bool:
@@ -303,7 +309,7 @@ def loading_flattened_optimizer_state() -> bool:
     torchtitan's checkpoints are): its ``_load_optim_state_dict`` got one
     without a "state" key, and unflattened it into the optimizer's own state
     and group keys only. Found among the few frames above."""
-    frame = _state_dict_frame("_load_optim_state_dict", 16)
+    frame = torch_caller(("torch.distributed.checkpoint.state_dict",), "_load_optim_state_dict", 16)
     given = None if frame is None else frame.f_locals.get("state_dict")
     return isinstance(given, dict) and bool(given) and "state" not in given
 
