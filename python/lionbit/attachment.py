@@ -25,9 +25,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import lion_math, momentum_mean, step_plan, step_vote, torch_internals, user_warning
 
-#: DDP models that carry lionbit's comm hook (lionbit.ddp): they all-reduce
-#: no gradient, attached or not.
-HOOKED_DDP_MODELS: "weakref.WeakSet[DDP]" = weakref.WeakSet()
+#: DDP models attached to a DistributedLion (lionbit.ddp): their comm hook
+#: all-reduces no gradient (detached, it averages them as DDP does).
+ATTACHED_DDP_MODELS: "weakref.WeakSet[DDP]" = weakref.WeakSet()
 
 
 def fsdp_loaded() -> bool:
@@ -81,13 +81,42 @@ class Attachment:
     serves_next_momenta = True
 
     def __init__(self, opt, group: Optional[dist.ProcessGroup] = None):
-        self.opt = opt
+        # The optimizer holds its attachment, and the model's hooks hold the attachment: never the
+        # optimizer, so that dropping it frees it (and its momenta) and detaches (detach_when_dropped).
+        self._opt = weakref.ref(opt)
+        self.release = self.detach  # detach(), once; the optimizer's way to hand the model back
         self.group = group  # None: the default group at each call
         self.buffers = step_vote.VoteBuffers()
         self.plan = step_plan.StepPlan()  # a plain module's step, replayed (not DDP's or FSDP's)
         self.layout: Optional[list] = None  # the parameters of the last applied step (Join)
         self.checked_ddp = False
         self.meshes = {}  # device type -> a 1-D DeviceMesh of the group (DCP's state dicts: _rows)
+
+    @property
+    def opt(self):
+        """The optimizer (None once it is dropped: only a detach runs then)."""
+        return self._opt()
+
+    def detach_when_dropped(self) -> "Attachment":
+        """Arranges :meth:`detach` for when the optimizer is dropped (its last
+        reference gone: a script that builds a new optimizer for the same
+        model, a framework's tuner), so that its momenta are freed, the model's
+        communication is torch's again and another optimizer may attach.
+        ``release()`` detaches at once (and only once). Returns self."""
+        self.release = weakref.finalize(self.opt, self.detach)
+        self.release.atexit = False  # (at exit the groups may be gone: nothing to hand back)
+        return self
+
+    def taken_over(self) -> None:
+        """Another DistributedLion attached to this model (a script that
+        builds a new optimizer for it while the old one is still referenced,
+        by a variable or a scheduler): this one is detached, and steps as a
+        plain module's optimizer from then on."""
+        opt = self.opt
+        if opt is not None:
+            opt.detach()
+        else:
+            self.release()
 
     # -- the step ---------------------------------------------------------------
     def step(self, grad_scaler=None, abstain: bool = False) -> bool:
@@ -181,8 +210,8 @@ class Attachment:
             # type(), not isinstance(): isinstance reads obj.__class__, which some of torch's
             # deprecated module proxies answer with a FutureWarning of their own.
             if issubclass(type(obj), DDP) and any(id(p) in mine for p in obj.parameters()):
-                if obj in HOOKED_DDP_MODELS:
-                    continue  # lionbit's hook (of a detached optimizer): no all-reduce
+                if obj in ATTACHED_DDP_MODELS:
+                    continue  # attached to another DistributedLion: its vote, no all-reduce
                 user_warning.warn(
                     f"DistributedLion.step on rank {dist.get_rank()}: these parameters belong to a "
                     f"DistributedDataParallel model that was not attached, so DDP all-reduces every gradient in "
@@ -353,8 +382,8 @@ class Attachment:
         return False
 
     def detach(self) -> None:
-        """Hands the model back: its communication is torch's (or, for a DDP
-        model, a hook that leaves the local gradients) again."""
+        """Hands the model back: its communication is torch's again (a DDP
+        model keeps lionbit's hook, which then averages as DDP does)."""
 
     # -- torch's Join (lionbit.join) ---------------------------------------------
     def join_hook_made(self) -> None:

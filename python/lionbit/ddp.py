@@ -56,7 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import join, lion_math, step_vote, torch_internals
 from ._backend import backend_for
-from .attachment import HOOKED_DDP_MODELS, Attachment
+from .attachment import ATTACHED_DDP_MODELS, Attachment
 from .errors import PeerRejected
 
 log = logging.getLogger("lionbit")
@@ -91,10 +91,12 @@ def _nonfinite(votes) -> int:
 class _HookSlot:
     """The state DDP hands lionbit's comm hook: the attachment it serves, or
     None once detached (DDP takes one comm hook per model, for good, so the
-    hook stays and leaves the local gradients)."""
+    hook stays, and without an attachment it averages the gradients over the
+    model's group as DDP's own all-reduce does)."""
 
-    def __init__(self):
+    def __init__(self, group):
         self.attachment: Optional["DDPAttachment"] = None
+        self.group = group
 
 
 _slots: "weakref.WeakKeyDictionary[DDP, _HookSlot]" = weakref.WeakKeyDictionary()
@@ -125,11 +127,6 @@ class DDPAttachment(Attachment):
         backend_for(self.group, next(model.parameters()).device, "attach")  # a lionbit group, or a clear error
         opt.check_params([p for p in model.module.parameters() if p.requires_grad], "attach (DDP)")
         slot = _slots.get(model)
-        if slot is not None and slot.attachment is not None:
-            raise RuntimeError(
-                "DistributedLion.attach: this DDP model is already attached to another DistributedLion; "
-                "call detach() on that optimizer first"
-            )
         self.model = model
         self.overlap = overlap
         self.buckets: Dict[int, _BucketVote] = {}  # bucket index -> its vote, kept across steps
@@ -147,10 +144,12 @@ class DDPAttachment(Attachment):
                     f"({other}), and DDP takes one; DistributedLion's own replaces DDP's all-reduce with the 1-bit "
                     f"vote, so build the DDP model without registering {other}"
                 )
-            slot = _slots[model] = _HookSlot()
+            slot = _slots[model] = _HookSlot(model.process_group)
             model.register_comm_hook(slot, _hook)
-            HOOKED_DDP_MODELS.add(model)
+        elif slot.attachment is not None:
+            slot.attachment.taken_over()  # another DistributedLion's: the newest attach() serves the model
         slot.attachment = self
+        ATTACHED_DDP_MODELS.add(model)
         self.slot = slot
 
     def is_attached_to(self, model) -> bool:
@@ -160,6 +159,7 @@ class DDPAttachment(Attachment):
         _drain(self.started)
         self.started = []
         self.slot.attachment = None
+        ATTACHED_DDP_MODELS.discard(self.model)
 
     # -- backward -------------------------------------------------------------
     def start_bucket(self, bucket, abstain: bool = False) -> None:
@@ -507,14 +507,18 @@ def _after_ddp_finalize(fn) -> None:
 
 def _hook(slot: _HookSlot, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's local gradients go back to p.grad as they
-    are; with overlap, their directions' vote starts now."""
+    are; with overlap, their directions' vote starts now. Detached (or its
+    optimizer dropped): the mean over the group, as DDP's own all-reduce."""
     att = slot.attachment
-    if att is not None and not torch_internals.in_backward():
+    if att is None:
+        grads = bucket.buffer().div_(slot.group.size())
+        return dist.all_reduce(grads, group=slot.group, async_op=True).get_future().then(lambda f: f.value()[0])
+    if not torch_internals.in_backward():
         # Outside any backward pass: DDP's join hook shadowing the peers'
         # backward on a rank that has run out of data (torch's Join).
         with torch.no_grad():
             att.shadow_bucket(bucket)
-    elif att is not None and att.overlap:
+    elif att.overlap:
         with torch.no_grad():
             att.start_bucket(bucket)
     fut = torch.futures.Future(devices=[bucket.buffer().device] if bucket.buffer().is_cuda else None)

@@ -230,6 +230,12 @@ class _SignReduceScatter(torch_internals.LayoutLearner):
         return None
 
 
+def _sign_comm(install) -> Optional[_SignReduceScatter]:
+    """The (module, FSDP parameter group)'s reduce-scatter where it is lionbit's."""
+    comm = torch_internals.fsdp2_reduce_scatter_comm(install[1], _WHERE)
+    return comm if isinstance(comm, _SignReduceScatter) else None
+
+
 def _unscaled(op, dtype) -> bool:
     """Whether FSDP handed its reduce-scatter the local gradients as they
     are. FSDP divides them before the reduction only where it reduces with
@@ -281,6 +287,8 @@ class FSDP2Attachment(Attachment):
         self.stepped = True  # a step() came after the last reduce-scatter (the next one starts a new order)
         self.comms = []
         self.plan = fsdp_plan.FSDP2Plan()  # the step, replayed where it is the step before again
+        for other in {id(c.att): c.att for c in map(_sign_comm, installs) if c is not None}.values():
+            other.taken_over()  # another DistributedLion's: the newest attach() serves the model
         for module, pg in installs:
             comm = _SignReduceScatter(self, pg)
             torch_internals.fsdp2_set_reduce_scatter_comm(module, pg, comm, _WHERE)
@@ -592,7 +600,7 @@ def _managed(opt, model, cp=None):
         for pg in pgs:
             comm = torch_internals.fsdp2_reduce_scatter_comm(pg, _WHERE)
             if isinstance(comm, _SignReduceScatter):
-                raise RuntimeError(f"{_WHERE}: the model is already attached to a DistributedLion")
+                comm = comm.default_comm  # another DistributedLion's: taken over at install
             if type(comm).__name__ != "DefaultReduceScatter":
                 raise ValueError(
                     f"{_WHERE}: FSDP unit '{torch_internals.fsdp2_unit_name(pg)}' already has a custom "

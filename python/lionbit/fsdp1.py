@@ -106,7 +106,6 @@ class _Unit:
 
     def __init__(self, att, module, layout, name: str, segments, numel: int, sharded: bool, group, replicas=None):
         self.att = att
-        self.opt = att.opt
         self.module = module
         self.name = name
         self.flat_param = fp = layout.flat_param
@@ -135,6 +134,10 @@ class _Unit:
         self.shown: Optional[torch.Tensor] = None
         self.shown_version = -1
         self.cuts = _cuts(self)  # the step's layout of its segments (sharded and hybrid units; fixed)
+
+    @property
+    def opt(self):
+        return self.att.opt
 
     def momentum_tensor(self) -> torch.Tensor:
         if self.momentum is None:
@@ -560,6 +563,9 @@ class FSDP1Attachment(Attachment):
         # the vote's group (momentum sync, checkpoints' marker); hybrid: the replicas (the inter-node group)
         self.group = self.replicas if self.hybrid else (opt.group if opt.group is not None else group)
         self.norm_order = _norm_order(model, self.units)
+        hooked = [torch_internals.fsdp1_hook_state(st) for st in self.states if torch_internals.fsdp1_comm_hook(st)]
+        for other in {id(unit.att): unit.att for unit in hooked}.values():
+            other.taken_over()  # another DistributedLion's: the newest attach() serves the model
         self.show_momenta()
         by_module = {u.module: u for u in self.units}
         self.forward_hook = None
@@ -600,8 +606,9 @@ class FSDP1Attachment(Attachment):
             unit.kept = None
             unit.see(None)
         self.order, self.hooked = [], []
-        for p in self.shown:
-            self.opt.state.pop(p, None)
+        opt = self.opt  # (None where the optimizer was dropped: its state went with it)
+        for p in self.shown if opt is not None else ():
+            opt.state.pop(p, None)
 
     def show_momenta(self) -> None:
         """Every parameter's momentum in ``opt.state[p]["exp_avg"]``: a view of
@@ -916,11 +923,8 @@ def _units(att, opt, model):
                     f"root; pass the same process_group=(intra_node, inter_node) (or device_mesh) to every instance"
                 )
         hook = torch_internals.fsdp1_comm_hook(state)
-        if hook is not None:
-            raise RuntimeError(
-                f"{_WHERE}: {label} already has a communication hook"
-                + (" (this model is already attached to a DistributedLion)" if hook is _fsdp1_hook else "")
-            )
+        if hook is not None and hook is not _fsdp1_hook:  # (lionbit's: another DistributedLion's, taken over)
+            raise RuntimeError(f"{_WHERE}: {label} already has a communication hook")
         if state.cpu_offload is not None and state.cpu_offload.offload_params:
             raise NotImplementedError(f"{_WHERE}: {label}: CPUOffload(offload_params=True) is not supported")
         if torch_internals.fsdp1_on_a_sliced_mesh(state):

@@ -306,8 +306,8 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
     def attach(self, model, overlap: bool = True, context_parallel=None):
         """Route this optimizer's updates through the model's communication: DDP (a comm hook; ``overlap=True``
         starts the vote during backward where that is exact, ``False`` votes at ``step()``), FSDP2 or FSDP1 (the
-        1-bit reduce-scatter; ``context_parallel``: FSDP2's cp mesh or group, lionbit.context_parallel). A plain
-        module needs none. Attaching a re-wrapped model detaches from the first, momentum kept. Returns self."""
+        1-bit reduce-scatter; ``context_parallel``: FSDP2's cp mesh or group). A re-wrapped model: moves, momentum
+        kept; a model another DistributedLion serves: takes it over (detaching that one, as dropping it does)."""
         model = torch_internals.compiled_inner(model)  # torch.compile(model): the model inside
         if self._attachment.is_attached_to(model):
             raise RuntimeError("DistributedLion.attach: this optimizer is already attached to this model")
@@ -316,14 +316,14 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
         extra = _context_for(kind, context_parallel)
         if kind is not None:
             attached = kind(self, model, bool(overlap), **extra)  # checks everything, then installs
-            self._attachment.detach()
-            self._attachment = attached
+            self._attachment.release()
+            self._attachment = attached.detach_when_dropped()
         return self
 
     def detach(self):
         """Undo attach(): the model's communication is its own again (a DDP model keeps a hook that
-        leaves the local gradients) and step() votes every parameter itself. Returns self."""
-        self._attachment.detach()
+        averages the gradients as DDP does) and step() votes every parameter itself. Returns self."""
+        self._attachment.release()
         self._attachment = Attachment(self, self.group)
         return self
 

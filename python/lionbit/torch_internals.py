@@ -100,7 +100,8 @@ NAMES = (
          "checks: no other comm hook; register_comm_hook reached all; set directly on hybrid instances "
          "(register_comm_hook refuses HYBRID_SHARD, whose inter-node all-reduce the hook replaces)"),
     Name("FullyShardedDataParallel._comm_hook_state",
-         "one hook state per FSDP1 instance (register_comm_hook sets one for all)"),
+         "one hook state per FSDP1 instance (register_comm_hook sets one for all); a model's attachment, read "
+         "where another DistributedLion attaches to it"),
     Name("FullyShardedDataParallel._inter_node_pg",
          "FSDP1 hybrid sharding: the group of a shard's replicas across nodes, over which they vote"),
     Name("FullyShardedDataParallel._fsdp_extension",
@@ -375,6 +376,11 @@ def fsdp1_saved_grad_shard(fp) -> Optional[torch.Tensor]:
 
 def fsdp1_comm_hook(state):
     return state._comm_hook
+
+
+def fsdp1_hook_state(state):
+    """The state an FSDP1 instance hands its comm hook (None without one)."""
+    return state._comm_hook_state
 
 
 def fsdp1_set_hook_state(state, hook_state) -> None:

@@ -10,6 +10,7 @@ within a step (every rank issues the same ones in the same order), so the
 "random" rule's signs depend only on the step and the call's number.
 """
 
+import weakref
 from itertools import repeat
 from typing import Optional
 
@@ -83,7 +84,8 @@ class Voter:
         self.hierarchy = hierarchy  # "flat", "node" or "node_vote" (lionbit.hierarchy)
         self.bits = bits  # "l1" only
         self.tie_break = tie_break
-        self._counter = counter  # its steps_taken: the optimizer's step counter
+        # what counts the steps (its steps_taken: the optimizer), weakly: the optimizer holds its voter
+        self._counter = None if counter is None else weakref.ref(counter)
         self._calls = 0  # collectives issued so far in this step
 
     @property
@@ -191,8 +193,8 @@ class Voter:
         every rank alike, rather than vote one step against another."""
         index, self._calls = self._calls, self._calls + 1
         if self.tie_break == "random":
-            return (self._counter.steps_taken << 20) + index
-        return self._counter.steps_taken
+            return (self._counter().steps_taken << 20) + index
+        return self._counter().steps_taken
 
     def all_reduce(self, sign, zero, numel: int, nans: int, out: torch.Tensor, group, where: str,
                    out_planes: bool = False, nans_tally=None, agreed: Optional[list] = None):

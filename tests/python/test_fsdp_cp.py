@@ -532,7 +532,7 @@ def fsdp_cp_errors(rank, world_size):
 
     def factor_after_attach():  # the factor changed after attach: the first backward says so, on every rank
         model = sharded(fsdp_mesh)
-        attach(model, data["cp"])
+        _opt = attach(model, data["cp"])  # (held: a dropped optimizer detaches)
         model.set_gradient_divide_factor(3.0)
         _loss(model, data, _config(), 0, 0).backward()
 

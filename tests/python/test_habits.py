@@ -10,6 +10,9 @@ as the user's script on N = 2 and 3 real processes:
 - re-wrapping: ``opt.detach()`` then ``opt.attach(new_ddp)``, or a direct
   ``opt.attach(new_ddp)``, keeps the momentum; a new process group after
   ``destroy_process_group()``;
+- a new optimizer for the same model halfway (DDP, FSDP2, FSDP1): a new
+  DistributedLion takes the model over, the old one is freed, and torch's
+  AdamW after it trains on the gradients DDP / FSDP average;
 - ``DDP(gradient_as_bucket_view=True)``: ``p.grad`` a view of DDP's bucket,
   bare and with clipping;
 - a convolutional model in ``channels_last`` (timm's ``--channels-last``,
@@ -55,12 +58,13 @@ def _f32(v):
     return torch.tensor(v, dtype=torch.float32)
 
 
-def simulate(batches, loop="bare", frozen=(), unfreeze_at=0):
+def simulate(batches, loop="bare", frozen=(), unfreeze_at=0, fresh_momentum_at=None):
     """Distributed Lion on len(batches) simulated ranks; rank r has
     batches[r] batches and abstains after them. ``loop``: "bare", "clip"
     (each rank clips its own gradients to norm 1) or "accumulate" (two
     micro-batches summed). Parameters named in ``frozen`` have no gradient
-    (and are not stepped) before step ``unfreeze_at``. Returns the
+    (and are not stepped) before step ``unfreeze_at``. Every momentum is
+    zero again at step ``fresh_momentum_at`` (a new optimizer). Returns the
     parameters after max(batches) steps."""
     b1, b2 = LION["betas"]
     lr, wd = LION["lr"], LION["weight_decay"]
@@ -70,6 +74,8 @@ def simulate(batches, loop="bare", frozen=(), unfreeze_at=0):
     replicas = [copy.deepcopy(model) for _ in batches]
     momenta = [{name: torch.zeros_like(p) for name, p in model.named_parameters()} for _ in batches]
     for step in range(max(batches)):
+        if step == fresh_momentum_at:
+            momenta = [{name: torch.zeros_like(p) for name, p in model.named_parameters()} for _ in batches]
         trained = [name for name in names if name not in frozen or step >= unfreeze_at]
         directions = []  # per rank: {name: sign(c)}, or None when it has run out of data
         for r, rep in enumerate(replicas):
@@ -433,7 +439,7 @@ def new_process_group(rank, n, workdir):
     opt = lionbit.DistributedLion(ddp.parameters(), **LION)
     opt.attach(ddp)
     _train(ddp, opt, rank, range(0, 3))
-    assert opt.state_dict()["lionbit"] == {"rank": rank, "world_size": n}
+    assert opt.state_dict()["lionbit"].items() >= {"rank": rank, "world_size": n}.items()
     dist.destroy_process_group()
     sd = opt.state_dict()  # no process group: no marker, no error
     assert "lionbit" not in sd and len(sd["state"]) == len(list(model.parameters()))
@@ -441,7 +447,7 @@ def new_process_group(rank, n, workdir):
     opt.state_dict()  # still attached to the destroyed group's model: no error either
     ddp = _ddp(model)
     opt.attach(ddp)
-    assert opt.state_dict()["lionbit"] == {"rank": rank, "world_size": n}
+    assert opt.state_dict()["lionbit"].items() >= {"rank": rank, "world_size": n}.items()
     _train(ddp, opt, rank, range(3, 6))
     _same(model, simulate([6] * n), "after a new process group")
     return _digest(model.parameters())
@@ -451,6 +457,117 @@ def new_process_group(rank, n, workdir):
 def test_a_new_process_group_after_destroy(n, tmp_path):
     res = values(run_ranks("test_habits:new_process_group", n, kwargs={"workdir": str(tmp_path)}))
     assert len(set(res)) == 1, "replicas differ"
+
+
+# -- 3b. a new optimizer for the same model ----------------------------------------
+
+STAGE = 3  # new_optimizer: the steps the first optimizer takes
+ADAMW = dict(lr=0.01, weight_decay=0.01)
+
+
+def _wrap(model, wrapper):
+    """``model`` under DDP, FSDP2 (a unit a layer and the root) or FSDP1."""
+    if wrapper == "ddp":
+        return _ddp(model)
+    if wrapper == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model.a, model.b):
+            fully_shard(layer)
+        return fully_shard(model)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+
+
+def _whole(model, wrapped, wrapper):
+    """The model's parameters, whole, in the unwrapped model's order."""
+    if wrapper == "fsdp2":
+        return [p.full_tensor() for p in model.parameters()]
+    if wrapper == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(wrapped):
+            return [p.detach().clone() for p in wrapped.parameters()]
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def simulate_adamw_after(start, n, steps):
+    """torch's AdamW from the parameters ``start`` on the mean of the n
+    ranks' gradients (what DDP and FSDP reduce), one process."""
+    model = _net()
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), start):
+            p.copy_(s)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    for step in steps:
+        grads = []
+        for r in range(n):
+            model.zero_grad()
+            _loss(model, r, step, 0, "bare").backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, gs in zip(model.parameters(), zip(*grads)):
+            p.grad = sum(g / n for g in gs)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def new_optimizer(rank, n, wrapper, then, how):
+    """A script that builds a new optimizer (and scheduler) for the same
+    model halfway, as fine-tuning stages and tuners' trials do, with no
+    detach(): ``how`` "rebind" assigns the new ones to the old names (the
+    old optimizer is still held while the new one attaches: the new one
+    takes the model over), "del" drops the old ones first. Either way the
+    first DistributedLion is freed with its momenta; a new DistributedLion
+    trains from zero momenta, and torch's AdamW on the gradients DDP or FSDP
+    averages, as if lionbit had never been attached."""
+    import weakref
+
+    import lionbit
+
+    torch.set_num_threads(1)
+    model = _net()
+    wrapped = _wrap(model, wrapper)
+
+    def build(kind):
+        if kind == "lion":
+            opt = lionbit.DistributedLion(wrapped.parameters(), **LION).attach(wrapped)
+        else:
+            opt = torch.optim.AdamW(wrapped.parameters(), **ADAMW)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+
+    opt, sched = build("lion")
+    first = weakref.ref(opt)
+    for step in range(STEPS):
+        if step == STAGE:
+            if how == "del":
+                del opt, sched
+            opt, sched = build(then)
+            freed = first() is None
+        opt.zero_grad()
+        _loss(wrapped, rank, step, 0, "bare").backward()
+        opt.step()
+        sched.step()
+    got = _whole(model, wrapped, wrapper)
+    if then == "lion":
+        want = simulate([STEPS] * n, fresh_momentum_at=STAGE)
+        same = [bool(torch.equal(g, w)) for g, w in zip(got, want)]
+    else:
+        want = simulate_adamw_after(simulate([STAGE] * n), n, range(STAGE, STEPS))
+        same = [bool(torch.allclose(g, w, rtol=1e-5, atol=1e-6)) for g, w in zip(got, want)]
+    return {"freed": freed, "same": same, "digest": _digest(got)}
+
+
+@pytest.mark.parametrize("wrapper,then,how", [("ddp", "lion", "rebind"), ("ddp", "adamw", "del"),
+                                              ("ddp", "adamw", "rebind"), ("fsdp2", "lion", "del"),
+                                              ("fsdp2", "adamw", "rebind"), ("fsdp1", "lion", "rebind"),
+                                              ("fsdp1", "adamw", "del")])
+def test_a_new_optimizer_for_the_same_model_takes_it_over(wrapper, then, how):
+    res = values(run_ranks("test_habits:new_optimizer", 2, kwargs={"wrapper": wrapper, "then": then, "how": how}))
+    for r in res:
+        assert r["freed"], "the first DistributedLion was not freed"
+        assert all(r["same"]), r["same"]
+    assert len({r["digest"] for r in res}) == 1, "replicas differ"
 
 
 # -- 4. DDP's buckets as the gradients (gradient_as_bucket_view=True) ----------
