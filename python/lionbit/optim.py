@@ -308,10 +308,9 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
         starts the vote during backward where that is exact, ``False`` votes at ``step()``), FSDP2 or FSDP1 (the
         1-bit reduce-scatter; ``context_parallel``: FSDP2's cp mesh or group). A re-wrapped model: moves, momentum
         kept; a model another DistributedLion serves: takes it over (detaching that one, as dropping it does)."""
-        model = torch_internals.compiled_inner(model)  # torch.compile(model): the model inside
+        kind, model = _attachment_kind(self, model)  # (the model inside torch.compile's or a framework's wrapper)
         if self._attachment.is_attached_to(model):
             raise RuntimeError("DistributedLion.attach: this optimizer is already attached to this model")
-        kind = _attachment_kind(model)
         next_momenta.check_attachment(self.next_momenta, kind)
         extra = _context_for(kind, context_parallel)
         if kind is not None:
@@ -323,6 +322,7 @@ class DistributedLion(torch.optim.Optimizer, Joinable):
     def detach(self):
         """Undo attach(): the model's communication is its own again (a DDP model keeps a hook that
         averages the gradients as DDP does) and step() votes every parameter itself. Returns self."""
+        _not_a_wrapper(self, "detach")
         self._attachment.release()
         self._attachment = Attachment(self, self.group)
         return self
@@ -415,18 +415,45 @@ def _context_for(kind, context_parallel) -> dict:
     return {"context_parallel": context_parallel}
 
 
-def _attachment_kind(model):
-    """The attachment for ``model`` (DDP's, FSDP2's or FSDP1's), or None for
-    a plain module (a model that holds fully_shard-ed parts but is not one
-    itself is refused)."""
+def _attachment_kind(opt, model):
+    """(the attachment for ``model``: DDP's, FSDP2's or FSDP1's, or None for
+    a plain module; the model it attaches to). That is the model inside
+    torch.compile's wrapper, and inside a framework's (Lightning Fabric's
+    ``_FabricModule``): a child that is a DDP or FSDP model of all the
+    wrapper's parameters. A model that holds fully_shard-ed parts but is not
+    one itself is refused."""
+    _not_a_wrapper(opt, "attach")
+    model = torch_internals.compiled_inner(model)
+    kind = _kind_of(model)
+    if kind is None:
+        params = set(map(id, model.parameters()))
+        for child in model.children():
+            inner = _kind_of(torch_internals.compiled_inner(child))
+            if inner is not None and set(map(id, child.parameters())) == params:
+                return inner, torch_internals.compiled_inner(child)
+        if fsdp_loaded():
+            from . import fsdp  # optional: torch's FSDP, imported only by a program that uses it
+
+            fsdp.check_not_partly_sharded(model)
+    return kind, model
+
+
+def _kind_of(model):
     if ddp.DDPAttachment.accepts(model):
         return ddp.DDPAttachment
     if not fsdp_loaded():
         return None
     from . import fsdp, fsdp1  # optional: torch's FSDP, imported only by a program that uses it
 
-    for kind in (fsdp.FSDP2Attachment, fsdp1.FSDP1Attachment):
-        if kind.accepts(model):
-            return kind
-    fsdp.check_not_partly_sharded(model)
-    return None
+    return next((kind for kind in (fsdp.FSDP2Attachment, fsdp1.FSDP1Attachment) if kind.accepts(model)), None)
+
+
+def _not_a_wrapper(opt, method: str) -> None:
+    """Refuses a framework's wrapper of the optimizer (Lightning Fabric's
+    ``_FabricOptimizer``, which inherits ``attach`` and reads the rest from the
+    optimizer it wraps: what attach() set would be the wrapper's alone)."""
+    if "param_groups" not in vars(opt):
+        raise TypeError(
+            f"DistributedLion.{method}: called on {type(opt).__name__}, a framework's wrapper of the optimizer; "
+            f"call it on the DistributedLion you created (the one handed to the framework)"
+        )
