@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import lion_math, momentum_mean, step_plan, step_vote, torch_internals, user_warning
+from . import lion_math, momentum_mean, momentum_origin, step_plan, step_vote, torch_internals, user_warning
 
 #: DDP models attached to a DistributedLion (lionbit.ddp): their comm hook
 #: all-reduces no gradient (detached, it averages them as DDP does).
@@ -242,12 +242,13 @@ class Attachment:
         return {"rank": dist.get_rank(self.group), "world_size": dist.get_world_size(self.group)}
 
     def state_dict(self) -> dict:
-        """torch's state dict plus ``"lionbit": {"rank", "world_size"}``, for a
-        file a rank. Asked by torch.distributed.checkpoint (which keeps one
-        value per entry, and a plain tensor for replicated: it writes one
-        rank's) on several ranks, each momentum is presented as row r of an
-        (N, *shape) DTensor over the group instead, row r being rank r's, so
-        that every rank's is saved and comes back to it."""
+        """torch's state dict plus ``"lionbit": {"rank", "world_size",
+        "momenta"}`` (lionbit.momentum_origin's record), for a file a rank.
+        Asked by torch.distributed.checkpoint (which keeps one value per
+        entry, and a plain tensor for replicated: it writes one rank's) on
+        several ranks, each momentum is presented as row r of an (N, *shape)
+        DTensor over the group instead, row r being rank r's, so that every
+        rank's is saved and comes back to it."""
         marker = self.marker()
         rows = marker is not None and marker["world_size"] > 1 and asked_by_torch_state_dicts() is not None
         if rows:  # every momentum, zero where none yet: dcp.load fills the entries of the state dict it is given
@@ -257,8 +258,8 @@ class Attachment:
         if rows:  # (no marker: DCP would keep one rank's; the rows say whose each momentum is)
             sd["state"] = {k: {n: self._rows(v) if n == "exp_avg" else v for n, v in st.items()}
                            for k, st in sd["state"].items()}
-        elif marker is not None:
-            sd["lionbit"] = marker
+        elif marker is not None:  # (and a record of the momenta: a dict DCP mixed says so when loaded)
+            sd["lionbit"] = {**marker, "momenta": momentum_origin.record(marker["rank"], sd["state"])}
         return sd
 
     def _rows(self, m: torch.Tensor):
@@ -338,20 +339,7 @@ class Attachment:
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
-        saved = state_dict.pop("lionbit", None)
-        mine = self.marker()
-        if saved is not None and mine is not None and (saved.get("rank"), saved.get("world_size")) != (
-            mine["rank"],
-            mine["world_size"],
-        ):
-            user_warning.warn(
-                f"DistributedLion.load_state_dict on rank {mine['rank']}: this state dict holds the momentum of "
-                f"rank {saved.get('rank')} of {saved.get('world_size')}, so this rank continues from that rank's "
-                f"momentum, not its own (when every rank loads rank 0's file, every rank starts with the same "
-                f"momentum: a momentum synchronization; training goes on, but not bitwise as without the "
-                f"restart). For an exact resume save each rank's own: torch.save(opt.state_dict(), "
-                f"f'opt.rank{{dist.get_rank()}}.pt') on every rank, and load each rank's file"
-            )
+        self._warn_whose(state_dict.pop("lionbit", None), state_dict.get("state", {}))
         state_dict["state"] = self._own_rows(state_dict)  # (checked before anything is loaded)
         torch.optim.Optimizer.load_state_dict(self.opt, state_dict)
         # torch casts loaded state to each parameter's dtype: a float32
@@ -364,6 +352,35 @@ class Attachment:
                 m = saved.get(key, {}).get("exp_avg")
                 if isinstance(m, torch.Tensor) and "exp_avg" in self.opt.state[p]:
                     self.opt.state[p]["exp_avg"] = m.to(device=p.device, dtype=self.opt.momentum_dtype, copy=True)
+
+    def _warn_whose(self, saved, state: dict) -> None:
+        """Warns where a state dict's momenta are not this rank's: another
+        rank's file, or a mix of the ranks' (lionbit.momentum_origin)."""
+        mine = self.marker()
+        if not isinstance(saved, dict) or mine is None:
+            return
+        found = momentum_origin.foreign(saved.get("momenta"), state)
+        whose = saved.get("rank") if found is None else found[0]
+        where = f"DistributedLion.load_state_dict on rank {mine['rank']}"
+        if found is not None and found[1]:
+            user_warning.warn(
+                f"{where}: {len(found[1])} of the {found[2]} momenta in this state dict are not rank {whose}'s, "
+                f"whose record of them it holds: it mixes the ranks' momenta, as a dict made by the script and "
+                f"handed to torch.distributed.checkpoint does (dcp.save({{'optim': opt.state_dict()}}): DCP keeps "
+                f"one rank's copy of each entry, choosing the rank entry by entry). This rank continues from the "
+                f"mix: training goes on, but not bitwise as without the restart. For an exact resume hand DCP the "
+                f"optimizer itself (dcp.save({{'optim': opt}}) and dcp.load({{'optim': opt}})) or "
+                f"get_state_dict(model, opt), which ask for every rank's momentum, or save a file a rank"
+            )
+        elif (whose, saved.get("world_size")) != (mine["rank"], mine["world_size"]):
+            user_warning.warn(
+                f"{where}: this state dict holds the momentum of rank {whose} of {saved.get('world_size')}, so "
+                f"this rank continues from that rank's momentum, not its own (when every rank loads rank 0's file, "
+                f"every rank starts with the same momentum: a momentum synchronization; training goes on, but not "
+                f"bitwise as without the restart). For an exact resume save each rank's own: "
+                f"torch.save(opt.state_dict(), f'opt.rank{{dist.get_rank()}}.pt') on every rank, and load each "
+                f"rank's file"
+            )
 
     def sharded_state_dict(self) -> dict:
         raise RuntimeError("DistributedLion.sharded_state_dict: attach(model) to an FSDP2 model first")

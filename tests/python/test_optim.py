@@ -442,6 +442,60 @@ def test_dcp_resume_gives_every_rank_its_own_momentum(how):
     assert res[0]["momentum"] != res[1]["momentum"]  # each rank's own, not one rank's for all
 
 
+def dcp_made_beforehand(rank, n, ckpt_dir):
+    """A script that hands DCP a state dict it made itself,
+    ``dcp.save({"model": ..., "optim": opt.state_dict()})``, and later rolls
+    back to it (a loss spike) the same way: DCP keeps one rank's copy of each
+    plain momentum, so the momenta that come back mix the ranks'. Every rank
+    must say so, counting the momenta that are not those of the rank whose
+    record the dict holds; a file a rank loads on its own rank silently."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _ddp_train(rank, n, 6, ddp_kwargs={})
+    params = [p for p in model.parameters() if "exp_avg" in opt.state.get(p, {})]
+    saved = [opt.state[p]["exp_avg"].clone() for p in params]
+    every = [[torch.empty_like(m) for _ in range(n)] for m in saved]  # each rank's, to tell whose comes back
+    for out, m in zip(every, saved):
+        dist.all_gather(out, m)
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=os.path.join(ckpt_dir, "dcp"))
+    torch.save(opt.state_dict(), os.path.join(ckpt_dir, f"rank{rank}.pt"))
+    model, opt = _ddp_train(rank, n, 2, ddp_kwargs={}, start=6, model=model, opt=opt)
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=os.path.join(ckpt_dir, "dcp"))
+    model.load_state_dict(sd["model"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(sd["optim"])
+    said = [str(w.message) for w in caught if "DistributedLion" in str(w.message)]
+    whose = [[r for r in range(n) if torch.equal(opt.state[p]["exp_avg"], every[i][r])] for i, p in enumerate(params)]
+    with warnings.catch_warnings(record=True) as own_file:
+        warnings.simplefilter("always")
+        opt.load_state_dict(torch.load(os.path.join(ckpt_dir, f"rank{rank}.pt")))
+    own = all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(params, saved))
+    return {"said": said, "whose": whose, "own_file_said": [str(w.message) for w in own_file], "own": own}
+
+
+def test_a_state_dict_dcp_mixed_says_so_on_every_rank():
+    import re
+
+    with tempfile.TemporaryDirectory() as d:
+        res = values(run_ranks("test_optim:dcp_made_beforehand", 2, kwargs={"ckpt_dir": d}))
+    whose = res[0]["whose"]
+    assert all(r["whose"] == whose for r in res) and all(len(w) == 1 for w in whose), res  # one rank's copy each
+    assert len({w[0] for w in whose}) == 2, whose  # DCP balances the ranks' writes: both ranks' momenta came back
+    for rank, r in enumerate(res):
+        assert len(r["said"]) == 1, r
+        found = re.search(r"on rank (\d): (\d+) of the (\d+) momenta in this state dict are not rank (\d)'s",
+                          r["said"][0])
+        assert found and int(found[1]) == rank, r["said"]
+        origin = int(found[4])
+        assert int(found[2]) == sum(w[0] != origin for w in whose) and int(found[3]) == len(whose), (r["said"], whose)
+        assert "dcp.save({'optim': opt})" in r["said"][0], r["said"]
+        assert r["own"] and r["own_file_said"] == [], r  # a file a rank, on its rank: exact and silent
+
+
 def dcp_at_step_zero(rank, n, ckpt_dir, wrap):
     """A checkpoint before the first step (a seed checkpoint, or a loop that
     saves every k steps from step 0) through get_state_dict / dcp.save, with a
