@@ -84,7 +84,7 @@ class Attachment:
         # The optimizer holds its attachment, and the model's hooks hold the attachment: never the
         # optimizer, so that dropping it frees it (and its momenta) and detaches (detach_when_dropped).
         self._opt = weakref.ref(opt)
-        self.release = self.detach  # detach(), once; the optimizer's way to hand the model back
+        self._dropped = None  # detach_when_dropped's finalizer
         self.group = group  # None: the default group at each call
         self.buffers = step_vote.VoteBuffers()
         self.plan = step_plan.StepPlan()  # a plain module's step, replayed (not DDP's or FSDP's)
@@ -102,10 +102,18 @@ class Attachment:
         reference gone: a script that builds a new optimizer for the same
         model, a framework's tuner), so that its momenta are freed, the model's
         communication is torch's again and another optimizer may attach.
-        ``release()`` detaches at once (and only once). Returns self."""
-        self.release = weakref.finalize(self.opt, self.detach)
-        self.release.atexit = False  # (at exit the groups may be gone: nothing to hand back)
+        Returns self."""
+        self._dropped = weakref.finalize(self.opt, self.detach)
+        self._dropped.atexit = False  # (at exit the groups may be gone: nothing to hand back)
         return self
+
+    def release(self) -> None:
+        """:meth:`detach` now, and not again when the optimizer is dropped:
+        the optimizer's way to hand the model back."""
+        if self._dropped is None:
+            self.detach()
+        else:
+            self._dropped()  # (a finalizer runs its callback once)
 
     def taken_over(self) -> None:
         """Another DistributedLion attached to this model (a script that
