@@ -73,6 +73,14 @@ def asked_by_torch_state_dicts() -> Optional[str]:
     return None if frame is None else frame.f_globals["__name__"]
 
 
+def take_over(others) -> None:
+    """Detaches each distinct attachment of ``others`` (None: none): another
+    DistributedLion's, serving the model an attach() is installing on (the
+    newest attach() serves it; :meth:`Attachment.taken_over`)."""
+    for other in {id(a): a for a in others if a is not None}.values():
+        other.taken_over()
+
+
 class Attachment:
     """The interface, and a plain module's (or no model's) attachment."""
 

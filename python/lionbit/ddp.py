@@ -56,7 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import join, lion_math, step_vote, torch_internals
 from ._backend import backend_for
-from .attachment import ATTACHED_DDP_MODELS, Attachment
+from .attachment import ATTACHED_DDP_MODELS, Attachment, take_over
 from .errors import PeerRejected
 
 log = logging.getLogger("lionbit")
@@ -146,8 +146,8 @@ class DDPAttachment(Attachment):
                 )
             slot = _slots[model] = _HookSlot(model.process_group)
             model.register_comm_hook(slot, _hook)
-        elif slot.attachment is not None:
-            slot.attachment.taken_over()  # another DistributedLion's: the newest attach() serves the model
+        else:
+            take_over([slot.attachment])
         slot.attachment = self
         ATTACHED_DDP_MODELS.add(model)
         self.slot = slot

@@ -102,7 +102,7 @@ from . import (
     torch_internals,
 )
 from ._backend import backend_for
-from .attachment import Attachment
+from .attachment import Attachment, take_over
 from .voter import end_to_end, runs
 
 try:
@@ -287,8 +287,7 @@ class FSDP2Attachment(Attachment):
         self.stepped = True  # a step() came after the last reduce-scatter (the next one starts a new order)
         self.comms = []
         self.plan = fsdp_plan.FSDP2Plan()  # the step, replayed where it is the step before again
-        for other in {id(c.att): c.att for c in map(_sign_comm, installs) if c is not None}.values():
-            other.taken_over()  # another DistributedLion's: the newest attach() serves the model
+        take_over(c.att for c in map(_sign_comm, installs) if c is not None)
         for module, pg in installs:
             comm = _SignReduceScatter(self, pg)
             torch_internals.fsdp2_set_reduce_scatter_comm(module, pg, comm, _WHERE)

@@ -78,7 +78,7 @@ import torch.distributed as dist
 
 from . import fsdp1_checkpoint, fsdp1_plan, lion_math, step_vote, torch_internals
 from ._backend import backend_for
-from .attachment import Attachment
+from .attachment import Attachment, take_over
 from .voter import end_to_end, runs
 
 try:
@@ -564,8 +564,7 @@ class FSDP1Attachment(Attachment):
         self.group = self.replicas if self.hybrid else (opt.group if opt.group is not None else group)
         self.norm_order = _norm_order(model, self.units)
         hooked = [torch_internals.fsdp1_hook_state(st) for st in self.states if torch_internals.fsdp1_comm_hook(st)]
-        for other in {id(unit.att): unit.att for unit in hooked}.values():
-            other.taken_over()  # another DistributedLion's: the newest attach() serves the model
+        take_over(unit.att for unit in hooked if unit is not None)  # (lionbit's hooks: another optimizer's)
         self.show_momenta()
         by_module = {u.module: u for u in self.units}
         self.forward_hook = None

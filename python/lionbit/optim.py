@@ -427,10 +427,10 @@ def _attachment_kind(opt, model):
     kind = _kind_of(model)
     if kind is None:
         params = set(map(id, model.parameters()))
-        for child in model.children():
-            inner = _kind_of(torch_internals.compiled_inner(child))
+        for child in map(torch_internals.compiled_inner, model.children()):
+            inner = _kind_of(child)
             if inner is not None and set(map(id, child.parameters())) == params:
-                return inner, torch_internals.compiled_inner(child)
+                return inner, child
         if fsdp_loaded():
             from . import fsdp  # optional: torch's FSDP, imported only by a program that uses it
 
