@@ -264,19 +264,30 @@ class Attachment:
         entry, and a plain tensor for replicated: it writes one rank's) on
         several ranks, each momentum is presented as row r of an (N, *shape)
         DTensor over the group instead, row r being rank r's, so that every
-        rank's is saved and comes back to it."""
+        rank's is saved and comes back to it; on one (or without a process
+        group) plain, as lionbit.elastic's planner knows them (no record:
+        one worker's momenta are its own)."""
         marker = self.marker()
-        rows = marker is not None and marker["world_size"] > 1 and asked_by_torch_state_dicts() is not None
-        if rows:  # every momentum, zero where none yet: dcp.load fills the entries of the state dict it is given
-            for p in (p for group in self.opt.param_groups for p in group["params"] if p.requires_grad):
-                self.opt.momentum_of(p)
+        asked = asked_by_torch_state_dicts() is not None
+        if asked:  # every momentum, zero where none yet: dcp.load fills the entries of the state dict it is given
+            self.momenta()
         sd = torch.optim.Optimizer.state_dict(self.opt)
-        if rows:  # (no marker: DCP would keep one rank's; the rows say whose each momentum is)
-            sd["state"] = {k: {n: self._rows(v) if n == "exp_avg" else v for n, v in st.items()}
+        if asked:  # (no marker: DCP would keep one rank's; the rows say whose each momentum is)
+            present = self._rows if marker is not None and marker["world_size"] > 1 else self._plain
+            sd["state"] = {k: {n: present(v) if n == "exp_avg" else v for n, v in st.items()}
                            for k, st in sd["state"].items()}
         elif marker is not None:  # (and a record of the momenta: a dict DCP mixed says so when loaded)
             sd["lionbit"] = {**marker, "momenta": momentum_origin.record(marker["rank"], sd["state"])}
         return sd
+
+    @staticmethod
+    def _plain(m: torch.Tensor) -> torch.Tensor:
+        """The only worker's momentum m (a view of it), marked for
+        lionbit.elastic's planner: a checkpoint of N workers loads into it
+        as their mean."""
+        from . import elastic  # optional: imports torch.distributed.checkpoint (which is asking)
+
+        return elastic.presented(m.view(m.shape))
 
     def _rows(self, m: torch.Tensor):
         """m as this rank's row of an (N, *shape) DTensor, placed Shard(0)
@@ -312,7 +323,9 @@ class Attachment:
             p = params.get(key)
             if isinstance(m, DTensor):
                 st = {**st, "exp_avg": self._own_row(p, m)}
-            elif isinstance(m, torch.Tensor) and m.shape != p.shape:
+            elif isinstance(m, torch.Tensor) and m.shape == p.shape:  # (the only worker's: the planner's mean?)
+                st = {**st, "exp_avg": self._mean_loaded(m, m)}
+            elif isinstance(m, torch.Tensor):
                 if not momentum_mean.are_rows(m, p):
                     raise ValueError(
                         f"DistributedLion.load_state_dict on rank {dist.get_rank()}: the momentum ('exp_avg') of "
@@ -349,9 +362,16 @@ class Attachment:
                 f"a checkpoint of another number of ranks loads through dcp.load(..., "
                 f"planner=lionbit.ElasticLoadPlanner()), every rank then starting from the mean of the saved momenta"
             )
+        return self._mean_loaded(m, local)[0]
+
+    @staticmethod
+    def _mean_loaded(m: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """The saved momenta's mean where lionbit.elastic's planner loaded
+        m's entry from another number of workers (or another layout), else
+        ``local`` (m's own tensor)."""
         elastic = sys.modules.get(__package__ + ".elastic")
-        mean = elastic.mean_loaded(m) if elastic is not None else None  # another number of ranks saved it
-        return local[0] if mean is None else mean[0]
+        mean = elastic.mean_loaded(m) if elastic is not None else None
+        return local if mean is None else mean
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)

@@ -27,8 +27,12 @@ The mean is taken in two halves, as the load runs:
   momentum's dtype (lionbit.momentum_mean.finish). Every worker gets the
   same bits.
 
-On the same number of workers the planner is DCP's default planner: an
-exact resume.
+A run of one worker (world size 1, or no process group) presents each
+momentum plain, of its parameter's shape (as lionbit always has: one
+worker's checkpoint is a plain optimizer's); the planner reads all N saved
+rows into it, and a plain checkpoint (one worker's) loads on M workers as
+one saved row. On the same number of workers the planner is DCP's default
+planner: an exact resume.
 """
 
 import dataclasses
@@ -44,10 +48,10 @@ from torch.distributed.tensor import DTensor
 
 from . import momentum_mean
 
-#: The rows DTensors lionbit presented (by id: a Tensor's == is elementwise).
-_PRESENTED: "weakref.WeakValueDictionary[int, DTensor]" = weakref.WeakValueDictionary()
+#: The rows DTensors lionbit presented, and one worker's plain momenta (by id: a Tensor's == is elementwise).
+_PRESENTED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
-#: Rows DTensors that dcp.load filled with a sum of saved rows (by id), and the sums.
+#: Momenta that dcp.load filled with a sum of saved rows (by id), and the sums.
 _SUMS: Dict[int, "_RowSum"] = {}
 
 #: HSDP's mesh layouts lionbit presented (lionbit.fsdp_checkpoint.MESH_SHAPE_KEY), and those
@@ -60,16 +64,17 @@ _REMESHED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueD
 _RECORD_NAMES: set = set()
 
 
-def presented(rows: DTensor) -> DTensor:
+def presented(rows: torch.Tensor) -> torch.Tensor:
     """Marks ``rows`` (worker r's momentum as row r of an (N, *shape)
-    DTensor placed Shard(0) on one mesh dim) as lionbit's: the only entries
-    :class:`ElasticLoadPlanner` loads as a mean."""
+    DTensor placed Shard(0) on one mesh dim; or a plain momentum of the
+    only worker) as lionbit's: the only entries :class:`ElasticLoadPlanner`
+    loads as a mean."""
     _PRESENTED[id(rows)] = rows
     return rows
 
 
 def is_presented(value) -> bool:
-    """Whether ``value`` is a rows DTensor that lionbit presented (and that
+    """Whether ``value`` is a momentum that lionbit presented (and that
     dcp.load may have filled), not one that torch made from a file."""
     return _PRESENTED.get(id(value)) is value
 
@@ -93,28 +98,58 @@ def remeshed(layout) -> bool:
 
 
 class _RowSum:
-    """The saved rows this rank reads into one float32 sum: its part of each."""
+    """The saved rows this rank reads into one float32 sum: its part of each.
+    ``value`` is a rows DTensor, or the only worker's plain momentum (which
+    reads every row whole); ``saved`` rows, or one plain momentum where
+    ``plain_saved`` (one worker's checkpoint)."""
 
-    def __init__(self, rows: DTensor, saved: int):
-        dim = momentum_mean.rows_mesh_dim(rows.placements)
-        self.mesh_dim = dim
-        self.workers = rows.device_mesh.size(dim)
-        self.saved = saved
-        self.worker = rows.device_mesh.get_local_rank(dim)
-        self.chunk = rows.__create_chunk_list__()[0]  # this rank's part: (1, *its block) at (worker, *offsets)
-        self.sum = torch.zeros(tuple(self.chunk.sizes), dtype=torch.float32, device=rows.to_local().device)
+    def __init__(self, value: torch.Tensor, saved: int, plain_saved: bool):
+        self.saved, self.plain_saved = saved, plain_saved
+        if isinstance(value, DTensor):
+            self.mesh, self.mesh_dim = value.device_mesh, momentum_mean.rows_mesh_dim(value.placements)
+            self.workers = self.mesh.size(self.mesh_dim)
+            self.worker = self.mesh.get_local_rank(self.mesh_dim)
+            self.chunk = value.__create_chunk_list__()[0]  # this rank's part: (1, *its block) at (worker, *offsets)
+            device = value.to_local().device
+        else:
+            self.mesh, self.mesh_dim, self.workers, self.worker = None, 0, 1, 0
+            self.chunk = ChunkStorageMetadata(offsets=torch.Size([0] * (value.dim() + 1)),
+                                              sizes=torch.Size((1, *value.shape)))
+            device = value.device
+        self.sum = torch.zeros(tuple(self.chunk.sizes), dtype=torch.float32, device=device)
 
     def chunks(self) -> list:
         """The same part of every saved row this worker reads."""
-        rest = tuple(self.chunk.offsets[1:])
-        return [ChunkStorageMetadata(offsets=torch.Size((i, *rest)), sizes=self.chunk.sizes)
-                for i in range(self.worker, self.saved, self.workers)]
+        rest, rows = tuple(self.chunk.offsets[1:]), range(self.worker, self.saved, self.workers)
+        if self.plain_saved:  # one row, without the rows' dim: worker 0 reads it
+            return [ChunkStorageMetadata(offsets=torch.Size(rest), sizes=self.chunk.sizes[1:]) for _ in rows]
+        return [ChunkStorageMetadata(offsets=torch.Size((i, *rest)), sizes=self.chunk.sizes) for i in rows]
 
     def add(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        block = self.sum
+        block = self.sum[0] if self.plain_saved else self.sum
         for d, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             block = block.narrow(d, start, length)
         block.add_(tensor.to(device=block.device, dtype=torch.float32))
+
+
+def _saved_rows(value, md) -> Optional[tuple]:
+    """(saved momenta, whether saved plain, this run's workers) where
+    dcp.load sums saved rows into ``value``, a momentum lionbit presented,
+    from checkpoint entry ``md``: rows of another number of workers, or
+    another layout (one worker's plain momentum against rows, or rows
+    against it). None: DCP's own load (and its size check)."""
+    if not (is_presented(value) and isinstance(md, TensorStorageMetadata)):
+        return None
+    rows = isinstance(value, DTensor)
+    if rows and value.device_mesh.get_coordinate() is None:
+        return None  # (not on this rank's mesh)
+    saved, now = tuple(md.size), tuple(value.shape)
+    shape, workers = (now[1:], now[0]) if rows else (now, 1)  # one momentum's shape; this run's workers
+    if saved == now:
+        return None  # (the same layout of the same number)
+    if len(saved) == len(shape) + 1 and saved[1:] == shape:
+        return saved[0], False, workers
+    return (1, True, workers) if saved == shape else None
 
 
 class ElasticLoadPlanner(DefaultLoadPlanner):
@@ -138,13 +173,14 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
             if md is None and isinstance(value, str) and fqn.rsplit(".", 1)[-1] in _RECORD_NAMES:
                 self.hidden.add(fqn)  # a 1-D mesh's checkpoint records no mesh: this run's record stays
                 continue
-            if (is_presented(value) and isinstance(md, TensorStorageMetadata)
-                    and len(md.size) == value.dim() and tuple(md.size[1:]) == tuple(value.shape[1:])
-                    and md.size[0] != value.shape[0] and value.device_mesh.get_coordinate() is not None):
-                self.row_sums[fqn] = _SUMS[id(value)] = _RowSum(value, md.size[0])  # every worker's: all sum
+            layout = _saved_rows(value, md)
+            if layout is not None:
+                saved, plain_saved, now = layout
+                self.row_sums[fqn] = _SUMS[id(value)] = _RowSum(value, saved, plain_saved)  # every worker's: all sum
                 self.hidden.add(fqn)
                 weakref.finalize(value, _SUMS.pop, id(value), None)
-                saved_of.setdefault((md.size[0], value.shape[0]), fqn)
+                if saved != now:  # (the same number in another layout, a plain one's and rows: an exact copy)
+                    saved_of.setdefault((saved, now), fqn)
         for (saved, now), fqn in saved_of.items():
             momentum_mean.warn("dcp.load with lionbit.ElasticLoadPlanner", saved, now, fqn)
 
@@ -181,13 +217,16 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
 
 
 def mean_loaded(value) -> Optional[torch.Tensor]:
-    """Where ``value`` is a rows DTensor that :class:`ElasticLoadPlanner`
+    """Where ``value`` is a momentum that :class:`ElasticLoadPlanner`
     loaded as a sum of saved rows: the all-reduce of the workers' sums over
-    the rows' ranks, divided by the saved workers' number, as a new tensor
-    of ``value``'s local shape and dtype (this rank's momentum; the loader
+    the rows' ranks (a plain momentum's worker has them all), divided by the
+    saved workers' number, as a new tensor of ``value``'s local shape and
+    dtype (this rank's momentum; the loader
     copies it in once every entry is checked). None for any other value.
     Called by every rank's loader, the parameters in the same order."""
-    rs: Optional[_RowSum] = _SUMS.pop(id(value), None) if isinstance(value, DTensor) else None
-    if rs is None:  # (an entry leaves _SUMS when its DTensor dies, before its id can be reused)
+    rs: Optional[_RowSum] = _SUMS.pop(id(value), None) if isinstance(value, torch.Tensor) else None
+    if rs is None:  # (an entry leaves _SUMS when its tensor dies, before its id can be reused)
         return None
-    return momentum_mean.finish(rs.sum, value.device_mesh, rs.mesh_dim, rs.saved, value.to_local().dtype)
+    if rs.mesh is None:  # the only worker: its sum is every worker's
+        return rs.sum[0].div_(rs.saved).to(value.dtype)
+    return momentum_mean.finish(rs.sum, rs.mesh, rs.mesh_dim, rs.saved, value.to_local().dtype)

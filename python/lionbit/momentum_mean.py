@@ -79,8 +79,9 @@ def warn(where: str, saved: int, now: int, name: str) -> None:
     """Says once a load that a checkpoint of ``saved`` workers starts this
     run's ``now`` workers from the saved momenta's mean."""
     rank = dist.get_rank() if dist.is_initialized() else 0
+    held, start = ((f"the momenta of {saved} workers", f"the mean of the {saved} saved momenta") if saved > 1 else
+                   ("the momentum of 1 worker", "the saved momentum"))
     user_warning.warn(
-        f"{where} on rank {rank}: the checkpoint holds the momenta of {saved} workers and this run has "
-        f"{now} (e.g. '{name}'), so every worker starts from the mean of the {saved} saved momenta (a momentum "
-        f"synchronization); the parameters load as saved"
+        f"{where} on rank {rank}: the checkpoint holds {held} and this run has {now} (e.g. '{name}'), so every "
+        f"worker starts from {start} (a momentum synchronization); the parameters load as saved"
     )

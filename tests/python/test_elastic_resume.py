@@ -17,7 +17,11 @@ Checked against references computed here, apart from lionbit:
   momenta and fed the ranks' own gradients, bit for bit; FSDP2's equal DDP's
   from the same checkpointed state;
 - on the same number of ranks the planner resumes as DCP's default does:
-  bitwise as a run that never stopped;
+  bitwise as a run that never stopped (one rank too, whose momenta are
+  plain);
+- one rank's checkpoint loads on M ranks as every rank's momentum, and N
+  ranks' on one rank or in a process without a process group as their
+  mean;
 - HSDP on another mesh: the nodes' momenta resharded where the number of
   nodes stays, their mean where it changes; FSDP2 beside tensor
   parallelism on another number of dp ranks: the mean;
@@ -120,11 +124,21 @@ def _train(model, net, opt, rank, steps, grads=None):
         opt.step()
 
 
-def elastic(rank, world_size, path, kind, phase, how="get/set", momentum_dtype=None, mesh_shape=None,
-            plan=True, older=False, device="cpu"):
+def elastic(rank, world_size, path, kind, phase, **kw):
     """The user's loop: ``phase`` "save" trains K steps, saves, trains J more
     (the run that never stopped); "load" builds everything afresh (another
-    seed, another lr), loads with the planner, trains J steps."""
+    seed, another lr), loads with the planner, trains J steps. "mean" in the
+    result: what lionbit warned of a mean of saved momenta."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _elastic(rank, path, kind, phase, **kw)
+    return {**out, "mean": sorted({str(w.message) for w in caught if "the checkpoint holds" in str(w.message)})}
+
+
+def _elastic(rank, path, kind, phase, how="get/set", momentum_dtype=None, mesh_shape=None, plan=True, older=False,
+             device="cpu"):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -214,23 +228,31 @@ def _check_mean(saved_rows, loaded_rows, momentum_dtype=None):
         assert np.abs(mean).max() > 0
 
 
-def _ddp_resumes(path, how, sizes, **kw):
-    saved = _run(3, path, "ddp", "save", how=how, **kw)
+def _ddp_resumes(path, how, sizes, n=3, **kw):
+    saved = _run(n, path, "ddp", "save", how=how, **kw)
     assert len({str(r["after"]) for r in saved}) == 1
     state = saved[0]["saved"]
-    assert len(state["rows"][0]) == 3 and state["rows"][0][0] != state["rows"][0][1]  # each rank's own
+    assert len(state["rows"][0]) == n and (n == 1 or state["rows"][0][0] != state["rows"][0][1])  # each rank's own
+    out = []
     for m in sizes:
         res = _run(m, path, "ddp", "load", how=how, **kw)
+        out.append(res)
+        held = f"momenta of {n} workers" if n > 1 else "momentum of 1 worker"
         for r in res:
             loaded = r["loaded"]
             assert loaded["params"] == state["params"]
             assert loaded["hyper"] == [[LR_AFTER, K]]
             assert r["after"] == res[0]["after"]
-        if m == 3:  # the same number of ranks: every rank its own momentum, bitwise as never stopped
+            assert len(r["mean"]) == (m != n) and all(f"holds the {held} and this run has {m} " in w
+                                                      for w in r["mean"]), r["mean"]
+        if m == n:  # the same number of ranks: every rank its own momentum, bitwise as never stopped
             assert res[0]["loaded"]["rows"] == state["rows"]
             assert res[0]["after"] == saved[0]["after"]
             continue
-        _check_mean(state["rows"], res[0]["loaded"]["rows"])
+        if n == 1:  # one worker's momentum on every rank, as saved
+            assert res[0]["loaded"]["rows"] == [rows * m for rows in state["rows"]]
+        else:
+            _check_mean(state["rows"], res[0]["loaded"]["rows"])
         # the steps after it: numpy Distributed Lion of m workers from the loaded state, the ranks' own gradients
         ref = ReferenceLion([torch.tensor(p) for p in loaded["params"]], m, LR_AFTER, LION["betas"],
                             LION["weight_decay"], "vote")
@@ -238,11 +260,77 @@ def _ddp_resumes(path, how, sizes, **kw):
         for step_grads in res[0]["grads"]:
             ref.step([[np.asarray(g, dtype=np.float32) for g in rank_grads] for rank_grads in step_grads])
         assert [x.tolist() for x in ref.x] == res[0]["after"], f"{m} ranks: the steps after the restart"
+    return out
 
 
 @pytest.mark.parametrize("how", ["get/set", "stateful", "full", "full-plain"])
 def test_ddp_resumes_on_fewer_and_more_ranks(tmp_path, how):
-    _ddp_resumes(str(tmp_path / "ckpt"), how, (2, 4, 3))
+    _ddp_resumes(str(tmp_path / "ckpt"), how, (2, 4, 1, 3))
+
+
+@pytest.mark.parametrize("how", ["get/set", "stateful"])
+def test_one_rank_checkpoint_resumes_on_one_and_more_ranks(tmp_path, how):
+    """A run of one rank (its momenta plain, as single-process Lion's) saved
+    through DCP: on one rank again it resumes bitwise; on 2 every rank
+    starts from the saved momentum (the mean of one), and is told so."""
+    res = _ddp_resumes(str(tmp_path / "ckpt"), how, (1, 2), n=1)
+    assert res[1][1]["mean"][0].startswith("dcp.load with lionbit.ElasticLoadPlanner on rank 1: the checkpoint holds")
+    assert res[1][1]["mean"][0].endswith("so every worker starts from the saved momentum (a momentum "
+                                         "synchronization); the parameters load as saved")
+
+
+def test_one_rank_checkpoints_move_between_ddp_and_fsdp2(tmp_path):
+    """FSDP2 on one rank presents its momenta as one row, DDP's plain: each
+    loads the other's one-rank checkpoint (an exact copy, nothing said on
+    one rank; on 2, every rank the saved momentum, said)."""
+    for saver, loader, m in (("fsdp2", "ddp", 1), ("ddp", "fsdp2", 2)):
+        path = str(tmp_path / saver)
+        state = _run(1, path, saver, "save")[0]["saved"]
+        for r in _run(m, path, loader, "load"):
+            assert r["loaded"]["params"] == state["params"]
+            assert r["loaded"]["rows"] == [rows * m for rows in state["rows"]], (saver, loader)
+            assert len(r["mean"]) == (m > 1), r["mean"]
+
+
+def test_a_process_without_a_group_loads_a_checkpoint_of_ranks(tmp_path):
+    """A single-process script or a notebook (no process group: there
+    DistributedLion is single-process Lion) loads the DCP checkpoint of 3
+    DDP ranks with the planner, as the docs write it: the parameters and
+    hyperparameters as saved, the momentum the ranks' mean, said once; its
+    steps after it are numpy Lion's from there."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import lionbit
+
+    path = str(tmp_path / "ckpt")
+    state = _run(3, path, "ddp", "save")[0]["saved"]
+    assert not dist.is_initialized()
+    model = _net(7)
+    opt = lionbit.DistributedLion(model.parameters(), **{**LION, "lr": 0.5})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model_sd, optim_sd = get_state_dict(model, opt)
+        sd = {"model": model_sd, "optim": optim_sd}
+        dcp.load(sd, checkpoint_id=path, planner=lionbit.ElasticLoadPlanner())
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    said = [str(w.message) for w in caught if "the checkpoint holds" in str(w.message)]
+    assert len(said) == 1 and "holds the momenta of 3 workers and this run has 1 " in said[0], said
+    assert _params(model) == state["params"]
+    assert [(g["lr"], g["step"]) for g in opt.param_groups] == [(LR_AFTER, K)]
+    loaded = [[opt.state[p]["exp_avg"].tolist()] for p in model.parameters()]
+    _check_mean(state["rows"], loaded)
+    ref = ReferenceLion([p.detach().clone() for p in model.parameters()], 1, LR_AFTER, LION["betas"],
+                        LION["weight_decay"], "vote")
+    ref.m = [[np.asarray(rows[0], dtype=np.float32) for rows in loaded]]
+    for step in range(K, K + J):
+        opt.zero_grad()
+        _loss(model, 0, step).backward()
+        ref.step([[p.grad.numpy().copy() for p in model.parameters()]])
+        opt.step()
+    assert [x.tolist() for x in ref.x] == _params(model)
 
 
 @pytest.mark.gpu
