@@ -408,6 +408,14 @@ class Attachment:
                 f"optimizer itself (dcp.save({{'optim': opt}}) and dcp.load({{'optim': opt}})) or "
                 f"get_state_dict(model, opt), which ask for every rank's momentum, or save a file a rank"
             )
+        elif whose == mine["rank"] and saved.get("world_size") != mine["world_size"]:
+            user_warning.warn(
+                f"{where}: this state dict holds this rank's own momentum, saved by a run of "
+                f"{saved.get('world_size')} ranks, and this run has {mine['world_size']}: this rank continues from "
+                f"it (training goes on, but not bitwise as without the restart). To start every rank from the mean "
+                f"of all the saved momenta instead, save through torch.distributed.checkpoint and load with "
+                f"dcp.load(..., planner=lionbit.ElasticLoadPlanner()) (docs/checkpoints.md)"
+            )
         elif (whose, saved.get("world_size")) != (mine["rank"], mine["world_size"]):
             user_warning.warn(
                 f"{where}: this state dict holds the momentum of rank {whose} of {saved.get('world_size')}, so "

@@ -362,6 +362,33 @@ def test_checkpoint_stop_restart_continue_is_bitwise_identical():
     assert len(set(hashes)) == 1
 
 
+def rank_file_elsewhere(rank, n, ckpt_dir):
+    """A job back on another number of ranks, each rank loading the file of
+    its own number (the last file where there is none): what it is told."""
+    import warnings
+
+    import lionbit
+
+    opt = lionbit.DistributedLion(_groups(_model(seed=123)))
+    ckpt = torch.load(os.path.join(ckpt_dir, f"rank{min(rank, 1)}.pt"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(ckpt["optimizer"])
+    return [str(w.message) for w in caught if "DistributedLion.load_state_dict" in str(w.message)]
+
+
+def test_a_rank_file_on_another_number_of_ranks_says_whose_it_is():
+    with tempfile.TemporaryDirectory() as d:
+        run_ranks("test_optim:checkpoint_resume", 2, kwargs={"ckpt_dir": d})
+        said = {n: values(run_ranks("test_optim:rank_file_elsewhere", n, kwargs={"ckpt_dir": d})) for n in (1, 3)}
+    for n, rank in ((1, 0), (3, 0), (3, 1)):
+        assert len(said[n][rank]) == 1 and (f"on rank {rank}: this state dict holds this rank's own momentum, saved "
+                                            f"by a run of 2 ranks, and this run has {n}: this rank continues from "
+                                            f"it") in said[n][rank][0], said[n][rank]
+    assert len(said[3][2]) == 1 and ("on rank 2: this state dict holds the momentum of rank 1 of 2, so this rank "
+                                     "continues from that rank's momentum, not its own") in said[3][2][0], said[3][2]
+
+
 class _AppState:
     """A Stateful app state as a framework's checkpoint manager makes one:
     its state_dict reaches the optimizer's through 20 nested calls."""
