@@ -277,7 +277,7 @@ class Attachment:
             sd["state"] = {k: {n: present(v) if n == "exp_avg" else v for n, v in st.items()}
                            for k, st in sd["state"].items()}
         elif marker is not None:  # (and a record of the momenta: a dict DCP mixed says so when loaded)
-            sd["lionbit"] = {**marker, "momenta": momentum_origin.record(marker["rank"], sd["state"])}
+            sd["lionbit"] = {**marker, "momenta": momentum_origin.record(marker["rank"], sd)}
         return sd
 
     @staticmethod
@@ -396,11 +396,22 @@ class Attachment:
         if not isinstance(saved, dict) or mine is None:
             return
         found = momentum_origin.foreign(saved.get("momenta"), state)
-        whose = saved.get("rank") if found is None else found[0]
+        whose = saved.get("rank") if found is None else found.rank
         where = f"DistributedLion.load_state_dict on rank {mine['rank']}"
-        if found is not None and found[1]:
+        if found is not None and found.missing:
             user_warning.warn(
-                f"{where}: {len(found[1])} of the {found[2]} momenta in this state dict are not rank {whose}'s, "
+                f"{where}: this state dict lacks {len(found.missing)} of the momenta its record lists: a dict "
+                f"made by the script from an optimizer with no momenta yet (a fresh one) and filled by "
+                f"torch.distributed.checkpoint gets none back (dcp.load fills only the entries it is given; and of "
+                f"a dict made by the script dcp.save keeps one rank's copy of each momentum). Those parameters "
+                f"start from zero momentum: training goes on, but not as without the restart. Hand DCP the "
+                f"optimizer itself (dcp.save({{'optim': opt}}), dcp.load({{'optim': opt}})) or use "
+                f"get_state_dict(model, opt) and set_state_dict: every momentum is made first, and every rank's saved"
+            )
+        elif found is not None and found.others:
+            user_warning.warn(
+                f"{where}: {len(found.others)} of the {found.compared} momenta in this state dict are not rank "
+                f"{whose}'s, "
                 f"whose record of them it holds: it mixes the ranks' momenta, as a dict made by the script and "
                 f"handed to torch.distributed.checkpoint does (dcp.save({{'optim': opt.state_dict()}}): DCP keeps "
                 f"one rank's copy of each entry, choosing the rank entry by entry). This rank continues from the "

@@ -2,10 +2,12 @@
 
 A plain module's or a DDP model's ``opt.state_dict()`` holds this rank's
 momenta and, under ``"lionbit"``, a record of them: one int64 tensor, this
-rank and then, for each momentum, its key, its dtype and a checksum (the sum
-of its bits read as integers, wrapping: exact, and the same in any order of
-summation, so on any number of threads or devices). A per-rank file carries
-the record whole, and its rank's momenta match it.
+rank and then, for each parameter, its key, its momentum's dtype (-1: none
+yet) and a checksum (the sum of its bits read as integers, wrapping: exact,
+and the same in any order of summation, so on any number of threads or
+devices). A per-rank file carries the record whole, and its rank's momenta
+match it. The record's size follows the parameters, not which of them have
+a momentum yet, so a fresh optimizer's matches a trained one's.
 
 torch.distributed.checkpoint handed such a dict (``dcp.save({"optim":
 opt.state_dict()})``: made by the script, not asked for by DCP, which would
@@ -13,10 +15,12 @@ get every rank's momentum as rows) keeps one rank's copy of each entry, and
 chooses the rank entry by entry to balance the ranks' writes: the momenta
 that come back to every rank are a mix of the ranks', and the record is one
 rank's. Checked against the record, the loaded momenta say which of them
-are not that rank's (:func:`foreign`).
+are not that rank's (:func:`foreign`). A dict made from an optimizer that
+has no momenta yet (a fresh one, before ``dcp.load``) has no entries for DCP
+to fill: the record it gets back lists momenta that the state lacks.
 """
 
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -39,33 +43,48 @@ def checksum(m: torch.Tensor) -> int:
     return int(bits.sum(dtype=torch.int64 if bits.element_size() == 8 else torch.int32))
 
 
-def record(rank: int, state: dict) -> torch.Tensor:
+def _momentum(state: dict, key):
+    st = state.get(key)
+    return st.get("exp_avg") if isinstance(st, dict) else None
+
+
+def record(rank: int, state_dict: dict) -> torch.Tensor:
     """``[rank, key, dtype, checksum, key, dtype, checksum, ...]`` for each
-    momentum (``"exp_avg"``) of torch's ``state`` (integer keys)."""
+    parameter of torch's state dict (integer keys, in ``param_groups``
+    order): its momentum's (``"exp_avg"``) dtype and checksum, or -1 and 0
+    where it has none."""
     out = [rank]
-    for key, st in state.items():
-        m = st.get("exp_avg") if isinstance(st, dict) else None
-        if isinstance(key, int) and _recordable(m):
-            out += [key, _DTYPES.index(m.dtype), checksum(m)]
+    for key in (k for g in state_dict["param_groups"] for k in g["params"] if isinstance(k, int)):
+        m = _momentum(state_dict["state"], key)
+        out += [key, _DTYPES.index(m.dtype), checksum(m)] if _recordable(m) else [key, -1, 0]
     return torch.tensor(out, dtype=torch.int64)
 
 
-def foreign(rec, state: dict) -> Optional[Tuple[int, List, int]]:
-    """(the rank the record ``rec`` is of, the keys of the momenta in
-    ``state`` that are not that rank's, how many were compared), or None
-    where ``rec`` is no record. A momentum the record does not list, or of
-    another dtype than it recorded (loaded into a state dict of another
-    momentum_dtype), is not compared."""
+class Origin(NamedTuple):
+    """What a state dict's momenta are, against its record."""
+
+    rank: int  #: the rank the record is of
+    others: List  #: keys of the momenta that are not that rank's
+    compared: int  #: how many momenta were compared
+    missing: List  #: keys the record lists a momentum for that the state lacks
+
+
+def foreign(rec, state: dict) -> Optional[Origin]:
+    """The momenta in ``state`` against the record ``rec``, or None where
+    ``rec`` is no record. A momentum of another dtype than recorded (loaded
+    into a state dict of another momentum_dtype) is not compared."""
     if type(rec) is not torch.Tensor or rec.dtype != torch.int64 or rec.dim() != 1 or (rec.numel() - 1) % 3:
         return None
     values = rec.tolist()
-    recorded = {key: (dtype, total) for key, dtype, total in zip(values[1::3], values[2::3], values[3::3])}
-    others, compared = [], 0
-    for key, st in state.items():
-        m = st.get("exp_avg") if isinstance(st, dict) else None
-        if key not in recorded or not _recordable(m) or _DTYPES.index(m.dtype) != recorded[key][0]:
-            continue
-        compared += 1
-        if checksum(m) != recorded[key][1]:
-            others.append(key)
-    return values[0], others, compared
+    others, compared, missing = [], 0, []
+    for key, dtype, total in zip(values[1::3], values[2::3], values[3::3]):
+        m = _momentum(state, key)
+        if dtype < 0:
+            continue  # (none when recorded)
+        if m is None:
+            missing.append(key)
+        elif _recordable(m) and _DTYPES.index(m.dtype) == dtype:
+            compared += 1
+            if checksum(m) != total:
+                others.append(key)
+    return Origin(values[0], others, compared, missing)

@@ -501,7 +501,17 @@ def dcp_made_beforehand(rank, n, ckpt_dir):
         warnings.simplefilter("always")
         opt.load_state_dict(torch.load(os.path.join(ckpt_dir, f"rank{rank}.pt")))
     own = all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(params, saved))
-    return {"said": said, "whose": whose, "own_file_said": [str(w.message) for w in own_file], "own": own}
+    # the restart: a new process's fresh model and optimizer, the dict made the same way before dcp.load
+    model, opt = _ddp_train(rank, n, 0, ddp_kwargs={}, model=_model(seed=123))
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    with warnings.catch_warnings(record=True) as fresh:
+        warnings.simplefilter("always")
+        dcp.load(sd, checkpoint_id=os.path.join(ckpt_dir, "dcp"))
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+    return {"said": said, "whose": whose, "own_file_said": [str(w.message) for w in own_file], "own": own,
+            "fresh_said": [str(w.message) for w in fresh if "DistributedLion" in str(w.message)],
+            "fresh_momenta": len(opt.state), "recorded": len(params)}
 
 
 def test_a_state_dict_dcp_mixed_says_so_on_every_rank():
@@ -521,6 +531,10 @@ def test_a_state_dict_dcp_mixed_says_so_on_every_rank():
         assert int(found[2]) == sum(w[0] != origin for w in whose) and int(found[3]) == len(whose), (r["said"], whose)
         assert "dcp.save({'optim': opt})" in r["said"][0], r["said"]
         assert r["own"] and r["own_file_said"] == [], r  # a file a rank, on its rank: exact and silent
+        # a fresh optimizer's dict: no entries for DCP to fill, said (it was DCP's size error on the record)
+        assert r["fresh_momenta"] == 0 and len(r["fresh_said"]) == 1, r
+        assert f"on rank {rank}: this state dict lacks {r['recorded']} of the momenta its record lists" \
+            in r["fresh_said"][0], r["fresh_said"]
 
 
 def dcp_at_step_zero(rank, n, ckpt_dir, wrap):
