@@ -391,11 +391,15 @@ class Attachment:
 
     def _warn_whose(self, saved, state: dict) -> None:
         """Warns where a state dict's momenta are not this rank's: another
-        rank's file, or a mix of the ranks' (lionbit.momentum_origin)."""
+        rank's file, or a mix of the ranks' (lionbit.momentum_origin). A
+        state dict without momenta (saved before the first step, as
+        Lightning's LR finder saves one) is no rank's: silent."""
         mine = self.marker()
         if not isinstance(saved, dict) or mine is None:
             return
         found = momentum_origin.foreign(saved.get("momenta"), state)
+        if not momentum_origin.holds_momenta(state) and not (found is not None and found.missing):
+            return
         whose = saved.get("rank") if found is None else found.rank
         where = f"DistributedLion.load_state_dict on rank {mine['rank']}"
         if found is not None and found.missing:

@@ -60,6 +60,11 @@ def record(rank: int, state_dict: dict) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int64)
 
 
+def holds_momenta(state: dict) -> bool:
+    """Whether torch's ``state`` holds any momentum (``"exp_avg"``)."""
+    return any(isinstance(st, dict) and isinstance(st.get("exp_avg"), torch.Tensor) for st in state.values())
+
+
 class Origin(NamedTuple):
     """What a state dict's momenta are, against its record."""
 

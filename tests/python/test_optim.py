@@ -389,6 +389,31 @@ def test_a_rank_file_on_another_number_of_ranks_says_whose_it_is():
                                      "continues from that rank's momentum, not its own") in said[3][2][0], said[3][2]
 
 
+def rank0_file_before_the_first_step(rank, n, ckpt_dir):
+    """Rank 0 saves the optimizer before any step and every rank restores it
+    (Lightning's LR finder does): no momenta, so no rank's; what is said."""
+    import warnings
+
+    import lionbit
+
+    model = _model(seed=1)
+    opt = lionbit.DistributedLion(_groups(model))
+    if rank == 0:
+        torch.save(opt.state_dict(), os.path.join(ckpt_dir, "before.pt"))
+    dist.barrier()
+    _ddp_train(rank, n, 2, ddp_kwargs={}, model=model, opt=opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(torch.load(os.path.join(ckpt_dir, "before.pt")))
+    return {"said": [str(w.message) for w in caught], "momenta": len(opt.state)}
+
+
+def test_a_file_saved_before_the_first_step_is_no_ranks():
+    with tempfile.TemporaryDirectory() as d:
+        res = values(run_ranks("test_optim:rank0_file_before_the_first_step", 2, kwargs={"ckpt_dir": d}))
+    assert res == [{"said": [], "momenta": 0}] * 2, res
+
+
 class _AppState:
     """A Stateful app state as a framework's checkpoint manager makes one:
     its state_dict reaches the optimizer's through 20 nested calls."""
