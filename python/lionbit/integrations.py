@@ -98,12 +98,17 @@ def _make_hf_callback():
                 )
             model = _unwrap_compiled(trainer.model_wrapped)
             if dist.is_initialized() and dist.get_world_size() > 1 and not _is_data_parallel(model):
+                kind = getattr(trainer.accelerator, "distributed_type", "?")
+                fix = (  # accelerate set up for several processes, and the model prepared without DDP:
+                    "The Trainer prepared the model for evaluation first (evaluate() or predict() before train() "
+                    "leaves it unwrapped for training too, with transformers 5.23 and accelerate 1.15): train "
+                    "before evaluating, or train with a new Trainer" if "MULTI" in str(kind) else
+                    "On CPU pass TrainingArguments(use_cpu=True); call torch.distributed.init_process_group("
+                    "'lionbit') before creating the TrainingArguments")
                 raise RuntimeError(
                     f"lionbit HFAttachCallback on rank {dist.get_rank()}: torch.distributed has "
                     f"{dist.get_world_size()} ranks but the Trainer did not wrap the model for distributed training "
-                    f"(accelerate's distributed type is {getattr(trainer.accelerator, 'distributed_type', '?')}), "
-                    f"so every rank would train on all the data. On CPU pass TrainingArguments(use_cpu=True); "
-                    f"call torch.distributed.init_process_group('lionbit') before creating the TrainingArguments"
+                    f"(accelerate's distributed type is {kind}), so every rank would train on all the data. {fix}"
                 )
             for lion in lions:
                 if self._attached.get(lion) is model:
