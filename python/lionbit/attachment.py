@@ -23,7 +23,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import lion_math, momentum_mean, momentum_origin, step_plan, step_vote, torch_internals, user_warning
+from . import (
+    lion_math,
+    momentum_mean,
+    momentum_origin,
+    other_optimizers,
+    step_plan,
+    step_vote,
+    torch_internals,
+    user_warning,
+)
 
 #: DDP models attached to a DistributedLion (lionbit.ddp): their comm hook
 #: all-reduces no gradient (detached, it averages them as DDP does).
@@ -87,6 +96,8 @@ class Attachment:
     kind = "a plain module"
     #: Whether its steps use the optimizer's second momentum buffers (lionbit.next_momenta).
     serves_next_momenta = True
+    #: The model whose communication it replaces (None: a plain module's, whose is its own).
+    model = None
 
     def __init__(self, opt, group: Optional[dist.ProcessGroup] = None):
         # The optimizer holds its attachment, and the model's hooks hold the attachment: never the
@@ -110,18 +121,30 @@ class Attachment:
         reference gone: a script that builds a new optimizer for the same
         model, a framework's tuner), so that its momenta are freed, the model's
         communication is torch's again and another optimizer may attach.
-        Returns self."""
-        self._dropped = weakref.finalize(self.opt, self.detach)
+        Returns self. Until then other optimizers may not step the model's
+        parameters where it left their gradients (lionbit.other_optimizers)."""
+        self._dropped = weakref.finalize(self.opt, self._hand_back)
         self._dropped.atexit = False  # (at exit the groups may be gone: nothing to hand back)
+        if self.model is not None:
+            other_optimizers.watch(self, self.model.parameters())
         return self
+
+    def _hand_back(self) -> None:
+        other_optimizers.unwatch(self)
+        self.detach()
 
     def release(self) -> None:
         """:meth:`detach` now, and not again when the optimizer is dropped:
         the optimizer's way to hand the model back."""
         if self._dropped is None:
-            self.detach()
+            self._hand_back()
         else:
             self._dropped()  # (a finalizer runs its callback once)
+
+    def holds_local_gradients(self) -> bool:
+        """Whether the model's gradients of the last backward are this rank's
+        own, left for the vote (no other optimizer may step them)."""
+        return False
 
     def taken_over(self) -> None:
         """Another DistributedLion attached to this model (a script that

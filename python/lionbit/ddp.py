@@ -134,6 +134,7 @@ class DDPAttachment(Attachment):
         self.started: List[_BucketVote] = []  # votes started in this backward
         self.versions: Optional[bool] = None  # True once each started bucket's grads' versions are recorded
         self.fallbacks = 0
+        self.hooked = False  # whether the hook ran since the last step (else: is another DDP training?)
         self.join = join.ModelJoin(model)  # torch's Join: is the optimizer in the model's current one?
         self.join_due = False  # a joined rank shadowed a synchronized backward: its step is due
         if slot is None:
@@ -154,6 +155,9 @@ class DDPAttachment(Attachment):
 
     def is_attached_to(self, model) -> bool:
         return model is self.model or model is self.wrapper
+
+    def holds_local_gradients(self) -> bool:
+        return self.hooked
 
     def detach(self) -> None:
         _drain(self.started)
@@ -272,6 +276,10 @@ class DDPAttachment(Attachment):
 
     # -- step -----------------------------------------------------------------
     def step(self, grad_scaler=None, abstain: bool = False) -> bool:
+        if not (abstain or self.hooked or self.checked_ddp):  # (a framework wrapped the model again, say)
+            self.checked_ddp = True
+            self.warn_if_ddp_unattached()
+        self.hooked = False
         scaled = grad_scaler is not None
         try:
             return step_vote.voted_step(self.opt, grad_scaler, lambda: self.vote_step(scaled, abstain), abstain)
@@ -513,6 +521,7 @@ def _hook(slot: _HookSlot, bucket: dist.GradBucket) -> torch.futures.Future[torc
     if att is None:
         grads = bucket.buffer().div_(slot.group.size())
         return dist.all_reduce(grads, group=slot.group, async_op=True).get_future().then(lambda f: f.value()[0])
+    att.hooked = True
     if not torch_internals.in_backward():
         # Outside any backward pass: DDP's join hook shadowing the peers'
         # backward on a rank that has run out of data (torch's Join).

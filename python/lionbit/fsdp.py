@@ -302,6 +302,9 @@ class FSDP2Attachment(Attachment):
     def is_attached_to(self, model) -> bool:
         return model is self.model
 
+    def holds_local_gradients(self) -> bool:
+        return not self.stepped  # (a reduce-scatter of lionbit's since the last step)
+
     def detach(self) -> None:
         for comm in self.comms:
             comm.uninstall()

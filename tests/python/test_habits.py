@@ -570,6 +570,81 @@ def test_a_new_optimizer_for_the_same_model_takes_it_over(wrapper, then, how):
     assert len({r["digest"] for r in res}) == 1, "replicas differ"
 
 
+def still_held(rank, n, wrapper, case):
+    """The first optimizer dropped by the script but still held elsewhere (a
+    framework's list: accelerate keeps each prepared optimizer), so it stays
+    attached: torch's AdamW stepping the model must not move the replicas
+    apart. "held": refused on every rank, nothing changed, then detach() and
+    AdamW trains as on the mean gradient; "rewrapped": the model wrapped
+    again (a new DDP: its all-reduce), AdamW trains; "wrapper": an optimizer
+    that wraps the DistributedLion (a Lookahead) steps it."""
+    import lionbit
+
+    torch.set_num_threads(1)
+    model = _net()
+    wrapped = _wrap(model, wrapper)
+    held = [lionbit.DistributedLion(wrapped.parameters(), **LION).attach(wrapped)]  # the framework's reference
+    out = {}
+    for step in range(STEPS):
+        if step == STAGE:
+            if case == "wrapper":
+                opt = _Lookahead(held[0])
+            else:
+                wrapped = _ddp(model) if case == "rewrapped" else wrapped
+                opt = torch.optim.AdamW(wrapped.parameters(), **ADAMW)
+        elif step < STAGE:
+            opt = held[0]
+        opt.zero_grad()
+        _loss(wrapped, rank, step, 0, "bare").backward()
+        if step == STAGE and case == "held":
+            before = _digest(_whole(model, wrapped, wrapper))
+            try:
+                opt.step()
+            except RuntimeError as err:
+                out["error"] = str(err)
+            out["unchanged"] = _digest(_whole(model, wrapped, wrapper)) == before
+            held[0].detach()  # the fix the error names; this step's gradients are still the local ones
+            opt.zero_grad()
+            _loss(wrapped, rank, step, 0, "bare").backward()
+        opt.step()
+    got = _whole(model, wrapped, wrapper)
+    if case == "wrapper":
+        want = simulate([STEPS] * n)
+        out["same"] = [bool(torch.equal(g, w)) for g, w in zip(got, want)]
+    else:
+        want = simulate_adamw_after(simulate([STAGE] * n), n, range(STAGE, STEPS))
+        out["same"] = [bool(torch.allclose(g, w, rtol=1e-5, atol=1e-6)) for g, w in zip(got, want)]
+    return {**out, "digest": _digest(got)}
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """A wrapper optimizer as Lookahead implementations write one: its
+    param_groups are the wrapped optimizer's, its step calls that one's."""
+
+    def __init__(self, base):
+        self.base = base
+        super().__init__(base.param_groups, {})
+        self.param_groups = base.param_groups
+
+    def step(self, closure=None):
+        return self.base.step(closure)
+
+
+@pytest.mark.parametrize("wrapper,case", [("ddp", "held"), ("fsdp2", "held"), ("ddp", "rewrapped"),
+                                          ("ddp", "wrapper")])
+def test_another_optimizer_on_a_model_a_held_distributed_lion_serves(wrapper, case):
+    res = values(run_ranks("test_habits:still_held", 2, kwargs={"wrapper": wrapper, "case": case}))
+    for rank, r in enumerate(res):
+        if case == "held":
+            assert f"AdamW.step on rank {rank}: its parameters" in r["error"] and "lion_opt.detach()" in r["error"] \
+                and "list" in r["error"], r.get("error")
+            assert r["unchanged"], "the refused step changed the parameters"
+        else:
+            assert "error" not in r, r
+        assert all(r["same"]), r["same"]
+    assert len({r["digest"] for r in res}) == 1, "replicas differ"
+
+
 # -- 4. DDP's buckets as the gradients (gradient_as_bucket_view=True) ----------
 
 

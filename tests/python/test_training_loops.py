@@ -532,3 +532,36 @@ def unattached_ddp(rank, n):
 
 def test_an_unattached_ddp_model_is_named_at_the_first_step():
     assert all(values(run_ranks("test_training_loops:unattached_ddp", 2)))
+
+
+def rewrapped_not_attached(rank, n):
+    """The model wrapped again (accelerate's free_memory() and prepare(), a
+    framework's second fit) and the optimizer, attached to the first DDP,
+    not attached to the new one: the new DDP all-reduces in fp32, which the
+    first step after says, once."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lionbit
+
+    model = _net()
+    ddp = DDP(model)
+    opt = lionbit.DistributedLion(ddp.parameters(), **LION).attach(ddp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            if step == 2:
+                ddp = DDP(model)  # the old one is still attached (and alive: the attachment holds it)
+            opt.zero_grad()
+            _loss(ddp, rank, step, 0, "bare").backward()
+            opt.step()
+    said = [str(w.message) for w in caught if "was not attached" in str(w.message)]
+    return {"said": said, "all": len(caught), "digest": _digest(model.parameters())}
+
+
+def test_a_model_wrapped_again_and_not_attached_is_named():
+    res = values(run_ranks("test_training_loops:rewrapped_not_attached", 2))
+    for r in res:
+        assert len(r["said"]) == 1 and "opt.attach(ddp_model)" in r["said"][0] and r["all"] == 1, r
+    assert res[0]["digest"] == res[1]["digest"]
