@@ -423,6 +423,8 @@ class Attachment:
         found = momentum_origin.foreign(saved.get("momenta"), state)
         if not momentum_origin.holds_momenta(state) and not (found is not None and found.missing):
             return
+        if found is not None and found.recorded and not (found.compared or found.missing):
+            return  # (loaded into momenta of another dtype, as DCP casts them: whose cannot be told)
         whose = saved.get("rank") if found is None else found.rank
         where = f"DistributedLion.load_state_dict on rank {mine['rank']}"
         if found is not None and found.missing:

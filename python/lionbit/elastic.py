@@ -180,9 +180,9 @@ class ElasticLoadPlanner(DefaultLoadPlanner):
                 self.hidden.add(fqn)
                 weakref.finalize(value, _SUMS.pop, id(value), None)
                 if saved != now:  # (the same number in another layout, a plain one's and rows: an exact copy)
-                    saved_of.setdefault((saved, now), fqn)
-        for (saved, now), fqn in saved_of.items():
-            momentum_mean.warn("dcp.load with lionbit.ElasticLoadPlanner", saved, now, fqn)
+                    saved_of.setdefault((saved, now, plain_saved), fqn)
+        for (saved, now, plain_saved), fqn in saved_of.items():
+            momentum_mean.warn("dcp.load with lionbit.ElasticLoadPlanner", saved, now, fqn, plain_saved)
 
     def create_local_plan(self) -> LoadPlan:
         if not self.hidden:

@@ -75,12 +75,14 @@ def finish(acc: torch.Tensor, mesh, mesh_dim: int, saved: int, dtype: torch.dtyp
     return acc.div_(saved).to(dtype)
 
 
-def warn(where: str, saved: int, now: int, name: str) -> None:
+def warn(where: str, saved: int, now: int, name: str, plain: bool = False) -> None:
     """Says once a load that a checkpoint of ``saved`` workers starts this
-    run's ``now`` workers from the saved momenta's mean."""
+    run's ``now`` workers from the saved momenta's mean. ``plain``: the
+    checkpoint holds one plain momentum a parameter, whoever's."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     held, start = ((f"the momenta of {saved} workers", f"the mean of the {saved} saved momenta") if saved > 1 else
-                   ("the momentum of 1 worker", "the saved momentum"))
+                   ("one momentum a parameter (a run of one worker's; or, where the script handed DCP a dict it "
+                    "made, one rank's copy of each)" if plain else "the momentum of 1 worker", "the saved momentum"))
     user_warning.warn(
         f"{where} on rank {rank}: the checkpoint holds {held} and this run has {now} (e.g. '{name}'), so every "
         f"worker starts from {start} (a momentum synchronization); the parameters load as saved"

@@ -72,6 +72,7 @@ class Origin(NamedTuple):
     others: List  #: keys of the momenta that are not that rank's
     compared: int  #: how many momenta were compared
     missing: List  #: keys the record lists a momentum for that the state lacks
+    recorded: int  #: how many momenta the record lists
 
 
 def foreign(rec, state: dict) -> Optional[Origin]:
@@ -81,15 +82,16 @@ def foreign(rec, state: dict) -> Optional[Origin]:
     if type(rec) is not torch.Tensor or rec.dtype != torch.int64 or rec.dim() != 1 or (rec.numel() - 1) % 3:
         return None
     values = rec.tolist()
-    others, compared, missing = [], 0, []
+    others, compared, missing, recorded = [], 0, [], 0
     for key, dtype, total in zip(values[1::3], values[2::3], values[3::3]):
         m = _momentum(state, key)
         if dtype < 0:
             continue  # (none when recorded)
+        recorded += 1
         if m is None:
             missing.append(key)
         elif _recordable(m) and _DTYPES.index(m.dtype) == dtype:
             compared += 1
             if checksum(m) != total:
                 others.append(key)
-    return Origin(values[0], others, compared, missing)
+    return Origin(values[0], others, compared, missing, recorded)

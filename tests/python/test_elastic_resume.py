@@ -237,13 +237,14 @@ def _ddp_resumes(path, how, sizes, n=3, **kw):
     for m in sizes:
         res = _run(m, path, "ddp", "load", how=how, **kw)
         out.append(res)
-        held = f"momenta of {n} workers" if n > 1 else "momentum of 1 worker"
+        held = (f"the momenta of {n} workers" if n > 1 else "one momentum a parameter (a run of one worker's; or, "
+                "where the script handed DCP a dict it made, one rank's copy of each)")
         for r in res:
             loaded = r["loaded"]
             assert loaded["params"] == state["params"]
             assert loaded["hyper"] == [[LR_AFTER, K]]
             assert r["after"] == res[0]["after"]
-            assert len(r["mean"]) == (m != n) and all(f"holds the {held} and this run has {m} " in w
+            assert len(r["mean"]) == (m != n) and all(f"holds {held} and this run has {m} " in w
                                                       for w in r["mean"]), r["mean"]
         if m == n:  # the same number of ranks: every rank its own momentum, bitwise as never stopped
             assert res[0]["loaded"]["rows"] == state["rows"]
