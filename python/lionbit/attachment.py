@@ -163,9 +163,8 @@ class Attachment:
         GradScaler may skip it). ``abstain``: this rank has run out of data
         (torch's Join): it votes 0, keeps its momentum and applies the
         voted update like every rank."""
-        if not abstain and not self.checked_ddp:
-            self.checked_ddp = True
-            self.warn_if_ddp_unattached()
+        if not abstain:
+            self.check_ddp_once()
         return step_vote.voted_step(self.opt, grad_scaler, lambda: self.vote_now(abstain), abstain)
 
     def vote_now(self, abstain: bool):
@@ -238,6 +237,12 @@ class Attachment:
                 f"DistributedLion.step: parameters on several devices ({', '.join(devices)}); one step votes "
                 f"all of them together, so they must share a device (use one optimizer per device)"
             )
+
+    def check_ddp_once(self) -> None:
+        """:meth:`warn_if_ddp_unattached`, at the first step that asks."""
+        if not self.checked_ddp:
+            self.checked_ddp = True
+            self.warn_if_ddp_unattached()
 
     def warn_if_ddp_unattached(self) -> None:
         """Once, at the first step: a DDP model holding these parameters but
@@ -420,14 +425,16 @@ class Attachment:
         mine = self.marker()
         if not isinstance(saved, dict) or mine is None:
             return
-        found = momentum_origin.foreign(saved.get("momenta"), state)
-        if not momentum_origin.holds_momenta(state) and not (found is not None and found.missing):
+        # (a dict without the record, an older lionbit's: its marker's word alone)
+        found = momentum_origin.foreign(saved.get("momenta"), state) or momentum_origin.Origin(
+            saved.get("rank"), others=[], compared=0, missing=[], recorded=0)
+        if not (momentum_origin.holds_momenta(state) or found.missing):
             return
-        if found is not None and found.recorded and not (found.compared or found.missing):
+        if found.recorded and not (found.compared or found.missing):
             return  # (loaded into momenta of another dtype, as DCP casts them: whose cannot be told)
-        whose = saved.get("rank") if found is None else found.rank
+        whose = found.rank
         where = f"DistributedLion.load_state_dict on rank {mine['rank']}"
-        if found is not None and found.missing:
+        if found.missing:
             user_warning.warn(
                 f"{where}: this state dict lacks {len(found.missing)} of the momenta its record lists: a dict "
                 f"made by the script from an optimizer with no momenta yet (a fresh one) and filled by "
@@ -437,7 +444,7 @@ class Attachment:
                 f"optimizer itself (dcp.save({{'optim': opt}}), dcp.load({{'optim': opt}})) or use "
                 f"get_state_dict(model, opt) and set_state_dict: every momentum is made first, and every rank's saved"
             )
-        elif found is not None and found.others:
+        elif found.others:
             user_warning.warn(
                 f"{where}: {len(found.others)} of the {found.compared} momenta in this state dict are not rank "
                 f"{whose}'s, "

@@ -276,9 +276,8 @@ class DDPAttachment(Attachment):
 
     # -- step -----------------------------------------------------------------
     def step(self, grad_scaler=None, abstain: bool = False) -> bool:
-        if not (abstain or self.hooked or self.checked_ddp):  # (a framework wrapped the model again, say)
-            self.checked_ddp = True
-            self.warn_if_ddp_unattached()
+        if not (abstain or self.hooked):  # (a framework wrapped the model again, say)
+            self.check_ddp_once()
         self.hooked = False
         scaled = grad_scaler is not None
         try:

@@ -227,6 +227,5 @@ def mean_loaded(value) -> Optional[torch.Tensor]:
     rs: Optional[_RowSum] = _SUMS.pop(id(value), None) if isinstance(value, torch.Tensor) else None
     if rs is None:  # (an entry leaves _SUMS when its tensor dies, before its id can be reused)
         return None
-    if rs.mesh is None:  # the only worker: its sum is every worker's
-        return rs.sum[0].div_(rs.saved).to(value.dtype)
-    return momentum_mean.finish(rs.sum, rs.mesh, rs.mesh_dim, rs.saved, value.to_local().dtype)
+    local = value.to_local() if isinstance(value, DTensor) else value  # (a plain one's sum: one row of it)
+    return momentum_mean.finish(rs.sum, rs.mesh, rs.mesh_dim, rs.saved, local.dtype).view(local.shape)

@@ -69,9 +69,10 @@ def of_distributed(rows, mesh_dim: int, dtype: torch.dtype) -> torch.Tensor:
 
 def finish(acc: torch.Tensor, mesh, mesh_dim: int, saved: int, dtype: torch.dtype) -> torch.Tensor:
     """The workers' float32 sums ``acc`` (this rank's, in place) added over
-    ``mesh_dim`` of ``mesh`` and divided by the ``saved`` number of momenta,
-    in ``dtype``."""
-    dist.all_reduce(acc, group=mesh.get_group(mesh_dim))
+    ``mesh_dim`` of ``mesh`` (None: this rank's is every worker's) and
+    divided by the ``saved`` number of momenta, in ``dtype``."""
+    if mesh is not None:
+        dist.all_reduce(acc, group=mesh.get_group(mesh_dim))
     return acc.div_(saved).to(dtype)
 
 
